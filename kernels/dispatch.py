@@ -1,0 +1,23 @@
+"""The one dispatch rule for every op in `glm53.kernels`.
+
+CUDA tensors run the Triton kernel. CPU tensors run the torch reference, except in a process
+started with TRITON_INTERPRET=1: Triton reads that variable at import, and then the public
+functions run the Triton kernels on CPU tensors (how CI tests the kernels themselves).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_interpreting() -> bool:
+    return _INTERPRET
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the op on tensor `t` should run its Triton kernel."""
+    return t.is_cuda or _INTERPRET

@@ -1,0 +1,56 @@
+"""DSA indexer logits over the paged indexer-key cache.
+
+logits[t, s] = Σ_h weights[t, h] · ReLU(q[t, h] · k[slot(t, s)])   for s < lengths[t], else -inf
+
+- `q` [T, H, D] (after RoPE), `weights` [T, H] with every scale folded in
+  (weights_proj(x) · H^-0.5 · D^-0.5; ReLU commutes with a positive scale);
+- `k_cache` [num_pages, page_size, D]: one layer's view of the page-major pool (strided is fine);
+- `page_table` [T, max_pages] int32: the page table row of each query token's request;
+- `lengths` [T] int32: how many context positions token t may see (causal within a verify block).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` token rows of each page-table row: [R, n, ...] from a [pages, page_size, ...] cache."""
+    page_size = cache.shape[1]
+    pos = torch.arange(n, device=cache.device)
+    pages = page_table.to(torch.long)[:, pos // page_size].clamp_min(0)
+    return cache[pages, (pos % page_size)[None, :]]
+
+
+def indexer_logits_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
+    T, H, D = q.shape
+    out = torch.empty((T, max_len), dtype=torch.float32, device=q.device)
+    # Bound the gathered keys to ~16M elements per chunk of query tokens.
+    chunk = max(1, (1 << 24) // max(1, max_len * D))
+    pos = torch.arange(max_len, device=q.device)
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        keys = gather_paged(k_cache, page_table[t0:t1], max_len).float()  # [t, S, D]
+        dots = torch.einsum("thd,tsd->ths", q[t0:t1].float(), keys).relu_()
+        logit = torch.einsum("th,ths->ts", weights[t0:t1].float(), dots)
+        valid = pos[None, :] < lengths[t0:t1].to(torch.long)[:, None]
+        out[t0:t1] = logit.masked_fill(~valid, float("-inf"))
+    return out
+
+
+def indexer_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
+    return indexer_logits_reference(q, weights, k_cache, page_table, lengths, max_len)

@@ -1,0 +1,41 @@
+"""Sparse MLA in the absorbed (MQA) form over the paged latent cache.
+
+out[t, h] = Σ_j softmax_j(q[t, h] · kv[s_j] · sm_scale) · kv[s_j, :kv_lora_rank]
+over the selected slots s_j = indices[t, j] (−1 = none).
+
+- `q` [T, H, R + P]: absorbed queries (q_nope·W_UK | rotated q_pe), in the cache's order;
+- `kv_cache` [num_pages, page_size, R + P]: one layer's view of the page-major latent pool;
+- `indices` [T, K] int32 physical slots (page * page_size + offset);
+- returns [T, H, R] in q's dtype (accumulation in fp32). A row with no valid slot gives zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sparse_mla_reference(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, kv_lora_rank: int
+) -> torch.Tensor:
+    T, H, Dqk = q.shape
+    K = indices.shape[1]
+    page_size = kv_cache.shape[1]
+    out = torch.empty((T, H, kv_lora_rank), dtype=q.dtype, device=q.device)
+    chunk = max(1, (1 << 24) // max(1, K * Dqk))
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        idx = indices[t0:t1].to(torch.long)
+        valid = idx >= 0
+        idx = idx.clamp_min(0)
+        kv = kv_cache[idx // page_size, idx % page_size].float()  # [t, K, R+P]
+        scores = torch.einsum("thd,tkd->thk", q[t0:t1].float(), kv) * sm_scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # all-masked row -> zeros
+        out[t0:t1] = torch.einsum("thk,tkr->thr", probs, kv[..., :kv_lora_rank]).to(q.dtype)
+    return out
+
+
+def sparse_mla(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, kv_lora_rank: int
+) -> torch.Tensor:
+    return sparse_mla_reference(q, kv_cache, indices, sm_scale, kv_lora_rank)

@@ -1,0 +1,49 @@
+"""DSA top-k: per row, the positions of the k highest scores inside the row's valid prefix.
+
+Contract (shared by the reference and every fast path):
+- `logits` [B, L] float32/bfloat16, `lengths` [B] int32: only positions < lengths[b] are valid;
+- the result [B, k] int32 holds the *set* of the k best positions, ties broken by lowest
+  position first (so the set equals the first k of a stable descending sort); order within a
+  row is free; a row with length < k holds all its positions and -1 in the remaining slots.
+Lowest-position tie breaking makes a request's selection independent of what else is in the
+batch and of how far its row is padded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dsa_topk_reference(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    B, L = logits.shape
+    pos = torch.arange(L, device=logits.device)
+    valid = pos[None, :] < lengths.to(torch.long)[:, None]
+    scores = logits.float().masked_fill(~valid, float("-inf"))
+    # A stable sort keeps equal scores in position order: lowest position wins ties.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    kk = min(k, L)
+    out = torch.full((B, k), -1, dtype=torch.int32, device=logits.device)
+    top = order[:, :kk].to(torch.int32)
+    rank = torch.arange(kk, device=logits.device)[None, :]
+    out[:, :kk] = torch.where(rank < lengths.to(torch.long)[:, None], top, torch.full_like(top, -1))
+    return out
+
+
+def positions_to_slots(positions: torch.Tensor, page_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Map token positions [B, k] (-1 = none) to physical cache slots through each row's page
+    table [B, max_pages] (slot = page * page_size + offset); -1 stays -1."""
+    p = positions.to(torch.long).clamp_min(0)
+    pages = torch.gather(page_table.to(torch.long), 1, p // page_size)
+    slots = pages * page_size + p % page_size
+    return torch.where(positions >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+def dsa_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    return dsa_topk_reference(logits, lengths, k)
+
+
+def dsa_topk_paged(
+    logits: torch.Tensor, lengths: torch.Tensor, k: int, page_table: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Top-k fused with the page-table gather: returns physical slot ids (what sparse MLA reads)."""
+    return positions_to_slots(dsa_topk_reference(logits, lengths, k), page_table, page_size)

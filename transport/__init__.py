@@ -1,0 +1,1 @@
+"""glm53.transport"""
