@@ -1,0 +1,63 @@
+"""MoE routing (sigmoid scores, `e_score_correction_bias` for selection only, group-limited
+selection, normalised top-k weights, routed scaling) and the expert/MLP forward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (weights [N, top_k] fp32, expert ids [N, top_k])."""
+    scores = F.linear(x.float(), gate_weight.float()).sigmoid()
+    choice = scores + correction_bias.float()
+    n, e = choice.shape
+    if n_group > 1:
+        group_scores = choice.view(n, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts: x [N, H]; gate/up [E, I, H]; down [E, H, I]. Loops over the experts hit."""
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate.shape[0]).tolist()
+    token_of = order // ids.shape[1]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start : start + c]
+        tok = token_of[start : start + c]
+        start += c
+        y = swiglu_mlp(x[tok], gate[e], up[e], down[e])
+        out.index_add_(0, tok, y * weights.reshape(-1)[sel, None].to(y.dtype))
+    return out

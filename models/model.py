@@ -1,0 +1,251 @@
+"""The GLM-5 target model (`GlmMoeDsaForCausalLM`) over the paged latent cache.
+
+One forward serves chunked prefill, decode and speculative verify: every token of the batch
+writes its latent (and, on full layers, its indexer key) into its slot first, then attends to
+the slots its DSA top-k selects among positions < its context length. Attention always runs in
+the absorbed (MQA) form over the latent cache, so prefill and decode share one path.
+
+Parameter names follow the Hugging Face checkpoint (`model.layers.N.self_attn.q_a_proj.weight`);
+routed experts are stacked per layer ([E, ...]) and the loader maps `mlp.experts.E.*` into them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm53.kernels.indexer_logits import indexer_logits
+from glm53.kernels.moe import moe_experts, route, swiglu_mlp
+from glm53.kernels.norm import layer_norm, rms_norm
+from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from glm53.kernels.sparse_mla import sparse_mla
+from glm53.kernels.topk import dsa_topk_paged
+from glm53.models.config import FULL, GlmConfig
+from glm53.models.kv_cache import KVPool
+
+# transformers' GlmMoeDsa builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps.
+LATENT_NORM_EPS = 1e-6
+INDEXER_KEY_NORM_EPS = 1e-6
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, dtype: torch.dtype, bias: bool = False):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype)
+        if bias:
+            self.bias = _param(dim, dtype=dtype)
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tokens of every sequence in the step (N tokens)."""
+
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long: absolute position of each token
+    out_slots: torch.Tensor  # [N] long: physical slot each token's KV is written to
+    page_table: torch.Tensor  # [N, max_pages] int32: each token's request's page table row
+    context_lens: torch.Tensor  # [N] int32: positions visible to each token (= position + 1)
+    max_context: int
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer (DESIGN §4.2); exists only on "full" layers."""
+
+    def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype)
+        self.wk = Linear(cfg.hidden_size, cfg.index_head_dim, dtype)
+        self.k_norm = Norm(cfg.index_head_dim, dtype, bias=True)
+        # Head gates stay fp32 whatever the model dtype (as in the reference checkpoints).
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, torch.float32)
+
+    def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPool, layer: int) -> torch.Tensor:
+        cfg = self.cfg
+        n, rope = x.shape[0], cfg.qk_rope_head_dim
+        q = self.wq_b(q_resid).view(n, cfg.index_n_heads, cfg.index_head_dim)
+        k = layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_KEY_NORM_EPS)
+        # The indexer's head layout is [rope | nope], the opposite of MLA's.
+        il = cfg.indexer_rope_interleave
+        q = torch.cat([apply_rope(q[..., :rope], cos, sin, il), q[..., rope:]], dim=-1)
+        k = torch.cat([apply_rope(k[..., :rope], cos, sin, il), k[..., rope:]], dim=-1)
+        cache = kv.index_view(layer)
+        kv.write(cache, batch.out_slots, k)
+        scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
+        weights = self.weights_proj(x).float() * scale
+        logits = indexer_logits(q, weights, cache, batch.page_table, batch.context_lens, batch.max_context)
+        return dsa_topk_paged(logits, batch.context_lens, cfg.index_topk, batch.page_table, kv.page_size)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GlmConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h = cfg.num_attention_heads
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
+        self.q_a_layernorm = Norm(cfg.q_lora_rank, dtype)
+        self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim, dtype)
+        self.kv_a_layernorm = Norm(cfg.kv_lora_rank, dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, dtype)
+        self.indexer = Indexer(cfg, dtype) if cfg.indexer_types[layer] == FULL else None
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPool, topk_slots: torch.Tensor | None):
+        cfg = self.cfg
+        n, h = x.shape[0], cfg.num_attention_heads
+        nope, rope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        q_resid = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LATENT_NORM_EPS)
+        q = self.q_b_proj(q_resid).view(n, h, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., :nope], q[..., nope:]
+        ckv = self.kv_a_proj_with_mqa(x)
+        c = rms_norm(ckv[:, :r], self.kv_a_layernorm.weight, LATENT_NORM_EPS)
+        q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
+        k_pe = apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave)
+        cache = kv.latent_view(self.layer)
+        kv.write(cache, batch.out_slots, torch.cat([c, k_pe], dim=-1))
+
+        if self.indexer is not None:
+            topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer)
+        elif topk_slots is None:
+            raise RuntimeError(f"layer {self.layer} shares top-k but no full layer ran before it")
+
+        # Absorbed form: fold W_UK into the query and W_UV into the output (per head).
+        w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w[:, :nope])
+        q_all = torch.cat([q_lat, q_pe], dim=-1)
+        o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r)
+        o = torch.einsum("nhr,hvr->nhv", o_lat, w[:, nope:])
+        return self.o_proj(o.reshape(n, h * cfg.v_head_dim)), topk_slots
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, dtype)
+        self.up_proj = Linear(hidden, inter, dtype)
+        self.down_proj = Linear(inter, hidden, dtype)
+
+    def forward(self, x):
+        return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: GlmConfig):
+        super().__init__()
+        # Router weight and correction bias are fp32 in every GLM-5 checkpoint.
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32)
+        self.e_score_correction_bias = _param(cfg.n_routed_experts, dtype=torch.float32)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = _param(e, i, h, dtype=dtype)
+        self.up_proj = _param(e, i, h, dtype=dtype)
+        self.down_proj = _param(e, h, i, dtype=dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Gate(cfg)
+        self.experts = Experts(cfg, dtype)
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
+
+    def forward(self, x):
+        cfg = self.cfg
+        weights, ids = route(
+            x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+            cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+        )
+        e = self.experts
+        out = moe_experts(x, weights, ids, e.gate_proj, e.up_proj, e.down_proj)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GlmConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = Norm(cfg.hidden_size, dtype)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, dtype)
+        self.self_attn = Attention(cfg, layer, dtype)
+        self.mlp = MoE(cfg, dtype) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x, cos, sin, batch, kv, topk_slots):
+        a, topk_slots = self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, batch, kv, topk_slots)
+        x = x + a
+        x = x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+        return x, topk_slots
+
+
+class Backbone(nn.Module):
+    """`model.*`: embeddings (first stage), decoder layers [start, end), final norm (last stage)."""
+
+    def __init__(self, cfg: GlmConfig, layers: range, dtype: torch.dtype):
+        super().__init__()
+        self.first, self.last = layers.start == 0, layers.stop == cfg.num_hidden_layers
+        if self.first:
+            self.embed_tokens = nn.Module()
+            self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # Keyed by the global layer id so parameter names match the checkpoint under PP too.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, dtype) for i in layers})
+        if self.last:
+            self.norm = Norm(cfg.hidden_size, dtype)
+
+
+class GlmForCausalLM(nn.Module):
+    def __init__(self, cfg: GlmConfig, dtype: torch.dtype = torch.float32, layers: range | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.layer_range = layers if layers is not None else range(cfg.num_hidden_layers)
+        self.model = Backbone(cfg, self.layer_range, dtype)
+        if self.model.last:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.model.embed_tokens.weight)
+
+    def forward_layers(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, topk_slots: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
+        for layer in self.model.layers.values():
+            x, topk_slots = layer(x, cos, sin, batch, kv, topk_slots)
+        return x, topk_slots
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+        return self.lm_head(x).float()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Full model (single stage): logits [len(logit_rows), vocab] in fp32."""
+        x, _ = self.forward_layers(self.embed(batch.input_ids), batch, kv)
+        return self.logits(x[logit_rows])

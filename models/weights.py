@@ -1,0 +1,154 @@
+"""Load a Hugging Face GLM-5 checkpoint (`model.safetensors.index.json` + shards, or a single
+`model.safetensors`) into `GlmForCausalLM`.
+
+Missing or unexpected tensors are errors that name them. Indexer weights must exist exactly on
+the schedule's "full" layers. MTP layers (ids ≥ num_hidden_layers) are skipped with one log line.
+Block-FP8 checkpoints (`weight_scale_inv`) are dequantised to the model dtype at load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from glm53.models.config import GlmConfig
+from glm53.models.model import GlmForCausalLM
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_SCALE_SUFFIX = "_scale_inv"
+
+
+class WeightError(ValueError):
+    """The checkpoint does not match the model config; the message names the tensors/layers."""
+
+
+def _names(items: list[str], limit: int = 8) -> str:
+    items = sorted(items)
+    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name → file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise WeightError(f"{model_dir}: neither model.safetensors.index.json nor model.safetensors found")
+
+
+def check_indexer_schedule(cfg: GlmConfig, names: list[str]) -> None:
+    """Indexer weights must exist exactly on the full layers (DESIGN §4.1)."""
+    have = set()
+    for n in names:
+        m = _LAYER.match(n)
+        if m and ".self_attn.indexer." in n and int(m.group(1)) < cfg.num_hidden_layers:
+            have.add(int(m.group(1)))
+    want = set(cfg.full_layers)
+    if have != want:
+        extra, missing = sorted(have - want), sorted(want - have)
+        parts = []
+        if missing:
+            parts.append(f"layers {missing} are 'full' in the indexer schedule but have no indexer weights")
+        if extra:
+            parts.append(f"layers {extra} are 'shared' in the indexer schedule but carry indexer weights")
+        raise WeightError("checkpoint disagrees with the indexer schedule: " + "; ".join(parts))
+
+
+def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    br, bc = block
+    s = scale_inv.float().repeat_interleave(br, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
+    return w.float() * s
+
+
+def load_weights(model: GlmForCausalLM, model_dir: str | Path, progress: bool = True) -> None:
+    cfg = model.cfg
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    check_indexer_schedule(cfg, list(files))
+
+    params = dict(model.named_parameters())
+    expected: set[str] = set()
+    for name, p in params.items():
+        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$", name)
+        if m:
+            expected.update(f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(p.shape[0]))
+        else:
+            expected.add(name)
+    if cfg.tie_word_embeddings and "lm_head.weight" in expected and "lm_head.weight" not in files:
+        expected.discard("lm_head.weight")
+        tie = True
+    else:
+        tie = False
+
+    stage_layers = set(model.layer_range)
+    mtp_layers: set[int] = set()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    todo = []
+    for name in files:
+        if name.endswith(_SCALE_SUFFIX) and cfg.quant_method == "fp8":
+            continue
+        m = _LAYER.match(name)
+        if m:
+            layer = int(m.group(1))
+            if layer >= cfg.num_hidden_layers:
+                mtp_layers.add(layer)
+                continue
+            if layer not in stage_layers:
+                continue  # another pipeline stage's layer
+        elif name not in expected and (name.startswith("model.embed_tokens") or name.startswith(("model.norm", "lm_head"))):
+            continue  # first/last-stage tensors on a middle stage
+        if name in expected:
+            todo.append(name)
+        else:
+            unexpected.append(name)
+    if unexpected:
+        raise WeightError(f"{model_dir}: unexpected tensors in the checkpoint: {_names(unexpected)}")
+    missing = expected - set(todo)
+    if missing:
+        raise WeightError(f"{model_dir}: tensors missing from the checkpoint: {_names(list(missing))}")
+    if mtp_layers:
+        log.info("skipping MTP layer(s) %s (num_nextn_predict_layers=%d)", sorted(mtp_layers), cfg.num_nextn_predict_layers)
+
+    with ExitStack() as stack, torch.no_grad():
+        handles: dict[Path, object] = {}
+
+        def get(name: str) -> torch.Tensor:
+            path = files[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+            return handles[path].get_tensor(name)
+
+        bar = tqdm(todo, desc="loading weights", unit="tensor", file=sys.stderr, disable=not progress, leave=False)
+        for name in bar:
+            t = get(name)
+            scale_name = name + _SCALE_SUFFIX
+            if cfg.quant_method == "fp8" and scale_name in files:
+                t = _dequant_fp8(t, get(scale_name), cfg.weight_block_size)
+            m = _EXPERT.match(name)
+            if m:
+                dst = params[f"{m.group(1)}.{m.group(3)}"][int(m.group(2))]
+            else:
+                dst = params[name]
+            if tuple(t.shape) != tuple(dst.shape):
+                raise WeightError(f"{name}: shape {tuple(t.shape)} in the checkpoint, model expects {tuple(dst.shape)}")
+            dst.copy_(t.to(dst.dtype))
+            loaded.add(name)
+        if tie:
+            params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
