@@ -1,0 +1,543 @@
+"""The YAML cluster config: where the router and every prefill/decode instance run, and how.
+
+One file describes the whole deployment (DESIGN §3, issue 5 §2). It is validated completely
+before any process starts: an unknown key, a wrong type or an impossible topology raises
+`ConfigError` whose message starts with the file and the key path, e.g.
+
+    configs/local.yaml: prefill[0].tp: tensor parallelism (tp > 1) is not supported yet; got 2
+
+Layout (every key optional except the pools):
+
+    model:     {path, served_model_name, context_length, chat_template}
+    router:    {host, port, result_port, advertise_host, policy, ...}
+    transfer:  {backend, bootstrap_timeout_s, transfer_timeout_s}
+    defaults:  any instance key below except name/host/port/bootstrap_port
+    prefill:   [ {name, host, port, bootstrap_port, devices, tp, pp, <engine knobs>}, ... ]
+    decode:    [ ... same ... ]
+
+Each instance inherits `defaults` and overrides it key by key; `InstanceConfig` is the merged,
+validated result that an instance process receives.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+# The model path that `up` materializes on first use (server/embedded_model.py).
+EMBEDDED_MODEL = "embedded:tiny-glm5"
+PAIRING_POLICIES = ("round_robin", "least_loaded", "random")
+# Backends the transport layer implements; "fake" moves no bytes (tests, router-only work).
+TRANSFER_BACKENDS = ("nixl", "fake")
+ROLES = ("prefill", "decode")
+
+
+class ConfigError(ValueError):
+    """Invalid cluster config; the message names the file and the key path."""
+
+    def __init__(self, source: str, key: str, message: str):
+        self.source, self.key, self.message = source, key, message
+        where = f"{source}: {key}: " if key else f"{source}: "
+        super().__init__(where + message)
+
+
+# --------------------------------------------------------------------------------------------
+# Dataclasses (what processes receive)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    # A local model directory, or EMBEDDED_MODEL for the tiny GLM-5 created on first use.
+    path: str = EMBEDDED_MODEL
+    # Names clients may send as `model`; the first one is reported by /v1/models. Empty: the
+    # directory's name. Any other name gets a 404.
+    served_model_name: list[str] = field(default_factory=list)
+    # Maximum prompt + completion tokens; None = config.json's max_position_embeddings.
+    context_length: int | None = None
+    # A .jinja file overriding the model directory's chat template.
+    chat_template: str | None = None
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # ZMQ PULL socket the router binds for events from instances (protocol.py).
+    result_port: int = 30001
+    # Host instances use to reach result_port; None = `host`, or 127.0.0.1 when host is 0.0.0.0.
+    advertise_host: str | None = None
+    policy: Literal["round_robin", "least_loaded", "random"] = "least_loaded"
+    # Requests in flight across the cluster beyond which the router answers 503.
+    max_running_requests: int = 1024
+    health_check_interval_s: float = 2.0
+    # An instance that has not answered a ping for this long is unhealthy; its rooms fail.
+    health_timeout_s: float = 10.0
+    # Seconds `up` waits for every process to report ready.
+    startup_timeout_s: float = 600.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @property
+    def result_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
+    def result_address(self) -> str:
+        return f"tcp://{self.result_host}:{self.result_port}"
+
+
+@dataclass
+class TransferConfig:
+    backend: Literal["nixl", "fake"] = "nixl"
+    # Bounded waits (DESIGN §4.5): a peer that does not bootstrap or finish a transfer within
+    # these fails its rooms on both sides.
+    bootstrap_timeout_s: float = 60.0
+    transfer_timeout_s: float = 120.0
+
+
+@dataclass
+class EngineConfig:
+    """Per-instance engine knobs; `defaults` and instance entries may set any of them."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    # Model weights dtype at run time; "auto" = the checkpoint's.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    kv_cache_dtype: Literal["auto", "bfloat16", "float32", "fp8_e4m3"] = "auto"
+    page_size: int = 64
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 8192
+    # KV capacity: explicit page count, else mem_fraction_static of free device memory (GPU) or
+    # max_total_tokens (CPU).
+    num_pages: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    # Decode sends a token event every `stream_interval` steps (1 = every token).
+    stream_interval: int = 1
+    # Port for torch.distributed rendezvous among an instance's ranks (TP/PP); None = automatic.
+    dist_init_port: int | None = None
+    # Print SGLang-style "Prefill batch, ..." / "Decode batch, ..." lines every N seconds.
+    log_interval_s: float = 10.0
+
+
+@dataclass
+class InstanceConfig:
+    """One prefill or decode instance, with `defaults` merged in."""
+
+    name: str
+    role: Literal["prefill", "decode"]
+    host: str
+    # ZMQ PULL socket the instance binds for router messages (protocol.py).
+    port: int
+    # Where the transfer layer's bootstrap server listens (prefill) / is reached (decode).
+    bootstrap_port: int
+    # GPU ids (device "cuda": exactly tp * pp of them); empty on CPU.
+    devices: list[int] = field(default_factory=list)
+    tp: int = 1
+    pp: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+@dataclass
+class ClusterConfig:
+    source: str
+    model: ModelConfig
+    router: RouterConfig
+    transfer: TransferConfig
+    defaults: EngineConfig
+    prefill: list[InstanceConfig]
+    decode: list[InstanceConfig]
+    name: str = "glm53"
+
+    def pool(self, role: str) -> list[InstanceConfig]:
+        return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def instances(self) -> list[InstanceConfig]:
+        return [*self.prefill, *self.decode]
+
+    @property
+    def single_host(self) -> bool:
+        hosts = {self.router.host, *(i.host for i in self.instances)}
+        return all(_is_local_host(h) for h in hosts) or len(hosts) == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form (round-trips through `parse_config`)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "model": dataclasses.asdict(self.model),
+            "router": dataclasses.asdict(self.router),
+            "transfer": dataclasses.asdict(self.transfer),
+            "defaults": dataclasses.asdict(self.defaults),
+        }
+        for role in ROLES:
+            rows = []
+            for inst in self.pool(role):
+                row = {k: v for k, v in dataclasses.asdict(inst).items() if k not in ("engine", "role")}
+                row.update(dataclasses.asdict(inst.engine))
+                rows.append(row)
+            out[role] = rows
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and validation
+# --------------------------------------------------------------------------------------------
+
+_INSTANCE_ONLY = ("name", "host", "port", "bootstrap_port")
+_PLACEMENT = ("devices", "tp", "pp")
+_ALIASES = {"tp_size": "tp", "pp_size": "pp", "max_num_seqs": "max_running_requests", "max_model_len": "context_length"}
+_TOP_KEYS = ("name", "model", "router", "transfer", "defaults", "prefill", "decode")
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Read and validate a YAML cluster config. `overrides` are command-line values (see
+    `apply_overrides`); they win over the file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(source, "", f"cannot read the config file ({e.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(source, "", f"not valid YAML: {e}") from None
+    if raw is None:
+        raw = {}
+    return parse_config(raw, source=source, overrides=overrides)
+
+
+def parse_config(raw: Any, source: str = "<config>", overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(source, "", f"the top level must be a mapping, got {_type_name(raw)}")
+    raw = apply_overrides(raw, overrides or {})
+    _check_keys(raw, _TOP_KEYS, "", source)
+    name = _check_value(raw.get("name", "glm53"), str, "name", source)
+    model = _build(ModelConfig, raw.get("model", {}), "model", source)
+    router = _build(RouterConfig, raw.get("router", {}), "router", source)
+    transfer = _build(TransferConfig, raw.get("transfer", {}), "transfer", source)
+
+    defaults_raw = raw.get("defaults", {})
+    if not isinstance(defaults_raw, dict):
+        raise ConfigError(source, "defaults", f"expected a mapping, got {_type_name(defaults_raw)}")
+    defaults_raw = _resolve_aliases(defaults_raw, "defaults", source)
+    engine_keys = [f.name for f in dataclasses.fields(EngineConfig)]
+    _check_keys(defaults_raw, (*engine_keys, *_PLACEMENT), "defaults", source)
+    defaults = _build(EngineConfig, {k: v for k, v in defaults_raw.items() if k in engine_keys}, "defaults", source)
+
+    pools: dict[str, list[InstanceConfig]] = {}
+    for role in ROLES:
+        entries = raw.get(role)
+        if entries is None:
+            raise ConfigError(source, role, f"missing: list at least one {role} instance")
+        if not isinstance(entries, list) or not entries:
+            raise ConfigError(source, role, f"expected a non-empty list of instances, got {_type_name(entries)}")
+        pools[role] = [
+            _build_instance(e, role, i, defaults_raw, source) for i, e in enumerate(entries)
+        ]
+
+    cfg = ClusterConfig(
+        source=source, name=name, model=model, router=router, transfer=transfer,
+        defaults=defaults, prefill=pools["prefill"], decode=pools["decode"],
+    )
+    _check_semantics(cfg)
+    return cfg
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Return a copy of `raw` with command-line overrides applied. Keys:
+
+    - "model.path", "router.port", ... (dotted, a section key)
+    - "engine.<key>" (an instance/engine key such as page_size, tp): set in `defaults` and in
+      every instance entry, so the flag wins over per-instance values too
+    - "instance.<role>.<index>.<key>": one instance only (the `prefill`/`decode` subcommands)
+    """
+    raw = copy.deepcopy(raw)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        parts = key.split(".")
+        if parts[0] == "engine":
+            raw.setdefault("defaults", {})
+            if isinstance(raw["defaults"], dict):
+                raw["defaults"][parts[1]] = value
+            for role in ROLES:
+                for entry in raw.get(role) or []:
+                    if isinstance(entry, dict):
+                        for alias, canon in _ALIASES.items():
+                            if canon == parts[1]:
+                                entry.pop(alias, None)
+                        entry[parts[1]] = value
+        elif parts[0] == "instance":
+            _, role, index, k = parts
+            entries = raw.get(role)
+            if isinstance(entries, list) and int(index) < len(entries) and isinstance(entries[int(index)], dict):
+                entries[int(index)][k] = value
+        else:
+            node = raw
+            for p in parts[:-1]:
+                if not isinstance(node.get(p), dict):
+                    node[p] = {}
+                node = node[p]
+            node[parts[-1]] = value
+    return raw
+
+
+def _resolve_aliases(d: dict[str, Any], path: str, source: str) -> dict[str, Any]:
+    out = dict(d)
+    for alias, canon in _ALIASES.items():
+        if alias in out:
+            if canon in out:
+                raise ConfigError(source, f"{path}.{alias}", f"both '{alias}' and its alias target '{canon}' are set")
+            out[canon] = out.pop(alias)
+    return out
+
+
+def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, Any], source: str) -> InstanceConfig:
+    path = f"{role}[{index}]"
+    if not isinstance(entry, dict):
+        raise ConfigError(source, path, f"expected a mapping, got {_type_name(entry)}")
+    entry = _resolve_aliases(entry, path, source)
+    engine_keys = [f.name for f in dataclasses.fields(EngineConfig)]
+    _check_keys(entry, (*_INSTANCE_ONLY, *_PLACEMENT, *engine_keys), path, source)
+    for k in ("host", "port", "bootstrap_port"):
+        if k not in entry:
+            raise ConfigError(source, f"{path}.{k}", "required key is missing")
+    merged = {**{k: v for k, v in defaults_raw.items() if k in engine_keys}, **{k: v for k, v in entry.items() if k in engine_keys}}
+    engine = _build(EngineConfig, merged, path, source)
+    placement = {k: entry.get(k, defaults_raw.get(k)) for k in _PLACEMENT}
+    fields = {
+        "name": entry.get("name", f"{role[0]}{index}"),
+        "role": role,
+        "host": entry["host"],
+        "port": entry["port"],
+        "bootstrap_port": entry["bootstrap_port"],
+        **{k: v for k, v in placement.items() if v is not None},
+    }
+    inst = _build(InstanceConfig, fields, path, source, skip=("engine",))
+    inst.engine = engine
+    return inst
+
+
+def _check_semantics(cfg: ClusterConfig) -> None:
+    src = cfg.source
+
+    def err(key: str, msg: str) -> ConfigError:
+        return ConfigError(src, key, msg)
+
+    # Value ranges.
+    for name, f in (("router.port", cfg.router.port), ("router.result_port", cfg.router.result_port)):
+        _check_port(f, name, src)
+    if cfg.router.health_check_interval_s <= 0:
+        raise err("router.health_check_interval_s", f"must be > 0, got {cfg.router.health_check_interval_s}")
+    if cfg.router.health_timeout_s <= cfg.router.health_check_interval_s:
+        raise err("router.health_timeout_s", "must be larger than router.health_check_interval_s "
+                  f"({cfg.router.health_timeout_s} <= {cfg.router.health_check_interval_s})")
+    if cfg.router.max_running_requests < 1:
+        raise err("router.max_running_requests", f"must be >= 1, got {cfg.router.max_running_requests}")
+    if cfg.router.startup_timeout_s <= 0:
+        raise err("router.startup_timeout_s", f"must be > 0, got {cfg.router.startup_timeout_s}")
+    for k in ("bootstrap_timeout_s", "transfer_timeout_s"):
+        if getattr(cfg.transfer, k) <= 0:
+            raise err(f"transfer.{k}", f"must be > 0, got {getattr(cfg.transfer, k)}")
+    if cfg.model.context_length is not None and cfg.model.context_length < 2:
+        raise err("model.context_length", f"must be >= 2, got {cfg.model.context_length}")
+    if not cfg.model.path:
+        raise err("model.path", "must name a model directory (or 'embedded:tiny-glm5')")
+    if cfg.model.path.startswith("embedded:") and cfg.model.path != EMBEDDED_MODEL:
+        raise err("model.path", f"unknown embedded model {cfg.model.path!r}; the only one is {EMBEDDED_MODEL!r}")
+    _check_engine(cfg.defaults, "defaults", src)
+
+    names: dict[str, str] = {}
+    ports: dict[tuple[str, int], str] = {}
+    router_host = _canonical_host(cfg.router.host)
+    ports[(router_host, cfg.router.port)] = "router.port"
+    if (router_host, cfg.router.result_port) in ports:
+        raise err("router.result_port", f"port {cfg.router.result_port} is already used by router.port")
+    ports[(router_host, cfg.router.result_port)] = "router.result_port"
+    devices: dict[tuple[str, int], str] = {}
+    for role in ROLES:
+        for i, inst in enumerate(cfg.pool(role)):
+            path = f"{role}[{i}]"
+            if inst.name in names:
+                raise err(f"{path}.name", f"duplicate instance name {inst.name!r} (also {names[inst.name]})")
+            names[inst.name] = path
+            if not inst.host:
+                raise err(f"{path}.host", "must not be empty")
+            for k in ("port", "bootstrap_port"):
+                port = getattr(inst, k)
+                _check_port(port, f"{path}.{k}", src)
+                slot = (_canonical_host(inst.host), port)
+                clash = ports.get(slot)
+                if clash:
+                    raise err(f"{path}.{k}", f"port {port} on host {inst.host} is already used by {clash}")
+                ports[slot] = f"{path}.{k}"
+            if inst.tp < 1:
+                raise err(f"{path}.tp", f"must be >= 1, got {inst.tp}")
+            if inst.pp < 1:
+                raise err(f"{path}.pp", f"must be >= 1, got {inst.pp}")
+            if inst.tp > 1:
+                raise err(f"{path}.tp", f"tensor parallelism (tp > 1) is not supported yet; got {inst.tp}")
+            if inst.pp > 1:
+                raise err(f"{path}.pp", f"pipeline parallelism (pp > 1) is not supported yet; got {inst.pp}")
+            _check_engine(inst.engine, path, src)
+            if inst.engine.device == "cpu":
+                if inst.devices:
+                    raise err(f"{path}.devices", f"device is 'cpu', so devices must be empty; got {inst.devices}")
+            else:
+                need = inst.tp * inst.pp
+                if len(inst.devices) != need:
+                    raise err(f"{path}.devices", f"needs exactly tp * pp = {need} GPU ids, got {len(inst.devices)} "
+                              f"({inst.devices})")
+                if len(set(inst.devices)) != len(inst.devices):
+                    raise err(f"{path}.devices", f"lists a GPU twice: {inst.devices}")
+                for d in inst.devices:
+                    if d < 0:
+                        raise err(f"{path}.devices", f"GPU ids must be >= 0, got {d}")
+                    slot = (_canonical_host(inst.host), d)
+                    if slot in devices:
+                        raise err(f"{path}.devices", f"GPU {d} on host {inst.host} is already used by {devices[slot]}")
+                    devices[slot] = path
+    # Both sides of a transfer must agree on the page layout.
+    first = cfg.prefill[0]
+    for role in ROLES:
+        for i, inst in enumerate(cfg.pool(role)):
+            for k in ("page_size", "kv_cache_dtype"):
+                if getattr(inst.engine, k) != getattr(first.engine, k):
+                    raise err(f"{role}[{i}].{k}", f"must equal prefill[0].{k} ({getattr(first.engine, k)!r}) "
+                              f"so KV pages can move between instances; got {getattr(inst.engine, k)!r}")
+
+
+def _check_engine(e: EngineConfig, path: str, src: str) -> None:
+    for k in ("page_size", "max_running_requests", "chunked_prefill_size", "stream_interval"):
+        if getattr(e, k) < 1:
+            raise ConfigError(src, f"{path}.{k}", f"must be >= 1, got {getattr(e, k)}")
+    for k in ("num_pages", "max_total_tokens"):
+        v = getattr(e, k)
+        if v is not None and v < 1:
+            raise ConfigError(src, f"{path}.{k}", f"must be >= 1, got {v}")
+    if not 0 < e.mem_fraction_static <= 1:
+        raise ConfigError(src, f"{path}.mem_fraction_static", f"must be in (0, 1], got {e.mem_fraction_static}")
+    if e.dist_init_port is not None:
+        _check_port(e.dist_init_port, f"{path}.dist_init_port", src)
+    if e.log_interval_s <= 0:
+        raise ConfigError(src, f"{path}.log_interval_s", f"must be > 0, got {e.log_interval_s}")
+
+
+def _check_port(port: int, key: str, src: str) -> None:
+    if not 1 <= port <= 65535:
+        raise ConfigError(src, key, f"must be a TCP port in 1..65535, got {port}")
+
+
+def _is_local_host(h: str) -> bool:
+    return h in ("127.0.0.1", "localhost", "0.0.0.0", "::1", "::", "")
+
+
+def _canonical_host(h: str) -> str:
+    # Loopback names and the wildcard address share one port space on a single host.
+    return "*" if _is_local_host(h) else h
+
+
+# --------------------------------------------------------------------------------------------
+# Generic dataclass building with key-path errors
+# --------------------------------------------------------------------------------------------
+
+
+def _check_keys(d: dict[str, Any], allowed: tuple[str, ...] | list[str], path: str, source: str) -> None:
+    for k in d:
+        if not isinstance(k, str) or k not in allowed:
+            key = f"{path}.{k}" if path else str(k)
+            hint = _close_match(str(k), allowed)
+            raise ConfigError(source, key, "unknown key" + (f" (did you mean '{hint}'?)" if hint else "")
+                              + f"; allowed here: {', '.join(allowed)}")
+
+
+def _build(cls: type, d: Any, path: str, source: str, skip: tuple[str, ...] = ()) -> Any:
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise ConfigError(source, path, f"expected a mapping, got {_type_name(d)}")
+    d = _resolve_aliases(d, path, source)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
+    _check_keys(d, tuple(fields), path, source)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for k, v in d.items():
+        kwargs[k] = _check_value(v, hints[k], f"{path}.{k}" if path else k, source)
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(source, f"{path}.{missing[0]}", "required key is missing")
+    return cls(**kwargs)
+
+
+def _check_value(v: Any, tp: Any, key: str, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        errors = []
+        for a in rest:
+            try:
+                return _check_value(v, a, key, source)
+            except ConfigError as e:
+                errors.append(e.message)
+        raise ConfigError(source, key, errors[0] if len(rest) == 1 else f"expected {_describe(tp)}, got {v!r}")
+    if origin is Literal:
+        if v not in args:
+            raise ConfigError(source, key, f"must be one of {', '.join(map(repr, args))}; got {v!r}")
+        return v
+    if origin is list:
+        if isinstance(v, (str, int, float)) and args and args[0] is str:
+            v = [v]  # a single served name may be written as a scalar
+        if not isinstance(v, list):
+            raise ConfigError(source, key, f"expected a list, got {_type_name(v)}")
+        return [_check_value(x, args[0], f"{key}[{i}]", source) for i, x in enumerate(v)]
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise ConfigError(source, key, f"expected true/false, got {v!r}")
+        return v
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(source, key, f"expected an integer, got {_type_name(v)} {v!r}")
+        return v
+    if tp is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(source, key, f"expected a number, got {_type_name(v)} {v!r}")
+        return float(v)
+    if tp is str:
+        if not isinstance(v, str):
+            raise ConfigError(source, key, f"expected a string, got {_type_name(v)} {v!r}")
+        return v
+    raise TypeError(f"config field {key}: unsupported annotation {tp!r}")  # a bug in this module
+
+
+def _describe(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return " or ".join(getattr(a, "__name__", str(a)) for a in args)
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _close_match(k: str, allowed: tuple[str, ...] | list[str]) -> str | None:
+    import difflib
+
+    m = difflib.get_close_matches(k, list(allowed), n=1, cutoff=0.75)
+    return m[0] if m else None
