@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from glm53.kernels.dispatch import use_triton
+
 
 def dsa_topk_reference(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     B, L = logits.shape
@@ -39,6 +41,10 @@ def positions_to_slots(positions: torch.Tensor, page_table: torch.Tensor, page_s
 
 
 def dsa_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    if use_triton(logits):
+        from glm53.kernels.topk_triton import topk_triton
+
+        return topk_triton(logits, lengths, k)
     return dsa_topk_reference(logits, lengths, k)
 
 
@@ -46,4 +52,8 @@ def dsa_topk_paged(
     logits: torch.Tensor, lengths: torch.Tensor, k: int, page_table: torch.Tensor, page_size: int
 ) -> torch.Tensor:
     """Top-k fused with the page-table gather: returns physical slot ids (what sparse MLA reads)."""
+    if use_triton(logits):
+        from glm53.kernels.topk_triton import topk_triton
+
+        return topk_triton(logits, lengths, k, page_table=page_table, page_size=page_size)
     return positions_to_slots(dsa_topk_reference(logits, lengths, k), page_table, page_size)

@@ -1,0 +1,275 @@
+"""Triton DSA top-k: exact radix select, rows split over several programs.
+
+Contract: `kernels/topk.py` (the set of the k best positions of each row's valid prefix, ties by
+lowest position, -1 padding when length <= k). Three launches (plus one memset), all with grids
+fixed by the shapes (lengths are read on the device, so the whole op is CUDA-graph safe):
+
+1. `_hist_kernel`, grid (B, C): each program takes one chunk of a row, maps every score to an
+   order-preserving int32 key and adds a 4096-bin histogram of the key's top 12 bits to the
+   row's global histogram (atomics on the non-empty bins only).
+2. `_select_kernel`, grid (B, C): every program finds the row's threshold bin t1 (the bin that
+   holds the k-th best key) from the global histogram, writes the positions of its chunk's keys
+   above t1 straight to the output (one atomic per block reserves the slots) and copies the keys
+   of bin t1, in position order, to its chunk's candidate segment (up to CAP of them).
+3. `_finish_kernel`, grid (B): resolves the threshold bin exactly: the remaining 20 key bits in
+   two 10-bit histogram rounds, then ties in position order. Fast path: all candidates of the row
+   in registers (one 2-D load of the segments, chunk-major = position order). When some chunk's
+   threshold bin overflowed its segment (heavy ties, few distinct values), the same rounds run
+   over the row itself, block by block: slower, equally exact.
+
+Keys: fp32 bits b -> b ^ ((b >> 31) & 0x7fffffff) orders like the floats as signed int32; -0.0 is
+folded onto +0.0 and every NaN onto the largest key (torch's sort puts NaN first when descending,
+equal NaNs in position order). Positions past a row's length get INT_MIN, which lands in bin 0;
+a valid key's bin is >= 7 (-inf's), so bin 0 is never the threshold of a row with length > k.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm53.kernels.dispatch import triton_interpreting
+
+NB1 = 4096  # first-round bins: key bits 31..20
+NB2 = 1024  # second and third rounds: bits 19..10, 9..0
+BLOCK = 4096  # elements per step of the streaming kernels
+CAND_TOTAL = 4096  # candidates one row may hold on the fast path
+
+
+@triton.jit
+def _keys(x_ptr, offs, valid):
+    x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 == +0.0
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = tl.where(x != x, 0x7FFFFFFF, key)  # NaN sorts first, like torch
+    return tl.where(valid, key, -2147483648)
+
+
+@triton.jit
+def _threshold(hist, need, NB: tl.constexpr):
+    """Largest bin t with (#keys in bins >= t) >= need, and the count of keys in bins > t."""
+    b = tl.arange(0, NB)
+    total = tl.sum(hist, axis=0)
+    suffix = total - tl.cumsum(hist, axis=0) + hist  # keys in bins >= b
+    t = tl.max(tl.where(suffix >= need, b, -1), axis=0)
+    above = tl.sum(tl.where(b > t, hist, 0), axis=0)
+    return t, above
+
+
+@triton.jit
+def _to_out(pos, row_pt_ptr, stride_ptp, PAGE_SIZE, PAGED: tl.constexpr):
+    if PAGED:
+        page = tl.load(row_pt_ptr + (pos // PAGE_SIZE) * stride_ptp)
+        return (page * PAGE_SIZE + pos % PAGE_SIZE).to(tl.int32)
+    else:
+        return pos.to(tl.int32)
+
+
+@triton.jit
+def _hist_kernel(
+    x_ptr, len_ptr, hist_ptr, L, stride_xb, CHUNK,
+    K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    n = tl.minimum(tl.load(len_ptr + b), L)
+    h = tl.zeros((NB,), dtype=tl.int32)
+    if n > K:
+        start = c * CHUNK
+        for s in range(start, start + CHUNK, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            valid = offs < n
+            key = _keys(x_ptr + b.to(tl.int64) * stride_xb, offs, valid)
+            h += tl.histogram((key >> 20) + 2048, NB)
+        bins = tl.arange(0, NB)
+        tl.atomic_add(hist_ptr + b * NB + bins, h, mask=(h > 0) & (bins > 0))
+
+
+@triton.jit
+def _select_kernel(
+    x_ptr, len_ptr, hist_ptr, cnt_ptr, out_ptr, cand_ptr, ncand_ptr, pt_ptr,
+    L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, CHUNK, C,
+    K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    n = tl.minimum(tl.load(len_ptr + b), L)
+    if n > K:
+        hist = tl.load(hist_ptr + b * NB + tl.arange(0, NB))
+        t1, _above = _threshold(hist, K, NB)
+        x_row = x_ptr + b.to(tl.int64) * stride_xb
+        out_row = out_ptr + b.to(tl.int64) * stride_ob
+        pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
+        seg = cand_ptr + (b * C + c).to(tl.int64) * CAP * 2
+        ncand = 0
+        start = c * CHUNK
+        for s in range(start, start + CHUNK, BLOCK):
+            offs = s + tl.arange(0, BLOCK)
+            valid = offs < n
+            key = _keys(x_row, offs, valid)
+            bin1 = (key >> 20) + 2048
+            above = valid & (bin1 > t1)
+            n_above = tl.sum(above.to(tl.int32), axis=0)
+            if n_above > 0:
+                base = tl.atomic_add(cnt_ptr + b, n_above)
+                slot = base + tl.cumsum(above.to(tl.int32), axis=0) - 1
+                tl.store(out_row + slot, _to_out(offs, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=above)
+            eq = valid & (bin1 == t1)
+            r = ncand + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+            m = eq & (r < CAP)
+            tl.store(seg + r * 2, key, mask=m)
+            tl.store(seg + r * 2 + 1, offs, mask=m)
+            ncand += tl.sum(eq.to(tl.int32), axis=0)
+        tl.store(ncand_ptr + b * C + c, ncand)
+
+
+@triton.jit
+def _finish_kernel(
+    x_ptr, len_ptr, hist_ptr, out_ptr, cand_ptr, ncand_ptr, pt_ptr,
+    L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, C,
+    K: tl.constexpr, KP2: tl.constexpr, NB: tl.constexpr, NB2: tl.constexpr,
+    BLOCK: tl.constexpr, CAP: tl.constexpr, CB: tl.constexpr, PAGED: tl.constexpr,
+):
+    b = tl.program_id(0)
+    n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
+    out_row = out_ptr + b.to(tl.int64) * stride_ob
+    pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
+    if n <= K:
+        # Every valid position is selected; -1 pads the rest.
+        for s in range(0, K, KP2):
+            j = s + tl.arange(0, KP2)
+            sel = j < n
+            v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
+            tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
+    else:
+        hist = tl.load(hist_ptr + b * NB + tl.arange(0, NB))
+        t1, above1 = _threshold(hist, K, NB)
+        need = K - above1  # how many of bin t1's keys are selected (>= 1)
+        cc = tl.arange(0, CB)
+        nc = tl.load(ncand_ptr + b * C + cc, mask=cc < C, other=0)
+        bins2 = tl.arange(0, NB2)
+        if tl.max(nc, axis=0) <= CAP:
+            # Fast path: the whole threshold bin in registers, in position order.
+            seg = cand_ptr + (b * C).to(tl.int64) * CAP * 2
+            off = tl.arange(0, CAP)
+            ok2 = off[None, :] < nc[:, None]
+            ptrs = seg + (cc[:, None] * CAP + off[None, :]) * 2
+            key = tl.reshape(tl.load(ptrs, mask=ok2, other=0), (CB * CAP,))
+            pos = tl.reshape(tl.load(ptrs + 1, mask=ok2, other=0), (CB * CAP,))
+            ok = tl.reshape(ok2, (CB * CAP,))
+            b2 = tl.where(ok, (key >> 10) & 1023, 0)
+            h2 = tl.histogram(b2, NB2)
+            h2 -= tl.where(bins2 == 0, tl.sum((~ok).to(tl.int32), axis=0), 0)
+            t2, above2 = _threshold(h2, need, NB2)
+            need2 = need - above2
+            in2 = ok & (b2 == t2)
+            b3 = tl.where(in2, key & 1023, 0)
+            h3 = tl.histogram(b3, NB2)
+            h3 -= tl.where(bins2 == 0, tl.sum((~in2).to(tl.int32), axis=0), 0)
+            t3, above3 = _threshold(h3, need2, NB2)
+            need3 = need2 - above3
+            tie = in2 & (b3 == t3)
+            tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            sel = ok & ((b2 > t2) | (in2 & (b3 > t3)) | (tie & (tie_rank < need3)))
+            slot = above1 + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(out_row + slot, _to_out(tl.where(sel, pos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
+        else:
+            # Exact fallback over the row itself (one program, three streaming passes).
+            x_row = x_ptr + b.to(tl.int64) * stride_xb
+            h2 = tl.zeros((NB2,), dtype=tl.int32)
+            for s in range(0, n, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                key = _keys(x_row, offs, offs < n)
+                in1 = ((key >> 20) + 2048) == t1
+                b2 = tl.where(in1, (key >> 10) & 1023, 0)
+                h2 += tl.histogram(b2, NB2)
+                h2 -= tl.where(bins2 == 0, tl.sum((~in1).to(tl.int32), axis=0), 0)
+            t2, above2 = _threshold(h2, need, NB2)
+            need2 = need - above2
+            h3 = tl.zeros((NB2,), dtype=tl.int32)
+            for s in range(0, n, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                key = _keys(x_row, offs, offs < n)
+                in2 = (((key >> 20) + 2048) == t1) & (((key >> 10) & 1023) == t2)
+                b3 = tl.where(in2, key & 1023, 0)
+                h3 += tl.histogram(b3, NB2)
+                h3 -= tl.where(bins2 == 0, tl.sum((~in2).to(tl.int32), axis=0), 0)
+            t3, above3 = _threshold(h3, need2, NB2)
+            need3 = need2 - above3
+            ties = 0
+            written = above1
+            for s in range(0, n, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                key = _keys(x_row, offs, offs < n)
+                in1 = ((key >> 20) + 2048) == t1
+                b2 = (key >> 10) & 1023
+                b3 = key & 1023
+                in2 = in1 & (b2 == t2)
+                tie = in2 & (b3 == t3)
+                tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+                sel = (in1 & (b2 > t2)) | (in2 & (b3 > t3)) | (tie & (tie_rank < need3))
+                slot = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                tl.store(out_row + slot, _to_out(tl.where(sel, offs, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
+                ties += tl.sum(tie.to(tl.int32), axis=0)
+                written += tl.sum(sel.to(tl.int32), axis=0)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _chunks(B: int, L: int, device: torch.device) -> tuple[int, int]:
+    """(C, CHUNK): split each row so that B*C programs cover the machine about twice."""
+    blocks = triton.cdiv(max(L, 1), BLOCK)
+    c = max(1, min(blocks, triton.cdiv(2 * _num_sms(device), max(B, 1))))
+    chunk = triton.cdiv(blocks, c) * BLOCK
+    return triton.cdiv(max(L, 1), chunk), chunk
+
+
+def topk_triton(
+    logits: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    page_table: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> torch.Tensor:
+    """[B, k] int32 positions (or physical slots with `page_table`), -1 padded."""
+    assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    B, L = logits.shape
+    dev = logits.device
+    out = torch.empty((B, k), dtype=torch.int32, device=dev)
+    if B == 0 or k == 0:
+        return out
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    lengths = lengths.to(device=dev, dtype=torch.int32).contiguous()
+    C, chunk = _chunks(B, L, dev)
+    CB = triton.next_power_of_2(C)
+    cap = max(16, CAND_TOTAL // CB)
+    # One zeroed workspace: histograms [B, NB1] then per-row output counters [B].
+    ws = torch.zeros(B * NB1 + B, dtype=torch.int32, device=dev)
+    hist, cnt = ws[: B * NB1], ws[B * NB1 :]
+    cand = torch.empty((B, C, cap, 2), dtype=torch.int32, device=dev)
+    ncand = torch.empty((B, C), dtype=torch.int32, device=dev)
+    paged = page_table is not None
+    if paged:
+        pt = page_table.to(device=dev, dtype=torch.int32)
+        spb, spp = pt.stride(0), pt.stride(1)
+    else:
+        pt, spb, spp = lengths, 0, 0  # never read
+    warps = 8 if not triton_interpreting() else 1
+    _hist_kernel[(B, C)](logits, lengths, hist, L, logits.stride(0), chunk,
+                         K=k, NB=NB1, BLOCK=BLOCK, num_warps=warps)
+    _select_kernel[(B, C)](logits, lengths, hist, cnt, out, cand, ncand, pt,
+                           L, logits.stride(0), out.stride(0), spb, spp, page_size, chunk, C,
+                           K=k, NB=NB1, BLOCK=BLOCK, CAP=cap, PAGED=paged, num_warps=warps)
+    _finish_kernel[(B,)](logits, lengths, hist, out, cand, ncand, pt,
+                         L, logits.stride(0), out.stride(0), spb, spp, page_size, C,
+                         K=k, KP2=min(triton.next_power_of_2(k), 4096), NB=NB1, NB2=NB2,
+                         BLOCK=BLOCK, CAP=cap, CB=CB, PAGED=paged, num_warps=warps)
+    return out
