@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from glm53.kernels import index_cache_fp8
+from glm53.kernels.dispatch import use_triton
+
 
 def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, n: int) -> torch.Tensor:
     """The first `n` token rows of each page-table row: [R, n, ...] from a [pages, page_size, ...] cache."""
@@ -53,4 +56,43 @@ def indexer_logits(
     lengths: torch.Tensor,
     max_len: int,
 ) -> torch.Tensor:
+    if use_triton(q):
+        from glm53.kernels.indexer_logits_triton import indexer_logits_triton
+
+        return indexer_logits_triton(q, weights, k_cache, page_table, lengths, max_len)
     return indexer_logits_reference(q, weights, k_cache, page_table, lengths, max_len)
+
+
+# ---- FP8 key cache (132 B/token for D = 128; layout in index_cache_fp8) ----------------------
+
+
+def indexer_logits_fp8_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache_fp8: torch.Tensor,
+    page_table: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
+    """The same logits over the FP8 cache: keys dequantized (fp8 value × per-token scale) in fp32."""
+    keys = index_cache_fp8.dequantize(k_cache_fp8, q.shape[-1])
+    return indexer_logits_reference(q.float(), weights, keys, page_table, lengths, max_len)
+
+
+def indexer_logits_fp8(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache_fp8: torch.Tensor,
+    page_table: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+) -> torch.Tensor:
+    """Indexer logits over one layer's FP8 key cache `k_cache_fp8` [num_pages, page_size*(D+4)]
+    uint8 (a strided view `pool[:, j]` of a page-major pool). `q` [T, H, D] is bf16, or fp8 e4m3
+    with its per-(token, head) scales folded into `weights`."""
+    if use_triton(q):
+        from glm53.kernels.indexer_logits_triton import indexer_logits_triton
+
+        keys, scales = index_cache_fp8.split_view(k_cache_fp8, q.shape[-1])
+        return indexer_logits_triton(q, weights, keys, page_table, lengths, max_len, k_scales=scales)
+    return indexer_logits_fp8_reference(q, weights, k_cache_fp8, page_table, lengths, max_len)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from glm53.kernels.dispatch import use_triton
+
 
 def sparse_mla_reference(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, kv_lora_rank: int
@@ -38,4 +40,8 @@ def sparse_mla_reference(
 def sparse_mla(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, kv_lora_rank: int
 ) -> torch.Tensor:
+    if use_triton(q):
+        from glm53.kernels.sparse_mla_triton import sparse_mla_triton
+
+        return sparse_mla_triton(q, kv_cache, indices, sm_scale, kv_lora_rank)
     return sparse_mla_reference(q, kv_cache, indices, sm_scale, kv_lora_rank)

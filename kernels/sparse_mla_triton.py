@@ -1,0 +1,185 @@
+"""Triton sparse MLA decode/verify (absorbed form) over the paged latent cache, split + combine.
+
+Grid (T · head blocks, splits): a program takes one query token, BLOCK_H of its heads and one
+contiguous share of the token's K selected slots; it gathers the slots' latent rows
+([R nope | P rope], page and token strides), runs an online softmax with two tensor-core products
+per block of BLOCK_N slots (q_nope·c^T + q_pe·k_pe^T, then P·c) and writes either the output
+(one split) or its normalized partial output and log-sum-exp (base 2) for `_combine_kernel`.
+Slots of -1 are masked out; a token with no valid slot gets zeros (as the reference).
+"""
+
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+from glm53.kernels.dispatch import triton_interpreting
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, lse_ptr,
+    K, page_size, qk_scale, split_len,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_it, stride_ot, stride_oh,
+    H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NHB: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    t = pid // NHB
+    hb = pid % NHB
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < H
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    rm = r < R
+    pm = p < P
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh
+    q_nope = tl.load(q_row + r[None, :], mask=hm[:, None] & rm[None, :], other=0.0)
+    q_pe = tl.load(q_row + R + p[None, :], mask=hm[:, None] & pm[None, :], other=0.0)
+    if DOT_F32:  # the interpreter multiplies bf16 as raw uint16: widen first (exact)
+        q_nope = q_nope.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, K)
+    idx_row = idx_ptr + t.to(tl.int64) * stride_it
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx_row + j, mask=j < end, other=-1)
+        valid = slot >= 0
+        slot = tl.where(valid, slot, 0).to(tl.int64)
+        base = (slot // page_size) * stride_kp + (slot % page_size) * stride_ks
+        c = tl.load(kv_ptr + base[:, None] + r[None, :], mask=valid[:, None] & rm[None, :], other=0.0)
+        kpe = tl.load(kv_ptr + base[:, None] + R + p[None, :], mask=valid[:, None] & pm[None, :], other=0.0)
+        if DOT_F32:
+            c = c.to(tl.float32)
+            kpe = kpe.to(tl.float32)
+        s = tl.dot(q_nope, tl.trans(c))
+        s = tl.dot(q_pe, tl.trans(kpe), s)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        pr = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        if DOT_F32:
+            pr_c = pr.to(kv_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            pr_c = pr.to(c.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pr_c, c)
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLIT:
+        nsp = tl.num_programs(1)
+        row = (t.to(tl.int64) * H + h) * nsp + sp  # [T, H, S] layout
+        tl.store(part_ptr + row[:, None] * BLOCK_R + r[None, :], o, mask=hm[:, None] & rm[None, :])
+        tl.store(lse_ptr + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=hm)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + r[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hm[:, None] & rm[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, lse_ptr, out_ptr, NSPLIT, stride_ot, stride_oh,
+    H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SP: tl.constexpr,
+):
+    pid = tl.program_id(0)  # t * H + h
+    t = pid // H
+    h = pid % H
+    sidx = tl.arange(0, BLOCK_SP)
+    sm = sidx < NSPLIT
+    lse = tl.load(lse_ptr + pid.to(tl.int64) * NSPLIT + sidx, mask=sm, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx)
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    r = tl.arange(0, BLOCK_R)
+    part = tl.load(part_ptr + (pid.to(tl.int64) * NSPLIT + sidx)[:, None] * BLOCK_R + r[None, :],
+                   mask=sm[:, None] & (r < R)[None, :], other=0.0)
+    o = tl.sum(part * w[:, None], axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + r, o.to(out_ptr.dtype.element_ty), mask=r < R)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def sparse_mla_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    T, H, Dqk = q.shape
+    num_pages, page_size, Dkv = kv_cache.shape
+    R = kv_lora_rank
+    P = Dqk - R
+    assert Dkv == Dqk and P >= 0, f"q dim {Dqk} vs cache dim {Dkv}"
+    assert q.stride(2) == 1 and kv_cache.stride(2) == 1, "the latent dim must be contiguous"
+    assert kv_cache.dtype == q.dtype, f"q {q.dtype} vs kv_cache {kv_cache.dtype}"
+    K = indices.shape[1]
+    out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    indices = indices.to(device=q.device, dtype=torch.int32)
+    if indices.stride(1) != 1:
+        indices = indices.contiguous()
+    interp = triton_interpreting()
+    BLOCK_R = triton.next_power_of_2(R)
+    BLOCK_P = max(16, triton.next_power_of_2(max(P, 1)))
+    if block_h is None:
+        block_h = min(64, max(16, triton.next_power_of_2(H)))
+    if block_n is None:
+        block_n = 16 if interp else 32
+    if num_warps is None:
+        num_warps = 1 if interp else (8 if block_h * BLOCK_R >= 64 * 256 else 4)
+    if num_stages is None:
+        num_stages = 1 if interp else 2
+    nhb = triton.cdiv(H, block_h)
+    if num_splits is None:
+        # Enough programs to fill the machine about twice, each with >= 2 blocks of slots.
+        want = triton.cdiv(2 * _num_sms(q.device), T * nhb)
+        num_splits = max(1, min(want, triton.cdiv(K, 2 * block_n)))
+    split_len = triton.cdiv(triton.cdiv(max(K, 1), num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(K, split_len))
+    qk_scale = sm_scale * LOG2E
+    if num_splits > 1:
+        part = torch.empty((T, H, num_splits, BLOCK_R), dtype=torch.float32, device=q.device)
+        lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # never touched
+    _sparse_mla_kernel[(T * nhb, num_splits)](
+        q, kv_cache, indices, out, part, lse,
+        K, page_size, qk_scale, split_len,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
+        out.stride(0), out.stride(1),
+        H=H, R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, BLOCK_H=block_h, BLOCK_N=block_n, NHB=nhb,
+        SPLIT=num_splits > 1, DOT_F32=interp, num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _combine_kernel[(T * H,)](
+            part, lse, out, num_splits, out.stride(0), out.stride(1),
+            H=H, R=R, BLOCK_R=BLOCK_R, BLOCK_SP=triton.next_power_of_2(num_splits),
+            num_warps=1 if interp else 4,
+        )
+    return out
