@@ -1,0 +1,379 @@
+"""The embedded default model: a tiny GLM-5 (`glm_moe_dsa`) checkpoint created on first use.
+
+It is laid out exactly like a Hugging Face GLM-5 checkpoint (config.json, generation_config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja), so everything
+that serves it serves the real model too. The weights are deterministic random numbers written
+with torch + safetensors; the tokenizer is a byte-level BPE trained with `tokenizers` on the
+Python standard library's source, plus GLM's special tokens. Nothing is downloaded.
+
+Dimensions are small enough for quick CPU serving but keep every GLM-5 feature live: MLA with
+q/kv LoRA, a DSA indexer with index_topk 64 (so prompts longer than 64 tokens are sparse), cross-
+layer index sharing (indexer_types mixes "full" and "shared"), a dense first layer, and grouped
+sigmoid-routed MoE with a shared expert.
+
+Creation is atomic: the checkpoint is built in a temporary directory and renamed into place
+under an exclusive file lock, so concurrent `up`s neither corrupt nor duplicate it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import EMBEDDED_MODEL
+
+log = logging.getLogger(__name__)
+
+# Bump when the checkpoint's content changes, so old caches are not reused.
+EMBEDDED_VERSION = 1
+EMBEDDED_DIRNAME = f"tiny-glm5-v{EMBEDDED_VERSION}"
+SEED = 0x61A5
+BPE_VOCAB = 4096
+TRAIN_TEXT_BYTES = 3_000_000
+
+# GLM's special tokens, in GLM's order. `special` ones are control tokens hidden by
+# skip_special_tokens; the reasoning/tool markers stay visible in decoded text (parsers need them).
+SPECIAL_TOKENS: list[tuple[str, bool]] = [
+    ("<|endoftext|>", True), ("[MASK]", True), ("[gMASK]", True), ("[sMASK]", True),
+    ("<sop>", True), ("<eop>", True), ("<|system|>", True), ("<|user|>", True),
+    ("<|assistant|>", True), ("<|observation|>", True), ("<|begin_of_image|>", True),
+    ("<|end_of_image|>", True), ("<think>", False), ("</think>", False), ("<tool_call>", False),
+    ("</tool_call>", False), ("<tool_response>", False), ("</tool_response>", False),
+    ("<arg_key>", False), ("</arg_key>", False), ("<arg_value>", False), ("</arg_value>", False),
+    ("/nothink", False),
+]
+# As GLM-5: generation ends at <|endoftext|>, or when the model starts a user/observation turn.
+EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+
+MODEL_DIMS: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "index_n_heads": 8,
+    "index_head_dim": 64,
+    "index_topk": 64,
+    "index_topk_freq": 2,
+    "index_skip_topk_offset": 2,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 8192,
+}
+
+CHAT_TEMPLATE = """\
+{#- GLM-style chat template of the embedded tiny model (same markup as GLM-5). -#}
+{%- macro text(content) -%}
+{%- if content is string -%}{{ content }}
+{%- elif content is iterable and content is not mapping -%}
+{%- for part in content -%}{%- if part is mapping and part.type == 'text' -%}{{ part.text }}{%- elif part is string -%}{{ part }}{%- endif -%}{%- endfor -%}
+{%- elif content is none -%}
+{%- else -%}{{ content }}
+{%- endif -%}
+{%- endmacro -%}
+[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>...</tool_call>
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' -%}
+<|system|>{{ text(m.content) }}
+{%- elif m.role == 'user' -%}
+<|user|>{{ text(m.content) }}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{%- set reasoning = m.reasoning_content or m.reasoning or '' -%}
+{%- if reasoning -%}<think>{{ reasoning }}</think>{%- else -%}</think>{%- endif -%}
+{{ text(m.content) }}
+{%- for call in m.tool_calls or [] -%}
+{%- set f = call.function if call.function is defined else call -%}
+<tool_call>{{ f.name }}
+{%- set args = f.arguments -%}
+{%- if args is string -%}{{ args }}{%- else -%}
+{%- for k, v in args.items() -%}<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else (v | tojson) }}</arg_value>{%- endfor -%}
+{%- endif -%}</tool_call>
+{%- endfor -%}
+{%- elif m.role == 'tool' -%}
+<|observation|><tool_response>{{ text(m.content) }}</tool_response>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|assistant|>{%- if enable_thinking is defined and not enable_thinking -%}</think>{%- else -%}<think>{%- endif -%}
+{%- endif -%}
+"""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GLM53_CACHE") or Path.home() / ".cache" / "glm53-serve")
+
+
+def resolve_model_path(path: str) -> Path:
+    """A config's model.path as a directory, creating the embedded model when it is named."""
+    if path == EMBEDDED_MODEL:
+        return ensure_embedded_model()
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model path {path!r} is not a model directory (no config.json)")
+    return p
+
+
+def ensure_embedded_model(root: Path | None = None) -> Path:
+    """The embedded checkpoint's directory, created (once, atomically) if missing."""
+    root = Path(root) if root is not None else cache_root()
+    final = root / EMBEDDED_DIRNAME
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{EMBEDDED_DIRNAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # whoever waited here finds the finished directory
+        if (final / "config.json").is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_DIRNAME}.", dir=root))
+        try:
+            log.info("creating the embedded tiny GLM-5 model in %s", final)
+            write_embedded_model(tmp)
+            if final.exists():  # a partial directory from an older, interrupted layout
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def write_embedded_model(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t, _ in SPECIAL_TOKENS}
+    vocab = _round_up(tok.get_vocab_size(with_added_tokens=True), 64)
+    config = model_config(vocab, ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({
+        "do_sample": True,
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "temperature": 1.0,
+        "top_p": 0.95,
+    }, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config["max_position_embeddings"],
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "do_lower_case": False,
+        "padding_side": "left",
+        "added_tokens_decoder": {
+            str(ids[t]): {"content": t, "lstrip": False, "rstrip": False, "normalized": False,
+                          "single_word": False, "special": special}
+            for t, special in SPECIAL_TOKENS
+        },
+    }, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    write_weights(config, out / "model.safetensors")
+
+
+def model_config(vocab_size: int, special_ids: dict[str, int]) -> dict[str, Any]:
+    d = MODEL_DIMS
+    L = d["num_hidden_layers"]
+    freq, offset = d["index_topk_freq"], d["index_skip_topk_offset"]
+    indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)]
+    return {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "dtype": "bfloat16",
+        "eos_token_id": [special_ids[t] for t in EOS_TOKENS],
+        "pad_token_id": special_ids["<|endoftext|>"],
+        "ep_size": 1,
+        "first_k_dense_replace": d["first_k_dense_replace"],
+        "head_dim": d["qk_rope_head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": d["hidden_size"],
+        "index_head_dim": d["index_head_dim"],
+        "index_n_heads": d["index_n_heads"],
+        "index_topk": d["index_topk"],
+        "index_topk_freq": freq,
+        "index_skip_topk_offset": offset,
+        "indexer_types": indexer_types,
+        "indexer_rope_interleave": True,
+        "initializer_range": 0.02,
+        "intermediate_size": d["intermediate_size"],
+        "kv_lora_rank": d["kv_lora_rank"],
+        "max_position_embeddings": d["max_position_embeddings"],
+        "moe_intermediate_size": d["moe_intermediate_size"],
+        "moe_layer_freq": 1,
+        "n_group": d["n_group"],
+        "n_routed_experts": d["n_routed_experts"],
+        "n_shared_experts": d["n_shared_experts"],
+        "norm_topk_prob": True,
+        "num_attention_heads": d["num_attention_heads"],
+        "num_experts_per_tok": d["num_experts_per_tok"],
+        "num_hidden_layers": L,
+        "num_key_value_heads": d["num_key_value_heads"],
+        "num_nextn_predict_layers": 0,
+        "pretraining_tp": 1,
+        "q_lora_rank": d["q_lora_rank"],
+        "qk_head_dim": d["qk_nope_head_dim"] + d["qk_rope_head_dim"],
+        "qk_nope_head_dim": d["qk_nope_head_dim"],
+        "qk_rope_head_dim": d["qk_rope_head_dim"],
+        "rms_norm_eps": 1e-5,
+        "rope_interleave": True,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": d["topk_group"],
+        "topk_method": "noaux_tc",
+        "use_cache": True,
+        "v_head_dim": d["v_head_dim"],
+        "vocab_size": vocab_size,
+    }
+
+
+def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of the checkpoint: name -> (shape, dtype), in HF GLM-5 naming."""
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    nh, qk = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    bf, f32 = torch.bfloat16, torch.float32
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"model.embed_tokens.weight": ((V, H), bf)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = ((H,), bf)
+        out[p + "post_attention_layernorm.weight"] = ((H,), bf)
+        a = p + "self_attn."
+        out[a + "q_a_proj.weight"] = ((cfg["q_lora_rank"], H), bf)
+        out[a + "q_a_layernorm.weight"] = ((cfg["q_lora_rank"],), bf)
+        out[a + "q_b_proj.weight"] = ((nh * qk, cfg["q_lora_rank"]), bf)
+        out[a + "kv_a_proj_with_mqa.weight"] = ((cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], H), bf)
+        out[a + "kv_a_layernorm.weight"] = ((cfg["kv_lora_rank"],), bf)
+        out[a + "kv_b_proj.weight"] = ((nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]), bf)
+        out[a + "o_proj.weight"] = ((H, nh * cfg["v_head_dim"]), bf)
+        if cfg["indexer_types"][i] == "full":  # shared layers own no indexer weights (DESIGN §4.1)
+            ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
+            out[a + "indexer.wq_b.weight"] = ((ih * idim, cfg["q_lora_rank"]), bf)
+            out[a + "indexer.wk.weight"] = ((idim, H), bf)
+            out[a + "indexer.k_norm.weight"] = ((idim,), bf)
+            out[a + "indexer.k_norm.bias"] = ((idim,), bf)
+            out[a + "indexer.weights_proj.weight"] = ((ih, H), bf)
+        m = p + "mlp."
+        if i < cfg["first_k_dense_replace"]:
+            I = cfg["intermediate_size"]
+            out[m + "gate_proj.weight"] = ((I, H), bf)
+            out[m + "up_proj.weight"] = ((I, H), bf)
+            out[m + "down_proj.weight"] = ((H, I), bf)
+        else:
+            I, E = cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+            for e in range(E):
+                out[m + f"experts.{e}.gate_proj.weight"] = ((I, H), bf)
+                out[m + f"experts.{e}.up_proj.weight"] = ((I, H), bf)
+                out[m + f"experts.{e}.down_proj.weight"] = ((H, I), bf)
+            out[m + "gate.weight"] = ((E, H), bf)
+            out[m + "gate.e_score_correction_bias"] = ((E,), f32)
+            Is = I * cfg["n_shared_experts"]
+            out[m + "shared_experts.gate_proj.weight"] = ((Is, H), bf)
+            out[m + "shared_experts.up_proj.weight"] = ((Is, H), bf)
+            out[m + "shared_experts.down_proj.weight"] = ((H, Is), bf)
+    out["model.norm.weight"] = ((H,), bf)
+    out["lm_head.weight"] = ((V, H), bf)
+    return out
+
+
+def write_weights(cfg: dict[str, Any], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(SEED)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (shape, dtype) in weight_shapes(cfg).items():
+        tensors[name] = _init(name, shape, g).to(dtype).contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    # Scale so activations neither vanish nor explode through the layers (fan-in scaling), and
+    # logits spread by a few units, so greedy argmax is rarely a near-tie that float reordering
+    # between batch shapes could flip.
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return 1.0 + 0.05 * torch.randn(shape, generator=g)
+    if name.endswith("k_norm.bias"):
+        return 0.05 * torch.randn(shape, generator=g)
+    if name.endswith("e_score_correction_bias"):
+        return 0.1 * torch.randn(shape, generator=g)
+    if name == "model.embed_tokens.weight":
+        return torch.randn(shape, generator=g)
+    if name == "lm_head.weight":
+        return 4.0 * torch.randn(shape, generator=g) / shape[1] ** 0.5
+    return torch.randn(shape, generator=g) / shape[-1] ** 0.5
+
+
+def train_tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, s in SPECIAL_TOKENS if s])
+    # Added in GLM's order, so ids are contiguous after the BPE vocabulary.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, s in SPECIAL_TOKENS if not s])
+    return tok
+
+
+def _training_text():
+    """Python standard library sources, in a fixed order, up to TRAIN_TEXT_BYTES."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for f in sorted(stdlib.glob("*.py")):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        yield text
+        total += len(text)
+        if total >= TRAIN_TEXT_BYTES:
+            return
+    if total == 0:  # a Python without its sources: still a usable byte-level tokenizer
+        yield "def main():\n    return 0\n" * 100
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m

@@ -1,0 +1,313 @@
+"""The control-plane contract between the router and the prefill/decode instances (ZMQ + msgpack).
+
+Sockets (all TCP, one msgpack map per single-frame message, key "type" selects the message):
+
+    router   binds   PULL  tcp://{router.host}:{router.result_port}      <- every instance's events
+    router   connects PUSH tcp://{inst.host}:{inst.port}  (one per instance, IMMEDIATE, LINGER 0)
+    instance binds   PULL  tcp://{inst.host}:{inst.port}                 <- router messages
+    instance connects PUSH to each message's `reply_to` (the router's result address)
+
+No socket ever blocks without a bound: the router sends with NOBLOCK (a full or unconnected pipe
+means "instance unreachable" -> 503 or another instance); instances answer pings from an IO
+thread (`InstanceChannel`) so a long forward pass does not look like a dead peer.
+
+Router -> instance
+    GenerateRequest  sent to BOTH the chosen prefill and decode instance, same room/generation.
+    Abort            sent to both on client disconnect, stop-string match, or router-side failure.
+    HealthPing       every router.health_check_interval_s to every instance.
+
+Instance -> router
+    TokenEvent       decode: the first token (sampled by prefill, arrives with the KV) and every
+                     later token, in order; the last event of a room has finish_reason set.
+                     prefill: only on failure (finish_reason "error"), or an info event with no
+                     tokens carrying transfer stats.
+    HealthPong       reply to each ping, with load numbers for pairing and /metrics.
+
+A room is (room: u64, generation: u32). Events whose (room, generation) the router does not know
+(finished, aborted, retried) are dropped, so an instance may send late events safely.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, ClassVar, Union
+
+import msgpack
+import zmq
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# Error codes an instance puts in TokenEvent.error_code; the router maps them to messages/metrics.
+ERROR_CODES = ("bootstrap_timeout", "transfer_timeout", "transfer_failed", "overloaded", "context_length",
+               "bad_request", "internal")
+
+
+class ProtocolError(ValueError):
+    """A message that is not valid under this protocol version."""
+
+
+@dataclass
+class _Message:
+    TYPE: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["type"] = self.TYPE
+        d["v"] = PROTOCOL_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        # Unknown keys are ignored so that a newer peer may add optional fields.
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        try:
+            obj = cls(**kwargs)
+        except TypeError as e:
+            raise ProtocolError(f"{cls.TYPE}: {e}") from None
+        obj._from_wire()
+        return obj
+
+    def _from_wire(self) -> None:
+        """Rebuild nested dataclasses after msgpack decoding."""
+
+
+@dataclass
+class PeerInfo:
+    """Where an instance is: its control port and its transfer bootstrap port."""
+
+    name: str
+    role: str
+    host: str
+    port: int
+    bootstrap_port: int
+
+
+@dataclass
+class GenerateRequest(_Message):
+    TYPE: ClassVar[str] = "generate"
+    room: int  # u64, random per request
+    generation: int  # u32, bumped when the router retries the same room on another prefill
+    rid: str  # the client-visible request id (logs, x-request-id)
+    input_ids: list[int]
+    # temperature, top_p, top_k, min_p, seed (SamplingParams field names; sampling.py)
+    sampling: dict[str, Any]
+    max_new_tokens: int  # already capped so that prompt + completion <= context_length
+    stop_token_ids: list[int]  # user stop ids; finish "stop" when sampled
+    eos_token_ids: list[int]  # the model's eos ids; finish "stop" unless ignore_eos
+    ignore_eos: bool
+    prefill: PeerInfo
+    decode: PeerInfo
+    reply_to: str  # the router's result address (tcp://host:port)
+    sent_at: float = 0.0  # router's time.time() when sent (queue-time metrics)
+
+    def _from_wire(self) -> None:
+        if isinstance(self.prefill, dict):
+            self.prefill = PeerInfo(**self.prefill)
+        if isinstance(self.decode, dict):
+            self.decode = PeerInfo(**self.decode)
+
+
+@dataclass
+class Abort(_Message):
+    TYPE: ClassVar[str] = "abort"
+    room: int
+    generation: int
+    reason: str = "abort"
+
+
+@dataclass
+class HealthPing(_Message):
+    TYPE: ClassVar[str] = "ping"
+    seq: int
+    reply_to: str
+    sent_at: float = 0.0
+
+
+@dataclass
+class TransferStats:
+    """One room's KV transfer, as measured by the instance that reports it."""
+
+    seconds: float = 0.0  # first write posted -> last completion seen
+    bytes: int = 0
+    bootstrap_seconds: float = 0.0
+
+
+@dataclass
+class TokenEvent(_Message):
+    TYPE: ClassVar[str] = "tokens"
+    room: int
+    generation: int
+    instance: str  # the sender's name
+    token_ids: list[int] = field(default_factory=list)
+    # None while running; "stop" (eos or stop token, see matched_stop), "length"
+    # (max_new_tokens), "abort", "error" (see error / error_code).
+    finish_reason: str | None = None
+    matched_stop: int | None = None  # the stop/eos token id that ended the room
+    error: str | None = None
+    error_code: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # total generated so far, including token_ids
+    cached_tokens: int = 0
+    transfer: TransferStats | None = None
+
+    def _from_wire(self) -> None:
+        if isinstance(self.transfer, dict):
+            self.transfer = TransferStats(**self.transfer)
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            raise ProtocolError(f"tokens: finish_reason must be one of {FINISH_REASONS} or null, got {self.finish_reason!r}")
+
+
+@dataclass
+class LoadStats:
+    """Instance load, snapshotted by the engine once per step (cheap to read from another thread)."""
+
+    num_running: int = 0  # requests in the running batch
+    num_waiting: int = 0  # queued (prefill: not yet scheduled; decode: waiting for KV / pages)
+    num_transferring: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    page_size: int = 0
+    gen_throughput: float = 0.0  # tokens/s over the last log interval
+
+
+@dataclass
+class HealthPong(_Message):
+    TYPE: ClassVar[str] = "pong"
+    seq: int
+    instance: str
+    role: str
+    ready: bool  # False while loading weights / warming up
+    load: LoadStats = field(default_factory=LoadStats)
+    sent_at: float = 0.0  # echoed from the ping (round-trip time)
+
+    def _from_wire(self) -> None:
+        if isinstance(self.load, dict):
+            self.load = LoadStats(**self.load)
+
+
+Message = Union[GenerateRequest, Abort, HealthPing, TokenEvent, HealthPong]
+_TYPES: dict[str, type] = {c.TYPE: c for c in (GenerateRequest, Abort, HealthPing, TokenEvent, HealthPong)}
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb(msg.to_dict(), use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"not a msgpack message: {e}") from None
+    if not isinstance(d, dict):
+        raise ProtocolError(f"expected a msgpack map, got {type(d).__name__}")
+    if d.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {d.get('v')!r}, expected {PROTOCOL_VERSION}")
+    cls = _TYPES.get(d.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError(f"unknown message type {d.get('type')!r}")
+    return cls.from_dict(d)
+
+
+# --------------------------------------------------------------------------------------------
+# Instance side: the socket pair an engine uses
+# --------------------------------------------------------------------------------------------
+
+
+class InstanceChannel:
+    """An instance's end of the protocol.
+
+    An IO thread owns the PULL socket: it answers HealthPing itself (from `load_fn()` and
+    `ready`), and queues GenerateRequest/Abort for the engine, which takes them with `get()` /
+    `drain()`. `send()` may be called from any thread (a lock serializes the PUSH sockets).
+    """
+
+    def __init__(self, bind_address: str, name: str, role: str,
+                 load_fn: Callable[[], LoadStats] | None = None, ctx: zmq.Context | None = None):
+        self.name, self.role = name, role
+        self.ready = False
+        self._load_fn = load_fn or LoadStats
+        self._ctx = ctx or zmq.Context.instance()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(bind_address)
+        self._push: dict[str, zmq.Socket] = {}
+        self._lock = threading.Lock()
+        self._inbox: queue.Queue[Message] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-zmq-io", daemon=True)
+        self._thread.start()
+
+    def get(self, timeout: float | None = None) -> GenerateRequest | Abort | None:
+        """The next router message, or None after `timeout` seconds."""
+        try:
+            return self._inbox.get(timeout=timeout)  # type: ignore[return-value]
+        except queue.Empty:
+            return None
+
+    def drain(self) -> list[GenerateRequest | Abort]:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def send(self, reply_to: str, msg: Message) -> None:
+        data = encode(msg)
+        with self._lock:
+            sock = self._push.get(reply_to)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                # Bounded everywhere: a vanished router never blocks the engine or its exit.
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.setsockopt(zmq.SNDTIMEO, 1000)
+                sock.connect(reply_to)
+                self._push[reply_to] = sock
+            try:
+                sock.send(data)
+            except zmq.Again:
+                log.warning("%s: router %s is not draining events; dropped a %s", self.name, reply_to, msg.TYPE)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        with self._lock:
+            for s in self._push.values():
+                s.close()
+            self._push.clear()
+        self._pull.close()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                msg = decode(self._pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                continue
+            except ProtocolError as e:
+                log.error("%s: dropped an invalid message: %s", self.name, e)
+                continue
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            if isinstance(msg, HealthPing):
+                try:
+                    load = self._load_fn()
+                except Exception:  # never let a stats bug kill the IO thread
+                    log.exception("%s: load_fn failed", self.name)
+                    load = LoadStats()
+                self.send(msg.reply_to, HealthPong(seq=msg.seq, instance=self.name, role=self.role,
+                                                   ready=self.ready, load=load, sent_at=msg.sent_at))
+            else:
+                self._inbox.put(msg)
