@@ -1,0 +1,276 @@
+"""DSA kernel benchmark (issue 3): our Triton kernels vs torch references on a CUDA device.
+
+For every shape: our time, the torch reference's time, and the share of HBM bandwidth reached
+(minimal bytes moved over time, against a device-to-device copy measured in the same run). Each
+shape is also checked against its reference before it is timed.
+
+Timing: CUDA events around CUDA-graph replays (decode runs under graphs, and Triton's Python
+launch cost would otherwise dominate small shapes); each graph runs the op over several input
+sets in turn (>= ~4x the L2 in total where memory allows) so repeated runs do not read a warm
+L2. `eager` columns time plain launches of one input set (L2 may be warm) for comparison.
+
+    python benchmarks/kernels.py [--only topk,indexer,mla] [--sweep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_reference
+from glm53.kernels import index_cache_fp8
+from glm53.kernels.indexer_logits_triton import indexer_logits_triton
+from glm53.kernels.sparse_mla import sparse_mla_reference
+from glm53.kernels.sparse_mla_triton import sparse_mla_triton
+from glm53.kernels.topk import dsa_topk, dsa_topk_reference
+from glm53.kernels.topk_triton import topk_triton
+
+L2_BYTES = 60 << 20
+ROWS: list[dict] = []
+
+
+def _graph_time(fns, reps: int = 30) -> float:
+    """Median µs per call of a CUDA graph that runs every fn in `fns` once."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / len(fns))
+    del g
+    return statistics.median(ts)
+
+
+def _eager_time(fn, reps: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(ts)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    us = _graph_time([lambda: b.copy_(a)], reps=20)
+    del a, b
+    return 2 * n / (us * 1e-6)
+
+
+def n_sets(bytes_per_set: int, cap: int = 8) -> int:
+    return max(1, min(cap, math.ceil(4 * L2_BYTES / max(bytes_per_set, 1))))
+
+
+def record(op, shape, ours_us, ref_us, nbytes, bw, check, extra=None):
+    row = dict(op=op, shape=shape, ours_us=round(ours_us, 2), ref_us=round(ref_us, 2) if ref_us else None,
+               speedup=round(ref_us / ours_us, 2) if ref_us else None,
+               hbm_pct=round(100 * nbytes / (ours_us * 1e-6) / bw, 1), check=check)
+    if extra:
+        row.update(extra)
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+# ---------------------------------------------------------------- top-k
+def bench_topk(bw: float, sweep: bool) -> None:
+    k = 2048
+    for B in (1, 8, 64):
+        for L in (8192, 32768, 131072):
+            ns = n_sets(B * L * 4)
+            xs = [torch.randn(B, L, device="cuda") for _ in range(ns)]
+            lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+            # check: exact set equality with the stable-sort reference (one set + ragged lengths)
+            rl = torch.randint(1, L + 1, (B,), device="cuda", dtype=torch.int32)
+            rl[0] = L
+            got = dsa_topk(xs[0], rl, k).sort(dim=1).values
+            ref = dsa_topk_reference(xs[0], rl, k).sort(dim=1).values
+            ok = bool(torch.equal(got, ref))
+            ours = _graph_time([lambda x=x: topk_triton(x, lens, k) for x in xs])
+            eager = _eager_time(lambda: topk_triton(xs[0], lens, k))
+            ref_t = _graph_time([lambda x=x: torch.topk(x, k, dim=-1) for x in xs])
+            record("topk", f"B={B} L={L // 1024}K k={k}", ours, ref_t, B * L * 4 + B * k * 4, bw,
+                   "exact" if ok else "MISMATCH", {"eager_us": round(eager, 2), "sets": ns})
+            del xs
+
+
+# ---------------------------------------------------------------- indexer
+def _index_setup(B, L, page_size=64, n_layers=2, fp8=False):
+    D, H = 128, 32
+    pages_per = L // page_size
+    num_pages = B * pages_per + 8
+    perm = torch.randperm(num_pages - 8, device="cuda").int() + 8
+    pt = perm.view(B, pages_per)
+    q = torch.randn(B, H, D, device="cuda").bfloat16()
+    w = torch.randn(B, H, device="cuda") * H**-0.5 * D**-0.5
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    if fp8:
+        pool = index_cache_fp8.alloc_pool(num_pages, n_layers, page_size, D, device="cuda")
+        view = pool[:, 1]
+        kf = torch.randn(num_pages * page_size, D, device="cuda")
+        index_cache_fp8.store(view, torch.arange(num_pages * page_size, device="cuda"), kf)
+        return q, w, view, pt, lens, kf.view(num_pages, page_size, D)
+    pool = torch.randn(num_pages, n_layers, page_size, D, device="cuda").bfloat16()
+    return q, w, pool[:, 1], pt, lens, None
+
+
+def _torch_indexer_bf16(q, w, kc, pt, lens, max_len):
+    """A plain torch bf16 indexer (gather pages, bf16 einsum): the speed reference."""
+    T = q.shape[0]
+    keys = kc[pt.long()].flatten(1, 2)[:, :max_len]  # [T, L, D]
+    dots = torch.einsum("thd,tsd->ths", q, keys).relu_()
+    logit = torch.einsum("th,ths->ts", w, dots.float())
+    pos = torch.arange(max_len, device=q.device)
+    return logit.masked_fill(pos[None] >= lens[:, None], float("-inf"))
+
+
+def bench_indexer(bw: float, sweep: bool) -> None:
+    for fp8 in (False, True):
+        for B in (1, 64):
+            for L in (32768, 131072):
+                q, w, kc, pt, lens, kf = _index_setup(B, L, fp8=fp8)
+                per_tok = 132 if fp8 else 256
+                nbytes = B * L * (per_tok + 4)
+                if fp8:
+                    keys, scales = index_cache_fp8.split_view(kc)
+                    run = lambda **kw: indexer_logits_triton(q, w, keys, pt, lens, L, k_scales=scales, **kw)
+                else:
+                    run = lambda **kw: indexer_logits_triton(q, w, kc, pt, lens, L, **kw)
+                out = run()
+                # check on a few rows: vs the fp32 reference over the same cache
+                rows = slice(0, min(B, 4))
+                if fp8:
+                    ref = indexer_logits_reference(q[rows].float(), w[rows], kf, pt[rows], lens[rows], L)
+                    # overlap of the top-2048 sets with the fp32 oracle (unquantized keys)
+                    a = torch.topk(out[rows], 2048, dim=-1).indices
+                    bset = torch.topk(ref, 2048, dim=-1).indices
+                    ov = min(len(set(a[i].tolist()) & set(bset[i].tolist())) / 2048 for i in range(a.shape[0]))
+                    check = f"overlap={ov:.4f}"
+                else:
+                    ref = indexer_logits_reference(q[rows], w[rows], kc, pt[rows], lens[rows], L)
+                    check = f"rel={((out[rows] - ref).norm() / ref.norm()).item():.2e}"
+                ours = _graph_time([lambda: run()])
+                eager = _eager_time(lambda: run())
+                ref_t = None
+                if not fp8:
+                    ref_t = _graph_time([lambda: _torch_indexer_bf16(q, w, kc, pt, lens, L)], reps=10)
+                extra = {"eager_us": round(eager, 2)}
+                if sweep:
+                    for bs in (64, 128, 256):
+                        for nw in (4, 8):
+                            extra[f"bs{bs}w{nw}"] = round(_graph_time([lambda: run(block_s=bs, num_warps=nw)], reps=10), 2)
+                record("indexer_fp8" if fp8 else "indexer_bf16", f"B={B} L={L // 1024}K H=32 D=128", ours, ref_t,
+                       nbytes, bw, check, extra)
+                del q, w, kc, pt, lens, kf, out
+                torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- sparse MLA
+def _mla_setup(B, H, K=2048, ctx=8192, page_size=64, n_layers=2, R=512, P=64):
+    pages_per = ctx // page_size
+    num_pages = B * pages_per
+    pool = torch.randn(num_pages, n_layers, page_size, R + P, device="cuda").bfloat16()
+    kv = pool[:, 1]
+    q = torch.randn(B, H, R + P, device="cuda").bfloat16()
+    pt = torch.randperm(num_pages, device="cuda").view(B, pages_per)
+    pos = torch.rand(B, ctx, device="cuda").argsort(dim=1)[:, :K]
+    slots = (pt.gather(1, pos // page_size) * page_size + pos % page_size).int()
+    return q, kv, slots
+
+
+def bench_mla(bw: float, sweep: bool) -> None:
+    R, P, K = 512, 64, 2048
+    for H in (64, 128):
+        for B in (1, 64):
+            if H == 128 and B == 1:
+                continue
+            q, kv, idx = _mla_setup(B, H)
+            ref = sparse_mla_reference(q[:2].float(), kv.float(), idx[:2], 1 / 16, R)
+            out = sparse_mla_triton(q, kv, idx, 1 / 16, R)
+            check = f"rel={((out[:2].float() - ref).norm() / ref.norm()).item():.2e}"
+            nbytes = B * K * (R + P) * 2 + B * K * 4 + B * H * (R + P + R) * 2
+            ours = _graph_time([lambda: sparse_mla_triton(q, kv, idx, 1 / 16, R)])
+            eager = _eager_time(lambda: sparse_mla_triton(q, kv, idx, 1 / 16, R))
+            ref_t = _graph_time([lambda: sparse_mla_reference(q, kv, idx, 1 / 16, R)], reps=10)
+            extra = {"eager_us": round(eager, 2)}
+            if sweep:
+                for bn in (32, 64):
+                    for nw in (4, 8):
+                        for st in (1, 2):
+                            for ns in ((None, 2, 4) if B == 64 else (None, 16, 64)):
+                                try:
+                                    t = _graph_time([lambda: sparse_mla_triton(q, kv, idx, 1 / 16, R, num_splits=ns, block_n=bn,
+                                                                                num_warps=nw, num_stages=st)], reps=10)
+                                except Exception as e:  # e.g. out of shared memory
+                                    t = f"err:{type(e).__name__}"
+                                extra[f"n{bn}w{nw}s{st}sp{ns}"] = round(t, 2) if isinstance(t, float) else t
+            record("sparse_mla", f"B={B} H={H} K={K} d=576", ours, ref_t, nbytes, bw, check, extra)
+            del q, kv, idx
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="topk,indexer,mla")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "benchmarks/kernels.py needs a CUDA device"
+    torch.manual_seed(0)
+    import triton
+
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
+    only = args.only.split(",")
+    if "topk" in only:
+        bench_topk(bw, args.sweep)
+    if "indexer" in only:
+        bench_indexer(bw, args.sweep)
+    if "mla" in only:
+        bench_mla(bw, args.sweep)
+    print("\n| op | shape | ours µs | eager µs | torch µs | speedup | % HBM | check |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in ROWS:
+        print(f"| {r['op']} | {r['shape']} | {r['ours_us']} | {r.get('eager_us', '')} | {r['ref_us'] or '-'} | "
+              f"{r['speedup'] or '-'} | {r['hbm_pct']} | {r['check']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bw": bw, "rows": ROWS}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

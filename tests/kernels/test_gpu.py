@@ -1,0 +1,56 @@
+"""The Triton kernels on a CUDA device at GLM-5 shapes (skipped, visibly, without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import cases
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the H200 device tool)"),
+]
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(abs(hash(request.node.name)) % (1 << 31))
+
+
+@pytest.mark.parametrize("L", [8192, 32768, 131072])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_glm5(L, dtype):
+    lens = [L, L - 1, 2048, 2047, 0, L // 2 + 3, 2049, 100]
+    cases.check_topk(8, L, 2048, lens, dtype=dtype, device=DEV)
+
+
+@pytest.mark.parametrize("kind", ["ties", "coarse", "special"])
+def test_topk_ties_and_specials(kind):
+    cases.check_topk(8, 65536, 2048, [65536, 65535, 40000, 3000, 2048, 0, 1, 10000], kind=kind, device=DEV)
+
+
+def test_topk_batch64_paged():
+    lens = torch.randint(0, 131072, (64,)).tolist()
+    cases.check_topk(64, 131072, 2048, lens, device=DEV, paged=True, page_size=64)
+
+
+def test_indexer_bf16_glm5():
+    lens = [32768, 32767, 32766, 20000, 5000, 0]  # verify-like causal + ragged
+    cases.check_indexer_bf16(6, 32, 128, 32768, lens, page_size=64, device=DEV)
+
+
+@pytest.mark.parametrize("fp8_q", [False, True])
+def test_indexer_fp8_overlap_glm5(fp8_q):
+    cases.check_indexer_fp8(8, 32, 128, 32768, 2048, page_size=64, device=DEV, fp8_q=fp8_q, min_overlap=0.97)
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_sparse_mla_glm5(H):
+    cases.check_sparse_mla(4, H, 512, 64, 2048, page_size=64, device=DEV, n_ctx=8192)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_sparse_mla_tiny(num_splits):
+    cases.check_sparse_mla(3, 4, 32, 16, 40, page_size=4, device=DEV, num_splits=num_splits)
