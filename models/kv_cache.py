@@ -66,6 +66,8 @@ class PageAllocator:
         for p in pages:
             if not 0 <= p < self.num_pages or not self._used[p]:
                 raise ValueError(f"page {p} is not allocated")
+        if len(set(pages)) != len(pages):
+            raise ValueError("a page is freed twice in one call")
         for p in pages:
             self._used[p] = 0
         for start, length in runs(sorted(pages)):

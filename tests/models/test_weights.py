@@ -1,0 +1,114 @@
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from glm53.models import ModelRunner, SeqChunk, WeightError
+from tests.models.oracle import make_checkpoint
+
+
+def _forward(runner, ids):
+    pages = runner.allocator.alloc(runner.pages_needed(len(ids)))
+    out = runner.forward([SeqChunk(ids, 0, pages, all_logits=True)])[0]
+    runner.allocator.free(pages)
+    return out
+
+
+def _rewrite(path, fn):
+    sd = load_file(str(path / "model.safetensors"))
+    fn(sd)
+    save_file(sd, str(path / "model.safetensors"))
+
+
+def test_sharded_checkpoint_and_mtp_layer_skipped(tmp_path, caplog):
+    ref = make_checkpoint(tmp_path, seed=5, sharded=True)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    # Add an MTP layer (id == num_hidden_layers) to one shard and the index, as GLM-5 ships it.
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    sd = load_file(str(tmp_path / shard))
+    sd["model.layers.5.eh_proj.weight"] = torch.randn(64, 128)
+    sd["model.layers.5.self_attn.indexer.wk.weight"] = torch.randn(32, 64)
+    save_file(sd, str(tmp_path / shard), metadata={"format": "pt"})
+    index["weight_map"]["model.layers.5.eh_proj.weight"] = shard
+    index["weight_map"]["model.layers.5.self_attn.indexer.wk.weight"] = shard
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with caplog.at_level(logging.INFO):
+        runner = ModelRunner.from_dir(tmp_path, page_size=8, num_pages=16, progress=False)
+    assert sum("skipping MTP layer" in r.message for r in caplog.records) == 1
+    ids = torch.randint(0, 160, (30,)).tolist()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    assert float((_forward(runner, ids) - want).norm() / want.norm()) <= 1e-4
+
+
+def test_missing_and_unexpected_tensors_are_named(tmp_path):
+    make_checkpoint(tmp_path, seed=6)
+    _rewrite(tmp_path, lambda sd: sd.pop("model.layers.2.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(WeightError, match=r"missing.*model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"):
+        ModelRunner.from_dir(tmp_path, progress=False)
+    make_checkpoint(tmp_path, seed=6)
+    _rewrite(tmp_path, lambda sd: sd.__setitem__("model.layers.1.self_attn.bogus.weight", torch.zeros(2)))
+    with pytest.raises(WeightError, match=r"unexpected.*model\.layers\.1\.self_attn\.bogus\.weight"):
+        ModelRunner.from_dir(tmp_path, progress=False)
+
+
+def test_indexer_weights_disagreeing_with_schedule_are_refused(tmp_path):
+    # Checkpoint written with every layer full; config then claims freq 2 (layers 2 and 4 shared).
+    make_checkpoint(tmp_path, seed=7, index_topk_freq=1)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["indexer_types"] = ["full", "full", "shared", "full", "shared"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightError, match=r"layers \[2, 4\] are 'shared'.*carry indexer weights"):
+        ModelRunner.from_dir(tmp_path, progress=False)
+    # And the other direction: a full layer without indexer weights.
+    make_checkpoint(tmp_path, seed=7, index_topk_freq=2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["indexer_types"] = ["full"] * 5
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightError, match=r"layers \[2, 4\] are 'full'.*no indexer weights"):
+        ModelRunner.from_dir(tmp_path, progress=False)
+
+
+def test_block_fp8_checkpoint_is_dequantised(tmp_path):
+    ref = make_checkpoint(tmp_path, seed=8)
+    block = 16
+
+    def quantise(sd):
+        for name in [n for n in sd if n.endswith("proj.weight") and "weights_proj" not in n and sd[n].dim() == 2]:
+            w = sd[name]
+            r, c = -(-w.shape[0] // block), -(-w.shape[1] // block)
+            padded = torch.zeros(r * block, c * block)
+            padded[: w.shape[0], : w.shape[1]] = w
+            tiles = padded.view(r, block, c, block)
+            scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+            q = (tiles / scale[:, None, :, None]).view(r * block, c * block)[: w.shape[0], : w.shape[1]]
+            sd[name] = q.to(torch.float8_e4m3fn)
+            sd[name + "_scale_inv"] = scale.float()
+
+    _rewrite(tmp_path, quantise)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block], "fmt": "e4m3"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    runner = ModelRunner.from_dir(tmp_path, page_size=8, num_pages=16, progress=False)
+    w = runner.model.model.layers["1"].self_attn.q_b_proj.weight
+    w_ref = ref.model.layers[1].self_attn.q_b_proj.weight.detach()
+    # e4m3 keeps 3 mantissa bits: dequantised weights are within ~6% per element.
+    assert float((w - w_ref).norm() / w_ref.norm()) < 0.05
+    assert float((w - w_ref).norm() / w_ref.norm()) > 0  # really quantised
+
+
+def test_generate_cli_prints_one_json_line_per_prompt(tmp_path):
+    make_checkpoint(tmp_path, seed=9)
+    cmd = [sys.executable, "-m", "glm53.server.offline", "--model", str(tmp_path), "--input-ids", "1,2,3",
+           "--input-ids", "4,5,6,7,8,9,10,11,12,13", "--max-new-tokens", "6", "--page-size", "4", "--ignore-eos"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    assert [x["index"] for x in lines] == [0, 1]
+    assert all(len(x["output_ids"]) == 6 for x in lines)
+    assert lines[1]["input_ids"] == list(range(4, 14))
