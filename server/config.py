@@ -80,6 +80,11 @@ class RouterConfig:
     health_check_interval_s: float = 2.0
     # An instance that has not answered a ping for this long is unhealthy; its rooms fail.
     health_timeout_s: float = 10.0
+    # A room with no event for this long fails with an error event (then [DONE]) and is
+    # aborted on both instances. None: transfer.bootstrap_timeout_s + transfer_timeout_s before
+    # the first token, transfer.transfer_timeout_s between later events.
+    first_token_timeout_s: float | None = None
+    stream_idle_timeout_s: float | None = None
     # Seconds `up` waits for every process to report ready.
     startup_timeout_s: float = 600.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -347,6 +352,10 @@ def _check_semantics(cfg: ClusterConfig) -> None:
                   f"({cfg.router.health_timeout_s} <= {cfg.router.health_check_interval_s})")
     if cfg.router.max_running_requests < 1:
         raise err("router.max_running_requests", f"must be >= 1, got {cfg.router.max_running_requests}")
+    for k in ("first_token_timeout_s", "stream_idle_timeout_s"):
+        v = getattr(cfg.router, k)
+        if v is not None and v <= 0:
+            raise err(f"router.{k}", f"must be > 0, got {v}")
     if cfg.router.startup_timeout_s <= 0:
         raise err("router.startup_timeout_s", f"must be > 0, got {cfg.router.startup_timeout_s}")
     for k in ("bootstrap_timeout_s", "transfer_timeout_s"):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, ClassVar, Union
 
@@ -311,3 +312,44 @@ class InstanceChannel:
                                                    ready=self.ready, load=load, sent_at=msg.sent_at))
             else:
                 self._inbox.put(msg)
+
+
+def probe(targets: dict[str, str], timeout: float, ctx: zmq.Context | None = None) -> set[str]:
+    """Ping instances (name -> control address) once; the names that answered ready within
+    `timeout` seconds. Used by `glm53-serve up` to wait for its local instances."""
+    ctx = ctx or zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    reply_to = f"tcp://127.0.0.1:{port}"
+    pushes = []
+    try:
+        for addr in targets.values():
+            s = ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.connect(addr)
+            pushes.append(s)
+        deadline = time.monotonic() + timeout
+        ready: set[str] = set()
+        sent = [False] * len(pushes)
+        while time.monotonic() < deadline and len(ready) < len(targets):
+            for k, s in enumerate(pushes):
+                if not sent[k]:
+                    try:
+                        s.send(encode(HealthPing(seq=k, reply_to=reply_to, sent_at=time.time())), zmq.NOBLOCK)
+                        sent[k] = True
+                    except zmq.Again:
+                        pass  # not connected yet
+            if pull.poll(20):
+                try:
+                    msg = decode(pull.recv(zmq.NOBLOCK))
+                except (zmq.Again, ProtocolError):
+                    continue
+                if isinstance(msg, HealthPong) and msg.ready:
+                    ready.add(msg.instance)
+        return ready & set(targets)
+    finally:
+        for s in pushes:
+            s.close(0)
+        pull.close(0)

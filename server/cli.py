@@ -1,0 +1,405 @@
+"""`glm53-serve`: start a PD-disaggregated deployment from a YAML cluster config.
+
+    glm53-serve up --config FILE        every process the YAML places on this host; one ready line
+    glm53-serve router --config FILE    the HTTP router only
+    glm53-serve prefill --config FILE --instance NAME     one prefill instance
+    glm53-serve decode --config FILE --instance NAME      one decode instance
+    glm53-serve generate --model DIR --input-ids 1,2,3 --max-new-tokens N   offline greedy
+    glm53-serve config --config FILE    validate and print the resolved config
+
+Flags override the YAML and follow SGLang's names, with the usual vLLM aliases. Under `up` and
+`router`, --host/--port are the router's; under `prefill`/`decode`, the instance's. --model
+applies to every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from .config import ClusterConfig, ConfigError, load_config
+
+log = logging.getLogger("glm53.serve")
+
+# Test hook: a Python file (or module) whose main(cfg, instance_index) replaces the prefill and
+# decode entry points, so the router and `up` can be exercised against test doubles.
+INSTANCE_IMPL_ENV = "GLM53_INSTANCE_IMPL"
+
+
+# --------------------------------------------------------------------------------------------
+# Argument parsing
+# --------------------------------------------------------------------------------------------
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="YAML cluster config")
+    p.add_argument("--model", "--model-path", dest="model", help="model directory (every process)")
+    p.add_argument("--served-model-name", nargs="+", help="names clients may use for the model")
+    p.add_argument("--context-length", "--max-model-len", dest="context_length", type=int)
+    p.add_argument("--chat-template", help="a .jinja chat template overriding the model's")
+    g = p.add_argument_group("engine (applies to every instance this command starts)")
+    g.add_argument("--tp-size", "--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int)
+    g.add_argument("--pp-size", "--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int)
+    g.add_argument("--page-size", type=int)
+    g.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int)
+    g.add_argument("--chunked-prefill-size", "--max-num-batched-tokens", dest="chunked_prefill_size", type=int)
+    g.add_argument("--num-pages", type=int)
+    g.add_argument("--max-total-tokens", type=int)
+    g.add_argument("--mem-fraction-static", "--gpu-memory-utilization", dest="mem_fraction_static", type=float)
+    g.add_argument("--device", choices=["cpu", "cuda"])
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32", "fp8_e4m3"])
+    t = p.add_argument_group("transfer")
+    t.add_argument("--disaggregation-transfer-backend", "--transfer-backend", dest="transfer_backend")
+    t.add_argument("--bootstrap-timeout", dest="bootstrap_timeout_s", type=float)
+    t.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=float)
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def _add_router_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="router bind address")
+    p.add_argument("--port", type=int, help="router HTTP port (default 30000)")
+    p.add_argument("--policy", "--pd-policy", dest="policy", choices=["round_robin", "least_loaded", "random"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="glm53-serve", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{up,router,prefill,decode,generate,config}")
+    up = sub.add_parser("up", help="start every process the config places on this host")
+    _add_common(up)
+    _add_router_flags(up)
+    up.add_argument("--startup-timeout", dest="startup_timeout_s", type=float,
+                    help="seconds to wait for readiness (default router.startup_timeout_s)")
+    r = sub.add_parser("router", help="start the HTTP router")
+    _add_common(r)
+    _add_router_flags(r)
+    for role in ("prefill", "decode"):
+        s = sub.add_parser(role, help=f"start one {role} instance")
+        _add_common(s)
+        s.add_argument("--instance", help=f"the {role} instance's name or index in the config (default 0)")
+        s.add_argument("--host", help="the instance's bind address")
+        s.add_argument("--port", type=int, help="the instance's ZMQ request port")
+        s.add_argument("--disaggregation-bootstrap-port", "--bootstrap-port", dest="bootstrap_port", type=int)
+    sub.add_parser("generate", help="offline greedy generation with the model core (see generate --help)",
+                   add_help=False)
+    c = sub.add_parser("config", help="validate a config and print it resolved")
+    _add_common(c)
+    _add_router_flags(c)
+    return ap
+
+
+_ENGINE_FLAGS = ("tp", "pp", "page_size", "max_running_requests", "chunked_prefill_size", "num_pages",
+                 "max_total_tokens", "mem_fraction_static", "device", "dtype", "kv_cache_dtype")
+
+
+def overrides_from_args(args: argparse.Namespace, role: str | None = None, index: int | None = None) -> dict[str, Any]:
+    """Command-line flags as `apply_overrides` keys (config.py)."""
+    o: dict[str, Any] = {}
+    get = lambda k: getattr(args, k, None)  # noqa: E731
+    if get("model"):
+        o["model.path"] = str(Path(args.model).expanduser().resolve()) if not args.model.startswith("embedded:") \
+            else args.model
+    o["model.served_model_name"] = get("served_model_name")
+    o["model.context_length"] = get("context_length")
+    o["model.chat_template"] = get("chat_template")
+    for k in _ENGINE_FLAGS:
+        o[f"engine.{k}"] = get(k)
+    o["transfer.backend"] = get("transfer_backend")
+    o["transfer.bootstrap_timeout_s"] = get("bootstrap_timeout_s")
+    o["transfer.transfer_timeout_s"] = get("transfer_timeout_s")
+    o["router.log_level"] = get("log_level")
+    o["router.policy"] = get("policy")
+    o["router.startup_timeout_s"] = get("startup_timeout_s")
+    if role is None:
+        o["router.host"] = get("host")
+        o["router.port"] = get("port")
+    else:
+        o[f"instance.{role}.{index}.host"] = get("host")
+        o[f"instance.{role}.{index}.port"] = get("port")
+        o[f"instance.{role}.{index}.bootstrap_port"] = get("bootstrap_port")
+    return {k: v for k, v in o.items() if v is not None}
+
+
+def _instance_index(config_path: str, role: str, instance: str | None) -> int:
+    """The position of --instance (a name or an index) in the YAML's `role` pool."""
+    if instance is None:
+        return 0
+    try:
+        raw = yaml.safe_load(Path(config_path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return 0  # load_config reports the problem with the file and key
+    entries = raw.get(role) if isinstance(raw, dict) else None
+    entries = entries if isinstance(entries, list) else []
+    for i, e in enumerate(entries):
+        if isinstance(e, dict) and e.get("name", f"{role[0]}{i}") == instance:
+            return i
+    if instance.isdigit() and int(instance) < len(entries):
+        return int(instance)
+    names = [e.get("name", f"{role[0]}{i}") for i, e in enumerate(entries) if isinstance(e, dict)]
+    raise ConfigError(config_path, role, f"no {role} instance named {instance!r} (have: {', '.join(names) or 'none'})")
+
+
+def _load(args: argparse.Namespace, role: str | None = None) -> tuple[ClusterConfig, int]:
+    if not args.config:
+        raise ConfigError("<command line>", "--config", "a YAML cluster config is required (e.g. configs/local.yaml)")
+    index = _instance_index(args.config, role, getattr(args, "instance", None)) if role else 0
+    return load_config(args.config, overrides_from_args(args, role, index)), index
+
+
+# --------------------------------------------------------------------------------------------
+# Subcommands
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "generate":
+        return _generate(argv[1:])
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "log_level", None) or "info"
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        if args.command == "up":
+            return cmd_up(args)
+        if args.command == "config":
+            cfg, _ = _load(args)
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        if args.command == "router":
+            cfg, _ = _load(args)
+            from .router import main as router_main
+
+            return router_main(cfg)
+        if args.command in ("prefill", "decode"):
+            cfg, index = _load(args, args.command)
+            return _instance_entry(args.command)(cfg, index) or 0
+    except ConfigError as e:
+        print(f"glm53-serve: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _generate(argv: list[str]) -> int:
+    try:
+        offline = importlib.import_module("glm53.server.offline")
+    except ModuleNotFoundError as e:
+        if e.name != "glm53.server.offline":
+            raise
+        print("glm53-serve generate: offline generation (glm53.server.offline) is not available yet",
+              file=sys.stderr)
+        return 2
+    p = argparse.ArgumentParser(prog="glm53-serve generate", description="offline greedy generation")
+    offline.add_generate_args(p)
+    return int(offline.run_generate(p.parse_args(argv)) or 0)
+
+
+def _instance_entry(role: str) -> Callable[[ClusterConfig, int], int | None]:
+    impl = os.environ.get(INSTANCE_IMPL_ENV)
+    if impl:
+        if impl.endswith(".py"):
+            spec = importlib.util.spec_from_file_location("glm53_instance_impl", impl)
+            assert spec and spec.loader
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod  # dataclasses look their module up there
+            spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(impl)
+        return mod.main
+    name = f"glm53.server.{role}_instance"
+    try:
+        return importlib.import_module(name).main
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        raise SystemExit(f"glm53-serve {role}: the {role} instance ({name}) is not available yet")
+
+
+# --------------------------------------------------------------------------------------------
+# `up`: a supervisor for this host's processes
+# --------------------------------------------------------------------------------------------
+
+
+def local_addresses() -> set[str]:
+    names = {"127.0.0.1", "localhost", "0.0.0.0", "::1", "::", "", socket.gethostname(), socket.getfqdn()}
+    try:
+        names.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None):
+            names.add(str(info[4][0]))
+    except OSError:
+        pass
+    return names
+
+
+def _set_pdeathsig() -> None:
+    # Runs in the child between fork and exec: the kernel sends SIGTERM to the child if `up`
+    # dies without cleaning up (e.g. SIGKILL), so no instance outlives its supervisor.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Supervisor:
+    """Child processes, each in its own process group (so Ctrl-C reaches only `up`, and stopping
+    a child also stops anything it spawned)."""
+
+    def __init__(self) -> None:
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_set_pdeathsig)
+        self.children.append((name, proc))
+
+    def exited(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.children if p.poll() is not None]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _, p in self.children:
+            if p.poll() is None:
+                _killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name, p in self.children:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s; killing it", name, timeout)
+        for _, p in self.children:
+            # The group may hold grandchildren even after the leader exited.
+            _killpg(p.pid, signal.SIGKILL)
+            if p.poll() is None:
+                p.wait(5)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from .embedded_model import resolve_model_path
+
+    cfg, _ = _load(args)
+    here = local_addresses()
+    local = [i for i in cfg.instances if i.host in here]
+    run_router = cfg.router.host in here or cfg.router.advertise_host in here
+    if not local and not run_router:
+        raise ConfigError(cfg.source, "", f"no process of this config runs on this host ({socket.gethostname()})")
+
+    try:
+        model_dir = resolve_model_path(cfg.model.path)
+    except FileNotFoundError as e:
+        raise ConfigError(cfg.source, "model.path", str(e)) from None
+    resolved = cfg.to_dict()
+    resolved["model"]["path"] = str(model_dir)
+    workdir = Path(tempfile.mkdtemp(prefix="glm53-up-"))
+    cfg_file = workdir / "cluster.yaml"
+    cfg_file.write_text(f"# resolved from {cfg.source} by glm53-serve up\n" + yaml.safe_dump(resolved, sort_keys=False))
+
+    env = dict(os.environ)
+    if cfg.single_host and "UCX_NET_DEVICES" not in env:
+        env["UCX_NET_DEVICES"] = "lo"  # one host: keep UCX on loopback, away from absent NICs
+
+    sup = Supervisor()
+    stop = {"sig": None}
+
+    def on_signal(sig, _frame):
+        stop["sig"] = sig
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        exe = [sys.executable, "-m", "glm53.server.cli"]
+        for inst in local:
+            sup.spawn(inst.name, [*exe, inst.role, "--config", str(cfg_file), "--instance", inst.name], env)
+        if run_router:
+            sup.spawn("router", [*exe, "router", "--config", str(cfg_file)], env)
+        ok = _wait_ready(cfg, local, run_router, sup, stop, cfg.router.startup_timeout_s)
+        if not ok:
+            return 130 if stop["sig"] is not None else 1
+        url = f"http://{cfg.router.result_host if cfg.router.host in ('0.0.0.0', '::') else cfg.router.host}:{cfg.router.port}"
+        pools = "; ".join(f"{r} {', '.join(i.name for i in cfg.pool(r))}" for r in ("prefill", "decode"))
+        what = f"{url} (model {(cfg.model.served_model_name or [model_dir.name])[0]}; {pools})" if run_router \
+            else f"instances {', '.join(i.name for i in local)} (router at {cfg.router.host}:{cfg.router.port})"
+        print(f"glm53-serve ready: {what}", flush=True)
+        while stop["sig"] is None:
+            for name, rc in sup.exited():
+                if name == "router":
+                    log.error("the router exited (code %s); stopping everything", rc)
+                    return 1
+                if not getattr(sup, f"_reported_{name}", False):
+                    log.error("%s exited (code %s); the router routes around it", name, rc)
+                    setattr(sup, f"_reported_{name}", True)
+            time.sleep(0.2)
+        log.info("stopping (signal %s)", stop["sig"])
+        return 0
+    finally:
+        sup.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+        for f in workdir.iterdir():
+            f.unlink()
+        workdir.rmdir()
+
+
+def _wait_ready(cfg: ClusterConfig, local, run_router: bool, sup: Supervisor, stop: dict, timeout: float) -> bool:
+    from .protocol import probe
+
+    deadline = time.monotonic() + timeout
+    pending = {i.name for i in local}
+    router_ok = not run_router
+    while time.monotonic() < deadline:
+        if stop["sig"] is not None:
+            return False
+        dead = sup.exited()
+        if dead:
+            name, rc = dead[0]
+            print(f"glm53-serve: {name} exited during startup (code {rc}); stopping", file=sys.stderr)
+            return False
+        if pending:
+            ready = probe({i.name: i.address for i in local if i.name in pending}, timeout=0.5)
+            pending -= ready
+        if not pending and not router_ok:
+            router_ok = _router_healthy(cfg)
+        if not pending and router_ok:
+            return True
+        time.sleep(0.3)
+    waiting = sorted(pending) + ([] if router_ok else ["router"])
+    print(f"glm53-serve: not ready after {timeout:g} s (waiting for {', '.join(waiting)}); stopping", file=sys.stderr)
+    return False
+
+
+def _router_healthy(cfg: ClusterConfig) -> bool:
+    host = cfg.router.result_host if cfg.router.host in ("0.0.0.0", "::") else cfg.router.host
+    try:
+        with urllib.request.urlopen(f"http://{host}:{cfg.router.port}/health", timeout=2) as r:
+            return r.status == 200 and json.loads(r.read()).get("status") == "ok"
+    except (OSError, ValueError):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""The router's view of the prefill and decode instances: sockets, health, pairing and rooms.
+
+One asyncio task receives every instance event on the router's PULL socket and routes it to the
+room it belongs to; another pings every instance and fails the rooms of one that stops
+answering. `submit()` picks a (prefill, decode) pair, registers a room and sends the same
+GenerateRequest to both; `next_event()` waits, bounded, for the room's next event; `release()`
+forgets the room and, when asked, sends Abort to both instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from .config import ClusterConfig, InstanceConfig
+from .metrics import RouterMetrics
+from .protocol import (Abort, GenerateRequest, HealthPing, HealthPong, LoadStats, Message, PeerInfo,
+                       ProtocolError, TokenEvent, decode, encode)
+
+log = logging.getLogger(__name__)
+
+
+class Unavailable(Exception):
+    """No healthy instance pair, or the router is at capacity (HTTP 503)."""
+
+
+class RoomFailed(Exception):
+    """A room ended without a normal finish: instance error, dead instance or timeout."""
+
+    def __init__(self, message: str, code: str = "internal"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class InstanceState:
+    cfg: InstanceConfig
+    sock: zmq.Socket
+    ready: bool = False
+    last_pong: float = 0.0  # monotonic
+    load: LoadStats = field(default_factory=LoadStats)
+    in_flight: int = 0  # rooms this router has on the instance
+    healthy: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def peer(self) -> PeerInfo:
+        c = self.cfg
+        return PeerInfo(name=c.name, role=c.role, host=c.host, port=c.port, bootstrap_port=c.bootstrap_port)
+
+
+@dataclass
+class RoomSpec:
+    """What the router asks the instances to generate."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: dict
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    eos_token_ids: list[int]
+    ignore_eos: bool
+
+
+@dataclass
+class Room:
+    room: int
+    generation: int
+    spec: RoomSpec
+    prefill: InstanceState
+    decode: InstanceState
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    submitted_at: float = field(default_factory=time.monotonic)
+    got_first_token: bool = False
+    done: bool = False
+
+
+class InstancePool:
+    def __init__(self, cfg: ClusterConfig, metrics: RouterMetrics | None = None, seed: int | None = None):
+        self.cfg = cfg
+        self.metrics = metrics
+        self._rng = random.Random(seed)
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        self.instances: dict[str, list[InstanceState]] = {"prefill": [], "decode": []}
+        self.rooms: dict[int, Room] = {}
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._ping_seq = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._pull: zmq.asyncio.Socket | None = None
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        r = self.cfg.router
+        self._pull = self._async_ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(f"tcp://{r.host}:{r.result_port}")
+        for inst in self.cfg.instances:
+            s = self._sync_ctx.socket(zmq.PUSH)
+            # IMMEDIATE: queue only to a live connection, so a send to a dead or not yet started
+            # instance fails at once (EAGAIN) instead of piling up in a buffer.
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 10_000)
+            s.connect(inst.address)
+            self.instances[inst.role].append(InstanceState(cfg=inst, sock=s))
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="router-recv"),
+                       asyncio.create_task(self._health_loop(), name="router-health")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        for room in list(self.rooms.values()):
+            self.release(room, abort=True)
+        for pool in self.instances.values():
+            for i in pool:
+                i.sock.close(0)
+        if self._pull is not None:
+            self._pull.close(0)
+        self._sync_ctx.term()
+        self._async_ctx.term()
+
+    # ---- state ----
+    def all_instances(self) -> list[InstanceState]:
+        return [*self.instances["prefill"], *self.instances["decode"]]
+
+    def healthy(self, role: str) -> list[InstanceState]:
+        return [i for i in self.instances[role] if i.healthy]
+
+    def has_capacity(self) -> bool:
+        return len(self.rooms) < self.cfg.router.max_running_requests
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        return {
+            role: [{"name": i.name, "address": i.cfg.address, "bootstrap_port": i.cfg.bootstrap_port,
+                    "healthy": i.healthy, "ready": i.ready, "in_flight": i.in_flight,
+                    "last_pong_s_ago": round(now - i.last_pong, 3) if i.last_pong else None,
+                    "load": i.load.__dict__}
+                   for i in self.instances[role]]
+            for role in ("prefill", "decode")
+        }
+
+    # ---- requests ----
+    def submit(self, spec: RoomSpec) -> Room:
+        if not self.has_capacity():
+            raise Unavailable(f"the server is at capacity ({self.cfg.router.max_running_requests} requests in "
+                              "flight); retry later")
+        pairs_tried: set[tuple[str, str]] = set()
+        # A send that fails means the instance vanished since its last pong: try another pair.
+        for _ in range(len(self.instances["prefill"]) * len(self.instances["decode"])):
+            p, d = self._pick("prefill"), self._pick("decode")
+            if (p.name, d.name) in pairs_tried:
+                continue
+            pairs_tried.add((p.name, d.name))
+            room_id = self._new_room_id()
+            room = Room(room=room_id, generation=0, spec=spec, prefill=p, decode=d)
+            req = GenerateRequest(
+                room=room_id, generation=0, rid=spec.rid, input_ids=spec.input_ids, sampling=spec.sampling,
+                max_new_tokens=spec.max_new_tokens, stop_token_ids=spec.stop_token_ids,
+                eos_token_ids=spec.eos_token_ids, ignore_eos=spec.ignore_eos, prefill=p.peer, decode=d.peer,
+                reply_to=self.cfg.router.result_address, sent_at=time.time(),
+            )
+            data = encode(req)
+            # Decode first: it must preallocate pages before prefill's writes can land.
+            if not self._send(d, data):
+                self._set_healthy(d, False)  # no live connection: back when it pongs again
+                continue
+            if not self._send(p, data):
+                self._set_healthy(p, False)
+                self._send(d, encode(Abort(room=room_id, generation=0, reason="prefill unreachable")))
+                continue
+            self.rooms[room_id] = room
+            p.in_flight += 1
+            d.in_flight += 1
+            return room
+        raise Unavailable("no healthy prefill/decode instance pair is available")
+
+    async def next_event(self, room: Room) -> TokenEvent:
+        """The room's next event; RoomFailed when an instance fails it, dies, or it times out."""
+        t = self.cfg.transfer
+        if not room.got_first_token:
+            timeout = self.cfg.router.first_token_timeout_s or (t.bootstrap_timeout_s + t.transfer_timeout_s)
+        else:
+            timeout = self.cfg.router.stream_idle_timeout_s or t.transfer_timeout_s
+        try:
+            item = await asyncio.wait_for(room.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            what = "the first token" if not room.got_first_token else "the next token"
+            if self.metrics:
+                self.metrics.transfer_failed.labels(self.metrics.model_name).inc()
+            raise RoomFailed(f"timed out after {timeout:g} s waiting for {what} from decode instance "
+                             f"{room.decode.name} (prefill {room.prefill.name})", "timeout") from None
+        if isinstance(item, RoomFailed):
+            raise item
+        if item.token_ids:
+            room.got_first_token = True
+        return item
+
+    def release(self, room: Room, abort: bool) -> None:
+        """Forget the room (idempotent); with abort, tell both instances to drop it."""
+        if room.done:
+            return
+        room.done = True
+        self.rooms.pop(room.room, None)
+        room.prefill.in_flight -= 1
+        room.decode.in_flight -= 1
+        if abort:
+            msg = encode(Abort(room=room.room, generation=room.generation))
+            self._send(room.decode, msg)
+            self._send(room.prefill, msg)
+
+    # ---- internals ----
+    def _pick(self, role: str) -> InstanceState:
+        cands = self.healthy(role)
+        if not cands:
+            raise Unavailable(f"no healthy {role} instance (configured: "
+                              f"{', '.join(i.name for i in self.instances[role])})")
+        policy = self.cfg.router.policy
+        if policy == "random":
+            return self._rng.choice(cands)
+        if policy == "round_robin":
+            return cands[next(self._rr[role]) % len(cands)]
+        # least_loaded: the router's own in-flight count is exact and fresh; the instance's
+        # queue from its last pong breaks ties; round robin among equals spreads bursts.
+        start = next(self._rr[role])
+        order = cands[start % len(cands):] + cands[:start % len(cands)]
+        return min(order, key=lambda i: (i.in_flight, i.load.num_waiting))
+
+    def _new_room_id(self) -> int:
+        while True:
+            rid = self._rng.getrandbits(63)
+            if rid not in self.rooms:
+                return rid
+
+    def _send(self, inst: InstanceState, data: bytes) -> bool:
+        try:
+            inst.sock.send(data, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    async def _receive_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = decode(data)
+            except ProtocolError as e:
+                log.error("router: dropped an invalid instance message: %s", e)
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # one bad event must not stop the receive loop
+                log.exception("router: error handling %s", type(msg).__name__)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, HealthPong):
+            inst = self._by_name(msg.instance)
+            if inst is None:
+                return
+            inst.last_pong = time.monotonic()
+            inst.ready = msg.ready
+            inst.load = msg.load
+            self._set_healthy(inst, msg.ready)
+            if self.metrics:
+                self.metrics.observe_load(inst.cfg.role, inst.name, msg.load, inst.healthy)
+            return
+        if not isinstance(msg, TokenEvent):
+            return
+        if msg.transfer is not None and self.metrics:
+            self.metrics.observe_transfer(msg.transfer)
+        room = self.rooms.get(msg.room)
+        if room is None or room.generation != msg.generation:
+            return  # finished, aborted or superseded: late events are expected
+        if msg.instance == room.prefill.name and msg.instance != room.decode.name:
+            # Prefill reports only failures (and transfer stats); after the first token the
+            # decode side owns the room.
+            if msg.finish_reason == "error" and not room.got_first_token:
+                if self.metrics and msg.error_code in ("bootstrap_timeout", "transfer_timeout", "transfer_failed"):
+                    self.metrics.transfer_failed.labels(self.metrics.model_name).inc()
+                room.queue.put_nowait(RoomFailed(
+                    f"prefill instance {msg.instance} failed the request: {msg.error or 'unknown error'}",
+                    msg.error_code or "internal"))
+            return
+        if msg.instance != room.decode.name:
+            return
+        if msg.finish_reason == "error":
+            if self.metrics and msg.error_code in ("bootstrap_timeout", "transfer_timeout", "transfer_failed"):
+                self.metrics.transfer_failed.labels(self.metrics.model_name).inc()
+            room.queue.put_nowait(RoomFailed(
+                f"decode instance {msg.instance} failed the request: {msg.error or 'unknown error'}",
+                msg.error_code or "internal"))
+            return
+        room.queue.put_nowait(msg)
+
+    def _by_name(self, name: str) -> InstanceState | None:
+        for i in self.all_instances():
+            if i.name == name:
+                return i
+        return None
+
+    def _set_healthy(self, inst: InstanceState, healthy: bool) -> None:
+        if inst.healthy == healthy:
+            return
+        inst.healthy = healthy
+        log.log(logging.INFO if healthy else logging.WARNING, "router: %s instance %s is %s", inst.cfg.role,
+                inst.name, "healthy" if healthy else "UNHEALTHY")
+        if self.metrics:
+            self.metrics.set_health(inst.cfg.role, inst.name, healthy)
+        if not healthy:
+            # Fail its rooms now (bounded by health_timeout_s) rather than at their own timeouts.
+            for room in list(self.rooms.values()):
+                if inst is room.prefill and room.got_first_token:
+                    continue  # prefill's work for this room is done
+                if inst is room.prefill or inst is room.decode:
+                    room.queue.put_nowait(RoomFailed(
+                        f"{inst.cfg.role} instance {inst.name} stopped responding", "instance_down"))
+
+    async def _health_loop(self) -> None:
+        r = self.cfg.router
+        while True:
+            now = time.monotonic()
+            for inst in self.all_instances():
+                if inst.healthy and now - inst.last_pong > r.health_timeout_s:
+                    self._set_healthy(inst, False)
+                ping = HealthPing(seq=next(self._ping_seq), reply_to=r.result_address, sent_at=time.time())
+                self._send(inst, encode(ping))
+            await asyncio.sleep(r.health_check_interval_s)

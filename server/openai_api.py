@@ -1,0 +1,171 @@
+"""Request bodies of the HTTP API (pydantic) and the error envelope.
+
+Field names follow OpenAI, with vLLM/SGLang extensions (top_k, min_p, ignore_eos,
+stop_token_ids, skip_special_tokens, chat_template_kwargs). Errors are vLLM's nested OpenAI
+shape: {"error": {"message", "type", "param", "code"}} with `type` the HTTP reason phrase and
+`code` the status. Unknown fields are ignored (as vLLM does), except the router's internal PD
+fields, which clients may not set.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+INTERNAL_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "kv_transfer_params")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": HTTPStatus(status).phrase, "param": param, "code": status}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def internal_fields(self) -> list[str]:
+        extra = self.model_extra or {}
+        return [k for k in INTERNAL_FIELDS if k in extra]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "video_url"]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[Union[TextPart, ImagePart]], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and completions."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    n: int = Field(default=1, ge=1)
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: Union[bool, int, None] = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    add_generation_prompt: bool = True
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class GenerateSamplingParams(BaseModel):
+    """SGLang's `sampling_params` (the subset glm53-serve implements)."""
+
+    model_config = ConfigDict(extra="allow")
+    max_new_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    sampling_seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+class GenerateRequestBody(_Body):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: GenerateSamplingParams | None = None
+    stream: bool = False
+    rid: str | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,720 @@
+"""The router: the OpenAI-compatible HTTP API in front of the prefill/decode instances.
+
+It tokenizes (GLM chat template), picks a (prefill, decode) pair, sends both the request over
+ZMQ (protocol.py), turns decode's token events into text (incremental detokenization, stop
+strings applied here, then the room is aborted), and writes JSON or OpenAI-exact SSE. It never
+answers client input with a 5xx: bad input is a 400 in vLLM's error shape, an unknown model a
+404, no healthy instance / at capacity a 503, a timed-out room a 504 (in a stream: an error event
+then [DONE]).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .config import ClusterConfig
+from .instance_pool import InstancePool, Room, RoomFailed, RoomSpec, Unavailable
+from .metrics import RouterMetrics
+from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                         GenerateRequestBody, TokenizeRequest, _Sampling, error_body)
+from .sampling import SamplingError, SamplingParams
+from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Error codes from instances / the pool -> HTTP status of the error body.
+_STATUS_FOR_CODE = {"context_length": 400, "bad_request": 400, "timeout": 504, "bootstrap_timeout": 504,
+                    "transfer_timeout": 504}
+
+
+# --------------------------------------------------------------------------------------------
+# One generation: tokens in, text deltas out
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Outcome:
+    finish_reason: str
+    matched_stop: str | int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+@dataclass
+class RouterState:
+    cfg: ClusterConfig
+    tokenizer: Tokenizer
+    pool: InstancePool
+    metrics: RouterMetrics
+    served_names: list[str]
+    model_root: str
+    context_length: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Generation:
+    """One request in flight. Construction submits it (APIError 503 if no instance pair can take
+    it); `events()` yields Deltas then one Outcome, or raises APIError mid-way. `cancel()` (also
+    run when `events()` is closed early, e.g. the client went away) aborts the room on both
+    instances; it is idempotent."""
+
+    def __init__(self, state: RouterState, req: GenRequest):
+        self.state, self.req = state, req
+        self.t0 = time.monotonic()
+        self.room: Room | None = None
+        self._open = False
+        p = req.params
+        if p.max_new_tokens == 0:
+            return
+        spec = RoomSpec(
+            rid=req.rid, input_ids=req.input_ids,
+            sampling={"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
+                      "seed": p.seed},
+            max_new_tokens=p.max_new_tokens, stop_token_ids=list(p.stop_token_ids),
+            eos_token_ids=list(state.tokenizer.eos_token_ids), ignore_eos=p.ignore_eos,
+        )
+        try:
+            self.room = state.pool.submit(spec)
+        except Unavailable as e:
+            raise APIError(503, str(e)) from None
+        self._open = True
+        state.metrics.router_running.labels(state.metrics.model_name).inc()
+
+    def _close(self, abort: bool) -> None:
+        if not self._open:
+            return
+        self._open = False
+        m = self.state.metrics
+        m.router_running.labels(m.model_name).dec()
+        assert self.room is not None
+        self.state.pool.release(self.room, abort=abort)
+        if abort:
+            m.aborted.labels(m.model_name).inc()
+
+    def cancel(self) -> None:
+        self._close(abort=True)
+
+    async def events(self) -> AsyncIterator[Delta | Outcome]:
+        req, p, state = self.req, self.req.params, self.state
+        m, name = state.metrics, state.metrics.model_name
+        if self.room is None:
+            yield Outcome("length", None, len(req.input_ids), 0)
+            return
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(state.tokenizer.eos_token_ids))
+        detok = IncrementalDetokenizer(state.tokenizer, req.skip_special_tokens)
+        stops = StopStringMatcher(p.stop, include_stop=req.no_stop_trim)
+        n_out, cached, last_t, first_t = 0, 0, self.t0, None
+        try:
+            while True:
+                try:
+                    ev = await state.pool.next_event(self.room)
+                except RoomFailed as e:
+                    raise APIError(_STATUS_FOR_CODE.get(e.code, 503), str(e)) from None
+                now = time.monotonic()
+                cached = max(cached, ev.cached_tokens)
+                # Never more than max_new_tokens, whatever the instance sends.
+                ids = list(ev.token_ids)[:max(p.max_new_tokens - n_out, 0)]
+                if ids:
+                    k = len(ids)
+                    if first_t is None:
+                        first_t = now
+                        m.ttft.labels(name).observe(now - self.t0)
+                        k -= 1
+                    for _ in range(k):
+                        m.itl.labels(name).observe((now - last_t) / k)
+                    last_t = now
+                finish, matched = ev.finish_reason, ev.matched_stop
+                # A stop/eos token ends the text: it is counted but not shown.
+                visible = ids
+                if ids and ids[-1] in stop_ids and (finish == "stop" or ids[-1] in p.stop_token_ids):
+                    visible, finish, matched = ids[:-1], "stop", ids[-1]
+                n_out += len(ids)
+                text = stops.feed(detok.add(visible)) if visible else ""
+                if stops.matched is not None:
+                    finish, matched = "stop", stops.matched
+                elif finish is None and n_out >= p.max_new_tokens:
+                    finish = "length"
+                if finish is None:
+                    if text or ids:
+                        yield Delta(text, ids)
+                    continue
+                if stops.matched is None:
+                    text += stops.feed(detok.flush())
+                    if stops.matched is None:
+                        text += stops.flush()
+                    else:
+                        finish, matched = "stop", stops.matched
+                # The instances end eos/length rooms themselves; a router-side end needs an abort.
+                self._close(abort=ev.finish_reason is None)
+                m.e2e.labels(name).observe(now - self.t0)
+                if first_t is not None and n_out > 1:
+                    m.tpot.labels(name).observe((now - first_t) / (n_out - 1))
+                m.prompt_tokens.labels(name).inc(len(req.input_ids))
+                m.generation_tokens.labels(name).inc(n_out)
+                m.requests.labels(name, finish).inc()
+                if text or ids:
+                    yield Delta(text, ids)
+                yield Outcome(finish, matched, len(req.input_ids), n_out, cached)
+                return
+        finally:
+            # Client gone, room failed or timed out: free both sides.
+            self.cancel()
+
+
+# --------------------------------------------------------------------------------------------
+# Request -> GenRequest
+# --------------------------------------------------------------------------------------------
+
+
+def _check_model(state: RouterState, model: str | None) -> str:
+    if model is None or model in state.served_names or model == state.model_root:
+        return state.served_names[0] if model is None or model == state.model_root else model
+    raise APIError(404, f"The model `{model}` does not exist. Valid names: {', '.join(state.served_names)}.",
+                   "model")
+
+
+def _check_internal(body: Any) -> None:
+    bad = body.internal_fields()
+    if bad:
+        raise APIError(400, f"{bad[0]} is set by the router and may not be sent by clients", bad[0])
+
+
+def _unsupported(body: _Sampling) -> None:
+    if body.n != 1:
+        raise APIError(400, "n > 1 is not supported yet", "n")
+    if body.logprobs:
+        raise APIError(400, "logprobs are not supported yet", "logprobs")
+    for k in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, k) not in (None, 0, 0.0):
+            raise APIError(400, f"{k} is not supported yet", k)
+    if body.repetition_penalty not in (None, 1, 1.0):
+        raise APIError(400, "repetition_penalty is not supported yet", "repetition_penalty")
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _sampling(state: RouterState, prompt_len: int, *, max_tokens: int | None, default_max: int | None,
+              temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None,
+              seed: int | None, stop: list[str], stop_token_ids: list[int] | None,
+              ignore_eos: bool) -> SamplingParams:
+    ctx = state.context_length
+    if prompt_len == 0:
+        raise APIError(400, "The prompt is empty (it has no tokens).", "prompt")
+    if prompt_len >= ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your request has "
+                       f"{prompt_len} input tokens. Please reduce the length of the input.", "messages")
+    room = ctx - prompt_len
+    if max_tokens is None:
+        max_tokens = room if default_max is None else min(default_max, room)
+    elif prompt_len + max_tokens > ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the input, {max_tokens} in the "
+                       "completion). Please reduce the length of the input or the completion.", "max_tokens")
+    d = state.tokenizer.defaults
+    vocab = state.tokenizer.vocab_size
+    for t in stop_token_ids or []:
+        if not 0 <= t < vocab:
+            raise APIError(400, f"stop_token_ids: token id {t} is outside the vocabulary (0..{vocab - 1})",
+                           "stop_token_ids")
+    try:
+        return SamplingParams(
+            temperature=temperature if temperature is not None else (d.temperature if d.temperature is not None else 1.0),
+            top_p=top_p if top_p is not None else (d.top_p if d.top_p is not None else 1.0),
+            top_k=top_k if top_k is not None else (d.top_k if d.top_k not in (None, 0) else -1),
+            min_p=min_p if min_p is not None else (d.min_p or 0.0),
+            seed=seed, max_new_tokens=max_tokens, stop=stop, stop_token_ids=list(stop_token_ids or []),
+            ignore_eos=ignore_eos,
+        )
+    except SamplingError as e:
+        raise APIError(400, str(e), e.param) from None
+
+
+def _check_ids(state: RouterState, ids: list[int], param: str) -> list[int]:
+    vocab = state.tokenizer.vocab_size
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise APIError(400, f"token id {t} is outside the vocabulary (0..{vocab - 1})", param)
+    return ids
+
+
+def _render_chat(state: RouterState, body: ChatCompletionRequest | TokenizeRequest) -> str:
+    msgs = [m.model_dump(exclude_none=True) for m in body.messages or []]
+    for i, m in enumerate(msgs):
+        if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
+            raise APIError(400, "only text content parts are supported", f"messages[{i}].content")
+    kwargs = dict(body.chat_template_kwargs or {})
+    for k in ("messages", "tools", "add_generation_prompt"):
+        kwargs.pop(k, None)
+    if isinstance(body, ChatCompletionRequest) and body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    try:
+        return state.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=body.add_generation_prompt,
+                                                   **kwargs)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), "messages") from None
+
+
+def _rid(request: Request, prefix: str) -> str:
+    return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+
+
+# --------------------------------------------------------------------------------------------
+# Response assembly
+# --------------------------------------------------------------------------------------------
+
+
+def sse(obj: Any) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _collect(gen: Generation) -> tuple[str, list[int], Outcome]:
+    text, ids, outcome = [], [], None
+    events = gen.events()
+    try:
+        async with contextlib.aclosing(events):
+            async for item in events:
+                if isinstance(item, Delta):
+                    text.append(item.text)
+                    ids.extend(item.token_ids)
+                else:
+                    outcome = item
+    finally:
+        gen.cancel()
+    assert outcome is not None
+    return "".join(text), ids, outcome
+
+
+async def _until_disconnect(request: Request, coro: Any) -> Any:
+    """Await `coro`, cancelling it (which aborts its room) if the client goes away."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, APIError):
+                    await task
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _stream(gen: Generation, head: list[str], chunk, finish, usage) -> AsyncIterator[str]:
+    """SSE body: `head` events, a chunk per Delta, the finish event(s), [DONE]; an error event and
+    [DONE] if the generation fails mid-stream. Closing it (client gone) aborts the room."""
+    events = gen.events()
+    try:
+        async with contextlib.aclosing(events):
+            for h in head:
+                yield h
+            try:
+                async for item in events:
+                    if isinstance(item, Delta):
+                        ev = chunk(item)
+                        if ev:
+                            yield ev
+                    else:
+                        for ev in finish(item):
+                            yield ev
+                        if usage is not None:
+                            yield usage(item)
+            except APIError as e:
+                yield sse(error_body(e.status, e.message, e.param))
+            yield SSE_DONE
+    finally:
+        gen.cancel()
+
+
+# --------------------------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------------------------
+
+
+def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = None) -> FastAPI:
+    tokenizer = Tokenizer.from_dir(model_dir, cfg.model.chat_template)
+    served = list(cfg.model.served_model_name) or [Path(model_dir).name]
+    metrics = RouterMetrics(served[0])
+    pool = pool or InstancePool(cfg, metrics)
+    pool.metrics = metrics
+    ctx = cfg.model.context_length or tokenizer.max_position_embeddings or 4096
+    state = RouterState(cfg=cfg, tokenizer=tokenizer, pool=pool, metrics=metrics, served_names=served,
+                        model_root=str(model_dir), context_length=int(ctx))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.stop()
+
+    app = FastAPI(title="glm53-serve", version="0.1.0", lifespan=lifespan)
+    app.state.router = state
+    _install_error_handlers(app)
+
+    # ---- OpenAI ----
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(state, n) for n in served]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        if model_id not in served:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        return _model_card(state, model_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_internal(body)
+        model = _check_model(state, body.model)
+        _unsupported(body)
+        if body.top_logprobs:
+            raise APIError(400, "top_logprobs is not supported yet", "top_logprobs")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format other than text is not supported yet", "response_format")
+        ids = state.tokenizer.encode(_render_chat(state, body))
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = _sampling(state, len(ids), max_tokens=max_tokens, default_max=None, temperature=body.temperature,
+                           top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+                           stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids,
+                           ignore_eos=body.ignore_eos)
+        rid = _rid(request, "chatcmpl")
+        gen = Generation(state, GenRequest(rid, ids, params, body.skip_special_tokens))
+        created = int(time.time())
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        if not body.stream:
+            res = await _until_disconnect(request, _collect(gen))
+            if res is None:
+                return Response(status_code=499)
+            text, _, out = res
+            return JSONResponse({
+                "id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                             "logprobs": None, "finish_reason": out.finish_reason,
+                             "matched_stop": out.matched_stop, "stop_reason": out.matched_stop}],
+                "usage": out.usage(),
+            }, headers={"x-request-id": rid})
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
+        counted = {"n": 0}
+        plen = len(ids)
+
+        def with_usage(obj: dict, n: int | None) -> dict:
+            if include_usage:
+                obj["usage"] = ({"prompt_tokens": plen, "completion_tokens": n, "total_tokens": plen + n}
+                                if continuous and n is not None else None)
+            return obj
+
+        def chunk(d: Delta) -> str | None:
+            counted["n"] += len(d.token_ids)
+            if not d.text:
+                return None
+            return sse(with_usage({**base, "choices": [{"index": 0, "delta": {"content": d.text},
+                                                        "logprobs": None, "finish_reason": None}]},
+                                  counted["n"]))
+
+        def finish(o: Outcome) -> list[str]:
+            return [sse(with_usage({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                         "finish_reason": o.finish_reason,
+                                                         "matched_stop": o.matched_stop}]},
+                                   o.completion_tokens))]
+
+        usage = (lambda o: sse({**base, "choices": [], "usage": o.usage()})) if include_usage else None
+        head = [sse(with_usage({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]}, 0))]
+        return StreamingResponse(_stream(gen, head, chunk, finish, usage), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, "x-request-id": rid})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_internal(body)
+        model = _check_model(state, body.model)
+        _unsupported(body)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if body.best_of not in (None, 1):
+            raise APIError(400, "best_of > 1 is not supported yet", "best_of")
+        prompts = _completion_prompts(state, body.prompt)
+        if body.stream and len(prompts) > 1:
+            raise APIError(400, "streaming several prompts in one request is not supported yet", "prompt")
+        rid = _rid(request, "cmpl")
+        created = int(time.time())
+        gens, echoes = [], []
+        for i, ids in enumerate(prompts):
+            params = _sampling(state, len(ids), max_tokens=body.max_tokens, default_max=16,
+                               temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                               seed=body.seed, stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids,
+                               ignore_eos=body.ignore_eos)
+            gens.append(GenRequest(f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params, body.skip_special_tokens))
+            echoes.append(state.tokenizer.decode(ids, body.skip_special_tokens) if body.echo else "")
+        if not body.stream:
+            started: list[Generation] = []
+            try:
+                for g in gens:
+                    started.append(Generation(state, g))
+            except APIError:
+                for g in started:
+                    g.cancel()
+                raise
+
+            async def run_all():
+                try:
+                    return await asyncio.gather(*(_collect(g) for g in started))
+                finally:
+                    for g in started:
+                        g.cancel()
+
+            res = await _until_disconnect(request, run_all())
+            if res is None:
+                return Response(status_code=499)
+            choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
+            for i, (text, _, out) in enumerate(res):
+                choices.append({"index": i, "text": echoes[i] + text, "logprobs": None,
+                                "finish_reason": out.finish_reason, "matched_stop": out.matched_stop,
+                                "stop_reason": out.matched_stop})
+                usage["prompt_tokens"] += out.prompt_tokens
+                usage["completion_tokens"] += out.completion_tokens
+                usage["cached"] += out.cached_tokens
+            total = Outcome("stop", None, usage["prompt_tokens"], usage["completion_tokens"], usage["cached"])
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                 "choices": choices, "usage": total.usage()}, headers={"x-request-id": rid})
+        gen = Generation(state, gens[0])
+        base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+
+        def tc(text: str, finish_reason: str | None, **extra: Any) -> str:
+            obj = {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                                        **extra}]}
+            if include_usage:
+                obj["usage"] = None
+            return sse(obj)
+
+        head = [tc(echoes[0], None)] if echoes[0] else []
+        return StreamingResponse(
+            _stream(gen, head, lambda d: tc(d.text, None) if d.text else None,
+                    lambda o: [tc("", o.finish_reason, matched_stop=o.matched_stop)],
+                    (lambda o: sse({**base, "choices": [], "usage": o.usage()})) if include_usage else None),
+            media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
+
+    # ---- SGLang native ----
+    @app.post("/generate")
+    async def generate_native(body: GenerateRequestBody, request: Request):
+        _check_internal(body)
+        if (body.text is None) == (body.input_ids is None):
+            raise APIError(400, "exactly one of text and input_ids must be given", "text")
+        ids = (_check_ids(state, list(body.input_ids), "input_ids") if body.input_ids is not None
+               else state.tokenizer.encode(body.text or ""))
+        sp = body.sampling_params or _default_generate_params()
+        params = _sampling(state, len(ids), max_tokens=sp.max_new_tokens, default_max=128,
+                           temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+                           seed=sp.sampling_seed, stop=_stop_list(sp.stop), stop_token_ids=sp.stop_token_ids,
+                           ignore_eos=sp.ignore_eos)
+        rid = body.rid or _rid(request, "gen")
+        gen = Generation(state, GenRequest(rid, ids, params, sp.skip_special_tokens, sp.no_stop_trim))
+        t0 = time.monotonic()
+
+        def meta(o: Outcome | None, n: int) -> dict:
+            fr = None
+            if o is not None:
+                fr = {"type": o.finish_reason}
+                if o.finish_reason == "stop":
+                    fr["matched"] = o.matched_stop
+                elif o.finish_reason == "length":
+                    fr["length"] = o.completion_tokens
+            return {"id": rid, "finish_reason": fr, "prompt_tokens": len(ids),
+                    "completion_tokens": o.completion_tokens if o else n,
+                    "cached_tokens": o.cached_tokens if o else 0, "e2e_latency": time.monotonic() - t0}
+
+        if not body.stream:
+            res = await _until_disconnect(request, _collect(gen))
+            if res is None:
+                return Response(status_code=499)
+            text, out_ids, out = res
+            return JSONResponse({"text": text, "output_ids": out_ids, "meta_info": meta(out, len(out_ids))})
+        acc = {"text": "", "ids": []}
+
+        def chunk(d: Delta) -> str:
+            acc["text"] += d.text
+            acc["ids"].extend(d.token_ids)
+            return sse({"text": acc["text"], "output_ids": list(acc["ids"]), "meta_info": meta(None, len(acc["ids"]))})
+
+        def finish(o: Outcome) -> list[str]:
+            return [sse({"text": acc["text"], "output_ids": list(acc["ids"]), "meta_info": meta(o, len(acc["ids"]))})]
+
+        return StreamingResponse(_stream(gen, [], chunk, finish, None), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    # ---- tokenizer endpoints (vLLM shape; with and without /v1) ----
+    async def tokenize(body: TokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "exactly one of prompt and messages must be given", "prompt")
+        text = body.prompt if body.prompt is not None else _render_chat(state, body)
+        ids = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.context_length}
+
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(state, body.model)
+        return {"prompt": state.tokenizer.decode(_check_ids(state, body.tokens, "tokens"), False)}
+
+    for prefix in ("", "/v1"):
+        app.post(prefix + "/tokenize")(tokenize)
+        app.post(prefix + "/detokenize")(detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        t = state.tokenizer
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": t.eos_token, "bos_token": t.bos_token,
+                "pad_token": t.pad_token, "chat_template": t.chat_template, "model_max_length": state.context_length,
+                "vocab_size": t.vocab_size, "eos_token_ids": t.eos_token_ids}
+
+    # ---- health, info, metrics ----
+    @app.get("/health")
+    async def health():
+        missing = [r for r in ("prefill", "decode") if not pool.healthy(r)]
+        if missing:
+            return JSONResponse(error_body(503, f"no healthy {' or '.join(missing)} instance"), status_code=503)
+        return {"status": "ok"}
+
+    app.get("/ready")(health)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        ids = state.tokenizer.encode("ping") or [0]
+        params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+        try:
+            _, out_ids, _ = await _collect(Generation(state, GenRequest(f"health-{uuid.uuid4().hex}", ids, params)))
+        except APIError as e:
+            return JSONResponse(error_body(503, f"health generation failed: {e.message}"), status_code=503)
+        return {"status": "ok", "output_ids": out_ids}
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        return {"model_path": state.model_root, "served_model_name": served, "context_length": state.context_length,
+                "router": {"host": cfg.router.host, "port": cfg.router.port, "policy": cfg.router.policy,
+                           "running_requests": len(pool.rooms)},
+                **pool.status(), "internal_states": [{}], "version": "0.1.0"}
+
+    app.get("/get_server_info")(server_info)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _default_generate_params():
+    from .openai_api import GenerateSamplingParams
+
+    return GenerateSamplingParams()
+
+
+def _completion_prompts(state: RouterState, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [state.tokenizer.encode(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return [_check_ids(state, list(prompt), "prompt")]
+    out = []
+    for p in prompt:
+        out.append(state.tokenizer.encode(p) if isinstance(p, str) else _check_ids(state, list(p), "prompt"))
+    return out
+
+
+def _model_card(state: RouterState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "glm53-serve",
+            "root": state.model_root, "parent": None, "max_model_len": state.context_length, "permission": []}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError):
+        errs = e.errors()
+        lines, param = [], None
+        for err in errs[:5]:
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            param = param or loc or None
+            lines.append(f"  {loc}: {err.get('msg', 'invalid value')}")
+        msg = f"{len(errs)} validation error{'s' if len(errs) != 1 else ''}:\n" + "\n".join(lines)
+        if any(err.get("type") == "json_invalid" for err in errs):
+            msg, param = "The request body is not valid JSON.", "body"
+        return JSONResponse(error_body(400, msg, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception):
+        log.exception("router: unhandled error")
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
+
+
+def main(cfg: ClusterConfig, model_dir: Path | None = None) -> int:
+    """Run the router in this process until SIGINT/SIGTERM (uvicorn handles both)."""
+    import uvicorn
+
+    from .embedded_model import resolve_model_path
+
+    model_dir = model_dir or resolve_model_path(cfg.model.path)
+    app = create_app(cfg, model_dir)
+    uvicorn.run(app, host=cfg.router.host, port=cfg.router.port, log_level=cfg.router.log_level,
+                timeout_graceful_shutdown=5)
+    return 0

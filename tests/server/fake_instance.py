@@ -1,0 +1,99 @@
+"""A test double for prefill/decode instances that speaks server/protocol.py exactly.
+
+Loaded by `glm53-serve prefill|decode` when GLM53_INSTANCE_IMPL points at this file. No model:
+decode "generates" deterministic tokens from the prompt (so greedy requests are reproducible),
+one token per active room per tick, like a continuous batch. Behaviour knobs (environment):
+
+    FAKE_TOKEN_DELAY   seconds per decode step (default 0.002)
+    FAKE_EOS_AT        emit the first eos id as output token N (0-based) unless ignore_eos
+    FAKE_PID_DIR       write <name>.pid there (tests kill instances by pid)
+    FAKE_PREFILL_FAIL  prefill fails every room with this error message
+    FAKE_TRANSFER_BYTES  prefill reports a transfer of this many bytes per room
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from glm53.server.config import ClusterConfig
+from glm53.server.protocol import (Abort, GenerateRequest, InstanceChannel, LoadStats, TokenEvent,
+                                   TransferStats)
+
+# Plain BPE ids of the embedded tokenizer (below its 4096 merges; no specials).
+TOKEN_LO, TOKEN_HI = 300, 3800
+
+
+def fake_token(input_ids: list[int], step: int, seed: int | None = None) -> int:
+    h = (sum((i + 1) * t for i, t in enumerate(input_ids[-16:])) + 7919 * step + (seed or 0)) % (TOKEN_HI - TOKEN_LO)
+    return TOKEN_LO + h
+
+
+@dataclass
+class _Room:
+    req: GenerateRequest
+    step: int = 0
+
+
+def main(cfg: ClusterConfig, index: int) -> int:
+    # Exactly one of the two pools is ours: GLM53 passes the role through argv.
+    role = "decode" if "decode" in sys.argv[1:2] else "prefill"
+    inst = cfg.pool(role)[index]
+    delay = float(os.environ.get("FAKE_TOKEN_DELAY", "0.002"))
+    eos_at = int(os.environ["FAKE_EOS_AT"]) if os.environ.get("FAKE_EOS_AT") else None
+    prefill_fail = os.environ.get("FAKE_PREFILL_FAIL")
+    transfer_bytes = int(os.environ.get("FAKE_TRANSFER_BYTES", "0"))
+    if os.environ.get("FAKE_PID_DIR"):
+        with open(os.path.join(os.environ["FAKE_PID_DIR"], f"{inst.name}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+
+    rooms: dict[int, _Room] = {}
+    load = {"v": LoadStats(page_size=inst.engine.page_size, kv_pages_total=inst.engine.num_pages or 1024)}
+    ch = InstanceChannel(f"tcp://{inst.host}:{inst.port}", inst.name, role, load_fn=lambda: load["v"])
+    stopping = {"v": False}
+    signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__("v", True))
+    ch.ready = True
+    try:
+        while not stopping["v"]:
+            msgs = ch.drain() if rooms else [m for m in [ch.get(timeout=0.05)] if m is not None] + ch.drain()
+            for m in msgs:
+                if isinstance(m, GenerateRequest):
+                    if role == "prefill":
+                        if prefill_fail:
+                            ch.send(m.reply_to, TokenEvent(room=m.room, generation=m.generation, instance=inst.name,
+                                                           finish_reason="error", error=prefill_fail,
+                                                           error_code="transfer_failed"))
+                        elif transfer_bytes:
+                            ch.send(m.reply_to, TokenEvent(room=m.room, generation=m.generation, instance=inst.name,
+                                                           transfer=TransferStats(0.001, transfer_bytes, 0.0005)))
+                    else:
+                        rooms[m.room] = _Room(m)
+                elif isinstance(m, Abort):
+                    rooms.pop(m.room, None)
+            if role == "decode" and rooms:
+                time.sleep(delay)
+                for rid, r in list(rooms.items()):
+                    q = r.req
+                    if eos_at is not None and r.step == eos_at and not q.ignore_eos:
+                        tok = q.eos_token_ids[0]
+                    else:
+                        tok = fake_token(q.input_ids, r.step, q.sampling.get("seed"))
+                    r.step += 1
+                    finish, matched = None, None
+                    if tok in q.stop_token_ids or (not q.ignore_eos and tok in q.eos_token_ids):
+                        finish, matched = "stop", tok
+                    elif r.step >= q.max_new_tokens:
+                        finish = "length"
+                    ch.send(q.reply_to, TokenEvent(room=q.room, generation=q.generation, instance=inst.name,
+                                                   token_ids=[tok], finish_reason=finish, matched_stop=matched,
+                                                   prompt_tokens=len(q.input_ids), completion_tokens=r.step))
+                    if finish:
+                        del rooms[rid]
+            load["v"] = LoadStats(num_running=len(rooms), page_size=inst.engine.page_size,
+                                  kv_pages_used=len(rooms), kv_pages_total=inst.engine.num_pages or 1024)
+    finally:
+        ch.close()
+    return 0
