@@ -1,0 +1,219 @@
+"""Decode instance: page preallocation, adoption on commit, continuous-batching decode, token
+streaming to the router (DESIGN §3 steps 2, 4).
+
+Per request: allocate pages for prompt + max_new_tokens (few contiguous runs) -> create the KV
+receiver for the room, pointing prefill's ranks at the prompt pages -> on SUCCESS read the
+checked metadata row (first token), stream it, join the running batch -> one decode forward per
+step for the whole batch -> finish on eos / stop token / length, free the pages. A failed or
+timed-out transfer frees the pages (only once the transport says nothing can still land) and
+sends the router an error event.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from glm53.models import ModelRunner, OutOfPages, SeqChunk
+from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.instance import InstanceLoop, build_runner, register_pools, run_instance, transport_config
+from glm53.server.protocol import Abort, GenerateRequest, LoadStats, TokenEvent, TransferStats
+from glm53.server.sampling import SamplingParams, sample, step_generator
+from glm53.transport.engine import TERMINAL, KVPoll, KVReceiver, Room, TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeRequest:
+    req: GenerateRequest
+    params: SamplingParams
+    arrived: float
+    pages: list[int] = field(default_factory=list)
+    receiver: KVReceiver | None = None
+    output: list[int] = field(default_factory=list)
+    aborted: bool = False
+    transfer_started: float = 0.0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.req.room, self.req.generation)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.input_ids)
+
+
+class DecodeLoop(InstanceLoop):
+    role = "decode"
+
+    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, runner: ModelRunner | None = None):
+        self.runner = runner or build_runner(cluster, inst)
+        self.max_running = inst.engine.max_running_requests
+        self.admit_timeout = cluster.transfer.bootstrap_timeout_s
+        self.transfer = TransferEngine("decode", inst.name, config=transport_config(cluster, inst))
+        register_pools(self.transfer, self.runner)
+        self.transfer.start()
+        self.waiting: deque[DecodeRequest] = deque()  # no pages yet
+        self.receiving: list[DecodeRequest] = []  # pages held, KV in flight
+        self.running: list[DecodeRequest] = []  # adopted, decoding
+        self.generated = 0
+        super().__init__(cluster, inst)
+
+    # -- intake ------------------------------------------------------------------------------
+    def on_request(self, req: GenerateRequest) -> None:
+        try:
+            params = SamplingParams.from_dict({**req.sampling, "max_new_tokens": req.max_new_tokens})
+        except ValueError as e:
+            self._finish_error(req, f"bad sampling parameters: {e}", "bad_request")
+            return
+        total = len(req.input_ids) + req.max_new_tokens
+        if not req.input_ids or total > self.runner.cfg.max_position_embeddings:
+            self._finish_error(req, "prompt + max_new_tokens exceeds the model's context", "context_length")
+            return
+        if self.runner.pages_needed(total) > self.runner.allocator.num_pages:
+            self._finish_error(req, "request needs more KV pages than the decode pool holds", "context_length")
+            return
+        self.waiting.append(DecodeRequest(req, params, time.monotonic()))
+
+    def on_abort(self, msg: Abort) -> None:
+        key = (msg.room, msg.generation)
+        for r in list(self.waiting):
+            if r.key == key:
+                self.waiting.remove(r)
+        for r in list(self.running):
+            if r.key == key:
+                self.running.remove(r)
+                self.runner.allocator.free(r.pages)
+        for r in self.receiving:
+            if r.key == key and not r.aborted:
+                r.aborted = True  # pages are freed once the receiver reports a terminal state
+                r.receiver.abort(f"aborted by router: {msg.reason}")
+
+    # -- one engine step ---------------------------------------------------------------------
+    def step(self) -> bool:
+        self._admit()
+        adopted = self._poll_transfers()
+        decoded = self._decode()
+        return adopted or decoded
+
+    def _admit(self) -> None:
+        now = time.monotonic()
+        while self.waiting and len(self.receiving) + len(self.running) < self.max_running:
+            r = self.waiting[0]
+            try:
+                r.pages = self.runner.allocator.alloc(self.runner.pages_needed(r.prompt_len + r.req.max_new_tokens))
+            except OutOfPages:
+                if now - r.arrived > self.admit_timeout:
+                    self.waiting.popleft()
+                    self._finish_error(r.req, "decode KV pool exhausted", "overloaded")
+                    continue
+                return
+            self.waiting.popleft()
+            boot = f"tcp://{r.req.prefill.host}:{r.req.prefill.bootstrap_port}"
+            r.transfer_started = time.monotonic()
+            r.receiver = self.transfer.create_receiver(
+                Room(r.req.room, r.req.generation), boot, dst_pages=r.pages[: self.runner.pages_needed(r.prompt_len)]
+            )
+            self.receiving.append(r)
+
+    def _poll_transfers(self) -> bool:
+        did = False
+        for r in list(self.receiving):
+            state = r.receiver.poll()
+            if state not in TERMINAL:
+                continue
+            did = True
+            self.receiving.remove(r)
+            if r.aborted:
+                self.runner.allocator.free(r.pages)
+            elif state == KVPoll.FAILED:
+                self.runner.allocator.free(r.pages)
+                code = "transfer_timeout" if "timeout" in r.receiver.error.lower() else "transfer_failed"
+                self._finish_error(r.req, f"KV transfer failed: {r.receiver.error}", code)
+            else:
+                self._adopt(r)
+        return did
+
+    def _adopt(self, r: DecodeRequest) -> None:
+        row = r.receiver.metadata()
+        stats = TransferStats(
+            seconds=time.monotonic() - r.transfer_started,
+            bytes=self.runner.pages_needed(r.prompt_len) * self._bytes_per_page(),
+        )
+        if r.req.max_new_tokens == 0:
+            self._emit(r, [], "length", transfer=stats)
+            self.runner.allocator.free(r.pages)
+            return
+        tok = int(row.first_token_ids[0])
+        r.output.append(tok)
+        reason = self._finish_reason(r, tok)
+        self._emit(r, [tok], reason, transfer=stats)
+        if reason is None:
+            self.running.append(r)
+        else:
+            self.runner.allocator.free(r.pages)
+
+    def _decode(self) -> bool:
+        if not self.running:
+            return False
+        batch = self.running
+        chunks = [SeqChunk([r.output[-1]], r.prompt_len + len(r.output) - 1, r.pages) for r in batch]
+        logits = self.runner.forward(chunks)
+        rows = torch.cat([lg[-1:] for lg in logits])
+        params = [r.params for r in batch]
+        gens = [step_generator(r.params.seed, len(r.output)) if r.params.seed is not None else None for r in batch]
+        toks = sample(rows, params, gens).tolist()
+        still = []
+        for r, tok in zip(batch, toks):
+            r.output.append(int(tok))
+            reason = self._finish_reason(r, int(tok))
+            self._emit(r, [int(tok)], reason)
+            if reason is None:
+                still.append(r)
+            else:
+                self.runner.allocator.free(r.pages)
+        self.running = still
+        self.generated += len(batch)
+        return True
+
+    def _finish_reason(self, r: DecodeRequest, tok: int) -> str | None:
+        req = r.req
+        if tok in req.stop_token_ids or (not req.ignore_eos and tok in req.eos_token_ids):
+            return "stop"
+        if len(r.output) >= req.max_new_tokens:
+            return "length"
+        return None
+
+    def _emit(self, r: DecodeRequest, toks: list[int], reason: str | None, transfer: TransferStats | None = None) -> None:
+        matched = toks[-1] if reason == "stop" and toks else None
+        self.channel.send(r.req.reply_to, TokenEvent(
+            room=r.req.room, generation=r.req.generation, instance=self.inst.name, token_ids=toks,
+            finish_reason=reason, matched_stop=matched, prompt_tokens=r.prompt_len,
+            completion_tokens=len(r.output), transfer=transfer))
+
+    def _finish_error(self, req: GenerateRequest, message: str, code: str) -> None:
+        self.channel.send(req.reply_to, TokenEvent(
+            room=req.room, generation=req.generation, instance=self.inst.name, finish_reason="error",
+            error=message, error_code=code, prompt_tokens=len(req.input_ids)))
+
+    def _bytes_per_page(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.runner.kv.buffers().values())
+
+    def load(self) -> LoadStats:
+        a = self.runner.allocator
+        return LoadStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                         num_transferring=len(self.receiving), kv_pages_used=a.num_pages - a.num_free,
+                         kv_pages_total=a.num_pages, page_size=self.runner.page_size)
+
+    def close(self) -> None:
+        super().close()
+        self.transfer.close()
+
+
+def main(cluster: ClusterConfig, instance_index: int = 0) -> int:
+    return run_instance(DecodeLoop, cluster, "decode", instance_index)

@@ -1,0 +1,141 @@
+"""What prefill and decode instances share: building the model runner and transfer engine from
+the cluster config, the control channel, and the step loop with signal handling.
+
+An instance is one process (TP/PP ranks arrive with their own issues). Its loop takes router
+messages, runs one engine step, and idles briefly on the channel when there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from glm53.models import ModelRunner
+from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.protocol import Abort, GenerateRequest, InstanceChannel, LoadStats
+from glm53.transport.engine import TransportConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def instance_by_index(cluster: ClusterConfig, role: str, index: int) -> InstanceConfig:
+    pool = cluster.prefill if role == "prefill" else cluster.decode
+    if not 0 <= index < len(pool):
+        raise SystemExit(f"{cluster.source}: no {role} instance with index {index} (there are {len(pool)})")
+    return pool[index]
+
+
+def build_runner(cluster: ClusterConfig, inst: InstanceConfig) -> ModelRunner:
+    from glm53.server.embedded_model import resolve_model_path
+
+    eng = inst.engine
+    if inst.tp != 1 or inst.pp != 1:
+        raise SystemExit(f"{cluster.source}: {inst.name}: tp/pp > 1 are not supported yet")
+    device = "cuda" if eng.device == "cuda" else "cpu"
+    if device == "cuda" and inst.devices:
+        device = f"cuda:{inst.devices[0]}"
+    dtype = _DTYPES.get(eng.dtype) if eng.dtype != "auto" else None
+    num_pages = eng.num_pages
+    if num_pages is None:
+        num_pages = -(-(eng.max_total_tokens or 65536) // eng.page_size)
+    return ModelRunner.from_dir(
+        resolve_model_path(cluster.model.path), page_size=eng.page_size, num_pages=num_pages,
+        device=device, dtype=dtype, progress=False,
+    )
+
+
+def transport_config(cluster: ClusterConfig, inst: InstanceConfig) -> TransportConfig:
+    t = cluster.transfer
+    if t.backend != "nixl":
+        raise SystemExit(f"{cluster.source}: transfer.backend {t.backend!r} is not available; use 'nixl'")
+    return TransportConfig(
+        bootstrap_timeout_s=t.bootstrap_timeout_s,
+        transfer_timeout_s=t.transfer_timeout_s,
+        peer_timeout_s=min(10.0, t.transfer_timeout_s),
+        host=inst.host,
+    )
+
+
+def register_pools(transfer, runner: ModelRunner) -> None:
+    kv = runner.kv
+    transfer.register_pool("latent", kv.latent, layers=kv.spec.layers)
+    if kv.index_k is not None:
+        transfer.register_pool("index_k", kv.index_k, layers=kv.spec.indexer_layers)
+
+
+class InstanceLoop(abc.ABC):
+    """The step loop. Subclasses implement `on_request`, `on_abort`, `step` (one engine step;
+    returns True when it did work) and `load` (a LoadStats snapshot)."""
+
+    role = ""
+
+    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig):
+        self.cluster, self.inst = cluster, inst
+        self._stop = threading.Event()
+        self._load = LoadStats()
+        self.channel = InstanceChannel(inst.address, inst.name, self.role, load_fn=lambda: self._load)
+
+    @abc.abstractmethod
+    def on_request(self, req: GenerateRequest) -> None: ...
+
+    @abc.abstractmethod
+    def on_abort(self, msg: Abort) -> None: ...
+
+    @abc.abstractmethod
+    def step(self) -> bool: ...
+
+    @abc.abstractmethod
+    def load(self) -> LoadStats: ...
+
+    def stop(self, *_args) -> None:
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        self.channel.ready = True
+        log.info("%s %s ready on %s", self.role, self.inst.name, self.inst.address)
+        while not self._stop.is_set():
+            self.poll_channel(timeout=0.0)
+            busy = self.step()
+            self._load = self.load()
+            if not busy:
+                self.poll_channel(timeout=0.005)
+
+    def poll_channel(self, timeout: float) -> None:
+        msg = self.channel.get(timeout=timeout) if timeout > 0 else None
+        msgs = ([msg] if msg is not None else []) + self.channel.drain()
+        for m in msgs:
+            if isinstance(m, GenerateRequest):
+                self.on_request(m)
+            elif isinstance(m, Abort):
+                self.on_abort(m)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def run_instance(loop_factory, cluster: ClusterConfig, role: str, index: int) -> int:
+    """Process entry: logging, signals, build, serve until SIGTERM/SIGINT, clean shutdown."""
+    inst = instance_by_index(cluster, role, index)
+    logging.basicConfig(
+        level=getattr(logging, cluster.router.log_level.upper(), logging.INFO), stream=sys.stderr,
+        format=f"%(asctime)s {inst.name} %(levelname)s %(name)s: %(message)s",
+    )
+    torch.set_grad_enabled(False)
+    loop = loop_factory(cluster, inst)
+    signal.signal(signal.SIGTERM, loop.stop)
+    signal.signal(signal.SIGINT, loop.stop)
+    t0 = time.monotonic()
+    try:
+        loop.serve_forever()
+    finally:
+        loop.close()
+        log.info("%s stopped after %.1f s", inst.name, time.monotonic() - t0)
+    return 0
