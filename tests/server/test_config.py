@@ -1,0 +1,158 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from glm53.server.cli import build_parser, overrides_from_args
+from glm53.server.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def base() -> dict:
+    return {
+        "model": {"path": "/models/x"},
+        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": 40100, "bootstrap_port": 40101}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": 40200, "bootstrap_port": 40201}],
+    }
+
+
+def write(tmp_path, d) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def error(tmp_path, d) -> ConfigError:
+    p = write(tmp_path, d)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(p) in str(e.value), "the error must name the file"
+    return e.value
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_shipped_configs_are_valid(name):
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.prefill and cfg.decode
+    # to_dict round-trips through the validator
+    assert parse_config(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
+def test_local_defaults():
+    cfg = load_config(ROOT / "configs" / "local.yaml")
+    assert cfg.router.port == 30000 and cfg.model.path == "embedded:tiny-glm5"
+    assert cfg.single_host and cfg.prefill[0].engine.device == "cpu"
+    assert cfg.prefill[0].engine.page_size == cfg.decode[0].engine.page_size
+
+
+def test_defaults_inherited_and_overridden(tmp_path):
+    d = base()
+    d["defaults"] = {"page_size": 32, "max_running_requests": 8}
+    d["decode"][0]["max_running_requests"] = 128
+    cfg = load_config(write(tmp_path, d))
+    assert cfg.prefill[0].engine.max_running_requests == 8
+    assert cfg.decode[0].engine.max_running_requests == 128
+    assert cfg.decode[0].engine.page_size == 32
+
+
+def test_unknown_key(tmp_path):
+    d = base()
+    d["decode"][0]["max_runing_requests"] = 3
+    e = error(tmp_path, d)
+    assert e.key == "decode[0].max_runing_requests" and "did you mean 'max_running_requests'" in str(e)
+    d = base()
+    d["router"] = {"prot": 1}
+    assert error(tmp_path, d).key == "router.prot"
+    d = base()
+    d["bogus"] = 1
+    assert error(tmp_path, d).key == "bogus"
+
+
+def test_wrong_type(tmp_path):
+    d = base()
+    d["router"] = {"port": "eighty"}
+    e = error(tmp_path, d)
+    assert e.key == "router.port" and "integer" in str(e)
+    d = base()
+    d["prefill"][0]["devices"] = "0,1"
+    assert error(tmp_path, d).key == "prefill[0].devices"
+    d = base()
+    d["transfer"] = {"bootstrap_timeout_s": True}
+    assert error(tmp_path, d).key == "transfer.bootstrap_timeout_s"
+    d = base()
+    d["router"] = {"policy": "fastest"}
+    assert "round_robin" in str(error(tmp_path, d))
+    d = base()
+    d["decode"] = {"name": "d0"}
+    assert error(tmp_path, d).key == "decode"
+
+
+def test_topology(tmp_path):
+    d = base()
+    d["prefill"][0]["tp"] = 2
+    e = error(tmp_path, d)
+    assert e.key == "prefill[0].tp" and "not supported yet" in str(e)
+    d = base()
+    d["defaults"] = {"pp": 4}
+    e = error(tmp_path, d)
+    assert e.key.endswith(".pp") and "not supported yet" in str(e)
+    d = base()
+    d["decode"][0]["port"] = 40100  # same host and port as p0
+    e = error(tmp_path, d)
+    assert e.key == "decode[0].port" and "prefill[0].port" in str(e)
+    d = base()
+    d["decode"][0]["name"] = "p0"
+    assert error(tmp_path, d).key == "decode[0].name"
+    d = base()
+    d["defaults"] = {"device": "cuda"}
+    d["prefill"][0]["devices"] = [0]
+    d["decode"][0]["devices"] = [0]
+    e = error(tmp_path, d)
+    assert e.key == "decode[0].devices" and "already used" in str(e)
+    d = base()
+    d["defaults"] = {"device": "cuda"}
+    d["prefill"][0]["devices"] = [0, 1]
+    d["decode"][0]["devices"] = [2]
+    assert "tp * pp = 1" in str(error(tmp_path, d))
+    d = base()
+    d["decode"][0]["page_size"] = 32
+    assert error(tmp_path, d).key == "decode[0].page_size"
+    d = base()
+    d["decode"] = []
+    assert error(tmp_path, d).key == "decode"
+    d = base()
+    del d["prefill"][0]["port"]
+    assert error(tmp_path, d).key == "prefill[0].port"
+
+
+def test_yaml_syntax_and_missing_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(p) in str(e.value) and "YAML" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "nope.yaml")
+    assert "nope.yaml" in str(e.value)
+
+
+def test_cli_flags_override_yaml(tmp_path):
+    d = base()
+    d["decode"][0]["page_size"] = 16
+    d["prefill"][0]["page_size"] = 16
+    p = write(tmp_path, d)
+    args = build_parser().parse_args(["up", "--config", str(p), "--page-size", "64", "--max-num-seqs", "7",
+                                      "--port", "31234", "--model", str(tmp_path)])
+    cfg = load_config(p, overrides_from_args(args))
+    assert cfg.router.port == 31234 and cfg.model.path == str(tmp_path)
+    assert all(i.engine.page_size == 64 and i.engine.max_running_requests == 7 for i in cfg.instances)
+    args = build_parser().parse_args(["up", "--config", str(p), "-tp", "2"])
+    with pytest.raises(ConfigError) as e:
+        load_config(p, overrides_from_args(args))
+    assert "tp" in e.value.key and "not supported yet" in str(e.value)
+    args = build_parser().parse_args(["decode", "--config", str(p), "--port", "41000",
+                                      "--disaggregation-bootstrap-port", "41001"])
+    cfg = load_config(p, overrides_from_args(args, "decode", 0))
+    assert (cfg.decode[0].port, cfg.decode[0].bootstrap_port) == (41000, 41001)
+    assert cfg.router.port == 30000
