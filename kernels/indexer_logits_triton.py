@@ -40,7 +40,9 @@ def _indexer_logits_kernel(
                 mask=(h < H)[:, None], other=0.0)  # [BH, D]
     if FP8:
         if not QFP8:
-            k = k.to(q.dtype)
+            # e4m3 -> fp16 is one native conversion on sm_90 (bf16 would go through fp32)
+            k = k.to(tl.float16)
+            q = q.to(tl.float16)
     if DOT_F32:  # the interpreter multiplies bf16 as raw uint16: widen first (exact)
         k = k.to(tl.float32)
         q = q.to(tl.float32)
@@ -67,7 +69,8 @@ def indexer_logits_triton(
 ) -> torch.Tensor:
     """k_cache [num_pages, page_size, D] bf16/fp16, or fp8 e4m3 with k_scales [num_pages, page_size]
     fp32 (see index_cache_fp8.split_view). q [T, H, D] bf16/fp16, or fp8 e4m3 with its scales
-    folded into `weights` (then the product runs in fp8)."""
+    folded into `weights` (then the product runs in fp8). With fp8 keys and a bf16 q, the product
+    runs in fp16 (q must stay within fp16 range, |q| < 65504: true of RoPE'd indexer queries)."""
     T, H, D = q.shape
     num_pages, page_size, Dk = k_cache.shape
     assert Dk == D and D == triton.next_power_of_2(D), "index_head_dim must be a power of two"

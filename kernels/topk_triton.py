@@ -4,23 +4,26 @@ Contract: `kernels/topk.py` (the set of the k best positions of each row's valid
 lowest position, -1 padding when length <= k). Three launches (plus one memset), all with grids
 fixed by the shapes (lengths are read on the device, so the whole op is CUDA-graph safe):
 
-1. `_hist_kernel`, grid (B, C): each program takes one chunk of a row, maps every score to an
-   order-preserving int32 key and adds a 4096-bin histogram of the key's top 12 bits to the
-   row's global histogram (atomics on the non-empty bins only).
-2. `_select_kernel`, grid (B, C): every program finds the row's threshold bin t1 (the bin that
-   holds the k-th best key) from the global histogram, writes the positions of its chunk's keys
-   above t1 straight to the output (one atomic per block reserves the slots) and copies the keys
-   of bin t1, in position order, to its chunk's candidate segment (up to CAP of them).
-3. `_finish_kernel`, grid (B): resolves the threshold bin exactly: the remaining 20 key bits in
-   two 10-bit histogram rounds, then ties in position order. Fast path: all candidates of the row
-   in registers (one 2-D load of the segments, chunk-major = position order). When some chunk's
-   threshold bin overflowed its segment (heavy ties, few distinct values), the same rounds run
-   over the row itself, block by block: slower, equally exact.
+1. `_hist_kernel`, grid (B, C): each program takes one chunk of a row and adds a 256-bin
+   histogram of a coarse key (the top 8 bits of the order-preserving fp16 key: quarter octaves)
+   to the row's global histogram (atomics on the non-empty bins only). 256 bins because
+   `tl.histogram` costs O(bins / 32) per element (warp ballots per bin).
+2. `_select_kernel`, grid (B, C): every program finds the row's threshold bin t1 (the coarse bin
+   holding the k-th best score), writes the positions of its chunk's scores above t1 straight to
+   the output (one atomic per block reserves the slots) and copies the exact fp32 keys of bin t1,
+   in position order, to its chunk's candidate segment (up to CAP of them).
+3. `_finish_kernel`, grid (B): resolves the threshold bin exactly: four 8-bit histogram rounds on
+   the exact 32-bit key, then ties in position order. Fast path: all candidates of the row in
+   registers (one 2-D load of the segments, chunk-major = position order). When some chunk's
+   bin overflowed its segment (heavy ties, few distinct values), the same rounds stream over the
+   row itself: slower, equally exact.
 
-Keys: fp32 bits b -> b ^ ((b >> 31) & 0x7fffffff) orders like the floats as signed int32; -0.0 is
-folded onto +0.0 and every NaN onto the largest key (torch's sort puts NaN first when descending,
-equal NaNs in position order). Positions past a row's length get INT_MIN, which lands in bin 0;
-a valid key's bin is >= 7 (-inf's), so bin 0 is never the threshold of a row with length > k.
+The coarse key is a monotone function of the score, so coarse bins order like the scores.
+Exact keys: fp32 bits b -> b ^ ((b >> 31) & 0x7fffffff) orders like the floats as signed int32
+(stored with bit 31 flipped, so byte digits compare unsigned); -0.0 is folded onto +0.0 and
+every NaN onto the largest key (torch's descending sort puts NaN first, equal NaNs by position).
+Positions past a row's length get coarse bin 0; valid scores land in bins >= 3 (-inf's), so bin 0
+is never the threshold of a row with length > k.
 """
 
 from __future__ import annotations
@@ -31,20 +34,36 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting
 
-NB1 = 4096  # first-round bins: key bits 31..20
-NB2 = 1024  # second and third rounds: bits 19..10, 9..0
+NB1 = 256  # first round: the top 8 bits of an fp16 rendering of the score (quarter octaves)
+NB2 = 256  # refinement: four rounds of 8 bits of the exact fp32 key
 BLOCK = 4096  # elements per step of the streaming kernels
-CAND_TOTAL = 4096  # candidates one row may hold on the fast path
+CAND_TOTAL = 8192  # candidates one row may hold on the fast path
 
 
 @triton.jit
-def _keys(x_ptr, offs, valid):
-    x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+def _load_scores(x_ptr, offs, valid):
+    return tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _ukey(x, valid):
+    """Exact key: int32 whose unsigned order (bit 31 flipped back) is the float order."""
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 == +0.0
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order
     key = tl.where(x != x, 0x7FFFFFFF, key)  # NaN sorts first, like torch
-    return tl.where(valid, key, -2147483648)
+    key = tl.where(valid, key, -2147483648)
+    return key ^ -2147483648  # unsigned order in the bit pattern
+
+
+@triton.jit
+def _coarse_bin(x, valid):
+    """0..255, monotone in x: the top 8 bits of the ordered fp16 key. Invalid -> 0; valid >= 3."""
+    b = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    b = tl.where(b == -32768, 0, b)  # -0.0
+    key = b ^ ((b >> 15) & 0x7FFF)
+    key = tl.where(x != x, 32767, key)
+    return tl.where(valid, (key >> 8) + 128, 0)
 
 
 @triton.jit
@@ -78,11 +97,11 @@ def _hist_kernel(
     h = tl.zeros((NB,), dtype=tl.int32)
     if n > K:
         start = c * CHUNK
+        x_row = x_ptr + b.to(tl.int64) * stride_xb
         for s in range(start, start + CHUNK, BLOCK):
             offs = s + tl.arange(0, BLOCK)
             valid = offs < n
-            key = _keys(x_ptr + b.to(tl.int64) * stride_xb, offs, valid)
-            h += tl.histogram((key >> 20) + 2048, NB)
+            h += tl.histogram(_coarse_bin(_load_scores(x_row, offs, valid), valid), NB)
         bins = tl.arange(0, NB)
         tl.atomic_add(hist_ptr + b * NB + bins, h, mask=(h > 0) & (bins > 0))
 
@@ -109,20 +128,22 @@ def _select_kernel(
         for s in range(start, start + CHUNK, BLOCK):
             offs = s + tl.arange(0, BLOCK)
             valid = offs < n
-            key = _keys(x_row, offs, valid)
-            bin1 = (key >> 20) + 2048
-            above = valid & (bin1 > t1)
+            x = _load_scores(x_row, offs, valid)
+            bin1 = _coarse_bin(x, valid)
+            above = bin1 > t1
             n_above = tl.sum(above.to(tl.int32), axis=0)
             if n_above > 0:
                 base = tl.atomic_add(cnt_ptr + b, n_above)
                 slot = base + tl.cumsum(above.to(tl.int32), axis=0) - 1
                 tl.store(out_row + slot, _to_out(offs, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=above)
-            eq = valid & (bin1 == t1)
-            r = ncand + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-            m = eq & (r < CAP)
-            tl.store(seg + r * 2, key, mask=m)
-            tl.store(seg + r * 2 + 1, offs, mask=m)
-            ncand += tl.sum(eq.to(tl.int32), axis=0)
+            eq = bin1 == t1
+            n_eq = tl.sum(eq.to(tl.int32), axis=0)
+            if n_eq > 0:
+                r = ncand + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+                m = eq & (r < CAP)
+                tl.store(seg + r * 2, _ukey(x, valid), mask=m)
+                tl.store(seg + r * 2 + 1, offs, mask=m)
+                ncand += n_eq
         tl.store(ncand_ptr + b * C + c, ncand)
 
 
@@ -147,70 +168,72 @@ def _finish_kernel(
     else:
         hist = tl.load(hist_ptr + b * NB + tl.arange(0, NB))
         t1, above1 = _threshold(hist, K, NB)
-        need = K - above1  # how many of bin t1's keys are selected (>= 1)
+        need = K - above1  # how many keys of coarse bin t1 are selected (>= 1)
         cc = tl.arange(0, CB)
         nc = tl.load(ncand_ptr + b * C + cc, mask=cc < C, other=0)
         bins2 = tl.arange(0, NB2)
         if tl.max(nc, axis=0) <= CAP:
-            # Fast path: the whole threshold bin in registers, in position order.
+            # Fast path: the whole coarse bin in registers, in position order (chunk-major).
             seg = cand_ptr + (b * C).to(tl.int64) * CAP * 2
             off = tl.arange(0, CAP)
             ok2 = off[None, :] < nc[:, None]
             ptrs = seg + (cc[:, None] * CAP + off[None, :]) * 2
             key = tl.reshape(tl.load(ptrs, mask=ok2, other=0), (CB * CAP,))
             pos = tl.reshape(tl.load(ptrs + 1, mask=ok2, other=0), (CB * CAP,))
-            ok = tl.reshape(ok2, (CB * CAP,))
-            b2 = tl.where(ok, (key >> 10) & 1023, 0)
-            h2 = tl.histogram(b2, NB2)
-            h2 -= tl.where(bins2 == 0, tl.sum((~ok).to(tl.int32), axis=0), 0)
-            t2, above2 = _threshold(h2, need, NB2)
-            need2 = need - above2
-            in2 = ok & (b2 == t2)
-            b3 = tl.where(in2, key & 1023, 0)
-            h3 = tl.histogram(b3, NB2)
-            h3 -= tl.where(bins2 == 0, tl.sum((~in2).to(tl.int32), axis=0), 0)
-            t3, above3 = _threshold(h3, need2, NB2)
-            need3 = need2 - above3
-            tie = in2 & (b3 == t3)
-            tie_rank = tl.cumsum(tie.to(tl.int32), axis=0) - 1
-            sel = ok & ((b2 > t2) | (in2 & (b3 > t3)) | (tie & (tie_rank < need3)))
+            inr = tl.reshape(ok2, (CB * CAP,))
+            gt = tl.zeros((CB * CAP,), dtype=tl.int1)
+            for rnd in tl.static_range(4):
+                digit = (key >> (24 - 8 * rnd)) & 255
+                d = tl.where(inr, digit, 0)
+                h = tl.histogram(d, NB2) - tl.where(bins2 == 0, tl.sum((~inr).to(tl.int32), axis=0), 0)
+                t, above = _threshold(h, need, NB2)
+                gt = gt | (inr & (digit > t))
+                inr = inr & (digit == t)
+                need -= above
+            tie_rank = tl.cumsum(inr.to(tl.int32), axis=0) - 1
+            sel = gt | (inr & (tie_rank < need))
             slot = above1 + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(out_row + slot, _to_out(tl.where(sel, pos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
         else:
-            # Exact fallback over the row itself (one program, three streaming passes).
+            # Exact fallback over the row itself (one program; a streaming pass per round).
             x_row = x_ptr + b.to(tl.int64) * stride_xb
-            h2 = tl.zeros((NB2,), dtype=tl.int32)
-            for s in range(0, n, BLOCK):
-                offs = s + tl.arange(0, BLOCK)
-                key = _keys(x_row, offs, offs < n)
-                in1 = ((key >> 20) + 2048) == t1
-                b2 = tl.where(in1, (key >> 10) & 1023, 0)
-                h2 += tl.histogram(b2, NB2)
-                h2 -= tl.where(bins2 == 0, tl.sum((~in1).to(tl.int32), axis=0), 0)
-            t2, above2 = _threshold(h2, need, NB2)
-            need2 = need - above2
-            h3 = tl.zeros((NB2,), dtype=tl.int32)
-            for s in range(0, n, BLOCK):
-                offs = s + tl.arange(0, BLOCK)
-                key = _keys(x_row, offs, offs < n)
-                in2 = (((key >> 20) + 2048) == t1) & (((key >> 10) & 1023) == t2)
-                b3 = tl.where(in2, key & 1023, 0)
-                h3 += tl.histogram(b3, NB2)
-                h3 -= tl.where(bins2 == 0, tl.sum((~in2).to(tl.int32), axis=0), 0)
-            t3, above3 = _threshold(h3, need2, NB2)
-            need3 = need2 - above3
+            pmask = 0
+            pval = 0
+            for rnd in tl.static_range(4):
+                h = tl.zeros((NB2,), dtype=tl.int32)
+                for s in range(0, n, BLOCK):
+                    offs = s + tl.arange(0, BLOCK)
+                    valid = offs < n
+                    x = _load_scores(x_row, offs, valid)
+                    key = _ukey(x, valid)
+                    inr = (_coarse_bin(x, valid) == t1) & ((key & pmask) == pval)
+                    d = tl.where(inr, (key >> (24 - 8 * rnd)) & 255, 0)
+                    h += tl.histogram(d, NB2)
+                    h -= tl.where(bins2 == 0, tl.sum((~inr).to(tl.int32), axis=0), 0)
+                t, above = _threshold(h, need, NB2)
+                need -= above
+                pval = pval | (t << (24 - 8 * rnd))  # int32, wraps like the keys
+                if rnd == 0:
+                    pmask = -16777216  # 0xff000000
+                elif rnd == 1:
+                    pmask = -65536
+                elif rnd == 2:
+                    pmask = -256
+                else:
+                    pmask = -1
             ties = 0
             written = above1
             for s in range(0, n, BLOCK):
                 offs = s + tl.arange(0, BLOCK)
-                key = _keys(x_row, offs, offs < n)
-                in1 = ((key >> 20) + 2048) == t1
-                b2 = (key >> 10) & 1023
-                b3 = key & 1023
-                in2 = in1 & (b2 == t2)
-                tie = in2 & (b3 == t3)
+                valid = offs < n
+                x = _load_scores(x_row, offs, valid)
+                key = _ukey(x, valid)
+                inb = _coarse_bin(x, valid) == t1
+                # unsigned compare of the exact keys: flip bit 31 back to compare as signed
+                gt = inb & ((key ^ -2147483648) > (pval ^ -2147483648))
+                tie = inb & (key == pval)
                 tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-                sel = (in1 & (b2 > t2)) | (in2 & (b3 > t3)) | (tie & (tie_rank < need3))
+                sel = gt | (tie & (tie_rank < need))
                 slot = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
                 tl.store(out_row + slot, _to_out(tl.where(sel, offs, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
                 ties += tl.sum(tie.to(tl.int32), axis=0)
@@ -226,7 +249,7 @@ def _num_sms(device: torch.device) -> int:
 def _chunks(B: int, L: int, device: torch.device) -> tuple[int, int]:
     """(C, CHUNK): split each row so that B*C programs cover the machine about twice."""
     blocks = triton.cdiv(max(L, 1), BLOCK)
-    c = max(1, min(blocks, triton.cdiv(2 * _num_sms(device), max(B, 1))))
+    c = max(1, min(blocks, triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), max(B, 1)))))
     chunk = triton.cdiv(blocks, c) * BLOCK
     return triton.cdiv(max(L, 1), chunk), chunk
 
@@ -237,8 +260,10 @@ def topk_triton(
     k: int,
     page_table: torch.Tensor | None = None,
     page_size: int = 1,
+    cand_total: int = CAND_TOTAL,
 ) -> torch.Tensor:
-    """[B, k] int32 positions (or physical slots with `page_table`), -1 padded."""
+    """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. `cand_total`
+    bounds the fast path's candidates per row (tests shrink it to exercise the fallback)."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     B, L = logits.shape
     dev = logits.device
@@ -250,7 +275,7 @@ def topk_triton(
     lengths = lengths.to(device=dev, dtype=torch.int32).contiguous()
     C, chunk = _chunks(B, L, dev)
     CB = triton.next_power_of_2(C)
-    cap = max(16, CAND_TOTAL // CB)
+    cap = max(16, cand_total // CB)
     # One zeroed workspace: histograms [B, NB1] then per-row output counters [B].
     ws = torch.zeros(B * NB1 + B, dtype=torch.int32, device=dev)
     hist, cnt = ws[: B * NB1], ws[B * NB1 :]

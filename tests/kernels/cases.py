@@ -108,7 +108,9 @@ def check_indexer_fp8(T, H, D, max_len, topk, page_size=64, device="cpu", min_ov
         q_in, w_in = q.bfloat16(), w
     out = indexer_logits_fp8(q_in, w_in, view, pt, lens, max_len)
     ref_q = indexer_logits_fp8_reference(q_in, w_in, view, pt, lens, max_len)
-    assert rel_err(out, ref_q) <= 1e-4
+    # fp8 x fp8 products accumulate in reduced precision on Hopper's tensor cores
+    err = rel_err(out, ref_q)
+    assert err <= (2e-3 if fp8_q else 1e-4), err
     oracle = indexer_logits_reference(q, w, k32.view(num_pages, page_size, D), pt, lens, max_len)
     a = dsa_topk_reference(out, lens, topk)
     b = dsa_topk_reference(oracle, lens, topk)
