@@ -167,6 +167,7 @@ class _PInst:  # decode's view of one prefill instance (by bootstrap address)
     pp_size: int = 0
     tp_size: int = 0
     plan: Optional[TransferPlan] = None
+    want_until: float = 0.0  # keep querying until then (connect())
     ranks: dict = field(default_factory=dict)  # (pp,tp) -> _PRank
 
     def connected(self) -> bool:
@@ -205,13 +206,15 @@ class KVSender:
         go to the destination pages ``dst_pages[start : start + len(src_pages)]`` of every
         decode rank this rank writes to. ``start`` defaults to where the previous chunk
         ended. May be called before decode's destination info arrived (writes are posted when
-        it does). Chunks must cover whole pages except the request's last page; re-sending a
-        page is allowed (it is overwritten)."""
+        it does). A no-op once the room failed. Chunks must cover whole pages except the
+        request's last page; re-sending a page is allowed (it is overwritten)."""
         src = np.asarray(src_pages, dtype=np.int64).reshape(-1).copy()
         with self._e._lock:
             st = self._st
-            if st.finishing or st.failing or st.state in TERMINAL:
-                raise TransferError(f"room {st.room}: send_pages after finish/abort/failure")
+            if st.failing or st.abort_req or st.state == KVPoll.FAILED:
+                return  # the room already failed: nothing to send (poll() says so)
+            if st.finishing:
+                raise TransferError(f"room {st.room}: send_pages after finish")
             s = st.next_start if start is None else int(start)
             if s < 0:
                 raise ValueError("start must be >= 0")
@@ -226,8 +229,10 @@ class KVSender:
         record. Other stages pass nothing."""
         with self._e._lock:
             st = self._st
-            if st.finishing or st.failing or st.state in TERMINAL:
-                raise TransferError(f"room {st.room}: finish called twice or after failure")
+            if st.failing or st.abort_req or st.state == KVPoll.FAILED:
+                return
+            if st.finishing:
+                raise TransferError(f"room {st.room}: finish called twice")
             if row is not None:
                 row.encode(self._e.cfg.meta_slot_bytes, st.room.id, st.room.generation)
             st.row, st.finishing = row, True
@@ -381,6 +386,7 @@ class TransferEngine:
         self._receivers: dict[tuple, _ReceiverSt] = {}
         self._pinsts: dict[str, _PInst] = {}
         self._want: set[str] = set()
+        self._want_until: dict[str, float] = {}
         self._reg_t = 0.0
         self._meta_arr: Optional[np.ndarray] = None
         self._free_slots: list[int] = []
@@ -499,10 +505,11 @@ class TransferEngine:
         check, HELLO to every rank). Raises ``TableMismatch`` naming the field, or
         ``TimeoutError``."""
         self._need("decode")
+        deadline = time.monotonic() + (timeout or self.cfg.bootstrap_timeout_s)
         with self._lock:
             self._want.add(bootstrap_addr)
+            self._want_until[bootstrap_addr] = deadline
         self._wake()
-        deadline = time.monotonic() + (timeout or self.cfg.bootstrap_timeout_s)
         while time.monotonic() < deadline:
             with self._lock:
                 inst = self._pinsts.get(bootstrap_addr)
@@ -966,7 +973,8 @@ class TransferEngine:
         for addr in list(self._want):
             inst = self._pinsts.get(addr)
             if inst is None or (inst.state == "failed" and not inst.error_field):
-                self._new_pinst(addr)
+                inst = self._new_pinst(addr)
+            inst.want_until = max(inst.want_until, self._want_until.pop(addr, 0.0))
             self._want.discard(addr)
         waiting = {rt.addr for rt in self._receivers.values()
                    if rt.state == KVPoll.BOOTSTRAPPING and not rt.failing}
@@ -978,7 +986,7 @@ class TransferEngine:
                     break
                 if m.get("t") == "TOPOLOGY" and inst.state == "query" and m.get("complete"):
                     self._on_topology(inst, m)
-            if inst.state == "query" and (addr in waiting or inst.last_query == 0.0) and \
+            if inst.state == "query" and (addr in waiting or now < inst.want_until) and \
                     now - inst.last_query > self.cfg.query_retry_s:
                 inst.last_query = now
                 try:

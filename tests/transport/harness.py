@@ -68,17 +68,17 @@ class Scenario:
         self.pconns, self.dconns, self.pprocs, self.dprocs = [], [], [], []
 
     def start(self):
+        from glm53.transport import BootstrapServer
+        self.srv = BootstrapServer("p0", self.pp, self.ptp)
+        self.addr = self.srv.address
         for i, ranks in enumerate(self.pg):
             a, b = CTX.Pipe()
             p = CTX.Process(target=worker.prefill_main, name=f"prefill{i}",
                             args=(b, ranks, self.ptp, self.pp, self.g, self.tls, self.cfg,
-                                  self.pplan, i == 0), daemon=True)
+                                  self.pplan, self.addr), daemon=True)
             p.start()
             self.pconns.append(a)
             self.pprocs.append(p)
-        self.addr = _recv(self.pconns[0], "bootstrap", 60, self.pprocs)
-        for c in self.pconns[1:]:
-            c.send(self.addr)
         for i, ranks in enumerate(self.dg):
             a, b = CTX.Pipe()
             p = CTX.Process(target=worker.decode_main, name=f"decode{i}",
@@ -106,6 +106,9 @@ class Scenario:
         self.stop()
 
     def stop(self):
+        if getattr(self, "srv", None) is not None:
+            self.srv.close()
+            self.srv = None
         for p in self.pprocs + self.dprocs:
             p.join(timeout=10)
             if p.is_alive():

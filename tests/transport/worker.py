@@ -87,18 +87,12 @@ def _cfg(c):
     return TransportConfig(**c)
 
 
-def prefill_main(conn, ranks, tp, pp, g, tls, cfg, plan, own_bootstrap):
+def prefill_main(conn, ranks, tp, pp, g, tls, cfg, plan, addr):
     """Host prefill ranks ``ranks`` = [(pp_rank, tp_rank)]. ``plan``: dict with rooms:
     [{id, gen, src_pages, chunks: [n,...], row, finish: bool, hang_after: int|None}]."""
     try:
         _env(tls)
-        from glm53.transport import (BootstrapServer, KVPoll, MetadataRow, Room,
-                                     TransferEngine)
-        srv = None
-        if own_bootstrap:
-            srv = BootstrapServer("p0", pp, tp)
-            conn.send(("bootstrap", srv.address))
-        addr = conn.recv() if not own_bootstrap else srv.address
+        from glm53.transport import MetadataRow, Room, TransferEngine
         draft = plan.get("draft", True)
         num_pages = plan["num_pages"]
         engines, allocs = {}, {}
@@ -127,6 +121,9 @@ def prefill_main(conn, ranks, tp, pp, g, tls, cfg, plan, own_bootstrap):
             pos = 0
             for ci, n in enumerate(room["chunks"]):
                 if room.get("hang_after") is not None and ci == room["hang_after"]:
+                    for (tx, r) in senders.values():  # earlier rooms complete first
+                        if r["id"] != room["id"]:
+                            tx.wait(30)
                     conn.send(("mid", None))
                     time.sleep(3600)
                 for k in engines:
@@ -151,8 +148,6 @@ def prefill_main(conn, ranks, tp, pp, g, tls, cfg, plan, own_bootstrap):
         conn.recv()  # parent says close
         for e in engines.values():
             e.close()
-        if srv:
-            srv.close()
         conn.send(("closed", None))
     except Exception:
         conn.send(("error", traceback.format_exc()))
