@@ -21,6 +21,7 @@ import statistics
 import sys
 
 import torch
+import triton
 
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_reference
 from glm53.kernels import index_cache_fp8
@@ -81,14 +82,66 @@ def _eager_time(fn, reps: int = 30) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy (read + write counted)."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    """Bytes/s of a device-to-device copy (read + write counted), best of a few timed copies."""
+    n = 1 << 29  # 2 GiB of fp32
+    a = torch.randn(n, device="cuda")
     b = torch.empty_like(a)
-    a.random_(0, 255)
-    us = _graph_time([lambda: b.copy_(a)], reps=20)
+    for _ in range(5):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(10):
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
     del a, b
-    return 2 * n / (us * 1e-6)
+    return 2 * n * 4 / min(ts)
+
+
+def graph_floor() -> float:
+    """µs of a graph replay holding one trivial kernel: the timing method's floor."""
+    x = torch.zeros(1, device="cuda")
+    return _graph_time([lambda: x.add_(1)])
+
+
+def probe_topk() -> None:
+    """Where top-k's time goes: cumulative prefixes of its launches (eager, one input set)."""
+    from glm53.kernels import topk_triton as tt
+
+    for B, L in ((1, 131072), (64, 32768), (64, 131072)):
+        x = torch.randn(B, L, device="cuda")
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        k = 2048
+        C, chunk = tt._chunks(B, L, x.device)
+        CB = triton.next_power_of_2(C)
+        cap = max(16, tt.CAND_TOTAL // CB)
+        out = torch.empty((B, k), dtype=torch.int32, device="cuda")
+        cand = torch.empty((B, C, cap, 2), dtype=torch.int32, device="cuda")
+        ncand = torch.empty((B, C), dtype=torch.int32, device="cuda")
+
+        def stage(n):
+            ws = torch.zeros(B * tt.NB1 + B, dtype=torch.int32, device="cuda")
+            hist, cnt = ws[: B * tt.NB1], ws[B * tt.NB1 :]
+            if n >= 1:
+                tt._hist_kernel[(B, C)](x, lens, hist, L, x.stride(0), chunk, K=k, NB=tt.NB1, BLOCK=tt.BLOCK, num_warps=8)
+            if n >= 2:
+                tt._select_kernel[(B, C)](x, lens, hist, cnt, out, cand, ncand, lens, L, x.stride(0), out.stride(0), 0, 0, 1,
+                                          chunk, C, K=k, NB=tt.NB1, BLOCK=tt.BLOCK, CAP=cap, PAGED=False, num_warps=8)
+            if n >= 3:
+                tt._finish_kernel[(B,)](x, lens, hist, out, cand, ncand, lens, L, x.stride(0), out.stride(0), 0, 0, 1, C,
+                                        K=k, KP2=2048, NB=tt.NB1, NB2=tt.NB2, BLOCK=tt.BLOCK, CAP=cap, CB=CB,
+                                        PAGED=False, num_warps=8)
+
+        ts = [_graph_time([lambda n=n: stage(n)]) for n in range(4)]
+        rd = _graph_time([lambda: x.sum(dim=1)])
+        print(json.dumps({"probe": "topk", "B": B, "L": L, "C": C, "memset": round(ts[0], 2),
+                          "hist": round(ts[1] - ts[0], 2), "select": round(ts[2] - ts[1], 2),
+                          "finish": round(ts[3] - ts[2], 2), "total": round(ts[3], 2),
+                          "row_sum_read": round(rd, 2),
+                          "max_cand": int(ncand.max()) if B else 0, "cap": cap}), flush=True)
 
 
 def n_sets(bytes_per_set: int, cap: int = 8) -> int:
@@ -189,9 +242,13 @@ def bench_indexer(bw: float, sweep: bool) -> None:
                     ref_t = _graph_time([lambda: _torch_indexer_bf16(q, w, kc, pt, lens, L)], reps=10)
                 extra = {"eager_us": round(eager, 2)}
                 if sweep:
-                    for bs in (64, 128, 256):
-                        for nw in (4, 8):
-                            extra[f"bs{bs}w{nw}"] = round(_graph_time([lambda: run(block_s=bs, num_warps=nw)], reps=10), 2)
+                    for bs, nw in ((64, 4), (128, 4), (128, 8), (256, 8)):
+                        extra[f"bs{bs}w{nw}"] = round(_graph_time([lambda: run(block_s=bs, num_warps=nw)], reps=10), 2)
+                if fp8:  # the fp8 x fp8 product (q quantized per (token, head), scale folded into w)
+                    qs = q.float().abs().amax(dim=-1, keepdim=True) / 448.0
+                    q8 = (q.float() / qs).to(torch.float8_e4m3fn)
+                    w8 = w * qs.squeeze(-1)
+                    extra["fp8q_us"] = round(_graph_time([lambda: indexer_logits_triton(q8, w8, keys, pt, lens, L, k_scales=scales)]), 2)
                 record("indexer_fp8" if fp8 else "indexer_bf16", f"B={B} L={L // 1024}K H=32 D=128", ours, ref_t,
                        nbytes, bw, check, extra)
                 del q, w, kc, pt, lens, kf, out
@@ -228,15 +285,15 @@ def bench_mla(bw: float, sweep: bool) -> None:
             extra = {"eager_us": round(eager, 2)}
             if sweep:
                 for bn in (32, 64):
-                    for nw in (4, 8):
+                    for bh in (32, 64):
                         for st in (1, 2):
-                            for ns in ((None, 2, 4) if B == 64 else (None, 16, 64)):
+                            for ns in ((None, 2, 4) if B == 64 else (None, 64)):
                                 try:
                                     t = _graph_time([lambda: sparse_mla_triton(q, kv, idx, 1 / 16, R, num_splits=ns, block_n=bn,
-                                                                                num_warps=nw, num_stages=st)], reps=10)
+                                                                                block_h=bh, num_warps=8, num_stages=st)], reps=10)
                                 except Exception as e:  # e.g. out of shared memory
                                     t = f"err:{type(e).__name__}"
-                                extra[f"n{bn}w{nw}s{st}sp{ns}"] = round(t, 2) if isinstance(t, float) else t
+                                extra[f"n{bn}h{bh}s{st}sp{ns}"] = round(t, 2) if isinstance(t, float) else t
             record("sparse_mla", f"B={B} H={H} K={K} d=576", ours, ref_t, nbytes, bw, check, extra)
             del q, kv, idx
             torch.cuda.empty_cache()
@@ -247,14 +304,16 @@ def main() -> None:
     ap.add_argument("--only", default="topk,indexer,mla")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--probe", action="store_true")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "benchmarks/kernels.py needs a CUDA device"
     torch.manual_seed(0)
-    import triton
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     bw = copy_bandwidth()
-    print(f"copy bandwidth: {bw / 1e12:.3f} TB/s", flush=True)
+    print(f"copy bandwidth: {bw / 1e12:.3f} TB/s; graph-replay floor {graph_floor():.2f} µs", flush=True)
+    if args.probe:
+        probe_topk()
     only = args.only.split(",")
     if "topk" in only:
         bench_topk(bw, args.sweep)
