@@ -1,0 +1,97 @@
+"""Start a real `glm53-serve up` deployment (router + prefill + decode processes, NIXL over
+loopback) for end-to-end tests, on free ports, with the embedded tiny model."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0) -> dict:
+    http, result, p_port, p_boot, d_port, d_boot = ports
+    return {
+        "name": "e2e",
+        "model": {"path": "embedded:tiny-glm5", "served_model_name": ["glm-5-tiny"], "context_length": 2048},
+        "router": {"host": "127.0.0.1", "port": http, "result_port": result, "health_check_interval_s": 0.5},
+        "transfer": {"backend": "nixl", "bootstrap_timeout_s": transfer_timeout_s, "transfer_timeout_s": transfer_timeout_s},
+        "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "max_running_requests": 64,
+                     "chunked_prefill_size": 64, "num_pages": 2048},
+        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": d_port, "bootstrap_port": d_boot}],
+    }
+
+
+class Cluster:
+    def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0):
+        self.cfg = cluster_yaml(free_ports(6), transfer_timeout_s)
+        self.config_path = workdir / "cluster.yaml"
+        self.config_path.write_text(yaml.safe_dump(self.cfg))
+        self.url = f"http://127.0.0.1:{self.cfg['router']['port']}"
+        self.env = {**os.environ, "GLM53_CACHE": str(cache), "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
+        self.log = open(workdir / "cluster.log", "w+")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 240.0) -> "Cluster":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "glm53.server.cli", "up", "--config", str(self.config_path)],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env=self.env, cwd=ROOT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if "ready" in line:
+                return self
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"cluster did not become ready:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-8000:]
+
+    def instance_pid(self, role: str) -> int:
+        # `up` runs in its own session; its instances share it.
+        out = subprocess.run(["pgrep", "-s", str(self.proc.pid), "-f", f"glm53.server.cli {role} "],
+                             capture_output=True, text=True).stdout.split()
+        assert out, f"no {role} process found"
+        return int(out[0])
+
+    def kv_tokens_in_use(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r'^sglang:num_used_tokens\{[^}]*instance="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
