@@ -379,6 +379,7 @@ class TransferEngine:
         self._pending: dict[tuple, dict] = {}
         self._done: collections.OrderedDict = collections.OrderedDict()
         self._dpeers: dict[tuple, _DPeer] = {}
+        self._aborted: dict[tuple, tuple] = {}  # room key -> (time, reason), before a sender
         self._boot_sock = None
         self._registered = False
         self._reg_error = ""
@@ -637,6 +638,9 @@ class TransferEngine:
         if self.role == "prefill":
             for st in list(self._senders.values()):
                 self._step_sender(st, now)
+            for key, (t0, _) in list(self._aborted.items()):
+                if now - t0 > self.cfg.bootstrap_timeout_s:
+                    del self._aborted[key]
             for key, p in list(self._pending.items()):
                 if now - p["t0"] > self.cfg.bootstrap_timeout_s:
                     del self._pending[key]
@@ -747,7 +751,9 @@ class TransferEngine:
         pages = np.frombuffer(m["pages"], dtype=np.int64)
         info = (pages, int(m["slot"]), ep, m["inst"], int(m["dtp"]))
         if room.key in self._done:
-            self._send(ep, self._fail_msg(room, "room already finished on prefill", True))
+            state, err = self._done[room.key]
+            self._send(ep, self._fail_msg(room, f"room already {state.name.lower()} on prefill"
+                                          + (f": {err}" if err else ""), True))
             return
         newer = [k for k in list(self._senders) + list(self._pending)
                  if k[0] == room.id and k[1] > room.generation]
@@ -793,6 +799,9 @@ class TransferEngine:
             self._fail_sender(st, f"aborted by decode rank {m.get('drank')}: {m.get('reason')}")
             return
         self._pending.pop(room.key, None)
+        if room.key not in self._done:  # the sender may not exist yet: fail it on creation
+            self._aborted[room.key] = (time.monotonic(), f"aborted by decode rank "
+                                       f"{m.get('drank')}: {m.get('reason')}")
         self._send(ep, {"t": "QUIESCED", "room": room.id, "gen": room.generation,
                         "pp": self.pp_rank, "tp": self.tp_rank})
 
@@ -813,6 +822,9 @@ class TransferEngine:
             if pend:
                 for drank, info in pend["dst"].items():
                     self._add_dst(st, drank, info)
+            ab = self._aborted.pop(st.room.key, None)
+            if ab is not None:
+                st.abort_req = st.abort_req or ab[1]
         if st.abort_req and not st.failing:
             self._fail_sender(st, st.abort_req)
         for x in st.inflight:
@@ -963,7 +975,7 @@ class TransferEngine:
             self._free_slots.append(st.staging)
             st.staging = -1
         self._senders.pop(st.room.key, None)
-        self._done[st.room.key] = state
+        self._done[st.room.key] = (state, st.error)
         while len(self._done) > 100000:
             self._done.popitem(last=False)
         st.state = state
@@ -1168,11 +1180,18 @@ class TransferEngine:
         rt.failing, rt.error = True, reason
         rt.quiesce_deadline = time.monotonic() + self.cfg.quiesce_timeout_s
         log.info("%s: room %s failed: %s", self.name, rt.room, reason)
+        msg = {"t": "ABORT", "room": rt.room.id, "gen": rt.room.generation,
+               "drank": self.tp_rank, "reason": reason}
         for k, ep in rt.room_sent.items():
             if k not in rt.quiesced:
-                self._send(ep, {"t": "ABORT", "room": rt.room.id, "gen": rt.room.generation,
-                                "drank": self.tp_rank, "reason": reason})
+                self._send(ep, msg)
         if not rt.room_sent:
+            # Nothing was told where to write, so nothing can land; still tell the prefill
+            # ranks (if known) so that their sender fails now rather than at its timeout.
+            inst = self._pinsts.get(rt.addr)
+            if inst is not None and inst.state == "ready":
+                for r in inst.ranks.values():
+                    self._send(r.ep, msg)
             self._retire_receiver(rt, KVPoll.FAILED)
 
     def _retire_receiver(self, rt: _ReceiverSt, state: KVPoll) -> None:

@@ -1,0 +1,141 @@
+"""Lifecycle in one process (two engines, each with its own NIXL agent, over UCX tcp loopback):
+table mismatch at bootstrap, aborts from either side, room generations, early chunks."""
+
+import os
+
+import numpy as np
+import pytest
+
+from glm53.transport import (BootstrapServer, KVPoll, MetadataRow, Room, TableMismatch,
+                             TransferEngine, TransportConfig)
+
+CFG = dict(bootstrap_timeout_s=5.0, transfer_timeout_s=5.0, heartbeat_interval_s=0.2,
+           peer_timeout_s=2.0, quiesce_timeout_s=2.0)
+
+
+@pytest.fixture(autouse=True)
+def _ucx_env(monkeypatch):
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+
+
+def _pool(n_pages, layers=2, page=4, bpt=64, fill=0):
+    return np.full((n_pages, layers, page, bpt), fill, dtype=np.uint8)
+
+
+@pytest.fixture
+def pair():
+    srv = BootstrapServer("p", 1, 1)
+    p = TransferEngine("prefill", "p", config=TransportConfig(**CFG))
+    src = _pool(32)
+    src[:] = np.arange(src.size, dtype=np.uint64).reshape(src.shape) % 251
+    p.register_pool("latent", src, (0, 1))
+    p.start(srv.address)
+    d = TransferEngine("decode", "d", config=TransportConfig(**CFG))
+    dst = _pool(32, fill=0xEE)
+    d.register_pool("latent", dst, (0, 1))
+    d.start()
+    d.connect(srv.address, timeout=10)
+    yield p, d, src, dst, srv.address
+    d.close()
+    p.close()
+    srv.close()
+
+
+def test_success_with_chunks_before_destination(pair):
+    p, d, src, dst, addr = pair
+    tx = p.create_sender(Room(9, 1))
+    tx.send_pages([0, 1, 2])  # prefill ran ahead of decode's allocation
+    tx.send_pages([3, 4])
+    tx.finish(MetadataRow((77,), (5,), b"hi"))
+    rx = d.create_receiver(Room(9, 1), addr)
+    assert rx.poll() == KVPoll.BOOTSTRAPPING
+    rx.set_destination([20, 21, 10, 11, 12])
+    assert rx.wait(10) == KVPoll.SUCCESS, rx.error
+    assert tx.wait(10) == KVPoll.SUCCESS, tx.error
+    np.testing.assert_array_equal(dst[[20, 21, 10, 11, 12]], src[[0, 1, 2, 3, 4]])
+    assert rx.metadata().first_token_ids == (77,) and rx.metadata().payload == b"hi"
+    assert (dst[[0, 5, 22, 31]] == 0xEE).all()
+    assert tx.stats["descs"] == 3  # runs: [0,1]->[20,21], [2]->[10], [3,4]->[11,12]
+
+
+def test_decode_abort_fails_sender(pair):
+    p, d, src, dst, addr = pair
+    tx = p.create_sender(Room(1, 0))
+    rx = d.create_receiver(Room(1, 0), addr, [3, 4])
+    tx.send_pages([0])
+    rx.abort("client went away")
+    assert rx.wait(10) == KVPoll.FAILED
+    assert tx.wait(10) == KVPoll.FAILED and "client went away" in tx.error
+
+
+def test_prefill_abort_fails_receiver(pair):
+    p, d, src, dst, addr = pair
+    tx = p.create_sender(Room(2, 0))
+    rx = d.create_receiver(Room(2, 0), addr, [3, 4])
+    tx.send_pages([0, 1])
+    tx.abort("prefill OOM")
+    assert tx.wait(10) == KVPoll.FAILED
+    assert rx.wait(10) == KVPoll.FAILED and "prefill OOM" in rx.error
+
+
+def test_retried_room_new_generation(pair):
+    p, d, src, dst, addr = pair
+    old_tx = p.create_sender(Room(5, 0))
+    old_rx = d.create_receiver(Room(5, 0), addr, [1, 2])
+    old_tx.send_pages([0, 1])
+    # the router retries the room with generation 1 (new pages)
+    new_rx = d.create_receiver(Room(5, 1), addr, [8, 9])
+    new_tx = p.create_sender(Room(5, 1))
+    assert old_tx.wait(10) == KVPoll.FAILED and "superseded" in old_tx.error
+    assert old_rx.wait(10) == KVPoll.FAILED
+    new_tx.send_pages([4, 5])
+    new_tx.finish(MetadataRow((3,)))
+    assert new_rx.wait(10) == KVPoll.SUCCESS, new_rx.error
+    assert new_rx.metadata().generation == 1
+    np.testing.assert_array_equal(dst[[8, 9]], src[[4, 5]])
+    # a late receiver for the retired generation is refused by prefill
+    stale = d.create_receiver(Room(5, 0), addr, [12])
+    assert stale.wait(10) == KVPoll.FAILED and "superseded" in stale.error
+
+
+def test_last_stage_must_send_row(pair):
+    p, d, src, dst, addr = pair
+    tx = p.create_sender(Room(6, 0))
+    rx = d.create_receiver(Room(6, 0), addr, [1])
+    tx.send_pages([0])
+    tx.finish(None)
+    assert tx.wait(10) == KVPoll.FAILED and "metadata row" in tx.error
+    assert rx.wait(10) == KVPoll.FAILED
+
+
+def test_bootstrap_rejects_mismatch_naming_field():
+    srv = BootstrapServer("p", 1, 1)
+    p = TransferEngine("prefill", "p", config=TransportConfig(**CFG))
+    p.register_pool("latent", _pool(8, page=4), (0, 1))
+    p.start(srv.address)
+    d = TransferEngine("decode", "d", config=TransportConfig(**CFG))
+    d.register_pool("latent", _pool(8, page=8), (0, 1))
+    d.start()
+    try:
+        with pytest.raises(TableMismatch) as e:
+            d.connect(srv.address, timeout=10)
+        assert e.value.field == "page_size"
+        rx = d.create_receiver(Room(1, 0), srv.address, [0])
+        assert rx.wait(10) == KVPoll.FAILED and rx.error_field == "page_size"
+        assert "page_size" in rx.error
+    finally:
+        d.close()
+        p.close()
+        srv.close()
+
+
+def test_unreachable_bootstrap_times_out():
+    d = TransferEngine("decode", "d", config=TransportConfig(**dict(CFG, bootstrap_timeout_s=1)))
+    d.register_pool("latent", _pool(8), (0, 1))
+    d.start()
+    try:
+        rx = d.create_receiver(Room(1, 0), "tcp://127.0.0.1:1", [0])
+        assert rx.wait(5) == KVPoll.FAILED and "bootstrap timeout" in rx.error
+    finally:
+        d.close()
