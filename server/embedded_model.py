@@ -25,11 +25,12 @@ import shutil
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .config import EMBEDDED_MODEL
+
+if TYPE_CHECKING:  # imported lazily: resolving an existing model path must stay cheap
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +266,8 @@ def model_config(vocab_size: int, special_ids: dict[str, int]) -> dict[str, Any]
 
 def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of the checkpoint: name -> (shape, dtype), in HF GLM-5 naming."""
+    import torch
+
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     nh, qk = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     bf, f32 = torch.bfloat16, torch.float32
@@ -312,6 +315,7 @@ def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch
 
 
 def write_weights(cfg: dict[str, Any], path: Path) -> None:
+    import torch
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(SEED)
@@ -321,7 +325,9 @@ def write_weights(cfg: dict[str, Any], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def _init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+def _init(name: str, shape: tuple[int, ...], g: "torch.Generator") -> "torch.Tensor":
+    import torch
+
     # Scale so activations neither vanish nor explode through the layers (fan-in scaling), and
     # logits spread by a few units, so greedy argmax is rarely a near-tie that float reordering
     # between batch shapes could flip.

@@ -61,6 +61,12 @@ class RouterMetrics:
         self.transfer_failed = Counter("sglang:num_transfer_failed_reqs", "Requests failed in bootstrap/transfer.",
                                        m, registry=r)
 
+        # Create the model-labelled series now, so /metrics lists them before the first request.
+        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens, self.generation_tokens,
+                       self.aborted, self.router_running, self.transfer_latency, self.transfer_bootstrap,
+                       self.transfer_mb, self.transfer_bytes, self.transfer_failed):
+            metric.labels(model_name)
+
     def observe_load(self, role: str, name: str, load: LoadStats, healthy: bool) -> None:
         lab = (self.model_name, role, name)
         self.running.labels(*lab).set(load.num_running)

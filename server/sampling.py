@@ -12,9 +12,10 @@ as in a single-process run.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the router validates params without it
+    import torch
 
 
 class SamplingError(ValueError):
@@ -96,6 +97,8 @@ class SamplingParams:
 
 def step_generator(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The generator for output position `step` of a request seeded with `seed`."""
+    import torch
+
     g = torch.Generator(device=device)
     # Mix seed and step into one 64-bit value (splitmix64-style constants) so that nearby seeds
     # and steps do not produce correlated streams.
@@ -111,6 +114,8 @@ def sample(
 ) -> torch.Tensor:
     """logits [B, V] (any float dtype) -> token ids [B] (int64). `generators[i]` (or None) is
     used for row i's draw; rows without one draw from torch's global generator."""
+    import torch
+
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [B, V] with B = len(params) = {len(params)}, got {tuple(logits.shape)}")
     B, V = logits.shape
@@ -141,6 +146,8 @@ def sample(
 
 def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) the logits that top-k, top-p or min-p exclude; x is temperature-scaled."""
+    import torch
+
     V = x.shape[-1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=x.device).clamp(max=V)
     top_p = torch.tensor([p.top_p for p in params], device=x.device)

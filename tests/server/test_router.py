@@ -1,0 +1,305 @@
+"""The router as a real process, against test-double instances that speak the ZMQ protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from .conftest import start_cluster
+from .fake_instance import fake_token
+
+MODEL = "glm-5-tiny"
+
+
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def sse_events(text: str) -> list:
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events = []
+    for block in text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: ") and "\n" not in block, block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_models_health_metrics(cluster):
+    r = httpx.get(cluster.url + "/v1/models")
+    assert r.status_code == 200
+    card = r.json()["data"][0]
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == 512
+    assert httpx.get(cluster.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(cluster.url + "/health_generate", timeout=10).status_code == 200
+    info = cluster.server_info()
+    assert [i["name"] for i in info["prefill"]] == ["p0"] and len(info["decode"]) == 2
+    assert all(i["healthy"] for i in info["prefill"] + info["decode"])
+    text = httpx.get(cluster.url + "/metrics").text
+    for name in ("sglang:time_to_first_token_seconds_bucket", "sglang:inter_token_latency_seconds_bucket",
+                 "sglang:e2e_request_latency_seconds_bucket", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+                 "sglang:token_usage", "sglang:kv_transfer_latency_ms"):
+        assert name in text, name
+
+
+def test_chat_non_stream_openai_client(cluster):
+    c = client(cluster)
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=12,
+                                  temperature=0)
+    ChatCompletion.model_validate(r.model_dump())
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    # deterministic tokens from the fake decode, detokenized by the router
+    tok = httpx.post(cluster.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hello"}]}).json()
+    assert tok["count"] == r.usage.prompt_tokens
+    expected = [fake_token(tok["tokens"], s) for s in range(12)]
+    assert r.choices[0].message.content == httpx.post(cluster.url + "/detokenize",
+                                                      json={"tokens": expected}).json()["prompt"]
+
+
+def test_chat_stream_openai_client(cluster):
+    c = client(cluster)
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=9,
+                                       stream=True, stream_options={"include_usage": True}, temperature=0)
+    chunks = list(stream)
+    for ch in chunks:
+        ChatCompletionChunk.model_validate(ch.model_dump())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    full = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=9,
+                                     temperature=0)
+    assert text == full.choices[0].message.content
+
+
+def test_raw_sse_format(cluster):
+    r = httpx.post(cluster.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    ev = sse_events(r.text)
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert ev[-3]["choices"][0]["finish_reason"] == "length" and ev[-3]["choices"][0]["delta"] == {}
+    assert ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == 4
+    assert ev[-1] == "[DONE]"
+    assert all(e["object"] == "chat.completion.chunk" for e in ev[:-1])
+
+
+def test_completions(cluster):
+    c = client(cluster)
+    r = c.completions.create(model=MODEL, prompt="def main():", max_tokens=5)
+    Completion.model_validate(r.model_dump())
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    ids = [400, 401, 402]
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    exp = httpx.post(cluster.url + "/detokenize", json={"tokens": [fake_token(ids, s) for s in range(3)]}).json()
+    assert r.choices[0].text == exp["prompt"] and r.usage.prompt_tokens == 3
+    chunks = list(c.completions.create(model=MODEL, prompt=ids, max_tokens=3, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 3
+    r = c.completions.create(model=MODEL, prompt=[[400, 401], [500]], max_tokens=2)
+    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == 4
+    # default max_tokens for completions is 16, as in OpenAI/vLLM
+    assert c.completions.create(model=MODEL, prompt="a").usage.completion_tokens == 16
+
+
+def test_sglang_generate(cluster):
+    r = httpx.post(cluster.url + "/generate", json={"input_ids": [400, 401, 402],
+                                                    "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["output_ids"] == [fake_token([400, 401, 402], s) for s in range(4)]
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert body["meta_info"]["prompt_tokens"] == 3 and body["meta_info"]["completion_tokens"] == 4
+    r = httpx.post(cluster.url + "/generate", json={"text": "hello", "stream": True,
+                                                    "sampling_params": {"max_new_tokens": 3}})
+    ev = sse_events(r.text)
+    assert ev[-2]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(ev[-2]["output_ids"]) == 3 and ev[-2]["text"].startswith(ev[0]["text"])
+
+
+def test_stop_strings_and_stop_token_ids(cluster):
+    ids = [400, 401, 402]
+    toks = [fake_token(ids, s) for s in range(8)]
+    d = lambda t: httpx.post(cluster.url + "/detokenize", json={"tokens": t}).json()["prompt"]  # noqa: E731
+    full = d(toks)
+    stop = d(toks[3:5]).strip() or d(toks[3:5])
+    idx = full.find(stop)
+    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": ids, "max_tokens": 8, "stop": [stop]}).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["matched_stop"] == stop
+    assert r["choices"][0]["text"] == full[:idx]
+    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": ids, "max_tokens": 8,
+                                                          "stop_token_ids": [toks[2]]}).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["matched_stop"] == toks[2]
+    assert r["choices"][0]["text"] == d(toks[:2]) and r["usage"]["completion_tokens"] == 3
+    # streamed: the stop string never reaches the client
+    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": ids, "max_tokens": 8, "stop": stop,
+                                                          "stream": True})
+    ev = sse_events(r.text)
+    assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == full[:idx]
+
+
+def err(r, status):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == status and body["error"]["message"]
+    return body["error"]
+
+
+def test_error_bodies(cluster):
+    u = cluster.url + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "x"}]
+    e = err(httpx.post(u, content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert "JSON" in e["message"]
+    err(httpx.post(u, json={"messages": "hello"}), 400)
+    err(httpx.post(u, json={"messages": msgs, "max_tokens": "ten"}), 400)
+    e = err(httpx.post(u, json={"messages": msgs, "max_tokens": -1}), 400)
+    assert "max_tokens" in e["param"]
+    err(httpx.post(u, json={"messages": []}), 400)
+    err(httpx.post(u, json=[1, 2]), 400)
+    err(httpx.post(u, json={"messages": msgs, "temperature": -1}), 400)
+    err(httpx.post(u, json={"messages": msgs, "top_k": 0}), 400)
+    err(httpx.post(u, json={"messages": msgs, "n": 2}), 400)
+    err(httpx.post(u, json={"messages": msgs, "bootstrap_room": 5}), 400)
+    e = err(httpx.post(u, json={"messages": [{"role": "user", "content": "word " * 600}]}), 400)
+    assert "maximum context length is 512" in e["message"]
+    e = err(httpx.post(u, json={"messages": msgs, "max_tokens": 600}), 400)
+    assert "maximum context length" in e["message"]
+    e = err(httpx.post(u, json={"model": "gpt-4", "messages": msgs}), 404)
+    assert e["param"] == "model" and "gpt-4" in e["message"]
+    err(httpx.post(cluster.url + "/v1/completions", json={"prompt": [999999]}), 400)
+    err(httpx.post(cluster.url + "/v1/completions", json={"prompt": ""}), 400)
+    err(httpx.get(cluster.url + "/v1/nope"), 404)
+    err(httpx.get(cluster.url + "/v1/models/nope"), 404)
+    # the openai client maps them to its exception classes
+    c = client(cluster)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=-5)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=msgs)
+    # a zero-token request finishes without touching the instances
+    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": "x", "max_tokens": 0}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["choices"][0]["text"] == ""
+
+
+def test_concurrent_streams(cluster):
+    async def one(i: int, http: httpx.AsyncClient) -> str:
+        async with http.stream("POST", cluster.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": f"request {i}"}], "max_tokens": 20,
+                "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            return "".join([x async for x in r.aiter_text()])
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(one(i, http) for i in range(32)))
+
+    outs = asyncio.run(run())
+    for text in outs:
+        ev = sse_events(text)
+        assert ev[-2]["usage"]["completion_tokens"] == 20
+    info = cluster.server_info()
+    assert all(i["in_flight"] == 0 for i in info["prefill"] + info["decode"])
+    assert info["router"]["running_requests"] == 0
+
+
+def test_client_disconnect_aborts(cluster):
+    with httpx.stream("POST", cluster.url + "/v1/completions", json={
+            "prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}, timeout=30) as r:
+        it = r.iter_lines()
+        next(it)
+        info = cluster.server_info()
+        assert info["router"]["running_requests"] == 1
+    for _ in range(50):
+        info = cluster.server_info()
+        if info["router"]["running_requests"] == 0:
+            break
+        time.sleep(0.1)
+    assert info["router"]["running_requests"] == 0
+    assert all(i["in_flight"] == 0 for i in info["decode"])
+    assert "sglang:num_aborted_requests_total" in httpx.get(cluster.url + "/metrics").text
+
+
+def test_decode_dies_mid_stream(tmp_path, model_dir, glm53_cache):
+    c = start_cluster(tmp_path, model_dir, glm53_cache, n_prefill=1, n_decode=2,
+                      env={"FAKE_TOKEN_DELAY": "0.05"})
+    try:
+        t0 = time.monotonic()
+        with httpx.stream("POST", c.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 400,
+                "stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            got = []
+            for line in lines:
+                if line:
+                    got.append(line)
+                if len(got) == 3:
+                    victim = next(i["name"] for i in c.server_info()["decode"] if i["in_flight"] == 1)
+                    os.kill(c.pid(victim), signal.SIGKILL)
+                    break
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])
+        assert "error" in error and victim in error["error"]["message"]
+        assert time.monotonic() - t0 < 10  # health_timeout_s is 1.5 s
+        # the router stays healthy and routes around the dead instance
+        assert httpx.get(c.url + "/health").status_code == 200
+        for _ in range(3):
+            r = httpx.post(c.url + "/v1/completions", json={"prompt": "y", "max_tokens": 3}, timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # the openai client raises on the in-stream error event
+        os.kill(c.pid(next(n for n in ("d0", "d1") if n != victim)), signal.SIGKILL)
+        time.sleep(2.0)
+        r = httpx.post(c.url + "/v1/completions", json={"prompt": "y", "max_tokens": 3})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert httpx.get(c.url + "/health").status_code == 503
+        assert httpx.get(c.url + "/v1/models").status_code == 200
+    finally:
+        assert c.stop() == 0
+
+
+def test_prefill_failure_is_an_error_event(tmp_path, model_dir, glm53_cache):
+    c = start_cluster(tmp_path, model_dir, glm53_cache, env={"FAKE_PREFILL_FAIL": "bootstrap to d0 timed out",
+                                                             "FAKE_TOKEN_DELAY": "0.5"})
+    try:
+        r = httpx.post(c.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                             "max_tokens": 5, "stream": True}, timeout=30)
+        ev = sse_events(r.text)
+        assert ev[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "bootstrap to d0 timed out" in ev[-2]["error"]["message"]
+        r = httpx.post(c.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30)
+        assert r.status_code >= 500 and "p0" in r.json()["error"]["message"]
+        assert httpx.get(c.url + "/health").status_code == 200
+    finally:
+        c.stop()
+
+
+def test_eos_and_up_shutdown_leaves_no_processes(tmp_path, model_dir, glm53_cache):
+    c = start_cluster(tmp_path, model_dir, glm53_cache, env={"FAKE_EOS_AT": "3", "FAKE_TRANSFER_BYTES": "4096"})
+    try:
+        r = httpx.post(c.url + "/v1/completions", json={"prompt": [400], "max_tokens": 10}).json()
+        assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == 4
+        assert r["choices"][0]["matched_stop"] == 4096  # <|endoftext|>, not shown in the text
+        r = httpx.post(c.url + "/v1/completions", json={"prompt": [400], "max_tokens": 10, "ignore_eos": True}).json()
+        assert r["choices"][0]["finish_reason"] == "length"
+        assert "glm53:kv_transfer_bytes_total" in httpx.get(c.url + "/metrics").text
+        pids = [c.pid(n) for n in ("p0", "d0")]
+    finally:
+        assert c.stop() == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
