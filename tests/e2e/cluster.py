@@ -75,8 +75,7 @@ class Cluster:
         return self.log.read()[-8000:]
 
     def instance_pid(self, role: str) -> int:
-        # `up` runs in its own session; its instances share it.
-        out = subprocess.run(["pgrep", "-s", str(self.proc.pid), "-f", f"glm53.server.cli {role} "],
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", f"glm53.server.cli {role} "],
                              capture_output=True, text=True).stdout.split()
         assert out, f"no {role} process found"
         return int(out[0])
