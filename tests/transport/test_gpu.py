@@ -1,0 +1,55 @@
+"""CUDA pools through the engine (VRAM registration, cuda_ipc / cuda_copy): skipped without a
+GPU. Runs on the H200 as `python tests/transport/test_gpu.py` too (no install needed there)."""
+
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch") if __name__ != "__main__" else __import__("torch")
+
+try:
+    from glm53.transport import (BootstrapServer, KVPoll, MetadataRow, Room, TransferEngine,
+                                 TransportConfig)
+except ImportError:  # plain checkout on the device machine
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))))
+    from transport import (BootstrapServer, KVPoll, MetadataRow, Room, TransferEngine,  # noqa
+                           TransportConfig)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pools_through_engine():
+    cfg = TransportConfig(bootstrap_timeout_s=20, transfer_timeout_s=30)
+    srv = BootstrapServer("p", 1, 1)
+    p = TransferEngine("prefill", "p", config=cfg)
+    src = torch.randint(0, 255, (64, 4, 64, 1152), dtype=torch.uint8, device="cuda")
+    p.register_pool("latent", src, range(4))
+    p.start(srv.address)
+    d = TransferEngine("decode", "d", config=cfg)
+    dst = torch.zeros((128, 4, 64, 1152), dtype=torch.uint8, device="cuda")
+    d.register_pool("latent", dst, range(4))
+    d.start()
+    try:
+        d.connect(srv.address, timeout=20)
+        dpages = list(range(100, 110)) + [3, 7, 50] + list(range(20, 30))
+        rx = d.create_receiver(Room(1, 0), srv.address, dpages)
+        tx = p.create_sender(Room(1, 0))
+        tx.send_pages(list(range(0, 23)))
+        tx.finish(MetadataRow((42,)))
+        assert rx.wait(30) == KVPoll.SUCCESS, rx.error
+        assert tx.wait(30) == KVPoll.SUCCESS, tx.error
+        torch.cuda.synchronize()
+        assert torch.equal(dst[dpages], src[:23])
+        assert rx.metadata().first_token_ids == (42,)
+        assert tx.stats["descs"] == 3
+    finally:
+        d.close()
+        p.close()
+        srv.close()
+
+
+if __name__ == "__main__":
+    test_cuda_pools_through_engine()
+    print("test_cuda_pools_through_engine: OK")
