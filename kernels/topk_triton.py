@@ -246,11 +246,11 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def _chunks(B: int, L: int, device: torch.device) -> tuple[int, int]:
+def _chunks(B: int, L: int, device: torch.device, block: int = BLOCK) -> tuple[int, int]:
     """(C, CHUNK): split each row so that B*C programs cover the machine about twice."""
-    blocks = triton.cdiv(max(L, 1), BLOCK)
+    blocks = triton.cdiv(max(L, 1), block)
     c = max(1, min(blocks, triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), max(B, 1)))))
-    chunk = triton.cdiv(blocks, c) * BLOCK
+    chunk = triton.cdiv(blocks, c) * block
     return triton.cdiv(max(L, 1), chunk), chunk
 
 
@@ -261,6 +261,8 @@ def topk_triton(
     page_table: torch.Tensor | None = None,
     page_size: int = 1,
     cand_total: int = CAND_TOTAL,
+    block: int = BLOCK,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. `cand_total`
     bounds the fast path's candidates per row (tests shrink it to exercise the fallback)."""
@@ -273,7 +275,7 @@ def topk_triton(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lengths = lengths.to(device=dev, dtype=torch.int32).contiguous()
-    C, chunk = _chunks(B, L, dev)
+    C, chunk = _chunks(B, L, dev, block)
     CB = triton.next_power_of_2(C)
     cap = max(16, cand_total // CB)
     # One zeroed workspace: histograms [B, NB1] then per-row output counters [B].
@@ -287,14 +289,14 @@ def topk_triton(
         spb, spp = pt.stride(0), pt.stride(1)
     else:
         pt, spb, spp = lengths, 0, 0  # never read
-    warps = 8 if not triton_interpreting() else 1
+    warps = num_warps or (8 if not triton_interpreting() else 1)
     _hist_kernel[(B, C)](logits, lengths, hist, L, logits.stride(0), chunk,
-                         K=k, NB=NB1, BLOCK=BLOCK, num_warps=warps)
+                         K=k, NB=NB1, BLOCK=block, num_warps=warps)
     _select_kernel[(B, C)](logits, lengths, hist, cnt, out, cand, ncand, pt,
                            L, logits.stride(0), out.stride(0), spb, spp, page_size, chunk, C,
-                           K=k, NB=NB1, BLOCK=BLOCK, CAP=cap, PAGED=paged, num_warps=warps)
+                           K=k, NB=NB1, BLOCK=block, CAP=cap, PAGED=paged, num_warps=warps)
     _finish_kernel[(B,)](logits, lengths, hist, out, cand, ncand, pt,
                          L, logits.stride(0), out.stride(0), spb, spp, page_size, C,
                          K=k, KP2=min(triton.next_power_of_2(k), 4096), NB=NB1, NB2=NB2,
-                         BLOCK=BLOCK, CAP=cap, CB=CB, PAGED=paged, num_warps=warps)
+                         BLOCK=block, CAP=cap, CB=CB, PAGED=paged, num_warps=warps)
     return out
