@@ -306,7 +306,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg, _ = _load(args)
     here = local_addresses()
     local = [i for i in cfg.instances if i.host in here]
-    run_router = cfg.router.host in here or cfg.router.advertise_host in here
+    # A wildcard router host says nothing about which machine runs it; advertise_host does.
+    r = cfg.router
+    run_router = (r.advertise_host in here) if r.advertise_host else (r.host in here)
     if not local and not run_router:
         raise ConfigError(cfg.source, "", f"no process of this config runs on this host ({socket.gethostname()})")
 

@@ -130,6 +130,14 @@ class Generation:
     def cancel(self) -> None:
         self._close(abort=True)
 
+    def __del__(self) -> None:
+        # A response whose body never started (client gone before the first byte) never runs
+        # events(); do not leave its room running on the instances.
+        try:
+            self._close(abort=True)
+        except Exception:
+            pass
+
     async def events(self) -> AsyncIterator[Delta | Outcome]:
         req, p, state = self.req, self.req.params, self.state
         m, name = state.metrics, state.metrics.model_name
