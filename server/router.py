@@ -686,6 +686,9 @@ def _model_card(state: RouterState, name: str) -> dict:
             "root": state.model_root, "parent": None, "max_model_len": state.context_length, "permission": []}
 
 
+_TYPE_NAMES = {"int", "str", "float", "bool", "list", "dict", "function-after", "constrained-int"}
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
@@ -696,7 +699,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         errs = e.errors()
         lines, param = [], None
         for err in errs[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()))
+            # OpenAI names the field itself ("max_tokens"), without FastAPI's "body." prefix.
+            parts = [str(x) for x in err.get("loc", ())]
+            if parts and parts[0] in ("body", "query", "path"):
+                parts = parts[1:]
+            # pydantic adds the union member it tried ("int", "list[str]") to the location.
+            loc = ".".join(x for x in parts if not (x[:1].islower() and ("[" in x or x in _TYPE_NAMES)))
             param = param or loc or None
             lines.append(f"  {loc}: {err.get('msg', 'invalid value')}")
         msg = f"{len(errs)} validation error{'s' if len(errs) != 1 else ''}:\n" + "\n".join(lines)
