@@ -136,10 +136,11 @@ def sample(
     probs = torch.softmax(x, dim=-1)
     # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p, and lets each row
     # take its noise from its own generator.
-    noise = torch.empty_like(probs)
+    noise = torch.empty_like(probs).exponential_()  # unseeded rows: one draw for all
     for r, i in enumerate(rest):
         g = generators[i] if generators is not None else None
-        noise[r].exponential_(generator=g)
+        if g is not None:
+            noise[r].exponential_(generator=g)
     out[idx] = (probs / noise).argmax(dim=-1)
     return out
 

@@ -1,0 +1,77 @@
+import msgpack
+import pytest
+import zmq
+
+from glm53.server.protocol import (PROTOCOL_VERSION, Abort, GenerateRequest, HealthPing, HealthPong,
+                                   InstanceChannel, LoadStats, PeerInfo, ProtocolError, TokenEvent, TransferStats,
+                                   decode, encode, probe)
+
+
+def _req(**kw) -> GenerateRequest:
+    p = PeerInfo("p0", "prefill", "127.0.0.1", 1, 2)
+    d = PeerInfo("d0", "decode", "127.0.0.1", 3, 4)
+    base = dict(room=2**63 - 1, generation=2**32 - 1, rid="r", input_ids=[1, 2, 3],
+                sampling={"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None},
+                max_new_tokens=5, stop_token_ids=[7], eos_token_ids=[9], ignore_eos=False, prefill=p, decode=d,
+                reply_to="tcp://127.0.0.1:9")
+    base.update(kw)
+    return GenerateRequest(**base)
+
+
+def test_round_trip_every_message():
+    msgs = [_req(), Abort(room=5, generation=1, reason="client"), HealthPing(seq=3, reply_to="tcp://x:1"),
+            TokenEvent(room=5, generation=1, instance="d0", token_ids=[1, 2], finish_reason="stop", matched_stop=2,
+                       prompt_tokens=3, completion_tokens=2, transfer=TransferStats(0.5, 1024, 0.1)),
+            HealthPong(seq=3, instance="d0", role="decode", ready=True, load=LoadStats(num_running=2))]
+    for m in msgs:
+        assert decode(encode(m)) == m
+
+
+def test_invalid_messages_are_rejected():
+    with pytest.raises(ProtocolError):
+        decode(b"\xc1")
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb({"type": "abort", "v": PROTOCOL_VERSION + 1, "room": 1, "generation": 0}))
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb({"type": "launch", "v": PROTOCOL_VERSION}))
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb({"type": "abort", "v": PROTOCOL_VERSION}))  # room missing
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb({"type": "tokens", "v": PROTOCOL_VERSION, "room": 1, "generation": 0,
+                              "instance": "d0", "finish_reason": "done"}))
+    # a newer peer's extra fields are ignored
+    d = _req().to_dict()
+    d["future_field"] = 1
+    assert decode(msgpack.packb(d)) == _req()
+
+
+def test_instance_channel_answers_pings_and_queues_requests():
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    reply_to = f"tcp://127.0.0.1:{port}"
+    sock = ctx.socket(zmq.PUSH)
+    inst_port = sock.bind_to_random_port("tcp://127.0.0.1")  # only to find a free port
+    sock.close(0)
+    ch = InstanceChannel(f"tcp://127.0.0.1:{inst_port}", "d0", "decode", load_fn=lambda: LoadStats(num_waiting=4))
+    try:
+        assert probe({"d0": f"tcp://127.0.0.1:{inst_port}"}, timeout=0.5) == set()  # not ready yet
+        ch.ready = True
+        assert probe({"d0": f"tcp://127.0.0.1:{inst_port}"}, timeout=5) == {"d0"}
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{inst_port}")
+        push.send(encode(HealthPing(seq=1, reply_to=reply_to)))
+        push.send(encode(_req(reply_to=reply_to)))
+        push.send(encode(Abort(room=1, generation=0)))
+        assert pull.poll(5000)
+        pong = decode(pull.recv())
+        assert isinstance(pong, HealthPong) and pong.load.num_waiting == 4 and pong.ready
+        assert isinstance(ch.get(timeout=5), GenerateRequest)
+        assert isinstance(ch.get(timeout=5), Abort)
+        ch.send(reply_to, TokenEvent(room=1, generation=0, instance="d0", token_ids=[3]))
+        assert pull.poll(5000) and decode(pull.recv()).token_ids == [3]
+        push.close(0)
+    finally:
+        ch.close()
+        pull.close(0)
+        ctx.term()
