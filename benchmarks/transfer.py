@@ -94,7 +94,7 @@ def target_main(conn, args):
 def _checksum(a, device):
     if device == "cuda":
         import torch
-        return int(a.view(-1).to(torch.int64).sum().item())
+        return int(a.view(-1).sum(dtype=torch.int64).item())
     return int(a.reshape(-1).astype(np.int64).sum())
 
 

@@ -43,7 +43,7 @@ def test_cuda_pools_through_engine():
         torch.cuda.synchronize()
         assert torch.equal(dst[dpages], src[:23])
         assert rx.metadata().first_token_ids == (42,)
-        assert tx.stats["descs"] == 3
+        assert tx.stats["descs"] == 5  # runs: 100-109, 3, 7, 50, 20-29
     finally:
         d.close()
         p.close()
