@@ -4,13 +4,14 @@ Contract: `kernels/topk.py` (the set of the k best positions of each row's valid
 lowest position, -1 padding when length <= k). Three launches (plus one memset), all with grids
 fixed by the shapes (lengths are read on the device, so the whole op is CUDA-graph safe):
 
-1. `_hist_kernel`, grid (B, C): each program takes one chunk of a row and adds a 256-bin
+1. `_hist_kernel`, grid (B, C): each program takes one chunk of a row and stores a 256-bin
    histogram of a coarse key (the top 8 bits of the order-preserving fp16 key: quarter octaves)
-   to the row's global histogram (atomics on the non-empty bins only). 256 bins because
-   `tl.histogram` costs O(bins / 32) per element (warp ballots per bin).
-2. `_select_kernel`, grid (B, C): every program finds the row's threshold bin t1 (the coarse bin
-   holding the k-th best score), writes the positions of its chunk's scores above t1 straight to
-   the output (one atomic per block reserves the slots) and copies the exact fp32 keys of bin t1,
+   for its chunk. 256 bins because `tl.histogram` costs O(bins / 32) per element (warp ballots
+   per bin).
+2. `_select_kernel`, grid (B, C): every program sums the row's chunk histograms, finds the
+   threshold bin t1 (the coarse bin holding the k-th best score), writes the positions of its
+   chunk's scores above t1 straight to the output (its slots start after the earlier chunks'
+   counts above t1: deterministic, no atomics) and copies the exact fp32 keys of bin t1,
    in position order, to its chunk's candidate segment (up to CAP of them).
 3. `_finish_kernel`, grid (B): resolves the threshold bin exactly: four 8-bit histogram rounds on
    the exact 32-bit key, then ties in position order. Fast path: all candidates of the row in
@@ -36,8 +37,8 @@ from glm53.kernels.dispatch import triton_interpreting
 
 NB1 = 256  # first round: the top 8 bits of an fp16 rendering of the score (quarter octaves)
 NB2 = 256  # refinement: four rounds of 8 bits of the exact fp32 key
-BLOCK = 4096  # elements per step of the streaming kernels
-CAND_TOTAL = 8192  # candidates one row may hold on the fast path
+BLOCK = 2048  # elements per step of the streaming kernels (H200 sweep: 2048 x 8 warps)
+CAND_TOTAL = 4096  # candidates one row may hold on the fast path (H200 sweep: 4096 < 8192)
 
 
 @triton.jit
@@ -88,7 +89,7 @@ def _to_out(pos, row_pt_ptr, stride_ptp, PAGE_SIZE, PAGED: tl.constexpr):
 
 @triton.jit
 def _hist_kernel(
-    x_ptr, len_ptr, hist_ptr, L, stride_xb, CHUNK,
+    x_ptr, len_ptr, hist_ptr, L, stride_xb, CHUNK, C,
     K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -102,23 +103,36 @@ def _hist_kernel(
             offs = s + tl.arange(0, BLOCK)
             valid = offs < n
             h += tl.histogram(_coarse_bin(_load_scores(x_row, offs, valid), valid), NB)
-        bins = tl.arange(0, NB)
-        tl.atomic_add(hist_ptr + b * NB + bins, h, mask=(h > 0) & (bins > 0))
+    bins = tl.arange(0, NB)
+    tl.store(hist_ptr + (b * C + c) * NB + bins, tl.where(bins > 0, h, 0))
+
+
+@triton.jit
+def _row_threshold(hist_ptr, b, C, K: tl.constexpr, NB: tl.constexpr, CB: tl.constexpr):
+    """From the row's per-chunk histograms: threshold bin t1, keys above it, and per-chunk
+    counts above it ([CB], for the chunks' output offsets)."""
+    cc = tl.arange(0, CB)
+    bins = tl.arange(0, NB)
+    hc = tl.load(hist_ptr + (b * C + cc[:, None]) * NB + bins[None, :], mask=(cc < C)[:, None], other=0)
+    t1, above1 = _threshold(tl.sum(hc, axis=0), K, NB)
+    above_c = tl.sum(tl.where(bins[None, :] > t1, hc, 0), axis=1)
+    return t1, above1, above_c
 
 
 @triton.jit
 def _select_kernel(
-    x_ptr, len_ptr, hist_ptr, cnt_ptr, out_ptr, cand_ptr, ncand_ptr, pt_ptr,
+    x_ptr, len_ptr, hist_ptr, out_ptr, cand_ptr, ncand_ptr, pt_ptr,
     L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, CHUNK, C,
     K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    PAGED: tl.constexpr,
+    CB: tl.constexpr, PAGED: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.minimum(tl.load(len_ptr + b), L)
     if n > K:
-        hist = tl.load(hist_ptr + b * NB + tl.arange(0, NB))
-        t1, _above = _threshold(hist, K, NB)
+        t1, _above1, above_c = _row_threshold(hist_ptr, b, C, K, NB, CB)
+        # this chunk's output slots start after the earlier chunks' keys above t1
+        written = tl.sum(tl.where(tl.arange(0, CB) < c, above_c, 0), axis=0)
         x_row = x_ptr + b.to(tl.int64) * stride_xb
         out_row = out_ptr + b.to(tl.int64) * stride_ob
         pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
@@ -133,9 +147,9 @@ def _select_kernel(
             above = bin1 > t1
             n_above = tl.sum(above.to(tl.int32), axis=0)
             if n_above > 0:
-                base = tl.atomic_add(cnt_ptr + b, n_above)
-                slot = base + tl.cumsum(above.to(tl.int32), axis=0) - 1
+                slot = written + tl.cumsum(above.to(tl.int32), axis=0) - 1
                 tl.store(out_row + slot, _to_out(offs, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=above)
+                written += n_above
             eq = bin1 == t1
             n_eq = tl.sum(eq.to(tl.int32), axis=0)
             if n_eq > 0:
@@ -166,8 +180,7 @@ def _finish_kernel(
             v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
             tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
     else:
-        hist = tl.load(hist_ptr + b * NB + tl.arange(0, NB))
-        t1, above1 = _threshold(hist, K, NB)
+        t1, above1, _above_c = _row_threshold(hist_ptr, b, C, K, NB, CB)
         need = K - above1  # how many keys of coarse bin t1 are selected (>= 1)
         cc = tl.arange(0, CB)
         nc = tl.load(ncand_ptr + b * C + cc, mask=cc < C, other=0)
@@ -278,9 +291,7 @@ def topk_triton(
     C, chunk = _chunks(B, L, dev, block)
     CB = triton.next_power_of_2(C)
     cap = max(16, cand_total // CB)
-    # One zeroed workspace: histograms [B, NB1] then per-row output counters [B].
-    ws = torch.zeros(B * NB1 + B, dtype=torch.int32, device=dev)
-    hist, cnt = ws[: B * NB1], ws[B * NB1 :]
+    hist = torch.empty((B, C, NB1), dtype=torch.int32, device=dev)  # per-chunk histograms
     cand = torch.empty((B, C, cap, 2), dtype=torch.int32, device=dev)
     ncand = torch.empty((B, C), dtype=torch.int32, device=dev)
     paged = page_table is not None
@@ -290,11 +301,11 @@ def topk_triton(
     else:
         pt, spb, spp = lengths, 0, 0  # never read
     warps = num_warps or (8 if not triton_interpreting() else 1)
-    _hist_kernel[(B, C)](logits, lengths, hist, L, logits.stride(0), chunk,
+    _hist_kernel[(B, C)](logits, lengths, hist, L, logits.stride(0), chunk, C,
                          K=k, NB=NB1, BLOCK=block, num_warps=warps)
-    _select_kernel[(B, C)](logits, lengths, hist, cnt, out, cand, ncand, pt,
+    _select_kernel[(B, C)](logits, lengths, hist, out, cand, ncand, pt,
                            L, logits.stride(0), out.stride(0), spb, spp, page_size, chunk, C,
-                           K=k, NB=NB1, BLOCK=block, CAP=cap, PAGED=paged, num_warps=warps)
+                           K=k, NB=NB1, BLOCK=block, CAP=cap, CB=CB, PAGED=paged, num_warps=warps)
     _finish_kernel[(B,)](logits, lengths, hist, out, cand, ncand, pt,
                          L, logits.stride(0), out.stride(0), spb, spp, page_size, C,
                          K=k, KP2=min(triton.next_power_of_2(k), 4096), NB=NB1, NB2=NB2,
