@@ -12,8 +12,10 @@ import numpy as np
 from . import worker
 
 CTX = mp.get_context("spawn")
+# Healthy scenarios: no peer dies, so liveness only has to outlast scheduling stalls of a loaded
+# 2-core CI machine (1.5 s flagged live peers there as unresponsive). Fault tests pass their own.
 FAST = dict(bootstrap_timeout_s=10.0, transfer_timeout_s=20.0, heartbeat_interval_s=0.2,
-            peer_timeout_s=1.5, quiesce_timeout_s=3.0)
+            peer_timeout_s=8.0, quiesce_timeout_s=3.0)
 
 
 def scattered_pages(rng, n, num_pages, max_run=7):
