@@ -54,7 +54,10 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or (oracle_checkpoint(tmp) or tmp)
