@@ -39,6 +39,7 @@ NB1 = 256  # first round: the top 8 bits of an fp16 rendering of the score (quar
 NB2 = 256  # refinement: four rounds of 8 bits of the exact fp32 key
 BLOCK = 2048  # elements per step of the streaming kernels (H200 sweep: 2048 x 8 warps)
 CAND_TOTAL = 4096  # candidates one row may hold on the fast path (H200 sweep: 4096 < 8192)
+MAX_CHUNKS = 32
 
 
 @triton.jit
@@ -263,6 +264,9 @@ def _chunks(B: int, L: int, device: torch.device, block: int = BLOCK) -> tuple[i
     """(C, CHUNK): split each row so that B*C programs cover the machine about twice."""
     blocks = triton.cdiv(max(L, 1), block)
     c = max(1, min(blocks, triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), max(B, 1)))))
+    # at most MAX_CHUNKS per row, so each chunk's candidate segment keeps >= CAND_TOTAL / 32 = 128
+    # slots (~35 per 2K-element chunk are used on Gaussian scores; overflow means the slow path)
+    c = min(c, MAX_CHUNKS)
     chunk = triton.cdiv(blocks, c) * block
     return triton.cdiv(max(L, 1), chunk), chunk
 
