@@ -110,7 +110,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPool, topk_slots: torch.Tensor | None):
         cfg = self.cfg
         n, h = x.shape[0], cfg.num_attention_heads
-        nope, rope, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_resid = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LATENT_NORM_EPS)
         q = self.q_b_proj(q_resid).view(n, h, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :nope], q[..., nope:]

@@ -20,65 +20,37 @@ import torch
 
 from glm53.models import ModelRunner, OutOfPages, SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
-from glm53.server.instance import InstanceLoop, build_runner, register_pools, run_instance, transport_config
-from glm53.server.protocol import Abort, GenerateRequest, LoadStats, TokenEvent, TransferStats
-from glm53.server.sampling import SamplingParams, sample, step_generator
-from glm53.transport.engine import TERMINAL, KVPoll, KVReceiver, Room, TransferEngine
+from glm53.server.instance import InstanceLoop, TrackedRequest, run_instance
+from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
+from glm53.server.sampling import sample, step_generator
+from glm53.transport.engine import TERMINAL, KVPoll, KVReceiver, Room
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class DecodeRequest:
-    req: GenerateRequest
-    params: SamplingParams
-    arrived: float
-    pages: list[int] = field(default_factory=list)
+class DecodeRequest(TrackedRequest):
     receiver: KVReceiver | None = None
     output: list[int] = field(default_factory=list)
     aborted: bool = False
     transfer_started: float = 0.0
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.req.room, self.req.generation)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.req.input_ids)
 
 
 class DecodeLoop(InstanceLoop):
     role = "decode"
 
     def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, runner: ModelRunner | None = None):
-        self.runner = runner or build_runner(cluster, inst)
-        self.max_running = inst.engine.max_running_requests
-        self.admit_timeout = cluster.transfer.bootstrap_timeout_s
-        self.transfer = TransferEngine("decode", inst.name, config=transport_config(cluster, inst))
-        register_pools(self.transfer, self.runner)
+        super().__init__(cluster, inst, runner)
         self.transfer.start()
         self.waiting: deque[DecodeRequest] = deque()  # no pages yet
         self.receiving: list[DecodeRequest] = []  # pages held, KV in flight
         self.running: list[DecodeRequest] = []  # adopted, decoding
-        self.generated = 0
-        super().__init__(cluster, inst)
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
-        try:
-            params = SamplingParams.from_dict({**req.sampling, "max_new_tokens": req.max_new_tokens})
-        except ValueError as e:
-            self._finish_error(req, f"bad sampling parameters: {e}", "bad_request")
-            return
-        total = len(req.input_ids) + req.max_new_tokens
-        if not req.input_ids or total > self.runner.cfg.max_position_embeddings:
-            self._finish_error(req, "prompt + max_new_tokens exceeds the model's context", "context_length")
-            return
-        if self.runner.pages_needed(total) > self.runner.allocator.num_pages:
-            self._finish_error(req, "request needs more KV pages than the decode pool holds", "context_length")
-            return
-        self.waiting.append(DecodeRequest(req, params, time.monotonic()))
+        params = self.parse(req, len(req.input_ids) + req.max_new_tokens)
+        if params is not None:
+            self.waiting.append(DecodeRequest(req, params, time.monotonic()))
 
     def on_abort(self, msg: Abort) -> None:
         key = (msg.room, msg.generation)
@@ -110,7 +82,7 @@ class DecodeLoop(InstanceLoop):
             except OutOfPages:
                 if now - r.arrived > self.admit_timeout:
                     self.waiting.popleft()
-                    self._finish_error(r.req, "decode KV pool exhausted", "overloaded")
+                    self.send_error(r.req, "decode KV pool exhausted", "overloaded")
                     continue
                 return
             self.waiting.popleft()
@@ -134,7 +106,7 @@ class DecodeLoop(InstanceLoop):
             elif state == KVPoll.FAILED:
                 self.runner.allocator.free(r.pages)
                 code = "transfer_timeout" if "timeout" in r.receiver.error.lower() else "transfer_failed"
-                self._finish_error(r.req, f"KV transfer failed: {r.receiver.error}", code)
+                self.send_error(r.req, f"KV transfer failed: {r.receiver.error}", code)
             else:
                 self._adopt(r)
         return did
@@ -178,7 +150,6 @@ class DecodeLoop(InstanceLoop):
             else:
                 self.runner.allocator.free(r.pages)
         self.running = still
-        self.generated += len(batch)
         return True
 
     def _finish_reason(self, r: DecodeRequest, tok: int) -> str | None:
@@ -196,23 +167,11 @@ class DecodeLoop(InstanceLoop):
             finish_reason=reason, matched_stop=matched, prompt_tokens=r.prompt_len,
             completion_tokens=len(r.output), transfer=transfer))
 
-    def _finish_error(self, req: GenerateRequest, message: str, code: str) -> None:
-        self.channel.send(req.reply_to, TokenEvent(
-            room=req.room, generation=req.generation, instance=self.inst.name, finish_reason="error",
-            error=message, error_code=code, prompt_tokens=len(req.input_ids)))
-
     def _bytes_per_page(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.runner.kv.buffers().values())
 
-    def load(self) -> LoadStats:
-        a = self.runner.allocator
-        return LoadStats(num_running=len(self.running), num_waiting=len(self.waiting),
-                         num_transferring=len(self.receiving), kv_pages_used=a.num_pages - a.num_free,
-                         kv_pages_total=a.num_pages, page_size=self.runner.page_size)
-
-    def close(self) -> None:
-        super().close()
-        self.transfer.close()
+    def queue_sizes(self) -> tuple[int, int, int]:
+        return len(self.running), len(self.waiting), len(self.receiving)
 
 
 def main(cluster: ClusterConfig, instance_index: int = 0) -> int:

@@ -14,13 +14,15 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from glm53.models import ModelRunner
 from glm53.server.config import ClusterConfig, InstanceConfig
-from glm53.server.protocol import Abort, GenerateRequest, InstanceChannel, LoadStats
-from glm53.transport.engine import TransportConfig
+from glm53.server.protocol import Abort, GenerateRequest, InstanceChannel, LoadStats, TokenEvent
+from glm53.server.sampling import SamplingParams
+from glm53.transport.engine import TransferEngine, TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +74,39 @@ def register_pools(transfer, runner: ModelRunner) -> None:
         transfer.register_pool("index_k", kv.index_k, layers=kv.spec.indexer_layers)
 
 
+@dataclass
+class TrackedRequest:
+    """A router request as an instance holds it: parsed sampling params and its KV pages."""
+
+    req: GenerateRequest
+    params: SamplingParams
+    arrived: float
+    pages: list[int] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.req.room, self.req.generation)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.input_ids)
+
+
 class InstanceLoop(abc.ABC):
-    """The step loop. Subclasses implement `on_request`, `on_abort`, `step` (one engine step;
-    returns True when it did work) and `load` (a LoadStats snapshot)."""
+    """The step loop of one instance: model runner, transfer engine, control channel.
+    Subclasses implement `on_request`, `on_abort`, `step` (one engine step; True when it did
+    work) and `queue_sizes` (running, waiting, transferring)."""
 
     role = ""
 
-    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig):
+    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, runner: ModelRunner | None = None):
         self.cluster, self.inst = cluster, inst
+        self.runner = runner or build_runner(cluster, inst)
+        self.max_running = inst.engine.max_running_requests
+        # A request that cannot get pages for this long fails as "overloaded" rather than waiting forever.
+        self.admit_timeout = cluster.transfer.bootstrap_timeout_s
+        self.transfer = TransferEngine(self.role, inst.name, config=transport_config(cluster, inst))
+        register_pools(self.transfer, self.runner)
         self._stop = threading.Event()
         self._load = LoadStats()
         self.channel = InstanceChannel(inst.address, inst.name, self.role, load_fn=lambda: self._load)
@@ -94,7 +121,34 @@ class InstanceLoop(abc.ABC):
     def step(self) -> bool: ...
 
     @abc.abstractmethod
-    def load(self) -> LoadStats: ...
+    def queue_sizes(self) -> tuple[int, int, int]: ...
+
+    def parse(self, req: GenerateRequest, max_tokens: int) -> SamplingParams | None:
+        """The request's sampling params, or None after answering the router with an error."""
+        try:
+            params = SamplingParams.from_dict({**req.sampling, "max_new_tokens": req.max_new_tokens})
+        except ValueError as e:
+            self.send_error(req, f"bad sampling parameters: {e}", "bad_request")
+            return None
+        if not req.input_ids or max_tokens > self.runner.cfg.max_position_embeddings:
+            self.send_error(req, "prompt is empty or longer than the model's context", "context_length")
+            return None
+        if self.runner.pages_needed(max_tokens) > self.runner.allocator.num_pages:
+            self.send_error(req, f"request needs more KV pages than the {self.role} pool holds", "context_length")
+            return None
+        return params
+
+    def send_error(self, req: GenerateRequest, message: str, code: str) -> None:
+        self.channel.send(req.reply_to, TokenEvent(
+            room=req.room, generation=req.generation, instance=self.inst.name, finish_reason="error",
+            error=message, error_code=code, prompt_tokens=len(req.input_ids)))
+
+    def load(self) -> LoadStats:
+        running, waiting, transferring = self.queue_sizes()
+        a = self.runner.allocator
+        return LoadStats(num_running=running, num_waiting=waiting, num_transferring=transferring,
+                         kv_pages_used=a.num_pages - a.num_free, kv_pages_total=a.num_pages,
+                         page_size=self.runner.page_size)
 
     def stop(self, *_args) -> None:
         self._stop.set()
@@ -120,6 +174,7 @@ class InstanceLoop(abc.ABC):
 
     def close(self) -> None:
         self.channel.close()
+        self.transfer.close()
 
 
 def run_instance(loop_factory, cluster: ClusterConfig, role: str, index: int) -> int:

@@ -12,69 +12,46 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from glm53.models import ModelRunner, OutOfPages, SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
-from glm53.server.instance import InstanceLoop, build_runner, register_pools, run_instance, transport_config
-from glm53.server.protocol import Abort, GenerateRequest, LoadStats, TokenEvent
-from glm53.server.sampling import SamplingParams, sample, step_generator
+from glm53.server.instance import InstanceLoop, TrackedRequest, run_instance
+from glm53.server.protocol import Abort, GenerateRequest
+from glm53.server.sampling import sample, step_generator
 from glm53.transport import BootstrapServer
 from glm53.transport.buffers import MetadataRow
-from glm53.transport.engine import TERMINAL, KVPoll, KVSender, Room, TransferEngine
+from glm53.transport.engine import TERMINAL, KVPoll, KVSender, Room
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class PrefillRequest:
-    req: GenerateRequest
-    params: SamplingParams
-    arrived: float
-    pages: list[int] = field(default_factory=list)
+class PrefillRequest(TrackedRequest):
     sender: KVSender | None = None
     done_tokens: int = 0  # prompt tokens already in the cache
     sent_pages: int = 0  # pages already handed to the sender
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.req.room, self.req.generation)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.req.input_ids)
 
 
 class PrefillLoop(InstanceLoop):
     role = "prefill"
 
     def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, runner: ModelRunner | None = None):
-        self.runner = runner or build_runner(cluster, inst)
+        super().__init__(cluster, inst, runner)
         self.budget = inst.engine.chunked_prefill_size
-        self.max_running = inst.engine.max_running_requests
-        self.admit_timeout = cluster.transfer.bootstrap_timeout_s
         self.bootstrap = BootstrapServer(inst.name, pp_size=1, tp_size=1, host=inst.host, port=inst.bootstrap_port)
-        self.transfer = TransferEngine("prefill", inst.name, config=transport_config(cluster, inst))
-        register_pools(self.transfer, self.runner)
         self.transfer.start(self.bootstrap.address)
         self.waiting: deque[PrefillRequest] = deque()
         self.running: list[PrefillRequest] = []  # prefilling, in arrival order
         self.sending: list[PrefillRequest] = []  # prefill done, transfer in flight
-        super().__init__(cluster, inst)
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
-        try:
-            params = SamplingParams.from_dict({**req.sampling, "max_new_tokens": req.max_new_tokens})
-        except ValueError as e:
-            self._fail(req, f"bad sampling parameters: {e}", "bad_request")
-            return
-        if not req.input_ids or len(req.input_ids) > self.runner.cfg.max_position_embeddings:
-            self._fail(req, "prompt is empty or longer than the model's context", "context_length")
-            return
-        self.waiting.append(PrefillRequest(req, params, time.monotonic()))
+        params = self.parse(req, len(req.input_ids))
+        if params is not None:
+            self.waiting.append(PrefillRequest(req, params, time.monotonic()))
 
     def on_abort(self, msg: Abort) -> None:
         key = (msg.room, msg.generation)
@@ -103,7 +80,7 @@ class PrefillLoop(InstanceLoop):
             except OutOfPages:
                 if now - r.arrived > self.admit_timeout:
                     self.waiting.popleft()
-                    self._fail(r.req, "prefill KV pool exhausted", "overloaded")
+                    self.send_error(r.req, "prefill KV pool exhausted", "overloaded")
                     continue
                 return
             self.waiting.popleft()
@@ -158,23 +135,14 @@ class PrefillLoop(InstanceLoop):
             self.runner.allocator.free(r.pages)
             if state == KVPoll.FAILED:
                 log.warning("room %d: transfer failed: %s", r.req.room, r.sender.error)
-                self._fail(r.req, f"KV transfer failed: {r.sender.error}", "transfer_failed")
+                self.send_error(r.req, f"KV transfer failed: {r.sender.error}", "transfer_failed")
         return did
 
-    def _fail(self, req: GenerateRequest, message: str, code: str) -> None:
-        self.channel.send(req.reply_to, TokenEvent(
-            room=req.room, generation=req.generation, instance=self.inst.name, finish_reason="error",
-            error=message, error_code=code, prompt_tokens=len(req.input_ids)))
-
-    def load(self) -> LoadStats:
-        a = self.runner.allocator
-        return LoadStats(num_running=len(self.running), num_waiting=len(self.waiting),
-                         num_transferring=len(self.sending), kv_pages_used=a.num_pages - a.num_free,
-                         kv_pages_total=a.num_pages, page_size=self.runner.page_size)
+    def queue_sizes(self) -> tuple[int, int, int]:
+        return len(self.running), len(self.waiting), len(self.sending)
 
     def close(self) -> None:
         super().close()
-        self.transfer.close()
         self.bootstrap.close()
 
 
