@@ -84,6 +84,9 @@ class RouterConfig:
     # aborted on both instances. None: transfer.bootstrap_timeout_s + transfer_timeout_s before
     # the first token, transfer.transfer_timeout_s between later events.
     first_token_timeout_s: float | None = None
+    # Before the first token, a room whose prefill fails (error event or dead instance) is
+    # resubmitted on another prefill instance this many times.
+    max_retries: int = 1
     stream_idle_timeout_s: float | None = None
     # Seconds `up` waits for every process to report ready.
     startup_timeout_s: float = 600.0
@@ -356,6 +359,8 @@ def _check_semantics(cfg: ClusterConfig) -> None:
         v = getattr(cfg.router, k)
         if v is not None and v <= 0:
             raise err(f"router.{k}", f"must be > 0, got {v}")
+    if cfg.router.max_retries < 0:
+        raise err("router.max_retries", f"must be >= 0, got {cfg.router.max_retries}")
     if cfg.router.startup_timeout_s <= 0:
         raise err("router.startup_timeout_s", f"must be > 0, got {cfg.router.startup_timeout_s}")
     for k in ("bootstrap_timeout_s", "transfer_timeout_s"):

@@ -34,9 +34,10 @@ class Unavailable(Exception):
 class RoomFailed(Exception):
     """A room ended without a normal finish: instance error, dead instance or timeout."""
 
-    def __init__(self, message: str, code: str = "internal"):
+    def __init__(self, message: str, code: str = "internal", side: str | None = None):
         super().__init__(message)
         self.code = code
+        self.side = side  # "prefill" when the prefill side failed (a retry may help)
 
 
 @dataclass
@@ -157,21 +158,24 @@ class InstancePool:
         }
 
     # ---- requests ----
-    def submit(self, spec: RoomSpec) -> Room:
+    def submit(self, spec: RoomSpec, exclude_prefill: frozenset[str] = frozenset(), generation: int = 0) -> Room:
+        """Send `spec` to a fresh (prefill, decode) pair. `exclude_prefill` and `generation` are
+        for retries: a retried request gets a new room id (the transfer layer retires old ones)
+        and the next generation number."""
         if not self.has_capacity():
             raise Unavailable(f"the server is at capacity ({self.cfg.router.max_running_requests} requests in "
                               "flight); retry later")
         pairs_tried: set[tuple[str, str]] = set()
         # A send that fails means the instance vanished since its last pong: try another pair.
         for _ in range(len(self.instances["prefill"]) * len(self.instances["decode"])):
-            p, d = self._pick("prefill"), self._pick("decode")
+            p, d = self._pick("prefill", exclude_prefill), self._pick("decode")
             if (p.name, d.name) in pairs_tried:
                 continue
             pairs_tried.add((p.name, d.name))
             room_id = self._new_room_id()
-            room = Room(room=room_id, generation=0, spec=spec, prefill=p, decode=d)
+            room = Room(room=room_id, generation=generation, spec=spec, prefill=p, decode=d)
             req = GenerateRequest(
-                room=room_id, generation=0, rid=spec.rid, input_ids=spec.input_ids, sampling=spec.sampling,
+                room=room_id, generation=generation, rid=spec.rid, input_ids=spec.input_ids, sampling=spec.sampling,
                 max_new_tokens=spec.max_new_tokens, stop_token_ids=spec.stop_token_ids,
                 eos_token_ids=spec.eos_token_ids, ignore_eos=spec.ignore_eos, prefill=p.peer, decode=d.peer,
                 reply_to=self.cfg.router.result_address, sent_at=time.time(),
@@ -183,7 +187,7 @@ class InstancePool:
                 continue
             if not self._send(p, data):
                 self._set_healthy(p, False)
-                self._send(d, encode(Abort(room=room_id, generation=0, reason="prefill unreachable")))
+                self._send(d, encode(Abort(room=room_id, generation=generation, reason="prefill unreachable")))
                 continue
             self.rooms[room_id] = room
             p.in_flight += 1
@@ -226,8 +230,8 @@ class InstancePool:
             self._send(room.prefill, msg)
 
     # ---- internals ----
-    def _pick(self, role: str) -> InstanceState:
-        cands = self.healthy(role)
+    def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> InstanceState:
+        cands = [i for i in self.healthy(role) if i.name not in exclude]
         if not cands:
             raise Unavailable(f"no healthy {role} instance (configured: "
                               f"{', '.join(i.name for i in self.instances[role])})")
@@ -296,7 +300,7 @@ class InstancePool:
                     self.metrics.transfer_failed.labels(self.metrics.model_name).inc()
                 room.queue.put_nowait(RoomFailed(
                     f"prefill instance {msg.instance} failed the request: {msg.error or 'unknown error'}",
-                    msg.error_code or "internal"))
+                    msg.error_code or "internal", side="prefill"))
             return
         if msg.instance != room.decode.name:
             return
@@ -330,7 +334,8 @@ class InstancePool:
                     continue  # prefill's work for this room is done
                 if inst is room.prefill or inst is room.decode:
                     room.queue.put_nowait(RoomFailed(
-                        f"{inst.cfg.role} instance {inst.name} stopped responding", "instance_down"))
+                        f"{inst.cfg.role} instance {inst.name} stopped responding", "instance_down",
+                        side=inst.cfg.role))
 
     async def _health_loop(self) -> None:
         r = self.cfg.router

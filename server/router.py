@@ -99,10 +99,11 @@ class Generation:
         self.t0 = time.monotonic()
         self.room: Room | None = None
         self._open = False
+        self.failed_prefills: set[str] = set()
         p = req.params
         if p.max_new_tokens == 0:
             return
-        spec = RoomSpec(
+        self.spec = RoomSpec(
             rid=req.rid, input_ids=req.input_ids,
             sampling={"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
                       "seed": p.seed},
@@ -110,11 +111,32 @@ class Generation:
             eos_token_ids=list(state.tokenizer.eos_token_ids), ignore_eos=p.ignore_eos,
         )
         try:
-            self.room = state.pool.submit(spec)
+            self.room = state.pool.submit(self.spec)
         except Unavailable as e:
             raise APIError(503, str(e)) from None
         self._open = True
         state.metrics.router_running.labels(state.metrics.model_name).inc()
+
+    async def _next_event(self):
+        """The room's next event; before the first token, a prefill-side failure is retried on
+        another prefill instance (router.max_retries times)."""
+        assert self.room is not None
+        while True:
+            try:
+                return await self.state.pool.next_event(self.room)
+            except RoomFailed as e:
+                room = self.room
+                if (e.side != "prefill" or room.got_first_token
+                        or room.generation >= self.state.cfg.router.max_retries):
+                    raise
+                self.failed_prefills.add(room.prefill.name)
+                log.warning("router: %s: %s; retrying on another prefill instance", self.req.rid, e)
+                try:
+                    new = self.state.pool.submit(self.spec, frozenset(self.failed_prefills), room.generation + 1)
+                except Unavailable:
+                    raise e from None
+                self.state.pool.release(room, abort=True)
+                self.room = new
 
     def _close(self, abort: bool) -> None:
         if not self._open:
@@ -151,7 +173,7 @@ class Generation:
         try:
             while True:
                 try:
-                    ev = await state.pool.next_event(self.room)
+                    ev = await self._next_event()
                 except RoomFailed as e:
                     raise APIError(_STATUS_FOR_CODE.get(e.code, 503), str(e)) from None
                 now = time.monotonic()

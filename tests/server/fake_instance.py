@@ -5,9 +5,11 @@ decode "generates" deterministic tokens from the prompt (so greedy requests are 
 one token per active room per tick, like a continuous batch. Behaviour knobs (environment):
 
     FAKE_TOKEN_DELAY   seconds per decode step (default 0.002)
+    FAKE_FIRST_TOKEN_DELAY  seconds decode waits before a room's first token (the "transfer")
     FAKE_EOS_AT        emit the first eos id as output token N (0-based) unless ignore_eos
     FAKE_PID_DIR       write <name>.pid there (tests kill instances by pid)
     FAKE_PREFILL_FAIL  prefill fails every room with this error message
+    FAKE_PREFILL_FAIL_ONLY  comma-separated instance names FAKE_PREFILL_FAIL applies to (default all)
     FAKE_TRANSFER_BYTES  prefill reports a transfer of this many bytes per room
 """
 
@@ -35,6 +37,7 @@ def fake_token(input_ids: list[int], step: int, seed: int | None = None) -> int:
 @dataclass
 class _Room:
     req: GenerateRequest
+    start_at: float = 0.0
     step: int = 0
 
 
@@ -43,8 +46,12 @@ def main(cfg: ClusterConfig, index: int) -> int:
     role = "decode" if "decode" in sys.argv[1:2] else "prefill"
     inst = cfg.pool(role)[index]
     delay = float(os.environ.get("FAKE_TOKEN_DELAY", "0.002"))
+    first_delay = float(os.environ.get("FAKE_FIRST_TOKEN_DELAY", "0"))
     eos_at = int(os.environ["FAKE_EOS_AT"]) if os.environ.get("FAKE_EOS_AT") else None
     prefill_fail = os.environ.get("FAKE_PREFILL_FAIL")
+    only = [n for n in os.environ.get("FAKE_PREFILL_FAIL_ONLY", "").split(",") if n]
+    if only and inst.name not in only:
+        prefill_fail = None
     transfer_bytes = int(os.environ.get("FAKE_TRANSFER_BYTES", "0"))
     if os.environ.get("FAKE_PID_DIR"):
         with open(os.path.join(os.environ["FAKE_PID_DIR"], f"{inst.name}.pid"), "w") as f:
@@ -70,13 +77,15 @@ def main(cfg: ClusterConfig, index: int) -> int:
                             ch.send(m.reply_to, TokenEvent(room=m.room, generation=m.generation, instance=inst.name,
                                                            transfer=TransferStats(0.001, transfer_bytes, 0.0005)))
                     else:
-                        rooms[m.room] = _Room(m)
+                        rooms[m.room] = _Room(m, start_at=time.monotonic() + first_delay)
                 elif isinstance(m, Abort):
                     rooms.pop(m.room, None)
             if role == "decode" and rooms:
                 time.sleep(delay)
                 for rid, r in list(rooms.items()):
                     q = r.req
+                    if time.monotonic() < r.start_at:
+                        continue
                     if eos_at is not None and r.step == eos_at and not q.ignore_eos:
                         tok = q.eos_token_ids[0]
                     else:

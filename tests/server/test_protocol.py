@@ -2,6 +2,7 @@ import msgpack
 import pytest
 import zmq
 
+from .conftest import free_ports
 from glm53.server.protocol import (PROTOCOL_VERSION, Abort, GenerateRequest, HealthPing, HealthPong,
                                    InstanceChannel, LoadStats, PeerInfo, ProtocolError, TokenEvent, TransferStats,
                                    decode, encode, probe)
@@ -50,9 +51,7 @@ def test_instance_channel_answers_pings_and_queues_requests():
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     reply_to = f"tcp://127.0.0.1:{port}"
-    sock = ctx.socket(zmq.PUSH)
-    inst_port = sock.bind_to_random_port("tcp://127.0.0.1")  # only to find a free port
-    sock.close(0)
+    (inst_port,) = free_ports(1)  # a plain socket: released synchronously, unlike a zmq one
     ch = InstanceChannel(f"tcp://127.0.0.1:{inst_port}", "d0", "decode", load_fn=lambda: LoadStats(num_waiting=4))
     try:
         assert probe({"d0": f"tcp://127.0.0.1:{inst_port}"}, timeout=0.5) == set()  # not ready yet

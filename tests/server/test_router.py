@@ -288,6 +288,21 @@ def test_prefill_failure_is_an_error_event(tmp_path, model_dir, glm53_cache):
         c.stop()
 
 
+def test_failed_prefill_is_retried_on_another(tmp_path, model_dir, glm53_cache):
+    c = start_cluster(tmp_path, model_dir, glm53_cache, n_prefill=2, n_decode=1, router={"policy": "round_robin"},
+                      env={"FAKE_PREFILL_FAIL": "p0 is broken", "FAKE_PREFILL_FAIL_ONLY": "p0",
+                           "FAKE_FIRST_TOKEN_DELAY": "0.3"})
+    try:
+        for _ in range(4):
+            r = httpx.post(c.url + "/v1/completions", json={"prompt": [400, 401], "max_tokens": 3}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3
+        assert all(i["in_flight"] == 0 for i in c.server_info()["prefill"] + c.server_info()["decode"])
+    finally:
+        c.stop()
+    assert c.log_path.read_text().count("retrying on another prefill instance") >= 2
+
+
 def test_eos_and_up_shutdown_leaves_no_processes(tmp_path, model_dir, glm53_cache):
     c = start_cluster(tmp_path, model_dir, glm53_cache, env={"FAKE_EOS_AT": "3", "FAKE_TRANSFER_BYTES": "4096"})
     try:

@@ -32,7 +32,7 @@ def test_no_server_errors(fuzz_cluster, tmp_path):
            "--checks", "not_a_server_error", "--max-examples", "40", "--phases", "examples,fuzzing",
            "--mode", "all", "--workers", "2", "--seed", "5", "--no-shrink", "--generation-database", "none",
            "--request-timeout", "20", "--no-color", "--report-dir", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)  # its cache stays out of the repo
     tail = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == 0, tail
     assert "Test cases:" in r.stdout
