@@ -21,3 +21,10 @@ def triton_interpreting() -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """True when the op on tensor `t` should run its Triton kernel."""
     return t.is_cuda or _INTERPRET
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision for operands of `dtype`. float32 operands get IEEE products:
+    tf32 perturbs index scores by ~1e-3, enough to flip near-tie top-k selections against the
+    reference; 16- and 8-bit operands are exact in the tf32 path anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.dispatch import dot_precision, triton_interpreting
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def _indexer_logits_kernel(
     stride_ptt, stride_ot,
     H: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, QFP8: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
     sb = tl.program_id(1)
@@ -46,7 +46,7 @@ def _indexer_logits_kernel(
     if DOT_F32:  # the interpreter multiplies bf16 as raw uint16: widen first (exact)
         k = k.to(tl.float32)
         q = q.to(tl.float32)
-    scores = tl.dot(k, tl.trans(q))  # [S, BH] fp32
+    scores = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [S, BH] fp32
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + h, mask=h < H, other=0.0).to(tl.float32)
     logit = tl.sum(tl.maximum(scores, 0.0) * w[None, :], axis=1)
     if FP8:
@@ -106,6 +106,6 @@ def indexer_logits_triton(
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), stride_sp,
         page_table.stride(0), out.stride(0),
         H=H, D=D, PAGE_SIZE=page_size, BLOCK_H=BLOCK_H, BLOCK_S=block_s, FP8=fp8, QFP8=qfp8,
-        DOT_F32=interp and not qfp8, num_warps=num_warps,
+        DOT_F32=interp and not qfp8, PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.dispatch import dot_precision, triton_interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -27,7 +27,7 @@ def _sparse_mla_kernel(
     stride_qt, stride_qh, stride_kp, stride_ks, stride_it, stride_ot, stride_oh,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NHB: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     sp = tl.program_id(1)
@@ -63,8 +63,8 @@ def _sparse_mla_kernel(
         if DOT_F32:
             c = c.to(tl.float32)
             kpe = kpe.to(tl.float32)
-        s = tl.dot(q_nope, tl.trans(c))
-        s = tl.dot(q_pe, tl.trans(kpe), s)
+        s = tl.dot(q_nope, tl.trans(c), input_precision=PRECISION)
+        s = tl.dot(q_pe, tl.trans(kpe), s, input_precision=PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -75,7 +75,7 @@ def _sparse_mla_kernel(
             pr_c = pr.to(kv_ptr.dtype.element_ty).to(tl.float32)
         else:
             pr_c = pr.to(c.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pr_c, c)
+        acc = acc * alpha[:, None] + tl.dot(pr_c, c, input_precision=PRECISION)
         m_i = m_new
 
     has = l_i > 0.0
@@ -174,7 +174,7 @@ def sparse_mla_triton(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
         out.stride(0), out.stride(1),
         H=H, R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, BLOCK_H=block_h, BLOCK_N=block_n, NHB=nhb,
-        SPLIT=num_splits > 1, DOT_F32=interp, num_warps=num_warps, num_stages=num_stages,
+        SPLIT=num_splits > 1, DOT_F32=interp, PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _combine_kernel[(T * H,)](

@@ -28,12 +28,10 @@ def test_cuda_triton_path_matches_cpu_reference(tmp_path):
         outs.append(r.forward([SeqChunk(prompt, 0, pages, all_logits=True)])[0].cpu())
         r.allocator.free(pages)
     rel = float((outs[1] - outs[0]).norm() / outs[0].norm())
-    print(f"prefill logits rel err CUDA(Triton, tf32 dots) vs CPU reference: {rel:.2e}")
-    assert rel <= 2e-2
+    print(f"prefill logits rel err CUDA (Triton, fp32 IEEE dots) vs CPU reference: {rel:.2e}")
+    assert rel <= 1e-4
     # Greedy decode, batch of 3 ragged prompts, through the Triton top-k / indexer / sparse MLA.
     prompts = [torch.randint(0, 158, (n,), generator=g).tolist() for n in (30, 90, 170)]
     a = greedy_generate(cpu, prompts, 16, ignore_eos=True)
     b = greedy_generate(gpu, prompts, 16, ignore_eos=True)
-    agree = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q)) / sum(len(p) for p in a)
-    print(f"greedy token agreement CUDA vs CPU: {agree:.3f}")
-    assert agree >= 0.9
+    assert a == b
