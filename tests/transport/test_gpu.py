@@ -1,21 +1,14 @@
 """CUDA pools through the engine (VRAM registration, cuda_ipc / cuda_copy): skipped without a
-GPU. Runs on the H200 as `python tests/transport/test_gpu.py` too (no install needed there)."""
+GPU. On the device machine: `source tools/device_env.sh` first."""
 
 import os
 import sys
 
 import pytest
 
-torch = pytest.importorskip("torch") if __name__ != "__main__" else __import__("torch")
+import torch
 
-try:
-    from glm53.transport import (BootstrapServer, KVPoll, MetadataRow, Room, TransferEngine,
-                                 TransportConfig)
-except ImportError:  # plain checkout on the device machine
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))))
-    from transport import (BootstrapServer, KVPoll, MetadataRow, Room, TransferEngine,  # noqa
-                           TransportConfig)
+from glm53.transport import BootstrapServer, KVPoll, MetadataRow, Room, TransferEngine, TransportConfig
 
 
 @pytest.mark.gpu
@@ -49,7 +42,3 @@ def test_cuda_pools_through_engine():
         p.close()
         srv.close()
 
-
-if __name__ == "__main__":
-    test_cuda_pools_through_engine()
-    print("test_cuda_pools_through_engine: OK")
