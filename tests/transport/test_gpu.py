@@ -1,11 +1,7 @@
 """CUDA pools through the engine (VRAM registration, cuda_ipc / cuda_copy): skipped without a
 GPU. On the device machine: `source tools/device_env.sh` first."""
 
-import os
-import sys
-
 import pytest
-
 import torch
 
 from glm53.transport import BootstrapServer, KVPoll, MetadataRow, Room, TransferEngine, TransportConfig
