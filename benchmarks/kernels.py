@@ -23,7 +23,7 @@ import sys
 import torch
 import triton
 
-from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_reference
+from glm53.kernels.indexer_logits import indexer_logits_reference
 from glm53.kernels import index_cache_fp8
 from glm53.kernels.indexer_logits_triton import indexer_logits_triton
 from glm53.kernels.sparse_mla import sparse_mla_reference
@@ -210,7 +210,6 @@ def _index_setup(B, L, page_size=64, n_layers=2, fp8=False):
 
 def _torch_indexer_bf16(q, w, kc, pt, lens, max_len):
     """A plain torch bf16 indexer (gather pages, bf16 einsum): the speed reference."""
-    T = q.shape[0]
     keys = kc[pt.long()].flatten(1, 2)[:, :max_len]  # [T, L, D]
     dots = torch.einsum("thd,tsd->ths", q, keys).relu_()
     logit = torch.einsum("th,ths->ts", w, dots.float())

@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from .backend import DONE, ERR, PROC, MemRegion, NixlBackend, TransferBackend, Xfer
+from .backend import DONE, ERR, PROC, MemRegion, NixlBackend, TransferBackend
 from .bootstrap import PROTOCOL_VERSION, pack, unpack
 from .buffers import (BufferSpec, BufferTable, MetadataRow, TableMismatch, check_pair)
 from .mapping import Segment, TransferPlan, page_runs, plan_transfers, segment_descs

@@ -16,7 +16,7 @@ so the work spreads over the sources (never all from one, never duplicated).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np

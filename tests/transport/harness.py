@@ -7,7 +7,6 @@ import os
 import signal
 import time
 
-import numpy as np
 
 from . import worker
 

@@ -1,7 +1,6 @@
 """Lifecycle in one process (two engines, each with its own NIXL agent, over UCX tcp loopback):
 table mismatch at bootstrap, aborts from either side, room generations, early chunks."""
 
-import os
 
 import numpy as np
 import pytest

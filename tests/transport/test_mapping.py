@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from glm53.transport.buffers import (BufferSpec, BufferTable, Heads, MetadataRow, Replicated,
+from glm53.transport.buffers import (BufferSpec, BufferTable, Heads, MetadataRow,
                                      TableMismatch, check_tables)
 from glm53.transport.mapping import (Segment, count_descriptors, page_runs, plan_transfers,
                                      segment_descs)
