@@ -55,6 +55,15 @@ class ModelRunner:
         self.kv = KVPool(spec, device=self.device)
         self.allocator = PageAllocator(num_pages)
 
+    @staticmethod
+    def kv_bytes_per_token(cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None) -> int:
+        """KV bytes one token costs in this stage's pools (latent on every layer, indexer keys
+        on full layers only)."""
+        layers = layers if layers is not None else range(cfg.num_hidden_layers)
+        n_full = sum(1 for i in cfg.full_layers if i in layers)
+        elt = torch.empty((), dtype=dtype).element_size()
+        return (len(layers) * cfg.latent_dim + n_full * cfg.index_head_dim) * elt
+
     @classmethod
     def from_dir(
         cls,

@@ -34,8 +34,8 @@ import yaml
 # The model path that `up` materializes on first use (server/embedded_model.py).
 EMBEDDED_MODEL = "embedded:tiny-glm5"
 PAIRING_POLICIES = ("round_robin", "least_loaded", "random")
-# Backends the transport layer implements; "fake" moves no bytes (tests, router-only work).
-TRANSFER_BACKENDS = ("nixl", "fake")
+# Backends the transport layer implements.
+TRANSFER_BACKENDS = ("nixl",)
 ROLES = ("prefill", "decode")
 
 
@@ -105,7 +105,7 @@ class RouterConfig:
 
 @dataclass
 class TransferConfig:
-    backend: Literal["nixl", "fake"] = "nixl"
+    backend: Literal["nixl"] = "nixl"
     # Bounded waits (DESIGN §4.5): a peer that does not bootstrap or finish a transfer within
     # these fails its rooms on both sides.
     bootstrap_timeout_s: float = 60.0
@@ -445,7 +445,10 @@ def _check_engine(e: EngineConfig, path: str, src: str) -> None:
     if not 0 < e.mem_fraction_static <= 1:
         raise ConfigError(src, f"{path}.mem_fraction_static", f"must be in (0, 1], got {e.mem_fraction_static}")
     if e.dist_init_port is not None:
-        _check_port(e.dist_init_port, f"{path}.dist_init_port", src)
+        raise ConfigError(src, f"{path}.dist_init_port", "only used by tp/pp > 1, which are not supported yet")
+    if e.kv_cache_dtype not in ("auto", e.dtype):
+        raise ConfigError(src, f"{path}.kv_cache_dtype", f"a KV cache dtype other than the model dtype "
+                          f"({e.dtype!r}) is not supported yet; got {e.kv_cache_dtype!r}")
     if e.log_interval_s <= 0:
         raise ConfigError(src, f"{path}.log_interval_s", f"must be > 0, got {e.log_interval_s}")
 

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 class DecodeRequest(TrackedRequest):
     receiver: KVReceiver | None = None
     output: list[int] = field(default_factory=list)
+    unsent: list[int] = field(default_factory=list)  # generated, not yet streamed
     aborted: bool = False
     transfer_started: float = 0.0
 
@@ -41,6 +42,7 @@ class DecodeLoop(InstanceLoop):
 
     def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, runner: ModelRunner | None = None):
         super().__init__(cluster, inst, runner)
+        self.stream_interval = inst.engine.stream_interval
         self.transfer.start()
         self.waiting: deque[DecodeRequest] = deque()  # no pages yet
         self.receiving: list[DecodeRequest] = []  # pages held, KV in flight
@@ -143,13 +145,18 @@ class DecodeLoop(InstanceLoop):
         still = []
         for r, tok in zip(batch, toks):
             r.output.append(int(tok))
+            r.unsent.append(int(tok))
             reason = self._finish_reason(r, int(tok))
-            self._emit(r, [int(tok)], reason)
+            # Token events go out every `stream_interval` tokens (and always with the last one).
+            if reason is not None or len(r.unsent) >= self.stream_interval:
+                self._emit(r, r.unsent, reason)
+                r.unsent = []
             if reason is None:
                 still.append(r)
             else:
                 self.runner.allocator.free(r.pages)
         self.running = still
+        self.count_tokens(len(batch))
         return True
 
     def _finish_reason(self, r: DecodeRequest, tok: int) -> str | None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm53.models import ModelRunner
+from glm53.models import GlmConfig, ModelRunner, load_weights
+from glm53.models.model import GlmForCausalLM
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.protocol import Abort, GenerateRequest, InstanceChannel, LoadStats, TokenEvent
 from glm53.server.sampling import SamplingParams
@@ -36,23 +37,38 @@ def instance_by_index(cluster: ClusterConfig, role: str, index: int) -> Instance
     return pool[index]
 
 
+def kv_pages(inst: InstanceConfig, cfg: GlmConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """KV capacity in pages: `num_pages`, else `max_total_tokens`, else (GPU) what fits in
+    `mem_fraction_static` of the device once the weights are loaded, else (CPU) 64K tokens."""
+    eng = inst.engine
+    if eng.num_pages is not None:
+        return eng.num_pages
+    tokens = eng.max_total_tokens
+    if tokens is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * eng.mem_fraction_static - (total - free)
+        tokens = int(budget // ModelRunner.kv_bytes_per_token(cfg, dtype))
+        if tokens < eng.page_size:
+            raise SystemExit(f"{inst.name}: mem_fraction_static={eng.mem_fraction_static} leaves no room for the "
+                             f"KV cache after the weights ({(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f})")
+    return -(-(tokens or 65536) // eng.page_size)
+
+
 def build_runner(cluster: ClusterConfig, inst: InstanceConfig) -> ModelRunner:
     from glm53.server.embedded_model import resolve_model_path
 
     eng = inst.engine
-    if inst.tp != 1 or inst.pp != 1:
-        raise SystemExit(f"{cluster.source}: {inst.name}: tp/pp > 1 are not supported yet")
-    device = "cuda" if eng.device == "cuda" else "cpu"
-    if device == "cuda" and inst.devices:
-        device = f"cuda:{inst.devices[0]}"
-    dtype = _DTYPES.get(eng.dtype) if eng.dtype != "auto" else None
-    num_pages = eng.num_pages
-    if num_pages is None:
-        num_pages = -(-(eng.max_total_tokens or 65536) // eng.page_size)
-    return ModelRunner.from_dir(
-        resolve_model_path(cluster.model.path), page_size=eng.page_size, num_pages=num_pages,
-        device=device, dtype=dtype, progress=False,
-    )
+    path = resolve_model_path(cluster.model.path)
+    cfg = GlmConfig.from_dir(path)
+    device = torch.device("cpu")
+    if eng.device == "cuda":
+        device = torch.device("cuda", inst.devices[0] if inst.devices else 0)
+    name = cfg.torch_dtype if eng.dtype == "auto" else eng.dtype
+    dtype = _DTYPES.get(name, torch.bfloat16)
+    model = GlmForCausalLM(cfg, dtype=dtype)
+    load_weights(model, path, progress=False)
+    model.to(device)
+    return ModelRunner(model, num_pages=kv_pages(inst, cfg, dtype, device), page_size=eng.page_size, device=device)
 
 
 def transport_config(cluster: ClusterConfig, inst: InstanceConfig) -> TransportConfig:
@@ -109,6 +125,10 @@ class InstanceLoop(abc.ABC):
         register_pools(self.transfer, self.runner)
         self._stop = threading.Event()
         self._load = LoadStats()
+        self._log_every = inst.engine.log_interval_s
+        self._log_t = time.monotonic()
+        self._log_tokens = 0
+        self._throughput = 0.0
         self.channel = InstanceChannel(inst.address, inst.name, self.role, load_fn=lambda: self._load)
 
     @abc.abstractmethod
@@ -148,7 +168,24 @@ class InstanceLoop(abc.ABC):
         a = self.runner.allocator
         return LoadStats(num_running=running, num_waiting=waiting, num_transferring=transferring,
                          kv_pages_used=a.num_pages - a.num_free, kv_pages_total=a.num_pages,
-                         page_size=self.runner.page_size)
+                         page_size=self.runner.page_size, gen_throughput=self._throughput)
+
+    def count_tokens(self, n: int) -> None:
+        """Tokens a step processed (prefill: prompt tokens; decode: generated tokens)."""
+        self._log_tokens += n
+
+    def _maybe_log(self) -> None:
+        """Every `log_interval_s`: throughput since the last line and the queues, SGLang style."""
+        now = time.monotonic()
+        if now - self._log_t < self._log_every:
+            return
+        self._throughput = self._log_tokens / (now - self._log_t)
+        load = self._load
+        if self._log_tokens or load.num_running or load.num_waiting or load.num_transferring:
+            log.info("%s batch, #running-req: %d, #queue-req: %d, #transfer-req: %d, token usage: %.2f, "
+                     "throughput (token/s): %.1f", self.role.capitalize(), load.num_running, load.num_waiting,
+                     load.num_transferring, load.kv_pages_used / max(1, load.kv_pages_total), self._throughput)
+        self._log_t, self._log_tokens = now, 0
 
     def stop(self, *_args) -> None:
         self._stop.set()
@@ -160,6 +197,7 @@ class InstanceLoop(abc.ABC):
             self.poll_channel(timeout=0.0)
             busy = self.step()
             self._load = self.load()
+            self._maybe_log()
             if not busy:
                 self.poll_channel(timeout=0.005)
 

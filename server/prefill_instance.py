@@ -100,6 +100,7 @@ class PrefillLoop(InstanceLoop):
         if not chunks:
             return False
         logits = self.runner.forward(chunks)
+        self.count_tokens(sum(len(c.token_ids) for c in chunks))
         finished = []
         for r, c, lg in zip(owners, chunks, logits):
             r.done_tokens += len(c.token_ids)

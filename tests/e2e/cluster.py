@@ -30,7 +30,7 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0) -> dict:
+def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_interval: int = 1) -> dict:
     http, result, p_port, p_boot, d_port, d_boot = ports
     return {
         "name": "e2e",
@@ -40,13 +40,14 @@ def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0) -> dict:
         "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "max_running_requests": 64,
                      "chunked_prefill_size": 64, "num_pages": 2048},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot}],
-        "decode": [{"name": "d0", "host": "127.0.0.1", "port": d_port, "bootstrap_port": d_boot}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": d_port, "bootstrap_port": d_boot,
+                    "stream_interval": stream_interval}],
     }
 
 
 class Cluster:
-    def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0):
-        self.cfg = cluster_yaml(free_ports(6), transfer_timeout_s)
+    def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0, stream_interval: int = 1):
+        self.cfg = cluster_yaml(free_ports(6), transfer_timeout_s, stream_interval)
         self.config_path = workdir / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg))
         self.url = f"http://127.0.0.1:{self.cfg['router']['port']}"

@@ -10,6 +10,7 @@ def model_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_cache):
-    c = Cluster(tmp_path_factory.mktemp("cluster"), model_cache).start()
+    # Decode batches token events in twos here (stream_interval), one by one in test_faults.
+    c = Cluster(tmp_path_factory.mktemp("cluster"), model_cache, stream_interval=2).start()
     yield c
     c.stop()

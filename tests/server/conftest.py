@@ -78,7 +78,7 @@ def start_cluster(tmp: Path, model_dir: Path, cache: Path, *, n_prefill: int = 1
                   **(model or {})},
         "router": {"host": "127.0.0.1", "port": ports[0], "result_port": ports[1],
                    "health_check_interval_s": 0.2, "health_timeout_s": 1.5, **(router or {})},
-        "transfer": {"backend": "fake", "bootstrap_timeout_s": 5, "transfer_timeout_s": 5},
+        "transfer": {"backend": "nixl", "bootstrap_timeout_s": 5, "transfer_timeout_s": 5},
         "defaults": {"device": "cpu", "page_size": 16, "num_pages": 256},
         "prefill": [], "decode": [],
     }

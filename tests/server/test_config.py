@@ -156,3 +156,40 @@ def test_cli_flags_override_yaml(tmp_path):
     cfg = load_config(p, overrides_from_args(args, "decode", 0))
     assert (cfg.decode[0].port, cfg.decode[0].bootstrap_port) == (41000, 41001)
     assert cfg.router.port == 30000
+
+
+def test_engine_keys_that_are_not_built_yet_are_refused(tmp_path):
+    d = base()
+    d["defaults"] = {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}
+    e = error(tmp_path, d)
+    assert e.key == "defaults.kv_cache_dtype" and "not supported yet" in str(e)
+    d = base()
+    d["defaults"] = {"dist_init_port": 40300}
+    assert error(tmp_path, d).key == "defaults.dist_init_port"
+    d = base()
+    d["transfer"] = {"backend": "fake"}
+    assert error(tmp_path, d).key == "transfer.backend"
+    d = base()
+    d["defaults"] = {"dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}
+    assert load_config(write(tmp_path, d)).decode[0].engine.kv_cache_dtype == "bfloat16"
+
+
+def test_kv_capacity_from_num_pages_or_tokens(tmp_path):
+    import torch
+
+    from glm53.models import GlmConfig
+    from glm53.server.instance import kv_pages
+    from tests.models.test_config import GLM5
+
+    cfg = GlmConfig.from_dict(GLM5)
+    d = base()
+    d["defaults"] = {"page_size": 64, "num_pages": 10}
+    inst = load_config(write(tmp_path, d)).decode[0]
+    assert kv_pages(inst, cfg, torch.bfloat16, torch.device("cpu")) == 10
+    d["defaults"] = {"page_size": 64, "max_total_tokens": 1000}
+    inst = load_config(write(tmp_path, d)).decode[0]
+    assert kv_pages(inst, cfg, torch.bfloat16, torch.device("cpu")) == 16
+    # GLM-5 in bf16: 78 latent layers x 576 + 78 indexer layers x 128 values per token.
+    from glm53.models import ModelRunner
+
+    assert ModelRunner.kv_bytes_per_token(cfg, torch.bfloat16) == (78 * 576 + 78 * 128) * 2
