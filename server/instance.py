@@ -199,7 +199,9 @@ class InstanceLoop(abc.ABC):
             self._load = self.load()
             self._maybe_log()
             if not busy:
-                self.poll_channel(timeout=0.005)
+                # A router message ends the wait at once; only transfer completions are polled,
+                # so wait briefly while any are in flight and longer when fully idle.
+                self.poll_channel(timeout=0.002 if self._load.num_transferring else 0.05)
 
     def poll_channel(self, timeout: float) -> None:
         msg = self.channel.get(timeout=timeout) if timeout > 0 else None

@@ -179,9 +179,9 @@ def test_completion_never_sent(tls):
     rp, rd = make_rooms(rng, 2, 12, 64, chunks=[6, 6], finish=False)
     sc = Scenario(2, 1, 2, tls, rp, rd, cfg=FAULT_CFG).start()
     try:
-        t0 = time.monotonic()
+        # The bound is measured inside each decode rank, from receiver creation to FAILED
+        # (_all_failed below); wall time here would also count loaded-CI process start-up.
         pres, dres = sc.results(sc.pconns, 30), sc.results(sc.dconns, 30)
-        assert time.monotonic() - t0 < FAULT_CFG["transfer_timeout_s"] + 4
         _all_failed(pres, "senders", 99)
         _all_failed(dres, "receivers", FAULT_CFG["transfer_timeout_s"] + 4)
         for d in dres:
