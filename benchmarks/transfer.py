@@ -68,7 +68,7 @@ def target_main(conn, args):
     if args.device == "cuda":
         import torch
         torch.cuda.set_device(0)
-    be = B.NixlBackend(f"bench-target-{os.getpid()}")
+    be = B.NixlBackend(f"bench-target-{os.getpid()}", progress_thread=True)  # target progresses tcp
     pools = _pools(args.device, args.dst_pages, args.layers, args.latent_bpt)
     sweep = _alloc(args.device, (args.sweep_bytes,))
     regs = [B.MemRegion.of(p) for p in pools.values()] + [B.MemRegion.of(sweep)]
@@ -150,7 +150,7 @@ def initiator(args):
     if args.device == "cuda":
         import torch
         torch.cuda.set_device(0)
-    be = B.NixlBackend(f"bench-init-{os.getpid()}")
+    be = B.NixlBackend(f"bench-init-{os.getpid()}", progress_thread=True)
     src_pages = max(args.tokens) // PAGE
     pools = _pools(args.device, src_pages, args.layers, args.latent_bpt)
     for pl in pools.values():

@@ -111,14 +111,17 @@ def _as_descs(addr: np.ndarray, ln: np.ndarray, dev: int) -> np.ndarray:
 
 
 class NixlBackend:
-    """NIXL agent with the UCX backend and NIXL's progress thread (the target of a write over
-    UCX tcp must progress its worker). Not thread-safe: the engine calls it from its one
-    progress thread."""
+    """NIXL agent with the UCX backend. Not thread-safe: the engine calls it from its one
+    progress thread. The target of a write over UCX tcp must progress its worker: either NIXL's
+    own progress thread does (``progress_thread=True``; it busy-polls a whole core, measured
+    100% CPU on an idle 2-core VM) or the caller's loop does, through ``notifications()`` and
+    ``poll()``, which progress the worker on each call.
+    """
 
-    def __init__(self, name: str, num_threads: int = 0):
+    def __init__(self, name: str, num_threads: int = 0, progress_thread: bool = False):
         nixl = import_nixl()
         self.module = nixl.__name__
-        cfg = nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"],
+        cfg = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"],
                                      num_threads=num_threads)
         self.agent = nixl.nixl_agent(name, cfg)
         if "UCX" not in self.agent.backends:

@@ -78,6 +78,10 @@ class TransportConfig:
     meta_slots: int = 1024
     meta_slot_bytes: int = 1024
     num_threads: int = 0  # NIXL UCX backend worker threads (0: NIXL default)
+    # NIXL's UCX progress thread busy-polls a core even when idle. Off, this engine's loop
+    # progresses UCX (it polls notifications every 1 ms while a room is live), which is what a
+    # host shared by several instances wants; on, for dedicated hosts chasing tcp throughput.
+    progress_thread: bool = False
 
 
 class TransferError(RuntimeError):
@@ -425,7 +429,7 @@ class TransferEngine:
         if self.started:
             return
         if self._backend is None:
-            self._backend = NixlBackend(self.name, self.cfg.num_threads)
+            self._backend = NixlBackend(self.name, self.cfg.num_threads, self.cfg.progress_thread)
         S = self.cfg.meta_slot_bytes
         self._meta_arr = np.zeros(self.cfg.meta_slots * S, dtype=np.uint8)
         self._free_slots = list(range(self.cfg.meta_slots - 1, -1, -1))
