@@ -195,15 +195,43 @@ class _DPeer:  # prefill's view of one decode rank
 # Public handles
 # ------------------------------------------------------------------------------------------
 
-class KVSender:
-    """Prefill side of one room on one rank. Create with ``TransferEngine.create_sender``."""
+class _RoomHandle:
+    """What both ends of a room share: its state, error, abort and a bounded wait."""
 
-    def __init__(self, engine: "TransferEngine", st: _SenderSt):
+    _abort_reason = ""
+
+    def __init__(self, engine: "TransferEngine", st):
         self._e, self._st = engine, st
 
     @property
     def room(self) -> Room:
         return self._st.room
+
+    def poll(self) -> KVPoll:
+        return self._st.state
+
+    @property
+    def error(self) -> str:
+        return self._st.error
+
+    def abort(self, reason: str = "") -> None:
+        """Fail the room on both sides. ``poll()`` reports FAILED once no write of this room
+        can still land (sender: none in flight, so source pages may be freed; receiver: every
+        prefill rank that could write acknowledged, died, or the quiesce timeout passed)."""
+        with self._e._lock:
+            if not self._st.abort_req:
+                self._st.abort_req = reason or self._abort_reason
+        self._e._wake()
+
+    def wait(self, timeout: float) -> KVPoll:
+        """Poll until terminal or ``timeout`` (tests, tools)."""
+        return _wait(self.poll, timeout)
+
+
+class KVSender(_RoomHandle):
+    """Prefill side of one room on one rank. Create with ``TransferEngine.create_sender``."""
+
+    _abort_reason = "aborted by prefill"
 
     def send_pages(self, src_pages, start: Optional[int] = None) -> None:
         """Queue one completed chunk: ``src_pages`` (this rank's page ids, in request order)
@@ -244,53 +272,22 @@ class KVSender:
 
     send_metadata = finish
 
-    def poll(self) -> KVPoll:
-        return self._st.state
-
-    @property
-    def error(self) -> str:
-        return self._st.error
-
     @property
     def stats(self) -> dict:
         """Transfers posted, descriptors and bytes written by this sender."""
         return dict(self._st.stats)
 
-    def abort(self, reason: str = "aborted by prefill") -> None:
-        """Fail the room on both sides. ``poll()`` reports FAILED once no write of this room
-        is in flight (source pages may then be freed)."""
-        with self._e._lock:
-            if not self._st.abort_req:
-                self._st.abort_req = reason
-        self._e._wake()
 
-    def wait(self, timeout: float) -> KVPoll:
-        """Poll until terminal or ``timeout`` (tests, tools)."""
-        return _wait(self.poll, timeout)
-
-
-class KVReceiver:
+class KVReceiver(_RoomHandle):
     """Decode side of one room on one rank. Create with ``TransferEngine.create_receiver``."""
 
-    def __init__(self, engine: "TransferEngine", st: _ReceiverSt):
-        self._e, self._st = engine, st
-
-    @property
-    def room(self) -> Room:
-        return self._st.room
+    _abort_reason = "aborted by decode"
 
     def set_destination(self, pages, meta_slot: Optional[int] = None) -> None:
         """Hand over the destination page ids (request order; the caller allocated them, ideally
         as few contiguous runs) and optionally a metadata slot (else the engine picks one).
         Once the prefill instance is connected, the ranks are told where to write."""
         self._e._set_destination(self._st, pages, meta_slot)
-
-    def poll(self) -> KVPoll:
-        return self._st.state
-
-    @property
-    def error(self) -> str:
-        return self._st.error
 
     @property
     def error_field(self) -> str:
@@ -302,17 +299,6 @@ class KVReceiver:
         if self._st.state != KVPoll.SUCCESS or self._st.row is None:
             raise TransferError(f"room {self._st.room}: no metadata (state {self._st.state.name})")
         return self._st.row
-
-    def abort(self, reason: str = "aborted by decode") -> None:
-        """Fail the room on both sides. ``poll()`` reports FAILED once every prefill rank that
-        could write into the pages acknowledged (or died, or the quiesce timeout passed)."""
-        with self._e._lock:
-            if not self._st.abort_req:
-                self._st.abort_req = reason
-        self._e._wake()
-
-    def wait(self, timeout: float) -> KVPoll:
-        return _wait(self.poll, timeout)
 
 
 def _wait(poll, timeout: float) -> KVPoll:

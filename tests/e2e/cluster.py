@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,19 +14,9 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tests.net import free_ports
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_interval: int = 1) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from glm53.server.embedded_model import ensure_embedded_model
+from tests.net import free_ports
 
 FAKE_INSTANCE = str(Path(__file__).with_name("fake_instance.py"))
 
@@ -30,18 +30,6 @@ def glm53_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def model_dir(glm53_cache) -> Path:
     return ensure_embedded_model(glm53_cache)
-
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass

@@ -2,7 +2,7 @@ import msgpack
 import pytest
 import zmq
 
-from .conftest import free_ports
+from tests.net import free_ports
 from glm53.server.protocol import (PROTOCOL_VERSION, Abort, GenerateRequest, HealthPing, HealthPong,
                                    InstanceChannel, LoadStats, PeerInfo, ProtocolError, TokenEvent, TransferStats,
                                    decode, encode, probe)
