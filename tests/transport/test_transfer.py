@@ -155,8 +155,6 @@ def test_receiver_killed(tls):
 @pytest.mark.parametrize("tls", TLS)
 def test_receiver_rank_killed_fails_other_rank(tls):
     """One decode rank dies: the prefill senders fail and tell the surviving decode rank."""
-    if tls != "tcp":
-        pytest.skip("covered over tcp; the cma variant is test_receiver_killed")
     rng = np.random.default_rng(13)
     rp, rd = make_rooms(rng, 1, 24, 64, chunks=[2] * 12, chunk_sleep=0.25)
     sc = Scenario(2, 1, 2, tls, rp, rd, cfg=FAULT_CFG, decode_groups=[[0], [1]],
