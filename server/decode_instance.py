@@ -20,10 +20,10 @@ import torch
 
 from glm53.models import ModelRunner, OutOfPages, SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
-from glm53.server.instance import InstanceLoop, TrackedRequest, run_instance
+from glm53.server.instance import InstanceLoop, TrackedRequest, run_instance, transfer_error_code
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.sampling import sample, step_generator
-from glm53.transport.engine import TERMINAL, KVPoll, KVReceiver, Room
+from glm53.transport.engine import TERMINAL, KVPoll, KVReceiver, Room, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,14 @@ class DecodeLoop(InstanceLoop):
             self.waiting.popleft()
             boot = f"tcp://{r.req.prefill.host}:{r.req.prefill.bootstrap_port}"
             r.transfer_started = time.monotonic()
-            r.receiver = self.transfer.create_receiver(
-                Room(r.req.room, r.req.generation), boot, dst_pages=r.pages[: self.runner.pages_needed(r.prompt_len)]
-            )
+            try:
+                r.receiver = self.transfer.create_receiver(
+                    Room(r.req.room, r.req.generation), boot, dst_pages=r.pages[: self.runner.pages_needed(r.prompt_len)]
+                )
+            except TransferError as e:  # e.g. a duplicate room: this request only, never the loop
+                self.runner.allocator.free(r.pages)
+                self.send_error(r.req, f"cannot receive KV: {e}", "overloaded")
+                continue
             self.receiving.append(r)
 
     def _poll_transfers(self) -> bool:
@@ -107,8 +112,7 @@ class DecodeLoop(InstanceLoop):
                 self.runner.allocator.free(r.pages)
             elif state == KVPoll.FAILED:
                 self.runner.allocator.free(r.pages)
-                code = "transfer_timeout" if "timeout" in r.receiver.error.lower() else "transfer_failed"
-                self.send_error(r.req, f"KV transfer failed: {r.receiver.error}", code)
+                self.send_error(r.req, f"KV transfer failed: {r.receiver.error}", transfer_error_code(r.receiver.error))
             else:
                 self._adopt(r)
         return did
@@ -179,6 +183,20 @@ class DecodeLoop(InstanceLoop):
 
     def queue_sizes(self) -> tuple[int, int, int]:
         return len(self.running), len(self.waiting), len(self.receiving)
+
+    def fail_all(self, message: str) -> None:
+        for r in self.waiting:
+            self.send_error(r.req, message, "internal")
+        self.waiting.clear()
+        for r in self.receiving:  # pages go back once the receiver is terminal
+            if not r.aborted:
+                r.aborted = True
+                r.receiver.abort(message)
+                self.send_error(r.req, message, "internal")
+        for r in self.running:
+            self.runner.allocator.free(r.pages)
+            self.send_error(r.req, message, "internal")
+        self.running = []
 
 
 def main(cluster: ClusterConfig, instance_index: int = 0) -> int:

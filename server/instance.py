@@ -37,6 +37,15 @@ def instance_by_index(cluster: ClusterConfig, role: str, index: int) -> Instance
     return pool[index]
 
 
+def transfer_error_code(error: str) -> str:
+    """The protocol error code (protocol.ERROR_CODES) for a transport failure message."""
+    if error.startswith("bootstrap timeout"):
+        return "bootstrap_timeout"
+    if error.startswith("transfer timeout"):
+        return "transfer_timeout"
+    return "transfer_failed"
+
+
 def kv_pages(inst: InstanceConfig, cfg: GlmConfig, dtype: torch.dtype, device: torch.device) -> int:
     """KV capacity in pages: `num_pages`, else `max_total_tokens`, else (GPU) what fits in
     `mem_fraction_static` of the device once the weights are loaded, else (CPU) 64K tokens."""
@@ -80,6 +89,8 @@ def transport_config(cluster: ClusterConfig, inst: InstanceConfig) -> TransportC
         transfer_timeout_s=t.transfer_timeout_s,
         peer_timeout_s=min(10.0, t.transfer_timeout_s),
         host=inst.host,
+        # One metadata slot per receiving request: never fewer than the decode batch can hold.
+        meta_slots=max(1024, inst.engine.max_running_requests),
     )
 
 
@@ -143,12 +154,21 @@ class InstanceLoop(abc.ABC):
     @abc.abstractmethod
     def queue_sizes(self) -> tuple[int, int, int]: ...
 
+    @abc.abstractmethod
+    def fail_all(self, message: str) -> None:
+        """Fail every request this instance holds (the router gets an error event for each);
+        pages are freed as soon as no transfer can still write them."""
+
     def parse(self, req: GenerateRequest, max_tokens: int) -> SamplingParams | None:
         """The request's sampling params, or None after answering the router with an error."""
         try:
             params = SamplingParams.from_dict({**req.sampling, "max_new_tokens": req.max_new_tokens})
         except ValueError as e:
             self.send_error(req, f"bad sampling parameters: {e}", "bad_request")
+            return None
+        vocab = self.runner.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in req.input_ids):
+            self.send_error(req, f"token ids must be in [0, {vocab})", "bad_request")
             return None
         if not req.input_ids or max_tokens > self.runner.cfg.max_position_embeddings:
             self.send_error(req, "prompt is empty or longer than the model's context", "context_length")
@@ -195,7 +215,12 @@ class InstanceLoop(abc.ABC):
         log.info("%s %s ready on %s", self.role, self.inst.name, self.inst.address)
         while not self._stop.is_set():
             self.poll_channel(timeout=0.0)
-            busy = self.step()
+            try:
+                busy = self.step()
+            except Exception as e:  # contain it: this step's requests fail, the instance lives
+                log.exception("%s: engine step failed", self.inst.name)
+                self.fail_all(f"internal error: {type(e).__name__}: {e}")
+                busy = True
             self._load = self.load()
             self._maybe_log()
             if not busy:
@@ -223,6 +248,7 @@ def run_instance(loop_factory, cluster: ClusterConfig, role: str, index: int) ->
     logging.basicConfig(
         level=getattr(logging, cluster.router.log_level.upper(), logging.INFO), stream=sys.stderr,
         format=f"%(asctime)s {inst.name} %(levelname)s %(name)s: %(message)s",
+        force=True,  # the CLI configured logging before it knew which instance this is
     )
     torch.set_grad_enabled(False)
     if inst.engine.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:

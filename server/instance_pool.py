@@ -162,7 +162,8 @@ class InstancePool:
         """Send `spec` to a fresh (prefill, decode) pair. `exclude_prefill` and `generation` are
         for retries: a retried request gets a new room id (the transfer layer retires old ones)
         and the next generation number."""
-        if not self.has_capacity():
+        # A retry (generation > 0) replaces a room that still counts until it is released.
+        if generation == 0 and not self.has_capacity():
             raise Unavailable(f"the server is at capacity ({self.cfg.router.max_running_requests} requests in "
                               "flight); retry later")
         pairs_tried: set[tuple[str, str]] = set()

@@ -18,7 +18,7 @@ import torch
 
 from glm53.models import ModelRunner, OutOfPages, SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
-from glm53.server.instance import InstanceLoop, TrackedRequest, run_instance
+from glm53.server.instance import InstanceLoop, TrackedRequest, run_instance, transfer_error_code
 from glm53.server.protocol import Abort, GenerateRequest
 from glm53.server.sampling import sample, step_generator
 from glm53.transport import BootstrapServer
@@ -136,11 +136,21 @@ class PrefillLoop(InstanceLoop):
             self.runner.allocator.free(r.pages)
             if state == KVPoll.FAILED:
                 log.warning("room %d: transfer failed: %s", r.req.room, r.sender.error)
-                self.send_error(r.req, f"KV transfer failed: {r.sender.error}", "transfer_failed")
+                self.send_error(r.req, f"KV transfer failed: {r.sender.error}", transfer_error_code(r.sender.error))
         return did
 
     def queue_sizes(self) -> tuple[int, int, int]:
         return len(self.running), len(self.waiting), len(self.sending)
+
+    def fail_all(self, message: str) -> None:
+        for r in self.waiting:
+            self.send_error(r.req, message, "internal")
+        self.waiting.clear()
+        for r in self.running:  # their pages go back once the sender is terminal (_reap)
+            self.send_error(r.req, message, "internal")
+            r.sender.abort(message)
+            self.sending.append(r)
+        self.running = []
 
     def close(self) -> None:
         super().close()

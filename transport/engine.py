@@ -487,7 +487,12 @@ class TransferEngine:
             self._want.add(bootstrap_addr)
             h = KVReceiver(self, rt)
         if dst_pages is not None:
-            self._set_destination(rt, dst_pages, meta_slot)
+            try:
+                self._set_destination(rt, dst_pages, meta_slot)
+            except (TransferError, ValueError):
+                with self._lock:  # nothing was sent for this room yet: forget it entirely
+                    self._receivers.pop(room.key, None)
+                raise
         self._wake()
         return h
 

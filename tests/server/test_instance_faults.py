@@ -1,0 +1,67 @@
+"""Fault containment inside a real decode instance (model, transfer engine, ZMQ channel): a
+failing engine step fails the requests it holds with an "internal" error event, frees their
+pages, and the instance keeps serving; out-of-vocabulary ids are a bad request, never a crash."""
+
+from __future__ import annotations
+
+import threading
+
+import zmq
+
+from glm53.server.config import parse_config
+from glm53.server.decode_instance import DecodeLoop
+from glm53.server.protocol import GenerateRequest, PeerInfo, TokenEvent, decode, encode
+from tests.net import free_ports
+
+
+def _request(room: int, ids: list[int], reply_to: str, ports: list[int]) -> GenerateRequest:
+    return GenerateRequest(
+        room=room, generation=0, rid=f"r{room}", input_ids=ids, sampling={"temperature": 0.0},
+        max_new_tokens=4, stop_token_ids=[], eos_token_ids=[], ignore_eos=True,
+        prefill=PeerInfo("p0", "prefill", "127.0.0.1", ports[0], ports[1]),
+        decode=PeerInfo("d0", "decode", "127.0.0.1", ports[2], ports[3]), reply_to=reply_to)
+
+
+def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monkeypatch):
+    ports = free_ports(4)
+    cfg = parse_config({
+        "model": {"path": str(model_dir)},
+        "transfer": {"bootstrap_timeout_s": 5, "transfer_timeout_s": 5},
+        "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "num_pages": 64},
+        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2], "bootstrap_port": ports[3]}],
+    })
+    loop = DecodeLoop(cfg, cfg.decode[0])
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    reply_port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(cfg.decode[0].address)
+    thread = threading.Thread(target=loop.serve_forever, daemon=True)
+    thread.start()
+    try:
+        def boom(n):
+            raise RuntimeError("allocator exploded")
+
+        monkeypatch.setattr(loop.runner.allocator, "alloc", boom)
+        reply_to = f"tcp://127.0.0.1:{reply_port}"
+        push.send(encode(_request(1, [5, 6, 7], reply_to, ports)))
+        assert pull.poll(20_000), "no event for the failed request"
+        ev = decode(pull.recv())
+        assert isinstance(ev, TokenEvent) and ev.room == 1 and ev.finish_reason == "error"
+        assert ev.error_code == "internal" and "allocator exploded" in ev.error
+
+        monkeypatch.undo()
+        vocab = loop.runner.cfg.vocab_size
+        push.send(encode(_request(2, [5, vocab + 3], reply_to, ports)))
+        assert pull.poll(20_000)
+        ev = decode(pull.recv())
+        assert ev.room == 2 and ev.error_code == "bad_request" and str(vocab) in ev.error
+        assert thread.is_alive() and loop.runner.allocator.num_free == 64
+    finally:
+        loop.stop()
+        thread.join(timeout=10)
+        loop.close()
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+    assert not thread.is_alive()
