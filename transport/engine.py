@@ -1226,6 +1226,12 @@ class TransferEngine:
     def _peer_dead(self, ep: str, rooms: list) -> None:
         log.warning("%s: peer %s unresponsive for %.1fs", self.name, ep, self.cfg.peer_timeout_s)
         del self._watch[ep]
+        # Its control socket would keep reconnecting to a dead endpoint: close it (a peer that
+        # comes back is reached through a fresh one).
+        sock = self._dealers.pop(ep, None)
+        if sock is not None:
+            sock.close(0)
+        self._seen.pop(ep, None)
         if self.role == "prefill":
             for key, p in list(self._dpeers.items()):
                 if p.ep == ep:
