@@ -13,7 +13,7 @@ Layout (every key optional except the pools):
     transfer:  {backend, bootstrap_timeout_s, transfer_timeout_s}
     defaults:  any instance key below except name/host/port/bootstrap_port
     prefill:   [ {name, host, port, bootstrap_port, devices, tp, pp, <engine knobs>}, ... ]
-    decode:    [ ... same ... ]
+    decode:    [ ... same, without bootstrap_port ... ]
 
 Each instance inherits `defaults` and overrides it key by key; `InstanceConfig` is the merged,
 validated result that an instance process receives.
@@ -145,8 +145,8 @@ class InstanceConfig:
     host: str
     # ZMQ PULL socket the instance binds for router messages (protocol.py).
     port: int
-    # Where the transfer layer's bootstrap server listens (prefill) / is reached (decode).
-    bootstrap_port: int
+    # Prefill only: where its transfer bootstrap server listens (decode instances reach it there).
+    bootstrap_port: int | None = None
     # GPU ids (device "cuda": exactly tp * pp of them); empty on CPU.
     devices: list[int] = field(default_factory=list)
     tp: int = 1
@@ -320,9 +320,12 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
     entry = _resolve_aliases(entry, path, source)
     engine_keys = [f.name for f in dataclasses.fields(EngineConfig)]
     _check_keys(entry, (*_INSTANCE_ONLY, *_PLACEMENT, *engine_keys), path, source)
-    for k in ("host", "port", "bootstrap_port"):
+    for k in ("host", "port", "bootstrap_port") if role == "prefill" else ("host", "port"):
         if k not in entry:
             raise ConfigError(source, f"{path}.{k}", "required key is missing")
+    if role == "decode" and entry.get("bootstrap_port") is not None:
+        raise ConfigError(source, f"{path}.bootstrap_port", "decode instances run no bootstrap server "
+                          "(they connect to each prefill instance's); remove this key")
     merged = {**{k: v for k, v in defaults_raw.items() if k in engine_keys}, **{k: v for k, v in entry.items() if k in engine_keys}}
     engine = _build(EngineConfig, merged, path, source)
     placement = {k: entry.get(k, defaults_raw.get(k)) for k in _PLACEMENT}
@@ -331,7 +334,7 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
         "role": role,
         "host": entry["host"],
         "port": entry["port"],
-        "bootstrap_port": entry["bootstrap_port"],
+        "bootstrap_port": entry.get("bootstrap_port"),
         **{k: v for k, v in placement.items() if v is not None},
     }
     inst = _build(InstanceConfig, fields, path, source, skip=("engine",))
@@ -392,6 +395,8 @@ def _check_semantics(cfg: ClusterConfig) -> None:
                 raise err(f"{path}.host", "must not be empty")
             for k in ("port", "bootstrap_port"):
                 port = getattr(inst, k)
+                if port is None:  # decode: no bootstrap server
+                    continue
                 _check_port(port, f"{path}.{k}", src)
                 slot = (_canonical_host(inst.host), port)
                 clash = ports.get(slot)

@@ -86,7 +86,7 @@ class PeerInfo:
     role: str
     host: str
     port: int
-    bootstrap_port: int
+    bootstrap_port: int | None  # prefill: its transfer bootstrap server; decode: None
 
 
 @dataclass

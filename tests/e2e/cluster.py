@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_interval: int = 1) -> dict:
-    http, result, p_port, p_boot, d_port, d_boot = ports
+    http, result, p_port, p_boot, d_port = ports
     return {
         "name": "e2e",
         "model": {"path": "embedded:tiny-glm5", "served_model_name": ["glm-5-tiny"], "context_length": 2048},
@@ -29,14 +29,13 @@ def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_inte
         "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "max_running_requests": 64,
                      "chunked_prefill_size": 64, "num_pages": 2048},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot}],
-        "decode": [{"name": "d0", "host": "127.0.0.1", "port": d_port, "bootstrap_port": d_boot,
-                    "stream_interval": stream_interval}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": d_port, "stream_interval": stream_interval}],
     }
 
 
 class Cluster:
     def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0, stream_interval: int = 1):
-        self.cfg = cluster_yaml(free_ports(6), transfer_timeout_s, stream_interval)
+        self.cfg = cluster_yaml(free_ports(5), transfer_timeout_s, stream_interval)
         self.config_path = workdir / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg))
         self.url = f"http://127.0.0.1:{self.cfg['router']['port']}"

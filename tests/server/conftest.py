@@ -73,8 +73,10 @@ def start_cluster(tmp: Path, model_dir: Path, cache: Path, *, n_prefill: int = 1
     k = 2
     for role, n in (("prefill", n_prefill), ("decode", n_decode)):
         for i in range(n):
-            cfg[role].append({"name": f"{role[0]}{i}", "host": "127.0.0.1", "port": ports[k],
-                              "bootstrap_port": ports[k + 1]})
+            inst = {"name": f"{role[0]}{i}", "host": "127.0.0.1", "port": ports[k]}
+            if role == "prefill":
+                inst["bootstrap_port"] = ports[k + 1]
+            cfg[role].append(inst)
             k += 2
     tmp.mkdir(parents=True, exist_ok=True)
     cfg_path = tmp / "cluster.yaml"

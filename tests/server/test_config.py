@@ -13,7 +13,7 @@ def base() -> dict:
     return {
         "model": {"path": "/models/x"},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": 40100, "bootstrap_port": 40101}],
-        "decode": [{"name": "d0", "host": "127.0.0.1", "port": 40200, "bootstrap_port": 40201}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": 40200}],
     }
 
 
@@ -151,10 +151,15 @@ def test_cli_flags_override_yaml(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(p, overrides_from_args(args))
     assert "tp" in e.value.key and "not supported yet" in str(e.value)
-    args = build_parser().parse_args(["decode", "--config", str(p), "--port", "41000",
+    args = build_parser().parse_args(["prefill", "--config", str(p), "--port", "41000",
                                       "--disaggregation-bootstrap-port", "41001"])
-    cfg = load_config(p, overrides_from_args(args, "decode", 0))
-    assert (cfg.decode[0].port, cfg.decode[0].bootstrap_port) == (41000, 41001)
+    cfg = load_config(p, overrides_from_args(args, "prefill", 0))
+    assert (cfg.prefill[0].port, cfg.prefill[0].bootstrap_port) == (41000, 41001)
+    # Decode instances have no bootstrap server: the flag is refused, naming the key.
+    args = build_parser().parse_args(["decode", "--config", str(p), "--disaggregation-bootstrap-port", "41002"])
+    with pytest.raises(ConfigError) as e:
+        load_config(p, overrides_from_args(args, "decode", 0))
+    assert e.value.key == "decode[0].bootstrap_port"
     assert cfg.router.port == 30000
 
 

@@ -19,7 +19,7 @@ def _request(room: int, ids: list[int], reply_to: str, ports: list[int]) -> Gene
         room=room, generation=0, rid=f"r{room}", input_ids=ids, sampling={"temperature": 0.0},
         max_new_tokens=4, stop_token_ids=[], eos_token_ids=[], ignore_eos=True,
         prefill=PeerInfo("p0", "prefill", "127.0.0.1", ports[0], ports[1]),
-        decode=PeerInfo("d0", "decode", "127.0.0.1", ports[2], ports[3]), reply_to=reply_to)
+        decode=PeerInfo("d0", "decode", "127.0.0.1", ports[2], None), reply_to=reply_to)
 
 
 def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monkeypatch):
@@ -29,7 +29,7 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
         "transfer": {"bootstrap_timeout_s": 5, "transfer_timeout_s": 5},
         "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "num_pages": 64},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
-        "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2], "bootstrap_port": ports[3]}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2]}],
     })
     loop = DecodeLoop(cfg, cfg.decode[0])
     ctx = zmq.Context()
