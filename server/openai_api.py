@@ -132,9 +132,10 @@ class CompletionRequest(_Sampling):
 
 
 class GenerateSamplingParams(BaseModel):
-    """SGLang's `sampling_params` (the subset glm53-serve implements)."""
+    """SGLang's `sampling_params` (the subset glm53-serve implements). Anything else —
+    penalties, min_new_tokens, n, regex/json_schema — is a 400 naming the key, not ignored."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     max_new_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)

@@ -129,3 +129,9 @@ def test_bad_requests_get_openai_error_bodies(cluster, body, status, param):
     assert set(err) >= {"message", "type", "param", "code"} and err["message"]
     if param:
         assert err["param"] == param
+
+
+def test_generate_refuses_sampling_params_it_does_not_implement(cluster):
+    r = httpx.post(f"{cluster.url}/generate", timeout=30, json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "frequency_penalty": 0.5}})
+    assert r.status_code == 400 and "frequency_penalty" in r.json()["error"]["param"]
