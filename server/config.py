@@ -123,8 +123,8 @@ class EngineConfig:
     page_size: int = 64
     max_running_requests: int = 64
     chunked_prefill_size: int = 8192
-    # KV capacity: explicit page count, else mem_fraction_static of free device memory (GPU) or
-    # max_total_tokens (CPU).
+    # KV capacity: num_pages, else max_total_tokens, else (GPU) what mem_fraction_static of the
+    # device leaves after the weights, else (CPU) 64K tokens.
     num_pages: int | None = None
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85

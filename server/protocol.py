@@ -19,8 +19,8 @@ Router -> instance
 Instance -> router
     TokenEvent       decode: the first token (sampled by prefill, arrives with the KV) and every
                      later token, in order; the last event of a room has finish_reason set.
-                     prefill: only on failure (finish_reason "error"), or an info event with no
-                     tokens carrying transfer stats.
+                     The first event carries the room's transfer stats (measured by decode).
+                     prefill: only on failure (finish_reason "error").
     HealthPong       reply to each ping, with load numbers for pairing and /metrics.
 
 A room is (room: u64, generation: u32). Events whose (room, generation) the router does not know
@@ -93,7 +93,7 @@ class PeerInfo:
 class GenerateRequest(_Message):
     TYPE: ClassVar[str] = "generate"
     room: int  # u64, random per request
-    generation: int  # u32, bumped when the router retries the same room on another prefill
+    generation: int  # u32: a retry on another prefill gets a new room id and the next generation
     rid: str  # the client-visible request id (logs, x-request-id)
     input_ids: list[int]
     # temperature, top_p, top_k, min_p, seed (SamplingParams field names; sampling.py)

@@ -64,9 +64,11 @@ class Room:
 
 @dataclass
 class TransportConfig:
-    """Timeouts in seconds; all bounded. ``transfer_timeout_s`` runs from the moment both sides
-    know the destination (WaitingForInput) to the commit; ``peer_timeout_s`` fails rooms whose
-    peer sent nothing (not even a heartbeat) for that long."""
+    """Timeouts in seconds; all bounded. ``transfer_timeout_s`` runs to the commit from the
+    moment a side enters WaitingForInput: for a sender, when it has every decode rank's
+    destination; for a receiver, when it has sent its destination to the prefill ranks, so on
+    decode it also covers the request's queueing and prefill compute. ``peer_timeout_s`` fails
+    rooms whose peer sent nothing (not even a heartbeat) for that long."""
 
     bootstrap_timeout_s: float = 60.0
     transfer_timeout_s: float = 300.0
@@ -269,8 +271,6 @@ class KVSender(_RoomHandle):
                 row.encode(self._e.cfg.meta_slot_bytes, st.room.id, st.room.generation)
             st.row, st.finishing = row, True
         self._e._wake()
-
-    send_metadata = finish
 
     @property
     def stats(self) -> dict:
