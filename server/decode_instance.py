@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm53.models import ModelRunner, OutOfPages, SeqChunk
+from glm53.models import ModelRunner, SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.instance import InstanceLoop, TrackedRequest, run_instance, transfer_error_code
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
@@ -76,18 +76,10 @@ class DecodeLoop(InstanceLoop):
         return adopted or decoded
 
     def _admit(self) -> None:
-        now = time.monotonic()
-        while self.waiting and len(self.receiving) + len(self.running) < self.max_running:
-            r = self.waiting[0]
-            try:
-                r.pages = self.runner.allocator.alloc(self.runner.pages_needed(r.prompt_len + r.req.max_new_tokens))
-            except OutOfPages:
-                if now - r.arrived > self.admit_timeout:
-                    self.waiting.popleft()
-                    self.send_error(r.req, "decode KV pool exhausted", "overloaded")
-                    continue
+        while len(self.receiving) + len(self.running) < self.max_running:
+            r = self.admit_next(self.waiting, lambda r: r.prompt_len + r.req.max_new_tokens)
+            if r is None:
                 return
-            self.waiting.popleft()
             boot = f"tcp://{r.req.prefill.host}:{r.req.prefill.bootstrap_port}"
             r.transfer_started = time.monotonic()
             try:

@@ -14,11 +14,13 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from glm53.models import GlmConfig, ModelRunner, load_weights
+from glm53.models import GlmConfig, ModelRunner, OutOfPages, load_weights
 from glm53.models.model import GlmForCausalLM
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.protocol import Abort, GenerateRequest, InstanceChannel, LoadStats, TokenEvent
@@ -177,6 +179,23 @@ class InstanceLoop(abc.ABC):
             self.send_error(req, f"request needs more KV pages than the {self.role} pool holds", "context_length")
             return None
         return params
+
+    def admit_next(self, queue: deque, tokens: Callable[[TrackedRequest], int]) -> TrackedRequest | None:
+        """Pop the head of `queue` with pages for `tokens(r)` tokens allocated, or None while it
+        must wait for pages. One that waited longer than admit_timeout fails as "overloaded"
+        and the next is tried."""
+        while queue:
+            r = queue[0]
+            try:
+                r.pages = self.runner.allocator.alloc(self.runner.pages_needed(tokens(r)))
+            except OutOfPages:
+                if time.monotonic() - r.arrived <= self.admit_timeout:
+                    return None
+                queue.popleft()
+                self.send_error(r.req, f"{self.role} KV pool exhausted", "overloaded")
+                continue
+            return queue.popleft()
+        return None
 
     def send_error(self, req: GenerateRequest, message: str, code: str) -> None:
         self.channel.send(req.reply_to, TokenEvent(

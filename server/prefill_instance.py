@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm53.models import ModelRunner, OutOfPages, SeqChunk
+from glm53.models import ModelRunner, SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.instance import InstanceLoop, TrackedRequest, run_instance, transfer_error_code
 from glm53.server.protocol import Abort, GenerateRequest
@@ -72,18 +72,10 @@ class PrefillLoop(InstanceLoop):
         return self._reap() or busy
 
     def _admit(self) -> None:
-        now = time.monotonic()
-        while self.waiting and len(self.running) < self.max_running:
-            r = self.waiting[0]
-            try:
-                r.pages = self.runner.allocator.alloc(self.runner.pages_needed(r.prompt_len))
-            except OutOfPages:
-                if now - r.arrived > self.admit_timeout:
-                    self.waiting.popleft()
-                    self.send_error(r.req, "prefill KV pool exhausted", "overloaded")
-                    continue
+        while len(self.running) < self.max_running:
+            r = self.admit_next(self.waiting, lambda r: r.prompt_len)
+            if r is None:
                 return
-            self.waiting.popleft()
             r.sender = self.transfer.create_sender(Room(r.req.room, r.req.generation), r.req.decode.name)
             self.running.append(r)
 

@@ -5,6 +5,7 @@ pages, and the instance keeps serving; out-of-vocabulary ids are a bad request, 
 from __future__ import annotations
 
 import threading
+import time
 
 import zmq
 
@@ -26,7 +27,7 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
     ports = free_ports(4)
     cfg = parse_config({
         "model": {"path": str(model_dir)},
-        "transfer": {"bootstrap_timeout_s": 5, "transfer_timeout_s": 5},
+        "transfer": {"bootstrap_timeout_s": 2, "transfer_timeout_s": 5},
         "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "num_pages": 64},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
         "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2]}],
@@ -56,6 +57,16 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
         assert pull.poll(20_000)
         ev = decode(pull.recv())
         assert ev.room == 2 and ev.error_code == "bad_request" and str(vocab) in ev.error
+
+        # A request that cannot get pages within the admission bound fails as overloaded.
+        held = loop.runner.allocator.alloc(64)
+        t0 = time.monotonic()
+        push.send(encode(_request(3, [5, 6, 7], reply_to, ports)))
+        assert pull.poll(20_000)
+        ev = decode(pull.recv())
+        assert ev.room == 3 and ev.error_code == "overloaded"
+        assert cfg.transfer.bootstrap_timeout_s <= time.monotonic() - t0 < cfg.transfer.bootstrap_timeout_s + 5
+        loop.runner.allocator.free(held)
         assert thread.is_alive() and loop.runner.allocator.num_free == 64
     finally:
         loop.stop()
