@@ -34,7 +34,8 @@ class DecodeRequest(TrackedRequest):
     output: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)  # generated, not yet streamed
     aborted: bool = False
-    transfer_started: float = 0.0
+    transfer_started: float = 0.0  # receiver created
+    bootstrapped: float = 0.0  # receiver left BOOTSTRAPPING: prefill reached, destination sent
 
 
 class DecodeLoop(InstanceLoop):
@@ -96,6 +97,8 @@ class DecodeLoop(InstanceLoop):
         did = False
         for r in list(self.receiving):
             state = r.receiver.poll()
+            if not r.bootstrapped and state != KVPoll.BOOTSTRAPPING:
+                r.bootstrapped = time.monotonic()
             if state not in TERMINAL:
                 continue
             did = True
@@ -112,8 +115,9 @@ class DecodeLoop(InstanceLoop):
     def _adopt(self, r: DecodeRequest) -> None:
         row = r.receiver.metadata()
         stats = TransferStats(
-            seconds=time.monotonic() - r.transfer_started,
+            seconds=time.monotonic() - r.bootstrapped,
             bytes=self.runner.pages_needed(r.prompt_len) * self._bytes_per_page(),
+            bootstrap_seconds=r.bootstrapped - r.transfer_started,
         )
         if r.req.max_new_tokens == 0:
             self._emit(r, [], "length", transfer=stats)

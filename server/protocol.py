@@ -134,7 +134,7 @@ class HealthPing(_Message):
 class TransferStats:
     """One room's KV transfer, as measured by the instance that reports it."""
 
-    seconds: float = 0.0  # first write posted -> last completion seen
+    seconds: float = 0.0  # decode: destination sent to prefill -> commit seen (covers prefill compute)
     bytes: int = 0
     bootstrap_seconds: float = 0.0
 

@@ -135,3 +135,20 @@ def test_generate_refuses_sampling_params_it_does_not_implement(cluster):
     r = httpx.post(f"{cluster.url}/generate", timeout=30, json={
         "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "frequency_penalty": 0.5}})
     assert r.status_code == 400 and "frequency_penalty" in r.json()["error"]["param"]
+
+
+def test_metrics_report_latency_and_transfers(cluster):
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "metrics", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+
+    def value(prefix: str) -> float:
+        lines = [ln for ln in text.splitlines() if ln.startswith(prefix)]
+        assert lines, f"{prefix} missing from /metrics"
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+    for name in ("sglang:time_to_first_token_seconds_count", "sglang:e2e_request_latency_seconds_count",
+                 "sglang:kv_transfer_latency_ms_count", "sglang:kv_transfer_bootstrap_ms_count",
+                 "glm53:kv_transfer_bytes_total"):
+        assert value(name) > 0, name
