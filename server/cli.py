@@ -47,12 +47,19 @@ INSTANCE_IMPL_ENV = "GLM53_INSTANCE_IMPL"
 # --------------------------------------------------------------------------------------------
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--config", "-c", help="YAML cluster config")
     p.add_argument("--model", "--model-path", dest="model", help="model directory (every process)")
     p.add_argument("--served-model-name", nargs="+", help="names clients may use for the model")
     p.add_argument("--context-length", "--max-model-len", dest="context_length", type=int)
     p.add_argument("--chat-template", help="a .jinja chat template overriding the model's")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    t = p.add_argument_group("transfer")
+    t.add_argument("--disaggregation-transfer-backend", "--transfer-backend", dest="transfer_backend")
+    t.add_argument("--bootstrap-timeout", dest="bootstrap_timeout_s", type=float)
+    t.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=float)
+    if not engine:  # the router starts no instance: engine flags would do nothing there
+        return
     g = p.add_argument_group("engine (applies to every instance this command starts)")
     g.add_argument("--tp-size", "--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int)
     g.add_argument("--pp-size", "--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int)
@@ -65,11 +72,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["cpu", "cuda"])
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float32", "fp8_e4m3"])
-    t = p.add_argument_group("transfer")
-    t.add_argument("--disaggregation-transfer-backend", "--transfer-backend", dest="transfer_backend")
-    t.add_argument("--bootstrap-timeout", dest="bootstrap_timeout_s", type=float)
-    t.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=float)
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
 
 def _add_router_flags(p: argparse.ArgumentParser) -> None:
@@ -87,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--startup-timeout", dest="startup_timeout_s", type=float,
                     help="seconds to wait for readiness (default router.startup_timeout_s)")
     r = sub.add_parser("router", help="start the HTTP router")
-    _add_common(r)
+    _add_common(r, engine=False)
     _add_router_flags(r)
     for role in ("prefill", "decode"):
         s = sub.add_parser(role, help=f"start one {role} instance")
