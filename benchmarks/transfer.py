@@ -67,7 +67,7 @@ def target_main(conn, args):
     B, _ = _tr()
     if args.device == "cuda":
         import torch
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(args.target_gpu)
     be = B.NixlBackend(f"bench-target-{os.getpid()}", progress_thread=True)  # target progresses tcp
     pools = _pools(args.device, args.dst_pages, args.layers, args.latent_bpt)
     sweep = _alloc(args.device, (args.sweep_bytes,))
@@ -115,11 +115,11 @@ def _layouts(rng, n_pages, dst_pages):
     return out
 
 
-def _copy_gbps(device, nbytes, reps):
+def _copy_gbps(device, nbytes, reps, dst_gpu=0):
     if device == "cuda":
         import torch
         a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
+        b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst_gpu}")  # peer copy across GPUs
         ts = []
         for _ in range(reps + 1):
             torch.cuda.synchronize()
@@ -191,7 +191,7 @@ def initiator(args):
     for tokens in args.tokens:
         n_pages = tokens // PAGE
         nbytes = n_pages * sum(item.values())
-        copy = _copy_gbps(args.device, nbytes, args.reps)
+        copy = _copy_gbps(args.device, nbytes, args.reps, args.target_gpu)
         src = np.arange(n_pages)
         for lname, dst in _layouts(rng, n_pages, args.dst_pages).items():
             runs = M.page_runs(src, dst)
@@ -245,7 +245,7 @@ def initiator(args):
             ts.append(time.perf_counter() - t)
             n_notifs += 1
         med = statistics.median(ts[1:])
-        copy = _copy_gbps(args.device, n * size, args.reps)
+        copy = _copy_gbps(args.device, n * size, args.reps, args.target_gpu)
         r = dict(desc_bytes=size, descriptors=n, seconds=med, gbps=n * size / med / 1e9,
                  copy_gbps=copy, us_per_desc=med / n * 1e6)
         results["sweep"].append(r)
@@ -280,6 +280,8 @@ def main(argv=None):
     ap.add_argument("--tls", default=None, help="UCX_TLS (default: cma,tcp on cpu, UCX's own "
                     "choice on cuda)")
     ap.add_argument("--net-devices", default="lo")
+    ap.add_argument("--target-gpu", type=int, default=0,
+                    help="the decode-side process's GPU (1 on a two-GPU machine: GPU to GPU over NVLink)")
     ap.add_argument("--sweep-sizes", type=int, nargs="+", default=[64 << 10, 1 << 20, 16 << 20])
     ap.add_argument("--sweep-bytes", type=int, default=None)
     ap.add_argument("--verify", action="store_true")
