@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from glm53.models import ModelRunner, SeqChunk
+from glm53.models import GlmConfig, ModelRunner, SeqChunk
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,13 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.page_size < 1:
         print("error: --page-size must be >= 1", file=sys.stderr)
         return 2
+    # Check lengths against config.json before loading any weights.
     longest = max(len(p) for p in args.input_ids) + args.max_new_tokens
-    num_pages = sum(-(-(len(p) + args.max_new_tokens) // args.page_size) for p in args.input_ids)
-    runner = ModelRunner.from_dir(args.model, page_size=args.page_size, num_pages=max(1, num_pages), device=args.device)
-    if longest > runner.cfg.max_position_embeddings:
+    if longest > GlmConfig.from_dir(args.model).max_position_embeddings:
         print(f"error: prompt + max_new_tokens ({longest}) exceeds max_position_embeddings", file=sys.stderr)
         return 2
+    num_pages = sum(-(-(len(p) + args.max_new_tokens) // args.page_size) for p in args.input_ids)
+    runner = ModelRunner.from_dir(args.model, page_size=args.page_size, num_pages=max(1, num_pages), device=args.device)
     try:
         outs = greedy_generate(runner, args.input_ids, args.max_new_tokens, args.ignore_eos)
     except ValueError as e:
