@@ -284,6 +284,53 @@ def _mla_setup(B, H, K=2048, ctx=8192, page_size=64, n_layers=2, R=512, P=64):
     return q, kv, slots
 
 
+# Schedule variants of sparse_mla_triton timed by --sweep (kwargs of the op). Why each is here:
+# stages 3: the slot indices are a load feeding the gathers' addresses, so Triton's pipeliner
+# needs a third stage to prefetch the gathers (at 2 it waits on the index load every block);
+# value_split 2: one warpgroup per program, a 64 x 256 accumulator (no spill) and no duplicated
+# score dot (8 warps put both warpgroups on the same 64 head rows of q·c^T); BLOCK_N 32: no
+# spills at all and a deeper pipeline; lazy: rescale the accumulator only when a max grows.
+MLA_SWEEP: list[dict] = [
+    dict(block_n=64, block_h=64, num_warps=8, num_stages=2),  # the current default at 64 heads
+    dict(block_n=64, block_h=64, num_warps=8, num_stages=3),
+    dict(block_n=64, block_h=64, num_warps=8, num_stages=3, lazy_rescale=True),
+    dict(block_n=64, block_h=64, num_warps=8, num_stages=3, col_halves=True),
+    dict(block_n=64, block_h=32, num_warps=4, num_stages=3),
+    dict(block_n=64, block_h=64, num_warps=4, num_stages=2, value_split=2),
+    dict(block_n=64, block_h=64, num_warps=4, num_stages=3, value_split=2),
+    dict(block_n=64, block_h=64, num_warps=4, num_stages=3, value_split=2, lazy_rescale=True),
+    dict(block_n=64, block_h=64, num_warps=8, num_stages=3, value_split=2),
+    dict(block_n=32, block_h=64, num_warps=4, num_stages=3, value_split=2),
+    dict(block_n=32, block_h=64, num_warps=4, num_stages=3, value_split=2, lazy_rescale=True),
+    dict(block_n=32, block_h=64, num_warps=4, num_stages=4, value_split=2, lazy_rescale=True),
+    dict(block_n=64, block_h=64, num_warps=4, num_stages=3, value_split=2, lazy_rescale=True, num_splits=2),
+]
+MLA_SWEEP_H128 = [0, 1, 6, 7, 10]  # the subset also timed at 128 heads (keeps the sweep ~2 min)
+
+
+def _mla_cfg_name(cfg: dict) -> str:
+    short = dict(block_n="n", block_h="h", num_warps="w", num_stages="s", value_split="v", num_splits="sp",
+                 col_halves="halves", lazy_rescale="lazy")
+    return "".join(short[k] if v is True else f"{short[k]}{v}" for k, v in cfg.items())
+
+
+def _mla_sweep(shape: str, run, check, ns: int, nbytes: int, flops: float, bw: float, idxs) -> None:
+    """Check then time each variant in MLA_SWEEP[idxs]; a compile or launch error is reported
+    for that config and the sweep goes on."""
+    for i in idxs:
+        cfg = MLA_SWEEP[i]
+        name = _mla_cfg_name(cfg)
+        row = {"sweep": "sparse_mla", "shape": shape, "cfg": name}
+        try:
+            row["rel"] = f"{check(**cfg):.2e}"
+            t = _graph_time([lambda k=k: run(k, **cfg) for k in range(ns)], reps=10)
+            row.update(us=round(t, 2), hbm_pct=round(100 * nbytes / (t * 1e-6) / bw, 1),
+                       tflops=round(flops / (t * 1e-6) / 1e12, 1))
+        except Exception as e:  # e.g. out of shared memory, a compile error in one Triton version
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        print(json.dumps(row), flush=True)
+
+
 def bench_mla(bw: float, sweep: bool) -> None:
     R, P, K = 512, 64, 2048
     for H in (64, 128):
@@ -291,28 +338,27 @@ def bench_mla(bw: float, sweep: bool) -> None:
             if H == 128 and B == 1:
                 continue
             nbytes = B * K * (R + P) * 2 + B * K * 4 + B * H * (R + P + R) * 2
+            flops = 2.0 * B * H * K * (R + P + R)
             ns = n_sets(nbytes)
             q, kv, idx = _mla_setup(B * ns, H)
             sl = [slice(i * B, (i + 1) * B) for i in range(ns)]
             run = lambda i=0, **kw: sparse_mla_triton(q[sl[i]], kv, idx[sl[i]], 1 / 16, R, **kw)
             nr = min(B, 2)
             ref = sparse_mla_reference(q[:nr].float(), kv.float(), idx[:nr], 1 / 16, R)
-            out = run()
-            check = f"rel={((out[:nr].float() - ref).norm() / ref.norm()).item():.2e}"
+
+            def check(**kw) -> float:
+                out = run(**kw)
+                return ((out[:nr].float() - ref).norm() / ref.norm()).item()
+
+            check_s = f"rel={check():.2e}"
             ours = _graph_time([lambda i=i: run(i) for i in range(ns)])
             eager = _eager_time(lambda: run())
             ref_t = _graph_time([lambda: sparse_mla_reference(q[sl[0]], kv, idx[sl[0]], 1 / 16, R)], reps=10)
-            extra = {"eager_us": round(eager, 2), "sets": ns}
-            if sweep:
-                for bn, bh, st, nsp in ((64, 64, 2, 2), (64, 64, 2, 1), (64, 32, 2, None), (32, 64, 2, None),
-                                        (64, 64, 3, None), (64, 64, 1, None)):
-                    try:
-                        t = _graph_time([lambda i=i: run(i, num_splits=nsp, block_n=bn, block_h=bh, num_warps=8,
-                                                         num_stages=st) for i in range(ns)], reps=10)
-                        extra[f"n{bn}h{bh}s{st}sp{nsp}"] = round(t, 2)
-                    except Exception as e:  # e.g. out of shared memory
-                        extra[f"n{bn}h{bh}s{st}sp{nsp}"] = f"err:{type(e).__name__}"
-            record("sparse_mla", f"B={B} H={H} K={K} d=576", ours, ref_t, nbytes, bw, check, extra)
+            extra = {"eager_us": round(eager, 2), "sets": ns, "tflops": round(flops / (ours * 1e-6) / 1e12, 1)}
+            record("sparse_mla", f"B={B} H={H} K={K} d=576", ours, ref_t, nbytes, bw, check_s, extra)
+            if sweep and B == 64:
+                _mla_sweep(f"B={B} H={H}", run, check, ns, nbytes, flops, bw,
+                           range(len(MLA_SWEEP)) if H == 64 else MLA_SWEEP_H128)
             del q, kv, idx
             torch.cuda.empty_cache()
 

@@ -119,7 +119,9 @@ def check_indexer_fp8(T, H, D, max_len, topk, page_size=64, device="cpu", min_ov
     return overlaps
 
 
-def check_sparse_mla(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=None, num_splits=None):
+def check_sparse_mla(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=None, **kernel_kw):
+    """`kernel_kw` (num_splits, value_split, col_halves, block_n, ...) call the Triton kernel
+    directly with those schedule options; without them the public op runs."""
     n_ctx = n_ctx or 2 * K
     num_pages = (n_ctx + page_size - 1) // page_size * T + 1
     kv = _paged_pool(num_pages, 2, page_size, R + P, torch.bfloat16, device)
@@ -131,12 +133,12 @@ def check_sparse_mla(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=
     if T >= 3:
         idx[2] = -1  # nothing selected -> zeros
     sm_scale = (R + P) ** -0.5
-    if num_splits is None:
+    if not kernel_kw:
         out = sparse_mla(q, kv, idx, sm_scale, R)
     else:
         from glm53.kernels.sparse_mla_triton import sparse_mla_triton
 
-        out = sparse_mla_triton(q, kv, idx, sm_scale, R, num_splits=num_splits)
+        out = sparse_mla_triton(q, kv, idx, sm_scale, R, **kernel_kw)
     ref = sparse_mla_reference(q.float(), kv.float(), idx, sm_scale, R)
     assert out.shape == (T, H, R) and out.dtype == q.dtype
     if T >= 3:
