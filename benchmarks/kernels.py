@@ -108,48 +108,61 @@ def graph_floor() -> float:
 
 
 def probe_topk() -> None:
-    """Where top-k's time goes: cumulative prefixes of its launches (eager, one input set)."""
+    """Where top-k's time goes (cumulative prefixes of its launches) and a sweep of its knobs,
+    each timed as CUDA-graph replays rotating over input sets, each config checked first."""
     from glm53.kernels import topk_triton as tt
 
-    for B, L in ((1, 131072), (64, 32768), (64, 131072)):
-        x = torch.randn(B, L, device="cuda")
+    k = 2048
+    for B, L in ((1, 32768), (1, 131072), (8, 131072), (64, 32768), (64, 131072)):
+        ns = n_sets(B * L * 4)
+        xs = [torch.randn(B, L, device="cuda") for _ in range(ns)]
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-        k = 2048
-        C, chunk = tt._chunks(B, L, x.device, tt.BLOCK)
+        ref = dsa_topk_reference(xs[0], lens, k).sort(dim=1).values
+        for cfg in (dict(), dict(block=4096), dict(block=1024, num_warps=4), dict(max_chunks=4),
+                    dict(max_chunks=16), dict(max_chunks=32), dict(sample=2048), dict(bracket_warps=8),
+                    dict(margin=3.0), dict(cand_total=2048)):
+            try:
+                ok = torch.equal(tt.topk_triton(xs[0], lens, k, **cfg).sort(dim=1).values, ref)
+                t = _graph_time([lambda x=x: tt.topk_triton(x, lens, k, **cfg) for x in xs])
+            except Exception as e:  # e.g. out of resources for one config
+                ok, t = False, float("nan")
+                print("probe err", cfg, type(e).__name__, str(e)[:200], flush=True)
+            print(json.dumps({"probe": "topk_cfg", "B": B, "L": L, **cfg, "us": round(t, 2), "exact": ok}), flush=True)
+        # stage prefixes with the default config: bracket, + scan, + finish
+        C, chunk = tt._chunks(B, L, xs[0].device, tt.BLOCK, tt.MAX_CHUNKS)
         CB = triton.next_power_of_2(C)
-        cap = max(16, tt.CAND_TOTAL // CB)
-        out = torch.empty((B, k), dtype=torch.int32, device="cuda")
-        cand = torch.empty((B, C, cap, 2), dtype=torch.int32, device="cuda")
-        ncand = torch.empty((B, C), dtype=torch.int32, device="cuda")
+        TC, TA = tt.CAND_TOTAL // CB, max(2 * k // CB, 16)
+        CAPA, CAPG = min(k, chunk), min(tt.CAND_TOTAL, chunk)
+        dev = xs[0].device
+        br = torch.empty((B, 2), dtype=torch.int32, device=dev)
+        stat = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
+        aseg = torch.empty((B, C, CAPA), dtype=torch.int32, device=dev)
+        cseg = torch.empty((B, C, CAPG), dtype=torch.int64, device=dev)
+        scratch = torch.empty((B, tt.CAND_TOTAL), dtype=torch.int64, device=dev)
+        out = torch.empty((B, k), dtype=torch.int32, device=dev)
 
-        def stage(n):
-            hist = torch.empty((B, C, tt.NB1), dtype=torch.int32, device="cuda")
+        def stage(n, x):
             if n >= 1:
-                tt._hist_kernel[(B, C)](x, lens, hist, L, x.stride(0), chunk, C, K=k, NB=tt.NB1, BLOCK=tt.BLOCK, num_warps=8)
+                tt._bracket_kernel[(B,)](x, lens, br, L, x.stride(0), tt.MARGIN, K=k, SAMPLE=tt.SAMPLE, G=tt.GROUP,
+                                         RB=tt.RBITS, num_warps=16)
             if n >= 2:
-                tt._select_kernel[(B, C)](x, lens, hist, out, cand, ncand, lens, L, x.stride(0), out.stride(0), 0, 0, 1,
-                                          chunk, C, K=k, NB=tt.NB1, BLOCK=tt.BLOCK, CAP=cap, CB=CB, PAGED=False,
-                                          num_warps=8)
+                tt._scan_kernel[(B, C)](x, lens, br, stat, aseg, cseg, L, x.stride(0), chunk, C,
+                                        K=k, BLOCK=tt.BLOCK, W=4, CAPA=CAPA, CAPG=CAPG, num_warps=8)
             if n >= 3:
-                tt._finish_kernel[(B,)](x, lens, hist, out, cand, ncand, lens, L, x.stride(0), out.stride(0), 0, 0, 1, C,
-                                        K=k, KP2=2048, NB=tt.NB1, NB2=tt.NB2, BLOCK=tt.BLOCK, CAP=cap, CB=CB,
+                tt._finish_kernel[(B,)](x, lens, stat, aseg, cseg, scratch, out, lens, L, x.stride(0),
+                                        out.stride(0), 0, 0, 1, C, K=k, KP2=2048, CB=CB, CAPA=CAPA, CAPG=CAPG,
+                                        TA=TA, TC=TC, RB=tt.RBITS, FB=tt.FALLBACK_BITS, BLOCK=tt.BLOCK, COPY=256,
                                         PAGED=False, num_warps=8)
 
-        for bl, nw, ct in ((1024, 8, 4096), (2048, 8, 4096), (2048, 4, 4096), (4096, 8, 4096)):
-            try:
-                t = _graph_time([lambda: tt.topk_triton(x, lens, k, cand_total=ct, block=bl, num_warps=nw)] * 4)
-            except Exception as e:
-                t = float("nan")
-                print("probe err", bl, nw, ct, e)
-            print(json.dumps({"probe": "topk_cfg", "B": B, "L": L, "block": bl, "warps": nw, "cand_total": ct,
-                              "us": round(t, 2)}), flush=True)
-        ts = [_graph_time([lambda n=n: stage(n)] * 4) for n in range(4)]
-        rd = _graph_time([lambda: x.sum(dim=1)])
-        print(json.dumps({"probe": "topk", "B": B, "L": L, "C": C, "alloc": round(ts[0], 2),
-                          "hist": round(ts[1] - ts[0], 2), "select": round(ts[2] - ts[1], 2),
-                          "finish": round(ts[3] - ts[2], 2), "total": round(ts[3], 2),
-                          "row_sum_read": round(rd, 2),
-                          "max_cand": int(ncand.max()) if B else 0, "cap": cap}), flush=True)
+        ts = [_graph_time([lambda n=n, x=x: stage(n, x) for x in xs]) for n in range(1, 4)]
+        rd = _graph_time([lambda x=x: x.sum(dim=1) for x in xs])
+        st = stat.cpu()
+        print(json.dumps({"probe": "topk", "B": B, "L": L, "C": C, "bracket": round(ts[0], 2),
+                          "scan": round(ts[1] - ts[0], 2), "finish": round(ts[2] - ts[1], 2),
+                          "total": round(ts[2], 2), "row_sum_read": round(rd, 2),
+                          "above_max": int(st[..., 0].sum(1).max()), "cand_max": int(st[..., 1].sum(1).max()),
+                          "cand_chunk_max": int(st[..., 1].max()), "TC": TC}), flush=True)
+        del xs
 
 
 def n_sets(bytes_per_set: int, cap: int = 8) -> int:

@@ -1,30 +1,31 @@
-"""Triton DSA top-k: exact radix select, rows split over several programs.
+"""Triton DSA top-k: sample-bracketed exact select, one streaming pass over the logits.
 
 Contract: `kernels/topk.py` (the set of the k best positions of each row's valid prefix, ties by
-lowest position, -1 padding when length <= k). Three launches (plus one memset), all with grids
-fixed by the shapes (lengths are read on the device, so the whole op is CUDA-graph safe):
+lowest position, -1 padding when length <= k). Three launches with grids fixed by the shapes
+(lengths are read on the device, so the op is CUDA-graph safe):
 
-1. `_hist_kernel`, grid (B, C): each program takes one chunk of a row and stores a 256-bin
-   histogram of a coarse key (the top 8 bits of the order-preserving fp16 key: quarter octaves)
-   for its chunk. 256 bins because `tl.histogram` costs O(bins / 32) per element (warp ballots
-   per bin).
-2. `_select_kernel`, grid (B, C): every program sums the row's chunk histograms, finds the
-   threshold bin t1 (the coarse bin holding the k-th best score), writes the positions of its
-   chunk's scores above t1 straight to the output (its slots start after the earlier chunks'
-   counts above t1: deterministic, no atomics) and copies the exact fp32 keys of bin t1,
-   in position order, to its chunk's candidate segment (up to CAP of them).
-3. `_finish_kernel`, grid (B): resolves the threshold bin exactly: four 8-bit histogram rounds on
-   the exact 32-bit key, then ties in position order. Fast path: all candidates of the row in
-   registers (one 2-D load of the segments, chunk-major = position order). When some chunk's
-   bin overflowed its segment (heavy ties, few distinct values), the same rounds stream over the
-   row itself: slower, equally exact.
+1. `_bracket_kernel`, grid (B): a *bracket* [lo, hi] per row from a fixed sample of the row
+   (SAMPLE scores in groups of G, evenly spaced; the whole row when it is no longer than SAMPLE):
+   the 16-bit keys at the sample ranks k·S/n ∓ margin (4-bit radix rounds on the sample).
+2. `_scan_kernel`, grid (B, C): each program streams one chunk of its row once: scores with
+   key16 > hi are surely selected and go to the chunk's "above" segment; scores with lo <= key16 <= hi are candidates and go, with their exact 32-bit key, to
+   the chunk's candidate segment. Both in position order, per chunk (deterministic, no atomics).
+3. `_finish_kernel`, grid (B): checks the bracket against the true counts (above <= k <=
+   above + candidates, and the candidates fit); then copies the above segments to the output in
+   chunk order and picks the k - above best candidates exactly (radix rounds of RBITS bits on the
+   exact key, ties by position), writing positions or, fused, physical slots.
+   When the bracket missed (an unlucky sample, heavy ties, adversarial rows) it selects exactly by
+   streaming over the row itself: slower, equally exact.
 
-The coarse key is a monotone function of the score, so coarse bins order like the scores.
-Exact keys: fp32 bits b -> b ^ ((b >> 31) & 0x7fffffff) orders like the floats as signed int32
-(stored with bit 31 flipped, so byte digits compare unsigned); -0.0 is folded onto +0.0 and
-every NaN onto the largest key (torch's descending sort puts NaN first, equal NaNs by position).
-Positions past a row's length get coarse bin 0; valid scores land in bins >= 3 (-inf's), so bin 0
-is never the threshold of a row with length > k.
+Why this shape: Triton has no shared-memory atomics and `tl.histogram` costs O(bins/32)
+instructions per element, so histogramming every score (the CUDA kernels' first pass) is ALU-bound
+far above one read of the row. Here the full row only sees a load, a key, two compares and a
+prefix sum; histograms run on the 4096-score sample and on the few thousand candidates.
+
+Keys: fp32 bits b -> b ^ ((b >> 31) & 0x7fffffff) orders like the floats as signed int32 (stored
+with bit 31 flipped, so unsigned digits compare in order); -0.0 is folded onto +0.0 and every NaN
+onto the largest key (torch's descending sort puts NaN first, equal NaNs by position). key16 is
+the top 16 bits (sign, exponent, 7 mantissa bits): monotone in the score and range-safe.
 """
 
 from __future__ import annotations
@@ -35,21 +36,19 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting
 
-NB1 = 256  # first round: the top 8 bits of an fp16 rendering of the score (quarter octaves)
-NB2 = 256  # refinement: four rounds of 8 bits of the exact fp32 key
-BLOCK = 2048  # elements per step of the streaming kernels (H200 sweep: 2048 x 8 warps)
-CAND_TOTAL = 4096  # candidates one row may hold on the fast path (H200 sweep: 4096 < 8192)
-MAX_CHUNKS = 32
-
-
-@triton.jit
-def _load_scores(x_ptr, offs, valid):
-    return tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+SAMPLE = 4096  # sampled scores per row for the bracket
+GROUP = 8  # contiguous scores per sample group (one 32-byte sector)
+MARGIN = 4.0  # bracket half-width in binomial standard deviations of the sample rank
+BLOCK = 2048  # scores per step of the streaming pass
+CAND_TOTAL = 4096  # candidates one row may hold on the fast path
+MAX_CHUNKS = 8  # programs per row in the streaming pass
+RBITS = 4  # radix digit of the exact rounds: 16-bin histograms (cheap per element)
+FALLBACK_BITS = 8  # the streaming fallback's digit: fewer passes over the row
 
 
 @triton.jit
 def _ukey(x, valid):
-    """Exact key: int32 whose unsigned order (bit 31 flipped back) is the float order."""
+    """Exact key: int32 whose unsigned order (bit 31 flipped back) is the float order; invalid -> 0."""
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 == +0.0
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order
@@ -59,24 +58,135 @@ def _ukey(x, valid):
 
 
 @triton.jit
-def _coarse_bin(x, valid):
-    """0..255, monotone in x: the top 8 bits of the ordered fp16 key. Invalid -> 0; valid >= 3."""
-    b = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    b = tl.where(b == -32768, 0, b)  # -0.0
-    key = b ^ ((b >> 15) & 0x7FFF)
-    key = tl.where(x != x, 32767, key)
-    return tl.where(valid, (key >> 8) + 128, 0)
-
-
-@triton.jit
 def _threshold(hist, need, NB: tl.constexpr):
-    """Largest bin t with (#keys in bins >= t) >= need, and the count of keys in bins > t."""
+    """Largest bin t with (#keys in bins >= t) >= need; the counts of keys in bins > t and in t."""
     b = tl.arange(0, NB)
     total = tl.sum(hist, axis=0)
     suffix = total - tl.cumsum(hist, axis=0) + hist  # keys in bins >= b
     t = tl.max(tl.where(suffix >= need, b, -1), axis=0)
     above = tl.sum(tl.where(b > t, hist, 0), axis=0)
-    return t, above
+    at = tl.sum(tl.where(b == t, hist, 0), axis=0)
+    return t, above, at
+
+
+@triton.jit
+def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, margin, RB: tl.constexpr):
+    """(hi, lo) 16-bit keys: with high probability #(key16 > hi) <= K <= #(key16 >= lo) over the
+    row, with few scores between. Exact (hi == lo == the K-th key16) when n <= SAMPLE. Both are
+    sample order statistics, found by the same radix rounds (two histograms per round)."""
+    i = tl.arange(0, SAMPLE)
+    exact = n <= SAMPLE
+    NG: tl.constexpr = SAMPLE // G
+    # group g starts at g * (n - G) / (NG - 1): the first and the last G scores are both sampled
+    # (a row whose scores trend with position keeps its best ones at one end)
+    gstart = ((i // G).to(tl.int64) * (n - G) // (NG - 1)).to(tl.int32)
+    offs = tl.where(exact, i, gstart + i % G)
+    valid = offs < n
+    k16 = (_ukey(tl.load(x_row + offs, mask=valid, other=0.0).to(tl.float32), valid) >> 16) & 0xFFFF
+    s = tl.minimum(n, SAMPLE)
+    target = K * s.to(tl.float32) / n.to(tl.float32)  # sample rank of the row's K-th score
+    delta = tl.where(exact, 0.0, margin * tl.sqrt(target) + 4.0)
+    need_hi = tl.maximum(tl.math.ceil(target - delta), 0.0).to(tl.int32)
+    need_lo = tl.minimum(tl.math.floor(target + delta), s.to(tl.float32)).to(tl.int32)
+    # need_hi < 1: nothing is surely above (hi = 65535); need_lo = s: every score <= hi is a
+    # candidate (lo = 0). The rounds run regardless, on ranks clamped into range.
+    nh = tl.maximum(need_hi, 1)
+    nl = need_lo
+    NB: tl.constexpr = 1 << RB
+    hi = 0
+    lo = 0
+    inr_h = valid
+    inr_l = valid
+    for rnd in tl.static_range(16 // RB):
+        shift = 16 - RB * (rnd + 1)
+        d = (k16 >> shift) & (NB - 1)
+        th, ah, _ = _threshold(tl.histogram(d, NB, mask=inr_h), nh, NB)
+        tl_, al, _ = _threshold(tl.histogram(d, NB, mask=inr_l), nl, NB)
+        nh -= ah
+        nl -= al
+        inr_h = inr_h & (d == th)
+        inr_l = inr_l & (d == tl_)
+        hi = hi | (th << shift)
+        lo = lo | (tl_ << shift)
+    hi = tl.where(need_hi >= 1, hi, 65535)
+    lo = tl.where(need_lo < s, lo, 0)
+    return hi, lo
+
+
+@triton.jit
+def _bracket_kernel(
+    x_ptr, len_ptr, br_ptr, L, stride_xb, margin,
+    K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
+):
+    b = tl.program_id(0)
+    n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
+    if n > K:
+        hi, lo = _bracket(x_ptr + b.to(tl.int64) * stride_xb, n, K, SAMPLE, G, margin, RB)
+        tl.store(br_ptr + b * 2, hi)
+        tl.store(br_ptr + b * 2 + 1, lo)
+
+
+@triton.jit
+def _key_float(u):
+    """The float whose exact key is u (inverse of `_ukey` on non-NaN keys)."""
+    k = u ^ -2147483648  # signed order
+    return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scan_kernel(
+    x_ptr, len_ptr, br_ptr, stat_ptr, aseg_ptr, cseg_ptr, L, stride_xb, CHUNK, C,
+    K: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, CAPA: tl.constexpr, CAPG: tl.constexpr,
+):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
+    n_above = 0
+    n_cand = 0
+    if n > K:
+        x_row = x_ptr + b.to(tl.int64) * stride_xb
+        hi = tl.load(br_ptr + b * 2)
+        lo = tl.load(br_ptr + b * 2 + 1)
+        # the bracket as float thresholds (key16 is monotone in the score): above <=> x >= t_hi,
+        # candidate <=> t_lo <= x < t_hi; NaN (the largest key) is above unless hi is the top
+        has_above = hi < 65535
+        t_hi = _key_float((hi + 1) << 16)  # the smallest float of key16 hi + 1 (valid: hi >= 0x7f)
+        t_lo = tl.where(lo <= 0x7F, float("-inf"), _key_float(lo << 16))  # key16 <= 0x7f: -inf only
+        aseg = aseg_ptr + (b * C + c).to(tl.int64) * CAPA
+        cseg = cseg_ptr + (b * C + c).to(tl.int64) * CAPG
+        start = c * CHUNK
+        end = tl.minimum(start + CHUNK, n)
+        # loads are masked by the chunk's end in the allocated row (a multiple of 16 when L is:
+        # 16-byte vector loads); `valid` (< the row's length) masks the scores themselves
+        lim = tl.minimum(start + CHUNK, L)
+        # a block is [BLOCK // W, W] in row-major (= position) order, W = one thread's vector: the
+        # prefix sum runs inside threads along rows, then over BLOCK // W row totals only
+        tile = tl.arange(0, BLOCK // W)[:, None] * W + tl.arange(0, W)[None, :]
+        nxt = tl.load(x_row + start + tile, mask=start + tile < lim, other=0.0)
+        for s in range(start, end, BLOCK):
+            offs = s + tile
+            valid = offs < end
+            x = nxt.to(tl.float32)
+            # the next block's load is in flight while this one is classified and compacted
+            nxt = tl.load(x_row + offs + BLOCK, mask=offs + BLOCK < lim, other=0.0)
+            nan = x != x
+            above = valid & ((x >= t_hi) | tl.where(has_above, nan, False))
+            cand = valid & ~above & ((x >= t_lo) | nan)
+            packed = above.to(tl.int32) | (cand.to(tl.int32) << 16)  # both counts in one scan
+            rows = tl.sum(packed, axis=1)
+            tot = tl.sum(rows, axis=0)
+            if tot > 0:
+                ex = tl.cumsum(packed, axis=1) - packed + (tl.cumsum(rows, axis=0) - rows)[:, None]
+                ra = n_above + (ex & 0xFFFF)
+                rc = n_cand + (ex >> 16)
+                tl.store(aseg + ra, offs, mask=above & (ra < CAPA))
+                # a candidate is (position << 32 | fp32 bits): one 8-byte store
+                bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+                tl.store(cseg + rc, (offs.to(tl.int64) << 32) | bits, mask=cand & (rc < CAPG))
+                n_above += tot & 0xFFFF
+                n_cand += tot >> 16
+    tl.store(stat_ptr + (b * C + c) * 2, n_above)
+    tl.store(stat_ptr + (b * C + c) * 2 + 1, n_cand)
 
 
 @triton.jit
@@ -89,85 +199,12 @@ def _to_out(pos, row_pt_ptr, stride_ptp, PAGE_SIZE, PAGED: tl.constexpr):
 
 
 @triton.jit
-def _hist_kernel(
-    x_ptr, len_ptr, hist_ptr, L, stride_xb, CHUNK, C,
-    K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-):
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    n = tl.minimum(tl.load(len_ptr + b), L)
-    h = tl.zeros((NB,), dtype=tl.int32)
-    if n > K:
-        start = c * CHUNK
-        x_row = x_ptr + b.to(tl.int64) * stride_xb
-        for s in range(start, start + CHUNK, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            valid = offs < n
-            h += tl.histogram(_coarse_bin(_load_scores(x_row, offs, valid), valid), NB)
-    bins = tl.arange(0, NB)
-    tl.store(hist_ptr + (b * C + c) * NB + bins, tl.where(bins > 0, h, 0))
-
-
-@triton.jit
-def _row_threshold(hist_ptr, b, C, K: tl.constexpr, NB: tl.constexpr, CB: tl.constexpr):
-    """From the row's per-chunk histograms: threshold bin t1, keys above it, and per-chunk
-    counts above it ([CB], for the chunks' output offsets)."""
-    cc = tl.arange(0, CB)
-    bins = tl.arange(0, NB)
-    hc = tl.load(hist_ptr + (b * C + cc[:, None]) * NB + bins[None, :], mask=(cc < C)[:, None], other=0)
-    t1, above1 = _threshold(tl.sum(hc, axis=0), K, NB)
-    above_c = tl.sum(tl.where(bins[None, :] > t1, hc, 0), axis=1)
-    return t1, above1, above_c
-
-
-@triton.jit
-def _select_kernel(
-    x_ptr, len_ptr, hist_ptr, out_ptr, cand_ptr, ncand_ptr, pt_ptr,
-    L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, CHUNK, C,
-    K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    CB: tl.constexpr, PAGED: tl.constexpr,
-):
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    n = tl.minimum(tl.load(len_ptr + b), L)
-    if n > K:
-        t1, _above1, above_c = _row_threshold(hist_ptr, b, C, K, NB, CB)
-        # this chunk's output slots start after the earlier chunks' keys above t1
-        written = tl.sum(tl.where(tl.arange(0, CB) < c, above_c, 0), axis=0)
-        x_row = x_ptr + b.to(tl.int64) * stride_xb
-        out_row = out_ptr + b.to(tl.int64) * stride_ob
-        pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
-        seg = cand_ptr + (b * C + c).to(tl.int64) * CAP * 2
-        ncand = 0
-        start = c * CHUNK
-        for s in range(start, start + CHUNK, BLOCK):
-            offs = s + tl.arange(0, BLOCK)
-            valid = offs < n
-            x = _load_scores(x_row, offs, valid)
-            bin1 = _coarse_bin(x, valid)
-            above = bin1 > t1
-            n_above = tl.sum(above.to(tl.int32), axis=0)
-            if n_above > 0:
-                slot = written + tl.cumsum(above.to(tl.int32), axis=0) - 1
-                tl.store(out_row + slot, _to_out(offs, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=above)
-                written += n_above
-            eq = bin1 == t1
-            n_eq = tl.sum(eq.to(tl.int32), axis=0)
-            if n_eq > 0:
-                r = ncand + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-                m = eq & (r < CAP)
-                tl.store(seg + r * 2, _ukey(x, valid), mask=m)
-                tl.store(seg + r * 2 + 1, offs, mask=m)
-                ncand += n_eq
-        tl.store(ncand_ptr + b * C + c, ncand)
-
-
-@triton.jit
 def _finish_kernel(
-    x_ptr, len_ptr, hist_ptr, out_ptr, cand_ptr, ncand_ptr, pt_ptr,
+    x_ptr, len_ptr, stat_ptr, aseg_ptr, cseg_ptr, scr_ptr, out_ptr, pt_ptr,
     L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, C,
-    K: tl.constexpr, KP2: tl.constexpr, NB: tl.constexpr, NB2: tl.constexpr,
-    BLOCK: tl.constexpr, CAP: tl.constexpr, CB: tl.constexpr, PAGED: tl.constexpr,
+    K: tl.constexpr, KP2: tl.constexpr, CB: tl.constexpr, CAPA: tl.constexpr, CAPG: tl.constexpr,
+    TA: tl.constexpr, TC: tl.constexpr, RB: tl.constexpr, FB: tl.constexpr, BLOCK: tl.constexpr,
+    COPY: tl.constexpr, PAGED: tl.constexpr,
 ):
     b = tl.program_id(0)
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
@@ -181,71 +218,110 @@ def _finish_kernel(
             v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
             tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
     else:
-        t1, above1, _above_c = _row_threshold(hist_ptr, b, C, K, NB, CB)
-        need = K - above1  # how many keys of coarse bin t1 are selected (>= 1)
         cc = tl.arange(0, CB)
-        nc = tl.load(ncand_ptr + b * C + cc, mask=cc < C, other=0)
-        bins2 = tl.arange(0, NB2)
-        if tl.max(nc, axis=0) <= CAP:
-            # Fast path: the whole coarse bin in registers, in position order (chunk-major).
-            seg = cand_ptr + (b * C).to(tl.int64) * CAP * 2
-            off = tl.arange(0, CAP)
-            ok2 = off[None, :] < nc[:, None]
-            ptrs = seg + (cc[:, None] * CAP + off[None, :]) * 2
-            key = tl.reshape(tl.load(ptrs, mask=ok2, other=0), (CB * CAP,))
-            pos = tl.reshape(tl.load(ptrs + 1, mask=ok2, other=0), (CB * CAP,))
-            inr = tl.reshape(ok2, (CB * CAP,))
-            gt = tl.zeros((CB * CAP,), dtype=tl.int1)
-            for rnd in tl.static_range(4):
-                digit = (key >> (24 - 8 * rnd)) & 255
-                d = tl.where(inr, digit, 0)
-                h = tl.histogram(d, NB2) - tl.where(bins2 == 0, tl.sum((~inr).to(tl.int32), axis=0), 0)
-                t, above = _threshold(h, need, NB2)
-                gt = gt | (inr & (digit > t))
-                inr = inr & (digit == t)
-                need -= above
-            tie_rank = tl.cumsum(inr.to(tl.int32), axis=0) - 1
-            sel = gt | (inr & (tie_rank < need))
-            slot = above1 + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        cm = cc < C
+        stat = stat_ptr + (b * C + cc) * 2
+        na = tl.load(stat, mask=cm, other=0)
+        nc = tl.load(stat + 1, mask=cm, other=0)
+        A = tl.sum(na, axis=0)
+        N = tl.sum(nc, axis=0)
+        seg0 = (b * C).to(tl.int64)
+        if (A <= K) & (A + N >= K) & (N <= CB * TC):
+            # ---- the scores above the bracket, in chunk order (= position order)
+            if tl.max(na, axis=0) <= TA:
+                # chunk c's segment goes to out[off_c : off_c + na_c]: no scan over the elements
+                ta = tl.arange(0, TA)
+                a_ok = ta[None, :] < na[:, None]
+                a_pos = tl.load(aseg_ptr + (seg0 + cc[:, None]) * CAPA + ta[None, :], mask=a_ok, other=0)
+                a_slot = (tl.cumsum(na, axis=0) - na)[:, None] + ta[None, :]
+                tl.store(out_row + a_slot, _to_out(a_pos, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=a_ok)
+            else:  # a chunk holds more than its tile: copy chunk by chunk
+                done = 0
+                for ci in range(0, C):
+                    cnt = tl.load(stat_ptr + (b * C + ci) * 2)
+                    for s in range(0, cnt, COPY):
+                        j = s + tl.arange(0, COPY)
+                        m = j < cnt
+                        a_pos = tl.load(aseg_ptr + (seg0 + ci) * CAPA + j, mask=m, other=0)
+                        tl.store(out_row + done + j, _to_out(a_pos, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=m)
+                    done += cnt
+            # ---- the candidates, gathered in position order into [CB * TC]
+            t = tl.arange(0, TC)
+            if tl.max(nc, axis=0) <= TC:
+                ok2 = t[None, :] < nc[:, None]
+                cv = tl.load(cseg_ptr + (seg0 + cc[:, None]) * CAPG + t[None, :], mask=ok2, other=0)
+            else:  # a chunk holds more than its tile: compact through the row's scratch
+                srow = b.to(tl.int64) * (CB * TC)
+                done = 0
+                for ci in range(0, C):
+                    cnt = tl.load(stat_ptr + (b * C + ci) * 2 + 1)
+                    for s in range(0, cnt, COPY):
+                        j = s + tl.arange(0, COPY)
+                        m = j < cnt
+                        v1 = tl.load(cseg_ptr + (seg0 + ci) * CAPG + j, mask=m, other=0)
+                        tl.store(scr_ptr + srow + done + j, v1, mask=m)
+                    done += cnt
+                tl.debug_barrier()  # the scratch was written by other threads of this program
+                flat = cc[:, None] * TC + t[None, :]
+                ok2 = flat < N
+                cv = tl.load(scr_ptr + srow + flat, mask=ok2, other=0)
+            pos = (cv >> 32).to(tl.int32)
+            key = _ukey((cv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), ok2)
+            key = tl.reshape(key, (CB * TC,))
+            pos = tl.reshape(pos, (CB * TC,))
+            inr = tl.reshape(ok2, (CB * TC,))
+            # ---- exact: radix rounds on the 32-bit key, then ties in position order
+            need = K - A
+            NB: tl.constexpr = 1 << RB
+            gt = tl.zeros((CB * TC,), dtype=tl.int1)
+            # digits above the candidates' common prefix are equal for all of them: skip those
+            # rounds (the bracket makes the prefix long); stop once every remaining one is selected
+            sk = key ^ -2147483648  # signed order
+            diff = tl.max(tl.where(inr, sk, -2147483648), axis=0) ^ tl.min(tl.where(inr, sk, 2147483647), axis=0)
+            rem = N
+            for rnd in range(0, 32 // RB):  # a loop, not unrolled: this kernel is i-cache bound
+                shift = 32 - RB * (rnd + 1)
+                if ((diff >> shift) != 0) & (rem > need):
+                    d = (key >> shift) & (NB - 1)
+                    th, above, at = _threshold(tl.histogram(d, NB, mask=inr), need, NB)
+                    gt = gt | (inr & (d > th))
+                    inr = inr & (d == th)
+                    need -= above
+                    rem = at
+            # inr: the keys equal to the threshold key; the lowest `need` positions of them win
+            if rem > need:
+                inr = inr & (tl.cumsum(inr.to(tl.int32), axis=0) <= need)
+            sel = gt | inr
+            slot = A + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(out_row + slot, _to_out(tl.where(sel, pos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
         else:
-            # Exact fallback over the row itself (one program; a streaming pass per round).
+            # Exact fallback over the row itself: FB-bit radix rounds, one streaming pass each.
             x_row = x_ptr + b.to(tl.int64) * stride_xb
+            NF: tl.constexpr = 1 << FB
+            need = K
             pmask = 0
             pval = 0
-            for rnd in tl.static_range(4):
-                h = tl.zeros((NB2,), dtype=tl.int32)
+            for rnd in range(0, 32 // FB):
+                shift = 32 - FB * (rnd + 1)
+                h = tl.zeros((NF,), dtype=tl.int32)
                 for s in range(0, n, BLOCK):
                     offs = s + tl.arange(0, BLOCK)
                     valid = offs < n
-                    x = _load_scores(x_row, offs, valid)
-                    key = _ukey(x, valid)
-                    inr = (_coarse_bin(x, valid) == t1) & ((key & pmask) == pval)
-                    d = tl.where(inr, (key >> (24 - 8 * rnd)) & 255, 0)
-                    h += tl.histogram(d, NB2)
-                    h -= tl.where(bins2 == 0, tl.sum((~inr).to(tl.int32), axis=0), 0)
-                t, above = _threshold(h, need, NB2)
+                    key = _ukey(tl.load(x_row + offs, mask=valid, other=0.0).to(tl.float32), valid)
+                    h += tl.histogram((key >> shift) & (NF - 1), NF, mask=valid & ((key & pmask) == pval))
+                th, above, _ = _threshold(h, need, NF)
                 need -= above
-                pval = pval | (t << (24 - 8 * rnd))  # int32, wraps like the keys
-                if rnd == 0:
-                    pmask = -16777216  # 0xff000000
-                elif rnd == 1:
-                    pmask = -65536
-                elif rnd == 2:
-                    pmask = -256
-                else:
-                    pmask = -1
+                pval = pval | (th << shift)  # int32, wraps like the keys
+                pmask = -(1 << shift)  # the bits fixed so far (int32)
             ties = 0
-            written = above1
+            written = 0
             for s in range(0, n, BLOCK):
                 offs = s + tl.arange(0, BLOCK)
                 valid = offs < n
-                x = _load_scores(x_row, offs, valid)
-                key = _ukey(x, valid)
-                inb = _coarse_bin(x, valid) == t1
+                key = _ukey(tl.load(x_row + offs, mask=valid, other=0.0).to(tl.float32), valid)
                 # unsigned compare of the exact keys: flip bit 31 back to compare as signed
-                gt = inb & ((key ^ -2147483648) > (pval ^ -2147483648))
-                tie = inb & (key == pval)
+                gt = valid & ((key ^ -2147483648) > (pval ^ -2147483648))
+                tie = valid & (key == pval)
                 tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
                 sel = gt | (tie & (tie_rank < need))
                 slot = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
@@ -260,13 +336,10 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def _chunks(B: int, L: int, device: torch.device, block: int = BLOCK) -> tuple[int, int]:
-    """(C, CHUNK): split each row so that B*C programs cover the machine about twice."""
+def _chunks(B: int, L: int, device: torch.device, block: int, max_chunks: int) -> tuple[int, int]:
+    """(C, CHUNK): split each row so that B*C programs cover the machine about four times."""
     blocks = triton.cdiv(max(L, 1), block)
-    c = max(1, min(blocks, triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), max(B, 1)))))
-    # at most MAX_CHUNKS per row, so each chunk's candidate segment keeps >= CAND_TOTAL / 32 = 128
-    # slots (~35 per 2K-element chunk are used on Gaussian scores; overflow means the slow path)
-    c = min(c, MAX_CHUNKS)
+    c = max(1, min(blocks, max_chunks, triton.next_power_of_2(triton.cdiv(4 * _num_sms(device), max(B, 1)))))
     chunk = triton.cdiv(blocks, c) * block
     return triton.cdiv(max(L, 1), chunk), chunk
 
@@ -278,12 +351,19 @@ def topk_triton(
     page_table: torch.Tensor | None = None,
     page_size: int = 1,
     cand_total: int = CAND_TOTAL,
+    sample: int = SAMPLE,
+    margin: float = MARGIN,
     block: int = BLOCK,
+    max_chunks: int = MAX_CHUNKS,
+    rbits: int = RBITS,
     num_warps: int | None = None,
+    bracket_warps: int | None = None,
 ) -> torch.Tensor:
-    """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. `cand_total`
-    bounds the fast path's candidates per row (tests shrink it to exercise the fallback)."""
+    """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
+    arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and
+    `margin` to force the overflow and fallback paths."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert 16 % rbits == 0 and sample % GROUP == 0 and sample & (sample - 1) == 0
     B, L = logits.shape
     dev = logits.device
     out = torch.empty((B, k), dtype=torch.int32, device=dev)
@@ -292,12 +372,18 @@ def topk_triton(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lengths = lengths.to(device=dev, dtype=torch.int32).contiguous()
-    C, chunk = _chunks(B, L, dev, block)
+    C, chunk = _chunks(B, L, dev, block, max_chunks)
     CB = triton.next_power_of_2(C)
-    cap = max(16, cand_total // CB)
-    hist = torch.empty((B, C, NB1), dtype=torch.int32, device=dev)  # per-chunk histograms
-    cand = torch.empty((B, C, cap, 2), dtype=torch.int32, device=dev)
-    ncand = torch.empty((B, C), dtype=torch.int32, device=dev)
+    cand_total = triton.next_power_of_2(max(cand_total, CB))
+    TC = cand_total // CB  # candidate tile per chunk (register fast path)
+    TA = max(2 * triton.next_power_of_2(k) // CB, 16)  # above tile per chunk (2x an even share)
+    CAPA = min(k, chunk)  # segment capacities: what a valid bracket can put in a chunk
+    CAPG = min(cand_total, chunk)
+    br = torch.empty((B, 2), dtype=torch.int32, device=dev)  # each row's bracket (hi, lo)
+    stat = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
+    aseg = torch.empty((B, C, CAPA), dtype=torch.int32, device=dev)
+    cseg = torch.empty((B, C, CAPG), dtype=torch.int64, device=dev)  # (position << 32 | fp32 bits)
+    scratch = torch.empty((B, cand_total), dtype=torch.int64, device=dev)  # overflow compaction
     paged = page_table is not None
     if paged:
         pt = page_table.to(device=dev, dtype=torch.int32)
@@ -305,13 +391,14 @@ def topk_triton(
     else:
         pt, spb, spp = lengths, 0, 0  # never read
     warps = num_warps or (8 if not triton_interpreting() else 1)
-    _hist_kernel[(B, C)](logits, lengths, hist, L, logits.stride(0), chunk, C,
-                         K=k, NB=NB1, BLOCK=block, num_warps=warps)
-    _select_kernel[(B, C)](logits, lengths, hist, out, cand, ncand, pt,
-                           L, logits.stride(0), out.stride(0), spb, spp, page_size, chunk, C,
-                           K=k, NB=NB1, BLOCK=block, CAP=cap, CB=CB, PAGED=paged, num_warps=warps)
-    _finish_kernel[(B,)](logits, lengths, hist, out, cand, ncand, pt,
+    _bracket_kernel[(B,)](logits, lengths, br, L, logits.stride(0), margin,
+                          K=k, SAMPLE=sample, G=GROUP, RB=rbits,
+                          num_warps=bracket_warps or (16 if not triton_interpreting() else 1))
+    _scan_kernel[(B, C)](logits, lengths, br, stat, aseg, cseg, L, logits.stride(0), chunk, C,
+                         K=k, BLOCK=block, W=4, CAPA=CAPA, CAPG=CAPG, num_warps=warps)
+    _finish_kernel[(B,)](logits, lengths, stat, aseg, cseg, scratch, out, pt,
                          L, logits.stride(0), out.stride(0), spb, spp, page_size, C,
-                         K=k, KP2=min(triton.next_power_of_2(k), 4096), NB=NB1, NB2=NB2,
-                         BLOCK=block, CAP=cap, CB=CB, PAGED=paged, num_warps=warps)
+                         K=k, KP2=min(triton.next_power_of_2(k), 4096), CB=CB, CAPA=CAPA, CAPG=CAPG,
+                         TA=TA, TC=TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, PAGED=paged,
+                         num_warps=warps)
     return out

@@ -39,6 +39,10 @@ def make_logits(B: int, L: int, kind: str, dtype, device, row_stride_pad: int = 
         x = torch.randint(0, 3, (B, L + row_stride_pad), device=device).float() - 1.0
     elif kind == "coarse":  # moderate ties inside the threshold bin
         x = (x * 4).round() / 4
+    elif kind == "trend":  # scores rising with position: the best ones all sit at the row's end
+        x = torch.arange(L + row_stride_pad, device=device).float()[None, :] * 0.01 + x
+    elif kind == "falling":  # the best ones all sit at the start, ties on a coarse grid
+        x = (-torch.arange(L + row_stride_pad, device=device).float()[None, :] * 0.01 + x).round()
     elif kind == "special":  # -inf, +-0.0 mixed in
         x = (x * 2).round() / 2
         x[:, ::7] = float("-inf")
@@ -47,9 +51,22 @@ def make_logits(B: int, L: int, kind: str, dtype, device, row_stride_pad: int = 
     return x[:, :L] if row_stride_pad else x
 
 
-def check_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device="cpu", paged=False, page_size=16):
+def check_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device="cpu", paged=False, page_size=16,
+               **knobs):
+    """`knobs` go to the Triton kernel itself (tuning/test arguments of `topk_triton`)."""
     x = make_logits(B, L, kind, dtype, device, row_stride_pad=5)  # non-contiguous rows
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    if knobs:
+        from glm53.kernels.topk_triton import topk_triton
+
+        pt = None
+        if paged:
+            n_pages = (L + page_size - 1) // page_size
+            pt = torch.stack([torch.randperm(4 * n_pages, device=device)[:n_pages] for _ in range(B)]).int()
+        out = topk_triton(x, lens, k, page_table=pt, page_size=page_size, **knobs)
+        ref = dsa_topk_reference(x, lens, k)
+        _rows_equal_as_sets(out, positions_to_slots(ref, pt, page_size) if paged else ref)
+        return
     if paged:
         n_pages = (L + page_size - 1) // page_size
         pt = torch.stack([torch.randperm(4 * n_pages, device=device)[:n_pages] for _ in range(B)]).int()

@@ -31,6 +31,19 @@ def test_topk_ties_and_specials(kind):
     cases.check_topk(8, 65536, 2048, [65536, 65535, 40000, 3000, 2048, 0, 1, 10000], kind=kind, device=DEV)
 
 
+@pytest.mark.parametrize("kind", ["trend", "falling"])
+def test_topk_skewed_rows(kind):
+    # position-trending scores: the sample must see the row's ends; chunks overflow their tiles
+    cases.check_topk(8, 131072, 2048, [131072, 131071, 70000, 9000, 4097, 2049, 2048, 0], kind=kind, device=DEV)
+
+
+def test_topk_forced_fallbacks():
+    # bracket misses (tiny sample, no margin) and candidate overflow take the exact fallback
+    cases.check_topk(8, 65536, 2048, [65536, 60000, 40000, 3000, 2049, 65535, 9000, 30000], device=DEV,
+                     sample=512, margin=0.0)
+    cases.check_topk(4, 32768, 2048, [32768, 30000, 5000, 2049], device=DEV, cand_total=256)
+
+
 def test_topk_batch64_paged():
     lens = torch.randint(0, 131072, (64,)).tolist()
     cases.check_topk(64, 131072, 2048, lens, device=DEV, paged=True, page_size=64)

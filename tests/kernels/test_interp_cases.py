@@ -44,15 +44,25 @@ def test_topk_heavy_ties_overflow_path():
     cases.check_topk(3, 12000, 300, [12000, 9000, 4000], kind="ties")
 
 
-@pytest.mark.parametrize("kind", ["randn", "ties", "special"])
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "trend"])
 def test_topk_fallback_path(kind):
     # a tiny candidate budget forces the streaming fallback on every row with length > k
-    from glm53.kernels.topk_triton import topk_triton
+    cases.check_topk(3, 7000, 256, [7000, 5000, 300], kind=kind, cand_total=16)
 
-    x = cases.make_logits(3, 7000, kind, torch.float32, "cpu")
-    lens = torch.tensor([7000, 5000, 300], dtype=torch.int32)
-    out = topk_triton(x, lens, 256, cand_total=16)
-    cases._rows_equal_as_sets(out, cases.dsa_topk_reference(x, lens, 256))
+
+@pytest.mark.parametrize("kind", ["randn", "coarse", "trend"])
+def test_topk_bracket_misses(kind):
+    # a small sample and no margin: the bracket misses on some rows (either side) -> fallback
+    cases.check_topk(4, 9000, 256, [9000, 8000, 6000, 5000], kind=kind, sample=512, margin=0.0)
+
+
+@pytest.mark.parametrize("kind", ["trend", "falling"])
+def test_topk_skewed_rows_overflow_tiles(kind):
+    # the selected and candidate scores crowd into one chunk: per-chunk tiles overflow and the
+    # segments are copied chunk by chunk (above) and compacted through the scratch (candidates)
+    cases.check_topk(3, 9000, 256, [9000, 8500, 4100], kind=kind, cand_total=256, max_chunks=8, block=512)
+    cases.check_topk(2, 9000, 256, [9000, 7000], kind=kind, paged=True, page_size=16, cand_total=256,
+                     max_chunks=8, block=512)
 
 
 def test_topk_special_values():
