@@ -118,9 +118,9 @@ def probe_topk() -> None:
         xs = [torch.randn(B, L, device="cuda") for _ in range(ns)]
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         ref = dsa_topk_reference(xs[0], lens, k).sort(dim=1).values
-        for cfg in (dict(), dict(block=4096), dict(block=1024, num_warps=4), dict(max_chunks=4),
-                    dict(max_chunks=16), dict(max_chunks=32), dict(sample=2048), dict(bracket_warps=8),
-                    dict(margin=3.0), dict(cand_total=2048)):
+        for cfg in (dict(), dict(rbits=8), dict(finish_rbits=8), dict(finish_rbits=2), dict(finish_warps=4),
+                    dict(finish_rbits=8, finish_warps=16), dict(sample=1024), dict(sample=2048),
+                    dict(sample=512, margin=0.0)):
             try:
                 ok = torch.equal(tt.topk_triton(xs[0], lens, k, **cfg).sort(dim=1).values, ref)
                 t = _graph_time([lambda x=x: tt.topk_triton(x, lens, k, **cfg) for x in xs])
@@ -131,14 +131,15 @@ def probe_topk() -> None:
         # stage prefixes with the default config: bracket, + scan, + finish
         C, chunk = tt._chunks(B, L, xs[0].device, tt.BLOCK, tt.MAX_CHUNKS)
         CB = triton.next_power_of_2(C)
-        TC, TA = tt.CAND_TOTAL // CB, max(2 * k // CB, 16)
-        CAPA, CAPG = min(k, chunk), min(tt.CAND_TOTAL, chunk)
+        ct = tt._cand_tile(L, k, tt.SAMPLE, tt.MARGIN)
+        TC, TA = ct // CB, max(2 * k // CB, 16)
+        CAPA, CAPG = min(k, chunk), min(ct, chunk)
         dev = xs[0].device
         br = torch.empty((B, 2), dtype=torch.int32, device=dev)
         stat = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
         aseg = torch.empty((B, C, CAPA), dtype=torch.int32, device=dev)
         cseg = torch.empty((B, C, CAPG), dtype=torch.int64, device=dev)
-        scratch = torch.empty((B, tt.CAND_TOTAL), dtype=torch.int64, device=dev)
+        scratch = torch.empty((B, ct), dtype=torch.int64, device=dev)
         out = torch.empty((B, k), dtype=torch.int32, device=dev)
 
         def stage(n, x):
@@ -297,41 +298,40 @@ def _mla_setup(B, H, K=2048, ctx=8192, page_size=64, n_layers=2, R=512, P=64):
     return q, kv, slots
 
 
-# Schedule variants of sparse_mla_triton timed by --sweep (kwargs of the op). Why each is here:
-# stages 3: the slot indices are a load feeding the gathers' addresses, so Triton's pipeliner
-# needs a third stage to prefetch the gathers (at 2 it waits on the index load every block);
-# value_split 2: one warpgroup per program, a 64 x 256 accumulator (no spill) and no duplicated
-# score dot (8 warps put both warpgroups on the same 64 head rows of q·c^T); BLOCK_N 32: no
-# spills at all and a deeper pipeline; lazy: rescale the accumulator only when a max grows.
-MLA_SWEEP: list[dict] = [
-    dict(block_n=64, block_h=64, num_warps=8, num_stages=2),  # the current default at 64 heads
-    dict(block_n=64, block_h=64, num_warps=8, num_stages=3),
-    dict(block_n=64, block_h=64, num_warps=8, num_stages=3, lazy_rescale=True),
-    dict(block_n=64, block_h=64, num_warps=8, num_stages=3, col_halves=True),
-    dict(block_n=64, block_h=32, num_warps=4, num_stages=3),
-    dict(block_n=64, block_h=64, num_warps=4, num_stages=2, value_split=2),
-    dict(block_n=64, block_h=64, num_warps=4, num_stages=3, value_split=2),
-    dict(block_n=64, block_h=64, num_warps=4, num_stages=3, value_split=2, lazy_rescale=True),
-    dict(block_n=64, block_h=64, num_warps=8, num_stages=3, value_split=2),
-    dict(block_n=32, block_h=64, num_warps=4, num_stages=3, value_split=2),
-    dict(block_n=32, block_h=64, num_warps=4, num_stages=3, value_split=2, lazy_rescale=True),
-    dict(block_n=32, block_h=64, num_warps=4, num_stages=4, value_split=2, lazy_rescale=True),
-    dict(block_n=64, block_h=64, num_warps=4, num_stages=3, value_split=2, lazy_rescale=True, num_splits=2),
-]
-MLA_SWEEP_H128 = [0, 1, 6, 7, 10]  # the subset also timed at 128 heads (keeps the sweep ~2 min)
+# Schedule variants of sparse_mla_triton timed by --sweep (kwargs of the op) at B=64, per head
+# count, around the default (BLOCK_N 64, BLOCK_H 64, 8 warps, 3 stages, column halves; its own row
+# is the plain bench row). First H200 sweep at H=64: 99 us default, 105 us without halves, 144 us
+# at 2 stages. Offline sm_90 compiles (Triton 3.6): BLOCK_N 64 gets two shared buffers for the
+# cache rows at 3 stages (222 KB with q's tile) and 4 stages gives the same binary (no room for a
+# third); BLOCK_N 32 gets two buffers at 3-4 stages and three at 5 (185 KB; 6 gives the same
+# binary as 5); 4 warps hold the 64 x 512 fp32 accumulator on one warpgroup and spill ~2.5 KB a
+# thread; warp_specialize=True on the loop compiles to the same binary (not swept).
+MLA_SWEEP: dict[int, list[dict]] = {
+    64: [
+        dict(block_n=32, block_h=64, num_warps=8, num_stages=4),
+        dict(block_n=32, block_h=64, num_warps=8, num_stages=5),
+        dict(block_n=64, block_h=64, num_warps=8, num_stages=3, num_splits=1),  # 64 programs
+        dict(block_n=64, block_h=64, num_warps=8, num_stages=3, num_splits=4),  # 256 programs
+        dict(block_n=64, block_h=64, num_warps=4, num_stages=3),
+    ],
+    128: [  # the default is one split here (128 programs)
+        dict(block_n=64, block_h=64, num_warps=8, num_stages=3, col_halves=False),  # first sweep: 175.5 us
+        dict(block_n=32, block_h=64, num_warps=8, num_stages=5),
+        dict(block_n=64, block_h=64, num_warps=8, num_stages=3, num_splits=2),
+    ],
+}
 
 
 def _mla_cfg_name(cfg: dict) -> str:
-    short = dict(block_n="n", block_h="h", num_warps="w", num_stages="s", value_split="v", num_splits="sp",
-                 col_halves="halves", lazy_rescale="lazy")
-    return "".join(short[k] if v is True else f"{short[k]}{v}" for k, v in cfg.items())
+    short = dict(block_n="n", block_h="h", num_warps="w", num_stages="s", num_splits="sp", col_halves="halves")
+    return "".join(short[k] if v is True else ("no" + short[k]) if v is False else f"{short[k]}{v}"
+                   for k, v in cfg.items())
 
 
-def _mla_sweep(shape: str, run, check, ns: int, nbytes: int, flops: float, bw: float, idxs) -> None:
-    """Check then time each variant in MLA_SWEEP[idxs]; a compile or launch error is reported
-    for that config and the sweep goes on."""
-    for i in idxs:
-        cfg = MLA_SWEEP[i]
+def _mla_sweep(shape: str, run, check, ns: int, nbytes: int, flops: float, bw: float, cfgs: list[dict]) -> None:
+    """Check then time each variant in `cfgs`; a compile or launch error is reported for that
+    config and the sweep goes on."""
+    for cfg in cfgs:
         name = _mla_cfg_name(cfg)
         row = {"sweep": "sparse_mla", "shape": shape, "cfg": name}
         try:
@@ -370,8 +370,7 @@ def bench_mla(bw: float, sweep: bool) -> None:
             extra = {"eager_us": round(eager, 2), "sets": ns, "tflops": round(flops / (ours * 1e-6) / 1e12, 1)}
             record("sparse_mla", f"B={B} H={H} K={K} d=576", ours, ref_t, nbytes, bw, check_s, extra)
             if sweep and B == 64:
-                _mla_sweep(f"B={B} H={H}", run, check, ns, nbytes, flops, bw,
-                           range(len(MLA_SWEEP)) if H == 64 else MLA_SWEEP_H128)
+                _mla_sweep(f"B={B} H={H}", run, check, ns, nbytes, flops, bw, MLA_SWEEP[H])
             del q, kv, idx
             torch.cuda.empty_cache()
 

@@ -40,10 +40,9 @@ SAMPLE = 4096  # sampled scores per row for the bracket
 GROUP = 8  # contiguous scores per sample group (one 32-byte sector)
 MARGIN = 4.0  # bracket half-width in binomial standard deviations of the sample rank
 BLOCK = 2048  # scores per step of the streaming pass
-CAND_TOTAL = 4096  # candidates one row may hold on the fast path
-MAX_CHUNKS = 8  # programs per row in the streaming pass
+MAX_CHUNKS = 32  # programs per row in the streaming pass
 RBITS = 4  # radix digit of the exact rounds: 16-bin histograms (cheap per element)
-FALLBACK_BITS = 8  # the streaming fallback's digit: fewer passes over the row
+FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
 
 
 @triton.jit
@@ -344,20 +343,37 @@ def _chunks(B: int, L: int, device: torch.device, block: int, max_chunks: int) -
     return triton.cdiv(max(L, 1), chunk), chunk
 
 
+def expected_candidates(n: int, k: int, sample: int = SAMPLE, margin: float = MARGIN) -> float:
+    """Scores a row of n falls in the bracket on average: 2 * delta sample ranks of n / S each."""
+    if n <= sample:
+        return 0.0
+    m = k * sample / n
+    return 2 * (margin * m**0.5 + 4) * n / sample
+
+
+def _cand_tile(L: int, k: int, sample: int, margin: float) -> int:
+    """The finish kernel's candidate tile: 1.6x the expected count at the longest row (the count
+    grows with n), a power of two in [1024, 8192]. Larger tiles cost the finish time."""
+    want = 1.6 * max(expected_candidates(n, k, sample, margin) for n in (min(L, 2 * sample), L))
+    return min(8192, max(1024, triton.next_power_of_2(int(want))))
+
+
 def topk_triton(
     logits: torch.Tensor,
     lengths: torch.Tensor,
     k: int,
     page_table: torch.Tensor | None = None,
     page_size: int = 1,
-    cand_total: int = CAND_TOTAL,
+    cand_total: int | None = None,
     sample: int = SAMPLE,
     margin: float = MARGIN,
     block: int = BLOCK,
     max_chunks: int = MAX_CHUNKS,
     rbits: int = RBITS,
+    finish_rbits: int | None = None,
     num_warps: int | None = None,
     bracket_warps: int | None = None,
+    finish_warps: int | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and
@@ -374,6 +390,8 @@ def topk_triton(
     lengths = lengths.to(device=dev, dtype=torch.int32).contiguous()
     C, chunk = _chunks(B, L, dev, block, max_chunks)
     CB = triton.next_power_of_2(C)
+    if cand_total is None:
+        cand_total = _cand_tile(L, k, sample, margin)
     cand_total = triton.next_power_of_2(max(cand_total, CB))
     TC = cand_total // CB  # candidate tile per chunk (register fast path)
     TA = max(2 * triton.next_power_of_2(k) // CB, 16)  # above tile per chunk (2x an even share)
@@ -399,6 +417,6 @@ def topk_triton(
     _finish_kernel[(B,)](logits, lengths, stat, aseg, cseg, scratch, out, pt,
                          L, logits.stride(0), out.stride(0), spb, spp, page_size, C,
                          K=k, KP2=min(triton.next_power_of_2(k), 4096), CB=CB, CAPA=CAPA, CAPG=CAPG,
-                         TA=TA, TC=TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, PAGED=paged,
-                         num_warps=warps)
+                         TA=TA, TC=TC, RB=finish_rbits or rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, PAGED=paged,
+                         num_warps=finish_warps or warps)
     return out
