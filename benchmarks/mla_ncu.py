@@ -1,6 +1,6 @@
 """Run sparse_mla_triton at T=64 tokens, H=64 heads, 2048 slots a few times, for a profiler.
 
-    python benchmarks/mla_ncu.py [--cfg value_split=2,num_stages=3,num_warps=4] [--reps 3]
+    python benchmarks/mla_ncu.py [--cfg block_n=32,num_stages=5,col_halves=false] [--reps 3]
 
 `benchmarks/mla_ncu.sh` wraps it in `ncu --set full` and prints the top warp stall reasons.
 """
@@ -16,7 +16,7 @@ from glm53.kernels.sparse_mla_triton import sparse_mla_triton
 
 
 def parse_cfg(text: str) -> dict:
-    """'value_split=2,lazy_rescale=1' -> kwargs of sparse_mla_triton (ints; 'true'/'false')."""
+    """'block_n=32,col_halves=false' -> kwargs of sparse_mla_triton (ints; 'true'/'false')."""
     cfg = {}
     for item in filter(None, text.split(",")):
         k, v = item.split("=")

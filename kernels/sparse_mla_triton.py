@@ -7,12 +7,13 @@ per block of BLOCK_N slots (q_nope·c^T + q_pe·k_pe^T, then P·c) and writes ei
 (one split) or its normalized partial output and log-sum-exp (base 2) for `_combine_kernel`.
 Slots of -1 are masked out; a token with no valid slot gets zeros (as the reference).
 
-Schedule variants (keyword arguments; the result is the same, only the speed differs):
-`value_split=2` doubles the first grid axis, each program of a pair accumulating half of the value
-columns (both compute the scores): one warpgroup with a 64 x 256 fp32 accumulator instead of two
-warpgroups that, for a chained 64-row dot, would both compute the same scores. `col_halves` loads
-the latent row as two column halves (implied by value_split=2). `lazy_rescale` skips the
-accumulator rescale unless some row max grew by more than 2^8.
+Schedule (H200, 64 tokens x 2048 slots, bf16; benchmarks/kernels.py --sweep): BLOCK_N 64 slots,
+BLOCK_H 64 heads on 8 warps, 3 pipeline stages (the slot indices feed the gathers' addresses, so
+the pipeliner needs a third stage to prefetch the gathers), the latent row loaded as two column
+halves with two accumulators (`col_halves`): 99 us at 64 heads against 144 us for 2 stages and
+one 512-wide tile. Measured and dropped (slower at 64 and 128 heads): a value split (a program
+pair each accumulating half of the value columns, one warpgroup each) and a lazy rescale (skip the
+accumulator rescale until a row max grows by 2^8).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
 
 LOG2E = 1.4426950408889634
-LAZY_GAP: tl.constexpr = tl.constexpr(8.0)  # lazy rescale: probabilities stay <= 2^8 (bf16 and fp32 are fine)
 
 
 @triton.jit
@@ -35,32 +35,24 @@ def _sparse_mla_kernel(
     stride_qt, stride_qh, stride_kp, stride_ks, stride_it, stride_ot, stride_oh,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NHB: tl.constexpr, SPLIT: tl.constexpr,
-    HALVES: tl.constexpr, VSPLIT: tl.constexpr, LAZY: tl.constexpr, DOT_F32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HALVES: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # HALVES: the latent row's R part is loaded as two column tiles A and B of BLOCK_R/2 (scores are
-    # the sum of three partial dots). VSPLIT (implies HALVES): the program pair v = 0, 1 shares the
-    # scores but accumulates P·c only over its own half A = columns [v·BR/2, (v+1)·BR/2), so its
-    # accumulator is half as wide; without VSPLIT, A and B are the low and high halves, both kept.
+    # HALVES: the latent row's R part is loaded as two column tiles A (low) and B (high) of
+    # BLOCK_R/2, with two accumulators; the scores are the sum of three partial dots. Otherwise A
+    # is the whole R part and B does not exist.
     pid = tl.program_id(0)
     sp = tl.program_id(1)
-    if VSPLIT:
-        v = pid % 2  # fastest-varying: the pair reading the same rows runs together (L2 reuse)
-        pid = pid // 2
-    else:
-        v = 0
     t = pid // NHB
     hb = pid % NHB
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
     if HALVES:
         BA: tl.constexpr = BLOCK_R // 2
-        a = v * BA + tl.arange(0, BA)
-        b = (1 - v) * BA + tl.arange(0, BA)
+        b = BA + tl.arange(0, BA)
         bm = b < R
     else:
         BA: tl.constexpr = BLOCK_R
-        a = tl.arange(0, BA)
+    a = tl.arange(0, BA)
     am = a < R
     p = tl.arange(0, BLOCK_P)
     pm = p < P
@@ -78,7 +70,7 @@ def _sparse_mla_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc_a = tl.zeros((BLOCK_H, BA), dtype=tl.float32)
-    if HALVES and not VSPLIT:
+    if HALVES:
         acc_b = tl.zeros((BLOCK_H, BA), dtype=tl.float32)
     start = sp * split_len
     end = tl.minimum(start + split_len, K)
@@ -107,62 +99,41 @@ def _sparse_mla_kernel(
             s = tl.dot(q_b, tl.trans(c_b), s, input_precision=PRECISION)
         s = tl.dot(q_pe, tl.trans(kpe), s, input_precision=PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_blk = tl.max(s, axis=1)
-        if LAZY:
-            # Keep a stale row max until some row's grows by more than LAZY_GAP (log2 units): the
-            # probabilities stay <= 2^LAZY_GAP (exact: l and acc share the scale) and the rescale
-            # of the accumulator, one multiply per element, is skipped in almost every block.
-            no_max = m_i == float("-inf")
-            gap = tl.where(no_max, tl.where(m_blk > m_i, float("inf"), 0.0), m_blk - tl.where(no_max, 0.0, m_i))
-            if tl.max(gap, axis=0) > LAZY_GAP:
-                m_new = tl.maximum(m_i, m_blk)
-                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                l_i = l_i * alpha
-                acc_a = acc_a * alpha[:, None]
-                if HALVES and not VSPLIT:
-                    acc_b = acc_b * alpha[:, None]
-                m_i = m_new
-            pr = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            l_i = l_i + tl.sum(pr, axis=1)
-        else:
-            m_new = tl.maximum(m_i, m_blk)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            pr = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            acc_a = acc_a * alpha[:, None]
-            if HALVES and not VSPLIT:
-                acc_b = acc_b * alpha[:, None]
-            m_i = m_new
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        pr = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        acc_a = acc_a * alpha[:, None]
+        if HALVES:
+            acc_b = acc_b * alpha[:, None]
+        m_i = m_new
         if DOT_F32:
             pr_c = pr.to(kv_ptr.dtype.element_ty).to(tl.float32)
         else:
             pr_c = pr.to(c_a.dtype)
         acc_a = tl.dot(pr_c, c_a, acc_a, input_precision=PRECISION)
-        if HALVES and not VSPLIT:
+        if HALVES:
             acc_b = tl.dot(pr_c, c_b, acc_b, input_precision=PRECISION)
 
     has = l_i > 0.0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     o_a = acc_a * inv[:, None]
-    if HALVES and not VSPLIT:
+    if HALVES:
         o_b = acc_b * inv[:, None]
     if SPLIT:
         nsp = tl.num_programs(1)
         prow = (t.to(tl.int64) * H + h) * nsp + sp  # [T, H, S] layout
         part_row = part_ptr + prow[:, None] * BLOCK_R
         tl.store(part_row + a[None, :], o_a, mask=hm[:, None] & am[None, :])
-        if HALVES and not VSPLIT:
+        if HALVES:
             tl.store(part_row + b[None, :], o_b, mask=hm[:, None] & bm[None, :])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        if VSPLIT:  # the lse is the same for both value halves: one of the pair writes it
-            tl.store(lse_ptr + prow, lse, mask=hm & (tl.zeros_like(h) + v == 0))  # a tensor mask (the interpreter)
-        else:
-            tl.store(lse_ptr + prow, lse, mask=hm)
+        tl.store(lse_ptr + prow, lse, mask=hm)
     else:
         out_row = out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh
         tl.store(out_row + a[None, :], o_a.to(out_ptr.dtype.element_ty), mask=hm[:, None] & am[None, :])
-        if HALVES and not VSPLIT:
+        if HALVES:
             tl.store(out_row + b[None, :], o_b.to(out_ptr.dtype.element_ty), mask=hm[:, None] & bm[None, :])
 
 
@@ -205,14 +176,10 @@ def sparse_mla_triton(
     block_h: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    value_split: int = 1,
-    col_halves: bool = False,
-    lazy_rescale: bool = False,
+    col_halves: bool = True,
 ) -> torch.Tensor:
-    """`value_split=2` runs two programs per (token, head block, split), each accumulating half of
-    the value columns (scores computed by both); `col_halves=True` loads the latent row as two
-    column halves (implied by `value_split=2`); `lazy_rescale=True` rescales the accumulator only
-    when a row max grows by more than 2^8. All only change the schedule, not the result."""
+    """The schedule options (None: the measured defaults) and `col_halves` (the latent row as two
+    column halves, two accumulators) only change the speed, not the result."""
     T, H, Dqk = q.shape
     num_pages, page_size, Dkv = kv_cache.shape
     R = kv_lora_rank
@@ -220,7 +187,6 @@ def sparse_mla_triton(
     assert Dkv == Dqk and P >= 0, f"q dim {Dqk} vs cache dim {Dkv}"
     assert q.stride(2) == 1 and kv_cache.stride(2) == 1, "the latent dim must be contiguous"
     assert kv_cache.dtype == q.dtype, f"q {q.dtype} vs kv_cache {kv_cache.dtype}"
-    assert value_split in (1, 2), f"value_split {value_split} (1 or 2)"
     K = indices.shape[1]
     out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
     if T == 0:
@@ -231,24 +197,20 @@ def sparse_mla_triton(
     interp = triton_interpreting()
     BLOCK_R = max(32, triton.next_power_of_2(R))  # halves stay >= 16 wide (tl.dot's minimum)
     BLOCK_P = max(16, triton.next_power_of_2(max(P, 1)))
-    halves = col_halves or value_split == 2
-    acc_cols = BLOCK_R // value_split
     if block_h is None:
         block_h = min(64, max(16, triton.next_power_of_2(H)))
     if block_n is None:
         block_n = 16 if interp else 64
     if num_warps is None:
-        # a value-split program is one warpgroup: its 64 x 256 fp32 accumulator is 128 registers
-        # a thread, and 8 warps would compute its chained score dot twice (Triton puts all warps
-        # of a chained dot on the M axis, which is only 64 rows)
-        num_warps = 1 if interp else (8 if block_h * acc_cols >= 64 * 256 and value_split == 1 else 4)
+        # two warpgroups once the fp32 accumulator reaches 64 x 256 (128 registers a thread on one)
+        num_warps = 1 if interp else (8 if block_h * BLOCK_R >= 64 * 256 else 4)
     if num_stages is None:
-        num_stages = 1 if interp else 2
+        num_stages = 1 if interp else 3
     nhb = triton.cdiv(H, block_h)
     if num_splits is None:
-        # One wave of programs (measured on the H200: 2 splits at 64 tokens x 64 heads beat 4 or 5),
-        # at least one block of slots each.
-        num_splits = max(1, min(_num_sms(q.device) // (T * nhb * value_split), triton.cdiv(K, block_n)))
+        # One wave of programs (measured on the H200 at 2 stages: 2 splits at 64 tokens x 64 heads
+        # beat 4 or 5), at least one block of slots each.
+        num_splits = max(1, min(_num_sms(q.device) // (T * nhb), triton.cdiv(K, block_n)))
     split_len = triton.cdiv(triton.cdiv(max(K, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(K, split_len))
     qk_scale = sm_scale * LOG2E
@@ -257,13 +219,13 @@ def sparse_mla_triton(
         lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never touched
-    _sparse_mla_kernel[(T * nhb * value_split, num_splits)](
+    _sparse_mla_kernel[(T * nhb, num_splits)](
         q, kv_cache, indices, out, part, lse,
         K, qk_scale, split_len,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
         out.stride(0), out.stride(1),
         H=H, R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, PAGE=page_size, BLOCK_H=block_h, BLOCK_N=block_n, NHB=nhb,
-        SPLIT=num_splits > 1, HALVES=halves, VSPLIT=value_split == 2, LAZY=lazy_rescale, DOT_F32=interp,
+        SPLIT=num_splits > 1, HALVES=col_halves, DOT_F32=interp,
         PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -137,7 +137,7 @@ def check_indexer_fp8(T, H, D, max_len, topk, page_size=64, device="cpu", min_ov
 
 
 def check_sparse_mla(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=None, **kernel_kw):
-    """`kernel_kw` (num_splits, value_split, col_halves, block_n, ...) call the Triton kernel
+    """`kernel_kw` (num_splits, col_halves, block_n, num_stages, ...) call the Triton kernel
     directly with those schedule options; without them the public op runs."""
     n_ctx = n_ctx or 2 * K
     num_pages = (n_ctx + page_size - 1) // page_size * T + 1

@@ -73,16 +73,15 @@ def test_sparse_mla_tiny(num_splits):
 
 @pytest.mark.parametrize("H", [64, 128])
 @pytest.mark.parametrize("kw", [
-    dict(value_split=2, num_warps=4, num_stages=3),
-    dict(value_split=2, block_n=32, num_warps=4, num_stages=3, lazy_rescale=True),
-    dict(value_split=2, num_splits=3, num_warps=4, num_stages=2),
-    dict(col_halves=True, num_warps=8, num_stages=3),
-    dict(lazy_rescale=True, num_warps=8, num_stages=3, num_splits=2),
+    dict(col_halves=False, num_warps=8, num_stages=3),
+    dict(block_n=32, num_warps=4, num_stages=5),
+    dict(num_warps=4, num_stages=3, num_splits=4),
+    dict(col_halves=False, num_warps=8, num_stages=2, num_splits=3),
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_sparse_mla_variants_glm5(H, kw):
     cases.check_sparse_mla(4, H, 512, 64, 2048, page_size=64, device=DEV, n_ctx=8192, **kw)
 
 
-@pytest.mark.parametrize("kw", [dict(value_split=2), dict(col_halves=True, num_splits=1), dict(lazy_rescale=True)])
+@pytest.mark.parametrize("kw", [dict(col_halves=False), dict(col_halves=False, num_splits=1), dict(block_n=32)])
 def test_sparse_mla_variants_tiny(kw):
     cases.check_sparse_mla(3, 4, 32, 16, 40, page_size=4, device=DEV, **kw)
