@@ -4,6 +4,9 @@ the hardware counters), and summarize the counters that explain a kernel's time.
     ncu --clock-control none --set full --csv --page raw -k regex:'bracket|scan|finish' -c 3 \\
         python benchmarks/profile_topk.py run 1 32768 > b1.csv
     python benchmarks/profile_topk.py parse b1.csv
+    ncu --clock-control none --set full --import-source no --page source --print-source sass --csv \
+        -k regex:finish -c 1 python benchmarks/profile_topk.py run 1 131072 > fin.csv
+    python benchmarks/profile_topk.py hot fin.csv
 """
 
 from __future__ import annotations
@@ -38,6 +41,34 @@ def run(B: int, L: int, reps: int = 3) -> None:
     torch.cuda.synchronize()
 
 
+def hot(path: str, top: int = 30) -> None:
+    """Hot SASS lines of a `--page source --print-source sass` export: warp-stall samples per
+    instruction, summed by opcode, and the hottest lines with their neighbours' opcodes."""
+    with open(path) as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith('"Address"')), 0)
+    rows = list(csv.DictReader(lines[start:]))
+    if not rows:
+        print("no rows in", path)
+        return
+    cols = list(rows[0])
+    scol = next((c for c in cols if "Sampling" in c and "All" in c), None) or next(c for c in cols if "Sampling" in c)
+    src = next(c for c in cols if c.strip() == "Source")
+    samples = [(float((r.get(scol) or "0").replace(",", "") or 0), r[src]) for r in rows]
+    total = sum(v for v, _ in samples) or 1.0
+    by_op: dict[str, float] = {}
+    for v, text in samples:
+        op = text.split()[0] if text.split() else "?"
+        if op.startswith("@"):
+            op = text.split()[1]
+        by_op[op.split(".")[0]] = by_op.get(op.split(".")[0], 0.0) + v
+    print(f"{path}: {int(total)} samples ({scol})")
+    print("  by opcode:", ", ".join(f"{k}={100 * v / total:.1f}%" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:14]))
+    ranked = sorted(range(len(samples)), key=lambda i: -samples[i][0])[:top]
+    for i in sorted(ranked):
+        print(f"  {i:5d} {100 * samples[i][0] / total:5.1f}%  {samples[i][1][:70]}")
+
+
 def parse(path: str) -> None:
     with open(path) as f:
         lines = [ln for ln in f if ln.startswith('"')]  # drop ncu's own log lines
@@ -64,5 +95,7 @@ def parse(path: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         run(int(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1] == "hot":
+        hot(sys.argv[2])
     else:
         parse(sys.argv[2])
