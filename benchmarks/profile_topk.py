@@ -41,9 +41,16 @@ def run(B: int, L: int, reps: int = 3) -> None:
     torch.cuda.synchronize()
 
 
-def hot(path: str, top: int = 30) -> None:
-    """Hot SASS lines of a `--page source --print-source sass` export: warp-stall samples per
-    instruction, summed by opcode, and the hottest lines with their neighbours' opcodes."""
+def _op(text: str) -> str:
+    t = text.split()
+    op = t[1] if t and t[0].startswith("@") else (t[0] if t else "?")
+    return op.split(".")[0]
+
+
+def hot(path: str, seg: int = 200) -> None:
+    """Where a kernel's instructions go, from a `--page source --print-source sass` export:
+    warp instructions executed, by opcode and by segments of `seg` SASS lines (short kernels get
+    too few stall samples for the sampling columns to say much)."""
     with open(path) as f:
         lines = [ln for ln in f if ln.startswith('"')]
     start = next((i for i, ln in enumerate(lines) if ln.startswith('"Address"')), 0)
@@ -51,22 +58,22 @@ def hot(path: str, top: int = 30) -> None:
     if not rows:
         print("no rows in", path)
         return
-    cols = list(rows[0])
-    scol = next((c for c in cols if "Sampling" in c and "All" in c), None) or next(c for c in cols if "Sampling" in c)
-    src = next(c for c in cols if c.strip() == "Source")
-    samples = [(float((r.get(scol) or "0").replace(",", "") or 0), r[src]) for r in rows]
-    total = sum(v for v, _ in samples) or 1.0
-    by_op: dict[str, float] = {}
-    for v, text in samples:
-        op = text.split()[0] if text.split() else "?"
-        if op.startswith("@"):
-            op = text.split()[1]
-        by_op[op.split(".")[0]] = by_op.get(op.split(".")[0], 0.0) + v
-    print(f"{path}: {int(total)} samples ({scol})")
+    ie = [int((r.get("Instructions Executed") or "0").replace(",", "") or 0) for r in rows]
+    ops = [_op(r["Source"]) for r in rows]
+    total = sum(ie) or 1
+    by_op: dict[str, int] = {}
+    for v, op in zip(ie, ops):
+        by_op[op] = by_op.get(op, 0) + v
+    print(f"{path}: {total} warp instructions, {len(rows)} SASS lines")
     print("  by opcode:", ", ".join(f"{k}={100 * v / total:.1f}%" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:14]))
-    ranked = sorted(range(len(samples)), key=lambda i: -samples[i][0])[:top]
-    for i in sorted(ranked):
-        print(f"  {i:5d} {100 * samples[i][0] / total:5.1f}%  {samples[i][1][:70]}")
+    for i in range(0, len(rows), seg):
+        v = sum(ie[i:i + seg])
+        if v > 0.02 * total:
+            part: dict[str, int] = {}
+            for x, op in zip(ie[i:i + seg], ops[i:i + seg]):
+                part[op] = part.get(op, 0) + x
+            top = ", ".join(f"{k}:{n}" for k, n in sorted(part.items(), key=lambda kv: -kv[1])[:6])
+            print(f"  lines {i:5d}-{i + seg:5d}: {100 * v / total:5.1f}%  {top}")
 
 
 def parse(path: str) -> None:
