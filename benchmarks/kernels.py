@@ -118,9 +118,8 @@ def probe_topk() -> None:
         xs = [torch.randn(B, L, device="cuda") for _ in range(ns)]
         lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         ref = dsa_topk_reference(xs[0], lens, k).sort(dim=1).values
-        for cfg in (dict(), dict(rbits=8), dict(finish_rbits=8), dict(finish_rbits=2), dict(finish_warps=4),
-                    dict(finish_rbits=8, finish_warps=16), dict(sample=1024), dict(sample=2048),
-                    dict(sample=512, margin=0.0)):
+        for cfg in (dict(), dict(margin=-1.0, margin_lo=8.0), dict(sample=512, margin=0.0, margin_lo=0.0),
+                    dict(margin=8.0, margin_lo=-1.0)):
             try:
                 ok = torch.equal(tt.topk_triton(xs[0], lens, k, **cfg).sort(dim=1).values, ref)
                 t = _graph_time([lambda x=x: tt.topk_triton(x, lens, k, **cfg) for x in xs])
@@ -139,12 +138,14 @@ def probe_topk() -> None:
         stat = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
         aseg = torch.empty((B, C, CAPA), dtype=torch.int32, device=dev)
         cseg = torch.empty((B, C, CAPG), dtype=torch.int64, device=dev)
-        scratch = torch.empty((B, ct), dtype=torch.int64, device=dev)
+        SCR = max(ct, CB * TA)
+        scratch = torch.empty((B, SCR), dtype=torch.int64, device=dev)
         out = torch.empty((B, k), dtype=torch.int32, device=dev)
 
         def stage(n, x):
             if n >= 1:
-                tt._bracket_kernel[(B,)](x, lens, br, L, x.stride(0), tt.MARGIN, K=k, SAMPLE=tt.SAMPLE, G=tt.GROUP,
+                tt._bracket_kernel[(B,)](x, lens, br, L, x.stride(0), tt.MARGIN, tt.MARGIN + tt.LO_EXTRA, K=k,
+                                         SAMPLE=tt.SAMPLE, G=tt.GROUP,
                                          RB=tt.RBITS, num_warps=16)
             if n >= 2:
                 tt._scan_kernel[(B, C)](x, lens, br, stat, aseg, cseg, L, x.stride(0), chunk, C,
@@ -153,7 +154,7 @@ def probe_topk() -> None:
                 tt._finish_kernel[(B,)](x, lens, stat, aseg, cseg, scratch, out, lens, L, x.stride(0),
                                         out.stride(0), 0, 0, 1, C, K=k, KP2=2048, CB=CB, CAPA=CAPA, CAPG=CAPG,
                                         TA=TA, TC=TC, RB=tt.RBITS, FB=tt.FALLBACK_BITS, BLOCK=tt.BLOCK, COPY=256,
-                                        PAGED=False, num_warps=8)
+                                        SCR=SCR, PAGED=False, num_warps=8)
 
         ts = [_graph_time([lambda n=n, x=x: stage(n, x) for x in xs]) for n in range(1, 4)]
         rd = _graph_time([lambda x=x: x.sum(dim=1) for x in xs])

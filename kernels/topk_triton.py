@@ -14,8 +14,10 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    above + candidates, and the candidates fit); then copies the above segments to the output in
    chunk order and picks the k - above best candidates exactly (radix rounds of RBITS bits on the
    exact key, ties by position), writing positions or, fused, physical slots.
-   When the bracket missed (an unlucky sample, heavy ties, adversarial rows) it selects exactly by
-   streaming over the row itself: slower, equally exact.
+   When the bracket missed high (more than k scores above it) the k best are among the kept
+   "above" scores: their scores are read back and selected exactly. When it missed low, or the
+   candidates overflow (heavy ties, adversarial rows), it selects exactly by streaming over the
+   row itself: slower, equally exact. The bracket's lower margin is the wider one for that reason.
 
 Why this shape: Triton has no shared-memory atomics and `tl.histogram` costs O(bins/32)
 instructions per element, so histogramming every score (the CUDA kernels' first pass) is ALU-bound
@@ -38,7 +40,8 @@ from glm53.kernels.dispatch import triton_interpreting
 
 SAMPLE = 4096  # sampled scores per row for the bracket
 GROUP = 8  # contiguous scores per sample group (one 32-byte sector)
-MARGIN = 4.0  # bracket half-width in binomial standard deviations of the sample rank
+MARGIN = 4.0  # bracket half-width above the target, in binomial standard deviations of the sample rank
+LO_EXTRA = 1.5  # ... and this many more below it (a miss below costs the streaming fallback)
 BLOCK = 2048  # scores per step of the streaming pass
 MAX_CHUNKS = 32  # programs per row in the streaming pass
 RBITS = 4  # radix digit of the exact rounds: 16-bin histograms (cheap per element)
@@ -69,7 +72,8 @@ def _threshold(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
-def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, margin, RB: tl.constexpr):
+def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, margin, margin_lo,
+             RB: tl.constexpr):
     """(hi, lo) 16-bit keys: with high probability #(key16 > hi) <= K <= #(key16 >= lo) over the
     row, with few scores between. Exact (hi == lo == the K-th key16) when n <= SAMPLE. Both are
     sample order statistics, found by the same radix rounds (two histograms per round)."""
@@ -84,9 +88,13 @@ def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, m
     k16 = (_ukey(tl.load(x_row + offs, mask=valid, other=0.0).to(tl.float32), valid) >> 16) & 0xFFFF
     s = tl.minimum(n, SAMPLE)
     target = K * s.to(tl.float32) / n.to(tl.float32)  # sample rank of the row's K-th score
-    delta = tl.where(exact, 0.0, margin * tl.sqrt(target) + 4.0)
-    need_hi = tl.maximum(tl.math.ceil(target - delta), 0.0).to(tl.int32)
-    need_lo = tl.minimum(tl.math.floor(target + delta), s.to(tl.float32)).to(tl.int32)
+    # a miss above the bracket is cheap (the finish re-selects from the kept scores), one below
+    # it takes the streaming fallback: the lower margin is the wider one
+    sd = tl.sqrt(target)
+    d_hi = tl.where(exact, 0.0, margin * sd + 4.0)
+    d_lo = tl.where(exact, 0.0, margin_lo * sd + 4.0)
+    need_hi = tl.maximum(tl.math.ceil(target - d_hi), 0.0).to(tl.int32)
+    need_lo = tl.minimum(tl.math.floor(target + d_lo), s.to(tl.float32)).to(tl.int32)
     # need_hi < 1: nothing is surely above (hi = 65535); need_lo = s: every score <= hi is a
     # candidate (lo = 0). The rounds run regardless, on ranks clamped into range.
     nh = tl.maximum(need_hi, 1)
@@ -114,13 +122,13 @@ def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, m
 
 @triton.jit
 def _bracket_kernel(
-    x_ptr, len_ptr, br_ptr, L, stride_xb, margin,
+    x_ptr, len_ptr, br_ptr, L, stride_xb, margin, margin_lo,
     K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
 ):
     b = tl.program_id(0)
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
     if n > K:
-        hi, lo = _bracket(x_ptr + b.to(tl.int64) * stride_xb, n, K, SAMPLE, G, margin, RB)
+        hi, lo = _bracket(x_ptr + b.to(tl.int64) * stride_xb, n, K, SAMPLE, G, margin, margin_lo, RB)
         tl.store(br_ptr + b * 2, hi)
         tl.store(br_ptr + b * 2 + 1, lo)
 
@@ -198,12 +206,39 @@ def _to_out(pos, row_pt_ptr, stride_ptp, PAGE_SIZE, PAGED: tl.constexpr):
 
 
 @triton.jit
+def _select_exact(key, pos, inr, need, rem, base, out_row, pt_row, stride_ptp, PAGE_SIZE,
+                  RB: tl.constexpr, PAGED: tl.constexpr):
+    """Write the `need` best of the in-range keys (position order = tensor order, so ties go to
+    the lowest position) to out[base:base + need]: radix rounds of RB bits on the exact keys,
+    skipping digits every in-range key shares and stopping once the rest are all selected."""
+    NB: tl.constexpr = 1 << RB
+    gt = tl.zeros(key.shape, dtype=tl.int1)
+    sk = key ^ -2147483648  # signed order
+    diff = tl.max(tl.where(inr, sk, -2147483648), axis=0) ^ tl.min(tl.where(inr, sk, 2147483647), axis=0)
+    for rnd in range(0, 32 // RB):  # a loop, not unrolled: the finish kernel is i-cache bound
+        shift = 32 - RB * (rnd + 1)
+        if ((diff >> shift) != 0) & (rem > need):
+            d = (key >> shift) & (NB - 1)
+            th, above, at = _threshold(tl.histogram(d, NB, mask=inr), need, NB)
+            gt = gt | (inr & (d > th))
+            inr = inr & (d == th)
+            need -= above
+            rem = at
+    # inr: the keys equal to the threshold key; the lowest `need` positions of them win
+    if rem > need:
+        inr = inr & (tl.cumsum(inr.to(tl.int32), axis=0) <= need)
+    sel = gt | inr
+    slot = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(out_row + slot, _to_out(tl.where(sel, pos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
+
+
+@triton.jit
 def _finish_kernel(
     x_ptr, len_ptr, stat_ptr, aseg_ptr, cseg_ptr, scr_ptr, out_ptr, pt_ptr,
     L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, C,
     K: tl.constexpr, KP2: tl.constexpr, CB: tl.constexpr, CAPA: tl.constexpr, CAPG: tl.constexpr,
     TA: tl.constexpr, TC: tl.constexpr, RB: tl.constexpr, FB: tl.constexpr, BLOCK: tl.constexpr,
-    COPY: tl.constexpr, PAGED: tl.constexpr,
+    COPY: tl.constexpr, SCR: tl.constexpr, PAGED: tl.constexpr,
 ):
     b = tl.program_id(0)
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
@@ -250,7 +285,7 @@ def _finish_kernel(
                 ok2 = t[None, :] < nc[:, None]
                 cv = tl.load(cseg_ptr + (seg0 + cc[:, None]) * CAPG + t[None, :], mask=ok2, other=0)
             else:  # a chunk holds more than its tile: compact through the row's scratch
-                srow = b.to(tl.int64) * (CB * TC)
+                srow = b.to(tl.int64) * SCR
                 done = 0
                 for ci in range(0, C):
                     cnt = tl.load(stat_ptr + (b * C + ci) * 2 + 1)
@@ -269,30 +304,28 @@ def _finish_kernel(
             key = tl.reshape(key, (CB * TC,))
             pos = tl.reshape(pos, (CB * TC,))
             inr = tl.reshape(ok2, (CB * TC,))
-            # ---- exact: radix rounds on the 32-bit key, then ties in position order
-            need = K - A
-            NB: tl.constexpr = 1 << RB
-            gt = tl.zeros((CB * TC,), dtype=tl.int1)
-            # digits above the candidates' common prefix are equal for all of them: skip those
-            # rounds (the bracket makes the prefix long); stop once every remaining one is selected
-            sk = key ^ -2147483648  # signed order
-            diff = tl.max(tl.where(inr, sk, -2147483648), axis=0) ^ tl.min(tl.where(inr, sk, 2147483647), axis=0)
-            rem = N
-            for rnd in range(0, 32 // RB):  # a loop, not unrolled: this kernel is i-cache bound
-                shift = 32 - RB * (rnd + 1)
-                if ((diff >> shift) != 0) & (rem > need):
-                    d = (key >> shift) & (NB - 1)
-                    th, above, at = _threshold(tl.histogram(d, NB, mask=inr), need, NB)
-                    gt = gt | (inr & (d > th))
-                    inr = inr & (d == th)
-                    need -= above
-                    rem = at
-            # inr: the keys equal to the threshold key; the lowest `need` positions of them win
-            if rem > need:
-                inr = inr & (tl.cumsum(inr.to(tl.int32), axis=0) <= need)
-            sel = gt | inr
-            slot = A + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(out_row + slot, _to_out(tl.where(sel, pos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
+            _select_exact(key, pos, inr, K - A, N, A, out_row, pt_row, stride_ptp, PAGE_SIZE, RB, PAGED)
+        elif (A > K) & (A <= CB * TA) & (tl.max(na, axis=0) <= CAPA):
+            # Missed high (more than K scores above the bracket), no segment truncated: the K best
+            # are among them. Gather their positions (chunk by chunk, in position order), read
+            # their scores back and select exactly.
+            srow = scr_ptr + b.to(tl.int64) * SCR
+            done = 0
+            for ci in range(0, C):
+                cnt = tl.load(stat_ptr + (b * C + ci) * 2)
+                for s in range(0, cnt, COPY):
+                    j = s + tl.arange(0, COPY)
+                    m = j < cnt
+                    a_pos = tl.load(aseg_ptr + (seg0 + ci) * CAPA + j, mask=m, other=0)
+                    tl.store(srow + done + j, a_pos.to(tl.int64), mask=m)
+                done += cnt
+            tl.debug_barrier()  # the scratch was written by other threads of this program
+            j = tl.arange(0, CB * TA)
+            a_ok = j < A
+            a_pos = tl.load(srow + j, mask=a_ok, other=0).to(tl.int32)
+            x_row = x_ptr + b.to(tl.int64) * stride_xb
+            a_key = _ukey(tl.load(x_row + a_pos, mask=a_ok, other=0.0).to(tl.float32), a_ok)
+            _select_exact(a_key, a_pos, a_ok, A * 0 + K, A, 0, out_row, pt_row, stride_ptp, PAGE_SIZE, RB, PAGED)
         else:
             # Exact fallback over the row itself: FB-bit radix rounds, one streaming pass each.
             x_row = x_ptr + b.to(tl.int64) * stride_xb
@@ -343,18 +376,22 @@ def _chunks(B: int, L: int, device: torch.device, block: int, max_chunks: int) -
     return triton.cdiv(max(L, 1), chunk), chunk
 
 
-def expected_candidates(n: int, k: int, sample: int = SAMPLE, margin: float = MARGIN) -> float:
-    """Scores a row of n falls in the bracket on average: 2 * delta sample ranks of n / S each."""
+def expected_candidates(n: int, k: int, sample: int = SAMPLE, margin: float = MARGIN,
+                        margin_lo: float | None = None) -> float:
+    """Scores of a row of n that fall in the bracket on average: its width in sample ranks
+    (margin + margin_lo standard deviations, + 8), n / S scores each."""
     if n <= sample:
         return 0.0
     m = k * sample / n
-    return 2 * (margin * m**0.5 + 4) * n / sample
+    lo = margin + LO_EXTRA if margin_lo is None else margin_lo
+    return ((max(margin, 0.0) + max(lo, 0.0)) * m**0.5 + 8) * n / sample
 
 
-def _cand_tile(L: int, k: int, sample: int, margin: float) -> int:
-    """The finish kernel's candidate tile: 1.6x the expected count at the longest row (the count
-    grows with n), a power of two in [1024, 8192]. Larger tiles cost the finish time."""
-    want = 1.6 * max(expected_candidates(n, k, sample, margin) for n in (min(L, 2 * sample), L))
+def _cand_tile(L: int, k: int, sample: int, margin: float, margin_lo: float | None = None) -> int:
+    """The finish kernel's candidate tile: 1.5x the expected count at the longest row (the count
+    grows with n; the largest of 64 Gaussian rows measured 1.2-1.3x), a power of two in
+    [1024, 8192]. Larger tiles cost the finish time."""
+    want = 1.5 * max(expected_candidates(n, k, sample, margin, margin_lo) for n in (min(L, 2 * sample), L))
     return min(8192, max(1024, triton.next_power_of_2(int(want))))
 
 
@@ -367,6 +404,7 @@ def topk_triton(
     cand_total: int | None = None,
     sample: int = SAMPLE,
     margin: float = MARGIN,
+    margin_lo: float | None = None,
     block: int = BLOCK,
     max_chunks: int = MAX_CHUNKS,
     rbits: int = RBITS,
@@ -376,8 +414,8 @@ def topk_triton(
     finish_warps: int | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
-    arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and
-    `margin` to force the overflow and fallback paths."""
+    arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
+    margins to force the overflow, re-selection and fallback paths."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert 16 % rbits == 0 and sample % GROUP == 0 and sample & (sample - 1) == 0
     B, L = logits.shape
@@ -391,7 +429,7 @@ def topk_triton(
     C, chunk = _chunks(B, L, dev, block, max_chunks)
     CB = triton.next_power_of_2(C)
     if cand_total is None:
-        cand_total = _cand_tile(L, k, sample, margin)
+        cand_total = _cand_tile(L, k, sample, margin, margin_lo)
     cand_total = triton.next_power_of_2(max(cand_total, CB))
     TC = cand_total // CB  # candidate tile per chunk (register fast path)
     TA = max(2 * triton.next_power_of_2(k) // CB, 16)  # above tile per chunk (2x an even share)
@@ -401,7 +439,8 @@ def topk_triton(
     stat = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
     aseg = torch.empty((B, C, CAPA), dtype=torch.int32, device=dev)
     cseg = torch.empty((B, C, CAPG), dtype=torch.int64, device=dev)  # (position << 32 | fp32 bits)
-    scratch = torch.empty((B, cand_total), dtype=torch.int64, device=dev)  # overflow compaction
+    SCR = max(cand_total, CB * TA)  # a row's scratch: overflowing candidates, or a missed-high row's positions
+    scratch = torch.empty((B, SCR), dtype=torch.int64, device=dev)
     paged = page_table is not None
     if paged:
         pt = page_table.to(device=dev, dtype=torch.int32)
@@ -409,7 +448,8 @@ def topk_triton(
     else:
         pt, spb, spp = lengths, 0, 0  # never read
     warps = num_warps or (8 if not triton_interpreting() else 1)
-    _bracket_kernel[(B,)](logits, lengths, br, L, logits.stride(0), margin,
+    margin_lo = margin + LO_EXTRA if margin_lo is None else margin_lo
+    _bracket_kernel[(B,)](logits, lengths, br, L, logits.stride(0), margin, margin_lo,
                           K=k, SAMPLE=sample, G=GROUP, RB=rbits,
                           num_warps=bracket_warps or (16 if not triton_interpreting() else 1))
     _scan_kernel[(B, C)](logits, lengths, br, stat, aseg, cseg, L, logits.stride(0), chunk, C,
@@ -417,6 +457,7 @@ def topk_triton(
     _finish_kernel[(B,)](logits, lengths, stat, aseg, cseg, scratch, out, pt,
                          L, logits.stride(0), out.stride(0), spb, spp, page_size, C,
                          K=k, KP2=min(triton.next_power_of_2(k), 4096), CB=CB, CAPA=CAPA, CAPG=CAPG,
-                         TA=TA, TC=TC, RB=finish_rbits or rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, PAGED=paged,
+                         TA=TA, TC=TC, RB=finish_rbits or rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=SCR,
+                         PAGED=paged,
                          num_warps=finish_warps or warps)
     return out

@@ -40,7 +40,9 @@ def test_topk_skewed_rows(kind):
 def test_topk_forced_fallbacks():
     # bracket misses (tiny sample, no margin) and candidate overflow take the exact fallback
     cases.check_topk(8, 65536, 2048, [65536, 60000, 40000, 3000, 2049, 65535, 9000, 30000], device=DEV,
-                     sample=512, margin=0.0)
+                     sample=512, margin=0.0, margin_lo=0.0)
+    cases.check_topk(8, 131072, 2048, [131072, 100000, 65536, 5000, 2049, 131071, 9000, 30000], device=DEV,
+                     margin=-1.0, margin_lo=8.0)
     cases.check_topk(4, 32768, 2048, [32768, 30000, 5000, 2049], device=DEV, cand_total=256)
 
 

@@ -52,8 +52,10 @@ def test_topk_fallback_path(kind):
 
 @pytest.mark.parametrize("kind", ["randn", "coarse", "trend"])
 def test_topk_bracket_misses(kind):
-    # a small sample and no margin: the bracket misses on some rows (either side) -> fallback
-    cases.check_topk(4, 9000, 256, [9000, 8000, 6000, 5000], kind=kind, sample=512, margin=0.0)
+    # a small sample and no margins: the bracket misses on some rows (either side)
+    cases.check_topk(4, 9000, 256, [9000, 8000, 6000, 5000], kind=kind, sample=512, margin=0.0, margin_lo=0.0)
+    # the upper edge forced below the k-th score: re-selection from the kept "above" scores
+    cases.check_topk(4, 9000, 256, [9000, 8000, 6000, 4097], kind=kind, margin=-1.0, margin_lo=8.0)
 
 
 @pytest.mark.parametrize("kind", ["trend", "falling"])
