@@ -6,7 +6,7 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
 
 1. `_bracket_kernel`, grid (B): a *bracket* [lo, hi] per row from a fixed sample of the row
    (SAMPLE scores in groups of G, evenly spaced; the whole row when it is no longer than SAMPLE):
-   the 16-bit keys at the sample ranks k·S/n ∓ margin (4-bit radix rounds on the sample).
+   the 16-bit keys at the sample ranks k·S/n − 4σ and + 5.5σ (4-bit radix rounds on the sample).
 2. `_scan_kernel`, grid (B, C): each program streams one chunk of its row once: scores with
    key16 > hi are surely selected and go to the chunk's "above" segment; scores with lo <= key16 <= hi are candidates and go, with their exact 32-bit key, to
    the chunk's candidate segment. Both in position order, per chunk (deterministic, no atomics).
