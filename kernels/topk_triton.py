@@ -206,6 +206,25 @@ def _to_out(pos, row_pt_ptr, stride_ptp, PAGE_SIZE, PAGED: tl.constexpr):
 
 
 @triton.jit
+def _concat_segments(seg_ptr, CAP, cnt_ptr, C, dst_ptr, pt_row, stride_ptp, PAGE_SIZE,
+                     MAP: tl.constexpr, PAGED: tl.constexpr, COPY: tl.constexpr):
+    """Copy the C chunk segments (chunk c: cnt_ptr[2c] entries at seg_ptr + c * CAP) one after
+    another to dst, in chunk (= position) order; MAP: positions become output slots on the way.
+    The slow path for segments larger than their register tiles."""
+    done = 0
+    for ci in range(0, C):
+        cnt = tl.load(cnt_ptr + ci * 2)
+        for s in range(0, cnt, COPY):
+            j = s + tl.arange(0, COPY)
+            m = j < cnt
+            v = tl.load(seg_ptr + ci * CAP + j, mask=m, other=0)
+            if MAP:
+                v = _to_out(v, pt_row, stride_ptp, PAGE_SIZE, PAGED)
+            tl.store(dst_ptr + done + j, v, mask=m)
+        done += cnt
+
+
+@triton.jit
 def _select_exact(key, pos, inr, need, rem, base, out_row, pt_row, stride_ptp, PAGE_SIZE,
                   RB: tl.constexpr, PAGED: tl.constexpr):
     """Write the `need` best of the in-range keys (position order = tensor order, so ties go to
@@ -270,35 +289,21 @@ def _finish_kernel(
                 a_slot = (tl.cumsum(na, axis=0) - na)[:, None] + ta[None, :]
                 tl.store(out_row + a_slot, _to_out(a_pos, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=a_ok)
             else:  # a chunk holds more than its tile: copy chunk by chunk
-                done = 0
-                for ci in range(0, C):
-                    cnt = tl.load(stat_ptr + (b * C + ci) * 2)
-                    for s in range(0, cnt, COPY):
-                        j = s + tl.arange(0, COPY)
-                        m = j < cnt
-                        a_pos = tl.load(aseg_ptr + (seg0 + ci) * CAPA + j, mask=m, other=0)
-                        tl.store(out_row + done + j, _to_out(a_pos, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=m)
-                    done += cnt
+                _concat_segments(aseg_ptr + seg0 * CAPA, CAPA, stat_ptr + b * C * 2, C, out_row, pt_row, stride_ptp,
+                                 PAGE_SIZE, True, PAGED, COPY)
             # ---- the candidates, gathered in position order into [CB * TC]
             t = tl.arange(0, TC)
             if tl.max(nc, axis=0) <= TC:
                 ok2 = t[None, :] < nc[:, None]
                 cv = tl.load(cseg_ptr + (seg0 + cc[:, None]) * CAPG + t[None, :], mask=ok2, other=0)
             else:  # a chunk holds more than its tile: compact through the row's scratch
-                srow = b.to(tl.int64) * SCR
-                done = 0
-                for ci in range(0, C):
-                    cnt = tl.load(stat_ptr + (b * C + ci) * 2 + 1)
-                    for s in range(0, cnt, COPY):
-                        j = s + tl.arange(0, COPY)
-                        m = j < cnt
-                        v1 = tl.load(cseg_ptr + (seg0 + ci) * CAPG + j, mask=m, other=0)
-                        tl.store(scr_ptr + srow + done + j, v1, mask=m)
-                    done += cnt
+                srow = scr_ptr + b.to(tl.int64) * SCR
+                _concat_segments(cseg_ptr + seg0 * CAPG, CAPG, stat_ptr + b * C * 2 + 1, C, srow, pt_row, stride_ptp,
+                                 PAGE_SIZE, False, PAGED, COPY)
                 tl.debug_barrier()  # the scratch was written by other threads of this program
                 flat = cc[:, None] * TC + t[None, :]
                 ok2 = flat < N
-                cv = tl.load(scr_ptr + srow + flat, mask=ok2, other=0)
+                cv = tl.load(srow + flat, mask=ok2, other=0)
             pos = (cv >> 32).to(tl.int32)
             key = _ukey((cv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), ok2)
             key = tl.reshape(key, (CB * TC,))
@@ -310,15 +315,8 @@ def _finish_kernel(
             # are among them. Gather their positions (chunk by chunk, in position order), read
             # their scores back and select exactly.
             srow = scr_ptr + b.to(tl.int64) * SCR
-            done = 0
-            for ci in range(0, C):
-                cnt = tl.load(stat_ptr + (b * C + ci) * 2)
-                for s in range(0, cnt, COPY):
-                    j = s + tl.arange(0, COPY)
-                    m = j < cnt
-                    a_pos = tl.load(aseg_ptr + (seg0 + ci) * CAPA + j, mask=m, other=0)
-                    tl.store(srow + done + j, a_pos.to(tl.int64), mask=m)
-                done += cnt
+            _concat_segments(aseg_ptr + seg0 * CAPA, CAPA, stat_ptr + b * C * 2, C, srow, pt_row, stride_ptp,
+                             PAGE_SIZE, False, PAGED, COPY)
             tl.debug_barrier()  # the scratch was written by other threads of this program
             j = tl.arange(0, CB * TA)
             a_ok = j < A
