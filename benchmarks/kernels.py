@@ -128,42 +128,20 @@ def probe_topk() -> None:
                 print("probe err", cfg, type(e).__name__, str(e)[:200], flush=True)
             print(json.dumps({"probe": "topk_cfg", "B": B, "L": L, **cfg, "us": round(t, 2), "exact": ok}), flush=True)
         # stage prefixes with the default config: bracket, + scan, + finish
-        C, chunk = tt._chunks(B, L, xs[0].device, tt.BLOCK, tt.MAX_CHUNKS)
-        CB = triton.next_power_of_2(C)
-        ct = tt._cand_tile(L, k, tt.SAMPLE, tt.MARGIN)
-        TC, TA = ct // CB, max(2 * k // CB, 16)
-        CAPA, CAPG = min(k, chunk), min(ct, chunk)
-        dev = xs[0].device
-        br = torch.empty((B, 2), dtype=torch.int32, device=dev)
-        stat = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
-        aseg = torch.empty((B, C, CAPA), dtype=torch.int32, device=dev)
-        cseg = torch.empty((B, C, CAPG), dtype=torch.int64, device=dev)
-        SCR = max(ct, CB * TA)
-        scratch = torch.empty((B, SCR), dtype=torch.int64, device=dev)
-        out = torch.empty((B, k), dtype=torch.int32, device=dev)
+        plan = tt.plan_topk(B, L, k, xs[0].device)
+        out = torch.empty((B, k), dtype=torch.int32, device=xs[0].device)
 
         def stage(n, x):
-            if n >= 1:
-                tt._bracket_kernel[(B,)](x, lens, br, L, x.stride(0), tt.MARGIN, tt.MARGIN + tt.LO_EXTRA, K=k,
-                                         SAMPLE=tt.SAMPLE, G=tt.GROUP,
-                                         RB=tt.RBITS, num_warps=16)
-            if n >= 2:
-                tt._scan_kernel[(B, C)](x, lens, br, stat, aseg, cseg, L, x.stride(0), chunk, C,
-                                        K=k, BLOCK=tt.BLOCK, W=4, CAPA=CAPA, CAPG=CAPG, num_warps=8)
-            if n >= 3:
-                tt._finish_kernel[(B,)](x, lens, stat, aseg, cseg, scratch, out, lens, L, x.stride(0),
-                                        out.stride(0), 0, 0, 1, C, K=k, KP2=2048, CB=CB, CAPA=CAPA, CAPG=CAPG,
-                                        TA=TA, TC=TC, RB=tt.RBITS, FB=tt.FALLBACK_BITS, BLOCK=tt.BLOCK, COPY=256,
-                                        SCR=SCR, PAGED=False, num_warps=8)
+            tt.run_topk(plan, x, lens, out, stages=n)
 
         ts = [_graph_time([lambda n=n, x=x: stage(n, x) for x in xs]) for n in range(1, 4)]
         rd = _graph_time([lambda x=x: x.sum(dim=1) for x in xs])
-        st = stat.cpu()
-        print(json.dumps({"probe": "topk", "B": B, "L": L, "C": C, "bracket": round(ts[0], 2),
+        st = plan.stat.cpu()
+        print(json.dumps({"probe": "topk", "B": B, "L": L, "C": plan.C, "bracket": round(ts[0], 2),
                           "scan": round(ts[1] - ts[0], 2), "finish": round(ts[2] - ts[1], 2),
                           "total": round(ts[2], 2), "row_sum_read": round(rd, 2),
                           "above_max": int(st[..., 0].sum(1).max()), "cand_max": int(st[..., 1].sum(1).max()),
-                          "cand_chunk_max": int(st[..., 1].max()), "TC": TC}), flush=True)
+                          "cand_chunk_max": int(st[..., 1].max()), "TC": plan.TC}), flush=True)
         del xs
 
 

@@ -8,8 +8,8 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    (SAMPLE scores in groups of G, evenly spaced; the whole row when it is no longer than SAMPLE):
    the 16-bit keys at the sample ranks k·S/n − 4σ and + 5.5σ (4-bit radix rounds on the sample).
 2. `_scan_kernel`, grid (B, C): each program streams one chunk of its row once: scores with
-   key16 > hi are surely selected and go to the chunk's "above" segment; scores with lo <= key16 <= hi are candidates and go, with their exact 32-bit key, to
-   the chunk's candidate segment. Both in position order, per chunk (deterministic, no atomics).
+   key16 > hi are surely selected and go to the chunk's "above" segment; scores with
+   lo <= key16 <= hi are candidates and go, with their fp32 bits, to the chunk's candidate segment. Both in position order, per chunk (deterministic, no atomics).
 3. `_finish_kernel`, grid (B): checks the bracket against the true counts (above <= k <=
    above + candidates, and the candidates fit); then copies the above segments to the output in
    chunk order and picks the k - above best candidates exactly (radix rounds of RBITS bits on the
@@ -31,6 +31,8 @@ the top 16 bits (sign, exponent, 7 mantissa bits): monotone in the score and ran
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -393,6 +395,76 @@ def _cand_tile(L: int, k: int, sample: int, margin: float, margin_lo: float | No
     return min(8192, max(1024, triton.next_power_of_2(int(want))))
 
 
+@dataclass
+class TopkPlan:
+    """One call's shape-derived sizes and workspace (everything but the inputs and the output)."""
+
+    k: int
+    C: int  # programs per row in the scan
+    chunk: int  # scores per scan program
+    CB: int  # C rounded up to a power of two
+    TA: int  # the finish's register tile of "above" positions per chunk
+    TC: int  # ... and of candidates per chunk (CB * TC = the candidate budget)
+    CAPA: int  # per-chunk segment capacities in the workspace
+    CAPG: int
+    SCR: int  # a row's scratch: overflowing candidates, or a missed-high row's positions
+    br: torch.Tensor  # [B, 2] each row's bracket (hi, lo)
+    stat: torch.Tensor  # [B, C, 2] per-chunk counts (above, candidates)
+    aseg: torch.Tensor  # [B, C, CAPA] positions above the bracket
+    cseg: torch.Tensor  # [B, C, CAPG] candidates (position << 32 | fp32 bits)
+    scratch: torch.Tensor  # [B, SCR]
+
+
+def plan_topk(B: int, L: int, k: int, device: torch.device, cand_total: int | None = None,
+              sample: int = SAMPLE, margin: float = MARGIN, margin_lo: float | None = None,
+              block: int = BLOCK, max_chunks: int = MAX_CHUNKS) -> TopkPlan:
+    C, chunk = _chunks(B, L, device, block, max_chunks)
+    CB = triton.next_power_of_2(C)
+    if cand_total is None:
+        cand_total = _cand_tile(L, k, sample, margin, margin_lo)
+    cand_total = triton.next_power_of_2(max(cand_total, CB))
+    TA = max(2 * triton.next_power_of_2(k) // CB, 16)  # 2x an even share
+    CAPA, CAPG = min(k, chunk), min(cand_total, chunk)  # what a valid bracket can put in a chunk
+    SCR = max(cand_total, CB * TA)
+
+    def buf(*shape, dtype=torch.int32):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return TopkPlan(k, C, chunk, CB, TA, cand_total // CB, CAPA, CAPG, SCR, buf(B, 2), buf(B, C, 2),
+                    buf(B, C, CAPA), buf(B, C, CAPG, dtype=torch.int64), buf(B, SCR, dtype=torch.int64))
+
+
+def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
+             page_table: torch.Tensor | None = None, page_size: int = 1, sample: int = SAMPLE,
+             margin: float = MARGIN, margin_lo: float | None = None, block: int = BLOCK, rbits: int = RBITS,
+             num_warps: int | None = None, bracket_warps: int | None = None, stages: int = 3) -> None:
+    """Launch the bracket, scan and finish kernels of `plan` (the first `stages` of them: the
+    benchmark's probe times prefixes). `logits` has unit column stride, `lengths` is int32."""
+    B, L = logits.shape
+    p = plan
+    if page_table is not None:
+        pt = page_table.to(device=logits.device, dtype=torch.int32)
+        spb, spp = pt.stride(0), pt.stride(1)
+    else:
+        pt, spb, spp = lengths, 0, 0  # never read
+    interp = triton_interpreting()
+    warps = num_warps or (8 if not interp else 1)
+    margin_lo = margin + LO_EXTRA if margin_lo is None else margin_lo
+    if stages >= 1:
+        _bracket_kernel[(B,)](logits, lengths, p.br, L, logits.stride(0), margin, margin_lo,
+                              K=p.k, SAMPLE=sample, G=GROUP, RB=rbits,
+                              num_warps=bracket_warps or (16 if not interp else 1))
+    if stages >= 2:
+        _scan_kernel[(B, p.C)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, L, logits.stride(0), p.chunk, p.C,
+                               K=p.k, BLOCK=block, W=4, CAPA=p.CAPA, CAPG=p.CAPG, num_warps=warps)
+    if stages >= 3:
+        _finish_kernel[(B,)](logits, lengths, p.stat, p.aseg, p.cseg, p.scratch, out, pt,
+                             L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
+                             K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA, CAPG=p.CAPG,
+                             TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR,
+                             PAGED=page_table is not None, num_warps=warps)
+
+
 def topk_triton(
     logits: torch.Tensor,
     lengths: torch.Tensor,
@@ -406,10 +478,8 @@ def topk_triton(
     block: int = BLOCK,
     max_chunks: int = MAX_CHUNKS,
     rbits: int = RBITS,
-    finish_rbits: int | None = None,
     num_warps: int | None = None,
     bracket_warps: int | None = None,
-    finish_warps: int | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
@@ -417,45 +487,13 @@ def topk_triton(
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert 16 % rbits == 0 and sample % GROUP == 0 and sample & (sample - 1) == 0
     B, L = logits.shape
-    dev = logits.device
-    out = torch.empty((B, k), dtype=torch.int32, device=dev)
+    out = torch.empty((B, k), dtype=torch.int32, device=logits.device)
     if B == 0 or k == 0:
         return out
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    lengths = lengths.to(device=dev, dtype=torch.int32).contiguous()
-    C, chunk = _chunks(B, L, dev, block, max_chunks)
-    CB = triton.next_power_of_2(C)
-    if cand_total is None:
-        cand_total = _cand_tile(L, k, sample, margin, margin_lo)
-    cand_total = triton.next_power_of_2(max(cand_total, CB))
-    TC = cand_total // CB  # candidate tile per chunk (register fast path)
-    TA = max(2 * triton.next_power_of_2(k) // CB, 16)  # above tile per chunk (2x an even share)
-    CAPA = min(k, chunk)  # segment capacities: what a valid bracket can put in a chunk
-    CAPG = min(cand_total, chunk)
-    br = torch.empty((B, 2), dtype=torch.int32, device=dev)  # each row's bracket (hi, lo)
-    stat = torch.empty((B, C, 2), dtype=torch.int32, device=dev)
-    aseg = torch.empty((B, C, CAPA), dtype=torch.int32, device=dev)
-    cseg = torch.empty((B, C, CAPG), dtype=torch.int64, device=dev)  # (position << 32 | fp32 bits)
-    SCR = max(cand_total, CB * TA)  # a row's scratch: overflowing candidates, or a missed-high row's positions
-    scratch = torch.empty((B, SCR), dtype=torch.int64, device=dev)
-    paged = page_table is not None
-    if paged:
-        pt = page_table.to(device=dev, dtype=torch.int32)
-        spb, spp = pt.stride(0), pt.stride(1)
-    else:
-        pt, spb, spp = lengths, 0, 0  # never read
-    warps = num_warps or (8 if not triton_interpreting() else 1)
-    margin_lo = margin + LO_EXTRA if margin_lo is None else margin_lo
-    _bracket_kernel[(B,)](logits, lengths, br, L, logits.stride(0), margin, margin_lo,
-                          K=k, SAMPLE=sample, G=GROUP, RB=rbits,
-                          num_warps=bracket_warps or (16 if not triton_interpreting() else 1))
-    _scan_kernel[(B, C)](logits, lengths, br, stat, aseg, cseg, L, logits.stride(0), chunk, C,
-                         K=k, BLOCK=block, W=4, CAPA=CAPA, CAPG=CAPG, num_warps=warps)
-    _finish_kernel[(B,)](logits, lengths, stat, aseg, cseg, scratch, out, pt,
-                         L, logits.stride(0), out.stride(0), spb, spp, page_size, C,
-                         K=k, KP2=min(triton.next_power_of_2(k), 4096), CB=CB, CAPA=CAPA, CAPG=CAPG,
-                         TA=TA, TC=TC, RB=finish_rbits or rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=SCR,
-                         PAGED=paged,
-                         num_warps=finish_warps or warps)
+    lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
+    plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks)
+    run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
+             num_warps, bracket_warps)
     return out
