@@ -19,6 +19,11 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    candidates overflow (heavy ties, adversarial rows), it selects exactly by streaming over the
    row itself: slower, equally exact. The bracket's lower margin is the wider one for that reason.
 
+With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while
+its predecessor runs: the scan loads its first block and the finish writes its short rows before
+they wait (griddepcontrol.wait) for the predecessor's results; every program waits once, so each
+kernel's end implies its predecessors' ends (the workspace is safe to reuse by the next call).
+
 Why this shape: Triton has no shared-memory atomics and `tl.histogram` costs O(bins/32)
 instructions per element, so histogramming every score (the CUDA kernels' first pass) is ALU-bound
 far above one read of the row. Here the full row only sees a load, a key, two compares and a
@@ -125,9 +130,13 @@ def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, m
 @triton.jit
 def _bracket_kernel(
     x_ptr, len_ptr, br_ptr, L, stride_xb, margin, margin_lo,
-    K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, RB: tl.constexpr,
+    K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
+    if PDL:
+        # launched early: the previous kernel may still write the logits or lengths, or read br
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
     if n > K:
         hi, lo = _bracket(x_ptr + b.to(tl.int64) * stride_xb, n, K, SAMPLE, G, margin, margin_lo, RB)
@@ -143,17 +152,70 @@ def _key_float(u):
 
 
 @triton.jit
+def _scan_step(x, offs, end, t_hi, t_lo, top, n_above, n_cand, aseg, cseg,
+               CAPA: tl.constexpr, CAPG: tl.constexpr, MASKED: tl.constexpr):
+    """Classify and compact one block: x, offs are [T, J, VEC], thread-row t holding the V = J*VEC
+    consecutive positions t*V .. t*V + V - 1 (j-major). One int per score carries both counts
+    (1 = above, 0x10000 = candidate), so one prefix sum over the thread totals ranks both."""
+    # x < t is false for NaN: NaN gets `top` (1 = above, or a candidate when nothing is above)
+    p = tl.where(x < t_hi, tl.where(x < t_lo, 0, 0x10000), top)
+    if MASKED:
+        p = tl.where(offs < end, p, 0)
+    # (3-d, broadcast over VEC: a [T, J] or [T, J, 1] tensor gets a layout that splits J over
+    # threads, or one the scan lowering rejects)
+    rows = tl.broadcast_to(tl.sum(p, axis=2, keep_dims=True), p.shape)  # [T, J, VEC]: row j's total
+    thr = tl.sum(tl.sum(p, axis=2), axis=1)  # [T] one thread's total
+    tot = tl.sum(thr, axis=0)
+    if tot > 0:
+        # exclusive rank of every score in the chunk's two segments, both halves at once: the
+        # running counts enter clamped to the capacities, so neither half carries over
+        base = tl.minimum(n_above, CAPA) + (tl.minimum(n_cand, CAPG) << 16)
+        row_ex = tl.cumsum(rows, axis=1) - rows + (tl.cumsum(thr, axis=0) - thr + base)[:, None, None]
+        ex = tl.cumsum(p, axis=2) - p + row_ex
+        # a block that would overflow a segment stores nothing to it: the finish never reads a
+        # segment whose count exceeds its capacity (so no per-score capacity test)
+        n_above += tot & 0xFFFF
+        n_cand += tot >> 16
+        # (scalar selects, not `& scalar`: one compare per score, and the interpreter accepts it)
+        tl.store(aseg + (ex & 0xFFFF), offs, mask=p == tl.where(n_above <= CAPA, 1, -1))
+        # a candidate is (position << 32 | fp32 bits): one 8-byte store
+        bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        tl.store(cseg + (ex >> 16), (offs.to(tl.int64) << 32) | bits, mask=p > tl.where(n_cand <= CAPG, 1, 0x10000))
+    return n_above, n_cand
+
+
+@triton.jit
 def _scan_kernel(
     x_ptr, len_ptr, br_ptr, stat_ptr, aseg_ptr, cseg_ptr, L, stride_xb, CHUNK, C,
-    K: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr, CAPA: tl.constexpr, CAPG: tl.constexpr,
+    K: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr, VEC: tl.constexpr, CAPA: tl.constexpr,
+    CAPG: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
+    x_row = x_ptr + b.to(tl.int64) * stride_xb
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, n)
+    # loads are masked by the chunk's end in the allocated row (a multiple of 16 when L is:
+    # 16-byte vector loads); the scores past the row's length are masked in the last block only
+    lim = tl.minimum(start + CHUNK, L)
+    # a block is [T, J, VEC]: thread-row t holds V = J * VEC consecutive positions, so the prefix
+    # sum runs inside threads, then over the T thread totals only (the layout Triton picks for
+    # this shape puts T across threads, J and VEC in registers)
+    J: tl.constexpr = V // VEC
+    T: tl.constexpr = BLOCK // V
+    t_off = tl.arange(0, T)[:, None, None] * V
+    jv = tl.arange(0, J)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
+    tile = t_off + jv
+    x_thr = x_row + t_off  # [T, 1, 1]: + a block start + jv (constants in registers) addresses a block
+    # the first block does not depend on the bracket: with PDL its load overlaps the bracket's end
+    nxt = tl.load(x_row + start + tile, mask=start + tile < tl.where(n > K, lim, 0), other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # br is the bracket kernel's output (and stat/aseg/cseg free)
+        tl.extra.cuda.gdc_launch_dependents()
     n_above = 0
     n_cand = 0
     if n > K:
-        x_row = x_ptr + b.to(tl.int64) * stride_xb
         hi = tl.load(br_ptr + b * 2)
         lo = tl.load(br_ptr + b * 2 + 1)
         # the bracket as float thresholds (key16 is monotone in the score): above <=> x >= t_hi,
@@ -161,39 +223,28 @@ def _scan_kernel(
         has_above = hi < 65535
         t_hi = _key_float((hi + 1) << 16)  # the smallest float of key16 hi + 1 (valid: hi >= 0x7f)
         t_lo = tl.where(lo <= 0x7F, float("-inf"), _key_float(lo << 16))  # key16 <= 0x7f: -inf only
+        # a score >= t_hi (or NaN) gets `top`: 1 (above), or 0x10000 (a candidate) when nothing is
+        # above (then t_hi = +inf: only +inf and NaN reach it, and both are candidates). A bracket
+        # with lo > hi (negative margins) has no candidates: below t_hi is then below t_lo.
+        t_hi = tl.where(has_above, t_hi, float("inf"))
+        top = tl.where(has_above, 1, 0x10000)
         aseg = aseg_ptr + (b * C + c).to(tl.int64) * CAPA
         cseg = cseg_ptr + (b * C + c).to(tl.int64) * CAPG
-        start = c * CHUNK
-        end = tl.minimum(start + CHUNK, n)
-        # loads are masked by the chunk's end in the allocated row (a multiple of 16 when L is:
-        # 16-byte vector loads); `valid` (< the row's length) masks the scores themselves
-        lim = tl.minimum(start + CHUNK, L)
-        # a block is [BLOCK // W, W] in row-major (= position) order, W = one thread's vector: the
-        # prefix sum runs inside threads along rows, then over BLOCK // W row totals only
-        tile = tl.arange(0, BLOCK // W)[:, None] * W + tl.arange(0, W)[None, :]
-        nxt = tl.load(x_row + start + tile, mask=start + tile < lim, other=0.0)
-        for s in range(start, end, BLOCK):
+        full = start + tl.maximum(end - start, 0) // BLOCK * BLOCK
+        for s in range(start, full, BLOCK):
             offs = s + tile
-            valid = offs < end
             x = nxt.to(tl.float32)
-            # the next block's load is in flight while this one is classified and compacted
-            nxt = tl.load(x_row + offs + BLOCK, mask=offs + BLOCK < lim, other=0.0)
-            nan = x != x
-            above = valid & ((x >= t_hi) | tl.where(has_above, nan, False))
-            cand = valid & ~above & ((x >= t_lo) | nan)
-            packed = above.to(tl.int32) | (cand.to(tl.int32) << 16)  # both counts in one scan
-            rows = tl.sum(packed, axis=1)
-            tot = tl.sum(rows, axis=0)
-            if tot > 0:
-                ex = tl.cumsum(packed, axis=1) - packed + (tl.cumsum(rows, axis=0) - rows)[:, None]
-                ra = n_above + (ex & 0xFFFF)
-                rc = n_cand + (ex >> 16)
-                tl.store(aseg + ra, offs, mask=above & (ra < CAPA))
-                # a candidate is (position << 32 | fp32 bits): one 8-byte store
-                bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-                tl.store(cseg + rc, (offs.to(tl.int64) << 32) | bits, mask=cand & (rc < CAPG))
-                n_above += tot & 0xFFFF
-                n_cand += tot >> 16
+            # the next block's load is in flight while this one is classified and compacted. It is
+            # unmasked: a block that would cross the chunk's end in the allocation (only a partial
+            # last block can) is replaced by one inside it, and reloaded masked below
+            nxt = tl.load((x_thr + tl.minimum(s + BLOCK, lim - BLOCK)) + jv)
+            n_above, n_cand = _scan_step(x, offs, end, t_hi, t_lo, top, n_above, n_cand, aseg, cseg,
+                                         CAPA, CAPG, False)
+        if full < end:  # the row's last, partial block
+            if full + BLOCK > lim:
+                nxt = tl.load(x_row + full + tile, mask=full + tile < lim)
+            n_above, n_cand = _scan_step(nxt.to(tl.float32), full + tile, end, t_hi, t_lo, top, n_above,
+                                         n_cand, aseg, cseg, CAPA, CAPG, True)
     tl.store(stat_ptr + (b * C + c) * 2, n_above)
     tl.store(stat_ptr + (b * C + c) * 2 + 1, n_cand)
 
@@ -259,20 +310,25 @@ def _finish_kernel(
     L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, C,
     K: tl.constexpr, KP2: tl.constexpr, CB: tl.constexpr, CAPA: tl.constexpr, CAPG: tl.constexpr,
     TA: tl.constexpr, TC: tl.constexpr, RB: tl.constexpr, FB: tl.constexpr, BLOCK: tl.constexpr,
-    COPY: tl.constexpr, SCR: tl.constexpr, PAGED: tl.constexpr,
+    COPY: tl.constexpr, SCR: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
     out_row = out_ptr + b.to(tl.int64) * stride_ob
     pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
     if n <= K:
-        # Every valid position is selected; -1 pads the rest.
+        # Every valid position is selected; -1 pads the rest (no input from the scan: with PDL
+        # this runs while the scan finishes).
         for s in range(0, K, KP2):
             j = s + tl.arange(0, KP2)
             sel = j < n
             v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
             tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
-    else:
+    if PDL:
+        # every program waits (not only those that read stat/aseg/cseg/scratch): this grid's end
+        # then implies the scan's and the bracket's, for whatever follows it
+        tl.extra.cuda.gdc_wait()
+    if n > K:
         cc = tl.arange(0, CB)
         cm = cc < C
         stat = stat_ptr + (b * C + cc) * 2
@@ -437,9 +493,17 @@ def plan_topk(B: int, L: int, k: int, device: torch.device, cand_total: int | No
 def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
              page_table: torch.Tensor | None = None, page_size: int = 1, sample: int = SAMPLE,
              margin: float = MARGIN, margin_lo: float | None = None, block: int = BLOCK, rbits: int = RBITS,
-             num_warps: int | None = None, bracket_warps: int | None = None, stages: int = 3) -> None:
-    """Launch the bracket, scan and finish kernels of `plan` (the first `stages` of them: the
-    benchmark's probe times prefixes). `logits` has unit column stride, `lengths` is int32."""
+             num_warps: int | None = None, bracket_warps: int | None = None, stages: int = 3,
+             scan_v: int | None = None, pdl: bool | None = None, first: int = 1) -> None:
+    """Launch the bracket, scan and finish kernels of `plan` (stages `first`..`stages` of them, 1-based:
+    the benchmark's probe times prefixes, tests run the scan on brackets of their own).
+    `logits` has unit column stride, `lengths` is int32.
+
+    `scan_v`: consecutive scores per thread in the scan (default: a block spans the program's
+    threads once). `pdl`: programmatic dependent launch (default: on for CUDA tensors unless
+    interpreting): each kernel is launched while its predecessor runs and waits (griddepcontrol)
+    before it reads what the predecessor writes or writes what it may still read; every program
+    waits, so a kernel's end implies its predecessors' ends."""
     B, L = logits.shape
     p = plan
     if page_table is not None:
@@ -450,19 +514,30 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     interp = triton_interpreting()
     warps = num_warps or (8 if not interp else 1)
     margin_lo = margin + LO_EXTRA if margin_lo is None else margin_lo
-    if stages >= 1:
+    if pdl is None:
+        pdl = logits.is_cuda and not interp
+    pdl = bool(pdl) and not interp  # griddepcontrol is inline PTX: the interpreter cannot run it
+    launch = dict(launch_pdl=True) if pdl else {}
+    vec = 16 // logits.element_size()  # one 16-byte load
+    v = scan_v or max(block // (32 * warps), vec)
+    vec = min(vec, v)
+    assert block % v == 0 and v % vec == 0 and (block // v) & (block // v - 1) == 0, (block, v)
+    # the scan ranks both segments in one int32 (above in the low half, candidates in the high)
+    assert p.CAPA + block < 1 << 16 and p.CAPG + block < 1 << 15, "segment capacity too large for the scan"
+    if first <= 1 <= stages:
         _bracket_kernel[(B,)](logits, lengths, p.br, L, logits.stride(0), margin, margin_lo,
-                              K=p.k, SAMPLE=sample, G=GROUP, RB=rbits,
-                              num_warps=bracket_warps or (16 if not interp else 1))
-    if stages >= 2:
+                              K=p.k, SAMPLE=sample, G=GROUP, RB=rbits, PDL=pdl,
+                              num_warps=bracket_warps or (16 if not interp else 1), **launch)
+    if first <= 2 <= stages:
         _scan_kernel[(B, p.C)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, L, logits.stride(0), p.chunk, p.C,
-                               K=p.k, BLOCK=block, W=4, CAPA=p.CAPA, CAPG=p.CAPG, num_warps=warps)
-    if stages >= 3:
+                               K=p.k, BLOCK=block, V=v, VEC=vec, CAPA=p.CAPA, CAPG=p.CAPG, PDL=pdl,
+                               num_warps=warps, **launch)
+    if first <= 3 <= stages:
         _finish_kernel[(B,)](logits, lengths, p.stat, p.aseg, p.cseg, p.scratch, out, pt,
                              L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
                              K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA, CAPG=p.CAPG,
                              TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR,
-                             PAGED=page_table is not None, num_warps=warps)
+                             PAGED=page_table is not None, PDL=pdl, num_warps=warps, **launch)
 
 
 def topk_triton(
@@ -480,6 +555,8 @@ def topk_triton(
     rbits: int = RBITS,
     num_warps: int | None = None,
     bracket_warps: int | None = None,
+    scan_v: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
@@ -495,5 +572,5 @@ def topk_triton(
     lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
-             num_warps, bracket_warps)
+             num_warps, bracket_warps, scan_v=scan_v, pdl=pdl)
     return out

@@ -81,6 +81,90 @@ def test_topk_small_rows():
     cases.check_topk(3, 100, 128, [100, 50, 0])
 
 
+
+@pytest.mark.parametrize("block,scan_v", [(256, 4), (256, 16), (512, 8), (1024, 32)])
+def test_topk_scan_layouts(block, scan_v):
+    # the scan's block shapes ([T, J, VEC] with V = scan_v consecutive scores per thread-row); an
+    # odd row length (a last block that crosses the allocation: reloaded masked), ragged rows
+    cases.check_topk(4, 9001, 256, [9001, 8999, 4100, 300], block=block, scan_v=scan_v, max_chunks=4)
+    cases.check_topk(2, 6000, 200, [6000, 5000], kind="coarse", dtype=torch.bfloat16, block=block,
+                     scan_v=scan_v)
+
+
+def _check_raw(x, lens, k, **knobs):
+    from glm53.kernels.topk import dsa_topk_reference
+    from glm53.kernels.topk_triton import topk_triton
+
+    cases._rows_equal_as_sets(topk_triton(x, lens, k, **knobs), dsa_topk_reference(x, lens, k))
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(margin=8.0, margin_lo=-1.0), dict(block=256, scan_v=8)])
+def test_topk_nan_and_bracket_edges(knobs):
+    # NaN sorts first (torch's descending sort); k = 3 on 9000 scores: nothing is surely above the
+    # bracket (hi = top), so NaN and +inf must land among the candidates; margin_lo < 0 can give
+    # lo > hi (no candidates at all)
+    x = torch.randn(4, 9000)
+    x[0, torch.randperm(9000)[:5]] = float("nan")
+    x[1, torch.randperm(9000)[:2]] = float("inf")
+    x[1, 17] = float("nan")
+    x[2, ::3] = float("-inf")
+    lens = torch.tensor([9000, 8000, 9000, 7000], dtype=torch.int32)
+    for k in (3, 64, 700):
+        _check_raw(x, lens, k, **knobs)
+
+
+def test_topk_pdl_knob_ignored_when_interpreting():
+    # griddepcontrol is inline PTX: pdl=True must fall back to plain launches here
+    x = torch.randn(2, 5000)
+    _check_raw(x, torch.tensor([5000, 4000], dtype=torch.int32), 256, pdl=True)
+
+
+def _key16(x):
+    bits = x.float().view(torch.int32)
+    bits = torch.where(bits == -(2**31), torch.zeros_like(bits), bits)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = torch.where(torch.isnan(x.float()), torch.full_like(key, 0x7FFFFFFF), key)
+    return ((key ^ -(2**31)) >> 16) & 0xFFFF
+
+
+@pytest.mark.parametrize("block,scan_v", [(256, 4), (512, 16), (2048, None)])
+def test_topk_scan_segments_exact(block, scan_v):
+    # the scan's own contract, on brackets set by hand (normal, nothing above: hi = 0xffff,
+    # lo > hi, everything a candidate: lo <= 0x7f): per chunk, the counts of key16 > hi and of
+    # lo <= key16 <= hi, and both segments in position order (candidates with their fp32 bits)
+    from glm53.kernels import topk_triton as tt
+
+    B, L, k = 4, 7003, 64
+    x = torch.randn(B, L)
+    x[0, torch.randperm(L)[:4]] = float("nan")
+    x[1, ::5] = float("-inf")
+    x[1, torch.randperm(6500)[:3]] = float("inf")
+    x[1, torch.randperm(6500)[:3]] = float("nan")
+    x[2, torch.randperm(L)[:3]] = float("inf")
+    lens = torch.tensor([7003, 6500, 5000, 7003], dtype=torch.int32)
+    plan = tt.plan_topk(B, L, k, x.device, cand_total=8192, block=block, max_chunks=4)
+    out = torch.empty(B, k, dtype=torch.int32)
+    k16 = _key16(x)
+    kth = [int(k16[b, : lens[b]].sort(descending=True).values[k]) for b in range(B)]
+    br = torch.tensor([[kth[0] + 1, kth[0] - 1], [0xFFFF, kth[1] - 3], [kth[2] - 1, kth[2] + 1], [kth[3], 0x40]],
+                      dtype=torch.int32)
+    plan.br.copy_(br)
+    tt.run_topk(plan, x, lens, out, block=block, scan_v=scan_v, first=2, stages=2)
+    for b in range(B):
+        hi, lo = int(br[b, 0]), int(br[b, 1])
+        for c in range(plan.C):
+            s0, s1 = c * plan.chunk, min((c + 1) * plan.chunk, int(lens[b]))
+            kk = k16[b, s0:s1]
+            pos = torch.arange(s0, max(s1, s0))
+            above = pos[kk > hi]
+            cand = pos[(kk >= lo) & (kk <= hi)]
+            assert plan.stat[b, c].tolist() == [len(above), len(cand)], (b, c)
+            if len(above) <= plan.CAPA:  # (an overflowing segment is never read)
+                assert torch.equal(plan.aseg[b, c, : len(above)].long(), above), (b, c)
+            if len(cand) <= plan.CAPG:
+                bits = x[b, cand].view(torch.int32).long() & 0xFFFFFFFF
+                assert torch.equal(plan.cseg[b, c, : len(cand)], (cand << 32) | bits), (b, c)
+
 # ---- indexer logits ----------------------------------------------------------------------
 def test_indexer_bf16_ragged_strided():
     # verify-like causal lengths (consecutive), ragged, zero
