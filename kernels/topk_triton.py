@@ -12,8 +12,11 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    lo <= key16 <= hi are candidates and go, with their fp32 bits, to the chunk's candidate segment. Both in position order, per chunk (deterministic, no atomics).
 3. `_finish_kernel`, grid (B): checks the bracket against the true counts (above <= k <=
    above + candidates, and the candidates fit); then copies the above segments to the output in
-   chunk order and picks the k - above best candidates exactly (radix rounds of RBITS bits on the
-   exact key, ties by position), writing positions or, fused, physical slots.
+   chunk order and picks the k - above best candidates exactly, writing positions or, fused,
+   physical slots: radix rounds of RBITS bits on the keys' offsets from the smallest candidate
+   (the first digit aligned to the top bit of their range), until the threshold digit holds at
+   most SELECT_TILE keys; those are ranked pairwise (key, then lowest position). Two rounds
+   instead of five to seven at 2048 of 128K.
    When the bracket missed high (more than k scores above it) the k best are among the kept
    "above" scores: their scores are read back and selected exactly. When it missed low, or the
    candidates overflow (heavy ties, adversarial rows), it selects exactly by streaming over the
@@ -52,6 +55,7 @@ LO_EXTRA = 1.5  # ... and this many more below it (a miss below costs the stream
 BLOCK = 2048  # scores per step of the streaming pass
 MAX_CHUNKS = 32  # programs per row in the streaming pass
 RBITS = 4  # radix digit of the exact rounds: 16-bin histograms (cheap per element)
+SELECT_TILE = 64  # the finish ranks at most this many threshold keys pairwise (after the radix rounds)
 FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
 
 
@@ -278,28 +282,66 @@ def _concat_segments(seg_ptr, CAP, cnt_ptr, C, dst_ptr, pt_row, stride_ptp, PAGE
 
 
 @triton.jit
-def _select_exact(key, pos, inr, need, rem, base, out_row, pt_row, stride_ptp, PAGE_SIZE,
-                  RB: tl.constexpr, PAGED: tl.constexpr):
-    """Write the `need` best of the in-range keys (position order = tensor order, so ties go to
-    the lowest position) to out[base:base + need]: radix rounds of RB bits on the exact keys,
-    skipping digits every in-range key shares and stopping once the rest are all selected."""
+def _top_bit(u):
+    """Index of the highest set bit of u (int32 read as unsigned); -1 for u == 0."""
+    f = (u.to(tl.uint32, bitcast=True) >> 8).to(tl.float32)  # < 2^24: exact in fp32
+    e = ((f.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 8  # bits 8..31
+    low = (u & 0xFF).to(tl.float32)
+    el = ((low.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.where((u >> 8) != 0, e, tl.where(low > 0, el, -1))
+
+
+@triton.jit
+def _select_exact(key, pos, inr, need, rem, base, out_row, pt_row, stride_ptp, PAGE_SIZE, scr_row,
+                  RB: tl.constexpr, MT: tl.constexpr, PAGED: tl.constexpr):
+    """Write the `need` best of the in-range keys (ties to the lowest position) to
+    out[base:base + need]. Radix rounds of RB bits run on the keys' offsets from the smallest
+    in-range key, the first digit aligned to the top bit of the range (a bracket straddling a
+    power of two does not waste a round); they stop once the threshold digit holds at most MT
+    keys, which are then ranked pairwise through the row's scratch `scr_row` (MT int64)."""
     NB: tl.constexpr = 1 << RB
     gt = tl.zeros(key.shape, dtype=tl.int1)
     sk = key ^ -2147483648  # signed order
-    diff = tl.max(tl.where(inr, sk, -2147483648), axis=0) ^ tl.min(tl.where(inr, sk, 2147483647), axis=0)
-    for rnd in range(0, 32 // RB):  # a loop, not unrolled: the finish kernel is i-cache bound
-        shift = 32 - RB * (rnd + 1)
-        if ((diff >> shift) != 0) & (rem > need):
-            d = (key >> shift) & (NB - 1)
+    kmin = tl.min(tl.where(inr, sk, 2147483647), axis=0) ^ -2147483648
+    u = key - kmin  # offsets from the smallest in-range key (mod 2^32: exact for in-range keys)
+    span = (tl.max(tl.where(inr, sk, -2147483648), axis=0) ^ -2147483648) - kmin
+    shift = tl.where(span == 0, -1, tl.maximum(_top_bit(span) - RB + 1, 0))
+    for rnd in range(0, 32 // RB + 1):  # a loop, not unrolled: the finish kernel is i-cache bound
+        if (shift >= 0) & (rem > need) & (rem > MT):
+            d = (u >> shift) & (NB - 1)
             th, above, at = _threshold(tl.histogram(d, NB, mask=inr), need, NB)
             gt = gt | (inr & (d > th))
             inr = inr & (d == th)
             need -= above
             rem = at
-    # inr: the keys equal to the threshold key; the lowest `need` positions of them win
-    if rem > need:
-        inr = inr & (tl.cumsum(inr.to(tl.int32), axis=0) <= need)
-    sel = gt | inr
+            shift = tl.where(shift == 0, -1, tl.maximum(shift - RB, 0))
+    n_gt = tl.sum(gt.to(tl.int32), axis=0)
+    if (rem > need) & (rem <= MT):
+        # rank the few keys left pairwise: v orders by key, then by lowest position
+        v = (sk.to(tl.int64) << 32) | (0xFFFFFFFF - pos.to(tl.int64))
+        r = tl.cumsum(inr.to(tl.int32), axis=0) - 1
+        tl.debug_barrier()  # a caller may have staged data in the scratch
+        tl.store(scr_row + r, v, mask=inr)
+        tl.debug_barrier()  # written by other threads of this program
+        i = tl.arange(0, MT)
+        vt = tl.load(scr_row + i, mask=i < rem, other=-9223372036854775807 - 1)
+        better = tl.zeros((MT,), dtype=tl.int32)
+        for j0 in range(0, rem, 32):  # [MT, 32] compares at a time: few registers
+            j = j0 + tl.arange(0, 32)
+            vj = tl.load(scr_row + j, mask=j < rem, other=-9223372036854775807 - 1)
+            better += tl.sum((vj[None, :] > vt[:, None]).to(tl.int32), axis=1)
+        chosen = (i < rem) & (better < need)
+        cpos = (0xFFFFFFFF - (vt & 0xFFFFFFFF)).to(tl.int32)
+        cslot = base + n_gt + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        tl.store(out_row + cslot, _to_out(tl.where(chosen, cpos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED),
+                 mask=chosen)
+        sel = gt
+    else:
+        # inr: every key equal to the threshold key (bits exhausted) or all selected; the
+        # lowest `need` positions win
+        if rem > need:
+            inr = inr & (tl.cumsum(inr.to(tl.int32), axis=0) <= need)
+        sel = gt | inr
     slot = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
     tl.store(out_row + slot, _to_out(tl.where(sel, pos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
 
@@ -310,7 +352,7 @@ def _finish_kernel(
     L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, C,
     K: tl.constexpr, KP2: tl.constexpr, CB: tl.constexpr, CAPA: tl.constexpr, CAPG: tl.constexpr,
     TA: tl.constexpr, TC: tl.constexpr, RB: tl.constexpr, FB: tl.constexpr, BLOCK: tl.constexpr,
-    COPY: tl.constexpr, SCR: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr,
+    COPY: tl.constexpr, SCR: tl.constexpr, MT: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
@@ -367,7 +409,8 @@ def _finish_kernel(
             key = tl.reshape(key, (CB * TC,))
             pos = tl.reshape(pos, (CB * TC,))
             inr = tl.reshape(ok2, (CB * TC,))
-            _select_exact(key, pos, inr, K - A, N, A, out_row, pt_row, stride_ptp, PAGE_SIZE, RB, PAGED)
+            _select_exact(key, pos, inr, K - A, N, A, out_row, pt_row, stride_ptp, PAGE_SIZE,
+                          scr_ptr + b.to(tl.int64) * SCR, RB, MT, PAGED)
         elif (A > K) & (A <= CB * TA) & (tl.max(na, axis=0) <= CAPA):
             # Missed high (more than K scores above the bracket), no segment truncated: the K best
             # are among them. Gather their positions (chunk by chunk, in position order), read
@@ -381,7 +424,8 @@ def _finish_kernel(
             a_pos = tl.load(srow + j, mask=a_ok, other=0).to(tl.int32)
             x_row = x_ptr + b.to(tl.int64) * stride_xb
             a_key = _ukey(tl.load(x_row + a_pos, mask=a_ok, other=0.0).to(tl.float32), a_ok)
-            _select_exact(a_key, a_pos, a_ok, A * 0 + K, A, 0, out_row, pt_row, stride_ptp, PAGE_SIZE, RB, PAGED)
+            _select_exact(a_key, a_pos, a_ok, A * 0 + K, A, 0, out_row, pt_row, stride_ptp, PAGE_SIZE, srow, RB, MT,
+                          PAGED)
         else:
             # Exact fallback over the row itself: FB-bit radix rounds, one streaming pass each.
             x_row = x_ptr + b.to(tl.int64) * stride_xb
@@ -494,7 +538,8 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
              page_table: torch.Tensor | None = None, page_size: int = 1, sample: int = SAMPLE,
              margin: float = MARGIN, margin_lo: float | None = None, block: int = BLOCK, rbits: int = RBITS,
              num_warps: int | None = None, bracket_warps: int | None = None, stages: int = 3,
-             scan_v: int | None = None, pdl: bool | None = None, first: int = 1) -> None:
+             scan_v: int | None = None, pdl: bool | None = None, first: int = 1,
+             select_tile: int = SELECT_TILE) -> None:
     """Launch the bracket, scan and finish kernels of `plan` (stages `first`..`stages` of them, 1-based:
     the benchmark's probe times prefixes, tests run the scan on brackets of their own).
     `logits` has unit column stride, `lengths` is int32.
@@ -503,7 +548,8 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     threads once). `pdl`: programmatic dependent launch (default: on for CUDA tensors unless
     interpreting): each kernel is launched while its predecessor runs and waits (griddepcontrol)
     before it reads what the predecessor writes or writes what it may still read; every program
-    waits, so a kernel's end implies its predecessors' ends."""
+    waits, so a kernel's end implies its predecessors' ends. `select_tile`: see `_select_exact`."""
+    assert select_tile & (select_tile - 1) == 0 and select_tile >= 16, "select_tile: a power of two >= 16"
     B, L = logits.shape
     p = plan
     if page_table is not None:
@@ -536,7 +582,7 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
         _finish_kernel[(B,)](logits, lengths, p.stat, p.aseg, p.cseg, p.scratch, out, pt,
                              L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
                              K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA, CAPG=p.CAPG,
-                             TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR,
+                             TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR, MT=select_tile,
                              PAGED=page_table is not None, PDL=pdl, num_warps=warps, **launch)
 
 
@@ -557,6 +603,7 @@ def topk_triton(
     bracket_warps: int | None = None,
     scan_v: int | None = None,
     pdl: bool | None = None,
+    select_tile: int = SELECT_TILE,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
@@ -572,5 +619,5 @@ def topk_triton(
     lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
-             num_warps, bracket_warps, scan_v=scan_v, pdl=pdl)
+             num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile)
     return out

@@ -46,6 +46,14 @@ def test_topk_forced_fallbacks():
     cases.check_topk(4, 32768, 2048, [32768, 30000, 5000, 2049], device=DEV, cand_total=256)
 
 
+@pytest.mark.parametrize("select_tile", [16, 1024])
+@pytest.mark.parametrize("kind", ["randn", "coarse"])
+def test_topk_select_tile(kind, select_tile):
+    # the finish's pairwise ranking skipped (16: radix rounds to the end) or taking large bins
+    cases.check_topk(8, 131072, 2048, [131072, 131071, 70000, 9000, 4097, 2049, 2048, 0], kind=kind, device=DEV,
+                     select_tile=select_tile)
+
+
 def test_topk_batch64_paged():
     lens = torch.randint(0, 131072, (64,)).tolist()
     cases.check_topk(64, 131072, 2048, lens, device=DEV, paged=True, page_size=64)
