@@ -120,8 +120,10 @@ def probe_topk() -> None:
         ref = dsa_topk_reference(xs[0], lens, k).sort(dim=1).values
         for cfg in (dict(), dict(margin=-1.0, margin_lo=8.0), dict(sample=512, margin=0.0, margin_lo=0.0),
                     dict(margin=8.0, margin_lo=-1.0),
-                    # scan shapes (V = block / (32 * warps) scores per thread) and PDL on/off
-                    dict(pdl=False), dict(block=4096), dict(block=4096, pdl=False), dict(block=1024)):
+                    # PDL off; scan shape (V = block / (32 * warps) scores per thread); the finish's
+                    # pairwise tile (16: radix rounds to the end) and warps; a smaller sample
+                    dict(pdl=False), dict(block=4096), dict(select_tile=16), dict(select_tile=128),
+                    dict(finish_warps=16), dict(sample=2048)):
             try:
                 ok = torch.equal(tt.topk_triton(xs[0], lens, k, **cfg).sort(dim=1).values, ref)
                 t = _graph_time([lambda x=x: tt.topk_triton(x, lens, k, **cfg) for x in xs])

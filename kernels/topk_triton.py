@@ -539,7 +539,7 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
              margin: float = MARGIN, margin_lo: float | None = None, block: int = BLOCK, rbits: int = RBITS,
              num_warps: int | None = None, bracket_warps: int | None = None, stages: int = 3,
              scan_v: int | None = None, pdl: bool | None = None, first: int = 1,
-             select_tile: int = SELECT_TILE) -> None:
+             select_tile: int = SELECT_TILE, finish_warps: int | None = None) -> None:
     """Launch the bracket, scan and finish kernels of `plan` (stages `first`..`stages` of them, 1-based:
     the benchmark's probe times prefixes, tests run the scan on brackets of their own).
     `logits` has unit column stride, `lengths` is int32.
@@ -583,7 +583,7 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
                              L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
                              K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA, CAPG=p.CAPG,
                              TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR, MT=select_tile,
-                             PAGED=page_table is not None, PDL=pdl, num_warps=warps, **launch)
+                             PAGED=page_table is not None, PDL=pdl, num_warps=finish_warps or warps, **launch)
 
 
 def topk_triton(
@@ -604,6 +604,7 @@ def topk_triton(
     scan_v: int | None = None,
     pdl: bool | None = None,
     select_tile: int = SELECT_TILE,
+    finish_warps: int | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
@@ -619,5 +620,6 @@ def topk_triton(
     lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
-             num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile)
+             num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,
+             finish_warps=finish_warps)
     return out
