@@ -9,14 +9,17 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    the 16-bit keys at the sample ranks k·S/n − 4σ and + 5.5σ (4-bit radix rounds on the sample).
 2. `_scan_kernel`, grid (B, C): each program streams one chunk of its row once: scores with
    key16 > hi are surely selected and go to the chunk's "above" segment; scores with
-   lo <= key16 <= hi are candidates and go, with their fp32 bits, to the chunk's candidate segment. Both in position order, per chunk (deterministic, no atomics).
+   lo <= key16 <= hi are candidates and go, with their fp32 bits, to the chunk's candidate
+   segment; both in position order, per chunk (deterministic). Each program then adds its
+   candidates to the row's histogram of NBIN bins over the bracket (`_cand_bin`, atomics).
 3. `_finish_kernel`, grid (B): checks the bracket against the true counts (above <= k <=
    above + candidates, and the candidates fit); then copies the above segments to the output in
    chunk order and picks the k - above best candidates exactly, writing positions or, fused,
-   physical slots: radix rounds of RBITS bits on the keys' offsets from the smallest candidate
-   (the first digit aligned to the top bit of their range), until the threshold digit holds at
-   most SELECT_TILE keys; those are ranked pairwise (key, then lowest position). Two rounds
-   instead of five to seven at 2048 of 128K.
+   physical slots. The scan's histogram names the bin of the k-th score: candidates in higher
+   bins are selected, those in it (a dozen or so) are ranked pairwise (key, then lowest
+   position). Should that bin hold more than SELECT_TILE, radix rounds of RBITS bits on the keys'
+   offsets from the smallest of them (first digit aligned to the top bit of their range) narrow
+   it first. Everything this path reads is loaded at once: one memory latency, not a chain.
    When the bracket missed high (more than k scores above it) the k best are among the kept
    "above" scores: their scores are read back and selected exactly. When it missed low, or the
    candidates overflow (heavy ties, adversarial rows), it selects exactly by streaming over the
@@ -55,6 +58,8 @@ LO_EXTRA = 1.5  # ... and this many more below it (a miss below costs the stream
 BLOCK = 2048  # scores per step of the streaming pass
 MAX_CHUNKS = 32  # programs per row in the streaming pass
 RBITS = 4  # radix digit of the exact rounds: 16-bin histograms (cheap per element)
+LOGB = 8  # the scan's histogram of each row's candidates has 2^LOGB bins over the bracket
+NBIN = 1 << LOGB
 SELECT_TILE = 64  # the finish ranks at most this many threshold keys pairwise (after the radix rounds)
 FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
 
@@ -133,8 +138,9 @@ def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, m
 
 @triton.jit
 def _bracket_kernel(
-    x_ptr, len_ptr, br_ptr, L, stride_xb, margin, margin_lo,
-    K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, len_ptr, br_ptr, hist_ptr, L, stride_xb, margin, margin_lo,
+    K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, NBIN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     if PDL:
@@ -143,9 +149,33 @@ def _bracket_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
     if n > K:
+        tl.store(hist_ptr + b * NBIN + tl.arange(0, NBIN), 0)  # the scan adds its candidates to it
         hi, lo = _bracket(x_ptr + b.to(tl.int64) * stride_xb, n, K, SAMPLE, G, margin, margin_lo, RB)
         tl.store(br_ptr + b * 2, hi)
         tl.store(br_ptr + b * 2 + 1, lo)
+
+
+@triton.jit
+def _top_bit(u):
+    """Index of the highest set bit of u (int32 read as unsigned); -1 for u == 0."""
+    f = (u.to(tl.uint32, bitcast=True) >> 8).to(tl.float32)  # < 2^24: exact in fp32
+    e = ((f.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 8  # bits 8..31
+    low = (u & 0xFF).to(tl.float32)
+    el = ((low.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.where((u >> 8) != 0, e, tl.where(low > 0, el, -1))
+
+
+@triton.jit
+def _cand_bin(key, lo, hi, LOGB: tl.constexpr):
+    """A candidate's bin among 2^LOGB equal key ranges (a power of two wide each) spanning the
+    bracket [lo << 16, hi << 16 | 0xffff]: monotone in the key. The scan and the finish both use
+    it (the scan to build the row's histogram, the finish to split the candidates by it)."""
+    klo = lo << 16
+    khi = (hi << 16) | 0xFFFF
+    span = tl.where((khi ^ -2147483648) >= (klo ^ -2147483648), khi - klo, 0)  # lo > hi: empty
+    sh = tl.maximum(_top_bit(span) - LOGB + 1, 0)
+    u = (key - klo).to(tl.uint32, bitcast=True) >> sh.to(tl.uint32)
+    return tl.minimum(u, (1 << LOGB) - 1).to(tl.int32)
 
 
 @triton.jit
@@ -190,9 +220,9 @@ def _scan_step(x, offs, end, t_hi, t_lo, top, n_above, n_cand, aseg, cseg,
 
 @triton.jit
 def _scan_kernel(
-    x_ptr, len_ptr, br_ptr, stat_ptr, aseg_ptr, cseg_ptr, L, stride_xb, CHUNK, C,
+    x_ptr, len_ptr, br_ptr, stat_ptr, aseg_ptr, cseg_ptr, hist_ptr, L, stride_xb, CHUNK, C,
     K: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr, VEC: tl.constexpr, CAPA: tl.constexpr,
-    CAPG: tl.constexpr, PDL: tl.constexpr,
+    CAPG: tl.constexpr, LOGB: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -249,6 +279,16 @@ def _scan_kernel(
                 nxt = tl.load(x_row + full + tile, mask=full + tile < lim)
             n_above, n_cand = _scan_step(nxt.to(tl.float32), full + tile, end, t_hi, t_lo, top, n_above,
                                          n_cand, aseg, cseg, CAPA, CAPG, True)
+        if (n_cand > 0) & (n_cand <= CAPG):
+            # the row's histogram of candidate bins, from this chunk's (complete) segment: the
+            # finish then knows the bin of its k-th score without radix rounds
+            tl.debug_barrier()  # the segment was written by other threads of this program
+            for h0 in range(0, n_cand, HB):
+                j = h0 + tl.arange(0, HB)
+                cv = tl.load(cseg + j, mask=j < n_cand, other=0)
+                key = _ukey((cv & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), j < n_cand)
+                tl.atomic_add(hist_ptr + b * (1 << LOGB) + _cand_bin(key, lo, hi, LOGB), 1, mask=j < n_cand,
+                              sem="relaxed")
     tl.store(stat_ptr + (b * C + c) * 2, n_above)
     tl.store(stat_ptr + (b * C + c) * 2 + 1, n_cand)
 
@@ -282,40 +322,34 @@ def _concat_segments(seg_ptr, CAP, cnt_ptr, C, dst_ptr, pt_row, stride_ptp, PAGE
 
 
 @triton.jit
-def _top_bit(u):
-    """Index of the highest set bit of u (int32 read as unsigned); -1 for u == 0."""
-    f = (u.to(tl.uint32, bitcast=True) >> 8).to(tl.float32)  # < 2^24: exact in fp32
-    e = ((f.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 8  # bits 8..31
-    low = (u & 0xFF).to(tl.float32)
-    el = ((low.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return tl.where((u >> 8) != 0, e, tl.where(low > 0, el, -1))
-
-
-@triton.jit
-def _select_exact(key, pos, inr, need, rem, base, out_row, pt_row, stride_ptp, PAGE_SIZE, scr_row,
+def _select_exact(key, pos, gt0, n_gt, inr, need, rem, base, out_row, pt_row, stride_ptp, PAGE_SIZE, scr_row,
                   RB: tl.constexpr, MT: tl.constexpr, PAGED: tl.constexpr):
-    """Write the `need` best of the in-range keys (ties to the lowest position) to
-    out[base:base + need]. Radix rounds of RB bits run on the keys' offsets from the smallest
-    in-range key, the first digit aligned to the top bit of the range (a bracket straddling a
-    power of two does not waste a round); they stop once the threshold digit holds at most MT
-    keys, which are then ranked pairwise through the row's scratch `scr_row` (MT int64)."""
+    """Write the n_gt keys of `gt0` (already selected) and the `need` best of the `rem` in-range
+    keys (ties to the lowest position) to out[base:base + n_gt + need], in any order.
+
+    While more than MT keys are in range, radix rounds of RB bits narrow them: on the keys'
+    offsets from the smallest in-range key, the first digit aligned to the top bit of their range
+    (a range straddling a power of two wastes no round). The last <= MT keys are ranked pairwise
+    (key, then lowest position) after a compaction through the row's scratch `scr_row`; if more
+    remain once the bits run out they are all equal and the lowest positions win."""
     NB: tl.constexpr = 1 << RB
-    gt = tl.zeros(key.shape, dtype=tl.int1)
+    gt = gt0
     sk = key ^ -2147483648  # signed order
-    kmin = tl.min(tl.where(inr, sk, 2147483647), axis=0) ^ -2147483648
-    u = key - kmin  # offsets from the smallest in-range key (mod 2^32: exact for in-range keys)
-    span = (tl.max(tl.where(inr, sk, -2147483648), axis=0) ^ -2147483648) - kmin
-    shift = tl.where(span == 0, -1, tl.maximum(_top_bit(span) - RB + 1, 0))
-    for rnd in range(0, 32 // RB + 1):  # a loop, not unrolled: the finish kernel is i-cache bound
-        if (shift >= 0) & (rem > need) & (rem > MT):
-            d = (u >> shift) & (NB - 1)
-            th, above, at = _threshold(tl.histogram(d, NB, mask=inr), need, NB)
-            gt = gt | (inr & (d > th))
-            inr = inr & (d == th)
-            need -= above
-            rem = at
-            shift = tl.where(shift == 0, -1, tl.maximum(shift - RB, 0))
-    n_gt = tl.sum(gt.to(tl.int32), axis=0)
+    if (rem > need) & (rem > MT):
+        kmin = tl.min(tl.where(inr, sk, 2147483647), axis=0) ^ -2147483648
+        u = key - kmin  # offsets from the smallest in-range key (mod 2^32: exact for in-range keys)
+        span = (tl.max(tl.where(inr, sk, -2147483648), axis=0) ^ -2147483648) - kmin
+        shift = tl.where(span == 0, -1, tl.maximum(_top_bit(span) - RB + 1, 0))
+        for rnd in range(0, 32 // RB + 1):  # a loop, not unrolled: the finish kernel is i-cache bound
+            if (shift >= 0) & (rem > need) & (rem > MT):
+                d = (u >> shift) & (NB - 1)
+                th, above, at = _threshold(tl.histogram(d, NB, mask=inr), need, NB)
+                gt = gt | (inr & (d > th))
+                inr = inr & (d == th)
+                need -= above
+                n_gt += above
+                rem = at
+                shift = tl.where(shift == 0, -1, tl.maximum(shift - RB, 0))
     if (rem > need) & (rem <= MT):
         # rank the few keys left pairwise: v orders by key, then by lowest position
         v = (sk.to(tl.int64) << 32) | (0xFFFFFFFF - pos.to(tl.int64))
@@ -325,11 +359,7 @@ def _select_exact(key, pos, inr, need, rem, base, out_row, pt_row, stride_ptp, P
         tl.debug_barrier()  # written by other threads of this program
         i = tl.arange(0, MT)
         vt = tl.load(scr_row + i, mask=i < rem, other=-9223372036854775807 - 1)
-        better = tl.zeros((MT,), dtype=tl.int32)
-        for j0 in range(0, rem, 32):  # [MT, 32] compares at a time: few registers
-            j = j0 + tl.arange(0, 32)
-            vj = tl.load(scr_row + j, mask=j < rem, other=-9223372036854775807 - 1)
-            better += tl.sum((vj[None, :] > vt[:, None]).to(tl.int32), axis=1)
+        better = tl.sum((vt[None, :] > vt[:, None]).to(tl.int32), axis=1)
         chosen = (i < rem) & (better < need)
         cpos = (0xFFFFFFFF - (vt & 0xFFFFFFFF)).to(tl.int32)
         cslot = base + n_gt + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
@@ -337,8 +367,7 @@ def _select_exact(key, pos, inr, need, rem, base, out_row, pt_row, stride_ptp, P
                  mask=chosen)
         sel = gt
     else:
-        # inr: every key equal to the threshold key (bits exhausted) or all selected; the
-        # lowest `need` positions win
+        # all in range selected, or every in-range key equal (bits exhausted): lowest positions win
         if rem > need:
             inr = inr & (tl.cumsum(inr.to(tl.int32), axis=0) <= need)
         sel = gt | inr
@@ -348,11 +377,12 @@ def _select_exact(key, pos, inr, need, rem, base, out_row, pt_row, stride_ptp, P
 
 @triton.jit
 def _finish_kernel(
-    x_ptr, len_ptr, stat_ptr, aseg_ptr, cseg_ptr, scr_ptr, out_ptr, pt_ptr,
+    x_ptr, len_ptr, br_ptr, stat_ptr, aseg_ptr, cseg_ptr, hist_ptr, scr_ptr, out_ptr, pt_ptr,
     L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, C,
     K: tl.constexpr, KP2: tl.constexpr, CB: tl.constexpr, CAPA: tl.constexpr, CAPG: tl.constexpr,
     TA: tl.constexpr, TC: tl.constexpr, RB: tl.constexpr, FB: tl.constexpr, BLOCK: tl.constexpr,
-    COPY: tl.constexpr, SCR: tl.constexpr, MT: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr,
+    COPY: tl.constexpr, SCR: tl.constexpr, MT: tl.constexpr, LOGB: tl.constexpr, PAGED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
@@ -373,29 +403,40 @@ def _finish_kernel(
     if n > K:
         cc = tl.arange(0, CB)
         cm = cc < C
+        seg0 = (b * C).to(tl.int64)
         stat = stat_ptr + (b * C + cc) * 2
+        # What the usual path reads, all issued before the first use: the counts, both segment
+        # tiles (whole, masked by their counts once those arrive), the histogram and the bracket.
+        # One memory latency instead of a chain of them.
         na = tl.load(stat, mask=cm, other=0)
         nc = tl.load(stat + 1, mask=cm, other=0)
+        ta = tl.arange(0, TA)
+        t = tl.arange(0, TC)
+        a_all = tl.load(aseg_ptr + (seg0 + cc[:, None]) * CAPA + ta[None, :], mask=cm[:, None] & (ta < CAPA)[None, :],
+                        other=0)
+        c_all = tl.load(cseg_ptr + (seg0 + cc[:, None]) * CAPG + t[None, :], mask=cm[:, None] & (t < CAPG)[None, :],
+                        other=0)
+        NBIN: tl.constexpr = 1 << LOGB
+        hist = tl.load(hist_ptr + b * NBIN + tl.arange(0, NBIN))
+        b_hi = tl.load(br_ptr + b * 2)
+        b_lo = tl.load(br_ptr + b * 2 + 1)
         A = tl.sum(na, axis=0)
         N = tl.sum(nc, axis=0)
-        seg0 = (b * C).to(tl.int64)
         if (A <= K) & (A + N >= K) & (N <= CB * TC):
             # ---- the scores above the bracket, in chunk order (= position order)
             if tl.max(na, axis=0) <= TA:
                 # chunk c's segment goes to out[off_c : off_c + na_c]: no scan over the elements
-                ta = tl.arange(0, TA)
                 a_ok = ta[None, :] < na[:, None]
-                a_pos = tl.load(aseg_ptr + (seg0 + cc[:, None]) * CAPA + ta[None, :], mask=a_ok, other=0)
+                a_pos = tl.where(a_ok, a_all, 0)  # past the counts: stale workspace, never a page index
                 a_slot = (tl.cumsum(na, axis=0) - na)[:, None] + ta[None, :]
                 tl.store(out_row + a_slot, _to_out(a_pos, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=a_ok)
             else:  # a chunk holds more than its tile: copy chunk by chunk
                 _concat_segments(aseg_ptr + seg0 * CAPA, CAPA, stat_ptr + b * C * 2, C, out_row, pt_row, stride_ptp,
                                  PAGE_SIZE, True, PAGED, COPY)
             # ---- the candidates, gathered in position order into [CB * TC]
-            t = tl.arange(0, TC)
             if tl.max(nc, axis=0) <= TC:
                 ok2 = t[None, :] < nc[:, None]
-                cv = tl.load(cseg_ptr + (seg0 + cc[:, None]) * CAPG + t[None, :], mask=ok2, other=0)
+                cv = c_all
             else:  # a chunk holds more than its tile: compact through the row's scratch
                 srow = scr_ptr + b.to(tl.int64) * SCR
                 _concat_segments(cseg_ptr + seg0 * CAPG, CAPG, stat_ptr + b * C * 2 + 1, C, srow, pt_row, stride_ptp,
@@ -409,8 +450,20 @@ def _finish_kernel(
             key = tl.reshape(key, (CB * TC,))
             pos = tl.reshape(pos, (CB * TC,))
             inr = tl.reshape(ok2, (CB * TC,))
-            _select_exact(key, pos, inr, K - A, N, A, out_row, pt_row, stride_ptp, PAGE_SIZE,
-                          scr_ptr + b.to(tl.int64) * SCR, RB, MT, PAGED)
+            # the scan's histogram of candidate bins gives the k-th score's bin: the candidates
+            # in higher bins are selected, those in it go to the exact selection (usually few
+            # enough to rank pairwise). Its counts are checked against the tile's.
+            t_bin, n_hi, n_at = _threshold(hist, K - A, NBIN)
+            cb = _cand_bin(key, b_lo, b_hi, LOGB)
+            gt0 = inr & (cb > t_bin)
+            inb = inr & (cb == t_bin)
+            both = tl.sum(gt0.to(tl.int32) + (inb.to(tl.int32) << 16), axis=0)
+            if both == n_hi + (n_at << 16):
+                _select_exact(key, pos, gt0, n_hi, inb, K - A - n_hi, n_at, A, out_row, pt_row, stride_ptp, PAGE_SIZE,
+                              scr_ptr + b.to(tl.int64) * SCR, RB, MT, PAGED)
+            else:  # (not expected) the rounds over every candidate
+                _select_exact(key, pos, inr & False, N * 0, inr, K - A, N, A, out_row, pt_row, stride_ptp, PAGE_SIZE,
+                              scr_ptr + b.to(tl.int64) * SCR, RB, MT, PAGED)
         elif (A > K) & (A <= CB * TA) & (tl.max(na, axis=0) <= CAPA):
             # Missed high (more than K scores above the bracket), no segment truncated: the K best
             # are among them. Gather their positions (chunk by chunk, in position order), read
@@ -424,8 +477,8 @@ def _finish_kernel(
             a_pos = tl.load(srow + j, mask=a_ok, other=0).to(tl.int32)
             x_row = x_ptr + b.to(tl.int64) * stride_xb
             a_key = _ukey(tl.load(x_row + a_pos, mask=a_ok, other=0.0).to(tl.float32), a_ok)
-            _select_exact(a_key, a_pos, a_ok, A * 0 + K, A, 0, out_row, pt_row, stride_ptp, PAGE_SIZE, srow, RB, MT,
-                          PAGED)
+            _select_exact(a_key, a_pos, a_ok & False, A * 0, a_ok, A * 0 + K, A, 0, out_row, pt_row, stride_ptp,
+                          PAGE_SIZE, srow, RB, MT, PAGED)
         else:
             # Exact fallback over the row itself: FB-bit radix rounds, one streaming pass each.
             x_row = x_ptr + b.to(tl.int64) * stride_xb
@@ -509,6 +562,7 @@ class TopkPlan:
     CAPG: int
     SCR: int  # a row's scratch: overflowing candidates, or a missed-high row's positions
     br: torch.Tensor  # [B, 2] each row's bracket (hi, lo)
+    hist: torch.Tensor  # [B, NBIN] each row's candidates per bin (`_cand_bin`)
     stat: torch.Tensor  # [B, C, 2] per-chunk counts (above, candidates)
     aseg: torch.Tensor  # [B, C, CAPA] positions above the bracket
     cseg: torch.Tensor  # [B, C, CAPG] candidates (position << 32 | fp32 bits)
@@ -530,7 +584,7 @@ def plan_topk(B: int, L: int, k: int, device: torch.device, cand_total: int | No
     def buf(*shape, dtype=torch.int32):
         return torch.empty(shape, dtype=dtype, device=device)
 
-    return TopkPlan(k, C, chunk, CB, TA, cand_total // CB, CAPA, CAPG, SCR, buf(B, 2), buf(B, C, 2),
+    return TopkPlan(k, C, chunk, CB, TA, cand_total // CB, CAPA, CAPG, SCR, buf(B, 2), buf(B, NBIN), buf(B, C, 2),
                     buf(B, C, CAPA), buf(B, C, CAPG, dtype=torch.int64), buf(B, SCR, dtype=torch.int64))
 
 
@@ -571,19 +625,20 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     # the scan ranks both segments in one int32 (above in the low half, candidates in the high)
     assert p.CAPA + block < 1 << 16 and p.CAPG + block < 1 << 15, "segment capacity too large for the scan"
     if first <= 1 <= stages:
-        _bracket_kernel[(B,)](logits, lengths, p.br, L, logits.stride(0), margin, margin_lo,
-                              K=p.k, SAMPLE=sample, G=GROUP, RB=rbits, PDL=pdl,
+        _bracket_kernel[(B,)](logits, lengths, p.br, p.hist, L, logits.stride(0), margin, margin_lo,
+                              K=p.k, SAMPLE=sample, G=GROUP, RB=rbits, NBIN=NBIN, PDL=pdl,
                               num_warps=bracket_warps or (16 if not interp else 1), **launch)
     if first <= 2 <= stages:
-        _scan_kernel[(B, p.C)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, L, logits.stride(0), p.chunk, p.C,
-                               K=p.k, BLOCK=block, V=v, VEC=vec, CAPA=p.CAPA, CAPG=p.CAPG, PDL=pdl,
+        _scan_kernel[(B, p.C)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, L, logits.stride(0), p.chunk,
+                               p.C, K=p.k, BLOCK=block, V=v, VEC=vec, CAPA=p.CAPA, CAPG=p.CAPG, LOGB=LOGB,
+                               HB=32 * warps, PDL=pdl,
                                num_warps=warps, **launch)
     if first <= 3 <= stages:
-        _finish_kernel[(B,)](logits, lengths, p.stat, p.aseg, p.cseg, p.scratch, out, pt,
+        _finish_kernel[(B,)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, p.scratch, out, pt,
                              L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
                              K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA, CAPG=p.CAPG,
-                             TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR, MT=select_tile,
-                             PAGED=page_table is not None, PDL=pdl, num_warps=finish_warps or warps, **launch)
+                             TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR,
+                             MT=select_tile, LOGB=LOGB, PAGED=page_table is not None, PDL=pdl, num_warps=finish_warps or warps, **launch)
 
 
 def topk_triton(

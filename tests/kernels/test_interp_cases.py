@@ -129,12 +129,25 @@ def test_topk_pdl_knob_ignored_when_interpreting():
     _check_raw(x, torch.tensor([5000, 4000], dtype=torch.int32), 256, pdl=True)
 
 
-def _key16(x):
+def _key32(x):
+    """The kernels' exact keys as unsigned 32-bit values (int64)."""
     bits = x.float().view(torch.int32)
     bits = torch.where(bits == -(2**31), torch.zeros_like(bits), bits)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     key = torch.where(torch.isnan(x.float()), torch.full_like(key, 0x7FFFFFFF), key)
-    return ((key ^ -(2**31)) >> 16) & 0xFFFF
+    return (key ^ -(2**31)).long() & 0xFFFFFFFF
+
+
+def _key16(x):
+    return _key32(x) >> 16
+
+
+def _cand_bins(key32, lo, hi, logb=8):
+    """Model of the kernels' `_cand_bin`: 2^logb power-of-two-wide key ranges over the bracket."""
+    klo, khi = lo << 16, (hi << 16) | 0xFFFF
+    span = khi - klo if khi >= klo else 0
+    sh = max(span.bit_length() - logb, 0)
+    return (((key32 - klo) & 0xFFFFFFFF) >> sh).clamp(max=(1 << logb) - 1)
 
 
 @pytest.mark.parametrize("block,scan_v", [(256, 4), (512, 16), (2048, None)])
@@ -159,9 +172,16 @@ def test_topk_scan_segments_exact(block, scan_v):
     br = torch.tensor([[kth[0] + 1, kth[0] - 1], [0xFFFF, kth[1] - 3], [kth[2] - 1, kth[2] + 1], [kth[3], 0x40]],
                       dtype=torch.int32)
     plan.br.copy_(br)
+    plan.hist.zero_()  # (the bracket kernel clears it; it is not run here)
     tt.run_topk(plan, x, lens, out, block=block, scan_v=scan_v, first=2, stages=2)
+    key32 = _key32(x)
     for b in range(B):
         hi, lo = int(br[b, 0]), int(br[b, 1])
+        # the row's histogram of candidate bins (every segment is complete here)
+        valid = torch.arange(L) < lens[b]
+        in_br = valid & (k16[b] >= lo) & (k16[b] <= hi)
+        want = torch.bincount(_cand_bins(key32[b][in_br], lo, hi), minlength=tt.NBIN)
+        assert torch.equal(plan.hist[b].long(), want), b
         for c in range(plan.C):
             s0, s1 = c * plan.chunk, min((c + 1) * plan.chunk, int(lens[b]))
             kk = k16[b, s0:s1]
@@ -174,6 +194,31 @@ def test_topk_scan_segments_exact(block, scan_v):
             if len(cand) <= plan.CAPG:
                 bits = x[b, cand].view(torch.int32).long() & 0xFFFFFFFF
                 assert torch.equal(plan.cseg[b, c, : len(cand)], (cand << 32) | bits), (b, c)
+
+def test_topk_stale_workspace_never_read():
+    # the finish loads whole segment tiles before their counts arrive: whatever lies past the
+    # counts must never reach the output (unpaged: a poor position dressed up as a top
+    # candidate) nor index the page table (paged: a position far past it)
+    from glm53.kernels import topk_triton as tt
+
+    B, L, k = 3, 9000, 256
+    x = torch.randn(B, L)
+    x[:, 7] = -1e30  # position 7 is never among the best
+    lens = torch.tensor([9000, 8000, 4100], dtype=torch.int32)
+    for paged in (False, True):
+        plan = tt.plan_topk(B, L, k, x.device)
+        bad = (1 << 30) if paged else 7
+        plan.aseg.fill_(bad)
+        plan.cseg.fill_((bad << 32) | 0x7F7FFFFF)  # with the largest finite float's bits
+        plan.scratch.fill_((bad << 32) | 0x7F7FFFFF)
+        plan.stat.fill_(3)
+        plan.hist.fill_(1 << 20)
+        out = torch.empty(B, k, dtype=torch.int32)
+        pt = torch.randperm(L // 16 + 1).int().expand(B, -1).contiguous() if paged else None
+        tt.run_topk(plan, x, lens, out, page_table=pt, page_size=16)
+        ref = cases.dsa_topk_reference(x, lens, k)
+        cases._rows_equal_as_sets(out, cases.positions_to_slots(ref, pt, 16) if paged else ref)
+
 
 # ---- indexer logits ----------------------------------------------------------------------
 def test_indexer_bf16_ragged_strided():
