@@ -359,7 +359,14 @@ def _select_exact(key, pos, gt0, n_gt, inr, need, rem, base, out_row, pt_row, st
         tl.debug_barrier()  # written by other threads of this program
         i = tl.arange(0, MT)
         vt = tl.load(scr_row + i, mask=i < rem, other=-9223372036854775807 - 1)
-        better = tl.sum((vt[None, :] > vt[:, None]).to(tl.int32), axis=1)
+        if MT <= 64:
+            better = tl.sum((vt[None, :] > vt[:, None]).to(tl.int32), axis=1)
+        else:  # [MT, 32] compares at a time: a [MT, MT] tile would not fit in registers
+            better = tl.zeros((MT,), dtype=tl.int32)
+            for j0 in range(0, rem, 32):
+                j = j0 + tl.arange(0, 32)
+                vj = tl.load(scr_row + j, mask=j < rem, other=-9223372036854775807 - 1)
+                better += tl.sum((vj[None, :] > vt[:, None]).to(tl.int32), axis=1)
         chosen = (i < rem) & (better < need)
         cpos = (0xFFFFFFFF - (vt & 0xFFFFFFFF)).to(tl.int32)
         cslot = base + n_gt + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
@@ -603,7 +610,7 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     interpreting): each kernel is launched while its predecessor runs and waits (griddepcontrol)
     before it reads what the predecessor writes or writes what it may still read; every program
     waits, so a kernel's end implies its predecessors' ends. `select_tile`: see `_select_exact`."""
-    assert select_tile & (select_tile - 1) == 0 and select_tile >= 16, "select_tile: a power of two >= 16"
+    assert select_tile & (select_tile - 1) == 0 and 16 <= select_tile <= 256, "select_tile: a power of two in [16, 256]"
     B, L = logits.shape
     p = plan
     if page_table is not None:
