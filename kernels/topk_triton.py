@@ -33,7 +33,8 @@ kernel's end implies its predecessors' ends (the workspace is safe to reuse by t
 Why this shape: Triton has no shared-memory atomics and `tl.histogram` costs O(bins/32)
 instructions per element, so histogramming every score (the CUDA kernels' first pass) is ALU-bound
 far above one read of the row. Here the full row only sees a load, a key, two compares and a
-prefix sum; histograms run on the 4096-score sample and on the few thousand candidates.
+prefix sum; histograms run on the 4096-score sample (ballots) and on the few thousand candidates
+(global atomics, a few per program).
 
 Keys: fp32 bits b -> b ^ ((b >> 31) & 0x7fffffff) orders like the floats as signed int32 (stored
 with bit 31 flipped, so unsigned digits compare in order); -0.0 is folded onto +0.0 and every NaN
@@ -60,7 +61,7 @@ MAX_CHUNKS = 32  # programs per row in the streaming pass
 RBITS = 4  # radix digit of the exact rounds: 16-bin histograms (cheap per element)
 LOGB = 8  # the scan's histogram of each row's candidates has 2^LOGB bins over the bracket
 NBIN = 1 << LOGB
-SELECT_TILE = 64  # the finish ranks at most this many threshold keys pairwise (after the radix rounds)
+SELECT_TILE = 64  # the finish ranks this many keys of the k-th score's bin pairwise (rounds narrow larger bins)
 FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
 
 
