@@ -7,6 +7,7 @@ is skipped (with that reason)."""
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ def setup_module():
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    torch.manual_seed(abs(hash(request.node.name)) % (1 << 31))
+    # a per-test seed that is the same in every process (str hash() is salted per process)
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
 # ---- top-k: set equality with the stable-sort reference ------------------------------------
@@ -233,8 +235,11 @@ def test_indexer_bf16_odd_heads():
 @pytest.mark.parametrize("fp8_q", [False, True])
 def test_indexer_fp8_overlap(fp8_q):
     # proportional to 2048 of 32K: 512 of 8192; mean overlap over rows (fewer selected -> more
-    # spread per row, so the bar is 96% here and 97% at the GPU's 2048 of 32K)
-    cases.check_indexer_fp8(4, 32, 128, 8192, 512, page_size=64, fp8_q=fp8_q, min_overlap=0.96)
+    # spread per row, so the bar is 96% here and 97% at the GPU's 2048 of 32K). Quantizing q too
+    # costs about a point: over seeds its mean overlap here measured 0.957-0.968, so 0.96 failed
+    # about one run in three; its bar is 0.95. (The kernel's own error is checked separately,
+    # against the reference on the same quantized inputs.)
+    cases.check_indexer_fp8(4, 32, 128, 8192, 512, page_size=64, fp8_q=fp8_q, min_overlap=0.95 if fp8_q else 0.96)
 
 
 # ---- sparse MLA ------------------------------------------------------------------------------
