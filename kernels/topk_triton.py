@@ -140,7 +140,7 @@ def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, m
 @triton.jit
 def _bracket_kernel(
     x_ptr, len_ptr, br_ptr, hist_ptr, L, stride_xb, margin, margin_lo,
-    K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, NBIN: tl.constexpr,
+    K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, RB: tl.constexpr, LOGB: tl.constexpr,
     PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -150,6 +150,7 @@ def _bracket_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
     if n > K:
+        NBIN: tl.constexpr = 1 << LOGB
         tl.store(hist_ptr + b * NBIN + tl.arange(0, NBIN), 0)  # the scan adds its candidates to it
         hi, lo = _bracket(x_ptr + b.to(tl.int64) * stride_xb, n, K, SAMPLE, G, margin, margin_lo, RB)
         tl.store(br_ptr + b * 2, hi)
@@ -466,12 +467,16 @@ def _finish_kernel(
             gt0 = inr & (cb > t_bin)
             inb = inr & (cb == t_bin)
             both = tl.sum(gt0.to(tl.int32) + (inb.to(tl.int32) << 16), axis=0)
-            if both == n_hi + (n_at << 16):
-                _select_exact(key, pos, gt0, n_hi, inb, K - A - n_hi, n_at, A, out_row, pt_row, stride_ptp, PAGE_SIZE,
-                              scr_ptr + b.to(tl.int64) * SCR, RB, MT, PAGED)
-            else:  # (not expected) the rounds over every candidate
-                _select_exact(key, pos, inr & False, N * 0, inr, K - A, N, A, out_row, pt_row, stride_ptp, PAGE_SIZE,
-                              scr_ptr + b.to(tl.int64) * SCR, RB, MT, PAGED)
+            # (not expected) counts that disagree: nothing preselected, the rounds over every candidate
+            hist_ok = both == n_hi + (n_at << 16)
+            # hist_ok as a tensor mask (every cb < 2^LOGB): the interpreter rejects `mask & scalar`
+            okm = cb >= tl.where(hist_ok, 0, 1 << LOGB)
+            gt0 = gt0 & okm
+            inb = (inb & okm) | (inr & ~okm)
+            n_hi = tl.where(hist_ok, n_hi, 0)
+            n_at = tl.where(hist_ok, n_at, N)
+            _select_exact(key, pos, gt0, n_hi, inb, K - A - n_hi, n_at, A, out_row, pt_row, stride_ptp, PAGE_SIZE,
+                          scr_ptr + b.to(tl.int64) * SCR, RB, MT, PAGED)
         elif (A > K) & (A <= CB * TA) & (tl.max(na, axis=0) <= CAPA):
             # Missed high (more than K scores above the bracket), no segment truncated: the K best
             # are among them. Gather their positions (chunk by chunk, in position order), read
@@ -634,19 +639,19 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     assert p.CAPA + block < 1 << 16 and p.CAPG + block < 1 << 15, "segment capacity too large for the scan"
     if first <= 1 <= stages:
         _bracket_kernel[(B,)](logits, lengths, p.br, p.hist, L, logits.stride(0), margin, margin_lo,
-                              K=p.k, SAMPLE=sample, G=GROUP, RB=rbits, NBIN=NBIN, PDL=pdl,
+                              K=p.k, SAMPLE=sample, G=GROUP, RB=rbits, LOGB=LOGB, PDL=pdl,
                               num_warps=bracket_warps or (16 if not interp else 1), **launch)
     if first <= 2 <= stages:
         _scan_kernel[(B, p.C)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, L, logits.stride(0), p.chunk,
                                p.C, K=p.k, BLOCK=block, V=v, VEC=vec, CAPA=p.CAPA, CAPG=p.CAPG, LOGB=LOGB,
-                               HB=32 * warps, PDL=pdl,
-                               num_warps=warps, **launch)
+                               HB=32 * warps, PDL=pdl, num_warps=warps, **launch)
     if first <= 3 <= stages:
         _finish_kernel[(B,)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, p.scratch, out, pt,
                              L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
                              K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA, CAPG=p.CAPG,
                              TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR,
-                             MT=select_tile, LOGB=LOGB, PAGED=page_table is not None, PDL=pdl, num_warps=finish_warps or warps, **launch)
+                             MT=select_tile, LOGB=LOGB, PAGED=page_table is not None, PDL=pdl,
+                             num_warps=finish_warps or warps, **launch)
 
 
 def topk_triton(
