@@ -93,7 +93,6 @@ def test_topk_small_rows():
     cases.check_topk(3, 100, 128, [100, 50, 0])
 
 
-
 @pytest.mark.parametrize("block,scan_v", [(256, 4), (256, 16), (512, 8), (1024, 32)])
 def test_topk_scan_layouts(block, scan_v):
     # the scan's block shapes ([T, J, VEC] with V = scan_v consecutive scores per thread-row); an
@@ -196,6 +195,7 @@ def test_topk_scan_segments_exact(block, scan_v):
             if len(cand) <= plan.CAPG:
                 bits = x[b, cand].view(torch.int32).long() & 0xFFFFFFFF
                 assert torch.equal(plan.cseg[b, c, : len(cand)], (cand << 32) | bits), (b, c)
+
 
 def test_topk_stale_workspace_never_read():
     # the finish loads whole segment tiles before their counts arrive: whatever lies past the
