@@ -282,31 +282,31 @@ def _mla_setup(B, H, K=2048, ctx=8192, page_size=64, n_layers=2, R=512, P=64):
 
 
 # Schedule variants of sparse_mla_triton timed by --sweep (kwargs of the op) at B=64, per head
-# count, around the default (BLOCK_N 64, BLOCK_H 64, 8 warps, 3 stages, column halves; its own row
-# is the plain bench row). First H200 sweep at H=64: 99 us default, 105 us without halves, 144 us
-# at 2 stages. Offline sm_90 compiles (Triton 3.6): BLOCK_N 64 gets two shared buffers for the
-# cache rows at 3 stages (222 KB with q's tile) and 4 stages gives the same binary (no room for a
-# third); BLOCK_N 32 gets two buffers at 3-4 stages and three at 5 (185 KB; 6 gives the same
-# binary as 5); 4 warps hold the 64 x 512 fp32 accumulator on one warpgroup and spill ~2.5 KB a
-# thread; warp_specialize=True on the loop compiles to the same binary (not swept).
+# count, around the default (the Hopper kernel: 64-slot blocks, two buffers, one wave of splits;
+# its own row is the plain bench row). The `tl` kernel's own sweeps (BLOCK_N, stages, warps, column
+# halves) are in benchmarks/RESULTS.md; its default is kept here as the reference row. Hopper
+# variants measured and dropped (H200, 2026-11-30, all slower than the default's 70 us at H=64):
+# the PV product left running into the next block with the gathers issued after the row-max
+# exchange (80 us), L2 prefetches of the block after next (75-85 us), the combine done by each
+# token's last split instead of a second kernel (75.5 us; 86 us at B=1, one program reads every
+# split).
 MLA_SWEEP: dict[int, list[dict]] = {
     64: [
-        dict(block_n=32, block_h=64, num_warps=8, num_stages=4),
-        dict(block_n=32, block_h=64, num_warps=8, num_stages=5),
-        dict(block_n=64, block_h=64, num_warps=8, num_stages=3, num_splits=1),  # 64 programs
-        dict(block_n=64, block_h=64, num_warps=8, num_stages=3, num_splits=4),  # 256 programs
-        dict(block_n=64, block_h=64, num_warps=4, num_stages=3),
+        dict(kernel="tl"),  # the portable kernel's default, against the Hopper kernel's plain row
+        dict(kernel="hopper", num_splits=1),
+        dict(kernel="hopper", num_splits=4),
+        dict(kernel="hopper", block_n=32, num_buffers=4),
     ],
     128: [  # the default is one split here (128 programs)
-        dict(block_n=64, block_h=64, num_warps=8, num_stages=3, col_halves=False),  # first sweep: 175.5 us
-        dict(block_n=32, block_h=64, num_warps=8, num_stages=5),
-        dict(block_n=64, block_h=64, num_warps=8, num_stages=3, num_splits=2),
+        dict(kernel="tl"),
+        dict(kernel="hopper", num_splits=2),
     ],
 }
 
 
 def _mla_cfg_name(cfg: dict) -> str:
-    short = dict(block_n="n", block_h="h", num_warps="w", num_stages="s", num_splits="sp", col_halves="halves")
+    short = dict(block_n="n", block_h="h", num_warps="w", num_stages="s", num_splits="sp", col_halves="halves",
+                 kernel="", num_buffers="b")
     return "".join(short[k] if v is True else ("no" + short[k]) if v is False else f"{short[k]}{v}"
                    for k, v in cfg.items())
 

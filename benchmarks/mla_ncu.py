@@ -16,13 +16,12 @@ from glm53.kernels.sparse_mla_triton import sparse_mla_triton
 
 
 def parse_cfg(text: str) -> dict:
-    """'block_n=32,col_halves=false' -> kwargs of sparse_mla_triton (ints; 'true'/'false')."""
+    """'kernel=tl,block_n=32,col_halves=false' -> kwargs of sparse_mla_triton (ints, 'true'/'false', strings)."""
     cfg = {}
     for item in filter(None, text.split(",")):
         k, v = item.split("=")
-        cfg[k.strip()] = {"true": True, "false": False}.get(v.strip().lower(), None)
-        if cfg[k.strip()] is None:
-            cfg[k.strip()] = int(v)
+        v = v.strip()
+        cfg[k.strip()] = {"true": True, "false": False}.get(v.lower(), int(v) if v.isdigit() else v)
     return cfg
 
 

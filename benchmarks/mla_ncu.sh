@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Profile the sparse MLA kernel (T=64, H=64, 2048 slots) with Nsight Compute and print its top
 # warp stall reasons and a few headline metrics. From the repo root on the GPU machine:
-#   source tools/device_env.sh && bash benchmarks/mla_ncu.sh [kwargs, e.g. block_n=32,num_stages=5,col_halves=false]
+#   source tools/device_env.sh && bash benchmarks/mla_ncu.sh [kwargs, e.g. kernel=tl,block_n=32,num_stages=5]
 # The first kernel launches (compile, check) are skipped; one launch of the main kernel is profiled.
 set -euo pipefail
 CFG="${1:-}"
 OUT="${OUT:-/tmp}/mla_ncu_$$.csv"
-ncu --clock-control none --set full -k regex:_sparse_mla_kernel --launch-skip 1 --launch-count 1 \
+ncu --clock-control none --set full -k regex:_sparse_mla_ --launch-skip 1 --launch-count 1 \
     --csv --page raw python benchmarks/mla_ncu.py --cfg "$CFG" --reps 2 > "$OUT"
 grep -v '^"' "$OUT" || true  # the script's own lines (rel err)
 python - "$OUT" <<'PY'

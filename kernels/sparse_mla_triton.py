@@ -7,6 +7,10 @@ per block of BLOCK_N slots (q_nope·c^T + q_pe·k_pe^T, then P·c) and writes ei
 (one split) or its normalized partial output and log-sum-exp (base 2) for `_combine_kernel`.
 Slots of -1 are masked out; a token with no valid slot gets zeros (as the reference).
 
+On Hopper the GLM-5 shapes run `sparse_mla_hopper` (Gluon, explicit warpgroup layouts; 70 us
+against this kernel's 98 us at 64 tokens x 64 heads) through `kernel=None`; this kernel is the
+portable one, and the one CI runs under TRITON_INTERPRET=1 (Gluon has no interpreter).
+
 Schedule (H200, 64 tokens x 2048 slots, bf16; benchmarks/kernels.py --sweep): BLOCK_N 64 slots,
 BLOCK_H 64 heads on 8 warps, 3 pipeline stages (the slot indices feed the gathers' addresses, so
 the pipeliner needs a third stage to prefetch the gathers), the latent row loaded as two column
@@ -24,6 +28,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.sparse_mla_hopper import BLOCK_H as HOPPER_BLOCK_H, hopper_supports, sparse_mla_hopper
 
 LOG2E = 1.4426950408889634
 
@@ -140,8 +145,10 @@ def _sparse_mla_kernel(
 @triton.jit
 def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, NSPLIT, stride_ot, stride_oh,
-    H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SP: tl.constexpr,
+    H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SP: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched while the split kernel drains (programmatic dependent launch)
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)  # t * H + h
     t = pid // H
     h = pid % H
@@ -165,6 +172,20 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def _launch_tl(q, kv_cache, indices, out, part, lse, K, qk_scale, split_len, R, P, BLOCK_R, BLOCK_P, block_h,
+               block_n, nhb, num_splits, col_halves, interp, num_warps, num_stages):
+    T, H, _ = q.shape
+    _sparse_mla_kernel[(T * nhb, num_splits)](
+        q, kv_cache, indices, out, part, lse,
+        K, qk_scale, split_len,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
+        out.stride(0), out.stride(1),
+        H=H, R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, PAGE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, NHB=nhb,
+        SPLIT=num_splits > 1, HALVES=col_halves, DOT_F32=interp,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+
+
 def sparse_mla_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -177,9 +198,14 @@ def sparse_mla_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     col_halves: bool = True,
+    kernel: str | None = None,
+    num_buffers: int | None = None,
 ) -> torch.Tensor:
-    """The schedule options (None: the measured defaults) and `col_halves` (the latent row as two
-    column halves, two accumulators) only change the speed, not the result."""
+    """The schedule options (None: the measured defaults) only change the speed, not the result.
+    `kernel`: "hopper" (the Gluon kernel of `sparse_mla_hopper`, sm_90 only; `block_n` and
+    `num_buffers` apply), "tl" (this module's kernel; `block_h`, `num_warps`, `num_stages` and
+    `col_halves`, the latent row as two column halves with two accumulators, apply) or None: the
+    Hopper kernel wherever it supports the shapes, else this one."""
     T, H, Dqk = q.shape
     num_pages, page_size, Dkv = kv_cache.shape
     R = kv_lora_rank
@@ -195,6 +221,14 @@ def sparse_mla_triton(
     if indices.stride(1) != 1:
         indices = indices.contiguous()
     interp = triton_interpreting()
+    if kernel is None:
+        kernel = "hopper" if not interp and hopper_supports(q, kv_cache, R) else "tl"
+    assert kernel in ("hopper", "tl"), kernel
+    if kernel == "hopper":
+        assert hopper_supports(q, kv_cache, R), "the Hopper kernel needs sm_90, 16-bit operands and 64-head tiles"
+        block_h = HOPPER_BLOCK_H
+        block_n = block_n or 64
+        num_buffers = num_buffers or (2 if block_n >= 64 else 4)  # what fits next to q's tile in 227 KB
     BLOCK_R = max(32, triton.next_power_of_2(R))  # halves stay >= 16 wide (tl.dot's minimum)
     BLOCK_P = max(16, triton.next_power_of_2(max(P, 1)))
     if block_h is None:
@@ -219,19 +253,15 @@ def sparse_mla_triton(
         lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never touched
-    _sparse_mla_kernel[(T * nhb, num_splits)](
-        q, kv_cache, indices, out, part, lse,
-        K, qk_scale, split_len,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
-        out.stride(0), out.stride(1),
-        H=H, R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, PAGE=page_size, BLOCK_H=block_h, BLOCK_N=block_n, NHB=nhb,
-        SPLIT=num_splits > 1, HALVES=col_halves, DOT_F32=interp,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-    )
+    if kernel == "hopper":
+        sparse_mla_hopper(q, kv_cache, indices, out, part, lse, qk_scale, split_len, R, num_splits, block_n, num_buffers)
+    else:
+        _launch_tl(q, kv_cache, indices, out, part, lse, K, qk_scale, split_len, R, P, BLOCK_R, BLOCK_P, block_h,
+                   block_n, nhb, num_splits, col_halves, interp, num_warps, num_stages)
     if num_splits > 1:
         _combine_kernel[(T * H,)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
-            H=H, R=R, BLOCK_R=BLOCK_R, BLOCK_SP=triton.next_power_of_2(num_splits),
-            num_warps=1 if interp else 4,
+            H=H, R=R, BLOCK_R=BLOCK_R, BLOCK_SP=triton.next_power_of_2(num_splits), PDL=not interp,
+            num_warps=1 if interp else 4, **({} if interp else dict(launch_pdl=True)),
         )
     return out
