@@ -287,7 +287,7 @@ def _mla_setup(B, H, K=2048, ctx=8192, page_size=64, n_layers=2, R=512, P=64):
 # halves) are in benchmarks/RESULTS.md; its default is kept here as the reference row. Hopper
 # variants measured and dropped (H200, 2026-11-30, all slower than the default's 70 us at H=64):
 # the PV product left running into the next block with the gathers issued after the row-max
-# exchange (80 us), L2 prefetches of the block after next (75-85 us), the combine done by each
+# exchange (80 us), the next block's gathers issued after (not before) the score product (71 us), L2 prefetches of the block after next (75-85 us), the combine done by each
 # token's last split instead of a second kernel (75.5 us; 86 us at B=1, one program reads every
 # split).
 MLA_SWEEP: dict[int, list[dict]] = {
