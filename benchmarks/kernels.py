@@ -282,20 +282,21 @@ def _mla_setup(B, H, K=2048, ctx=8192, page_size=64, n_layers=2, R=512, P=64):
 
 
 # Schedule variants of sparse_mla_triton timed by --sweep (kwargs of the op) at B=64, per head
-# count, around the default (the Hopper kernel: 64-slot blocks, two buffers, one wave of splits;
-# its own row is the plain bench row). The `tl` kernel's own sweeps (BLOCK_N, stages, warps, column
-# halves) are in benchmarks/RESULTS.md; its default is kept here as the reference row. Hopper
-# variants measured and dropped (H200, 2026-11-30, all slower than the default's 70 us at H=64):
-# the PV product left running into the next block with the gathers issued after the row-max
-# exchange (80 us), the next block's gathers issued after (not before) the score product (71 us), L2 prefetches of the block after next (75-85 us), the combine done by each
-# token's last split instead of a second kernel (75.5 us; 86 us at B=1, one program reads every
-# split).
+# count, around the default (the warp-specialized Hopper kernel: 64-slot blocks, one wave of
+# splits; its own row is the plain bench row). The `tl` kernel's own sweeps (BLOCK_N, stages,
+# warps, column halves) are in benchmarks/RESULTS.md; its default is kept as the reference row.
+# Earlier single-role Hopper versions, measured and dropped (H200, 2026-11-30, against 69-71 us for
+# that version's default at H=64): the PV product left running into the next block with the
+# gathers issued after the row-max exchange (80 us); gathers issued after the score product (71);
+# buffers refilled at the end of their block, two blocks in flight (84); L2 prefetches of the block
+# after next (75-85); 32-slot blocks in 3-4 buffers (85-97); the combine done by each token's last
+# split instead of a second kernel (75.5; 86 at B=1, where one program reads every split).
 MLA_SWEEP: dict[int, list[dict]] = {
     64: [
         dict(kernel="tl"),  # the portable kernel's default, against the Hopper kernel's plain row
         dict(kernel="hopper", num_splits=1),
         dict(kernel="hopper", num_splits=4),
-        dict(kernel="hopper", block_n=32, num_buffers=4),
+        dict(kernel="hopper", block_n=32),
     ],
     128: [  # the default is one split here (128 programs)
         dict(kernel="tl"),
@@ -306,7 +307,7 @@ MLA_SWEEP: dict[int, list[dict]] = {
 
 def _mla_cfg_name(cfg: dict) -> str:
     short = dict(block_n="n", block_h="h", num_warps="w", num_stages="s", num_splits="sp", col_halves="halves",
-                 kernel="", num_buffers="b")
+                 kernel="")
     return "".join(short[k] if v is True else ("no" + short[k]) if v is False else f"{short[k]}{v}"
                    for k, v in cfg.items())
 

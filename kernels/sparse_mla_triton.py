@@ -7,8 +7,8 @@ per block of BLOCK_N slots (q_nope·c^T + q_pe·k_pe^T, then P·c) and writes ei
 (one split) or its normalized partial output and log-sum-exp (base 2) for `_combine_kernel`.
 Slots of -1 are masked out; a token with no valid slot gets zeros (as the reference).
 
-On Hopper the GLM-5 shapes run `sparse_mla_hopper` (Gluon, explicit warpgroup layouts; 70 us
-against this kernel's 98 us at 64 tokens x 64 heads) through `kernel=None`; this kernel is the
+On Hopper the GLM-5 shapes run `sparse_mla_hopper` (Gluon, warp-specialized; 61 us against this
+kernel's 98 us at 64 tokens x 64 heads) through `kernel=None`; this kernel is the
 portable one, and the one CI runs under TRITON_INTERPRET=1 (Gluon has no interpreter).
 
 Schedule (H200, 64 tokens x 2048 slots, bf16; benchmarks/kernels.py --sweep): BLOCK_N 64 slots,
@@ -199,11 +199,10 @@ def sparse_mla_triton(
     num_stages: int | None = None,
     col_halves: bool = True,
     kernel: str | None = None,
-    num_buffers: int | None = None,
 ) -> torch.Tensor:
     """The schedule options (None: the measured defaults) only change the speed, not the result.
-    `kernel`: "hopper" (the Gluon kernel of `sparse_mla_hopper`, sm_90 only; `block_n` and
-    `num_buffers` apply), "tl" (this module's kernel; `block_h`, `num_warps`, `num_stages` and
+    `kernel`: "hopper" (the Gluon kernel of `sparse_mla_hopper`, sm_90 only; `block_n` 32 or 64
+    applies), "tl" (this module's kernel; `block_h`, `num_warps`, `num_stages` and
     `col_halves`, the latent row as two column halves with two accumulators, apply) or None: the
     Hopper kernel wherever it supports the shapes, else this one."""
     T, H, Dqk = q.shape
@@ -228,7 +227,7 @@ def sparse_mla_triton(
         assert hopper_supports(q, kv_cache, R), "the Hopper kernel needs sm_90, 16-bit operands and 64-head tiles"
         block_h = HOPPER_BLOCK_H
         block_n = block_n or 64
-        num_buffers = num_buffers or (2 if block_n >= 64 else 4)  # what fits next to q's tile in 227 KB
+        assert block_n in (32, 64), "the Hopper kernel's slot block is 32 or 64 (64 fills shared memory)"
     BLOCK_R = max(32, triton.next_power_of_2(R))  # halves stay >= 16 wide (tl.dot's minimum)
     BLOCK_P = max(16, triton.next_power_of_2(max(P, 1)))
     if block_h is None:
@@ -254,7 +253,7 @@ def sparse_mla_triton(
     else:
         part = lse = out  # never touched
     if kernel == "hopper":
-        sparse_mla_hopper(q, kv_cache, indices, out, part, lse, qk_scale, split_len, R, num_splits, block_n, num_buffers)
+        sparse_mla_hopper(q, kv_cache, indices, out, part, lse, qk_scale, split_len, R, num_splits, block_n)
     else:
         _launch_tl(q, kv_cache, indices, out, part, lse, K, qk_scale, split_len, R, P, BLOCK_R, BLOCK_P, block_h,
                    block_n, nhb, num_splits, col_halves, interp, num_warps, num_stages)

@@ -93,15 +93,16 @@ def test_sparse_mla_tiny(num_splits):
     dict(kernel="tl", col_halves=False, num_warps=8, num_stages=2, num_splits=3),
     dict(kernel="hopper", num_splits=1),
     dict(kernel="hopper", num_splits=3),
-    dict(kernel="hopper", block_n=32, num_buffers=4),
-    dict(kernel="hopper", block_n=32, num_buffers=3, num_splits=5),
-    dict(kernel="hopper", num_buffers=3, block_n=32, num_splits=1),
+    dict(kernel="hopper", block_n=32),
+    dict(kernel="hopper", block_n=32, num_splits=5),
+    dict(kernel="hopper", block_n=32, num_splits=1),
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_sparse_mla_variants_glm5(H, kw):
     cases.check_sparse_mla(4, H, 512, 64, 2048, page_size=64, device=DEV, n_ctx=8192, **kw)
 
 
-@pytest.mark.parametrize("kw", [dict(num_splits=None), dict(num_splits=1), dict(num_splits=4, block_n=32)])
+@pytest.mark.parametrize("kw", [dict(num_splits=None), dict(num_splits=1), dict(num_splits=4, block_n=32),
+                                dict(num_splits=40)])
 def test_sparse_mla_hopper_ragged(kw):
     # K not a multiple of the slot block, a small page size, several head tiles
     cases.check_sparse_mla(5, 128, 512, 64, 1000, page_size=16, device=DEV, n_ctx=4096, kernel="hopper", **kw)
