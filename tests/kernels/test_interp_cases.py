@@ -109,11 +109,12 @@ def _check_raw(x, lens, k, **knobs):
     cases._rows_equal_as_sets(topk_triton(x, lens, k, **knobs), dsa_topk_reference(x, lens, k))
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(margin=8.0, margin_lo=-1.0), dict(block=256, scan_v=8)])
+@pytest.mark.parametrize("knobs", [dict(), dict(margin=8.0, margin_lo=-1.0), dict(margin=8.0, margin_lo=-12.0),
+                                   dict(block=256, scan_v=8)])
 def test_topk_nan_and_bracket_edges(knobs):
     # NaN sorts first (torch's descending sort); k = 3 on 9000 scores: nothing is surely above the
     # bracket (hi = top), so NaN and +inf must land among the candidates; margin_lo < 0 can give
-    # lo > hi (no candidates at all)
+    # lo > hi (no candidates at all), and at -12 a lower rank <= 0 (lo's rounds take top bins)
     x = torch.randn(4, 9000)
     x[0, torch.randperm(9000)[:5]] = float("nan")
     x[1, torch.randperm(9000)[:2]] = float("inf")
