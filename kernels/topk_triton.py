@@ -78,14 +78,23 @@ def _ukey(x, valid):
 
 @triton.jit
 def _threshold(hist, need, NB: tl.constexpr):
-    """Largest bin t with (#keys in bins >= t) >= need; the counts of keys in bins > t and in t."""
+    """Largest bin t with (#keys in bins >= t) >= need; the counts of keys in bins > t and in t.
+    Callers keep need <= the total and counts below 2^27."""
     b = tl.arange(0, NB)
-    total = tl.sum(hist, axis=0)
-    suffix = total - tl.cumsum(hist, axis=0) + hist  # keys in bins >= b
-    t = tl.max(tl.where(suffix >= need, b, -1), axis=0)
-    above = tl.sum(tl.where(b > t, hist, 0), axis=0)
-    at = tl.sum(tl.where(b == t, hist, 0), axis=0)
-    return t, above, at
+    if NB <= 32:
+        # the bins fit one warp: each reduction is one instruction (redux), no block sync
+        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys in bins >= b
+        t = tl.max(tl.where(suffix >= need, b, -1), axis=0)
+        above = tl.sum(tl.where(b > t, hist, 0), axis=0)
+        at = tl.sum(tl.where(b == t, hist, 0), axis=0)
+        return t, above, at
+    else:
+        # each block-wide reduction is a sync round: a suffix sum, then one max over (bin, above,
+        # at) packed in an int64
+        suffix = tl.cumsum(hist, axis=0, reverse=True)
+        packed = (b.to(tl.int64) << 54) | ((suffix - hist).to(tl.int64) << 27) | hist
+        best = tl.max(tl.where(suffix >= need, packed, -1), axis=0)
+        return (best >> 54).to(tl.int32), ((best >> 27) & 0x7FFFFFF).to(tl.int32), (best & 0x7FFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -362,7 +371,10 @@ def _select_exact(key, pos, gt0, n_gt, inr, need, rem, base, out_row, pt_row, st
     if (rem > need) & (rem <= MT):
         # rank the few keys left pairwise: v orders by key, then by lowest position
         v = (sk.to(tl.int64) << 32) | (0xFFFFFFFF - pos.to(tl.int64))
-        r = tl.cumsum(inr.to(tl.int32), axis=0) - 1
+        # one prefix sum (a costly one here: block-wide, over layout repeats) ranks both the
+        # selected keys (low half: their output slots) and those in range (their scratch slots)
+        both = tl.cumsum(gt.to(tl.int32) + (inr.to(tl.int32) << 16), axis=0)
+        r = (both >> 16) - 1
         tl.debug_barrier()  # a caller may have staged data in the scratch
         tl.store(scr_row + r, v, mask=inr)
         tl.debug_barrier()  # written by other threads of this program
@@ -378,16 +390,17 @@ def _select_exact(key, pos, gt0, n_gt, inr, need, rem, base, out_row, pt_row, st
                 better += tl.sum((vj[None, :] > vt[:, None]).to(tl.int32), axis=1)
         chosen = (i < rem) & (better < need)
         cpos = (0xFFFFFFFF - (vt & 0xFFFFFFFF)).to(tl.int32)
-        cslot = base + n_gt + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(out_row + cslot, _to_out(tl.where(chosen, cpos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED),
-                 mask=chosen)
+        # v is a total order: the chosen keys' counts of better ones are 0 .. need - 1, their slots
+        tl.store(out_row + base + n_gt + better, _to_out(tl.where(chosen, cpos, 0), pt_row, stride_ptp, PAGE_SIZE,
+                                                          PAGED), mask=chosen)
         sel = gt
+        slot = base + (both & 0xFFFF) - 1
     else:
         # all in range selected, or every in-range key equal (bits exhausted): lowest positions win
         if rem > need:
             inr = inr & (tl.cumsum(inr.to(tl.int32), axis=0) <= need)
         sel = gt | inr
-    slot = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        slot = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
     tl.store(out_row + slot, _to_out(tl.where(sel, pos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
 
 
@@ -625,6 +638,7 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     waits, so a kernel's end implies its predecessors' ends. `select_tile`: see `_select_exact`."""
     assert select_tile & (select_tile - 1) == 0 and 16 <= select_tile <= 256, "select_tile: a power of two in [16, 256]"
     B, L = logits.shape
+    assert L < 1 << 27, "rows longer than the 27-bit counts of `_threshold`"
     p = plan
     if page_table is not None:
         pt = page_table.to(device=logits.device, dtype=torch.int32)
@@ -644,6 +658,8 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     assert block % v == 0 and v % vec == 0 and (block // v) & (block // v - 1) == 0, (block, v)
     # the scan ranks both segments in one int32 (above in the low half, candidates in the high)
     assert p.CAPA + block < 1 << 16 and p.CAPG + block < 1 << 15, "segment capacity too large for the scan"
+    # the finish ranks two counts over its tiles in one int32 (`_select_exact`)
+    assert max(p.CB * p.TA, p.CB * p.TC) < 1 << 16, "finish tiles too large"
     if first <= 1 <= stages:
         _bracket_kernel[(B,)](logits, lengths, p.br, p.hist, L, logits.stride(0), margin, margin_lo,
                               K=p.k, SAMPLE=sample, G=GROUP, RB=rbits, LOGB=LOGB, PDL=pdl,
@@ -685,7 +701,7 @@ def topk_triton(
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
     margins to force the overflow, re-selection and fallback paths."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert 16 % rbits == 0 and sample % GROUP == 0 and sample & (sample - 1) == 0
+    assert rbits in (1, 2, 4, 8) and sample % GROUP == 0 and sample & (sample - 1) == 0
     B, L = logits.shape
     out = torch.empty((B, k), dtype=torch.int32, device=logits.device)
     if B == 0 or k == 0:
