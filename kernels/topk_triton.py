@@ -26,7 +26,7 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    row itself: slower, equally exact. The bracket's lower margin is the wider one for that reason.
 
 With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while
-its predecessor runs: the scan loads its first block and the finish writes its short rows before
+its predecessor runs: the scan loads its first two blocks and the finish writes its short rows before
 they wait (griddepcontrol.wait) for the predecessor's results; every program waits once, so each
 kernel's end implies its predecessors' ends (the workspace is safe to reuse by the next call).
 
@@ -57,6 +57,7 @@ GROUP = 8  # contiguous scores per sample group (one 32-byte sector)
 MARGIN = 4.0  # bracket half-width above the target, in binomial standard deviations of the sample rank
 LO_EXTRA = 1.5  # ... and this many more below it (a miss below costs the streaming fallback)
 BLOCK = 2048  # scores per step of the streaming pass
+SCAN_PREFETCH = 2  # blocks in flight per scan program
 MAX_CHUNKS = 32  # programs per row in the streaming pass
 RBITS = 4  # radix digit of the exact rounds: 16-bin histograms (cheap per element)
 LOGB = 8  # the scan's histogram of each row's candidates has 2^LOGB bins over the bracket
@@ -240,7 +241,7 @@ def _scan_step(x, offs, end, t_hi, t_lo, top, n_above, n_cand, aseg, cseg,
 def _scan_kernel(
     x_ptr, len_ptr, br_ptr, stat_ptr, aseg_ptr, cseg_ptr, hist_ptr, L, stride_xb, CHUNK, C,
     K: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr, VEC: tl.constexpr, CAPA: tl.constexpr,
-    CAPG: tl.constexpr, LOGB: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr,
+    CAPG: tl.constexpr, LOGB: tl.constexpr, HB: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -260,8 +261,12 @@ def _scan_kernel(
     jv = tl.arange(0, J)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
     tile = t_off + jv
     x_thr = x_row + t_off  # [T, 1, 1]: + a block start + jv (constants in registers) addresses a block
-    # the first block does not depend on the bracket: with PDL its load overlaps the bracket's end
-    nxt = tl.load(x_row + start + tile, mask=start + tile < tl.where(n > K, lim, 0), other=0.0)
+    # the first PF blocks do not depend on the bracket: with PDL their loads overlap the bracket's
+    # end (two cover a whole chunk at B <= 8, L = 128K), and PF blocks stay in flight in the loop
+    ldlim = tl.where(n > K, lim, 0)
+    nxt = tl.load(x_row + start + tile, mask=start + tile < ldlim, other=0.0)
+    if PF == 2:
+        nxt2 = tl.load(x_row + start + BLOCK + tile, mask=start + BLOCK + tile < ldlim, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # br is the bracket kernel's output (and stat/aseg/cseg free)
         tl.extra.cuda.gdc_launch_dependents()
@@ -286,10 +291,14 @@ def _scan_kernel(
         for s in range(start, full, BLOCK):
             offs = s + tile
             x = nxt.to(tl.float32)
-            # the next block's load is in flight while this one is classified and compacted. It is
-            # unmasked: a block that would cross the chunk's end in the allocation (only a partial
-            # last block can) is replaced by one inside it, and reloaded masked below
-            nxt = tl.load((x_thr + tl.minimum(s + BLOCK, lim - BLOCK)) + jv)
+            # the next PF blocks' loads are in flight while this one is classified and compacted.
+            # They are unmasked: a block that would cross the chunk's end in the allocation (only a
+            # partial last block can) is replaced by one inside it, and reloaded masked below
+            if PF == 2:
+                nxt = nxt2
+                nxt2 = tl.load((x_thr + tl.minimum(s + 2 * BLOCK, lim - BLOCK)) + jv)
+            else:
+                nxt = tl.load((x_thr + tl.minimum(s + BLOCK, lim - BLOCK)) + jv)
             n_above, n_cand = _scan_step(x, offs, end, t_hi, t_lo, top, n_above, n_cand, aseg, cseg,
                                          CAPA, CAPG, False)
         if full < end:  # the row's last, partial block
@@ -626,17 +635,19 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
              margin: float = MARGIN, margin_lo: float | None = None, block: int = BLOCK, rbits: int = RBITS,
              num_warps: int | None = None, bracket_warps: int | None = None, stages: int = 3,
              scan_v: int | None = None, pdl: bool | None = None, first: int = 1,
-             select_tile: int = SELECT_TILE, finish_warps: int | None = None) -> None:
+             select_tile: int = SELECT_TILE, finish_warps: int | None = None, scan_prefetch: int = SCAN_PREFETCH) -> None:
     """Launch the bracket, scan and finish kernels of `plan` (stages `first`..`stages` of them, 1-based:
     the benchmark's probe times prefixes, tests run the scan on brackets of their own).
     `logits` has unit column stride, `lengths` is int32.
 
+    `scan_prefetch`: blocks each scan program keeps in flight (1 or 2).
     `scan_v`: consecutive scores per thread in the scan (default: a block spans the program's
     threads once). `pdl`: programmatic dependent launch (default: on for CUDA tensors unless
     interpreting): each kernel is launched while its predecessor runs and waits (griddepcontrol)
     before it reads what the predecessor writes or writes what it may still read; every program
     waits, so a kernel's end implies its predecessors' ends. `select_tile`: see `_select_exact`."""
     assert select_tile & (select_tile - 1) == 0 and 16 <= select_tile <= 256, "select_tile: a power of two in [16, 256]"
+    assert scan_prefetch in (1, 2), "scan_prefetch: 1 or 2"
     B, L = logits.shape
     assert L < 1 << 27, "rows longer than the 27-bit counts of `_threshold`"
     p = plan
@@ -655,6 +666,9 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     vec = 16 // logits.element_size()  # one 16-byte load
     v = scan_v or max(block // (32 * warps), vec)
     vec = min(vec, v)
+    # at most 64 registers (no spills up to 8 scores a thread): 4 programs of 8 warps per SM, each
+    # with `scan_prefetch` blocks in flight (uncapped, 2 blocks take ~95 and 2 programs fit)
+    scan_regs = dict(maxnreg=64) if block // (32 * warps) <= 8 and not interp else {}
     assert block % v == 0 and v % vec == 0 and (block // v) & (block // v - 1) == 0, (block, v)
     # the scan ranks both segments in one int32 (above in the low half, candidates in the high)
     assert p.CAPA + block < 1 << 16 and p.CAPG + block < 1 << 15, "segment capacity too large for the scan"
@@ -667,7 +681,7 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     if first <= 2 <= stages:
         _scan_kernel[(B, p.C)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, L, logits.stride(0), p.chunk,
                                p.C, K=p.k, BLOCK=block, V=v, VEC=vec, CAPA=p.CAPA, CAPG=p.CAPG, LOGB=LOGB,
-                               HB=32 * warps, PDL=pdl, num_warps=warps, **launch)
+                               HB=32 * warps, PF=scan_prefetch, PDL=pdl, num_warps=warps, **launch, **scan_regs)
     if first <= 3 <= stages:
         _finish_kernel[(B,)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, p.scratch, out, pt,
                              L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
@@ -696,6 +710,7 @@ def topk_triton(
     pdl: bool | None = None,
     select_tile: int = SELECT_TILE,
     finish_warps: int | None = None,
+    scan_prefetch: int = SCAN_PREFETCH,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
@@ -712,5 +727,5 @@ def topk_triton(
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
              num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,
-             finish_warps=finish_warps)
+             finish_warps=finish_warps, scan_prefetch=scan_prefetch)
     return out

@@ -93,13 +93,15 @@ def test_topk_small_rows():
     cases.check_topk(3, 100, 128, [100, 50, 0])
 
 
-@pytest.mark.parametrize("block,scan_v", [(256, 4), (256, 16), (512, 8), (1024, 32)])
-def test_topk_scan_layouts(block, scan_v):
-    # the scan's block shapes ([T, J, VEC] with V = scan_v consecutive scores per thread-row); an
-    # odd row length (a last block that crosses the allocation: reloaded masked), ragged rows
-    cases.check_topk(4, 9001, 256, [9001, 8999, 4100, 300], block=block, scan_v=scan_v, max_chunks=4)
+@pytest.mark.parametrize("block,scan_v,prefetch", [(256, 4, 2), (256, 4, 1), (256, 16, 2), (512, 8, 1), (1024, 32, 2)])
+def test_topk_scan_layouts(block, scan_v, prefetch):
+    # the scan's block shapes ([T, J, VEC] with V = scan_v consecutive scores per thread-row) and
+    # blocks in flight; an odd row length (a last block that crosses the allocation: reloaded
+    # masked), ragged rows, chunks of one block and of several
+    cases.check_topk(4, 9001, 256, [9001, 8999, 4100, 300], block=block, scan_v=scan_v, max_chunks=4,
+                     scan_prefetch=prefetch)
     cases.check_topk(2, 6000, 200, [6000, 5000], kind="coarse", dtype=torch.bfloat16, block=block,
-                     scan_v=scan_v)
+                     scan_v=scan_v, scan_prefetch=prefetch)
 
 
 def _check_raw(x, lens, k, **knobs):
@@ -152,8 +154,8 @@ def _cand_bins(key32, lo, hi, logb=8):
     return (((key32 - klo) & 0xFFFFFFFF) >> sh).clamp(max=(1 << logb) - 1)
 
 
-@pytest.mark.parametrize("block,scan_v", [(256, 4), (512, 16), (2048, None)])
-def test_topk_scan_segments_exact(block, scan_v):
+@pytest.mark.parametrize("block,scan_v,prefetch", [(256, 4, 2), (256, 4, 1), (512, 16, 2), (2048, None, 1)])
+def test_topk_scan_segments_exact(block, scan_v, prefetch):
     # the scan's own contract, on brackets set by hand (normal, nothing above: hi = 0xffff,
     # lo > hi, everything a candidate: lo <= 0x7f): per chunk, the counts of key16 > hi and of
     # lo <= key16 <= hi, and both segments in position order (candidates with their fp32 bits)
@@ -175,7 +177,7 @@ def test_topk_scan_segments_exact(block, scan_v):
                       dtype=torch.int32)
     plan.br.copy_(br)
     plan.hist.zero_()  # (the bracket kernel clears it; it is not run here)
-    tt.run_topk(plan, x, lens, out, block=block, scan_v=scan_v, first=2, stages=2)
+    tt.run_topk(plan, x, lens, out, block=block, scan_v=scan_v, first=2, stages=2, scan_prefetch=prefetch)
     key32 = _key32(x)
     for b in range(B):
         hi, lo = int(br[b, 0]), int(br[b, 1])
