@@ -12,10 +12,10 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    lo <= key16 <= hi are candidates and go, with their fp32 bits, to the chunk's candidate
    segment; both in position order, per chunk (deterministic). Each program then adds its
    candidates to the row's histogram of NBIN bins over the bracket (`_cand_bin`, atomics).
-3. `_finish_kernel`, grid (B): checks the bracket against the true counts (above <= k <=
-   above + candidates, and the candidates fit); then copies the above segments to the output in
-   chunk order and picks the k - above best candidates exactly, writing positions or, fused,
-   physical slots. The scan's histogram names the bin of the k-th score: candidates in higher
+3. `_finish_kernel`, grid (B, 2) (or (B, 1) past one wave): checks the bracket against the true
+   counts (above <= k <= above + candidates, and the candidates fit); then one program copies the
+   above segments to the output in chunk order while the other picks the k - above best
+   candidates exactly, writing positions or, fused, physical slots. The scan's histogram names the bin of the k-th score: candidates in higher
    bins are selected, those in it (a dozen or so) are ranked pairwise (key, then lowest
    position). Should that bin hold more than SELECT_TILE, radix rounds of RBITS bits on the keys'
    offsets from the smallest of them (first digit aligned to the top bit of their range) narrow
@@ -420,13 +420,17 @@ def _finish_kernel(
     K: tl.constexpr, KP2: tl.constexpr, CB: tl.constexpr, CAPA: tl.constexpr, CAPG: tl.constexpr,
     TA: tl.constexpr, TC: tl.constexpr, RB: tl.constexpr, FB: tl.constexpr, BLOCK: tl.constexpr,
     COPY: tl.constexpr, SCR: tl.constexpr, MT: tl.constexpr, LOGB: tl.constexpr, PAGED: tl.constexpr,
-    PDL: tl.constexpr,
+    NR: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
+    # NR = 2 programs per row: the copier writes the scores above the bracket (and short rows),
+    # the selector the candidates' share (or a fallback), in parallel; NR = 1: one does both
+    copier = tl.program_id(1) == 0
+    selector = tl.program_id(1) == NR - 1
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
     out_row = out_ptr + b.to(tl.int64) * stride_ob
     pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
-    if n <= K:
+    if (n <= K) & copier:
         # Every valid position is selected; -1 pads the rest (no input from the scan: with PDL
         # this runs while the scan finishes).
         for s in range(0, K, KP2):
@@ -446,13 +450,16 @@ def _finish_kernel(
         # What the usual path reads, all issued before the first use: the counts, both segment
         # tiles (whole, masked by their counts once those arrive), the histogram and the bracket.
         # One memory latency instead of a chain of them.
+        # (each program loads the tile it uses: masks from the scalar roles, as tensors)
         na = tl.load(stat, mask=cm, other=0)
         nc = tl.load(stat + 1, mask=cm, other=0)
         ta = tl.arange(0, TA)
         t = tl.arange(0, TC)
-        a_all = tl.load(aseg_ptr + (seg0 + cc[:, None]) * CAPA + ta[None, :], mask=cm[:, None] & (ta < CAPA)[None, :],
+        ca = cc < tl.where(copier, C, 0)
+        cs = cc < tl.where(selector, C, 0)
+        a_all = tl.load(aseg_ptr + (seg0 + cc[:, None]) * CAPA + ta[None, :], mask=ca[:, None] & (ta < CAPA)[None, :],
                         other=0)
-        c_all = tl.load(cseg_ptr + (seg0 + cc[:, None]) * CAPG + t[None, :], mask=cm[:, None] & (t < CAPG)[None, :],
+        c_all = tl.load(cseg_ptr + (seg0 + cc[:, None]) * CAPG + t[None, :], mask=cs[:, None] & (t < CAPG)[None, :],
                         other=0)
         NBIN: tl.constexpr = 1 << LOGB
         hist = tl.load(hist_ptr + b * NBIN + tl.arange(0, NBIN))
@@ -460,7 +467,8 @@ def _finish_kernel(
         b_lo = tl.load(br_ptr + b * 2 + 1)
         A = tl.sum(na, axis=0)
         N = tl.sum(nc, axis=0)
-        if (A <= K) & (A + N >= K) & (N <= CB * TC):
+        usual = (A <= K) & (A + N >= K) & (N <= CB * TC)
+        if usual & copier:
             # ---- the scores above the bracket, in chunk order (= position order)
             if tl.max(na, axis=0) <= TA:
                 # chunk c's segment goes to out[off_c : off_c + na_c]: no scan over the elements
@@ -471,6 +479,7 @@ def _finish_kernel(
             else:  # a chunk holds more than its tile: copy chunk by chunk
                 _concat_segments(aseg_ptr + seg0 * CAPA, CAPA, stat_ptr + b * C * 2, C, out_row, pt_row, stride_ptp,
                                  PAGE_SIZE, True, PAGED, COPY)
+        if usual & selector:
             # ---- the candidates, gathered in position order into [CB * TC]
             if tl.max(nc, axis=0) <= TC:
                 ok2 = t[None, :] < nc[:, None]
@@ -506,7 +515,7 @@ def _finish_kernel(
             n_at = tl.where(hist_ok, n_at, N)
             _select_exact(key, pos, gt0, n_hi, inb, K - A - n_hi, n_at, A, out_row, pt_row, stride_ptp, PAGE_SIZE,
                           scr_ptr + b.to(tl.int64) * SCR, RB, MT, PAGED)
-        elif (A > K) & (A <= CB * TA) & (tl.max(na, axis=0) <= CAPA):
+        elif (A > K) & (A <= CB * TA) & (tl.max(na, axis=0) <= CAPA) & selector:
             # Missed high (more than K scores above the bracket), no segment truncated: the K best
             # are among them. Gather their positions (chunk by chunk, in position order), read
             # their scores back and select exactly.
@@ -521,7 +530,7 @@ def _finish_kernel(
             a_key = _ukey(tl.load(x_row + a_pos, mask=a_ok, other=0.0).to(tl.float32), a_ok)
             _select_exact(a_key, a_pos, a_ok & False, A * 0, a_ok, A * 0 + K, A, 0, out_row, pt_row, stride_ptp,
                           PAGE_SIZE, srow, RB, MT, PAGED)
-        else:
+        elif selector:
             # Exact fallback over the row itself: FB-bit radix rounds, one streaming pass each.
             x_row = x_ptr + b.to(tl.int64) * stride_xb
             NF: tl.constexpr = 1 << FB
@@ -635,12 +644,15 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
              margin: float = MARGIN, margin_lo: float | None = None, block: int = BLOCK, rbits: int = RBITS,
              num_warps: int | None = None, bracket_warps: int | None = None, stages: int = 3,
              scan_v: int | None = None, pdl: bool | None = None, first: int = 1,
-             select_tile: int = SELECT_TILE, finish_warps: int | None = None, scan_prefetch: int = SCAN_PREFETCH) -> None:
+             select_tile: int = SELECT_TILE, finish_warps: int | None = None, scan_prefetch: int = SCAN_PREFETCH,
+             finish_split: bool | None = None) -> None:
     """Launch the bracket, scan and finish kernels of `plan` (stages `first`..`stages` of them, 1-based:
     the benchmark's probe times prefixes, tests run the scan on brackets of their own).
     `logits` has unit column stride, `lengths` is int32.
 
-    `scan_prefetch`: blocks each scan program keeps in flight (1 or 2).
+    `scan_prefetch`: blocks each scan program keeps in flight (1 or 2). `finish_split`: two finish
+    programs per row, the scores above the bracket copied beside the candidates' selection
+    (default: when both fit the SMs in one wave, 2B <= SMs).
     `scan_v`: consecutive scores per thread in the scan (default: a block spans the program's
     threads once). `pdl`: programmatic dependent launch (default: on for CUDA tensors unless
     interpreting): each kernel is launched while its predecessor runs and waits (griddepcontrol)
@@ -683,11 +695,12 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
                                p.C, K=p.k, BLOCK=block, V=v, VEC=vec, CAPA=p.CAPA, CAPG=p.CAPG, LOGB=LOGB,
                                HB=32 * warps, PF=scan_prefetch, PDL=pdl, num_warps=warps, **launch, **scan_regs)
     if first <= 3 <= stages:
-        _finish_kernel[(B,)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, p.scratch, out, pt,
+        nr = 2 if (2 * B <= _num_sms(logits.device) if finish_split is None else finish_split) else 1
+        _finish_kernel[(B, nr)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, p.scratch, out, pt,
                              L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
                              K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA, CAPG=p.CAPG,
                              TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR,
-                             MT=select_tile, LOGB=LOGB, PAGED=page_table is not None, PDL=pdl,
+                             MT=select_tile, LOGB=LOGB, PAGED=page_table is not None, NR=nr, PDL=pdl,
                              num_warps=finish_warps or warps, **launch)
 
 
@@ -711,6 +724,7 @@ def topk_triton(
     select_tile: int = SELECT_TILE,
     finish_warps: int | None = None,
     scan_prefetch: int = SCAN_PREFETCH,
+    finish_split: bool | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
@@ -727,5 +741,5 @@ def topk_triton(
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
              num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,
-             finish_warps=finish_warps, scan_prefetch=scan_prefetch)
+             finish_warps=finish_warps, scan_prefetch=scan_prefetch, finish_split=finish_split)
     return out

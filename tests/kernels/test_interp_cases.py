@@ -79,6 +79,18 @@ def test_topk_select_tile(kind, select_tile):
     cases.check_topk(2, 9000, 256, [9000, 5000], kind=kind, select_tile=select_tile, margin=-1.0, margin_lo=8.0)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_topk_finish_split(split):
+    # one finish program per row, or two (the copier of the scores above the bracket beside the
+    # selector), on each finish path: usual (tile copy; chunk-by-chunk copy of skewed rows), short
+    # rows, missed high, streaming fallback
+    cases.check_topk(3, 9000, 256, [9000, 7000, 100], finish_split=split)
+    cases.check_topk(3, 9000, 256, [9000, 8500, 4100], kind="trend", cand_total=256, max_chunks=8, block=512,
+                     finish_split=split)
+    cases.check_topk(3, 9000, 256, [9000, 8000, 4097], margin=-1.0, margin_lo=8.0, finish_split=split)
+    cases.check_topk(2, 7000, 256, [7000, 5000], cand_total=16, finish_split=split)
+
+
 def test_topk_special_values():
     cases.check_topk(3, 5000, 512, [5000, 3000, 600], kind="special")
 
