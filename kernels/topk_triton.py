@@ -15,18 +15,19 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
 3. `_finish_kernel`, grid (B, 2) (or (B, 1) past one wave): checks the bracket against the true
    counts (above <= k <= above + candidates, and the candidates fit); then one program copies the
    above segments to the output in chunk order while the other picks the k - above best
-   candidates exactly, writing positions or, fused, physical slots. The scan's histogram names the bin of the k-th score: candidates in higher
-   bins are selected, those in it (a dozen or so) are ranked pairwise (key, then lowest
-   position). Should that bin hold more than SELECT_TILE, radix rounds of RBITS bits on the keys'
-   offsets from the smallest of them (first digit aligned to the top bit of their range) narrow
-   it first. Everything this path reads is loaded at once: one memory latency, not a chain.
-   When the bracket missed high (more than k scores above it) the k best are among the kept
-   "above" scores: their scores are read back and selected exactly. When it missed low, or the
-   candidates overflow (heavy ties, adversarial rows), it selects exactly by streaming over the
-   row itself: slower, equally exact. The bracket's lower margin is the wider one for that reason.
+   candidates exactly, writing positions or, fused, physical slots. The scan's histogram names
+   the bin of the k-th score: candidates in higher bins are selected, those in it (a dozen or so)
+   are ranked pairwise (key, then lowest position). Should that bin hold more than SELECT_TILE,
+   radix rounds of RBITS bits on the keys' offsets from the smallest of them (first digit aligned
+   to the top bit of their range) narrow it first. Everything this path reads is loaded at once:
+   one memory latency, not a chain. When the bracket missed high (more than k scores above it)
+   the k best are among the kept "above" scores: their scores are read back and selected exactly.
+   When it missed low, or the candidates overflow (heavy ties, adversarial rows), it selects
+   exactly by streaming over the row itself: slower, equally exact. The bracket's lower margin is
+   the wider one for that reason.
 
-With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while
-its predecessor runs: the scan loads its first two blocks and the finish writes its short rows before
+With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while its
+predecessor runs: the scan loads its first two blocks and the finish writes its short rows before
 they wait (griddepcontrol.wait) for the predecessor's results; every program waits once, so each
 kernel's end implies its predecessors' ends (the workspace is safe to reuse by the next call).
 
@@ -136,8 +137,8 @@ def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, m
         shift = 16 - RB * (rnd + 1)
         d = (k16 >> shift) & (NB - 1)
         # hi's and lo's in-range sets are equal while their prefixes are, disjoint after: one
-        # histogram of 2 * NB bins counts both (lo's own keys in the upper half), which costs
-        # about half of two (ballots per bit of the bin, then one bin per lane)
+        # histogram of 2 * NB bins counts both (lo's own keys in the upper half), one
+        # shared-memory merge and block sync per round instead of two
         h = tl.histogram(d + tl.where(inr_l & ~inr_h, NB, 0), 2 * NB, mask=inr_h | inr_l)
         split = hi != lo  # (the prefixes so far)
         th, ah, _ = _threshold(tl.where(hb < NB, h, 0), nh, 2 * NB)
@@ -449,8 +450,8 @@ def _finish_kernel(
         stat = stat_ptr + (b * C + cc) * 2
         # What the usual path reads, all issued before the first use: the counts, both segment
         # tiles (whole, masked by their counts once those arrive), the histogram and the bracket.
-        # One memory latency instead of a chain of them.
-        # (each program loads the tile it uses: masks from the scalar roles, as tensors)
+        # One memory latency instead of a chain of them. (Each program loads the tile it uses:
+        # masks from the scalar roles, as tensors.)
         na = tl.load(stat, mask=cm, other=0)
         nc = tl.load(stat + 1, mask=cm, other=0)
         ta = tl.arange(0, TA)
@@ -695,13 +696,14 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
                                p.C, K=p.k, BLOCK=block, V=v, VEC=vec, CAPA=p.CAPA, CAPG=p.CAPG, LOGB=LOGB,
                                HB=32 * warps, PF=scan_prefetch, PDL=pdl, num_warps=warps, **launch, **scan_regs)
     if first <= 3 <= stages:
-        nr = 2 if (2 * B <= _num_sms(logits.device) if finish_split is None else finish_split) else 1
+        split = 2 * B <= _num_sms(logits.device) if finish_split is None else finish_split
+        nr = 2 if split else 1
         _finish_kernel[(B, nr)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, p.scratch, out, pt,
-                             L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
-                             K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA, CAPG=p.CAPG,
-                             TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR,
-                             MT=select_tile, LOGB=LOGB, PAGED=page_table is not None, NR=nr, PDL=pdl,
-                             num_warps=finish_warps or warps, **launch)
+                                L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
+                                K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA,
+                                CAPG=p.CAPG, TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256,
+                                SCR=p.SCR, MT=select_tile, LOGB=LOGB, PAGED=page_table is not None, NR=nr, PDL=pdl,
+                                num_warps=finish_warps or warps, **launch)
 
 
 def topk_triton(
