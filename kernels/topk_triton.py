@@ -12,21 +12,22 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    lo <= key16 <= hi are candidates and go, with their fp32 bits, to the chunk's candidate
    segment; both in position order, per chunk (deterministic). Each program then adds its
    candidates to the row's histogram of NBIN bins over the bracket (`_cand_bin`, atomics).
-3. `_finish_kernel`, grid (B): checks the bracket against the true counts (above <= k <=
-   above + candidates, and the candidates fit); then copies the above segments to the output in
-   chunk order and picks the k - above best candidates exactly, writing positions or, fused,
-   physical slots. The scan's histogram names the bin of the k-th score: candidates in higher
-   bins are selected, those in it (a dozen or so) are ranked pairwise (key, then lowest
-   position). Should that bin hold more than SELECT_TILE, radix rounds of RBITS bits on the keys'
-   offsets from the smallest of them (first digit aligned to the top bit of their range) narrow
-   it first. Everything this path reads is loaded at once: one memory latency, not a chain.
-   When the bracket missed high (more than k scores above it) the k best are among the kept
-   "above" scores: their scores are read back and selected exactly. When it missed low, or the
-   candidates overflow (heavy ties, adversarial rows), it selects exactly by streaming over the
-   row itself: slower, equally exact. The bracket's lower margin is the wider one for that reason.
+3. `_finish_kernel`, grid (B, 2) (or (B, 1) past one wave): checks the bracket against the true
+   counts (above <= k <= above + candidates, and the candidates fit); then one program copies the
+   above segments to the output in chunk order while the other picks the k - above best
+   candidates exactly, writing positions or, fused, physical slots. The scan's histogram names
+   the bin of the k-th score: candidates in higher bins are selected, those in it (a dozen or so)
+   are ranked pairwise (key, then lowest position). Should that bin hold more than SELECT_TILE,
+   radix rounds of RBITS bits on the keys' offsets from the smallest of them (first digit aligned
+   to the top bit of their range) narrow it first. Everything this path reads is loaded at once:
+   one memory latency, not a chain. When the bracket missed high (more than k scores above it)
+   the k best are among the kept "above" scores: their scores are read back and selected exactly.
+   When it missed low, or the candidates overflow (heavy ties, adversarial rows), it selects
+   exactly by streaming over the row itself: slower, equally exact. The bracket's lower margin is
+   the wider one for that reason.
 
-With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while
-its predecessor runs: the scan loads its first block and the finish writes its short rows before
+With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while its
+predecessor runs: the scan loads its first two blocks and the finish writes its short rows before
 they wait (griddepcontrol.wait) for the predecessor's results; every program waits once, so each
 kernel's end implies its predecessors' ends (the workspace is safe to reuse by the next call).
 
@@ -57,6 +58,7 @@ GROUP = 8  # contiguous scores per sample group (one 32-byte sector)
 MARGIN = 4.0  # bracket half-width above the target, in binomial standard deviations of the sample rank
 LO_EXTRA = 1.5  # ... and this many more below it (a miss below costs the streaming fallback)
 BLOCK = 2048  # scores per step of the streaming pass
+SCAN_PREFETCH = 2  # blocks in flight per scan program
 MAX_CHUNKS = 32  # programs per row in the streaming pass
 RBITS = 4  # radix digit of the exact rounds: 16-bin histograms (cheap per element)
 LOGB = 8  # the scan's histogram of each row's candidates has 2^LOGB bins over the bracket
@@ -78,14 +80,23 @@ def _ukey(x, valid):
 
 @triton.jit
 def _threshold(hist, need, NB: tl.constexpr):
-    """Largest bin t with (#keys in bins >= t) >= need; the counts of keys in bins > t and in t."""
+    """Largest bin t with (#keys in bins >= t) >= need; the counts of keys in bins > t and in t.
+    Callers keep need <= the total and counts below 2^27."""
     b = tl.arange(0, NB)
-    total = tl.sum(hist, axis=0)
-    suffix = total - tl.cumsum(hist, axis=0) + hist  # keys in bins >= b
-    t = tl.max(tl.where(suffix >= need, b, -1), axis=0)
-    above = tl.sum(tl.where(b > t, hist, 0), axis=0)
-    at = tl.sum(tl.where(b == t, hist, 0), axis=0)
-    return t, above, at
+    if NB <= 32:
+        # the bins fit one warp: each reduction is one instruction (redux), no block sync
+        suffix = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys in bins >= b
+        t = tl.max(tl.where(suffix >= need, b, -1), axis=0)
+        above = tl.sum(tl.where(b > t, hist, 0), axis=0)
+        at = tl.sum(tl.where(b == t, hist, 0), axis=0)
+        return t, above, at
+    else:
+        # each block-wide reduction is a sync round: a suffix sum, then one max over (bin, above,
+        # at) packed in an int64
+        suffix = tl.cumsum(hist, axis=0, reverse=True)
+        packed = (b.to(tl.int64) << 54) | ((suffix - hist).to(tl.int64) << 27) | hist
+        best = tl.max(tl.where(suffix >= need, packed, -1), axis=0)
+        return (best >> 54).to(tl.int32), ((best >> 27) & 0x7FFFFFF).to(tl.int32), (best & 0x7FFFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -93,7 +104,7 @@ def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, m
              RB: tl.constexpr):
     """(hi, lo) 16-bit keys: with high probability #(key16 > hi) <= K <= #(key16 >= lo) over the
     row, with few scores between. Exact (hi == lo == the K-th key16) when n <= SAMPLE. Both are
-    sample order statistics, found by the same radix rounds (two histograms per round)."""
+    sample order statistics, found by the same radix rounds: one histogram per round serves both."""
     i = tl.arange(0, SAMPLE)
     exact = n <= SAMPLE
     NG: tl.constexpr = SAMPLE // G
@@ -121,11 +132,18 @@ def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, m
     lo = 0
     inr_h = valid
     inr_l = valid
+    hb = tl.arange(0, 2 * NB)
     for rnd in tl.static_range(16 // RB):
         shift = 16 - RB * (rnd + 1)
         d = (k16 >> shift) & (NB - 1)
-        th, ah, _ = _threshold(tl.histogram(d, NB, mask=inr_h), nh, NB)
-        tl_, al, _ = _threshold(tl.histogram(d, NB, mask=inr_l), nl, NB)
+        # hi's and lo's in-range sets are equal while their prefixes are, disjoint after: one
+        # histogram of 2 * NB bins counts both (lo's own keys in the upper half), one
+        # shared-memory merge and block sync per round instead of two
+        h = tl.histogram(d + tl.where(inr_l & ~inr_h, NB, 0), 2 * NB, mask=inr_h | inr_l)
+        split = hi != lo  # (the prefixes so far)
+        th, ah, _ = _threshold(tl.where(hb < NB, h, 0), nh, 2 * NB)
+        tl_, al, _ = _threshold(tl.where((hb >= NB) == split, h, 0), nl, 2 * NB)
+        tl_ = tl.where(split, tl_ - NB, tl.minimum(tl_, NB - 1))  # (need <= 0: the top bin of its half)
         nh -= ah
         nl -= al
         inr_h = inr_h & (d == th)
@@ -224,7 +242,7 @@ def _scan_step(x, offs, end, t_hi, t_lo, top, n_above, n_cand, aseg, cseg,
 def _scan_kernel(
     x_ptr, len_ptr, br_ptr, stat_ptr, aseg_ptr, cseg_ptr, hist_ptr, L, stride_xb, CHUNK, C,
     K: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr, VEC: tl.constexpr, CAPA: tl.constexpr,
-    CAPG: tl.constexpr, LOGB: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr,
+    CAPG: tl.constexpr, LOGB: tl.constexpr, HB: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -244,8 +262,12 @@ def _scan_kernel(
     jv = tl.arange(0, J)[None, :, None] * VEC + tl.arange(0, VEC)[None, None, :]
     tile = t_off + jv
     x_thr = x_row + t_off  # [T, 1, 1]: + a block start + jv (constants in registers) addresses a block
-    # the first block does not depend on the bracket: with PDL its load overlaps the bracket's end
-    nxt = tl.load(x_row + start + tile, mask=start + tile < tl.where(n > K, lim, 0), other=0.0)
+    # the first PF blocks do not depend on the bracket: with PDL their loads overlap the bracket's
+    # end (two cover a whole chunk at B <= 8, L = 128K), and PF blocks stay in flight in the loop
+    ldlim = tl.where(n > K, lim, 0)
+    nxt = tl.load(x_row + start + tile, mask=start + tile < ldlim, other=0.0)
+    if PF == 2:
+        nxt2 = tl.load(x_row + start + BLOCK + tile, mask=start + BLOCK + tile < ldlim, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # br is the bracket kernel's output (and stat/aseg/cseg free)
         tl.extra.cuda.gdc_launch_dependents()
@@ -270,10 +292,14 @@ def _scan_kernel(
         for s in range(start, full, BLOCK):
             offs = s + tile
             x = nxt.to(tl.float32)
-            # the next block's load is in flight while this one is classified and compacted. It is
-            # unmasked: a block that would cross the chunk's end in the allocation (only a partial
-            # last block can) is replaced by one inside it, and reloaded masked below
-            nxt = tl.load((x_thr + tl.minimum(s + BLOCK, lim - BLOCK)) + jv)
+            # the next PF blocks' loads are in flight while this one is classified and compacted.
+            # They are unmasked: a block that would cross the chunk's end in the allocation (only a
+            # partial last block can) is replaced by one inside it, and reloaded masked below
+            if PF == 2:
+                nxt = nxt2
+                nxt2 = tl.load((x_thr + tl.minimum(s + 2 * BLOCK, lim - BLOCK)) + jv)
+            else:
+                nxt = tl.load((x_thr + tl.minimum(s + BLOCK, lim - BLOCK)) + jv)
             n_above, n_cand = _scan_step(x, offs, end, t_hi, t_lo, top, n_above, n_cand, aseg, cseg,
                                          CAPA, CAPG, False)
         if full < end:  # the row's last, partial block
@@ -355,7 +381,10 @@ def _select_exact(key, pos, gt0, n_gt, inr, need, rem, base, out_row, pt_row, st
     if (rem > need) & (rem <= MT):
         # rank the few keys left pairwise: v orders by key, then by lowest position
         v = (sk.to(tl.int64) << 32) | (0xFFFFFFFF - pos.to(tl.int64))
-        r = tl.cumsum(inr.to(tl.int32), axis=0) - 1
+        # one prefix sum (a costly one here: block-wide, over layout repeats) ranks both the
+        # selected keys (low half: their output slots) and those in range (their scratch slots)
+        both = tl.cumsum(gt.to(tl.int32) + (inr.to(tl.int32) << 16), axis=0)
+        r = (both >> 16) - 1
         tl.debug_barrier()  # a caller may have staged data in the scratch
         tl.store(scr_row + r, v, mask=inr)
         tl.debug_barrier()  # written by other threads of this program
@@ -371,16 +400,17 @@ def _select_exact(key, pos, gt0, n_gt, inr, need, rem, base, out_row, pt_row, st
                 better += tl.sum((vj[None, :] > vt[:, None]).to(tl.int32), axis=1)
         chosen = (i < rem) & (better < need)
         cpos = (0xFFFFFFFF - (vt & 0xFFFFFFFF)).to(tl.int32)
-        cslot = base + n_gt + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(out_row + cslot, _to_out(tl.where(chosen, cpos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED),
-                 mask=chosen)
+        # v is a total order: the chosen keys' counts of better ones are 0 .. need - 1, their slots
+        tl.store(out_row + base + n_gt + better, _to_out(tl.where(chosen, cpos, 0), pt_row, stride_ptp, PAGE_SIZE,
+                                                          PAGED), mask=chosen)
         sel = gt
+        slot = base + (both & 0xFFFF) - 1
     else:
         # all in range selected, or every in-range key equal (bits exhausted): lowest positions win
         if rem > need:
             inr = inr & (tl.cumsum(inr.to(tl.int32), axis=0) <= need)
         sel = gt | inr
-    slot = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        slot = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
     tl.store(out_row + slot, _to_out(tl.where(sel, pos, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
 
 
@@ -391,13 +421,17 @@ def _finish_kernel(
     K: tl.constexpr, KP2: tl.constexpr, CB: tl.constexpr, CAPA: tl.constexpr, CAPG: tl.constexpr,
     TA: tl.constexpr, TC: tl.constexpr, RB: tl.constexpr, FB: tl.constexpr, BLOCK: tl.constexpr,
     COPY: tl.constexpr, SCR: tl.constexpr, MT: tl.constexpr, LOGB: tl.constexpr, PAGED: tl.constexpr,
-    PDL: tl.constexpr,
+    NR: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
+    # NR = 2 programs per row: the copier writes the scores above the bracket (and short rows),
+    # the selector the candidates' share (or a fallback), in parallel; NR = 1: one does both
+    copier = tl.program_id(1) == 0
+    selector = tl.program_id(1) == NR - 1
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
     out_row = out_ptr + b.to(tl.int64) * stride_ob
     pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
-    if n <= K:
+    if (n <= K) & copier:
         # Every valid position is selected; -1 pads the rest (no input from the scan: with PDL
         # this runs while the scan finishes).
         for s in range(0, K, KP2):
@@ -416,14 +450,17 @@ def _finish_kernel(
         stat = stat_ptr + (b * C + cc) * 2
         # What the usual path reads, all issued before the first use: the counts, both segment
         # tiles (whole, masked by their counts once those arrive), the histogram and the bracket.
-        # One memory latency instead of a chain of them.
+        # One memory latency instead of a chain of them. (Each program loads the tile it uses:
+        # masks from the scalar roles, as tensors.)
         na = tl.load(stat, mask=cm, other=0)
         nc = tl.load(stat + 1, mask=cm, other=0)
         ta = tl.arange(0, TA)
         t = tl.arange(0, TC)
-        a_all = tl.load(aseg_ptr + (seg0 + cc[:, None]) * CAPA + ta[None, :], mask=cm[:, None] & (ta < CAPA)[None, :],
+        ca = cc < tl.where(copier, C, 0)
+        cs = cc < tl.where(selector, C, 0)
+        a_all = tl.load(aseg_ptr + (seg0 + cc[:, None]) * CAPA + ta[None, :], mask=ca[:, None] & (ta < CAPA)[None, :],
                         other=0)
-        c_all = tl.load(cseg_ptr + (seg0 + cc[:, None]) * CAPG + t[None, :], mask=cm[:, None] & (t < CAPG)[None, :],
+        c_all = tl.load(cseg_ptr + (seg0 + cc[:, None]) * CAPG + t[None, :], mask=cs[:, None] & (t < CAPG)[None, :],
                         other=0)
         NBIN: tl.constexpr = 1 << LOGB
         hist = tl.load(hist_ptr + b * NBIN + tl.arange(0, NBIN))
@@ -431,7 +468,8 @@ def _finish_kernel(
         b_lo = tl.load(br_ptr + b * 2 + 1)
         A = tl.sum(na, axis=0)
         N = tl.sum(nc, axis=0)
-        if (A <= K) & (A + N >= K) & (N <= CB * TC):
+        usual = (A <= K) & (A + N >= K) & (N <= CB * TC)
+        if usual & copier:
             # ---- the scores above the bracket, in chunk order (= position order)
             if tl.max(na, axis=0) <= TA:
                 # chunk c's segment goes to out[off_c : off_c + na_c]: no scan over the elements
@@ -442,6 +480,7 @@ def _finish_kernel(
             else:  # a chunk holds more than its tile: copy chunk by chunk
                 _concat_segments(aseg_ptr + seg0 * CAPA, CAPA, stat_ptr + b * C * 2, C, out_row, pt_row, stride_ptp,
                                  PAGE_SIZE, True, PAGED, COPY)
+        if usual & selector:
             # ---- the candidates, gathered in position order into [CB * TC]
             if tl.max(nc, axis=0) <= TC:
                 ok2 = t[None, :] < nc[:, None]
@@ -477,7 +516,7 @@ def _finish_kernel(
             n_at = tl.where(hist_ok, n_at, N)
             _select_exact(key, pos, gt0, n_hi, inb, K - A - n_hi, n_at, A, out_row, pt_row, stride_ptp, PAGE_SIZE,
                           scr_ptr + b.to(tl.int64) * SCR, RB, MT, PAGED)
-        elif (A > K) & (A <= CB * TA) & (tl.max(na, axis=0) <= CAPA):
+        elif (A > K) & (A <= CB * TA) & (tl.max(na, axis=0) <= CAPA) & selector:
             # Missed high (more than K scores above the bracket), no segment truncated: the K best
             # are among them. Gather their positions (chunk by chunk, in position order), read
             # their scores back and select exactly.
@@ -492,7 +531,7 @@ def _finish_kernel(
             a_key = _ukey(tl.load(x_row + a_pos, mask=a_ok, other=0.0).to(tl.float32), a_ok)
             _select_exact(a_key, a_pos, a_ok & False, A * 0, a_ok, A * 0 + K, A, 0, out_row, pt_row, stride_ptp,
                           PAGE_SIZE, srow, RB, MT, PAGED)
-        else:
+        elif selector:
             # Exact fallback over the row itself: FB-bit radix rounds, one streaming pass each.
             x_row = x_ptr + b.to(tl.int64) * stride_xb
             NF: tl.constexpr = 1 << FB
@@ -606,18 +645,24 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
              margin: float = MARGIN, margin_lo: float | None = None, block: int = BLOCK, rbits: int = RBITS,
              num_warps: int | None = None, bracket_warps: int | None = None, stages: int = 3,
              scan_v: int | None = None, pdl: bool | None = None, first: int = 1,
-             select_tile: int = SELECT_TILE, finish_warps: int | None = None) -> None:
+             select_tile: int = SELECT_TILE, finish_warps: int | None = None, scan_prefetch: int = SCAN_PREFETCH,
+             finish_split: bool | None = None) -> None:
     """Launch the bracket, scan and finish kernels of `plan` (stages `first`..`stages` of them, 1-based:
     the benchmark's probe times prefixes, tests run the scan on brackets of their own).
     `logits` has unit column stride, `lengths` is int32.
 
+    `scan_prefetch`: blocks each scan program keeps in flight (1 or 2). `finish_split`: two finish
+    programs per row, the scores above the bracket copied beside the candidates' selection
+    (default: when both fit the SMs in one wave, 2B <= SMs).
     `scan_v`: consecutive scores per thread in the scan (default: a block spans the program's
     threads once). `pdl`: programmatic dependent launch (default: on for CUDA tensors unless
     interpreting): each kernel is launched while its predecessor runs and waits (griddepcontrol)
     before it reads what the predecessor writes or writes what it may still read; every program
     waits, so a kernel's end implies its predecessors' ends. `select_tile`: see `_select_exact`."""
     assert select_tile & (select_tile - 1) == 0 and 16 <= select_tile <= 256, "select_tile: a power of two in [16, 256]"
+    assert scan_prefetch in (1, 2), "scan_prefetch: 1 or 2"
     B, L = logits.shape
+    assert L < 1 << 27, "rows longer than the 27-bit counts of `_threshold`"
     p = plan
     if page_table is not None:
         pt = page_table.to(device=logits.device, dtype=torch.int32)
@@ -634,9 +679,14 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     vec = 16 // logits.element_size()  # one 16-byte load
     v = scan_v or max(block // (32 * warps), vec)
     vec = min(vec, v)
+    # at most 64 registers (no spills up to 8 scores a thread): 4 programs of 8 warps per SM, each
+    # with `scan_prefetch` blocks in flight (uncapped, 2 blocks take ~95 and 2 programs fit)
+    scan_regs = dict(maxnreg=64) if block // (32 * warps) <= 8 and not interp else {}
     assert block % v == 0 and v % vec == 0 and (block // v) & (block // v - 1) == 0, (block, v)
     # the scan ranks both segments in one int32 (above in the low half, candidates in the high)
     assert p.CAPA + block < 1 << 16 and p.CAPG + block < 1 << 15, "segment capacity too large for the scan"
+    # the finish ranks two counts over its tiles in one int32 (`_select_exact`)
+    assert max(p.CB * p.TA, p.CB * p.TC) < 1 << 16, "finish tiles too large"
     if first <= 1 <= stages:
         _bracket_kernel[(B,)](logits, lengths, p.br, p.hist, L, logits.stride(0), margin, margin_lo,
                               K=p.k, SAMPLE=sample, G=GROUP, RB=rbits, LOGB=LOGB, PDL=pdl,
@@ -644,14 +694,16 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     if first <= 2 <= stages:
         _scan_kernel[(B, p.C)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, L, logits.stride(0), p.chunk,
                                p.C, K=p.k, BLOCK=block, V=v, VEC=vec, CAPA=p.CAPA, CAPG=p.CAPG, LOGB=LOGB,
-                               HB=32 * warps, PDL=pdl, num_warps=warps, **launch)
+                               HB=32 * warps, PF=scan_prefetch, PDL=pdl, num_warps=warps, **launch, **scan_regs)
     if first <= 3 <= stages:
-        _finish_kernel[(B,)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, p.scratch, out, pt,
-                             L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
-                             K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA, CAPG=p.CAPG,
-                             TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256, SCR=p.SCR,
-                             MT=select_tile, LOGB=LOGB, PAGED=page_table is not None, PDL=pdl,
-                             num_warps=finish_warps or warps, **launch)
+        split = 2 * B <= _num_sms(logits.device) if finish_split is None else finish_split
+        nr = 2 if split else 1
+        _finish_kernel[(B, nr)](logits, lengths, p.br, p.stat, p.aseg, p.cseg, p.hist, p.scratch, out, pt,
+                                L, logits.stride(0), out.stride(0), spb, spp, page_size, p.C,
+                                K=p.k, KP2=min(triton.next_power_of_2(p.k), 4096), CB=p.CB, CAPA=p.CAPA,
+                                CAPG=p.CAPG, TA=p.TA, TC=p.TC, RB=rbits, FB=FALLBACK_BITS, BLOCK=block, COPY=256,
+                                SCR=p.SCR, MT=select_tile, LOGB=LOGB, PAGED=page_table is not None, NR=nr, PDL=pdl,
+                                num_warps=finish_warps or warps, **launch)
 
 
 def topk_triton(
@@ -673,12 +725,14 @@ def topk_triton(
     pdl: bool | None = None,
     select_tile: int = SELECT_TILE,
     finish_warps: int | None = None,
+    scan_prefetch: int = SCAN_PREFETCH,
+    finish_split: bool | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
     margins to force the overflow, re-selection and fallback paths."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    assert 16 % rbits == 0 and sample % GROUP == 0 and sample & (sample - 1) == 0
+    assert rbits in (1, 2, 4, 8) and sample % GROUP == 0 and sample & (sample - 1) == 0
     B, L = logits.shape
     out = torch.empty((B, k), dtype=torch.int32, device=logits.device)
     if B == 0 or k == 0:
@@ -689,5 +743,5 @@ def topk_triton(
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
              num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,
-             finish_warps=finish_warps)
+             finish_warps=finish_warps, scan_prefetch=scan_prefetch, finish_split=finish_split)
     return out

@@ -79,6 +79,18 @@ def test_topk_select_tile(kind, select_tile):
     cases.check_topk(2, 9000, 256, [9000, 5000], kind=kind, select_tile=select_tile, margin=-1.0, margin_lo=8.0)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_topk_finish_split(split):
+    # one finish program per row, or two (the copier of the scores above the bracket beside the
+    # selector), on each finish path: usual (tile copy; chunk-by-chunk copy of skewed rows), short
+    # rows, missed high, streaming fallback
+    cases.check_topk(3, 9000, 256, [9000, 7000, 100], finish_split=split)
+    cases.check_topk(3, 9000, 256, [9000, 8500, 4100], kind="trend", cand_total=256, max_chunks=8, block=512,
+                     finish_split=split)
+    cases.check_topk(3, 9000, 256, [9000, 8000, 4097], margin=-1.0, margin_lo=8.0, finish_split=split)
+    cases.check_topk(2, 7000, 256, [7000, 5000], cand_total=16, finish_split=split)
+
+
 def test_topk_special_values():
     cases.check_topk(3, 5000, 512, [5000, 3000, 600], kind="special")
 
@@ -93,13 +105,15 @@ def test_topk_small_rows():
     cases.check_topk(3, 100, 128, [100, 50, 0])
 
 
-@pytest.mark.parametrize("block,scan_v", [(256, 4), (256, 16), (512, 8), (1024, 32)])
-def test_topk_scan_layouts(block, scan_v):
-    # the scan's block shapes ([T, J, VEC] with V = scan_v consecutive scores per thread-row); an
-    # odd row length (a last block that crosses the allocation: reloaded masked), ragged rows
-    cases.check_topk(4, 9001, 256, [9001, 8999, 4100, 300], block=block, scan_v=scan_v, max_chunks=4)
+@pytest.mark.parametrize("block,scan_v,prefetch", [(256, 4, 2), (256, 4, 1), (256, 16, 2), (512, 8, 1), (1024, 32, 2)])
+def test_topk_scan_layouts(block, scan_v, prefetch):
+    # the scan's block shapes ([T, J, VEC] with V = scan_v consecutive scores per thread-row) and
+    # blocks in flight; an odd row length (a last block that crosses the allocation: reloaded
+    # masked), ragged rows, chunks of one block and of several
+    cases.check_topk(4, 9001, 256, [9001, 8999, 4100, 300], block=block, scan_v=scan_v, max_chunks=4,
+                     scan_prefetch=prefetch)
     cases.check_topk(2, 6000, 200, [6000, 5000], kind="coarse", dtype=torch.bfloat16, block=block,
-                     scan_v=scan_v)
+                     scan_v=scan_v, scan_prefetch=prefetch)
 
 
 def _check_raw(x, lens, k, **knobs):
@@ -109,11 +123,12 @@ def _check_raw(x, lens, k, **knobs):
     cases._rows_equal_as_sets(topk_triton(x, lens, k, **knobs), dsa_topk_reference(x, lens, k))
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(margin=8.0, margin_lo=-1.0), dict(block=256, scan_v=8)])
+@pytest.mark.parametrize("knobs", [dict(), dict(margin=8.0, margin_lo=-1.0), dict(margin=8.0, margin_lo=-12.0),
+                                   dict(block=256, scan_v=8)])
 def test_topk_nan_and_bracket_edges(knobs):
     # NaN sorts first (torch's descending sort); k = 3 on 9000 scores: nothing is surely above the
     # bracket (hi = top), so NaN and +inf must land among the candidates; margin_lo < 0 can give
-    # lo > hi (no candidates at all)
+    # lo > hi (no candidates at all), and at -12 a lower rank <= 0 (lo's rounds take top bins)
     x = torch.randn(4, 9000)
     x[0, torch.randperm(9000)[:5]] = float("nan")
     x[1, torch.randperm(9000)[:2]] = float("inf")
@@ -151,8 +166,8 @@ def _cand_bins(key32, lo, hi, logb=8):
     return (((key32 - klo) & 0xFFFFFFFF) >> sh).clamp(max=(1 << logb) - 1)
 
 
-@pytest.mark.parametrize("block,scan_v", [(256, 4), (512, 16), (2048, None)])
-def test_topk_scan_segments_exact(block, scan_v):
+@pytest.mark.parametrize("block,scan_v,prefetch", [(256, 4, 2), (256, 4, 1), (512, 16, 2), (2048, None, 1)])
+def test_topk_scan_segments_exact(block, scan_v, prefetch):
     # the scan's own contract, on brackets set by hand (normal, nothing above: hi = 0xffff,
     # lo > hi, everything a candidate: lo <= 0x7f): per chunk, the counts of key16 > hi and of
     # lo <= key16 <= hi, and both segments in position order (candidates with their fp32 bits)
@@ -174,7 +189,7 @@ def test_topk_scan_segments_exact(block, scan_v):
                       dtype=torch.int32)
     plan.br.copy_(br)
     plan.hist.zero_()  # (the bracket kernel clears it; it is not run here)
-    tt.run_topk(plan, x, lens, out, block=block, scan_v=scan_v, first=2, stages=2)
+    tt.run_topk(plan, x, lens, out, block=block, scan_v=scan_v, first=2, stages=2, scan_prefetch=prefetch)
     key32 = _key32(x)
     for b in range(B):
         hi, lo = int(br[b, 0]), int(br[b, 1])
