@@ -27,7 +27,7 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    the wider one for that reason.
 
 With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while its
-predecessor runs: the scan loads its first two blocks and the finish writes its short rows before
+predecessor runs: the scan loads its first block(s) and the finish writes its short rows before
 they wait (griddepcontrol.wait) for the predecessor's results; every program waits once, so each
 kernel's end implies its predecessors' ends (the workspace is safe to reuse by the next call).
 
