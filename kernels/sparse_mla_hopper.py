@@ -143,12 +143,11 @@ def _ws_store(o, out_ptr, part_ptr, t, hb, sp, nsp, col0, stride_ot, stride_oh, 
 
 
 @gluon.jit
-def _ws_values_hi(qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
-                  kv_ptr, idx_row, start, end, nblk, stride_kp, stride_ks, out_ptr, part_ptr, t, hb, sp, nsp,
-                  stride_ot, stride_oh, H, PAGE):
+def _ws_values_hi(cn, ps, al, fin, c_empty, p_full, p_empty, fin_bar, nblk, out_ptr, part_ptr, t, hb, sp, nsp,
+                  stride_ot, stride_oh, H):
     # worker partitions get no constexpr arguments: the shapes come from the buffers' types
-    BH: gl.constexpr = qn.shape[0]
-    R: gl.constexpr = qn.shape[1]
+    BH: gl.constexpr = ps.shape[0]
+    R: gl.constexpr = cn.shape[2]
     RH: gl.constexpr = R // 2
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, RH, 16])
     acc = gl.zeros([BH, RH], gl.float32, O_L)
@@ -169,9 +168,7 @@ def _ws_values_hi(qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty,
 
 
 @gluon.jit
-def _ws_producer(qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
-                 kv_ptr, idx_row, start, end, nblk, stride_kp, stride_ks, out_ptr, part_ptr, t, hb, sp, nsp,
-                 stride_ot, stride_oh, H, PAGE):
+def _ws_producer(cn, cr, c_full, c_empty, kv_ptr, idx_row, start, end, nblk, stride_kp, stride_ks, PAGE):
     R: gl.constexpr = cn.shape[2]
     BN: gl.constexpr = cn.shape[1]
     P: gl.constexpr = cr.shape[2]
@@ -244,15 +241,13 @@ def _sparse_mla_hopper_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    wargs = (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
-             kv_ptr, idx_row, start, end, nblk, stride_kp, stride_ks, out_ptr, part_ptr, t, hb, sp, nsp,
-             stride_ot, stride_oh, H, PAGE)
     gl.warp_specialize([
         (_ws_scores, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
                       idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
                       stride_ot, stride_oh, H, R, BH, BN, SPLIT)),
-        (_ws_values_hi, wargs),
-        (_ws_producer, wargs),
+        (_ws_values_hi, (cn, ps, al, fin, c_empty, p_full, p_empty, fin_bar, nblk, out_ptr, part_ptr, t, hb, sp, nsp,
+                         stride_ot, stride_oh, H)),
+        (_ws_producer, (cn, cr, c_full, c_empty, kv_ptr, idx_row, start, end, nblk, stride_kp, stride_ks, PAGE)),
     ], [4, 4], [REGS_VALUES, REGS_PRODUCER])
 
 
