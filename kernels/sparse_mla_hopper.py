@@ -252,15 +252,13 @@ def _sparse_mla_hopper_kernel(
 
 
 def hopper_supports(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """The shapes this kernel is built for: a CUDA sm_90 device, 16-bit operands, heads in whole
-    64-row tiles, a power-of-two latent part wgmma can tile (64..512) and a 64-wide rope part
-    (the shared-memory budget of q plus two 64-slot buffers is sized for 512 + 64)."""
+    """The shapes this kernel is built and tested for (on the H200): a CUDA sm_90 device, bf16,
+    heads in whole 64-row tiles, the GLM-5 latent row of 512 + 64 (q plus two 64-slot buffers fill
+    shared memory at exactly that width)."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    R, P = kv_lora_rank, q.shape[2] - kv_lora_rank
-    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-    return (q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
-            and q.shape[1] % BLOCK_H == 0 and pow2(R) and 64 <= R <= 512 and P == 64)
+    return (q.dtype == torch.bfloat16 and kv_cache.dtype == q.dtype and q.shape[1] % BLOCK_H == 0
+            and kv_lora_rank == 512 and q.shape[2] == 576)
 
 
 def sparse_mla_hopper(q, kv_cache, indices, out, part, lse, qk_scale, split_len, R, num_splits, block_n):

@@ -172,20 +172,6 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def _launch_tl(q, kv_cache, indices, out, part, lse, K, qk_scale, split_len, R, P, BLOCK_R, BLOCK_P, block_h,
-               block_n, nhb, num_splits, col_halves, interp, num_warps, num_stages):
-    T, H, _ = q.shape
-    _sparse_mla_kernel[(T * nhb, num_splits)](
-        q, kv_cache, indices, out, part, lse,
-        K, qk_scale, split_len,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
-        out.stride(0), out.stride(1),
-        H=H, R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, PAGE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n, NHB=nhb,
-        SPLIT=num_splits > 1, HALVES=col_halves, DOT_F32=interp,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-    )
-
-
 def sparse_mla_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -224,7 +210,7 @@ def sparse_mla_triton(
         kernel = "hopper" if not interp and hopper_supports(q, kv_cache, R) else "tl"
     assert kernel in ("hopper", "tl"), kernel
     if kernel == "hopper":
-        assert hopper_supports(q, kv_cache, R), "the Hopper kernel needs sm_90, 16-bit operands and 64-head tiles"
+        assert hopper_supports(q, kv_cache, R), "the Hopper kernel needs sm_90, bf16, 64-head tiles and 512 + 64"
         block_h = HOPPER_BLOCK_H
         block_n = block_n or 64
         assert block_n in (32, 64), "the Hopper kernel's slot block is 32 or 64 (64 fills shared memory)"
@@ -255,8 +241,15 @@ def sparse_mla_triton(
     if kernel == "hopper":
         sparse_mla_hopper(q, kv_cache, indices, out, part, lse, qk_scale, split_len, R, num_splits, block_n)
     else:
-        _launch_tl(q, kv_cache, indices, out, part, lse, K, qk_scale, split_len, R, P, BLOCK_R, BLOCK_P, block_h,
-                   block_n, nhb, num_splits, col_halves, interp, num_warps, num_stages)
+        _sparse_mla_kernel[(T * nhb, num_splits)](
+            q, kv_cache, indices, out, part, lse,
+            K, qk_scale, split_len,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
+            out.stride(0), out.stride(1),
+            H=H, R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, PAGE=page_size, BLOCK_H=block_h, BLOCK_N=block_n,
+            NHB=nhb, SPLIT=num_splits > 1, HALVES=col_halves, DOT_F32=interp,
+            PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        )
     if num_splits > 1:
         _combine_kernel[(T * H,)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
