@@ -65,7 +65,7 @@ def _gather_rows(dst, kv_ptr, slot, stride_kp, stride_ks, col0,
     L: gl.constexpr = _copy_layout(BN, COLS, num_warps)
     valid = slot >= 0
     slot = gl.where(valid, slot, 0)
-    page = slot // PAGE  # a constant page size: shifts, not a 64-bit division per row
+    page = slot // PAGE  # int32 (the producer gets PAGE at run time: worker partitions take no constexprs)
     base = page.to(gl.int64) * stride_kp + (slot - page * PAGE) * stride_ks + col0
     c = gl.arange(0, COLS, layout=gl.SliceLayout(0, L))
     cp.async_copy_global_to_shared(dst, kv_ptr + base[:, None] + c[None, :], mask=valid[:, None])
@@ -116,7 +116,7 @@ def _ws_scores(qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fi
     l_i = gl.sum(l2, axis=1)
     has = l_i > 0.0
     inv = 1.0 / gl.where(has, l_i, 1.0)
-    mbarrier.wait(p_empty, (nblk & 1) ^ 1)  # WG1 has read the last alpha: `fin` may reuse nothing else
+    mbarrier.wait(p_empty, (nblk & 1) ^ 1)  # WG1 has taken the last P and alpha
     fin.store(inv)
     gl.thread_barrier()
     mbarrier.arrive(fin_bar)
