@@ -25,7 +25,6 @@ warpgroups, a cross-warpgroup row max, gathers issued by the compute warps): 61-
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
