@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .config import ClusterConfig, ConfigError, load_config
+from glm53.server.config import ClusterConfig, ConfigError, load_config
 
 log = logging.getLogger("glm53.serve")
 
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "router":
             cfg, _ = _load(args)
-            from .router import main as router_main
+            from glm53.server.router.app import main as router_main
 
             return router_main(cfg)
         if args.command in ("prefill", "decode"):
@@ -226,7 +226,7 @@ def _instance_entry(role: str) -> Callable[[ClusterConfig, int], int | None]:
         else:
             mod = importlib.import_module(impl)
         return mod.main
-    name = f"glm53.server.{role}_instance"
+    name = f"glm53.server.engine.{role}"
     try:
         return importlib.import_module(name).main
     except ModuleNotFoundError as e:
@@ -303,7 +303,7 @@ def _killpg(pgid: int, sig: int) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from .embedded_model import resolve_model_path
+    from glm53.server.embedded_model import resolve_model_path
 
     cfg, _ = _load(args)
     here = local_addresses()
@@ -370,7 +370,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _wait_ready(cfg: ClusterConfig, local, run_router: bool, sup: Supervisor, stop: dict, timeout: float) -> bool:
-    from .protocol import probe
+    from glm53.server.protocol import probe
 
     deadline = time.monotonic() + timeout
     pending = {i.name for i in local}

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import EMBEDDED_MODEL
+from glm53.server.config import EMBEDDED_MODEL
 
 if TYPE_CHECKING:  # imported lazily: resolving an existing model path must stay cheap
     import torch

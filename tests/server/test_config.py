@@ -183,7 +183,7 @@ def test_kv_capacity_from_num_pages_or_tokens(tmp_path):
     import torch
 
     from glm53.models import GlmConfig
-    from glm53.server.instance import kv_pages
+    from glm53.server.engine.scheduler import kv_pages
     from tests.models.test_config import GLM5
 
     cfg = GlmConfig.from_dict(GLM5)

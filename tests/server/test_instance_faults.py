@@ -10,7 +10,7 @@ import time
 import zmq
 
 from glm53.server.config import parse_config
-from glm53.server.decode_instance import DecodeLoop
+from glm53.server.engine.decode import DecodeLoop
 from glm53.server.protocol import GenerateRequest, PeerInfo, TokenEvent, decode, encode
 from tests.net import free_ports
 

@@ -26,13 +26,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import ClusterConfig
-from .instance_pool import InstancePool, Room, RoomFailed, RoomSpec, Unavailable
-from .metrics import RouterMetrics
-from .openai_api import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from glm53.server.config import ClusterConfig
+from glm53.server.router.instance_pool import InstancePool, Room, RoomFailed, RoomSpec, Unavailable
+from glm53.server.router.metrics import RouterMetrics
+from glm53.server.router.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                          GenerateRequestBody, TokenizeRequest, _Sampling, error_body)
-from .sampling import SamplingError, SamplingParams
-from .tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from glm53.server.sampling import SamplingError, SamplingParams
+from glm53.server.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -685,7 +685,7 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
 
 
 def _default_generate_params():
-    from .openai_api import GenerateSamplingParams
+    from glm53.server.router.openai_api import GenerateSamplingParams
 
     return GenerateSamplingParams()
 
@@ -749,7 +749,7 @@ def main(cfg: ClusterConfig, model_dir: Path | None = None) -> int:
     """Run the router in this process until SIGINT/SIGTERM (uvicorn handles both)."""
     import uvicorn
 
-    from .embedded_model import resolve_model_path
+    from glm53.server.embedded_model import resolve_model_path
 
     model_dir = model_dir or resolve_model_path(cfg.model.path)
     app = create_app(cfg, model_dir)

@@ -20,7 +20,7 @@ import torch
 
 from glm53.models import ModelRunner, SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
-from glm53.server.instance import InstanceLoop, TrackedRequest, run_instance, transfer_error_code
+from glm53.server.engine.scheduler import InstanceLoop, TrackedRequest, run_instance, transfer_error_code
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.sampling import sample, step_generator
 from glm53.transport.engine import TERMINAL, KVPoll, KVReceiver, Room, TransferError

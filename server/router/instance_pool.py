@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from .config import ClusterConfig, InstanceConfig
-from .metrics import RouterMetrics
-from .protocol import (Abort, GenerateRequest, HealthPing, HealthPong, LoadStats, Message, PeerInfo,
+from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.router.metrics import RouterMetrics
+from glm53.server.protocol import (Abort, GenerateRequest, HealthPing, HealthPong, LoadStats, Message, PeerInfo,
                        ProtocolError, TokenEvent, decode, encode)
 
 log = logging.getLogger(__name__)

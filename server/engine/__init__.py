@@ -1,0 +1,1 @@
+"""The instance program: a scheduler per prefill/decode instance driving its rank workers."""
