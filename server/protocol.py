@@ -39,9 +39,11 @@ from typing import Any, Callable, ClassVar, Union
 import msgpack
 import zmq
 
+from glm53.server.sampling import SamplingParams
+
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Error codes an instance puts in TokenEvent.error_code; the router maps them to messages/metrics.
 ERROR_CODES = ("bootstrap_timeout", "transfer_timeout", "transfer_failed", "overloaded", "context_length",
@@ -90,24 +92,48 @@ class PeerInfo:
 
 
 @dataclass
-class GenerateRequest(_Message):
-    TYPE: ClassVar[str] = "generate"
-    room: int  # u64, random per request
-    generation: int  # u32: a retry on another prefill gets a new room id and the next generation
+class RequestSpec:
+    """What to generate, built once by the router and carried whole to both instances: the
+    prompt, the validated `SamplingParams` (max_new_tokens, stop ids, ignore_eos, seed, ...) and
+    the model's eos ids. Decode alone decides a "stop"-token or "length" finish from it; the
+    router only applies what needs text (stop strings, display trimming)."""
+
     rid: str  # the client-visible request id (logs, x-request-id)
     input_ids: list[int]
-    # temperature, top_p, top_k, min_p, seed (SamplingParams field names; sampling.py)
-    sampling: dict[str, Any]
-    max_new_tokens: int  # already capped so that prompt + completion <= context_length
-    stop_token_ids: list[int]  # user stop ids; finish "stop" when sampled
-    eos_token_ids: list[int]  # the model's eos ids; finish "stop" unless ignore_eos
-    ignore_eos: bool
+    params: SamplingParams  # max_new_tokens already capped so that prompt + completion <= context
+    eos_token_ids: list[int]  # the model's eos ids; finish "stop" unless params.ignore_eos
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The token ids whose sampling ends the request with finish_reason "stop"."""
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return frozenset(self.params.stop_token_ids) | frozenset(eos)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "RequestSpec":
+        try:
+            return cls(rid=d["rid"], input_ids=list(d["input_ids"]), params=SamplingParams.from_dict(d["params"]),
+                       eos_token_ids=list(d["eos_token_ids"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"generate: bad request spec: {e}") from None
+
+
+@dataclass
+class GenerateRequest(_Message):
+    """A RequestSpec on its way to one instance, with where it runs and where to answer."""
+
+    TYPE: ClassVar[str] = "generate"
+    spec: RequestSpec
+    room: int  # u64, random per request
+    generation: int  # u32: a retry on another prefill gets a new room id and the next generation
     prefill: PeerInfo
     decode: PeerInfo
     reply_to: str  # the router's result address (tcp://host:port)
     sent_at: float = 0.0  # router's time.time() when sent (queue-time metrics)
 
     def _from_wire(self) -> None:
+        if isinstance(self.spec, dict):
+            self.spec = RequestSpec.from_wire(self.spec)
         if isinstance(self.prefill, dict):
             self.prefill = PeerInfo(**self.prefill)
         if isinstance(self.decode, dict):

@@ -37,6 +37,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Detokenization only (the router applies them): hide special tokens; keep a matched stop
+    # string in the text.
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,8 +83,9 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise SamplingError("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

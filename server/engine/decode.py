@@ -51,9 +51,8 @@ class DecodeLoop(InstanceLoop):
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
-        params = self.parse(req, len(req.input_ids) + req.max_new_tokens)
-        if params is not None:
-            self.waiting.append(DecodeRequest(req, params, time.monotonic()))
+        if self.accept(req, len(req.spec.input_ids) + req.spec.params.max_new_tokens):
+            self.waiting.append(DecodeRequest(req, time.monotonic()))
 
     def on_abort(self, msg: Abort) -> None:
         key = (msg.room, msg.generation)
@@ -78,7 +77,7 @@ class DecodeLoop(InstanceLoop):
 
     def _admit(self) -> None:
         while len(self.receiving) + len(self.running) < self.max_running:
-            r = self.admit_next(self.waiting, lambda r: r.prompt_len + r.req.max_new_tokens)
+            r = self.admit_next(self.waiting, lambda r: r.prompt_len + r.params.max_new_tokens)
             if r is None:
                 return
             boot = f"tcp://{r.req.prefill.host}:{r.req.prefill.bootstrap_port}"
@@ -119,7 +118,7 @@ class DecodeLoop(InstanceLoop):
             bytes=self.runner.pages_needed(r.prompt_len) * self._bytes_per_page(),
             bootstrap_seconds=r.bootstrapped - r.transfer_started,
         )
-        if r.req.max_new_tokens == 0:
+        if r.params.max_new_tokens == 0:
             self._emit(r, [], "length", transfer=stats)
             self.runner.allocator.free(r.pages)
             return
@@ -160,10 +159,9 @@ class DecodeLoop(InstanceLoop):
         return True
 
     def _finish_reason(self, r: DecodeRequest, tok: int) -> str | None:
-        req = r.req
-        if tok in req.stop_token_ids or (not req.ignore_eos and tok in req.eos_token_ids):
+        if tok in r.req.spec.stop_ids:
             return "stop"
-        if len(r.output) >= req.max_new_tokens:
+        if len(r.output) >= r.params.max_new_tokens:
             return "length"
         return None
 

@@ -49,9 +49,8 @@ class PrefillLoop(InstanceLoop):
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
-        params = self.parse(req, len(req.input_ids))
-        if params is not None:
-            self.waiting.append(PrefillRequest(req, params, time.monotonic()))
+        if self.accept(req, len(req.spec.input_ids)):
+            self.waiting.append(PrefillRequest(req, time.monotonic()))
 
     def on_abort(self, msg: Abort) -> None:
         key = (msg.room, msg.generation)
@@ -85,7 +84,7 @@ class PrefillLoop(InstanceLoop):
             if budget <= 0:
                 break
             n = min(budget, r.prompt_len - r.done_tokens)
-            ids = r.req.input_ids[r.done_tokens : r.done_tokens + n]
+            ids = r.req.spec.input_ids[r.done_tokens : r.done_tokens + n]
             chunks.append(SeqChunk(ids, r.done_tokens, r.pages))
             owners.append(r)
             budget -= n

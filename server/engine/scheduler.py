@@ -108,7 +108,6 @@ class TrackedRequest:
     """A router request as an instance holds it: parsed sampling params and its KV pages."""
 
     req: GenerateRequest
-    params: SamplingParams
     arrived: float
     pages: list[int] = field(default_factory=list)
 
@@ -117,8 +116,12 @@ class TrackedRequest:
         return (self.req.room, self.req.generation)
 
     @property
+    def params(self) -> SamplingParams:
+        return self.req.spec.params
+
+    @property
     def prompt_len(self) -> int:
-        return len(self.req.input_ids)
+        return len(self.req.spec.input_ids)
 
 
 class InstanceLoop(abc.ABC):
@@ -161,24 +164,20 @@ class InstanceLoop(abc.ABC):
         """Fail every request this instance holds (the router gets an error event for each);
         pages are freed as soon as no transfer can still write them."""
 
-    def parse(self, req: GenerateRequest, max_tokens: int) -> SamplingParams | None:
-        """The request's sampling params, or None after answering the router with an error."""
-        try:
-            params = SamplingParams.from_dict({**req.sampling, "max_new_tokens": req.max_new_tokens})
-        except ValueError as e:
-            self.send_error(req, f"bad sampling parameters: {e}", "bad_request")
-            return None
+    def accept(self, req: GenerateRequest, max_tokens: int) -> bool:
+        """Whether this instance can run the request; False after answering the router with an error."""
+        ids = req.spec.input_ids
         vocab = self.runner.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in req.input_ids):
+        if any(not 0 <= t < vocab for t in ids):
             self.send_error(req, f"token ids must be in [0, {vocab})", "bad_request")
-            return None
-        if not req.input_ids or max_tokens > self.runner.cfg.max_position_embeddings:
+            return False
+        if not ids or max_tokens > self.runner.cfg.max_position_embeddings:
             self.send_error(req, "prompt is empty or longer than the model's context", "context_length")
-            return None
+            return False
         if self.runner.pages_needed(max_tokens) > self.runner.allocator.num_pages:
             self.send_error(req, f"request needs more KV pages than the {self.role} pool holds", "context_length")
-            return None
-        return params
+            return False
+        return True
 
     def admit_next(self, queue: deque, tokens: Callable[[TrackedRequest], int]) -> TrackedRequest | None:
         """Pop the head of `queue` with pages for `tokens(r)` tokens allocated, or None while it
@@ -200,7 +199,7 @@ class InstanceLoop(abc.ABC):
     def send_error(self, req: GenerateRequest, message: str, code: str) -> None:
         self.channel.send(req.reply_to, TokenEvent(
             room=req.room, generation=req.generation, instance=self.inst.name, finish_reason="error",
-            error=message, error_code=code, prompt_tokens=len(req.input_ids)))
+            error=message, error_code=code, prompt_tokens=len(req.spec.input_ids)))
 
     def load(self) -> LoadStats:
         running, waiting, transferring = self.queue_sizes()

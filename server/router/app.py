@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glm53.server.config import ClusterConfig
-from glm53.server.router.instance_pool import InstancePool, Room, RoomFailed, RoomSpec, Unavailable
+from glm53.server.protocol import RequestSpec
+from glm53.server.router.instance_pool import InstancePool, Room, RoomFailed, Unavailable
 from glm53.server.router.metrics import RouterMetrics
 from glm53.server.router.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                          GenerateRequestBody, TokenizeRequest, _Sampling, error_body)
@@ -44,15 +45,6 @@ _STATUS_FOR_CODE = {"context_length": 400, "bad_request": 400, "timeout": 504, "
 # --------------------------------------------------------------------------------------------
 # One generation: tokens in, text deltas out
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class GenRequest:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
 
 
 @dataclass
@@ -94,24 +86,16 @@ class Generation:
     run when `events()` is closed early, e.g. the client went away) aborts the room on both
     instances; it is idempotent."""
 
-    def __init__(self, state: RouterState, req: GenRequest):
-        self.state, self.req = state, req
+    def __init__(self, state: RouterState, spec: RequestSpec):
+        self.state, self.spec = state, spec
         self.t0 = time.monotonic()
         self.room: Room | None = None
         self._open = False
         self.failed_prefills: set[str] = set()
-        p = req.params
-        if p.max_new_tokens == 0:
+        if spec.params.max_new_tokens == 0:
             return
-        self.spec = RoomSpec(
-            rid=req.rid, input_ids=req.input_ids,
-            sampling={"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
-                      "seed": p.seed},
-            max_new_tokens=p.max_new_tokens, stop_token_ids=list(p.stop_token_ids),
-            eos_token_ids=list(state.tokenizer.eos_token_ids), ignore_eos=p.ignore_eos,
-        )
         try:
-            self.room = state.pool.submit(self.spec)
+            self.room = state.pool.submit(spec)
         except Unavailable as e:
             raise APIError(503, str(e)) from None
         self._open = True
@@ -130,7 +114,7 @@ class Generation:
                         or room.generation >= self.state.cfg.router.max_retries):
                     raise
                 self.failed_prefills.add(room.prefill.name)
-                log.warning("router: %s: %s; retrying on another prefill instance", self.req.rid, e)
+                log.warning("router: %s: %s; retrying on another prefill instance", self.spec.rid, e)
                 try:
                     new = self.state.pool.submit(self.spec, frozenset(self.failed_prefills), room.generation + 1)
                 except Unavailable:
@@ -161,14 +145,13 @@ class Generation:
             pass
 
     async def events(self) -> AsyncIterator[Delta | Outcome]:
-        req, p, state = self.req, self.req.params, self.state
+        spec, p, state = self.spec, self.spec.params, self.state
         m, name = state.metrics, state.metrics.model_name
         if self.room is None:
-            yield Outcome("length", None, len(req.input_ids), 0)
+            yield Outcome("length", None, len(spec.input_ids), 0)
             return
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(state.tokenizer.eos_token_ids))
-        detok = IncrementalDetokenizer(state.tokenizer, req.skip_special_tokens)
-        stops = StopStringMatcher(p.stop, include_stop=req.no_stop_trim)
+        detok = IncrementalDetokenizer(state.tokenizer, p.skip_special_tokens)
+        stops = StopStringMatcher(p.stop, include_stop=p.no_stop_trim)
         n_out, cached, last_t, first_t = 0, 0, self.t0, None
         try:
             while True:
@@ -178,8 +161,7 @@ class Generation:
                     raise APIError(_STATUS_FOR_CODE.get(e.code, 503), str(e)) from None
                 now = time.monotonic()
                 cached = max(cached, ev.cached_tokens)
-                # Never more than max_new_tokens, whatever the instance sends.
-                ids = list(ev.token_ids)[:max(p.max_new_tokens - n_out, 0)]
+                ids = list(ev.token_ids)
                 if ids:
                     k = len(ids)
                     if first_t is None:
@@ -189,17 +171,14 @@ class Generation:
                     for _ in range(k):
                         m.itl.labels(name).observe((now - last_t) / k)
                     last_t = now
+                # Decode decides "stop" (a stop/eos token) and "length"; a stop token is counted
+                # but not shown.
                 finish, matched = ev.finish_reason, ev.matched_stop
-                # A stop/eos token ends the text: it is counted but not shown.
-                visible = ids
-                if ids and ids[-1] in stop_ids and (finish == "stop" or ids[-1] in p.stop_token_ids):
-                    visible, finish, matched = ids[:-1], "stop", ids[-1]
+                visible = ids[:-1] if finish == "stop" and ids and matched == ids[-1] else ids
                 n_out += len(ids)
                 text = stops.feed(detok.add(visible)) if visible else ""
                 if stops.matched is not None:
                     finish, matched = "stop", stops.matched
-                elif finish is None and n_out >= p.max_new_tokens:
-                    finish = "length"
                 if finish is None:
                     if text or ids:
                         yield Delta(text, ids)
@@ -215,12 +194,12 @@ class Generation:
                 m.e2e.labels(name).observe(now - self.t0)
                 if first_t is not None and n_out > 1:
                     m.tpot.labels(name).observe((now - first_t) / (n_out - 1))
-                m.prompt_tokens.labels(name).inc(len(req.input_ids))
+                m.prompt_tokens.labels(name).inc(len(spec.input_ids))
                 m.generation_tokens.labels(name).inc(n_out)
                 m.requests.labels(name, finish).inc()
                 if text or ids:
                     yield Delta(text, ids)
-                yield Outcome(finish, matched, len(req.input_ids), n_out, cached)
+                yield Outcome(finish, matched, len(spec.input_ids), n_out, cached)
                 return
         finally:
             # Client gone, room failed or timed out: free both sides.
@@ -228,7 +207,7 @@ class Generation:
 
 
 # --------------------------------------------------------------------------------------------
-# Request -> GenRequest
+# Request -> RequestSpec
 # --------------------------------------------------------------------------------------------
 
 
@@ -263,10 +242,13 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def _sampling(state: RouterState, prompt_len: int, *, max_tokens: int | None, default_max: int | None,
-              temperature: float | None, top_p: float | None, top_k: int | None, min_p: float | None,
-              seed: int | None, stop: list[str], stop_token_ids: list[int] | None,
-              ignore_eos: bool) -> SamplingParams:
+def _request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_tokens: int | None,
+                  default_max: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+                  min_p: float | None, seed: int | None, stop: list[str], stop_token_ids: list[int] | None,
+                  ignore_eos: bool, skip_special_tokens: bool = True, no_stop_trim: bool = False) -> RequestSpec:
+    """The one request object both instances receive: validated params, context-capped
+    max_new_tokens, the model's eos ids."""
+    prompt_len = len(input_ids)
     ctx = state.context_length
     if prompt_len == 0:
         raise APIError(400, "The prompt is empty (it has no tokens).", "prompt")
@@ -287,16 +269,17 @@ def _sampling(state: RouterState, prompt_len: int, *, max_tokens: int | None, de
             raise APIError(400, f"stop_token_ids: token id {t} is outside the vocabulary (0..{vocab - 1})",
                            "stop_token_ids")
     try:
-        return SamplingParams(
+        params = SamplingParams(
             temperature=temperature if temperature is not None else (d.temperature if d.temperature is not None else 1.0),
             top_p=top_p if top_p is not None else (d.top_p if d.top_p is not None else 1.0),
             top_k=top_k if top_k is not None else (d.top_k if d.top_k not in (None, 0) else -1),
             min_p=min_p if min_p is not None else (d.min_p or 0.0),
             seed=seed, max_new_tokens=max_tokens, stop=stop, stop_token_ids=list(stop_token_ids or []),
-            ignore_eos=ignore_eos,
+            ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens, no_stop_trim=no_stop_trim,
         )
     except SamplingError as e:
         raise APIError(400, str(e), e.param) from None
+    return RequestSpec(rid, input_ids, params, list(state.tokenizer.eos_token_ids))
 
 
 def _check_ids(state: RouterState, ids: list[int], param: str) -> list[int]:
@@ -452,12 +435,12 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
             raise APIError(400, "response_format other than text is not supported yet", "response_format")
         ids = state.tokenizer.encode(_render_chat(state, body))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = _sampling(state, len(ids), max_tokens=max_tokens, default_max=None, temperature=body.temperature,
-                           top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-                           stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids,
-                           ignore_eos=body.ignore_eos)
         rid = _rid(request, "chatcmpl")
-        gen = Generation(state, GenRequest(rid, ids, params, body.skip_special_tokens))
+        spec = _request_spec(state, rid, ids, max_tokens=max_tokens, default_max=None, temperature=body.temperature,
+                             top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+                             stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids,
+                             ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
+        gen = Generation(state, spec)
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         if not body.stream:
@@ -520,11 +503,11 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
         created = int(time.time())
         gens, echoes = [], []
         for i, ids in enumerate(prompts):
-            params = _sampling(state, len(ids), max_tokens=body.max_tokens, default_max=16,
-                               temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                               seed=body.seed, stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids,
-                               ignore_eos=body.ignore_eos)
-            gens.append(GenRequest(f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params, body.skip_special_tokens))
+            gens.append(_request_spec(
+                state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, max_tokens=body.max_tokens, default_max=16,
+                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+                stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                skip_special_tokens=body.skip_special_tokens))
             echoes.append(state.tokenizer.decode(ids, body.skip_special_tokens) if body.echo else "")
         if not body.stream:
             started: list[Generation] = []
@@ -585,12 +568,13 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
         ids = (_check_ids(state, list(body.input_ids), "input_ids") if body.input_ids is not None
                else state.tokenizer.encode(body.text or ""))
         sp = body.sampling_params or _default_generate_params()
-        params = _sampling(state, len(ids), max_tokens=sp.max_new_tokens, default_max=128,
-                           temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-                           seed=sp.sampling_seed, stop=_stop_list(sp.stop), stop_token_ids=sp.stop_token_ids,
-                           ignore_eos=sp.ignore_eos)
         rid = body.rid or _rid(request, "gen")
-        gen = Generation(state, GenRequest(rid, ids, params, sp.skip_special_tokens, sp.no_stop_trim))
+        spec = _request_spec(state, rid, ids, max_tokens=sp.max_new_tokens, default_max=128,
+                             temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+                             seed=sp.sampling_seed, stop=_stop_list(sp.stop), stop_token_ids=sp.stop_token_ids,
+                             ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
+                             no_stop_trim=sp.no_stop_trim)
+        gen = Generation(state, spec)
         t0 = time.monotonic()
 
         def meta(o: Outcome | None, n: int) -> dict:
@@ -661,9 +645,10 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
     @app.get("/health_generate")
     async def health_generate():
         ids = state.tokenizer.encode("ping") or [0]
-        params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+        spec = RequestSpec(f"health-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0.0, max_new_tokens=1,
+                                                                             ignore_eos=True), [])
         try:
-            _, out_ids, _ = await _collect(Generation(state, GenRequest(f"health-{uuid.uuid4().hex}", ids, params)))
+            _, out_ids, _ = await _collect(Generation(state, spec))
         except APIError as e:
             return JSONResponse(error_body(503, f"health generation failed: {e.message}"), status_code=503)
         return {"status": "ok", "output_ids": out_ids}

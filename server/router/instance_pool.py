@@ -22,7 +22,7 @@ import zmq.asyncio
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.router.metrics import RouterMetrics
 from glm53.server.protocol import (Abort, GenerateRequest, HealthPing, HealthPong, LoadStats, Message, PeerInfo,
-                       ProtocolError, TokenEvent, decode, encode)
+                                   ProtocolError, RequestSpec, TokenEvent, decode, encode)
 
 log = logging.getLogger(__name__)
 
@@ -61,23 +61,10 @@ class InstanceState:
 
 
 @dataclass
-class RoomSpec:
-    """What the router asks the instances to generate."""
-
-    rid: str
-    input_ids: list[int]
-    sampling: dict
-    max_new_tokens: int
-    stop_token_ids: list[int]
-    eos_token_ids: list[int]
-    ignore_eos: bool
-
-
-@dataclass
 class Room:
     room: int
     generation: int
-    spec: RoomSpec
+    spec: RequestSpec
     prefill: InstanceState
     decode: InstanceState
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -158,7 +145,7 @@ class InstancePool:
         }
 
     # ---- requests ----
-    def submit(self, spec: RoomSpec, exclude_prefill: frozenset[str] = frozenset(), generation: int = 0) -> Room:
+    def submit(self, spec: RequestSpec, exclude_prefill: frozenset[str] = frozenset(), generation: int = 0) -> Room:
         """Send `spec` to a fresh (prefill, decode) pair. `exclude_prefill` and `generation` are
         for retries: a retried request gets a new room id (the transfer layer retires old ones)
         and the next generation number."""
@@ -175,12 +162,8 @@ class InstancePool:
             pairs_tried.add((p.name, d.name))
             room_id = self._new_room_id()
             room = Room(room=room_id, generation=generation, spec=spec, prefill=p, decode=d)
-            req = GenerateRequest(
-                room=room_id, generation=generation, rid=spec.rid, input_ids=spec.input_ids, sampling=spec.sampling,
-                max_new_tokens=spec.max_new_tokens, stop_token_ids=spec.stop_token_ids,
-                eos_token_ids=spec.eos_token_ids, ignore_eos=spec.ignore_eos, prefill=p.peer, decode=d.peer,
-                reply_to=self.cfg.router.result_address, sent_at=time.time(),
-            )
+            req = GenerateRequest(spec=spec, room=room_id, generation=generation, prefill=p.peer, decode=d.peer,
+                                  reply_to=self.cfg.router.result_address, sent_at=time.time())
             data = encode(req)
             # Decode first: it must preallocate pages before prefill's writes can land.
             if not self._send(d, data):

@@ -83,22 +83,22 @@ def main(cfg: ClusterConfig, index: int) -> int:
             if role == "decode" and rooms:
                 time.sleep(delay)
                 for rid, r in list(rooms.items()):
-                    q = r.req
+                    q, spec = r.req, r.req.spec
                     if time.monotonic() < r.start_at:
                         continue
-                    if eos_at is not None and r.step == eos_at and not q.ignore_eos:
-                        tok = q.eos_token_ids[0]
+                    if eos_at is not None and r.step == eos_at and not spec.params.ignore_eos:
+                        tok = spec.eos_token_ids[0]
                     else:
-                        tok = fake_token(q.input_ids, r.step, q.sampling.get("seed"))
+                        tok = fake_token(spec.input_ids, r.step, spec.params.seed)
                     r.step += 1
                     finish, matched = None, None
-                    if tok in q.stop_token_ids or (not q.ignore_eos and tok in q.eos_token_ids):
+                    if tok in spec.stop_ids:
                         finish, matched = "stop", tok
-                    elif r.step >= q.max_new_tokens:
+                    elif r.step >= spec.params.max_new_tokens:
                         finish = "length"
                     ch.send(q.reply_to, TokenEvent(room=q.room, generation=q.generation, instance=inst.name,
                                                    token_ids=[tok], finish_reason=finish, matched_stop=matched,
-                                                   prompt_tokens=len(q.input_ids), completion_tokens=r.step))
+                                                   prompt_tokens=len(spec.input_ids), completion_tokens=r.step))
                     if finish:
                         del rooms[rid]
             load["v"] = LoadStats(num_running=len(rooms), page_size=inst.engine.page_size,

@@ -11,14 +11,15 @@ import zmq
 
 from glm53.server.config import parse_config
 from glm53.server.engine.decode import DecodeLoop
-from glm53.server.protocol import GenerateRequest, PeerInfo, TokenEvent, decode, encode
+from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec, TokenEvent, decode, encode
+from glm53.server.sampling import SamplingParams
 from tests.net import free_ports
 
 
 def _request(room: int, ids: list[int], reply_to: str, ports: list[int]) -> GenerateRequest:
+    spec = RequestSpec(f"r{room}", ids, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True), [])
     return GenerateRequest(
-        room=room, generation=0, rid=f"r{room}", input_ids=ids, sampling={"temperature": 0.0},
-        max_new_tokens=4, stop_token_ids=[], eos_token_ids=[], ignore_eos=True,
+        spec=spec, room=room, generation=0,
         prefill=PeerInfo("p0", "prefill", "127.0.0.1", ports[0], ports[1]),
         decode=PeerInfo("d0", "decode", "127.0.0.1", ports[2], None), reply_to=reply_to)
 

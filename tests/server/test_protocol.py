@@ -4,17 +4,18 @@ import zmq
 
 from tests.net import free_ports
 from glm53.server.protocol import (PROTOCOL_VERSION, Abort, GenerateRequest, HealthPing, HealthPong,
-                                   InstanceChannel, LoadStats, PeerInfo, ProtocolError, TokenEvent, TransferStats,
-                                   decode, encode, probe)
+                                   InstanceChannel, LoadStats, PeerInfo, ProtocolError, RequestSpec, TokenEvent,
+                                   TransferStats, decode, encode, probe)
+from glm53.server.sampling import SamplingParams
 
 
 def _req(**kw) -> GenerateRequest:
     p = PeerInfo("p0", "prefill", "127.0.0.1", 1, 2)
     d = PeerInfo("d0", "decode", "127.0.0.1", 3, 4)
-    base = dict(room=2**63 - 1, generation=2**32 - 1, rid="r", input_ids=[1, 2, 3],
-                sampling={"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "seed": None},
-                max_new_tokens=5, stop_token_ids=[7], eos_token_ids=[9], ignore_eos=False, prefill=p, decode=d,
-                reply_to="tcp://127.0.0.1:9")
+    spec = RequestSpec(rid="r", input_ids=[1, 2, 3], eos_token_ids=[9],
+                       params=SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=[7], seed=2**63,
+                                             stop=["\n\n"], no_stop_trim=True))
+    base = dict(spec=spec, room=2**63 - 1, generation=2**32 - 1, prefill=p, decode=d, reply_to="tcp://127.0.0.1:9")
     base.update(kw)
     return GenerateRequest(**base)
 
