@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from glm53.models.kv_cache import KVPool, KVPoolSpec, OutOfPages, PageAllocator, runs
+from glm53.models.kv_cache import KVPools, OutOfPages, PageAllocator, runs
 
 
 def test_allocator_prefers_one_contiguous_extent():
@@ -54,15 +54,16 @@ def test_allocator_random_churn_keeps_invariants():
 
 
 def test_pool_is_page_major_and_views_are_strided():
-    spec = KVPoolSpec(num_pages=6, page_size=4, layers=(3, 4, 5), indexer_layers=(3, 5), latent_dim=8,
-                      index_dim=5, dtype=torch.float32)
-    pool = KVPool(spec)
-    assert pool.latent.shape == (6, 3, 4, 8) and pool.index_k.shape == (6, 2, 4, 5)
-    v = pool.latent_view(4)
+    pools = KVPools(num_pages=6, page_size=4)
+    pools.add("latent", (3, 4, 5), (8,), torch.float32)
+    pools.add("index_k", (3, 5), (5,), torch.float32)
+    latent, index_k = pools["latent"].tensor, pools["index_k"].tensor
+    assert latent.shape == (6, 3, 4, 8) and index_k.shape == (6, 2, 4, 5)
+    v = pools.view("latent", 4)
     slots = torch.tensor([1, 9, 22])
     vals = torch.randn(3, 8)
-    pool.write(v, slots, vals)
-    assert torch.equal(pool.latent[2, 1, 1], vals[1])  # slot 9 = page 2, offset 1, layer 4 -> index 1
-    assert torch.equal(pool.latent[5, 1, 2], vals[2])
+    pools.write(v, slots, vals)
+    assert torch.equal(latent[2, 1, 1], vals[1])  # slot 9 = page 2, offset 1, layer 4 -> index 1
+    assert torch.equal(latent[5, 1, 2], vals[2])
     # One page of every layer is one contiguous block (what the transfer sends per page run).
-    assert pool.latent[2].is_contiguous() and pool.latent[2:5].is_contiguous()
+    assert latent[2].is_contiguous() and latent[2:5].is_contiguous()

@@ -7,14 +7,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glm53.models import ModelRunner, SeqChunk, WeightError
+from glm53.models import ModelRunner, PageAllocator, SeqChunk, WeightError
 from tests.models.oracle import make_checkpoint
 
 
 def _forward(runner, ids):
-    pages = runner.allocator.alloc(runner.pages_needed(len(ids)))
+    allocator = PageAllocator(runner.pools.num_pages)
+    pages = allocator.alloc(runner.pages_needed(len(ids)))
     out = runner.forward([SeqChunk(ids, 0, pages, all_logits=True)])[0]
-    runner.allocator.free(pages)
+    allocator.free(pages)
     return out
 
 
