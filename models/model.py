@@ -187,8 +187,10 @@ class MoE(nn.Module):
     def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
-        self.gate = Gate(cfg)
+        # Registered in checkpoint order (experts, router, shared experts): `checkpoint_tensors`
+        # lists tensors in parameter order, and the embedded model draws its values in that order.
         self.experts = Experts(cfg, dtype)
+        self.gate = Gate(cfg)
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
