@@ -305,7 +305,8 @@ class GlmForCausalLM(nn.Module):
             x, topk_slots = self.embed(batch.input_ids), None
         else:
             if inputs is None:
-                raise ValueError(f"stage starting at layer {self.layer_range.start} needs the previous stage's StageInput")
+                start = self.layer_range.start
+                raise ValueError(f"stage starting at layer {start} needs the previous stage's StageInput")
             x, topk_slots = inputs.hidden, inputs.topk_slots
         captures: dict[int, torch.Tensor] = {}
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
