@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from glm53.models import ModelRunner, SeqChunk
+from glm53.models import ModelRunner, PageAllocator, SeqChunk
 
 
 def oracle_checkpoint(path: str) -> None:
@@ -22,20 +22,20 @@ def oracle_checkpoint(path: str) -> None:
     make_checkpoint(path, seed=0)
 
 
-def bench_prefill(runner: ModelRunner, n_tokens: int, reps: int = 3) -> float:
+def bench_prefill(runner: ModelRunner, allocator: PageAllocator, n_tokens: int, reps: int = 3) -> float:
     ids = torch.randint(0, runner.cfg.vocab_size, (n_tokens,)).tolist()
     best = float("inf")
     for _ in range(reps):
-        pages = runner.allocator.alloc(runner.pages_needed(n_tokens))
+        pages = allocator.alloc(runner.pages_needed(n_tokens))
         t = time.perf_counter()
         runner.forward([SeqChunk(ids, 0, pages)])
         best = min(best, time.perf_counter() - t)
-        runner.allocator.free(pages)
+        allocator.free(pages)
     return n_tokens / best
 
 
-def bench_decode(runner: ModelRunner, batch: int, ctx: int, steps: int) -> float:
-    pages = [runner.allocator.alloc(runner.pages_needed(ctx + steps)) for _ in range(batch)]
+def bench_decode(runner: ModelRunner, allocator: PageAllocator, batch: int, ctx: int, steps: int) -> float:
+    pages = [allocator.alloc(runner.pages_needed(ctx + steps)) for _ in range(batch)]
     prompts = [torch.randint(0, runner.cfg.vocab_size, (ctx,)).tolist() for _ in range(batch)]
     runner.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)])
     tok = [p[-1] for p in prompts]
@@ -45,7 +45,7 @@ def bench_decode(runner: ModelRunner, batch: int, ctx: int, steps: int) -> float
         tok = [int(lg[-1].argmax()) for lg in logits]
     dt = time.perf_counter() - t
     for pg in pages:
-        runner.allocator.free(pg)
+        allocator.free(pg)
     return batch * steps / dt
 
 
@@ -62,12 +62,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or (oracle_checkpoint(tmp) or tmp)
         runner = ModelRunner.from_dir(model, page_size=16, num_pages=4096, progress=False)
+        allocator = PageAllocator(4096)
         print(f"threads={torch.get_num_threads()} layers={runner.cfg.num_hidden_layers} hidden={runner.cfg.hidden_size}")
         for n in (128, 512):
-            print(f"prefill {n:5d} tokens: {bench_prefill(runner, n):9.1f} tok/s")
-        b1 = bench_decode(runner, 1, args.ctx, args.steps)
+            print(f"prefill {n:5d} tokens: {bench_prefill(runner, allocator, n):9.1f} tok/s")
+        b1 = bench_decode(runner, allocator, 1, args.ctx, args.steps)
         print(f"decode batch  1 (ctx {args.ctx}): {b1:9.1f} tok/s")
-        b16 = bench_decode(runner, 16, args.ctx, args.steps)
+        b16 = bench_decode(runner, allocator, 16, args.ctx, args.steps)
         print(f"decode batch 16 (ctx {args.ctx}): {b16:9.1f} tok/s  ({b16 / b1:.1f}x batch 1)")
 
 

@@ -1,11 +1,15 @@
-"""glm53.models: GLM-5 config and indexer schedule, target model, weight loading, KV pools."""
+"""glm53.models: GLM-5 config and indexer schedule, target model (whole or one pipeline stage),
+weight loading, named KV pools, and the runner."""
 
 from glm53.models.config import ConfigError, GlmConfig, indexer_schedule
-from glm53.models.kv_cache import KVPool, OutOfPages, PageAllocator
+from glm53.models.kv_cache import KVPools, OutOfPages, PageAllocator, Pool, kv_bytes_per_token, target_pools
+from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.runner import ModelRunner, SeqChunk
-from glm53.models.weights import WeightError, load_weights
+from glm53.models.weights import WeightError, checkpoint_tensors, load_weights
 
 __all__ = [
-    "ConfigError", "GlmConfig", "indexer_schedule", "KVPool", "OutOfPages", "PageAllocator",
-    "ModelRunner", "SeqChunk", "WeightError", "load_weights",
+    "ConfigError", "GlmConfig", "indexer_schedule",
+    "KVPools", "OutOfPages", "PageAllocator", "Pool", "kv_bytes_per_token", "target_pools",
+    "ForwardBatch", "GlmForCausalLM", "StageInput", "StageOutput",
+    "ModelRunner", "SeqChunk", "WeightError", "checkpoint_tensors", "load_weights",
 ]

@@ -29,8 +29,10 @@ def indexer_schedule(
     freq: int | None = None,
     offset: int | None = None,
 ) -> list[str]:
-    """DESIGN §4.1. Source of truth, in order: `indexer_types`, `index_topk_pattern` (F/S), else
-    layer i (0-based) is full iff max(i - offset + 1, 0) % freq == 0 (freq 1, offset 2 by default)."""
+    """Per layer, "full" (runs its own indexer) or "shared" (reuses the nearest preceding full
+    layer's top-k); docs/ARCHITECTURE.md, "Indexer schedule". Source of truth, in order:
+    `indexer_types`, `index_topk_pattern` (F/S), else layer i (0-based) is full iff
+    max(i - offset + 1, 0) % freq == 0 (freq 1, offset 2 by default)."""
     if indexer_types is not None:
         if len(indexer_types) != num_layers:
             raise ConfigError(

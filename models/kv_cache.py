@@ -1,18 +1,27 @@
-"""Paged KV cache: a page allocator that hands out contiguous extents, and page-major pools.
+"""Paged KV cache: a page allocator that hands out contiguous extents, and named page-major pools.
 
-All pools of an instance share one page-id space. A pool is laid out page-major,
-[num_pages, n_layers, page_size, dim]: one page of every layer the pool holds is one contiguous
-block, so a run of contiguous pages is one contiguous byte range for the transfer layer (its
-cost is per descriptor, DESIGN §4.4). A layer's cache is the strided view pool[:, j]
-([num_pages, page_size, dim]) and kernels address it with strides.
+All pools of a rank share one page-id space, so one page table (and one slot id) addresses
+every pool. A pool is laid out page-major, [num_pages, n_layers, page_size, *per_token]: one
+page of every layer the pool holds is one contiguous block, so a run of contiguous pages is one
+contiguous byte range for the transfer layer, whose cost is per descriptor (docs/ARCHITECTURE.md,
+"Buffer table and item lengths"). A layer's cache is the strided view pool[:, j]
+([num_pages, page_size, *per_token]) and kernels address it with strides.
+
+The allocator belongs to whoever schedules requests (the instance); ranks only own pools.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
+
+from glm53.models.config import GlmConfig
+
+# The target model's pool names (the transfer layer's buffer names too).
+LATENT, INDEX_K = "latent", "index_k"
 
 
 class OutOfPages(RuntimeError):
@@ -102,51 +111,112 @@ def runs(pages: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-@dataclass(frozen=True)
-class KVPoolSpec:
-    num_pages: int
-    page_size: int
-    layers: tuple[int, ...]  # global ids of the layers this pool serves (a PP stage's)
-    indexer_layers: tuple[int, ...]  # the "full" layers among them (own indexer-key cache)
-    latent_dim: int  # kv_lora_rank + qk_rope_head_dim
-    index_dim: int  # index_head_dim
-    dtype: torch.dtype
+@dataclass(frozen=True, eq=False)
+class Pool:
+    """One named pool: `tensor` is [num_pages, n_layers, page_size, *per_token], and axis 1 holds
+    the global layers `layers`, in that order."""
 
+    name: str
+    layers: tuple[int, ...]
+    per_token: tuple[int, ...]
+    tensor: torch.Tensor
+    _pos: dict[int, int] = field(init=False, repr=False)
 
-class KVPool:
-    """The latent pool [P, n_layers, page_size, latent_dim] and the indexer-key pool
-    [P, n_indexer_layers, page_size, index_dim] (full layers only; shared layers own none)."""
-
-    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu"):
-        self.spec = spec
-        self._latent_pos = {layer: j for j, layer in enumerate(spec.layers)}
-        self._index_pos = {layer: j for j, layer in enumerate(spec.indexer_layers)}
-        shape = (spec.num_pages, len(spec.layers), spec.page_size, spec.latent_dim)
-        self.latent = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.index_k = None
-        if spec.indexer_layers:
-            shape = (spec.num_pages, len(spec.indexer_layers), spec.page_size, spec.index_dim)
-            self.index_k = torch.zeros(shape, dtype=spec.dtype, device=device)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pos", {layer: j for j, layer in enumerate(self.layers)})
 
     @property
-    def page_size(self) -> int:
-        return self.spec.page_size
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
 
-    def latent_view(self, layer: int) -> torch.Tensor:
-        return self.latent[:, self._latent_pos[layer]]
+    def index(self, layer: int) -> int:
+        """Position of global layer `layer` on the layer axis."""
+        try:
+            return self._pos[layer]
+        except KeyError:
+            raise KeyError(f"pool {self.name!r} holds no layer {layer} (it holds {list(self.layers)})") from None
 
-    def index_view(self, layer: int) -> torch.Tensor:
-        assert self.index_k is not None
-        return self.index_k[:, self._index_pos[layer]]
+    def view(self, layer: int) -> torch.Tensor:
+        """The strided per-layer cache [num_pages, page_size, *per_token] kernels address."""
+        return self.tensor[:, self.index(layer)]
 
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The pools by name, for the transfer layer's buffer table."""
-        out = {"latent": self.latent}
-        if self.index_k is not None:
-            out["index_k"] = self.index_k
-        return out
+    def bytes_per_page(self) -> int:
+        return self.tensor[0].numel() * self.tensor.element_size()
+
+
+class KVPools:
+    """Named page-major pools over one page-id space (same `num_pages` and `page_size`), so one
+    page table and one slot id address every pool. Iterates as (name, pool) in registration
+    order; the transfer layer registers each one by name."""
+
+    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.device = torch.device(device)
+        self._pools: dict[str, Pool] = {}
+
+    def add(self, name: str, layers: Sequence[int], per_token: Sequence[int], dtype: torch.dtype) -> Pool:
+        if name in self._pools:
+            raise ValueError(f"pool {name!r} is already registered")
+        layers, per_token = tuple(layers), tuple(per_token)
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"pool {name!r}: layer ids repeat: {list(layers)}")
+        shape = (self.num_pages, len(layers), self.page_size, *per_token)
+        pool = Pool(name, layers, per_token, torch.zeros(shape, dtype=dtype, device=self.device))
+        self._pools[name] = pool
+        return pool
+
+    def __getitem__(self, name: str) -> Pool:
+        try:
+            return self._pools[name]
+        except KeyError:
+            raise KeyError(f"no pool {name!r} (have {list(self._pools)})") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._pools
+
+    def __iter__(self) -> Iterator[tuple[str, Pool]]:
+        return iter(list(self._pools.items()))
+
+    def __len__(self) -> int:
+        return len(self._pools)
+
+    def view(self, name: str, layer: int) -> torch.Tensor:
+        return self[name].view(layer)
+
+    def bytes_per_page(self) -> int:
+        """Bytes one page costs summed over every pool (each pool counts all its layers)."""
+        return sum(p.bytes_per_page() for p in self._pools.values())
 
     @staticmethod
     def write(view: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Stores values[i] at flat slot slots[i] (= page * page_size + offset) of a layer view."""
         ps = view.shape[1]
         view[slots // ps, slots % ps] = values.to(view.dtype)
+
+
+def target_pools(
+    cfg: GlmConfig,
+    layers: range,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> KVPools:
+    """The target model's pools for the stage holding `layers`: `latent` [c_kv | k_pe] on every
+    layer, `index_k` on the stage's "full" indexer layers only (shared layers reuse another
+    layer's top-k and own no keys; a stage without full layers gets no `index_k` pool)."""
+    pools = KVPools(num_pages, page_size, device)
+    pools.add(LATENT, layers, (cfg.latent_dim,), dtype)
+    full = [i for i in cfg.full_layers if i in layers]
+    if full:
+        pools.add(INDEX_K, full, (cfg.index_head_dim,), dtype)
+    return pools
+
+
+def kv_bytes_per_token(cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None) -> int:
+    """KV bytes one token costs in the target pools of the stage holding `layers` (all by
+    default); the same rule as `target_pools`, measured on meta tensors."""
+    layers = layers if layers is not None else range(cfg.num_hidden_layers)
+    return target_pools(cfg, layers, 1, 1, dtype, device="meta").bytes_per_page()

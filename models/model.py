@@ -11,6 +11,7 @@ routed experts are stacked per layer ([E, ...]) and the loader maps `mlp.experts
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,8 @@ from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.sparse_mla import sparse_mla
 from glm53.kernels.topk import dsa_topk_paged
-from glm53.models.config import FULL, GlmConfig
-from glm53.models.kv_cache import KVPool
+from glm53.models.config import FULL, SHARED, GlmConfig
+from glm53.models.kv_cache import INDEX_K, LATENT, KVPools
 
 # transformers' GlmMoeDsa builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps.
 LATENT_NORM_EPS = 1e-6
@@ -64,8 +65,27 @@ class ForwardBatch:
     max_context: int
 
 
+@dataclass
+class StageInput:
+    """What a stage hands the next one: the residual stream after its last layer and, when the
+    next stage starts with shared layers, the top-k slots of the last full layer run so far."""
+
+    hidden: torch.Tensor  # [N, hidden_size]
+    topk_slots: torch.Tensor | None  # [N, index_topk] slot ids, or None
+
+
+@dataclass
+class StageOutput:
+    hidden: torch.Tensor  # [N, hidden_size]: residual stream after the stage's last layer (pre-norm)
+    topk_slots: torch.Tensor | None  # set only when the next stage's first layer is shared
+    captures: dict[int, torch.Tensor]  # layer id -> [N, hidden_size] (see forward_stage)
+
+    def next_input(self) -> StageInput:
+        return StageInput(self.hidden, self.topk_slots)
+
+
 class Indexer(nn.Module):
-    """DSA lightning indexer (DESIGN §4.2); exists only on "full" layers."""
+    """DSA lightning indexer (docs/ARCHITECTURE.md, "DSA"); exists only on "full" layers."""
 
     def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
         super().__init__()
@@ -76,7 +96,7 @@ class Indexer(nn.Module):
         # Head gates stay fp32 whatever the model dtype (as in the reference checkpoints).
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, torch.float32)
 
-    def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPool, layer: int) -> torch.Tensor:
+    def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPools, layer: int) -> torch.Tensor:
         cfg = self.cfg
         n, rope = x.shape[0], cfg.qk_rope_head_dim
         q = self.wq_b(q_resid).view(n, cfg.index_n_heads, cfg.index_head_dim)
@@ -85,7 +105,7 @@ class Indexer(nn.Module):
         il = cfg.indexer_rope_interleave
         q = torch.cat([apply_rope(q[..., :rope], cos, sin, il), q[..., rope:]], dim=-1)
         k = torch.cat([apply_rope(k[..., :rope], cos, sin, il), k[..., rope:]], dim=-1)
-        cache = kv.index_view(layer)
+        cache = kv.view(INDEX_K, layer)
         kv.write(cache, batch.out_slots, k)
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
         weights = self.weights_proj(x).float() * scale
@@ -107,7 +127,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, dtype)
         self.indexer = Indexer(cfg, dtype) if cfg.indexer_types[layer] == FULL else None
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPool, topk_slots: torch.Tensor | None):
+    def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPools, topk_slots: torch.Tensor | None):
         cfg = self.cfg
         n, h = x.shape[0], cfg.num_attention_heads
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -118,7 +138,7 @@ class Attention(nn.Module):
         c = rms_norm(ckv[:, :r], self.kv_a_layernorm.weight, LATENT_NORM_EPS)
         q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
         k_pe = apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave)
-        cache = kv.latent_view(self.layer)
+        cache = kv.view(LATENT, self.layer)
         kv.write(cache, batch.out_slots, torch.cat([c, k_pe], dim=-1))
 
         if self.indexer is not None:
@@ -167,8 +187,10 @@ class MoE(nn.Module):
     def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
-        self.gate = Gate(cfg)
+        # Registered in checkpoint order (experts, router, shared experts): `checkpoint_tensors`
+        # lists tensors in parameter order, and the embedded model draws its values in that order.
         self.experts = Experts(cfg, dtype)
+        self.gate = Gate(cfg)
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
@@ -219,33 +241,84 @@ class Backbone(nn.Module):
 
 
 class GlmForCausalLM(nn.Module):
+    """The target model, or one pipeline stage of it: decoder layers `layers` (global ids), with
+    the embeddings on the first stage and the final norm + lm_head on the last."""
+
     def __init__(self, cfg: GlmConfig, dtype: torch.dtype = torch.float32, layers: range | None = None):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.layer_range = layers if layers is not None else range(cfg.num_hidden_layers)
+        r, n = self.layer_range, cfg.num_hidden_layers
+        if r.step != 1 or not 0 <= r.start < r.stop <= n:
+            raise ValueError(f"layers must be a non-empty range [a, b) within [0, {n}), got {r}")
         self.model = Backbone(cfg, self.layer_range, dtype)
         if self.model.last:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        # The next stage needs our top-k only when its first layer is shared (it reuses the
+        # nearest preceding full layer's selection).
+        self.hands_on_topk = not self.model.last and cfg.indexer_types[r.stop] == SHARED
         self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.last
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.model.embed_tokens.weight)
 
-    def forward_layers(
-        self, x: torch.Tensor, batch: ForwardBatch, kv: KVPool, topk_slots: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of residual-stream rows (before the final norm); last stage only."""
+        return self.lm_head(self.final_norm(x)).float()
+
+    def check_capture(self, capture: Sequence[int]) -> frozenset[int]:
+        r = self.layer_range
+        for i in capture:
+            if i not in r:
+                raise ValueError(f"capture layer {i} is outside this stage's layers [{r.start}, {r.stop})")
+        return frozenset(capture)
+
+    @torch.inference_mode()
+    def forward_stage(
+        self, batch: ForwardBatch, kv: KVPools, inputs: StageInput | None, capture: Sequence[int] = ()
+    ) -> StageOutput:
+        """Runs this stage's layers on `batch`, writing their KV into `kv`.
+
+        `inputs` is what the previous stage handed on; the first stage takes None and embeds
+        `batch.input_ids`. `capture` lists global layer ids of this stage whose output to return:
+        `captures[i]` is the residual stream after layer i, before any norm (Hugging Face's
+        `hidden_states[i + 1]`), except for the model's last layer, where it is the output after
+        the final norm, as the DFlash reference (and Hugging Face's last hidden state) has it.
+        """
+        want = self.check_capture(capture)
+        if self.is_first:
+            if inputs is not None:
+                raise ValueError("the first stage embeds batch.input_ids; it takes no StageInput")
+            x, topk_slots = self.embed(batch.input_ids), None
+        else:
+            if inputs is None:
+                start = self.layer_range.start
+                raise ValueError(f"stage starting at layer {start} needs the previous stage's StageInput")
+            x, topk_slots = inputs.hidden, inputs.topk_slots
+        captures: dict[int, torch.Tensor] = {}
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
         for layer in self.model.layers.values():
             x, topk_slots = layer(x, cos, sin, batch, kv, topk_slots)
-        return x, topk_slots
+            if want and layer.layer in want:
+                last = layer.layer == self.cfg.num_hidden_layers - 1
+                captures[layer.layer] = self.final_norm(x) if last else x
+        return StageOutput(x, topk_slots if self.hands_on_topk else None, captures)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
-        return self.lm_head(x).float()
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool, logit_rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVPools, logit_rows: torch.Tensor) -> torch.Tensor:
         """Full model (single stage): logits [len(logit_rows), vocab] in fp32."""
-        x, _ = self.forward_layers(self.embed(batch.input_ids), batch, kv)
-        return self.logits(x[logit_rows])
+        if not (self.is_first and self.is_last):
+            raise ValueError(f"forward needs the whole model; this stage holds layers {self.layer_range}")
+        return self.logits(self.forward_stage(batch, kv, None).hidden[logit_rows])

@@ -1,22 +1,26 @@
-"""ModelRunner: the model, its page-major KV pools and page allocator, and a forward over
-sequence chunks (chunked prefill, decode, verify are all `SeqChunk`s).
+"""ModelRunner: one pipeline stage of the target model (all layers by default), its named KV
+pools, an optional draft model (last stage only), and forwards over sequence chunks (chunked
+prefill, decode and verify are all `SeqChunk`s).
 
 A chunk's new tokens start at `start_pos` (tokens already in the cache) and are written into the
-request's pages; `page_table` must cover `start_pos + len(token_ids)` tokens. The caller owns page
-allocation (`allocator`), so a decode instance can preallocate pages a prefill instance fills.
+request's pages; `page_table` must cover `start_pos + len(token_ids)` tokens. Page allocation is
+the caller's (the instance scheduler owns a `PageAllocator` over `pools.num_pages`), so a decode
+instance can preallocate pages a prefill instance fills.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from glm53.models.config import GlmConfig
-from glm53.models.kv_cache import KVPool, KVPoolSpec, PageAllocator
-from glm53.models.model import ForwardBatch, GlmForCausalLM
+from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
+from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -37,32 +41,24 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         device: torch.device | str = "cpu",
+        draft: nn.Module | None = None,
     ):
-        cfg = model.cfg
-        self.cfg = cfg
+        if draft is not None and not model.is_last:
+            raise ValueError(
+                f"a draft model runs on the last stage only; this stage holds layers {model.layer_range}"
+            )
+        self.cfg: GlmConfig = model.cfg
         self.model = model
+        self.draft = draft
         self.device = torch.device(device)
-        layers = tuple(model.layer_range)
-        spec = KVPoolSpec(
-            num_pages=num_pages,
-            page_size=page_size,
-            layers=layers,
-            indexer_layers=tuple(i for i in cfg.full_layers if i in layers),
-            latent_dim=cfg.latent_dim,
-            index_dim=cfg.index_head_dim,
-            dtype=model.dtype,
+        self.pools: KVPools = target_pools(
+            model.cfg, model.layer_range, num_pages, page_size, model.dtype, self.device
         )
-        self.kv = KVPool(spec, device=self.device)
-        self.allocator = PageAllocator(num_pages)
 
     @staticmethod
     def kv_bytes_per_token(cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None) -> int:
-        """KV bytes one token costs in this stage's pools (latent on every layer, indexer keys
-        on full layers only)."""
-        layers = layers if layers is not None else range(cfg.num_hidden_layers)
-        n_full = sum(1 for i in cfg.full_layers if i in layers)
-        elt = torch.empty((), dtype=dtype).element_size()
-        return (len(layers) * cfg.latent_dim + n_full * cfg.index_head_dim) * elt
+        """KV bytes one token costs in the target pools of the stage holding `layers`."""
+        return kv_bytes_per_token(cfg, dtype, layers)
 
     @classmethod
     def from_dir(
@@ -73,29 +69,41 @@ class ModelRunner:
         num_pages: int = 1024,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
+        layers: range | None = None,
         progress: bool = True,
     ) -> "ModelRunner":
+        """Loads the stage holding `layers` (the whole model by default) from a checkpoint."""
         cfg = GlmConfig.from_dir(model_dir)
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-        model = GlmForCausalLM(cfg, dtype=dtype)
+        model = GlmForCausalLM(cfg, dtype=dtype, layers=layers)
         load_weights(model, model_dir, progress=progress)
         model.to(device)
         return cls(model, num_pages=num_pages, page_size=page_size, device=device)
 
     @property
     def page_size(self) -> int:
-        return self.kv.page_size
+        return self.pools.page_size
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @staticmethod
+    def logit_rows(chunks: list[SeqChunk]) -> list[int]:
+        """Rows of the flattened batch that get logits: every new token of an `all_logits`
+        chunk, else its last one."""
+        rows, n = [], 0
+        for c in chunks:
+            k = len(c.token_ids)
+            rows.extend(range(n, n + k) if c.all_logits else [n + k - 1])
+            n += k
+        return rows
+
     def build_batch(self, chunks: list[SeqChunk]) -> tuple[ForwardBatch, torch.Tensor]:
         ps = self.page_size
-        ids, pos, slots, rows, logit_rows = [], [], [], [], []
+        ids, pos, slots, rows = [], [], [], []
         max_pages = max(len(c.page_table) for c in chunks)
         table = torch.full((len(chunks), max(1, max_pages)), -1, dtype=torch.int32)
-        n = 0
         for i, c in enumerate(chunks):
             end = c.start_pos + len(c.token_ids)
             if not c.token_ids:
@@ -110,8 +118,6 @@ class ModelRunner:
             pos.extend(p)
             slots.extend(c.page_table[q // ps] * ps + q % ps for q in p)
             rows.extend([i] * len(p))
-            logit_rows.extend(range(n, n + len(p)) if c.all_logits else [n + len(p) - 1])
-            n += len(p)
         dev = self.device
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         batch = ForwardBatch(
@@ -122,15 +128,26 @@ class ModelRunner:
             context_lens=(positions + 1).to(torch.int32),
             max_context=max(pos) + 1,
         )
-        return batch, torch.tensor(logit_rows, dtype=torch.long, device=dev)
+        return batch, torch.tensor(self.logit_rows(chunks), dtype=torch.long, device=dev)
 
-    def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        """Runs every chunk in one batch; per chunk, logits [rows, vocab] fp32."""
-        batch, logit_rows = self.build_batch(chunks)
-        logits = self.model(batch, self.kv, logit_rows)
-        out, r = [], 0
+    def forward_stage(
+        self, chunks: list[SeqChunk], inputs: StageInput | None = None, capture: Sequence[int] = ()
+    ) -> StageOutput:
+        """Runs this stage on every chunk in one batch. `inputs` is the previous stage's output
+        for the same chunks (None on the first stage); `capture` as `GlmForCausalLM.forward_stage`."""
+        batch, _ = self.build_batch(chunks)
+        return self.model.forward_stage(batch, self.pools, inputs, capture)
+
+    def forward(self, chunks: list[SeqChunk], inputs: StageInput | None = None) -> list[torch.Tensor]:
+        """Last stage: runs every chunk in one batch; per chunk, logits [rows, vocab] fp32."""
+        if not self.model.is_last:
+            raise ValueError(f"logits come from the last stage; this stage holds layers {self.model.layer_range}")
+        out = self.forward_stage(chunks, inputs)
+        rows = torch.tensor(self.logit_rows(chunks), dtype=torch.long, device=self.device)
+        logits = self.model.logits(out.hidden[rows])
+        res, r = [], 0
         for c in chunks:
             k = len(c.token_ids) if c.all_logits else 1
-            out.append(logits[r : r + k])
+            res.append(logits[r : r + k])
             r += k
-        return out
+        return res

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from glm53.models.config import GlmConfig
@@ -25,7 +26,11 @@ from glm53.models.model import GlmForCausalLM
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Routed experts: stacked [E, ...] in the model as `<layer>.mlp.experts.<proj>`, stored per
+# expert in the checkpoint as `<layer>.mlp.experts.<e>.<proj>.weight`.
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoint order
 _SCALE_SUFFIX = "_scale_inv"
 
 
@@ -53,7 +58,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def check_indexer_schedule(cfg: GlmConfig, names: list[str]) -> None:
-    """Indexer weights must exist exactly on the full layers (DESIGN §4.1)."""
+    """Indexer weights must exist exactly on the full layers (docs/ARCHITECTURE.md, "Indexer schedule")."""
     have = set()
     for n in names:
         m = _LAYER.match(n)
@@ -70,6 +75,28 @@ def check_indexer_schedule(cfg: GlmConfig, names: list[str]) -> None:
         raise WeightError("checkpoint disagrees with the indexer schedule: " + "; ".join(parts))
 
 
+def checkpoint_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor a checkpoint holds for `model` (one stage or all): checkpoint name ->
+    (shape, dtype as the model holds it), in parameter order. The inverse of the loader's mapping:
+    a stacked routed-expert parameter [E, ...] becomes E per-expert tensors, listed expert-major
+    (expert e's gate, up, down before expert e + 1's), as Hugging Face checkpoints list them.
+    Works on a model built on the meta device."""
+    params = dict(model.named_parameters())
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    done: set[str] = set()
+    for name, p in params.items():
+        m = _STACKED.match(name)
+        if m is None:
+            out[name] = (tuple(p.shape), p.dtype)
+        elif m.group(1) not in done:  # the layer's first stacked tensor lists all its experts
+            done.add(m.group(1))
+            stacks = [(proj, params[f"{m.group(1)}.{proj}"]) for proj in _EXPERT_PROJS]
+            for e in range(p.shape[0]):
+                for proj, q in stacks:
+                    out[f"{m.group(1)}.{e}.{proj}.weight"] = (tuple(q.shape[1:]), q.dtype)
+    return out
+
+
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     br, bc = block
     s = scale_inv.float().repeat_interleave(br, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
@@ -83,13 +110,7 @@ def load_weights(model: GlmForCausalLM, model_dir: str | Path, progress: bool = 
     check_indexer_schedule(cfg, list(files))
 
     params = dict(model.named_parameters())
-    expected: set[str] = set()
-    for name, p in params.items():
-        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$", name)
-        if m:
-            expected.update(f"{m.group(1)}.{e}.{m.group(2)}.weight" for e in range(p.shape[0]))
-        else:
-            expected.add(name)
+    expected = set(checkpoint_tensors(model))
     if cfg.tie_word_embeddings and "lm_head.weight" in expected and "lm_head.weight" not in files:
         expected.discard("lm_head.weight")
         tie = True

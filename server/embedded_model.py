@@ -265,53 +265,23 @@ def model_config(vocab_size: int, special_ids: dict[str, int]) -> dict[str, Any]
 
 
 def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor of the checkpoint: name -> (shape, dtype), in HF GLM-5 naming."""
+    """Every tensor of the checkpoint: name -> (shape, dtype), in HF GLM-5 naming and in the
+    order the values are drawn. Names, shapes and order come from the model itself (built on the
+    meta device, mapped by the loader's inverse); the dtypes are this checkpoint's storage choice:
+    bf16, except the router's correction bias in fp32 (as GLM-5 ships it). The model computes
+    the router and the indexer head gates in fp32 and upcasts them at load."""
     import torch
 
-    H, V = cfg["hidden_size"], cfg["vocab_size"]
-    nh, qk = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-    bf, f32 = torch.bfloat16, torch.float32
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"model.embed_tokens.weight": ((V, H), bf)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = ((H,), bf)
-        out[p + "post_attention_layernorm.weight"] = ((H,), bf)
-        a = p + "self_attn."
-        out[a + "q_a_proj.weight"] = ((cfg["q_lora_rank"], H), bf)
-        out[a + "q_a_layernorm.weight"] = ((cfg["q_lora_rank"],), bf)
-        out[a + "q_b_proj.weight"] = ((nh * qk, cfg["q_lora_rank"]), bf)
-        out[a + "kv_a_proj_with_mqa.weight"] = ((cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], H), bf)
-        out[a + "kv_a_layernorm.weight"] = ((cfg["kv_lora_rank"],), bf)
-        out[a + "kv_b_proj.weight"] = ((nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"]), bf)
-        out[a + "o_proj.weight"] = ((H, nh * cfg["v_head_dim"]), bf)
-        if cfg["indexer_types"][i] == "full":  # shared layers own no indexer weights (DESIGN §4.1)
-            ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
-            out[a + "indexer.wq_b.weight"] = ((ih * idim, cfg["q_lora_rank"]), bf)
-            out[a + "indexer.wk.weight"] = ((idim, H), bf)
-            out[a + "indexer.k_norm.weight"] = ((idim,), bf)
-            out[a + "indexer.k_norm.bias"] = ((idim,), bf)
-            out[a + "indexer.weights_proj.weight"] = ((ih, H), bf)
-        m = p + "mlp."
-        if i < cfg["first_k_dense_replace"]:
-            I = cfg["intermediate_size"]
-            out[m + "gate_proj.weight"] = ((I, H), bf)
-            out[m + "up_proj.weight"] = ((I, H), bf)
-            out[m + "down_proj.weight"] = ((H, I), bf)
-        else:
-            I, E = cfg["moe_intermediate_size"], cfg["n_routed_experts"]
-            for e in range(E):
-                out[m + f"experts.{e}.gate_proj.weight"] = ((I, H), bf)
-                out[m + f"experts.{e}.up_proj.weight"] = ((I, H), bf)
-                out[m + f"experts.{e}.down_proj.weight"] = ((H, I), bf)
-            out[m + "gate.weight"] = ((E, H), bf)
-            out[m + "gate.e_score_correction_bias"] = ((E,), f32)
-            Is = I * cfg["n_shared_experts"]
-            out[m + "shared_experts.gate_proj.weight"] = ((Is, H), bf)
-            out[m + "shared_experts.up_proj.weight"] = ((Is, H), bf)
-            out[m + "shared_experts.down_proj.weight"] = ((H, Is), bf)
-    out["model.norm.weight"] = ((H,), bf)
-    out["lm_head.weight"] = ((V, H), bf)
-    return out
+    from glm53.models.config import GlmConfig
+    from glm53.models.model import GlmForCausalLM
+    from glm53.models.weights import checkpoint_tensors
+
+    with torch.device("meta"):
+        model = GlmForCausalLM(GlmConfig.from_dict(cfg), dtype=torch.bfloat16)
+    return {
+        name: (shape, torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)
+        for name, (shape, _) in checkpoint_tensors(model).items()
+    }
 
 
 def write_weights(cfg: dict[str, Any], path: Path) -> None:

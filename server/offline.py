@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from glm53.models import GlmConfig, ModelRunner, SeqChunk
+from glm53.models import GlmConfig, ModelRunner, PageAllocator, SeqChunk
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,20 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def greedy_generate(
-    runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
+    runner: ModelRunner,
+    allocator: PageAllocator,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    ignore_eos: bool = False,
 ) -> list[list[int]]:
-    """Batched greedy decoding through the paged cache; pages are freed at the end."""
+    """Batched greedy decoding through the paged cache (a single-stage runner); pages come from
+    `allocator`, which hands out ids of `runner.pools`, and are freed at the end."""
     vocab = runner.cfg.vocab_size
     for p in prompts:
         if any(not 0 <= t < vocab for t in p):
             raise ValueError(f"token ids must be in [0, {vocab})")
     eos = set() if ignore_eos else set(runner.cfg.eos_token_ids)
-    pages = [runner.allocator.alloc(runner.pages_needed(len(p) + max_new_tokens)) for p in prompts]
+    pages = [allocator.alloc(runner.pages_needed(len(p) + max_new_tokens)) for p in prompts]
     try:
         outputs: list[list[int]] = [[] for _ in prompts]
         if max_new_tokens <= 0:
@@ -72,7 +77,7 @@ def greedy_generate(
         return outputs
     finally:
         for pg in pages:
-            runner.allocator.free(pg)
+            allocator.free(pg)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -88,9 +93,10 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"error: prompt + max_new_tokens ({longest}) exceeds max_position_embeddings", file=sys.stderr)
         return 2
     num_pages = sum(-(-(len(p) + args.max_new_tokens) // args.page_size) for p in args.input_ids)
-    runner = ModelRunner.from_dir(args.model, page_size=args.page_size, num_pages=max(1, num_pages), device=args.device)
+    num_pages = max(1, num_pages)
+    runner = ModelRunner.from_dir(args.model, page_size=args.page_size, num_pages=num_pages, device=args.device)
     try:
-        outs = greedy_generate(runner, args.input_ids, args.max_new_tokens, args.ignore_eos)
+        outs = greedy_generate(runner, PageAllocator(num_pages), args.input_ids, args.max_new_tokens, args.ignore_eos)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

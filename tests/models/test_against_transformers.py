@@ -10,7 +10,7 @@ import torch
 
 import glm53.models.model as model_mod
 from glm53.kernels.indexer_logits import gather_paged
-from glm53.models import ModelRunner, SeqChunk
+from glm53.models import ModelRunner, PageAllocator, SeqChunk
 from glm53.server.offline import greedy_generate
 from tests.models.oracle import make_checkpoint
 
@@ -69,13 +69,14 @@ def test_prefill_logits_match_transformers(tmp_path, monkeypatch, sched):
     ref = make_checkpoint(tmp_path, seed=1, **sched)
     probe = IndexGapProbe(monkeypatch, TOPK)
     runner = ModelRunner.from_dir(tmp_path, page_size=4, num_pages=128, progress=False)
+    allocator = PageAllocator(128)
     assert "shared" in runner.cfg.indexer_types or sched.get("index_topk_freq") == 1
     g = torch.Generator().manual_seed(7)
     lengths = [3 * TOPK, 6 * TOPK, 10 * TOPK]
     prompts = [torch.randint(0, 160, (n,), generator=g) for n in lengths]
     chunks = []
     for p in prompts:
-        pages = runner.allocator.alloc(runner.pages_needed(len(p)))
+        pages = allocator.alloc(runner.pages_needed(len(p)))
         random.Random(len(p)).shuffle(pages)
         chunks.append(SeqChunk(p.tolist(), 0, pages, all_logits=True))
     ours = runner.forward(chunks)  # all three sequences in one batch
@@ -90,14 +91,15 @@ def test_greedy_decode_matches_transformers_argmax(tmp_path, monkeypatch):
     ref = make_checkpoint(tmp_path, seed=2, index_topk_freq=2, index_skip_topk_offset=2)
     probe = IndexGapProbe(monkeypatch, TOPK)
     runner = ModelRunner.from_dir(tmp_path, page_size=4, num_pages=512, progress=False)
+    allocator = PageAllocator(512)
     # Fragment the free list so that every request gets scattered pages.
-    held = [runner.allocator.alloc(1) for _ in range(200)]
+    held = [allocator.alloc(1) for _ in range(200)]
     for h in held[::2]:
-        runner.allocator.free(h)
+        allocator.free(h)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 158, (n,), generator=g).tolist() for n in (25, 31, 40, 57)]
     steps = 64
-    outs = greedy_generate(runner, prompts, steps, ignore_eos=True)
+    outs = greedy_generate(runner, allocator, prompts, steps, ignore_eos=True)
     for p, o in zip(prompts, outs):
         assert len(o) == steps
         with torch.no_grad():
@@ -105,15 +107,16 @@ def test_greedy_decode_matches_transformers_argmax(tmp_path, monkeypatch):
         # logits at position len(p)-1+j predict o[j] given the growing sequence p + o[:j].
         want = logits[len(p) - 1 : len(p) - 1 + steps].argmax(-1).tolist()
         assert o == want
-    assert runner.allocator.num_free == 512 - 100
+    assert allocator.num_free == 512 - 100
     probe.assert_well_posed()
 
 
 def test_chunked_prefill_equals_one_shot(tmp_path):
     make_checkpoint(tmp_path, seed=3, index_topk_freq=2, index_skip_topk_offset=2)
     runner = ModelRunner.from_dir(tmp_path, page_size=4, num_pages=256, progress=False)
+    allocator = PageAllocator(256)
     prompt = torch.randint(0, 160, (70,), generator=torch.Generator().manual_seed(5)).tolist()
-    pages = runner.allocator.alloc(runner.pages_needed(len(prompt)))
+    pages = allocator.alloc(runner.pages_needed(len(prompt)))
     one = runner.forward([SeqChunk(prompt, 0, pages, all_logits=True)])[0]
     for chunk in (1, 5, 16, 33):
         pieces = []
@@ -126,10 +129,11 @@ def test_verify_step_matches_sequential_decode(tmp_path):
     """q_len > 1 per request (speculative verify) with ragged contexts equals one-token steps."""
     make_checkpoint(tmp_path, seed=4)
     runner = ModelRunner.from_dir(tmp_path, page_size=4, num_pages=256, progress=False)
+    allocator = PageAllocator(256)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (20, 45)]
     blocks = [torch.randint(0, 160, (4,), generator=g).tolist() for _ in prompts]
-    pages = [runner.allocator.alloc(runner.pages_needed(len(p) + 4)) for p in prompts]
+    pages = [allocator.alloc(runner.pages_needed(len(p) + 4)) for p in prompts]
     runner.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)])
     verify = runner.forward(
         [SeqChunk(b, len(p), pg, all_logits=True) for p, b, pg in zip(prompts, blocks, pages)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53.models import ModelRunner, SeqChunk
+from glm53.models import ModelRunner, PageAllocator, SeqChunk
 from glm53.server.offline import greedy_generate
 from tests.models.oracle import make_checkpoint
 
@@ -24,14 +24,15 @@ def test_cuda_triton_path_matches_cpu_reference(tmp_path):
     prompt = torch.randint(0, 158, (200,), generator=g).tolist()  # 25x index_topk: sparse
     outs = []
     for r in (cpu, gpu):
-        pages = r.allocator.alloc(r.pages_needed(len(prompt)))
+        allocator = PageAllocator(64)
+        pages = allocator.alloc(r.pages_needed(len(prompt)))
         outs.append(r.forward([SeqChunk(prompt, 0, pages, all_logits=True)])[0].cpu())
-        r.allocator.free(pages)
+        allocator.free(pages)
     rel = float((outs[1] - outs[0]).norm() / outs[0].norm())
     print(f"prefill logits rel err CUDA (Triton, fp32 IEEE dots) vs CPU reference: {rel:.2e}")
     assert rel <= 1e-4
     # Greedy decode, batch of 3 ragged prompts, through the Triton top-k / indexer / sparse MLA.
     prompts = [torch.randint(0, 158, (n,), generator=g).tolist() for n in (30, 90, 170)]
-    a = greedy_generate(cpu, prompts, 16, ignore_eos=True)
-    b = greedy_generate(gpu, prompts, 16, ignore_eos=True)
+    a = greedy_generate(cpu, PageAllocator(64), prompts, 16, ignore_eos=True)
+    b = greedy_generate(gpu, PageAllocator(64), prompts, 16, ignore_eos=True)
     assert a == b

@@ -3,7 +3,8 @@ import random
 import pytest
 import torch
 
-from glm53.models.kv_cache import KVPool, KVPoolSpec, OutOfPages, PageAllocator, runs
+from glm53.models.config import GlmConfig
+from glm53.models.kv_cache import KVPools, OutOfPages, PageAllocator, kv_bytes_per_token, runs, target_pools
 
 
 def test_allocator_prefers_one_contiguous_extent():
@@ -54,15 +55,55 @@ def test_allocator_random_churn_keeps_invariants():
 
 
 def test_pool_is_page_major_and_views_are_strided():
-    spec = KVPoolSpec(num_pages=6, page_size=4, layers=(3, 4, 5), indexer_layers=(3, 5), latent_dim=8,
-                      index_dim=5, dtype=torch.float32)
-    pool = KVPool(spec)
-    assert pool.latent.shape == (6, 3, 4, 8) and pool.index_k.shape == (6, 2, 4, 5)
-    v = pool.latent_view(4)
+    pools = KVPools(num_pages=6, page_size=4)
+    pools.add("latent", (3, 4, 5), (8,), torch.float32)
+    pools.add("index_k", (3, 5), (5,), torch.float32)
+    latent, index_k = pools["latent"].tensor, pools["index_k"].tensor
+    assert latent.shape == (6, 3, 4, 8) and index_k.shape == (6, 2, 4, 5)
+    v = pools.view("latent", 4)
     slots = torch.tensor([1, 9, 22])
     vals = torch.randn(3, 8)
-    pool.write(v, slots, vals)
-    assert torch.equal(pool.latent[2, 1, 1], vals[1])  # slot 9 = page 2, offset 1, layer 4 -> index 1
-    assert torch.equal(pool.latent[5, 1, 2], vals[2])
+    pools.write(v, slots, vals)
+    assert torch.equal(latent[2, 1, 1], vals[1])  # slot 9 = page 2, offset 1, layer 4 -> index 1
+    assert torch.equal(latent[5, 1, 2], vals[2])
     # One page of every layer is one contiguous block (what the transfer sends per page run).
-    assert pool.latent[2].is_contiguous() and pool.latent[2:5].is_contiguous()
+    assert latent[2].is_contiguous() and latent[2:5].is_contiguous()
+
+
+def test_pools_registry_names_order_views_and_bytes():
+    pools = KVPools(num_pages=5, page_size=4)
+    pools.add("latent", range(2, 6), (8,), torch.bfloat16)
+    pools.add("index_k", (2, 3), (5,), torch.float32)
+    pools.add("draft_kv", (0, 1), (2, 3), torch.float16)  # a per-token shape of (heads, head_dim)
+    assert [n for n, _ in pools] == ["latent", "index_k", "draft_kv"] and len(pools) == 3
+    assert pools["draft_kv"].tensor.shape == (5, 2, 4, 2, 3) and pools["latent"].layers == (2, 3, 4, 5)
+    assert pools.bytes_per_page() == 4 * (4 * 8 * 2 + 2 * 5 * 4 + 2 * 6 * 2)
+    vals = torch.randn(2, 2, 3)
+    pools.write(pools.view("draft_kv", 1), torch.tensor([3, 6]), vals)
+    assert torch.equal(pools["draft_kv"].tensor[1, 1, 2], vals[1].half())
+    with pytest.raises(ValueError, match="already registered"):
+        pools.add("latent", (0,), (8,), torch.bfloat16)
+    with pytest.raises(KeyError, match="no pool 'nope'"):
+        pools["nope"]
+    with pytest.raises(KeyError, match="holds no layer 4"):
+        pools.view("index_k", 4)
+
+
+def test_target_pools_follow_the_indexer_schedule_and_register_by_name():
+    from glm53.transport.buffers import BufferSpec, BufferTable
+
+    cfg = GlmConfig.from_dict({
+        "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "moe_intermediate_size": 8,
+        "num_hidden_layers": 6, "num_attention_heads": 2, "q_lora_rank": 8, "kv_lora_rank": 12,
+        "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4, "index_head_dim": 6,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "index_topk_freq": 2, "index_skip_topk_offset": 2,
+    })  # full layers 0, 1, 3, 5
+    pools = target_pools(cfg, range(1, 4), num_pages=7, page_size=4, dtype=torch.bfloat16)
+    assert [(n, p.layers, p.per_token) for n, p in pools] == [("latent", (1, 2, 3), (16,)), ("index_k", (1, 3), (6,))]
+    # The caller's pattern: every pool goes to the transfer layer's buffer table by name.
+    table = BufferTable(tuple(BufferSpec.for_tensor(n, p.tensor, p.layers) for n, p in pools))
+    assert {b.name: b.layers for b in table.buffers} == {"latent": (1, 2, 3), "index_k": (1, 3)}
+    # A stage of shared layers only owns no indexer keys.
+    assert [n for n, _ in target_pools(cfg, range(2, 3), 7, 4, torch.bfloat16)] == ["latent"]
+    assert kv_bytes_per_token(cfg, torch.bfloat16, range(1, 4)) == (3 * 16 + 2 * 6) * 2
+    assert kv_bytes_per_token(cfg, torch.float32) == (6 * 16 + 4 * 6) * 4

@@ -7,14 +7,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glm53.models import ModelRunner, SeqChunk, WeightError
+from glm53.models import GlmConfig, GlmForCausalLM, ModelRunner, PageAllocator, SeqChunk, WeightError
+from glm53.models.weights import checkpoint_tensors, load_weights
 from tests.models.oracle import make_checkpoint
 
 
 def _forward(runner, ids):
-    pages = runner.allocator.alloc(runner.pages_needed(len(ids)))
+    allocator = PageAllocator(runner.pools.num_pages)
+    pages = allocator.alloc(runner.pages_needed(len(ids)))
     out = runner.forward([SeqChunk(ids, 0, pages, all_logits=True)])[0]
-    runner.allocator.free(pages)
+    allocator.free(pages)
     return out
 
 
@@ -112,3 +114,41 @@ def test_generate_cli_prints_one_json_line_per_prompt(tmp_path):
     assert [x["index"] for x in lines] == [0, 1]
     assert all(len(x["output_ids"]) == 6 for x in lines)
     assert lines[1]["input_ids"] == list(range(4, 14))
+
+
+def _meta_model(cfg, layers=None):
+    with torch.device("meta"):
+        return GlmForCausalLM(cfg, layers=layers)
+
+
+def test_checkpoint_tensors_is_the_hf_layout_and_the_loaders_inverse(tmp_path):
+    make_checkpoint(tmp_path, seed=10, index_topk_freq=2, index_skip_topk_offset=2)
+    cfg = GlmConfig.from_dir(tmp_path)
+    hf = load_file(str(tmp_path / "model.safetensors"))
+    want = checkpoint_tensors(_meta_model(cfg))
+    assert {n: s for n, (s, _) in want.items()} == {n: tuple(t.shape) for n, t in hf.items()}
+    assert list(want)[0] == "model.embed_tokens.weight"
+    assert list(want)[-2:] == ["model.norm.weight", "lm_head.weight"]
+    e = [n for n in want if n.startswith("model.layers.1.mlp.experts.")]
+    assert e[:4] == [f"model.layers.1.mlp.experts.{i}.{p}.weight" for i, p in
+                     ((0, "gate_proj"), (0, "up_proj"), (0, "down_proj"), (1, "gate_proj"))]
+
+    # A checkpoint written from the derived list alone loads with no missing/unexpected tensor,
+    # and every per-expert tensor lands in its slot of the stacked parameter.
+    g = torch.Generator().manual_seed(1)
+    sd = {n: torch.randn(s, generator=g).to(d) for n, (s, d) in want.items()}
+    out = tmp_path / "derived"
+    out.mkdir()
+    (out / "config.json").write_text((tmp_path / "config.json").read_text())
+    save_file(sd, str(out / "model.safetensors"))
+    model = GlmForCausalLM(cfg)
+    load_weights(model, out, progress=False)
+    up = model.model.layers["3"].mlp.experts.up_proj
+    assert torch.equal(up[5], sd["model.layers.3.mlp.experts.5.up_proj.weight"])
+    assert torch.equal(model.lm_head.weight, sd["lm_head.weight"])
+
+    # A middle stage lists its own layers only, and loads from the whole checkpoint.
+    stage = checkpoint_tensors(_meta_model(cfg, range(2, 4)))
+    assert {n.split(".")[2] for n in stage} == {"2", "3"}
+    assert not any(n.startswith(("model.embed_tokens", "model.norm", "lm_head")) for n in stage)
+    load_weights(GlmForCausalLM(cfg, layers=range(2, 4)), out, progress=False)

@@ -1,10 +1,13 @@
+import hashlib
 import json
 import threading
 
 import pytest
 from safetensors import safe_open
 
-from glm53.server.embedded_model import ensure_embedded_model, weight_shapes
+from glm53.server.embedded_model import (
+    SPECIAL_TOKENS, ensure_embedded_model, model_config, weight_shapes, write_weights,
+)
 
 
 def test_layout_matches_hf_names(model_dir):
@@ -21,6 +24,37 @@ def test_layout_matches_hf_names(model_dir):
     gen = json.loads((model_dir / "generation_config.json").read_text())
     assert gen["eos_token_id"] == cfg["eos_token_id"]
     assert (model_dir / "chat_template.jinja").is_file()
+
+
+def test_our_loader_takes_every_tensor_with_its_stored_shape_and_dtype(model_dir):
+    import torch
+
+    from glm53.models import GlmConfig, GlmForCausalLM, load_weights
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        stored = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    names = {torch.bfloat16: "BF16", torch.float32: "F32"}
+    assert stored == {n: (s, names[d]) for n, (s, d) in weight_shapes(cfg).items()}
+    load_weights(GlmForCausalLM(GlmConfig.from_dir(model_dir)), model_dir, progress=False)  # none missing/unexpected
+
+
+def test_weights_are_pinned(tmp_path):
+    """The derived tensor list draws the same values in the same order as EMBEDDED_VERSION 1 did
+    (hash of every tensor's name, dtype, shape and bytes, for a fixed vocabulary)."""
+    import torch
+    from safetensors.torch import load_file
+
+    ids = {t: 4096 + k for k, (t, _) in enumerate(SPECIAL_TOKENS)}
+    write_weights(model_config(4160, ids), tmp_path / "model.safetensors")
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    assert len(sd) == 225
+    assert h.hexdigest() == "9f3c57dc2a3625a82dd74c1a16ace9729c9667b47d265267ce92c1060d212351"
 
 
 def test_transformers_loads_it_without_missing_or_unexpected_keys(model_dir):
