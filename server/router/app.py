@@ -30,7 +30,7 @@ from glm53.server.config import ClusterConfig
 from glm53.server.protocol import RequestSpec
 from glm53.server.router.instance_pool import InstancePool, Room, RoomFailed, Unavailable
 from glm53.server.router.metrics import RouterMetrics
-from glm53.server.router.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from glm53.server.router.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                          GenerateRequestBody, TokenizeRequest, _Sampling, error_body)
 from glm53.server.sampling import SamplingError, SamplingParams
 from glm53.server.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -670,7 +670,7 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
 
 
 def _default_generate_params():
-    from glm53.server.router.openai_api import GenerateSamplingParams
+    from glm53.server.router.schemas import GenerateSamplingParams
 
     return GenerateSamplingParams()
 
