@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,362 +26,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glm53.server.config import ClusterConfig
 from glm53.server.protocol import RequestSpec
-from glm53.server.router.instance_pool import InstancePool, Room, RoomFailed, Unavailable
+from glm53.server.router.generation import Delta, Generation, Outcome, RouterState
+from glm53.server.router.instance_pool import InstancePool
+from glm53.server.router.intake import (check_ids, check_internal, check_model, check_unsupported, render_chat,
+                                        request_id, request_spec, stop_list)
 from glm53.server.router.metrics import RouterMetrics
 from glm53.server.router.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                         GenerateRequestBody, TokenizeRequest, _Sampling, error_body)
-from glm53.server.sampling import SamplingError, SamplingParams
-from glm53.server.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
+                                         GenerateRequestBody, TokenizeRequest, error_body)
+from glm53.server.router.sse import SSE_HEADERS, collect, event_stream, sse, until_disconnect
+from glm53.server.sampling import SamplingParams
+from glm53.server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# Error codes from instances / the pool -> HTTP status of the error body.
-_STATUS_FOR_CODE = {"context_length": 400, "bad_request": 400, "timeout": 504, "bootstrap_timeout": 504,
-                    "transfer_timeout": 504}
-
-
-# --------------------------------------------------------------------------------------------
-# One generation: tokens in, text deltas out
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-
-
-@dataclass
-class Outcome:
-    finish_reason: str
-    matched_stop: str | int | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-    def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-                "completion_tokens_details": {"reasoning_tokens": 0}}
-
-
-@dataclass
-class RouterState:
-    cfg: ClusterConfig
-    tokenizer: Tokenizer
-    pool: InstancePool
-    metrics: RouterMetrics
-    served_names: list[str]
-    model_root: str
-    context_length: int
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
-class Generation:
-    """One request in flight. Construction submits it (APIError 503 if no instance pair can take
-    it); `events()` yields Deltas then one Outcome, or raises APIError mid-way. `cancel()` (also
-    run when `events()` is closed early, e.g. the client went away) aborts the room on both
-    instances; it is idempotent."""
-
-    def __init__(self, state: RouterState, spec: RequestSpec):
-        self.state, self.spec = state, spec
-        self.t0 = time.monotonic()
-        self.room: Room | None = None
-        self._open = False
-        self.failed_prefills: set[str] = set()
-        if spec.params.max_new_tokens == 0:
-            return
-        try:
-            self.room = state.pool.submit(spec)
-        except Unavailable as e:
-            raise APIError(503, str(e)) from None
-        self._open = True
-        state.metrics.router_running.labels(state.metrics.model_name).inc()
-
-    async def _next_event(self):
-        """The room's next event; before the first token, a prefill-side failure is retried on
-        another prefill instance (router.max_retries times)."""
-        assert self.room is not None
-        while True:
-            try:
-                return await self.state.pool.next_event(self.room)
-            except RoomFailed as e:
-                room = self.room
-                if (e.side != "prefill" or room.got_first_token
-                        or room.generation >= self.state.cfg.router.max_retries):
-                    raise
-                self.failed_prefills.add(room.prefill.name)
-                log.warning("router: %s: %s; retrying on another prefill instance", self.spec.rid, e)
-                try:
-                    new = self.state.pool.submit(self.spec, frozenset(self.failed_prefills), room.generation + 1)
-                except Unavailable:
-                    raise e from None
-                self.state.pool.release(room, abort=True)
-                self.room = new
-
-    def _close(self, abort: bool) -> None:
-        if not self._open:
-            return
-        self._open = False
-        m = self.state.metrics
-        m.router_running.labels(m.model_name).dec()
-        assert self.room is not None
-        self.state.pool.release(self.room, abort=abort)
-        if abort:
-            m.aborted.labels(m.model_name).inc()
-
-    def cancel(self) -> None:
-        self._close(abort=True)
-
-    def __del__(self) -> None:
-        # A response whose body never started (client gone before the first byte) never runs
-        # events(); do not leave its room running on the instances.
-        try:
-            self._close(abort=True)
-        except Exception:
-            pass
-
-    async def events(self) -> AsyncIterator[Delta | Outcome]:
-        spec, p, state = self.spec, self.spec.params, self.state
-        m, name = state.metrics, state.metrics.model_name
-        if self.room is None:
-            yield Outcome("length", None, len(spec.input_ids), 0)
-            return
-        detok = IncrementalDetokenizer(state.tokenizer, p.skip_special_tokens)
-        stops = StopStringMatcher(p.stop, include_stop=p.no_stop_trim)
-        n_out, cached, last_t, first_t = 0, 0, self.t0, None
-        try:
-            while True:
-                try:
-                    ev = await self._next_event()
-                except RoomFailed as e:
-                    raise APIError(_STATUS_FOR_CODE.get(e.code, 503), str(e)) from None
-                now = time.monotonic()
-                cached = max(cached, ev.cached_tokens)
-                ids = list(ev.token_ids)
-                if ids:
-                    k = len(ids)
-                    if first_t is None:
-                        first_t = now
-                        m.ttft.labels(name).observe(now - self.t0)
-                        k -= 1
-                    for _ in range(k):
-                        m.itl.labels(name).observe((now - last_t) / k)
-                    last_t = now
-                # Decode decides "stop" (a stop/eos token) and "length"; a stop token is counted
-                # but not shown.
-                finish, matched = ev.finish_reason, ev.matched_stop
-                visible = ids[:-1] if finish == "stop" and ids and matched == ids[-1] else ids
-                n_out += len(ids)
-                text = stops.feed(detok.add(visible)) if visible else ""
-                if stops.matched is not None:
-                    finish, matched = "stop", stops.matched
-                if finish is None:
-                    if text or ids:
-                        yield Delta(text, ids)
-                    continue
-                if stops.matched is None:
-                    text += stops.feed(detok.flush())
-                    if stops.matched is None:
-                        text += stops.flush()
-                    else:
-                        finish, matched = "stop", stops.matched
-                # The instances end eos/length rooms themselves; a router-side end needs an abort.
-                self._close(abort=ev.finish_reason is None)
-                m.e2e.labels(name).observe(now - self.t0)
-                if first_t is not None and n_out > 1:
-                    m.tpot.labels(name).observe((now - first_t) / (n_out - 1))
-                m.prompt_tokens.labels(name).inc(len(spec.input_ids))
-                m.generation_tokens.labels(name).inc(n_out)
-                m.requests.labels(name, finish).inc()
-                if text or ids:
-                    yield Delta(text, ids)
-                yield Outcome(finish, matched, len(spec.input_ids), n_out, cached)
-                return
-        finally:
-            # Client gone, room failed or timed out: free both sides.
-            self.cancel()
-
-
-# --------------------------------------------------------------------------------------------
-# Request -> RequestSpec
-# --------------------------------------------------------------------------------------------
-
-
-def _check_model(state: RouterState, model: str | None) -> str:
-    if model is None or model in state.served_names or model == state.model_root:
-        return state.served_names[0] if model is None or model == state.model_root else model
-    raise APIError(404, f"The model `{model}` does not exist. Valid names: {', '.join(state.served_names)}.",
-                   "model")
-
-
-def _check_internal(body: Any) -> None:
-    bad = body.internal_fields()
-    if bad:
-        raise APIError(400, f"{bad[0]} is set by the router and may not be sent by clients", bad[0])
-
-
-def _unsupported(body: _Sampling) -> None:
-    if body.n != 1:
-        raise APIError(400, "n > 1 is not supported yet", "n")
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported yet", "logprobs")
-    for k in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, k) not in (None, 0, 0.0):
-            raise APIError(400, f"{k} is not supported yet", k)
-    if body.repetition_penalty not in (None, 1, 1.0):
-        raise APIError(400, "repetition_penalty is not supported yet", "repetition_penalty")
-
-
-def _stop_list(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
-
-
-def _request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_tokens: int | None,
-                  default_max: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
-                  min_p: float | None, seed: int | None, stop: list[str], stop_token_ids: list[int] | None,
-                  ignore_eos: bool, skip_special_tokens: bool = True, no_stop_trim: bool = False) -> RequestSpec:
-    """The one request object both instances receive: validated params, context-capped
-    max_new_tokens, the model's eos ids."""
-    prompt_len = len(input_ids)
-    ctx = state.context_length
-    if prompt_len == 0:
-        raise APIError(400, "The prompt is empty (it has no tokens).", "prompt")
-    if prompt_len >= ctx:
-        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your request has "
-                       f"{prompt_len} input tokens. Please reduce the length of the input.", "messages")
-    room = ctx - prompt_len
-    if max_tokens is None:
-        max_tokens = room if default_max is None else min(default_max, room)
-    elif prompt_len + max_tokens > ctx:
-        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the input, {max_tokens} in the "
-                       "completion). Please reduce the length of the input or the completion.", "max_tokens")
-    d = state.tokenizer.defaults
-    vocab = state.tokenizer.vocab_size
-    for t in stop_token_ids or []:
-        if not 0 <= t < vocab:
-            raise APIError(400, f"stop_token_ids: token id {t} is outside the vocabulary (0..{vocab - 1})",
-                           "stop_token_ids")
-    try:
-        params = SamplingParams(
-            temperature=temperature if temperature is not None else (d.temperature if d.temperature is not None else 1.0),
-            top_p=top_p if top_p is not None else (d.top_p if d.top_p is not None else 1.0),
-            top_k=top_k if top_k is not None else (d.top_k if d.top_k not in (None, 0) else -1),
-            min_p=min_p if min_p is not None else (d.min_p or 0.0),
-            seed=seed, max_new_tokens=max_tokens, stop=stop, stop_token_ids=list(stop_token_ids or []),
-            ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens, no_stop_trim=no_stop_trim,
-        )
-    except SamplingError as e:
-        raise APIError(400, str(e), e.param) from None
-    return RequestSpec(rid, input_ids, params, list(state.tokenizer.eos_token_ids))
-
-
-def _check_ids(state: RouterState, ids: list[int], param: str) -> list[int]:
-    vocab = state.tokenizer.vocab_size
-    for t in ids:
-        if not 0 <= t < vocab:
-            raise APIError(400, f"token id {t} is outside the vocabulary (0..{vocab - 1})", param)
-    return ids
-
-
-def _render_chat(state: RouterState, body: ChatCompletionRequest | TokenizeRequest) -> str:
-    msgs = [m.model_dump(exclude_none=True) for m in body.messages or []]
-    for i, m in enumerate(msgs):
-        if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
-            raise APIError(400, "only text content parts are supported", f"messages[{i}].content")
-    kwargs = dict(body.chat_template_kwargs or {})
-    for k in ("messages", "tools", "add_generation_prompt"):
-        kwargs.pop(k, None)
-    if isinstance(body, ChatCompletionRequest) and body.reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    try:
-        return state.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=body.add_generation_prompt,
-                                                   **kwargs)
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), "messages") from None
-
-
-def _rid(request: Request, prefix: str) -> str:
-    return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-
-
-# --------------------------------------------------------------------------------------------
-# Response assembly
-# --------------------------------------------------------------------------------------------
-
-
-def sse(obj: Any) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def _collect(gen: Generation) -> tuple[str, list[int], Outcome]:
-    text, ids, outcome = [], [], None
-    events = gen.events()
-    try:
-        async with contextlib.aclosing(events):
-            async for item in events:
-                if isinstance(item, Delta):
-                    text.append(item.text)
-                    ids.extend(item.token_ids)
-                else:
-                    outcome = item
-    finally:
-        gen.cancel()
-    assert outcome is not None
-    return "".join(text), ids, outcome
-
-
-async def _until_disconnect(request: Request, coro: Any) -> Any:
-    """Await `coro`, cancelling it (which aborts its room) if the client goes away."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, APIError):
-                    await task
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-
-
-async def _stream(gen: Generation, head: list[str], chunk, finish, usage) -> AsyncIterator[str]:
-    """SSE body: `head` events, a chunk per Delta, the finish event(s), [DONE]; an error event and
-    [DONE] if the generation fails mid-stream. Closing it (client gone) aborts the room."""
-    events = gen.events()
-    try:
-        async with contextlib.aclosing(events):
-            for h in head:
-                yield h
-            try:
-                async for item in events:
-                    if isinstance(item, Delta):
-                        ev = chunk(item)
-                        if ev:
-                            yield ev
-                    else:
-                        for ev in finish(item):
-                            yield ev
-                        if usage is not None:
-                            yield usage(item)
-            except APIError as e:
-                yield sse(error_body(e.status, e.message, e.param))
-            yield SSE_DONE
-    finally:
-        gen.cancel()
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,25 +80,25 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_internal(body)
-        model = _check_model(state, body.model)
-        _unsupported(body)
+        check_internal(body)
+        model = check_model(state, body.model)
+        check_unsupported(body)
         if body.top_logprobs:
             raise APIError(400, "top_logprobs is not supported yet", "top_logprobs")
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format other than text is not supported yet", "response_format")
-        ids = state.tokenizer.encode(_render_chat(state, body))
+        ids = state.tokenizer.encode(render_chat(state, body))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        rid = _rid(request, "chatcmpl")
-        spec = _request_spec(state, rid, ids, max_tokens=max_tokens, default_max=None, temperature=body.temperature,
+        rid = request_id(request, "chatcmpl")
+        spec = request_spec(state, rid, ids, max_tokens=max_tokens, default_max=None, temperature=body.temperature,
                              top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-                             stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids,
+                             stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids,
                              ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
         gen = Generation(state, spec)
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         if not body.stream:
-            res = await _until_disconnect(request, _collect(gen))
+            res = await until_disconnect(request, collect(gen))
             if res is None:
                 return Response(status_code=499)
             text, _, out = res
@@ -484,14 +138,14 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
         usage = (lambda o: sse({**base, "choices": [], "usage": o.usage()})) if include_usage else None
         head = [sse(with_usage({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]}, 0))]
-        return StreamingResponse(_stream(gen, head, chunk, finish, usage), media_type="text/event-stream",
+        return StreamingResponse(event_stream(gen, head, chunk, finish, usage), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, "x-request-id": rid})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_internal(body)
-        model = _check_model(state, body.model)
-        _unsupported(body)
+        check_internal(body)
+        model = check_model(state, body.model)
+        check_unsupported(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, 1):
@@ -499,14 +153,14 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
         prompts = _completion_prompts(state, body.prompt)
         if body.stream and len(prompts) > 1:
             raise APIError(400, "streaming several prompts in one request is not supported yet", "prompt")
-        rid = _rid(request, "cmpl")
+        rid = request_id(request, "cmpl")
         created = int(time.time())
         gens, echoes = [], []
         for i, ids in enumerate(prompts):
-            gens.append(_request_spec(
+            gens.append(request_spec(
                 state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, max_tokens=body.max_tokens, default_max=16,
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-                stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                 skip_special_tokens=body.skip_special_tokens))
             echoes.append(state.tokenizer.decode(ids, body.skip_special_tokens) if body.echo else "")
         if not body.stream:
@@ -521,12 +175,12 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
 
             async def run_all():
                 try:
-                    return await asyncio.gather(*(_collect(g) for g in started))
+                    return await asyncio.gather(*(collect(g) for g in started))
                 finally:
                     for g in started:
                         g.cancel()
 
-            res = await _until_disconnect(request, run_all())
+            res = await until_disconnect(request, run_all())
             if res is None:
                 return Response(status_code=499)
             choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
@@ -554,7 +208,7 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
 
         head = [tc(echoes[0], None)] if echoes[0] else []
         return StreamingResponse(
-            _stream(gen, head, lambda d: tc(d.text, None) if d.text else None,
+            event_stream(gen, head, lambda d: tc(d.text, None) if d.text else None,
                     lambda o: [tc("", o.finish_reason, matched_stop=o.matched_stop)],
                     (lambda o: sse({**base, "choices": [], "usage": o.usage()})) if include_usage else None),
             media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
@@ -562,16 +216,16 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
     # ---- SGLang native ----
     @app.post("/generate")
     async def generate_native(body: GenerateRequestBody, request: Request):
-        _check_internal(body)
+        check_internal(body)
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "exactly one of text and input_ids must be given", "text")
-        ids = (_check_ids(state, list(body.input_ids), "input_ids") if body.input_ids is not None
+        ids = (check_ids(state, list(body.input_ids), "input_ids") if body.input_ids is not None
                else state.tokenizer.encode(body.text or ""))
         sp = body.sampling_params or _default_generate_params()
-        rid = body.rid or _rid(request, "gen")
-        spec = _request_spec(state, rid, ids, max_tokens=sp.max_new_tokens, default_max=128,
+        rid = body.rid or request_id(request, "gen")
+        spec = request_spec(state, rid, ids, max_tokens=sp.max_new_tokens, default_max=128,
                              temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-                             seed=sp.sampling_seed, stop=_stop_list(sp.stop), stop_token_ids=sp.stop_token_ids,
+                             seed=sp.sampling_seed, stop=stop_list(sp.stop), stop_token_ids=sp.stop_token_ids,
                              ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
                              no_stop_trim=sp.no_stop_trim)
         gen = Generation(state, spec)
@@ -590,7 +244,7 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
                     "cached_tokens": o.cached_tokens if o else 0, "e2e_latency": time.monotonic() - t0}
 
         if not body.stream:
-            res = await _until_disconnect(request, _collect(gen))
+            res = await until_disconnect(request, collect(gen))
             if res is None:
                 return Response(status_code=499)
             text, out_ids, out = res
@@ -605,21 +259,21 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
         def finish(o: Outcome) -> list[str]:
             return [sse({"text": acc["text"], "output_ids": list(acc["ids"]), "meta_info": meta(o, len(acc["ids"]))})]
 
-        return StreamingResponse(_stream(gen, [], chunk, finish, None), media_type="text/event-stream",
+        return StreamingResponse(event_stream(gen, [], chunk, finish, None), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
     # ---- tokenizer endpoints (vLLM shape; with and without /v1) ----
     async def tokenize(body: TokenizeRequest) -> dict:
-        _check_model(state, body.model)
+        check_model(state, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "exactly one of prompt and messages must be given", "prompt")
-        text = body.prompt if body.prompt is not None else _render_chat(state, body)
+        text = body.prompt if body.prompt is not None else render_chat(state, body)
         ids = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.context_length}
 
     async def detokenize(body: DetokenizeRequest) -> dict:
-        _check_model(state, body.model)
-        return {"prompt": state.tokenizer.decode(_check_ids(state, body.tokens, "tokens"), False)}
+        check_model(state, body.model)
+        return {"prompt": state.tokenizer.decode(check_ids(state, body.tokens, "tokens"), False)}
 
     for prefix in ("", "/v1"):
         app.post(prefix + "/tokenize")(tokenize)
@@ -648,7 +302,7 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
         spec = RequestSpec(f"health-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0.0, max_new_tokens=1,
                                                                              ignore_eos=True), [])
         try:
-            _, out_ids, _ = await _collect(Generation(state, spec))
+            _, out_ids, _ = await collect(Generation(state, spec))
         except APIError as e:
             return JSONResponse(error_body(503, f"health generation failed: {e.message}"), status_code=503)
         return {"status": "ok", "output_ids": out_ids}
@@ -681,10 +335,10 @@ def _completion_prompts(state: RouterState, prompt: Any) -> list[list[int]]:
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
     if all(isinstance(x, int) for x in prompt):
-        return [_check_ids(state, list(prompt), "prompt")]
+        return [check_ids(state, list(prompt), "prompt")]
     out = []
     for p in prompt:
-        out.append(state.tokenizer.encode(p) if isinstance(p, str) else _check_ids(state, list(p), "prompt"))
+        out.append(state.tokenizer.encode(p) if isinstance(p, str) else check_ids(state, list(p), "prompt"))
     return out
 
 
