@@ -8,9 +8,9 @@ Each check raises APIError with the status, message and param the client sees.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from glm53.server.protocol import RequestSpec
 from glm53.server.router.generation import RouterState
@@ -20,8 +20,12 @@ from glm53.server.tokenizer import ChatTemplateError
 
 
 async def router_state(request: Request) -> RouterState:
-    """FastAPI dependency: the app's RouterState. Async, so FastAPI does not send it to a thread."""
+    # Async so that FastAPI calls it inline rather than in its thread pool.
     return request.app.state.router
+
+
+# A handler parameter `state: State` receives the app's RouterState.
+State = Annotated[RouterState, Depends(router_state)]
 
 
 def check_model(state: RouterState, model: str | None) -> str:
