@@ -1,4 +1,4 @@
-"""Request bodies of the HTTP API (pydantic) and the error envelope.
+"""Request bodies of the HTTP API (pydantic) and the error envelope, shared by every API family.
 
 Field names follow OpenAI, with vLLM/SGLang extensions (top_k, min_p, ignore_eos,
 stop_token_ids, skip_special_tokens, chat_template_kwargs). Errors are vLLM's nested OpenAI

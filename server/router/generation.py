@@ -1,0 +1,192 @@
+"""One generation: a RequestSpec in, text deltas and one outcome out (no HTTP here).
+
+`Generation` submits the spec to an instance pair, retries on another prefill instance while no
+token has come back, turns decode's token events into text (incremental detokenization, stop
+strings applied router-side), records the request's metrics and aborts the room on both
+instances when it ends early. Failures surface as APIError with the status the client sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from glm53.server.config import ClusterConfig
+from glm53.server.protocol import RequestSpec
+from glm53.server.router.instance_pool import InstancePool, Room, RoomFailed, Unavailable
+from glm53.server.router.metrics import RouterMetrics
+from glm53.server.router.schemas import APIError
+from glm53.server.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Error codes from instances / the pool -> HTTP status of the error body.
+_STATUS_FOR_CODE = {"context_length": 400, "bad_request": 400, "timeout": 504, "bootstrap_timeout": 504,
+                    "transfer_timeout": 504}
+
+
+@dataclass
+class Delta:
+    """New text and the token ids it came from (a stop token is among the ids, not the text)."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Outcome:
+    """How a generation ended, with its token counts."""
+
+    finish_reason: str
+    matched_stop: str | int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+@dataclass
+class RouterState:
+    """What every handler needs, built once by create_app and kept on `app.state.router`."""
+
+    cfg: ClusterConfig
+    tokenizer: Tokenizer
+    pool: InstancePool
+    metrics: RouterMetrics
+    served_names: list[str]
+    model_root: str
+    context_length: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Generation:
+    """One request in flight. Construction submits it (APIError 503 if no instance pair can take
+    it); `events()` yields Deltas then one Outcome, or raises APIError mid-way. `cancel()` (also
+    run when `events()` is closed early, e.g. the client went away) aborts the room on both
+    instances; it is idempotent."""
+
+    def __init__(self, state: RouterState, spec: RequestSpec):
+        self.state, self.spec = state, spec
+        self.t0 = time.monotonic()
+        self.room: Room | None = None
+        self._open = False
+        self.failed_prefills: set[str] = set()
+        if spec.params.max_new_tokens == 0:
+            return
+        try:
+            self.room = state.pool.submit(spec)
+        except Unavailable as e:
+            raise APIError(503, str(e)) from None
+        self._open = True
+        state.metrics.router_running.labels(state.metrics.model_name).inc()
+
+    async def _next_event(self):
+        """The room's next event; before the first token, a prefill-side failure is retried on
+        another prefill instance (router.max_retries times)."""
+        assert self.room is not None
+        while True:
+            try:
+                return await self.state.pool.next_event(self.room)
+            except RoomFailed as e:
+                room = self.room
+                if (e.side != "prefill" or room.got_first_token
+                        or room.generation >= self.state.cfg.router.max_retries):
+                    raise
+                self.failed_prefills.add(room.prefill.name)
+                log.warning("router: %s: %s; retrying on another prefill instance", self.spec.rid, e)
+                try:
+                    new = self.state.pool.submit(self.spec, frozenset(self.failed_prefills), room.generation + 1)
+                except Unavailable:
+                    raise e from None
+                self.state.pool.release(room, abort=True)
+                self.room = new
+
+    def _close(self, abort: bool) -> None:
+        if not self._open:
+            return
+        self._open = False
+        m = self.state.metrics
+        m.router_running.labels(m.model_name).dec()
+        assert self.room is not None
+        self.state.pool.release(self.room, abort=abort)
+        if abort:
+            m.aborted.labels(m.model_name).inc()
+
+    def cancel(self) -> None:
+        self._close(abort=True)
+
+    def __del__(self) -> None:
+        # A response whose body never started (client gone before the first byte) never runs
+        # events(); do not leave its room running on the instances.
+        try:
+            self._close(abort=True)
+        except Exception:
+            pass
+
+    async def events(self) -> AsyncIterator[Delta | Outcome]:
+        spec, p, state = self.spec, self.spec.params, self.state
+        m, name = state.metrics, state.metrics.model_name
+        if self.room is None:
+            yield Outcome("length", None, len(spec.input_ids), 0)
+            return
+        detok = IncrementalDetokenizer(state.tokenizer, p.skip_special_tokens)
+        stops = StopStringMatcher(p.stop, include_stop=p.no_stop_trim)
+        n_out, cached, last_t, first_t = 0, 0, self.t0, None
+        try:
+            while True:
+                try:
+                    ev = await self._next_event()
+                except RoomFailed as e:
+                    raise APIError(_STATUS_FOR_CODE.get(e.code, 503), str(e)) from None
+                now = time.monotonic()
+                cached = max(cached, ev.cached_tokens)
+                ids = list(ev.token_ids)
+                if ids:
+                    k = len(ids)
+                    if first_t is None:
+                        first_t = now
+                        m.ttft.labels(name).observe(now - self.t0)
+                        k -= 1
+                    for _ in range(k):
+                        m.itl.labels(name).observe((now - last_t) / k)
+                    last_t = now
+                # Decode decides "stop" (a stop/eos token) and "length"; a stop token is counted
+                # but not shown.
+                finish, matched = ev.finish_reason, ev.matched_stop
+                visible = ids[:-1] if finish == "stop" and ids and matched == ids[-1] else ids
+                n_out += len(ids)
+                text = stops.feed(detok.add(visible)) if visible else ""
+                if stops.matched is not None:
+                    finish, matched = "stop", stops.matched
+                if finish is None:
+                    if text or ids:
+                        yield Delta(text, ids)
+                    continue
+                if stops.matched is None:
+                    text += stops.feed(detok.flush())
+                    if stops.matched is None:
+                        text += stops.flush()
+                    else:
+                        finish, matched = "stop", stops.matched
+                # The instances end eos/length rooms themselves; a router-side end needs an abort.
+                self._close(abort=ev.finish_reason is None)
+                m.e2e.labels(name).observe(now - self.t0)
+                if first_t is not None and n_out > 1:
+                    m.tpot.labels(name).observe((now - first_t) / (n_out - 1))
+                m.prompt_tokens.labels(name).inc(len(spec.input_ids))
+                m.generation_tokens.labels(name).inc(n_out)
+                m.requests.labels(name, finish).inc()
+                if text or ids:
+                    yield Delta(text, ids)
+                yield Outcome(finish, matched, len(spec.input_ids), n_out, cached)
+                return
+        finally:
+            # Client gone, room failed or timed out: free both sides.
+            self.cancel()

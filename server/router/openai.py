@@ -1,0 +1,214 @@
+"""The OpenAI API: /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}.
+
+Responses follow OpenAI's shapes with vLLM/SGLang's extras (`matched_stop`, `stop_reason`,
+`continuous_usage_stats`). A non-streamed request whose client goes away ends with a 499 (for the
+access log) and its room is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from glm53.server.protocol import RequestSpec
+from glm53.server.router.generation import Delta, Generation, Outcome, RouterState
+from glm53.server.router.intake import (State, check_ids, check_internal, check_model, check_unsupported,
+                                        render_chat, request_id, request_spec, stop_list)
+from glm53.server.router.schemas import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions
+from glm53.server.router.sse import SSE_HEADERS, collect, event_stream, sse, until_disconnect
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(state: State) -> dict:
+    return {"object": "list", "data": [_model_card(state, n) for n in state.served_names]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, state: State) -> dict:
+    if model_id not in state.served_names:
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+    return _model_card(state, model_id)
+
+
+def _model_card(state: RouterState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "glm53-serve",
+            "root": state.model_root, "parent": None, "max_model_len": state.context_length, "permission": []}
+
+
+# ---- chat ----
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
+    check_internal(body)
+    model = check_model(state, body.model)
+    check_unsupported(body)
+    if body.top_logprobs:
+        raise APIError(400, "top_logprobs is not supported yet", "top_logprobs")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise APIError(400, "response_format other than text is not supported yet", "response_format")
+    ids = state.tokenizer.encode(render_chat(state, body))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    rid = request_id(request, "chatcmpl")
+    spec = request_spec(state, rid, ids, max_tokens=max_tokens, default_max=None, temperature=body.temperature,
+                        top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+                        stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids,
+                        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
+    gen = Generation(state, spec)
+    created = int(time.time())
+    if body.stream:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        return StreamingResponse(_chat_events(gen, base, body.stream_options, len(ids)),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
+    res = await until_disconnect(request, collect(gen))
+    if res is None:
+        return Response(status_code=499)
+    text, _, out = res
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                     "logprobs": None, "finish_reason": out.finish_reason,
+                     "matched_stop": out.matched_stop, "stop_reason": out.matched_stop}],
+        "usage": out.usage(),
+    }, headers={"x-request-id": rid})
+
+
+def _chat_events(gen: Generation, base: dict, opts: StreamOptions | None, plen: int) -> AsyncIterator[str]:
+    """chat.completion.chunk events: the assistant role, a content delta per piece of text, the
+    finish chunk, then (include_usage) a usage-only chunk. With continuous_usage_stats every chunk
+    carries the running usage; with include_usage alone, `"usage": null`."""
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
+    counted = 0  # completion tokens so far, stop tokens included
+
+    def with_usage(obj: dict, n: int | None) -> dict:
+        if include_usage:
+            obj["usage"] = ({"prompt_tokens": plen, "completion_tokens": n, "total_tokens": plen + n}
+                            if continuous and n is not None else None)
+        return obj
+
+    def chunk(d: Delta) -> str | None:
+        nonlocal counted
+        counted += len(d.token_ids)
+        if not d.text:
+            return None
+        return sse(with_usage({**base, "choices": [{"index": 0, "delta": {"content": d.text},
+                                                    "logprobs": None, "finish_reason": None}]}, counted))
+
+    def finish(o: Outcome) -> list[str]:
+        return [sse(with_usage({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                     "finish_reason": o.finish_reason,
+                                                     "matched_stop": o.matched_stop}]},
+                               o.completion_tokens))]
+
+    usage = (lambda o: sse({**base, "choices": [], "usage": o.usage()})) if include_usage else None
+    head = [sse(with_usage({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}, 0))]
+    return event_stream(gen, head, chunk, finish, usage)
+
+
+# ---- completions ----
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, state: State):
+    check_internal(body)
+    model = check_model(state, body.model)
+    check_unsupported(body)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", "suffix")
+    if body.best_of not in (None, 1):
+        raise APIError(400, "best_of > 1 is not supported yet", "best_of")
+    prompts = _completion_prompts(state, body.prompt)
+    if body.stream and len(prompts) > 1:
+        raise APIError(400, "streaming several prompts in one request is not supported yet", "prompt")
+    rid = request_id(request, "cmpl")
+    created = int(time.time())
+    # Every prompt is checked (and echoed text decoded) before any is submitted.
+    specs, echoes = [], []
+    for i, ids in enumerate(prompts):
+        specs.append(request_spec(
+            state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, max_tokens=body.max_tokens, default_max=16,
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
+            stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens))
+        echoes.append(state.tokenizer.decode(ids, body.skip_special_tokens) if body.echo else "")
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    if body.stream:
+        gen = Generation(state, specs[0])
+        return StreamingResponse(_completion_events(gen, base, body.stream_options, echoes[0]),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
+    gens = _start_all(state, specs)
+
+    async def run_all():
+        try:
+            return await asyncio.gather(*(collect(g) for g in gens))
+        finally:
+            for g in gens:
+                g.cancel()
+
+    res = await until_disconnect(request, run_all())
+    if res is None:
+        return Response(status_code=499)
+    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
+    for i, (text, _, out) in enumerate(res):
+        choices.append({"index": i, "text": echoes[i] + text, "logprobs": None,
+                        "finish_reason": out.finish_reason, "matched_stop": out.matched_stop,
+                        "stop_reason": out.matched_stop})
+        usage["prompt_tokens"] += out.prompt_tokens
+        usage["completion_tokens"] += out.completion_tokens
+        usage["cached"] += out.cached_tokens
+    total = Outcome("stop", None, usage["prompt_tokens"], usage["completion_tokens"], usage["cached"])
+    return JSONResponse({**base, "choices": choices, "usage": total.usage()}, headers={"x-request-id": rid})
+
+
+def _completion_prompts(state: RouterState, prompt: Any) -> list[list[int]]:
+    """`prompt` in any of its four shapes (text, token ids, or a list of either) as token id lists."""
+    if isinstance(prompt, str):
+        return [state.tokenizer.encode(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return [check_ids(state, list(prompt), "prompt")]
+    out = []
+    for p in prompt:
+        out.append(state.tokenizer.encode(p) if isinstance(p, str) else check_ids(state, list(p), "prompt"))
+    return out
+
+
+def _start_all(state: RouterState, specs: list[RequestSpec]) -> list[Generation]:
+    """Submit every prompt, or none: if one cannot be placed, those already submitted are aborted."""
+    started: list[Generation] = []
+    try:
+        for spec in specs:
+            started.append(Generation(state, spec))
+    except APIError:
+        for g in started:
+            g.cancel()
+        raise
+    return started
+
+
+def _completion_events(gen: Generation, base: dict, opts: StreamOptions | None, echo: str) -> AsyncIterator[str]:
+    """text_completion events: the echoed prompt (if any), a chunk per piece of text, the finish
+    chunk, then (include_usage) a usage-only chunk; with include_usage the others carry
+    `"usage": null`."""
+    include_usage = bool(opts and opts.include_usage)
+
+    def tc(text: str, finish_reason: str | None, **extra: Any) -> str:
+        obj = {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                                    **extra}]}
+        if include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    head = [tc(echo, None)] if echo else []
+    return event_stream(gen, head, lambda d: tc(d.text, None) if d.text else None,
+                        lambda o: [tc("", o.finish_reason, matched_stop=o.matched_stop)],
+                        (lambda o: sse({**base, "choices": [], "usage": o.usage()})) if include_usage else None)
