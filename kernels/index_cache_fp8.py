@@ -1,4 +1,4 @@
-"""The FP8 indexer-key cache layout (reference/dsa.md §2.2, §7): 132 B per token for D = 128.
+"""The FP8 indexer-key cache layout: 132 B per token for D = 128.
 
 One page of one layer is `[page_size × D fp8 e4m3 | page_size × fp32 scale]`, so
 `page_size * (D + 4)` bytes (8448 for the 64-token pages of GLM-5). A pool is page-major like the

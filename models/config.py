@@ -1,6 +1,6 @@
 """GLM-5-family `config.json` (model_type `glm_moe_dsa`) and the DSA indexer schedule.
 
-Every field of reference/dsa.md §1 is read here; invalid values raise `ConfigError` naming the
+Every field the GLM-5 checkpoints use is read here; invalid values raise `ConfigError` naming the
 field. `head_dim` is deliberately ignored: GLM-5.2 stores the nope width there, the real QK width
 is `qk_nope_head_dim + qk_rope_head_dim`.
 """

@@ -1,6 +1,6 @@
 """The YAML cluster config: where the router and every prefill/decode instance run, and how.
 
-One file describes the whole deployment (DESIGN §3, issue 5 §2). It is validated completely
+One file describes the whole deployment (README, "The cluster config"). It is validated completely
 before any process starts: an unknown key, a wrong type or an impossible topology raises
 `ConfigError` whose message starts with the file and the key path, e.g.
 
@@ -106,8 +106,8 @@ class RouterConfig:
 @dataclass
 class TransferConfig:
     backend: Literal["nixl"] = "nixl"
-    # Bounded waits (DESIGN §4.5): a peer that does not bootstrap or finish a transfer within
-    # these fails its rooms on both sides.
+    # Bounded waits (docs/ARCHITECTURE.md, "Transfer lifecycle"): a peer that does not bootstrap
+    # or finish a transfer within these fails its rooms on both sides.
     bootstrap_timeout_s: float = 60.0
     transfer_timeout_s: float = 120.0
 

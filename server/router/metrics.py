@@ -1,4 +1,4 @@
-"""Prometheus metrics of the router, with SGLang-compatible names (reference/serving.md §3).
+"""Prometheus metrics of the router, with SGLang-compatible names.
 
 Router-side latencies are the truthful ones in PD (TTFT includes queueing, prefill and the KV
 transfer). Instance gauges (running/waiting requests, KV usage) come from the instances' health
