@@ -85,8 +85,9 @@ from .backend import BackendError, MemRegion, NixlBackend, TransferBackend, impo
 from .bootstrap import BootstrapServer, query_topology
 from .buffers import (BufferSpec, BufferTable, Heads, MetadataRow, Replicated, TableMismatch,
                       check_tables)
-from .engine import (KVPoll, KVReceiver, KVSender, Room, TransferEngine, TransferError,
-                     TransportConfig)
+from .engine import TransferEngine
+from .handles import (TERMINAL, KVPoll, KVReceiver, KVSender, Room, TransferError,
+                      TransferErrorCode, TransportConfig)
 from .mapping import (Segment, TransferPlan, count_descriptors, page_runs, plan_transfers,
                       segment_descs)
 
@@ -95,7 +96,8 @@ __all__ = [
     "BootstrapServer", "query_topology",
     "BufferSpec", "BufferTable", "Heads", "MetadataRow", "Replicated", "TableMismatch",
     "check_tables",
-    "KVPoll", "KVReceiver", "KVSender", "Room", "TransferEngine", "TransferError",
+    "TransferEngine",
+    "KVPoll", "TERMINAL", "KVReceiver", "KVSender", "Room", "TransferError", "TransferErrorCode",
     "TransportConfig",
     "Segment", "TransferPlan", "count_descriptors", "page_runs", "plan_transfers",
     "segment_descs",
