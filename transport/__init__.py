@@ -90,6 +90,7 @@ from .handles import (TERMINAL, KVPoll, KVReceiver, KVSender, Room, TransferErro
                       TransferErrorCode, TransportConfig)
 from .mapping import (Segment, TransferPlan, count_descriptors, page_runs, plan_transfers,
                       segment_descs)
+from .ranks import RoomTransfer, combine_polls
 
 __all__ = [
     "BackendError", "MemRegion", "NixlBackend", "TransferBackend", "import_nixl",
@@ -101,4 +102,5 @@ __all__ = [
     "TransportConfig",
     "Segment", "TransferPlan", "count_descriptors", "page_runs", "plan_transfers",
     "segment_descs",
+    "RoomTransfer", "combine_polls",
 ]
