@@ -2,7 +2,8 @@
 
 Prefill ranks write target KV (MLA latent), DSA indexer keys and DFlash draft K/V straight into
 the pages decode allocated, one-sided, whatever the two sides' TP sizes and however prefill is
-split into PP stages (DESIGN §3, §4.4, §4.5).
+split into PP stages (docs/ARCHITECTURE.md, "Buffer table and item lengths" and "Transfer
+lifecycle").
 
 Pieces
 ------
@@ -20,11 +21,27 @@ Pieces
 * ``backend``: ``TransferBackend`` protocol and ``NixlBackend`` (register host/CUDA memory, add
   peer, prepare descriptors, post write with notification, poll, abort, deregister);
   ``import_nixl()`` prefers ``nixl_cu13`` over ``nixl_cu12``.
-* ``bootstrap``: ``BootstrapServer`` (ZMQ ROUTER, msgpack) — the registry of one prefill
-  instance's ranks (endpoint, agent metadata, buffer table). Carries no data.
-* ``engine``: ``TransferEngine`` (one per rank: NIXL agent, registered pools, metadata slots,
-  ZMQ control socket, one progress thread), ``KVSender``, ``KVReceiver``, ``KVPoll``, ``Room``,
-  ``TransportConfig``.
+* ``messages``: the control protocol as dataclasses with explicit msgpack encoding (REGISTER,
+  TOPOLOGY, HELLO, ROOM, ABORT, FAIL, QUIESCED, PING, ...), the records inside them, and the
+  notification attached to each write.
+* ``bootstrap``: ``BootstrapServer`` (ZMQ ROUTER) — the registry of one prefill instance's
+  ranks (endpoint, agent metadata, buffer table). Carries no data.
+* ``handles``: what callers hold — ``Room``, ``KVPoll`` / ``TERMINAL``, ``TransportConfig``,
+  ``TransferErrorCode``, ``TransferError``, and the per-room handles ``KVSender`` /
+  ``KVReceiver``.
+* ``engine``: ``TransferEngine``, one per rank — the core: NIXL agent, registered pools,
+  metadata slots, ZMQ control sockets, the progress thread, peer liveness. It delegates to its
+  role object:
+* ``sender``: ``SenderSide``, prefill's state machine (decode peers, sender rooms, posting
+  chunks, the metadata row last, quiesce);
+* ``receiver``: ``ReceiverSide``, decode's state machine (bootstrap to the prefill ranks,
+  destinations, notifications, the done check, failures).
+* ``ranks``: ``combine_polls`` and ``RoomTransfer`` — one room across an instance's ranks
+  (TP x PP, one engine and one handle each); its pages are freed only when all are terminal.
+
+Errors: a failed room has ``error`` (a message) and ``error_code`` (``TransferErrorCode``), set
+where the failure is raised; a room failed by its peer reports the peer's code, carried in the
+FAIL / ABORT message. ``TransferError`` carries a ``code`` too.
 
 Pool layout (page-major; one page-id space for all pools of an instance)
 -----------------------------------------------------------------------
@@ -63,7 +80,8 @@ Decode side (one receiver per request per decode rank)::
     if s == KVPoll.SUCCESS:
         row = rx.metadata()                     # first_token_ids, counts, payload (checked)
     elif s == KVPoll.FAILED:
-        allocator.free(pages); report(rx.error) # safe: nothing can land any more
+        allocator.free(pages)                   # safe: nothing can land any more
+        report(rx.error_code, rx.error)         # e.g. TransferErrorCode.TRANSFER_TIMEOUT
     rx.abort()                                  # client went away (FAILED follows, then free)
 
 Prefill side (one sender per request per prefill rank, every stage and TP rank)::
@@ -75,8 +93,15 @@ Prefill side (one sender per request per prefill rank, every stage and TP rank):
     tx = eng.create_sender(Room(rid, gen))
     tx.send_pages(chunk_src_pages)              # after each chunk's forward (request order)
     tx.finish(MetadataRow((first_token,), (prompt_len,)) if last_stage else None)
-    tx.poll()  # SUCCESS: source pages may be freed; FAILED: tx.error says why
+    tx.poll()  # SUCCESS: source pages may be freed; FAILED: tx.error_code / tx.error say why
     tx.abort()
+
+Several ranks of one instance (one engine and one handle per rank)::
+
+    rt = RoomTransfer([eng.create_receiver(room, bootstrap_addr, pages) for eng in engines])
+    rt.poll()      # combine_polls over the ranks: terminal only once every rank is
+    rt.metadata()  # after SUCCESS; the ranks' rows must agree (else FAILED, INTEGRITY)
+    # prefill: RoomTransfer(senders).send_pages(chunk) / .finish(row) fan out to every rank
 
 ``engine.close()`` fails live rooms (notifying peers), stops the thread, deregisters memory.
 """
@@ -85,18 +110,22 @@ from .backend import BackendError, MemRegion, NixlBackend, TransferBackend, impo
 from .bootstrap import BootstrapServer, query_topology
 from .buffers import (BufferSpec, BufferTable, Heads, MetadataRow, Replicated, TableMismatch,
                       check_tables)
-from .engine import (KVPoll, KVReceiver, KVSender, Room, TransferEngine, TransferError,
-                     TransportConfig)
+from .engine import TransferEngine
+from .handles import (TERMINAL, KVPoll, KVReceiver, KVSender, Room, TransferError,
+                      TransferErrorCode, TransportConfig)
 from .mapping import (Segment, TransferPlan, count_descriptors, page_runs, plan_transfers,
                       segment_descs)
+from .ranks import RoomTransfer, combine_polls
 
 __all__ = [
     "BackendError", "MemRegion", "NixlBackend", "TransferBackend", "import_nixl",
     "BootstrapServer", "query_topology",
     "BufferSpec", "BufferTable", "Heads", "MetadataRow", "Replicated", "TableMismatch",
     "check_tables",
-    "KVPoll", "KVReceiver", "KVSender", "Room", "TransferEngine", "TransferError",
+    "TransferEngine",
+    "KVPoll", "TERMINAL", "KVReceiver", "KVSender", "Room", "TransferError", "TransferErrorCode",
     "TransportConfig",
     "Segment", "TransferPlan", "count_descriptors", "page_runs", "plan_transfers",
     "segment_descs",
+    "RoomTransfer", "combine_polls",
 ]

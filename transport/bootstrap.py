@@ -14,20 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import msgpack
+
 import zmq
 
+from .messages import (PROTOCOL_VERSION, Message, Query, RankInfo, Register, Registered,
+                       Topology, Unregister, decode_message, unpack)
+
 log = logging.getLogger("glm53.transport")
-
-PROTOCOL_VERSION = 1
-
-
-def pack(msg: dict) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def unpack(b: bytes) -> dict:
-    return msgpack.unpackb(b, raw=False, strict_map_key=False)
 
 
 class BootstrapServer:
@@ -46,7 +39,7 @@ class BootstrapServer:
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._ranks: dict[tuple[int, int], dict] = {}
+        self._ranks: dict[tuple[int, int], RankInfo] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"bootstrap-{instance}",
                                         daemon=True)
@@ -77,39 +70,38 @@ class BootstrapServer:
                 log.exception("bootstrap server: bad message: %s", e)
         self._sock.close(0)
 
-    def _reply(self, ident: bytes, msg: dict) -> None:
+    def _reply(self, ident: bytes, msg: Message) -> None:
         try:
-            self._sock.send_multipart([ident, pack(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, msg.encode()], zmq.NOBLOCK)
         except zmq.Again:  # pragma: no cover
             pass
 
     def _handle(self, ident: bytes, m: dict) -> None:
-        t = m.get("t")
-        if t == "REGISTER":
+        msg = decode_message(m)
+        if isinstance(msg, Register):
             err = ""
-            if m.get("v") != PROTOCOL_VERSION:
-                err = f"protocol version {m.get('v')} != {PROTOCOL_VERSION}"
-            elif m["instance"] != self.instance:
-                err = f"instance {m['instance']!r} registered at bootstrap of {self.instance!r}"
-            elif (m["pp_size"], m["tp_size"]) != (self.pp_size, self.tp_size):
-                err = (f"rank reports pp={m['pp_size']} tp={m['tp_size']}, instance has "
+            r = msg.rank
+            if msg.version != PROTOCOL_VERSION:
+                err = f"protocol version {msg.version} != {PROTOCOL_VERSION}"
+            elif msg.instance != self.instance:
+                err = f"instance {msg.instance!r} registered at bootstrap of {self.instance!r}"
+            elif (msg.pp_size, msg.tp_size) != (self.pp_size, self.tp_size):
+                err = (f"rank reports pp={msg.pp_size} tp={msg.tp_size}, instance has "
                        f"pp={self.pp_size} tp={self.tp_size}")
-            elif not (0 <= m["pp"] < self.pp_size and 0 <= m["tp"] < self.tp_size):
-                err = f"rank (pp={m['pp']}, tp={m['tp']}) out of range"
+            elif not (0 <= r.pp < self.pp_size and 0 <= r.tp < self.tp_size):
+                err = f"rank (pp={r.pp}, tp={r.tp}) out of range"
             if not err:
                 # Re-registration (a restarted rank) replaces the old entry.
-                self._ranks[(m["pp"], m["tp"])] = {
-                    k: m[k] for k in ("pp", "tp", "ep", "agent", "agent_md", "table")}
-            self._reply(ident, {"t": "REGISTERED", "ok": not err, "error": err})
-        elif t == "QUERY":
-            ranks = [self._ranks[k] for k in sorted(self._ranks)] if self.complete else []
-            self._reply(ident, {"t": "TOPOLOGY", "v": PROTOCOL_VERSION, "complete": self.complete,
-                                "instance": self.instance, "pp_size": self.pp_size,
-                                "tp_size": self.tp_size, "ranks": ranks})
-        elif t == "UNREGISTER":
-            self._ranks.pop((m["pp"], m["tp"]), None)
+                self._ranks[(r.pp, r.tp)] = r
+            self._reply(ident, Registered(not err, err))
+        elif isinstance(msg, Query):
+            ranks = tuple(self._ranks[k] for k in sorted(self._ranks)) if self.complete else ()
+            self._reply(ident, Topology(PROTOCOL_VERSION, self.complete, self.instance,
+                                        self.pp_size, self.tp_size, ranks))
+        elif isinstance(msg, Unregister):
+            self._ranks.pop((msg.pp, msg.tp), None)
         else:
-            log.warning("bootstrap server: unknown message %r", t)
+            log.warning("bootstrap server: unknown message %r", m.get("t"))
 
     def close(self) -> None:
         self._stop.set()
@@ -126,7 +118,7 @@ def query_topology(address: str, timeout: float = 5.0, ctx: zmq.Context | None =
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            s.send(pack({"t": "QUERY"}))
+            s.send(Query().encode())
             if s.poll(int(min(200, max(1, (deadline - time.monotonic()) * 1000)))):
                 m = unpack(s.recv())
                 if m.get("complete"):

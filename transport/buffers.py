@@ -1,4 +1,5 @@
-"""Buffer table: the per-buffer description exchanged at bootstrap (DESIGN §4.4). Pure, no I/O.
+"""Buffer table: the per-buffer description exchanged at bootstrap (docs/ARCHITECTURE.md,
+"Buffer table and item lengths"). Pure, no I/O.
 
 A *buffer* is one page-major pool of an instance's rank (one PP stage, one TP rank). Its
 *page item* is everything the pool holds for one page id, and a run of contiguous page ids is

@@ -1,12 +1,17 @@
 """Lifecycle in one process (two engines, each with its own NIXL agent, over UCX tcp loopback):
-table mismatch at bootstrap, aborts from either side, room generations, early chunks."""
+table mismatch at bootstrap, aborts from either side, room generations, early chunks, and the
+error code each failure reports."""
 
+import contextlib
+import time
 
 import numpy as np
 import pytest
 
 from glm53.transport import (BootstrapServer, KVPoll, MetadataRow, Room, TableMismatch,
-                             TransferEngine, TransportConfig)
+                             TransferEngine, TransferErrorCode, TransportConfig)
+
+Code = TransferErrorCode
 
 CFG = dict(bootstrap_timeout_s=5.0, transfer_timeout_s=5.0, heartbeat_interval_s=0.2,
            peer_timeout_s=2.0, quiesce_timeout_s=2.0)
@@ -24,21 +29,29 @@ def _pool(n_pages, layers=2, page=4, bpt=64, fill=0):
 
 @pytest.fixture
 def pair():
+    with _pair(CFG) as engines:
+        yield engines
+
+
+@contextlib.contextmanager
+def _pair(cfg):
     srv = BootstrapServer("p", 1, 1)
-    p = TransferEngine("prefill", "p", config=TransportConfig(**CFG))
+    p = TransferEngine("prefill", "p", config=TransportConfig(**cfg))
     src = _pool(32)
     src[:] = np.arange(src.size, dtype=np.uint64).reshape(src.shape) % 251
     p.register_pool("latent", src, (0, 1))
     p.start(srv.address)
-    d = TransferEngine("decode", "d", config=TransportConfig(**CFG))
+    d = TransferEngine("decode", "d", config=TransportConfig(**cfg))
     dst = _pool(32, fill=0xEE)
     d.register_pool("latent", dst, (0, 1))
     d.start()
     d.connect(srv.address, timeout=10)
-    yield p, d, src, dst, srv.address
-    d.close()
-    p.close()
-    srv.close()
+    try:
+        yield p, d, src, dst, srv.address
+    finally:
+        d.close()
+        p.close()
+        srv.close()
 
 
 def test_success_with_chunks_before_destination(pair):
@@ -56,6 +69,7 @@ def test_success_with_chunks_before_destination(pair):
     assert rx.metadata().first_token_ids == (77,) and rx.metadata().payload == b"hi"
     assert (dst[[0, 5, 22, 31]] == 0xEE).all()
     assert tx.stats["descs"] == 3  # runs: [0,1]->[20,21], [2]->[10], [3,4]->[11,12]
+    assert rx.error_code is None and tx.error_code is None
 
 
 def test_decode_abort_fails_sender(pair):
@@ -66,6 +80,7 @@ def test_decode_abort_fails_sender(pair):
     rx.abort("client went away")
     assert rx.wait(10) == KVPoll.FAILED
     assert tx.wait(10) == KVPoll.FAILED and "client went away" in tx.error
+    assert rx.error_code == Code.ABORTED and tx.error_code == Code.ABORTED
 
 
 def test_prefill_abort_fails_receiver(pair):
@@ -76,6 +91,7 @@ def test_prefill_abort_fails_receiver(pair):
     tx.abort("prefill OOM")
     assert tx.wait(10) == KVPoll.FAILED
     assert rx.wait(10) == KVPoll.FAILED and "prefill OOM" in rx.error
+    assert tx.error_code == Code.ABORTED and rx.error_code == Code.ABORTED
 
 
 def test_retried_room_new_generation(pair):
@@ -88,6 +104,7 @@ def test_retried_room_new_generation(pair):
     new_tx = p.create_sender(Room(5, 1))
     assert old_tx.wait(10) == KVPoll.FAILED and "superseded" in old_tx.error
     assert old_rx.wait(10) == KVPoll.FAILED
+    assert old_tx.error_code == Code.SUPERSEDED and old_rx.error_code == Code.SUPERSEDED
     new_tx.send_pages([4, 5])
     new_tx.finish(MetadataRow((3,)))
     assert new_rx.wait(10) == KVPoll.SUCCESS, new_rx.error
@@ -96,6 +113,7 @@ def test_retried_room_new_generation(pair):
     # a late receiver for the retired generation is refused by prefill
     stale = d.create_receiver(Room(5, 0), addr, [12])
     assert stale.wait(10) == KVPoll.FAILED and "superseded" in stale.error
+    assert stale.error_code == Code.SUPERSEDED
 
 
 def test_last_stage_must_send_row(pair):
@@ -106,6 +124,7 @@ def test_last_stage_must_send_row(pair):
     tx.finish(None)
     assert tx.wait(10) == KVPoll.FAILED and "metadata row" in tx.error
     assert rx.wait(10) == KVPoll.FAILED
+    assert tx.error_code == Code.INVALID and rx.error_code == Code.INVALID
 
 
 def test_bootstrap_rejects_mismatch_naming_field():
@@ -123,6 +142,7 @@ def test_bootstrap_rejects_mismatch_naming_field():
         rx = d.create_receiver(Room(1, 0), srv.address, [0])
         assert rx.wait(10) == KVPoll.FAILED and rx.error_field == "page_size"
         assert "page_size" in rx.error
+        assert rx.error_code == Code.TABLE_MISMATCH
     finally:
         d.close()
         p.close()
@@ -136,5 +156,36 @@ def test_unreachable_bootstrap_times_out():
     try:
         rx = d.create_receiver(Room(1, 0), "tcp://127.0.0.1:1", [0])
         assert rx.wait(5) == KVPoll.FAILED and "bootstrap timeout" in rx.error
+        assert rx.error_code == Code.BOOTSTRAP_TIMEOUT
     finally:
         d.close()
+
+
+def test_sender_without_destination_times_out():
+    with _pair(dict(CFG, bootstrap_timeout_s=1.0)) as (p, d, src, dst, addr):
+        tx = p.create_sender(Room(3, 0))  # no decode rank ever sends ROOM for it
+        tx.send_pages([0])
+        assert tx.wait(5) == KVPoll.FAILED and tx.error_code == Code.BOOTSTRAP_TIMEOUT
+
+
+def test_transfer_timeout_code():
+    with _pair(dict(CFG, transfer_timeout_s=1.0)) as (p, d, src, dst, addr):
+        tx = p.create_sender(Room(4, 0))
+        rx = d.create_receiver(Room(4, 0), addr, [1, 2])
+        tx.send_pages([0, 1])  # never finished: no commit arrives
+        assert rx.wait(5) == KVPoll.FAILED and tx.wait(5) == KVPoll.FAILED
+        # whichever side timed out first, the other reports the same cause
+        assert rx.error_code == Code.TRANSFER_TIMEOUT and tx.error_code == Code.TRANSFER_TIMEOUT
+
+
+def test_close_fails_live_rooms_with_code(pair):
+    p, d, src, dst, addr = pair
+    tx = p.create_sender(Room(10, 0))
+    rx = d.create_receiver(Room(10, 0), addr, [1])
+    tx.send_pages([0])
+    deadline = time.monotonic() + 10
+    while rx.poll() != KVPoll.TRANSFERRING and time.monotonic() < deadline:
+        time.sleep(0.005)  # the write landed: nothing is in flight when decode closes
+    d.close()
+    assert rx.poll() == KVPoll.FAILED and rx.error_code == Code.CLOSED
+    assert tx.wait(10) == KVPoll.FAILED and tx.error_code == Code.CLOSED

@@ -188,3 +188,25 @@ def test_completion_never_sent(tls):
         sc.finish()
     finally:
         sc.stop()
+
+
+@pytest.mark.parametrize("tls", TLS)
+def test_prefill_death_reports_peer_dead(tls):
+    """A prefill process dies mid-transfer: with a transfer timeout far away, only peer
+    liveness can fail the decode ranks' rooms, and they say so with their code."""
+    rng = np.random.default_rng(15)
+    rp, rd = make_rooms(rng, 1, 8, 64, chunks=[4, 4])
+    rp[0]["hang_after"] = 1  # the prefill process stops after the first chunk
+    sc = Scenario(1, 1, 2, tls, rp, rd, cfg=dict(FAULT_CFG, transfer_timeout_s=60.0)).start()
+    try:
+        from .harness import _recv
+        _recv(sc.pconns[0], "mid", 30, sc.pprocs + sc.dprocs)
+        sc.kill(sc.pprocs[0])
+        (dres,) = sc.results(sc.dconns, timeout=30)
+        _all_failed([dres], "receivers", 30)
+        for k, v in dres["receivers"].items():
+            assert v["code"] == "peer_dead", (k, v)
+            assert "unresponsive" in v["error"], (k, v)
+        sc.finish(sc.dconns)
+    finally:
+        sc.stop()

@@ -195,7 +195,8 @@ def decode_main(conn, ranks, tp, g, tls, cfg, plan, addr):
         for key, (r, room) in rx.items():
             st = r.wait(plan.get("wait", 60))
             t = key[2]
-            info = {"state": st.name, "error": r.error, "t": time.monotonic() - t0}
+            info = {"state": st.name, "error": r.error, "t": time.monotonic() - t0,
+                    "code": r.error_code.value if r.error_code else None}
             if st == KVPoll.SUCCESS:
                 md = r.metadata()
                 info["row"] = list(md.first_token_ids)
