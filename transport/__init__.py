@@ -68,8 +68,8 @@ ranks quiesced, so a stale write can never land in reused pages.
 Decode side (one receiver per request per decode rank)::
 
     eng = TransferEngine("decode", "d0", tp_size=2, tp_rank=r, config=TransportConfig())
-    eng.register_pool("latent", kv.latent, layers=kv.spec.layers)
-    eng.register_pool("index_k", kv.index_k, layers=kv.spec.indexer_layers)
+    for name, pool in pools:                    # glm53.models.KVPools: latent, index_k, ...
+        eng.register_pool(name, pool.tensor, layers=pool.layers)
     eng.register_pool("draft_k", draft_k, layers=draft_layers, total_heads=n_draft_heads)
     eng.start()
     eng.connect(bootstrap_addr)                 # optional: fail fast on a table mismatch

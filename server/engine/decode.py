@@ -1,12 +1,14 @@
-"""Decode instance: page preallocation, adoption on commit, continuous-batching decode, token
-streaming to the router (DESIGN §3 steps 2, 4).
+"""Decode scheduler: page preallocation, adoption on commit, continuous-batching decode, token
+streaming to the router.
 
-Per request: allocate pages for prompt + max_new_tokens (few contiguous runs) -> create the KV
-receiver for the room, pointing prefill's ranks at the prompt pages -> on SUCCESS read the
-checked metadata row (first token), stream it, join the running batch -> one decode forward per
-step for the whole batch -> finish on eos / stop token / length, free the pages. A failed or
-timed-out transfer frees the pages (only once the transport says nothing can still land) and
-sends the router an error event.
+Per request: allocate pages for prompt + max_new_tokens (few contiguous runs) -> open the room's
+KV receivers on every rank, pointing prefill's ranks at the prompt pages -> when every rank
+succeeded, read the checked metadata row (first token), stream it, join the running batch ->
+one decode forward per step for the whole batch -> finish on a stop token / eos / length.
+
+One place decides a request is over (`_append`) and one frees its pages (`_release`). A room
+whose transfer is in flight is released only from `_poll_transfers`, once every rank's receiver
+is terminal, so no write can land in reused pages.
 """
 
 from __future__ import annotations
@@ -18,33 +20,33 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm53.models import ModelRunner, SeqChunk
+from glm53.models import SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
-from glm53.server.engine.scheduler import InstanceLoop, TrackedRequest, run_instance, transfer_error_code
+from glm53.server.engine.group import WorkerGroup
+from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.sampling import sample, step_generator
-from glm53.transport.engine import TERMINAL, KVPoll, KVReceiver, Room, TransferError
+from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer, TransferError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class DecodeRequest(TrackedRequest):
-    receiver: KVReceiver | None = None
+    receiver: RoomTransfer | None = None  # the room's receivers on every rank
     output: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)  # generated, not yet streamed
-    aborted: bool = False
-    transfer_started: float = 0.0  # receiver created
-    bootstrapped: float = 0.0  # receiver left BOOTSTRAPPING: prefill reached, destination sent
+    aborted: bool = False  # while receiving: the pages wait for the receivers to be terminal
+    transfer_started: float = 0.0  # receivers created
+    bootstrapped: float = 0.0  # receivers left BOOTSTRAPPING: prefill reached, destination sent
 
 
-class DecodeLoop(InstanceLoop):
+class DecodeScheduler(Scheduler):
     role = "decode"
 
-    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, runner: ModelRunner | None = None):
-        super().__init__(cluster, inst, runner)
+    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None):
+        super().__init__(cluster, inst, workers)
         self.stream_interval = inst.engine.stream_interval
-        self.transfer.start()
         self.waiting: deque[DecodeRequest] = deque()  # no pages yet
         self.receiving: list[DecodeRequest] = []  # pages held, KV in flight
         self.running: list[DecodeRequest] = []  # adopted, decoding
@@ -61,12 +63,10 @@ class DecodeLoop(InstanceLoop):
                 self.waiting.remove(r)
         for r in list(self.running):
             if r.key == key:
-                self.running.remove(r)
-                self.runner.allocator.free(r.pages)
+                self._release(r)
         for r in self.receiving:
-            if r.key == key and not r.aborted:
-                r.aborted = True  # pages are freed once the receiver reports a terminal state
-                r.receiver.abort(f"aborted by router: {msg.reason}")
+            if r.key == key:
+                self._abort_transfer(r, f"aborted by router: {msg.reason}")
 
     # -- one engine step ---------------------------------------------------------------------
     def step(self) -> bool:
@@ -83,12 +83,10 @@ class DecodeLoop(InstanceLoop):
             boot = f"tcp://{r.req.prefill.host}:{r.req.prefill.bootstrap_port}"
             r.transfer_started = time.monotonic()
             try:
-                r.receiver = self.transfer.create_receiver(
-                    Room(r.req.room, r.req.generation), boot, dst_pages=r.pages[: self.runner.pages_needed(r.prompt_len)]
-                )
+                r.receiver = self.workers.create_receivers(
+                    Room(r.req.room, r.req.generation), boot, r.pages[: self.workers.pages_needed(r.prompt_len)])
             except TransferError as e:  # e.g. a duplicate room: this request only, never the loop
-                self.runner.allocator.free(r.pages)
-                self.send_error(r.req, f"cannot receive KV: {e}", "overloaded")
+                self._release(r, error=(f"cannot receive KV: {e}", "overloaded"))
                 continue
             self.receiving.append(r)
 
@@ -103,10 +101,10 @@ class DecodeLoop(InstanceLoop):
             did = True
             self.receiving.remove(r)
             if r.aborted:
-                self.runner.allocator.free(r.pages)
+                self._release(r)
             elif state == KVPoll.FAILED:
-                self.runner.allocator.free(r.pages)
-                self.send_error(r.req, f"KV transfer failed: {r.receiver.error}", transfer_error_code(r.receiver.error))
+                self._release(r, error=(f"KV transfer failed: {r.receiver.error}",
+                                                protocol_error_code(r.receiver.error_code)))
             else:
                 self._adopt(r)
         return did
@@ -115,55 +113,64 @@ class DecodeLoop(InstanceLoop):
         row = r.receiver.metadata()
         stats = TransferStats(
             seconds=time.monotonic() - r.bootstrapped,
-            bytes=self.runner.pages_needed(r.prompt_len) * self._bytes_per_page(),
+            bytes=self.workers.pages_needed(r.prompt_len) * self.workers.bytes_per_page,
             bootstrap_seconds=r.bootstrapped - r.transfer_started,
         )
         if r.params.max_new_tokens == 0:
             self._emit(r, [], "length", transfer=stats)
-            self.runner.allocator.free(r.pages)
+            self._release(r)
             return
         tok = int(row.first_token_ids[0])
-        r.output.append(tok)
-        reason = self._finish_reason(r, tok)
-        self._emit(r, [tok], reason, transfer=stats)
-        if reason is None:
-            self.running.append(r)
-        else:
-            self.runner.allocator.free(r.pages)
+        self._append(r, tok, transfer=stats, first=True)
 
     def _decode(self) -> bool:
         if not self.running:
             return False
-        batch = self.running
+        batch = list(self.running)
         chunks = [SeqChunk([r.output[-1]], r.prompt_len + len(r.output) - 1, r.pages) for r in batch]
-        logits = self.runner.forward(chunks)
+        logits = self.workers.forward(chunks)
         rows = torch.cat([lg[-1:] for lg in logits])
         params = [r.params for r in batch]
         gens = [step_generator(r.params.seed, len(r.output)) if r.params.seed is not None else None for r in batch]
         toks = sample(rows, params, gens).tolist()
-        still = []
         for r, tok in zip(batch, toks):
-            r.output.append(int(tok))
-            r.unsent.append(int(tok))
-            reason = self._finish_reason(r, int(tok))
-            # Token events go out every `stream_interval` tokens (and always with the last one).
-            if reason is not None or len(r.unsent) >= self.stream_interval:
-                self._emit(r, r.unsent, reason)
-                r.unsent = []
-            if reason is None:
-                still.append(r)
-            else:
-                self.runner.allocator.free(r.pages)
-        self.running = still
+            self._append(r, int(tok))
         self.count_tokens(len(batch))
         return True
 
-    def _finish_reason(self, r: DecodeRequest, tok: int) -> str | None:
+    # -- the one place a request finishes, the one place it is released ---------------------------------------------------
+    def _append(self, r: DecodeRequest, tok: int, transfer: TransferStats | None = None, first: bool = False) -> None:
+        """Commit one generated token: decide whether the request is over, stream it (token events
+        go out every `stream_interval` tokens, with the first token, and always with the last)."""
+        r.output.append(tok)
+        r.unsent.append(tok)
+        reason = None
         if tok in r.req.spec.stop_ids:
-            return "stop"
-        if len(r.output) >= r.params.max_new_tokens:
-            return "length"
-        return None
+            reason = "stop"
+        elif len(r.output) >= r.params.max_new_tokens:
+            reason = "length"
+        if first or reason is not None or len(r.unsent) >= self.stream_interval:
+            self._emit(r, r.unsent, reason, transfer=transfer)
+            r.unsent = []
+        if reason is not None:
+            self._release(r)
+        elif first:
+            self.running.append(r)
+
+    def _release(self, r: DecodeRequest, error: tuple[str, str] | None = None) -> None:
+        """End a request whose pages no transfer can still write: out of the batch, pages freed,
+        and for a failure the router told (`error` = (message, protocol error code))."""
+        if r in self.running:
+            self.running.remove(r)
+        self.allocator.free(r.pages)
+        r.pages = []
+        if error is not None:
+            self.send_error(r.req, *error)
+
+    def _abort_transfer(self, r: DecodeRequest, reason: str) -> None:
+        if not r.aborted:
+            r.aborted = True  # pages are freed once every rank's receiver is terminal
+            r.receiver.abort(reason)
 
     def _emit(self, r: DecodeRequest, toks: list[int], reason: str | None, transfer: TransferStats | None = None) -> None:
         matched = toks[-1] if reason == "stop" and toks else None
@@ -172,9 +179,6 @@ class DecodeLoop(InstanceLoop):
             finish_reason=reason, matched_stop=matched, prompt_tokens=r.prompt_len,
             completion_tokens=len(r.output), transfer=transfer))
 
-    def _bytes_per_page(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.runner.kv.buffers().values())
-
     def queue_sizes(self) -> tuple[int, int, int]:
         return len(self.running), len(self.waiting), len(self.receiving)
 
@@ -182,16 +186,13 @@ class DecodeLoop(InstanceLoop):
         for r in self.waiting:
             self.send_error(r.req, message, "internal")
         self.waiting.clear()
-        for r in self.receiving:  # pages go back once the receiver is terminal
+        for r in self.receiving:
             if not r.aborted:
-                r.aborted = True
-                r.receiver.abort(message)
                 self.send_error(r.req, message, "internal")
-        for r in self.running:
-            self.runner.allocator.free(r.pages)
-            self.send_error(r.req, message, "internal")
-        self.running = []
+            self._abort_transfer(r, message)
+        for r in list(self.running):
+            self._release(r, error=(message, "internal"))
 
 
 def main(cluster: ClusterConfig, instance_index: int = 0) -> int:
-    return run_instance(DecodeLoop, cluster, "decode", instance_index)
+    return run_instance(DecodeScheduler, cluster, "decode", instance_index)

@@ -1,10 +1,10 @@
-"""Prefill instance: intake over ZMQ, chunked-prefill batching, first-token sampling, and KV
-transfer of each chunk's completed pages as soon as its forward pass is done (DESIGN §3).
+"""Prefill scheduler: intake over ZMQ, chunked-prefill batching, first-token sampling, and KV
+transfer of each chunk's completed pages as soon as its forward pass is done.
 
-Per request: admit (allocate prompt pages, create the KV sender for its room) -> prefill in
-chunks under a per-step token budget -> sample the first token -> `finish` with the metadata
-row (the commit record) -> when the sender reports a terminal state, free the pages. A failed
-transfer is reported to the router as an error event for the room.
+Per request: admit (allocate prompt pages, open the room's KV senders on every rank) -> prefill
+in chunks under a per-step token budget -> sample the first token -> `finish` with the metadata
+row (the commit record) -> when the senders of every rank are terminal, free the pages (only in
+`_reap`). A failed transfer is reported to the router as an error event for the room.
 """
 
 from __future__ import annotations
@@ -16,33 +16,33 @@ from dataclasses import dataclass
 
 import torch
 
-from glm53.models import ModelRunner, SeqChunk
+from glm53.models import SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
-from glm53.server.engine.scheduler import InstanceLoop, TrackedRequest, run_instance, transfer_error_code
+from glm53.server.engine.group import WorkerGroup
+from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
 from glm53.server.protocol import Abort, GenerateRequest
 from glm53.server.sampling import sample, step_generator
-from glm53.transport import BootstrapServer
-from glm53.transport.buffers import MetadataRow
-from glm53.transport.engine import TERMINAL, KVPoll, KVSender, Room
+from glm53.transport import TERMINAL, BootstrapServer, KVPoll, MetadataRow, Room, RoomTransfer, TransferError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class PrefillRequest(TrackedRequest):
-    sender: KVSender | None = None
+    sender: RoomTransfer | None = None  # the room's senders on every rank
     done_tokens: int = 0  # prompt tokens already in the cache
     sent_pages: int = 0  # pages already handed to the sender
 
 
-class PrefillLoop(InstanceLoop):
+class PrefillScheduler(Scheduler):
     role = "prefill"
 
-    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, runner: ModelRunner | None = None):
-        super().__init__(cluster, inst, runner)
+    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None):
+        # Up before the ranks: each registers with it while it starts.
+        self.bootstrap = BootstrapServer(inst.name, pp_size=inst.pp, tp_size=inst.tp, host=inst.host,
+                                         port=inst.bootstrap_port)
+        super().__init__(cluster, inst, workers)
         self.budget = inst.engine.chunked_prefill_size
-        self.bootstrap = BootstrapServer(inst.name, pp_size=1, tp_size=1, host=inst.host, port=inst.bootstrap_port)
-        self.transfer.start(self.bootstrap.address)
         self.waiting: deque[PrefillRequest] = deque()
         self.running: list[PrefillRequest] = []  # prefilling, in arrival order
         self.sending: list[PrefillRequest] = []  # prefill done, transfer in flight
@@ -75,7 +75,12 @@ class PrefillLoop(InstanceLoop):
             r = self.admit_next(self.waiting, lambda r: r.prompt_len)
             if r is None:
                 return
-            r.sender = self.transfer.create_sender(Room(r.req.room, r.req.generation), r.req.decode.name)
+            try:
+                r.sender = self.workers.create_senders(Room(r.req.room, r.req.generation), r.req.decode.name)
+            except TransferError as e:  # e.g. a duplicate room: this request only, never the loop
+                self.allocator.free(r.pages)
+                self.send_error(r.req, f"cannot send KV: {e}", "overloaded")
+                continue
             self.running.append(r)
 
     def _prefill_chunk(self) -> bool:
@@ -90,14 +95,14 @@ class PrefillLoop(InstanceLoop):
             budget -= n
         if not chunks:
             return False
-        logits = self.runner.forward(chunks)
+        logits = self.workers.forward(chunks)
         self.count_tokens(sum(len(c.token_ids) for c in chunks))
         finished = []
         for r, c, lg in zip(owners, chunks, logits):
             r.done_tokens += len(c.token_ids)
             last = r.done_tokens == r.prompt_len
             # Completed pages travel now; the last (partial) page goes with the last chunk.
-            full = len(r.pages) if last else r.done_tokens // self.runner.page_size
+            full = len(r.pages) if last else r.done_tokens // self.workers.page_size
             if r.sender.poll() not in TERMINAL and full > r.sent_pages:
                 r.sender.send_pages(r.pages[r.sent_pages : full], start=r.sent_pages)
                 r.sent_pages = full
@@ -124,10 +129,10 @@ class PrefillLoop(InstanceLoop):
                 continue
             did = True
             (self.sending if r in self.sending else self.running).remove(r)
-            self.runner.allocator.free(r.pages)
+            self.allocator.free(r.pages)
             if state == KVPoll.FAILED:
                 log.warning("room %d: transfer failed: %s", r.req.room, r.sender.error)
-                self.send_error(r.req, f"KV transfer failed: {r.sender.error}", transfer_error_code(r.sender.error))
+                self.send_error(r.req, f"KV transfer failed: {r.sender.error}", protocol_error_code(r.sender.error_code))
         return did
 
     def queue_sizes(self) -> tuple[int, int, int]:
@@ -149,4 +154,4 @@ class PrefillLoop(InstanceLoop):
 
 
 def main(cluster: ClusterConfig, instance_index: int = 0) -> int:
-    return run_instance(PrefillLoop, cluster, "prefill", instance_index)
+    return run_instance(PrefillScheduler, cluster, "prefill", instance_index)

@@ -1,8 +1,9 @@
-"""What prefill and decode instances share: building the model runner and transfer engine from
-the cluster config, the control channel, and the step loop with signal handling.
+"""What prefill and decode schedulers share: the control channel, page allocation, admission,
+the step loop with fault containment and its throughput log, and the process entry.
 
-An instance is one process (TP/PP ranks arrive with their own issues). Its loop takes router
-messages, runs one engine step, and idles briefly on the channel when there is nothing to do.
+An instance is one scheduler driving the rank workers of a `WorkerGroup` (group.py). The
+scheduler decides everything per request — admission, batching, pages, finishing — and the
+ranks only run what it hands them, so every rank sees the same batch and the same page ids.
 """
 
 from __future__ import annotations
@@ -20,92 +21,45 @@ from typing import Callable
 
 import torch
 
-from glm53.models import GlmConfig, ModelRunner, OutOfPages, load_weights
-from glm53.models.model import GlmForCausalLM
+from glm53.models import GlmConfig, OutOfPages, PageAllocator
 from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.engine.group import LocalWorkers, WorkerGroup
+from glm53.server.engine.worker import rank_specs
 from glm53.server.protocol import Abort, GenerateRequest, InstanceChannel, LoadStats, TokenEvent
 from glm53.server.sampling import SamplingParams
-from glm53.transport.engine import TransferEngine, TransportConfig
+from glm53.transport import TransferErrorCode
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Transport failure causes the router tells apart (protocol.ERROR_CODES); the rest are "transfer_failed".
+_TIMEOUT_CODES = {TransferErrorCode.BOOTSTRAP_TIMEOUT: "bootstrap_timeout",
+                  TransferErrorCode.TRANSFER_TIMEOUT: "transfer_timeout"}
+
+
+def protocol_error_code(code: TransferErrorCode | None) -> str:
+    """The protocol error code (protocol.ERROR_CODES) for a transport failure."""
+    return _TIMEOUT_CODES.get(code, "transfer_failed")
 
 
 def instance_by_index(cluster: ClusterConfig, role: str, index: int) -> InstanceConfig:
-    pool = cluster.prefill if role == "prefill" else cluster.decode
+    pool = cluster.pool(role)
     if not 0 <= index < len(pool):
         raise SystemExit(f"{cluster.source}: no {role} instance with index {index} (there are {len(pool)})")
     return pool[index]
 
 
-def transfer_error_code(error: str) -> str:
-    """The protocol error code (protocol.ERROR_CODES) for a transport failure message."""
-    if error.startswith("bootstrap timeout"):
-        return "bootstrap_timeout"
-    if error.startswith("transfer timeout"):
-        return "transfer_timeout"
-    return "transfer_failed"
-
-
-def kv_pages(inst: InstanceConfig, cfg: GlmConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """KV capacity in pages: `num_pages`, else `max_total_tokens`, else (GPU) what fits in
-    `mem_fraction_static` of the device once the weights are loaded, else (CPU) 64K tokens."""
-    eng = inst.engine
-    if eng.num_pages is not None:
-        return eng.num_pages
-    tokens = eng.max_total_tokens
-    if tokens is None and device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * eng.mem_fraction_static - (total - free)
-        tokens = int(budget // ModelRunner.kv_bytes_per_token(cfg, dtype))
-        if tokens < eng.page_size:
-            raise SystemExit(f"{inst.name}: mem_fraction_static={eng.mem_fraction_static} leaves no room for the "
-                             f"KV cache after the weights ({(total - free) / 2**30:.1f} GiB used of {total / 2**30:.1f})")
-    return -(-(tokens or 65536) // eng.page_size)
-
-
-def build_runner(cluster: ClusterConfig, inst: InstanceConfig) -> ModelRunner:
+def build_workers(cluster: ClusterConfig, inst: InstanceConfig) -> WorkerGroup:
+    """The instance's ranks, built and started (a prefill rank needs its bootstrap server up)."""
     from glm53.server.embedded_model import resolve_model_path
 
-    eng = inst.engine
     path = resolve_model_path(cluster.model.path)
-    cfg = GlmConfig.from_dir(path)
-    device = torch.device("cpu")
-    if eng.device == "cuda":
-        device = torch.device("cuda", inst.devices[0] if inst.devices else 0)
-    name = cfg.torch_dtype if eng.dtype == "auto" else eng.dtype
-    dtype = _DTYPES.get(name, torch.bfloat16)
-    model = GlmForCausalLM(cfg, dtype=dtype)
-    load_weights(model, path, progress=False)
-    model.to(device)
-    return ModelRunner(model, num_pages=kv_pages(inst, cfg, dtype, device), page_size=eng.page_size, device=device)
-
-
-def transport_config(cluster: ClusterConfig, inst: InstanceConfig) -> TransportConfig:
-    t = cluster.transfer
-    if t.backend != "nixl":
-        raise SystemExit(f"{cluster.source}: transfer.backend {t.backend!r} is not available; use 'nixl'")
-    return TransportConfig(
-        bootstrap_timeout_s=t.bootstrap_timeout_s,
-        transfer_timeout_s=t.transfer_timeout_s,
-        peer_timeout_s=min(10.0, t.transfer_timeout_s),
-        host=inst.host,
-        # One metadata slot per receiving request: never fewer than the decode batch can hold.
-        meta_slots=max(1024, inst.engine.max_running_requests),
-    )
-
-
-def register_pools(transfer, runner: ModelRunner) -> None:
-    kv = runner.kv
-    transfer.register_pool("latent", kv.latent, layers=kv.spec.layers)
-    if kv.index_k is not None:
-        transfer.register_pool("index_k", kv.index_k, layers=kv.spec.indexer_layers)
+    specs = rank_specs(cluster, inst, str(path), GlmConfig.from_dir(path).num_hidden_layers)
+    return LocalWorkers(specs)
 
 
 @dataclass
 class TrackedRequest:
-    """A router request as an instance holds it: parsed sampling params and its KV pages."""
+    """A router request as an instance holds it: the request spec and its KV pages."""
 
     req: GenerateRequest
     arrived: float
@@ -124,21 +78,21 @@ class TrackedRequest:
         return len(self.req.spec.input_ids)
 
 
-class InstanceLoop(abc.ABC):
-    """The step loop of one instance: model runner, transfer engine, control channel.
-    Subclasses implement `on_request`, `on_abort`, `step` (one engine step; True when it did
-    work) and `queue_sizes` (running, waiting, transferring)."""
+class Scheduler(abc.ABC):
+    """The step loop of one instance. Subclasses implement `on_request`, `on_abort`, `step`
+    (one engine step; True when it did work), `queue_sizes` (running, waiting, transferring)
+    and `fail_all`."""
 
     role = ""
 
-    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, runner: ModelRunner | None = None):
+    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None):
         self.cluster, self.inst = cluster, inst
-        self.runner = runner or build_runner(cluster, inst)
+        self.workers = workers or build_workers(cluster, inst)
+        self.cfg = self.workers.cfg
+        self.allocator = PageAllocator(self.workers.num_pages)
         self.max_running = inst.engine.max_running_requests
         # A request that cannot get pages for this long fails as "overloaded" rather than waiting forever.
         self.admit_timeout = cluster.transfer.bootstrap_timeout_s
-        self.transfer = TransferEngine(self.role, inst.name, config=transport_config(cluster, inst))
-        register_pools(self.transfer, self.runner)
         self._stop = threading.Event()
         self._load = LoadStats()
         self._log_every = inst.engine.log_interval_s
@@ -167,14 +121,14 @@ class InstanceLoop(abc.ABC):
     def accept(self, req: GenerateRequest, max_tokens: int) -> bool:
         """Whether this instance can run the request; False after answering the router with an error."""
         ids = req.spec.input_ids
-        vocab = self.runner.cfg.vocab_size
+        vocab = self.cfg.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             self.send_error(req, f"token ids must be in [0, {vocab})", "bad_request")
             return False
-        if not ids or max_tokens > self.runner.cfg.max_position_embeddings:
+        if not ids or max_tokens > self.cfg.max_position_embeddings:
             self.send_error(req, "prompt is empty or longer than the model's context", "context_length")
             return False
-        if self.runner.pages_needed(max_tokens) > self.runner.allocator.num_pages:
+        if self.workers.pages_needed(max_tokens) > self.allocator.num_pages:
             self.send_error(req, f"request needs more KV pages than the {self.role} pool holds", "context_length")
             return False
         return True
@@ -186,7 +140,7 @@ class InstanceLoop(abc.ABC):
         while queue:
             r = queue[0]
             try:
-                r.pages = self.runner.allocator.alloc(self.runner.pages_needed(tokens(r)))
+                r.pages = self.allocator.alloc(self.workers.pages_needed(tokens(r)))
             except OutOfPages:
                 if time.monotonic() - r.arrived <= self.admit_timeout:
                     return None
@@ -203,10 +157,10 @@ class InstanceLoop(abc.ABC):
 
     def load(self) -> LoadStats:
         running, waiting, transferring = self.queue_sizes()
-        a = self.runner.allocator
+        a = self.allocator
         return LoadStats(num_running=running, num_waiting=waiting, num_transferring=transferring,
                          kv_pages_used=a.num_pages - a.num_free, kv_pages_total=a.num_pages,
-                         page_size=self.runner.page_size, gen_throughput=self._throughput)
+                         page_size=self.workers.page_size, gen_throughput=self._throughput)
 
     def count_tokens(self, n: int) -> None:
         """Tokens a step processed (prefill: prompt tokens; decode: generated tokens)."""
@@ -257,10 +211,10 @@ class InstanceLoop(abc.ABC):
 
     def close(self) -> None:
         self.channel.close()
-        self.transfer.close()
+        self.workers.close()
 
 
-def run_instance(loop_factory, cluster: ClusterConfig, role: str, index: int) -> int:
+def run_instance(scheduler_cls: type[Scheduler], cluster: ClusterConfig, role: str, index: int) -> int:
     """Process entry: logging, signals, build, serve until SIGTERM/SIGINT, clean shutdown."""
     inst = instance_by_index(cluster, role, index)
     logging.basicConfig(
@@ -273,13 +227,13 @@ def run_instance(loop_factory, cluster: ClusterConfig, role: str, index: int) ->
         # Several instances share the host's cores: one intra-op thread each avoids OpenMP
         # oversubscription, which measured 7x slower decode steps on a 2-core machine.
         torch.set_num_threads(1)
-    loop = loop_factory(cluster, inst)
-    signal.signal(signal.SIGTERM, loop.stop)
-    signal.signal(signal.SIGINT, loop.stop)
+    sched = scheduler_cls(cluster, inst)
+    signal.signal(signal.SIGTERM, sched.stop)
+    signal.signal(signal.SIGINT, sched.stop)
     t0 = time.monotonic()
     try:
-        loop.serve_forever()
+        sched.serve_forever()
     finally:
-        loop.close()
+        sched.close()
         log.info("%s stopped after %.1f s", inst.name, time.monotonic() - t0)
     return 0

@@ -183,17 +183,19 @@ def test_kv_capacity_from_num_pages_or_tokens(tmp_path):
     import torch
 
     from glm53.models import GlmConfig
-    from glm53.server.engine.scheduler import kv_pages
+    from glm53.server.engine.worker import kv_pages, rank_specs
     from tests.models.test_config import GLM5
 
     cfg = GlmConfig.from_dict(GLM5)
-    d = base()
-    d["defaults"] = {"page_size": 64, "num_pages": 10}
-    inst = load_config(write(tmp_path, d)).decode[0]
-    assert kv_pages(inst, cfg, torch.bfloat16, torch.device("cpu")) == 10
-    d["defaults"] = {"page_size": 64, "max_total_tokens": 1000}
-    inst = load_config(write(tmp_path, d)).decode[0]
-    assert kv_pages(inst, cfg, torch.bfloat16, torch.device("cpu")) == 16
+
+    def rank(defaults):
+        d = base()
+        d["defaults"] = defaults
+        cluster = load_config(write(tmp_path, d))
+        return rank_specs(cluster, cluster.decode[0], "unused", cfg.num_hidden_layers)[0]
+
+    assert kv_pages(rank({"page_size": 64, "num_pages": 10}), cfg, torch.bfloat16) == 10
+    assert kv_pages(rank({"page_size": 64, "max_total_tokens": 1000}), cfg, torch.bfloat16) == 16
     # GLM-5 in bf16: 78 latent layers x 576 + 78 indexer layers x 128 values per token.
     from glm53.models import ModelRunner
 

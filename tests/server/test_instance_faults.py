@@ -10,7 +10,7 @@ import time
 import zmq
 
 from glm53.server.config import parse_config
-from glm53.server.engine.decode import DecodeLoop
+from glm53.server.engine.decode import DecodeScheduler
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec, TokenEvent, decode, encode
 from glm53.server.sampling import SamplingParams
 from tests.net import free_ports
@@ -33,18 +33,18 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
         "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2]}],
     })
-    loop = DecodeLoop(cfg, cfg.decode[0])
+    sched = DecodeScheduler(cfg, cfg.decode[0])
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     reply_port = pull.bind_to_random_port("tcp://127.0.0.1")
     push.connect(cfg.decode[0].address)
-    thread = threading.Thread(target=loop.serve_forever, daemon=True)
+    thread = threading.Thread(target=sched.serve_forever, daemon=True)
     thread.start()
     try:
         def boom(n):
             raise RuntimeError("allocator exploded")
 
-        monkeypatch.setattr(loop.runner.allocator, "alloc", boom)
+        monkeypatch.setattr(sched.allocator, "alloc", boom)
         reply_to = f"tcp://127.0.0.1:{reply_port}"
         push.send(encode(_request(1, [5, 6, 7], reply_to, ports)))
         assert pull.poll(20_000), "no event for the failed request"
@@ -53,26 +53,26 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
         assert ev.error_code == "internal" and "allocator exploded" in ev.error
 
         monkeypatch.undo()
-        vocab = loop.runner.cfg.vocab_size
+        vocab = sched.cfg.vocab_size
         push.send(encode(_request(2, [5, vocab + 3], reply_to, ports)))
         assert pull.poll(20_000)
         ev = decode(pull.recv())
         assert ev.room == 2 and ev.error_code == "bad_request" and str(vocab) in ev.error
 
         # A request that cannot get pages within the admission bound fails as overloaded.
-        held = loop.runner.allocator.alloc(64)
+        held = sched.allocator.alloc(64)
         t0 = time.monotonic()
         push.send(encode(_request(3, [5, 6, 7], reply_to, ports)))
         assert pull.poll(20_000)
         ev = decode(pull.recv())
         assert ev.room == 3 and ev.error_code == "overloaded"
         assert cfg.transfer.bootstrap_timeout_s <= time.monotonic() - t0 < cfg.transfer.bootstrap_timeout_s + 5
-        loop.runner.allocator.free(held)
-        assert thread.is_alive() and loop.runner.allocator.num_free == 64
+        sched.allocator.free(held)
+        assert thread.is_alive() and sched.allocator.num_free == 64
     finally:
-        loop.stop()
+        sched.stop()
         thread.join(timeout=10)
-        loop.close()
+        sched.close()
         pull.close(0)
         push.close(0)
         ctx.term()

@@ -1,0 +1,72 @@
+"""The rank workers of one instance, as the scheduler sees them.
+
+`WorkerGroup` is the whole interface between an instance's scheduler and its `tp × pp` ranks:
+run a batch, open a room's KV transfer on every rank, report capacity, close. Its results are
+already combined over ranks: a forward returns the last stage's logits once, and a room's
+transfer is one `RoomTransfer` that reaches a terminal state only when every rank's handle did
+(the "all ranks done" rule that guards freeing pages). `LocalWorkers` runs the single rank of a
+tp = pp = 1 instance inside the scheduler's process; rank processes under `torch.distributed`
+implement the same interface.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import torch
+
+from glm53.models import GlmConfig, SeqChunk
+from glm53.server.engine.worker import RankSpec, RankWorker
+from glm53.transport import Room, RoomTransfer
+
+
+class WorkerGroup(abc.ABC):
+    cfg: GlmConfig
+    num_pages: int  # KV pages every rank holds (one page-id space for the whole instance)
+    page_size: int
+    bytes_per_page: int  # KV bytes one page costs, summed over every pool of every rank
+
+    @abc.abstractmethod
+    def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+        """Run the chunks as one batch through every stage; per chunk, the last stage's logits
+        [rows, vocab] (fp32), identical for all ranks."""
+
+    @abc.abstractmethod
+    def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:
+        """Prefill: one sender per rank for `room`, combined."""
+
+    @abc.abstractmethod
+    def create_receivers(self, room: Room, bootstrap_address: str, dst_pages: list[int]) -> RoomTransfer:
+        """Decode: one receiver per rank for `room`, writing into `dst_pages`, combined."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
+class LocalWorkers(WorkerGroup):
+    """The one rank of a tp = pp = 1 instance, in the scheduler's process."""
+
+    def __init__(self, specs: Sequence[RankSpec], workers: Sequence[RankWorker] | None = None):
+        if len(specs) != 1:
+            raise ValueError(f"LocalWorkers runs exactly one rank, got {len(specs)}")
+        self.rank = workers[0] if workers else RankWorker(specs[0])
+        self.cfg = self.rank.cfg
+        self.num_pages = self.rank.num_pages
+        self.page_size = specs[0].page_size
+        self.bytes_per_page = self.rank.bytes_per_page
+
+    def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+        return self.rank.forward(chunks)
+
+    def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:
+        return RoomTransfer([self.rank.create_sender(room, decode_instance)])
+
+    def create_receivers(self, room: Room, bootstrap_address: str, dst_pages: list[int]) -> RoomTransfer:
+        return RoomTransfer([self.rank.create_receiver(room, bootstrap_address, dst_pages)])
+
+    def close(self) -> None:
+        self.rank.close()

@@ -1,0 +1,165 @@
+"""One rank of an instance: its device, its model stage, its KV pools and its transfer engine.
+
+An instance runs `tp × pp` ranks. Each is described by a `RankSpec` (plain data, so a rank
+process can receive it whole) and built into a `RankWorker`. The scheduler never touches a rank
+directly: it drives them through a `WorkerGroup` (group.py), which fans work out and combines
+results, so the same scheduler serves one in-process rank and many rank processes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from glm53.models import GlmConfig, ModelRunner, SeqChunk, load_weights
+from glm53.models.model import GlmForCausalLM
+from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.transport import KVReceiver, KVSender, Room, TransferEngine, TransportConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# KV capacity on CPU when neither num_pages nor max_total_tokens is set.
+CPU_DEFAULT_KV_TOKENS = 65536
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything one rank needs to build itself."""
+
+    role: str  # "prefill" | "decode"
+    instance: str
+    model_path: str
+    device: str  # "cpu" | "cuda:N"
+    dtype: str  # a DTYPES key
+    layers: range  # this rank's stage: global layer ids [start, stop)
+    page_size: int
+    # KV capacity: num_pages, else max_total_tokens, else (GPU) mem_fraction_static of the device.
+    num_pages: int | None
+    max_total_tokens: int | None
+    mem_fraction_static: float
+    transport: TransportConfig
+    bootstrap_address: str | None = None  # prefill: where the instance's bootstrap server listens
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def stage_layers(num_layers: int, pp_size: int) -> list[range]:
+    """Contiguous layer ranges, one per pipeline stage, sizes differing by at most one (earlier
+    stages take the extra layers: the last stage also runs the final norm, lm_head and sampling)."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(f"pp_size must be in [1, {num_layers}] for {num_layers} layers, got {pp_size}")
+    base, extra = divmod(num_layers, pp_size)
+    out, start = [], 0
+    for s in range(pp_size):
+        stop = start + base + (1 if s < extra else 0)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+def transport_config(cluster: ClusterConfig, inst: InstanceConfig) -> TransportConfig:
+    t = cluster.transfer
+    if t.backend != "nixl":
+        raise SystemExit(f"{cluster.source}: transfer.backend {t.backend!r} is not available; use 'nixl'")
+    return TransportConfig(
+        bootstrap_timeout_s=t.bootstrap_timeout_s,
+        transfer_timeout_s=t.transfer_timeout_s,
+        peer_timeout_s=min(10.0, t.transfer_timeout_s),
+        host=inst.host,
+        # One metadata slot per receiving request: never fewer than the decode batch can hold.
+        meta_slots=max(1024, inst.engine.max_running_requests),
+    )
+
+
+def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, num_layers: int) -> list[RankSpec]:
+    """The instance's ranks, pp-major (stage s holds ranks s*tp .. s*tp + tp - 1), each with its
+    stage's layers and, on CUDA, its GPU from `devices` in that order."""
+    eng = inst.engine
+    boot = f"tcp://{inst.host}:{inst.bootstrap_port}" if inst.role == "prefill" else None
+    stages = stage_layers(num_layers, inst.pp)
+    cfg = transport_config(cluster, inst)
+    specs = []
+    for pp_rank, layers in enumerate(stages):
+        for tp_rank in range(inst.tp):
+            k = pp_rank * inst.tp + tp_rank
+            device = "cpu" if eng.device == "cpu" else f"cuda:{inst.devices[k] if inst.devices else k}"
+            specs.append(RankSpec(
+                role=inst.role, instance=inst.name, model_path=model_path, device=device, dtype=eng.dtype,
+                layers=layers, page_size=eng.page_size, num_pages=eng.num_pages,
+                max_total_tokens=eng.max_total_tokens, mem_fraction_static=eng.mem_fraction_static,
+                transport=cfg, bootstrap_address=boot, tp_rank=tp_rank, tp_size=inst.tp, pp_rank=pp_rank,
+                pp_size=inst.pp))
+    return specs
+
+
+def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype) -> int:
+    """KV capacity in pages: `num_pages`, else `max_total_tokens`, else (GPU) what fits in
+    `mem_fraction_static` of the device once the weights are loaded, else (CPU) 64K tokens."""
+    if spec.num_pages is not None:
+        return spec.num_pages
+    tokens = spec.max_total_tokens
+    device = torch.device(spec.device)
+    if tokens is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * spec.mem_fraction_static - (total - free)
+        tokens = int(budget // ModelRunner.kv_bytes_per_token(cfg, dtype, spec.layers))
+        if tokens < spec.page_size:
+            raise SystemExit(f"{spec.instance}: mem_fraction_static={spec.mem_fraction_static} leaves no room for "
+                             f"the KV cache after the weights ({(total - free) / 2**30:.1f} GiB used of "
+                             f"{total / 2**30:.1f})")
+    return -(-(tokens or CPU_DEFAULT_KV_TOKENS) // spec.page_size)
+
+
+class RankWorker:
+    """Builds and owns one rank: model stage with weights, named KV pools registered with this
+    rank's transfer engine (started: a prefill rank has registered with its bootstrap server)."""
+
+    def __init__(self, spec: RankSpec, runner: ModelRunner | None = None):
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.runner = runner or self._build_runner()
+        self.cfg = self.runner.cfg
+        self.transfer = TransferEngine(spec.role, spec.instance, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
+                                       pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=spec.transport)
+        for name, pool in self.runner.pools:
+            self.transfer.register_pool(name, pool.tensor, layers=pool.layers)
+        self.transfer.start(spec.bootstrap_address)
+
+    def _build_runner(self) -> ModelRunner:
+        spec = self.spec
+        cfg = GlmConfig.from_dir(spec.model_path)
+        name = cfg.torch_dtype if spec.dtype == "auto" else spec.dtype
+        dtype = DTYPES.get(name, torch.bfloat16)
+        model = GlmForCausalLM(cfg, dtype=dtype, layers=spec.layers)
+        load_weights(model, spec.model_path, progress=False)
+        model.to(self.device)
+        return ModelRunner(model, num_pages=kv_pages(spec, cfg, dtype), page_size=spec.page_size, device=self.device)
+
+    @property
+    def num_pages(self) -> int:
+        return self.runner.pools.num_pages
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.runner.pools.bytes_per_page()
+
+    def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+        return self.runner.forward(chunks)
+
+    def create_sender(self, room: Room, decode_instance: str) -> KVSender:
+        return self.transfer.create_sender(room, decode_instance)
+
+    def create_receiver(self, room: Room, bootstrap_address: str, dst_pages: list[int]) -> KVReceiver:
+        return self.transfer.create_receiver(room, bootstrap_address, dst_pages=dst_pages)
+
+    def close(self) -> None:
+        self.transfer.close()
