@@ -1,9 +1,10 @@
 """glm53.models: GLM-5 config and indexer schedule, target model (whole or one pipeline stage),
-weight loading, named KV pools, and the runner."""
+weight loading, named KV pools, the runner, and tensor parallelism (`TPGroup`, `check_tp`)."""
 
 from glm53.models.config import ConfigError, GlmConfig, indexer_schedule
 from glm53.models.kv_cache import KVPools, OutOfPages, PageAllocator, Pool, kv_bytes_per_token, target_pools
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
+from glm53.models.parallel import CommStats, TPGroup, check_tp
 from glm53.models.runner import ModelRunner, SeqChunk
 from glm53.models.weights import WeightError, checkpoint_tensors, load_weights
 
@@ -11,5 +12,6 @@ __all__ = [
     "ConfigError", "GlmConfig", "indexer_schedule",
     "KVPools", "OutOfPages", "PageAllocator", "Pool", "kv_bytes_per_token", "target_pools",
     "ForwardBatch", "GlmForCausalLM", "StageInput", "StageOutput",
+    "CommStats", "TPGroup", "check_tp",
     "ModelRunner", "SeqChunk", "WeightError", "checkpoint_tensors", "load_weights",
 ]

@@ -15,42 +15,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm53.kernels.indexer_logits import indexer_logits
-from glm53.kernels.moe import moe_experts, route, swiglu_mlp
+from glm53.kernels.moe import moe_experts, route
 from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.sparse_mla import sparse_mla
 from glm53.kernels.topk import dsa_topk_paged
 from glm53.models.config import FULL, SHARED, GlmConfig
 from glm53.models.kv_cache import INDEX_K, LATENT, KVPools
+from glm53.models.layers import (
+    MLP, ColumnParallelLinear, Linear, Norm, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, param, split,
+)
+from glm53.models.parallel import TPGroup, check_tp
+from glm53.models.sharding import Shard
 
 # transformers' GlmMoeDsa builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps.
 LATENT_NORM_EPS = 1e-6
 INDEXER_KEY_NORM_EPS = 1e-6
-
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
-
-
-class Norm(nn.Module):
-    def __init__(self, dim: int, dtype: torch.dtype, bias: bool = False):
-        super().__init__()
-        self.weight = _param(dim, dtype=dtype)
-        if bias:
-            self.bias = _param(dim, dtype=dtype)
 
 
 @dataclass
@@ -85,7 +68,16 @@ class StageOutput:
 
 
 class Indexer(nn.Module):
-    """DSA lightning indexer (docs/ARCHITECTURE.md, "DSA"); exists only on "full" layers."""
+    """DSA lightning indexer (docs/ARCHITECTURE.md, "DSA"); exists only on "full" layers.
+
+    Replicated under tensor parallelism: every rank computes all indexer heads from the same
+    (replicated) inputs, so every rank selects the same top-k, ties included, with no
+    communication. Splitting the heads would save (1 - 1/tp) of a small compute but needs an
+    all-reduce of the [tokens, context] fp32 scores per full layer, which grows with the context
+    (at 128K context, 512 KiB per decode token per full layer, against the 12 KiB hidden-state
+    all-reduce of GLM-5); `benchmarks/tp_cpu.py` measures both (benchmarks/RESULTS.md, "Tensor
+    parallelism"). SGLang and vLLM replicate it too.
+    """
 
     def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
         super().__init__()
@@ -114,22 +106,27 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GlmConfig, layer: int, dtype: torch.dtype):
+    """MLA with the query heads split across tensor-parallel ranks (q_b_proj and kv_b_proj by
+    heads, o_proj row-parallel). The latent projections and norms are replicated, so every rank
+    writes the same latent cache and the pools are the same on every rank."""
+
+    def __init__(self, cfg: GlmConfig, layer: int, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         h = cfg.num_attention_heads
+        self.n_heads = split(h, tp, "num_attention_heads")  # this rank's heads
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
         self.q_a_layernorm = Norm(cfg.q_lora_rank, dtype)
-        self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype, tp)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim, dtype)
         self.kv_a_layernorm = Norm(cfg.kv_lora_rank, dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
-        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, dtype)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype, tp)
+        self.o_proj = RowParallelLinear(h * cfg.v_head_dim, cfg.hidden_size, dtype, tp)
         self.indexer = Indexer(cfg, dtype) if cfg.indexer_types[layer] == FULL else None
 
     def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPools, topk_slots: torch.Tensor | None):
         cfg = self.cfg
-        n, h = x.shape[0], cfg.num_attention_heads
+        n, h = x.shape[0], self.n_heads
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_resid = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LATENT_NORM_EPS)
         q = self.q_b_proj(q_resid).view(n, h, cfg.qk_head_dim)
@@ -155,45 +152,45 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(n, h * cfg.v_head_dim)), topk_slots
 
 
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
-        super().__init__()
-        self.gate_proj = Linear(hidden, inter, dtype)
-        self.up_proj = Linear(hidden, inter, dtype)
-        self.down_proj = Linear(inter, hidden, dtype)
-
-    def forward(self, x):
-        return swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-
-
 class Gate(nn.Module):
     def __init__(self, cfg: GlmConfig):
         super().__init__()
-        # Router weight and correction bias are fp32 in every GLM-5 checkpoint.
-        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32)
-        self.e_score_correction_bias = _param(cfg.n_routed_experts, dtype=torch.float32)
+        # fp32 in every GLM-5 checkpoint. Replicated under TP, so every rank routes every token
+        # to the same experts with the same weights.
+        self.weight = param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32)
+        self.e_score_correction_bias = param(cfg.n_routed_experts, dtype=torch.float32)
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
+    """Routed experts stacked [E, ...], each tensor-parallel on its intermediate width: gate/up
+    split on their output rows, down on its input columns (the shard rules describe one
+    expert's checkpoint tensor)."""
+
+    def __init__(self, cfg: GlmConfig, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_proj = _param(e, i, h, dtype=dtype)
-        self.up_proj = _param(e, i, h, dtype=dtype)
-        self.down_proj = _param(e, h, i, dtype=dtype)
+        e, h = cfg.n_routed_experts, cfg.hidden_size
+        i = split(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
+        rows, cols = Shard(0, tp.rank, tp.size), Shard(1, tp.rank, tp.size)
+        self.gate_proj = param(e, i, h, dtype=dtype, shard=rows)
+        self.up_proj = param(e, i, h, dtype=dtype, shard=rows)
+        self.down_proj = param(e, h, i, dtype=dtype, shard=cols)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
+    """Replicated routing, tensor-parallel experts; the routed and shared partial outputs are
+    added first so the layer needs one all-reduce."""
+
+    def __init__(self, cfg: GlmConfig, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         # Registered in checkpoint order (experts, router, shared experts): `checkpoint_tensors`
         # lists tensors in parameter order, and the embedded model draws its values in that order.
-        self.experts = Experts(cfg, dtype)
+        self.experts = Experts(cfg, dtype, tp)
         self.gate = Gate(cfg)
         self.shared_experts = None
         if cfg.n_shared_experts:
-            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
+            width = cfg.moe_intermediate_size * cfg.n_shared_experts
+            self.shared_experts = MLP(cfg.hidden_size, width, dtype, tp, reduce=False)
 
     def forward(self, x):
         cfg = self.cfg
@@ -205,17 +202,17 @@ class MoE(nn.Module):
         out = moe_experts(x, weights, ids, e.gate_proj, e.up_proj, e.down_proj)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GlmConfig, layer: int, dtype: torch.dtype):
+    def __init__(self, cfg: GlmConfig, layer: int, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
         self.layer = layer
         self.input_layernorm = Norm(cfg.hidden_size, dtype)
         self.post_attention_layernorm = Norm(cfg.hidden_size, dtype)
-        self.self_attn = Attention(cfg, layer, dtype)
-        self.mlp = MoE(cfg, dtype) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.self_attn = Attention(cfg, layer, dtype, tp)
+        self.mlp = MoE(cfg, dtype, tp) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x, cos, sin, batch, kv, topk_slots):
@@ -228,33 +225,45 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """`model.*`: embeddings (first stage), decoder layers [start, end), final norm (last stage)."""
 
-    def __init__(self, cfg: GlmConfig, layers: range, dtype: torch.dtype):
+    def __init__(self, cfg: GlmConfig, layers: range, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
         self.first, self.last = layers.start == 0, layers.stop == cfg.num_hidden_layers
         if self.first:
-            self.embed_tokens = nn.Module()
-            self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         # Keyed by the global layer id so parameter names match the checkpoint under PP too.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, dtype) for i in layers})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, dtype, tp) for i in layers})
         if self.last:
             self.norm = Norm(cfg.hidden_size, dtype)
 
 
 class GlmForCausalLM(nn.Module):
     """The target model, or one pipeline stage of it: decoder layers `layers` (global ids), with
-    the embeddings on the first stage and the final norm + lm_head on the last."""
+    the embeddings on the first stage and the final norm + lm_head on the last.
 
-    def __init__(self, cfg: GlmConfig, dtype: torch.dtype = torch.float32, layers: range | None = None):
+    `tp` is this rank's tensor-parallel group (a trivial single-rank group by default); the
+    module then holds this rank's shard of every split parameter, and each rank's forward
+    returns the same full logits. `check_tp` runs first, so a tp that does not divide a split
+    dimension is a `ConfigError` naming it."""
+
+    def __init__(
+        self,
+        cfg: GlmConfig,
+        dtype: torch.dtype = torch.float32,
+        layers: range | None = None,
+        tp: TPGroup | None = None,
+    ):
         super().__init__()
+        self.tp = tp if tp is not None else TPGroup.single()
+        check_tp(cfg, self.tp.size)
         self.cfg = cfg
         self.dtype = dtype
         self.layer_range = layers if layers is not None else range(cfg.num_hidden_layers)
         r, n = self.layer_range, cfg.num_hidden_layers
         if r.step != 1 or not 0 <= r.start < r.stop <= n:
             raise ValueError(f"layers must be a non-empty range [a, b) within [0, {n}), got {r}")
-        self.model = Backbone(cfg, self.layer_range, dtype)
+        self.model = Backbone(cfg, self.layer_range, dtype, self.tp)
         if self.model.last:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype, self.tp)
         # The next stage needs our top-k only when its first layer is shared (it reuses the
         # nearest preceding full layer's selection).
         self.hands_on_topk = not self.model.last and cfg.indexer_types[r.stop] == SHARED
@@ -269,7 +278,7 @@ class GlmForCausalLM(nn.Module):
         return self.model.last
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.model.embed_tokens.weight)
+        return self.model.embed_tokens(input_ids)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)

@@ -6,6 +6,11 @@ A chunk's new tokens start at `start_pos` (tokens already in the cache) and are 
 request's pages; `page_table` must cover `start_pos + len(token_ids)` tokens. Page allocation is
 the caller's (the instance scheduler owns a `PageAllocator` over `pools.num_pages`), so a decode
 instance can preallocate pages a prefill instance fills.
+
+Under tensor parallelism every rank holds a runner over its shard of the model (`tp` passed to
+`from_dir`, or a model built with it) and its own pools, which are the same as a single rank's
+(the latent and indexer caches are replicated). The scheduler sends every rank the same chunks,
+in the same order; each rank returns the same full logits.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import nn
 from glm53.models.config import GlmConfig
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
+from glm53.models.parallel import TPGroup
 from glm53.models.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ class ModelRunner:
         self.model = model
         self.draft = draft
         self.device = torch.device(device)
+        self.tp: TPGroup = model.tp
         self.pools: KVPools = target_pools(
             model.cfg, model.layer_range, num_pages, page_size, model.dtype, self.device
         )
@@ -71,12 +78,14 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         layers: range | None = None,
         progress: bool = True,
+        tp: TPGroup | None = None,
     ) -> "ModelRunner":
-        """Loads the stage holding `layers` (the whole model by default) from a checkpoint."""
+        """Loads the stage holding `layers` (the whole model by default) from a checkpoint; with
+        `tp`, this rank's shard of it (reading only its slices of the split tensors)."""
         cfg = GlmConfig.from_dir(model_dir)
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-        model = GlmForCausalLM(cfg, dtype=dtype, layers=layers)
+        model = GlmForCausalLM(cfg, dtype=dtype, layers=layers, tp=tp)
         load_weights(model, model_dir, progress=progress)
         model.to(device)
         return cls(model, num_pages=num_pages, page_size=page_size, device=device)

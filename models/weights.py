@@ -4,6 +4,11 @@
 Missing or unexpected tensors are errors that name them. Indexer weights must exist exactly on
 the schedule's "full" layers. MTP layers (ids ≥ num_hidden_layers) are skipped with one log line.
 Block-FP8 checkpoints (`weight_scale_inv`) are dequantised to the model dtype at load.
+
+The loader is generic over tensor parallelism: each parameter's shard rule (`sharding.Shard`)
+says which part of its checkpoint tensor this rank holds, and only that part is read
+(`safe_open(...).get_slice(name)[...]`), with the matching blocks of `weight_scale_inv` for FP8;
+replicated tensors are read whole.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from tqdm import tqdm
 
 from glm53.models.config import GlmConfig
 from glm53.models.model import GlmForCausalLM
+from glm53.models.sharding import shard_of
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +83,8 @@ def check_indexer_schedule(cfg: GlmConfig, names: list[str]) -> None:
 
 def checkpoint_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor a checkpoint holds for `model` (one stage or all): checkpoint name ->
-    (shape, dtype as the model holds it), in parameter order. The inverse of the loader's mapping:
+    (full checkpoint shape, also on a tensor-parallel shard; dtype as the model holds it), in
+    parameter order. The inverse of the loader's mapping:
     a stacked routed-expert parameter [E, ...] becomes E per-expert tensors, listed expert-major
     (expert e's gate, up, down before expert e + 1's), as Hugging Face checkpoints list them.
     Works on a model built on the meta device."""
@@ -87,20 +94,55 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tor
     for name, p in params.items():
         m = _STACKED.match(name)
         if m is None:
-            out[name] = (tuple(p.shape), p.dtype)
+            out[name] = (shard_of(p).full_shape(p.shape), p.dtype)
         elif m.group(1) not in done:  # the layer's first stacked tensor lists all its experts
             done.add(m.group(1))
             stacks = [(proj, params[f"{m.group(1)}.{proj}"]) for proj in _EXPERT_PROJS]
             for e in range(p.shape[0]):
                 for proj, q in stacks:
-                    out[f"{m.group(1)}.{e}.{proj}.weight"] = (tuple(q.shape[1:]), q.dtype)
+                    out[f"{m.group(1)}.{e}.{proj}.weight"] = (shard_of(q).full_shape(q.shape[1:]), q.dtype)
     return out
 
 
-def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    br, bc = block
-    s = scale_inv.float().repeat_interleave(br, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
-    return w.float() * s
+class CheckpointReader:
+    """Reads checkpoint tensors, whole or one part, opening each file once (inside `stack`).
+    Block-FP8 weights come back dequantised to fp32."""
+
+    def __init__(self, files: dict[str, Path], cfg: GlmConfig, stack: ExitStack):
+        self.files, self.cfg, self.stack = files, cfg, stack
+        self._handles: dict[Path, object] = {}
+
+    def _handle(self, name: str):
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = self.stack.enter_context(safe_open(str(path), framework="pt"))
+        return self._handles[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        """The tensor `name`, or only its part `index` (explicit start/stop on every dimension)."""
+        h = self._handle(name)
+        t = h.get_tensor(name) if index is None else h.get_slice(name)[index]
+        scale_name = name + _SCALE_SUFFIX
+        if self.cfg.quant_method == "fp8" and scale_name in self.files:
+            if index is None:
+                index = tuple(slice(0, d) for d in self.shape(name))
+            t = self._dequant_fp8(name, t, scale_name, index)
+        return t
+
+    def _dequant_fp8(self, name: str, w: torch.Tensor, scale_name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Dequantises the part `index` of a block-FP8 weight with the scale blocks covering it
+        (a part may start mid-block: the expanded scales are cropped by the offset)."""
+        if w.dim() != 2:
+            raise WeightError(f"{name}: block-FP8 scales need a 2-D weight, got shape {tuple(w.shape)}")
+        (r0, r1), (c0, c1) = ((s.start, s.stop) for s in index)
+        br, bc = self.cfg.weight_block_size
+        scales = self._handle(scale_name).get_slice(scale_name)[r0 // br : -(-r1 // br), c0 // bc : -(-c1 // bc)]
+        s = scales.float().repeat_interleave(br, 0)[r0 % br : r0 % br + (r1 - r0)]
+        s = s.repeat_interleave(bc, 1)[:, c0 % bc : c0 % bc + (c1 - c0)]
+        return w.float() * s
 
 
 def load_weights(model: GlmForCausalLM, model_dir: str | Path, progress: bool = True) -> None:
@@ -148,28 +190,20 @@ def load_weights(model: GlmForCausalLM, model_dir: str | Path, progress: bool = 
         log.info("skipping MTP layer(s) %s (num_nextn_predict_layers=%d)", sorted(mtp_layers), cfg.num_nextn_predict_layers)
 
     with ExitStack() as stack, torch.no_grad():
-        handles: dict[Path, object] = {}
-
-        def get(name: str) -> torch.Tensor:
-            path = files[name]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
-            return handles[path].get_tensor(name)
-
+        reader = CheckpointReader(files, cfg, stack)
         bar = tqdm(todo, desc="loading weights", unit="tensor", file=sys.stderr, disable=not progress, leave=False)
         for name in bar:
-            t = get(name)
-            scale_name = name + _SCALE_SUFFIX
-            if cfg.quant_method == "fp8" and scale_name in files:
-                t = _dequant_fp8(t, get(scale_name), cfg.weight_block_size)
             m = _EXPERT.match(name)
             if m:
-                dst = params[f"{m.group(1)}.{m.group(3)}"][int(m.group(2))]
+                p = params[f"{m.group(1)}.{m.group(3)}"]
+                dst = p[int(m.group(2))]
             else:
-                dst = params[name]
-            if tuple(t.shape) != tuple(dst.shape):
-                raise WeightError(f"{name}: shape {tuple(t.shape)} in the checkpoint, model expects {tuple(dst.shape)}")
-            dst.copy_(t.to(dst.dtype))
+                p = dst = params[name]
+            rule = shard_of(p)
+            have, want = reader.shape(name), rule.full_shape(dst.shape)
+            if have != want:
+                raise WeightError(f"{name}: shape {have} in the checkpoint, model expects {want}")
+            dst.copy_(reader.read(name, rule.index(have)).to(dst.dtype))
             loaded.add(name)
         if tie:
             params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])

@@ -60,3 +60,28 @@ def make_checkpoint(path: Path, seed: int = 0, sharded: bool = False, **override
     perturb_(model, seed)
     model.save_pretrained(str(path), **({"max_shard_size": "200KB"} if sharded else {}))
     return model
+
+
+def quantise_fp8_(path: Path, block: int) -> None:
+    """Rewrites the single-file checkpoint at `path` as block-FP8 (e4m3 weights with
+    `weight_scale_inv` per block × block tile) for every 2-D `*proj.weight` except the fp32
+    indexer head gates, and adds the matching `quantization_config` to config.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(path / "model.safetensors"))
+    for name in [n for n in sd if n.endswith("proj.weight") and "weights_proj" not in n and sd[n].dim() == 2]:
+        w = sd[name]
+        r, c = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        padded = torch.zeros(r * block, c * block)
+        padded[: w.shape[0], : w.shape[1]] = w
+        tiles = padded.view(r, block, c, block)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+        q = (tiles / scale[:, None, :, None]).view(r * block, c * block)[: w.shape[0], : w.shape[1]]
+        sd[name] = q.to(torch.float8_e4m3fn)
+        sd[name + "_scale_inv"] = scale.float()
+    save_file(sd, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block], "fmt": "e4m3"}
+    (path / "config.json").write_text(json.dumps(cfg))

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from glm53.models import GlmConfig, GlmForCausalLM, ModelRunner, PageAllocator, SeqChunk, WeightError
 from glm53.models.weights import checkpoint_tensors, load_weights
-from tests.models.oracle import make_checkpoint
+from tests.models.oracle import make_checkpoint, quantise_fp8_
 
 
 def _forward(runner, ids):
@@ -78,24 +78,7 @@ def test_indexer_weights_disagreeing_with_schedule_are_refused(tmp_path):
 
 def test_block_fp8_checkpoint_is_dequantised(tmp_path):
     ref = make_checkpoint(tmp_path, seed=8)
-    block = 16
-
-    def quantise(sd):
-        for name in [n for n in sd if n.endswith("proj.weight") and "weights_proj" not in n and sd[n].dim() == 2]:
-            w = sd[name]
-            r, c = -(-w.shape[0] // block), -(-w.shape[1] // block)
-            padded = torch.zeros(r * block, c * block)
-            padded[: w.shape[0], : w.shape[1]] = w
-            tiles = padded.view(r, block, c, block)
-            scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-            q = (tiles / scale[:, None, :, None]).view(r * block, c * block)[: w.shape[0], : w.shape[1]]
-            sd[name] = q.to(torch.float8_e4m3fn)
-            sd[name + "_scale_inv"] = scale.float()
-
-    _rewrite(tmp_path, quantise)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block], "fmt": "e4m3"}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    quantise_fp8_(tmp_path, block=16)
     runner = ModelRunner.from_dir(tmp_path, page_size=8, num_pages=16, progress=False)
     w = runner.model.model.layers["1"].self_attn.q_b_proj.weight
     w_ref = ref.model.layers[1].self_attn.q_b_proj.weight.detach()

@@ -1,0 +1,103 @@
+"""Tensor-parallel group: the collectives the model needs (sum all-reduce, all-gather), with
+byte counters, and the divisibility check the server runs at start-up.
+
+A `TPGroup` is passed into the model explicitly; there is no global group. Size 1 is a trivial
+group that never touches torch.distributed, so a single process needs no `init_process_group`.
+Every rank must call the collectives in the same order (the model does: its forward is the same
+program on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from glm53.models.config import ConfigError, GlmConfig
+
+
+@dataclass
+class CommStats:
+    """What this rank handed to collectives since the last `reset`: bytes are this rank's input
+    tensors (an all-gather's result is `size` times its input)."""
+
+    all_reduce_calls: int = 0
+    all_reduce_bytes: int = 0
+    all_gather_calls: int = 0
+    all_gather_bytes: int = 0
+
+    def reset(self) -> None:
+        self.all_reduce_calls = self.all_reduce_bytes = 0
+        self.all_gather_calls = self.all_gather_bytes = 0
+
+
+@dataclass
+class TPGroup:
+    """This rank's place in a tensor-parallel group. Build it with `TPGroup.single()` or
+    `TPGroup.from_process_group(pg)` (gloo on CPU, NCCL on CUDA)."""
+
+    rank: int
+    size: int
+    process_group: dist.ProcessGroup | None = None
+    stats: CommStats = field(default_factory=CommStats)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"TPGroup: rank {self.rank} is not in [0, {self.size})")
+        if self.size > 1 and self.process_group is None:
+            raise ValueError("TPGroup: a group of more than one rank needs a torch.distributed process group")
+
+    @classmethod
+    def single(cls) -> "TPGroup":
+        return cls(rank=0, size=1)
+
+    @classmethod
+    def from_process_group(cls, pg: dist.ProcessGroup | None = None) -> "TPGroup":
+        """The group `pg` (the default world group when None) as seen from this process."""
+        pg = pg if pg is not None else dist.group.WORLD
+        return cls(rank=dist.get_rank(pg), size=dist.get_world_size(pg), process_group=pg)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns `t`. Every rank gets the same values bit for bit
+        (the reduced result is computed once and distributed), which keeps replicated layers
+        identical on all ranks."""
+        if self.size == 1:
+            return t
+        self.stats.all_reduce_calls += 1
+        self.stats.all_reduce_bytes += t.numel() * t.element_size()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `t` concatenated along `dim`, in rank order."""
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        self.stats.all_gather_calls += 1
+        self.stats.all_gather_bytes += t.numel() * t.element_size()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t, group=self.process_group)
+        return torch.cat(parts, dim=dim)
+
+
+def check_tp(cfg: GlmConfig, tp: int) -> None:
+    """Raises `ConfigError` naming the first dimension that `tp` ranks cannot split evenly.
+
+    Split: attention heads (q_b_proj / kv_b_proj / o_proj), the routed experts' intermediate
+    width (when the config has MoE layers; the shared experts' width, moe_intermediate_size ×
+    n_shared_experts, then divides too), the dense layers' intermediate width (when it has dense
+    layers), and the vocabulary (embedding and lm_head). The DSA indexer, the router and the MLA
+    latent projections are replicated, so nothing about them needs to divide.
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
+    dims = [("num_attention_heads", cfg.num_attention_heads)]
+    if any(t == "sparse" for t in cfg.mlp_layer_types):
+        dims.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    if any(t == "dense" for t in cfg.mlp_layer_types):
+        dims.append(("intermediate_size", cfg.intermediate_size))
+    dims.append(("vocab_size", cfg.vocab_size))
+    for name, value in dims:
+        if value % tp:
+            raise ConfigError(f"{name}: {value} is not divisible by tensor_parallel_size={tp}")

@@ -1,0 +1,57 @@
+"""Shard rules: how a model parameter relates to its checkpoint tensor.
+
+Every parameter carries its rule as the attribute `shard` (set by `layers.param`); the loader and
+`checkpoint_tensors` read the rule and stay generic. A rule either replicates the tensor (every
+rank holds it whole) or cuts one checkpoint dimension into `size` equal parts, of which this rank
+holds part `rank`. For a stacked routed-expert parameter [E, ...] the rule describes one expert's
+checkpoint tensor, i.e. the parameter's row `[e]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int | None = None  # checkpoint dimension that is split; None: replicated
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def replicated(self) -> bool:
+        return self.dim is None or self.size == 1
+
+    def local_shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        if self.replicated:
+            return tuple(full)
+        out = list(full)
+        out[self.dim] = full[self.dim] // self.size
+        return tuple(out)
+
+    def full_shape(self, local: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        """The checkpoint shape of a tensor whose local part has shape `local`."""
+        out = list(local)
+        if not self.replicated:
+            out[self.dim] *= self.size
+        return tuple(out)
+
+    def index(self, full: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The part this rank reads of a checkpoint tensor of shape `full` (explicit start/stop on
+        every dimension), or None for the whole tensor."""
+        if self.replicated:
+            return None
+        n = full[self.dim] // self.size
+        idx = [slice(0, d) for d in full]
+        idx[self.dim] = slice(self.rank * n, (self.rank + 1) * n)
+        return tuple(idx)
+
+
+REPLICATED = Shard()
+
+
+def shard_of(p: torch.Tensor) -> Shard:
+    """A parameter's rule; a parameter built without one is replicated."""
+    return getattr(p, "shard", REPLICATED)

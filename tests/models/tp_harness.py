@@ -1,0 +1,169 @@
+"""Helpers for the tensor-parallel tests: running a function in `world` real processes joined by
+gloo, the serving scenario every rank (and the single-rank reference) runs, and recorders of
+top-k selections and of what the loader reads from safetensors files."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import glm53.models.model as model_mod
+import glm53.models.weights as weights_mod
+from glm53.models import ModelRunner, PageAllocator, SeqChunk, TPGroup
+from glm53.models.sharding import Shard, shard_of
+from tests.net import free_ports
+
+TOPK = 8  # the oracle's index_topk
+PAGE, PAGES = 4, 96
+CHUNK = 16
+DECODE_STEPS = 5
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)  # 2 shared cores: one thread per rank
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        fn(TPGroup.from_process_group(), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args) -> None:
+    """Runs `fn(tp, *args)` on `world` spawned ranks; a rank's exception fails the caller."""
+    mp.spawn(_entry, args=(world, free_ports(1)[0], fn, args), nprocs=world, join=True)
+
+
+@contextmanager
+def record_topk():
+    """Collects every top-k selection (slot ids) the model makes, in call order."""
+    calls: list[torch.Tensor] = []
+    inner = model_mod.dsa_topk_paged
+
+    def record(*a, **kw):
+        out = inner(*a, **kw)
+        calls.append(out.clone())
+        return out
+
+    model_mod.dsa_topk_paged = record
+    try:
+        yield calls
+    finally:
+        model_mod.dsa_topk_paged = inner
+
+
+def scenario(runner: ModelRunner, pick: Callable[[list[torch.Tensor]], list[int]]) -> dict:
+    """Three prompts longer than index_topk, prefilled together in 16-token chunks on scattered
+    pages, then batched greedy decode steps; `pick` turns each step's last-row logits into the
+    next tokens. Returns every step's logits, the tokens and the top-k selections."""
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (3 * TOPK + 5, 5 * TOPK + 3, 7 * TOPK)]
+    alloc = PageAllocator(PAGES)
+    held = [alloc.alloc(1) for _ in range(40)]
+    for h in held[::2]:
+        alloc.free(h)  # fragment the free list: requests get scattered pages
+    pages = [alloc.alloc(runner.pages_needed(len(p) + DECODE_STEPS)) for p in prompts]
+    logits: list[torch.Tensor] = []
+    tokens: list[list[int]] = []
+    with record_topk() as topk:
+        last: dict[int, torch.Tensor] = {}  # each prompt's final prefill row predicts its first token
+        for s in range(0, max(map(len, prompts)), CHUNK):
+            live = [i for i, p in enumerate(prompts) if s < len(p)]
+            out = runner.forward([SeqChunk(prompts[i][s : s + CHUNK], s, pages[i], all_logits=True) for i in live])
+            logits.extend(out)
+            last.update({i: o[-1] for i, o in zip(live, out) if s + CHUNK >= len(prompts[i])})
+        tok = pick([last[i] for i in range(len(prompts))])
+        for j in range(DECODE_STEPS):
+            tokens.append(tok)
+            out = runner.forward([SeqChunk([t], len(p) + j, pg) for t, p, pg in zip(tok, prompts, pages)])
+            logits.extend(out)
+            tok = pick([o[-1] for o in out])
+        tokens.append(tok)
+    return {"logits": logits, "tokens": tokens, "topk": topk}
+
+
+def greedy(rows: list[torch.Tensor]) -> list[int]:
+    return [int(r.argmax()) for r in rows]
+
+
+def greedy_from_rank0(tp: TPGroup) -> Callable[[list[torch.Tensor]], list[int]]:
+    """What the scheduler does: sample once from rank 0's logits, send the tokens to every rank."""
+
+    def pick(rows: list[torch.Tensor]) -> list[int]:
+        t = torch.tensor(greedy(rows), dtype=torch.long)
+        dist.broadcast(t, src=0, group=tp.process_group)
+        return t.tolist()
+
+    return pick
+
+
+class ReadRecorder:
+    """Wraps `safe_open` in the weights module and records, per tensor name, the shape of every
+    tensor materialised from the file (a whole `get_tensor` or one `get_slice(...)[...]`)."""
+
+    def __init__(self):
+        self.reads: list[tuple[str, tuple[int, ...], bool]] = []  # (name, shape, whole)
+        self._inner = weights_mod.safe_open
+
+    def __enter__(self) -> "ReadRecorder":
+        rec, inner = self, self._inner
+
+        class Slice:
+            def __init__(self, name, sl):
+                self.name, self.sl = name, sl
+
+            def get_shape(self):
+                return self.sl.get_shape()
+
+            def __getitem__(self, idx):
+                t = self.sl[idx]
+                rec.reads.append((self.name, tuple(t.shape), False))
+                return t
+
+        class File:
+            def __init__(self, *a, **kw):
+                self.f = inner(*a, **kw)
+
+            def __enter__(self):
+                self.f.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+
+            def keys(self):
+                return self.f.keys()
+
+            def get_slice(self, name):
+                return Slice(name, self.f.get_slice(name))
+
+            def get_tensor(self, name):
+                t = self.f.get_tensor(name)
+                rec.reads.append((name, tuple(t.shape), True))
+                return t
+
+        weights_mod.safe_open = File
+        return self
+
+    def __exit__(self, *exc) -> None:
+        weights_mod.safe_open = self._inner
+
+
+_STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def checkpoint_rules(model: torch.nn.Module, names) -> dict[str, Shard]:
+    """The shard rule that applies to each checkpoint tensor name."""
+    params = dict(model.named_parameters())
+    out = {}
+    for n in names:
+        m = _STACKED_EXPERT.match(n)
+        out[n] = shard_of(params[f"{m.group(1)}.{m.group(2)}"] if m else params[n])
+    return out
