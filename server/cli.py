@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import yaml
 
-from glm53.server.config import ClusterConfig, ConfigError, load_config
+from glm53.server.config import ClusterConfig, ConfigError, check_model_fit, load_config
 
 log = logging.getLogger("glm53.serve")
 
@@ -318,6 +318,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model_dir = resolve_model_path(cfg.model.path)
     except FileNotFoundError as e:
         raise ConfigError(cfg.source, "model.path", str(e)) from None
+    check_model_fit(cfg, model_dir)
     resolved = cfg.to_dict()
     resolved["model"]["path"] = str(model_dir)
     workdir = Path(tempfile.mkdtemp(prefix="glm53-up-"))

@@ -4,7 +4,7 @@ One file describes the whole deployment (README, "The cluster config"). It is va
 before any process starts: an unknown key, a wrong type or an impossible topology raises
 `ConfigError` whose message starts with the file and the key path, e.g.
 
-    configs/local.yaml: prefill[0].tp: tensor parallelism (tp > 1) is not supported yet; got 2
+    configs/local.yaml: prefill[0].pp: pipeline parallelism (pp > 1) is not supported yet; got 2
 
 Layout (every key optional except the pools):
 
@@ -393,9 +393,12 @@ def _check_semantics(cfg: ClusterConfig) -> None:
             names[inst.name] = path
             if not inst.host:
                 raise err(f"{path}.host", "must not be empty")
-            for k in ("port", "bootstrap_port"):
-                port = getattr(inst, k)
-                if port is None:  # decode: no bootstrap server
+            dist_port = inst.engine.dist_init_port
+            if dist_port is not None and inst.tp * inst.pp == 1:
+                raise err(f"{path}.dist_init_port", "only used by instances with several ranks (tp/pp > 1)")
+            for k in ("port", "bootstrap_port", "dist_init_port"):
+                port = getattr(inst.engine if k == "dist_init_port" else inst, k)
+                if port is None:  # decode: no bootstrap server; automatic rendezvous port
                     continue
                 _check_port(port, f"{path}.{k}", src)
                 slot = (_canonical_host(inst.host), port)
@@ -407,8 +410,6 @@ def _check_semantics(cfg: ClusterConfig) -> None:
                 raise err(f"{path}.tp", f"must be >= 1, got {inst.tp}")
             if inst.pp < 1:
                 raise err(f"{path}.pp", f"must be >= 1, got {inst.pp}")
-            if inst.tp > 1:
-                raise err(f"{path}.tp", f"tensor parallelism (tp > 1) is not supported yet; got {inst.tp}")
             if inst.pp > 1:
                 raise err(f"{path}.pp", f"pipeline parallelism (pp > 1) is not supported yet; got {inst.pp}")
             _check_engine(inst.engine, path, src)
@@ -439,6 +440,23 @@ def _check_semantics(cfg: ClusterConfig) -> None:
                               f"so KV pages can move between instances; got {getattr(inst.engine, k)!r}")
 
 
+def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
+    """The checks that need the model's config.json: every instance's tp must split the model's
+    heads, expert widths and vocabulary evenly (ConfigError naming the instance's `tp` and the
+    model dimension)."""
+    from glm53.models.config import ConfigError as ModelConfigError
+    from glm53.models.config import GlmConfig
+    from glm53.models.parallel import check_tp
+
+    model = GlmConfig.from_dir(model_dir)
+    for role in ROLES:
+        for i, inst in enumerate(cfg.pool(role)):
+            try:
+                check_tp(model, inst.tp)
+            except ModelConfigError as e:
+                raise ConfigError(cfg.source, f"{role}[{i}].tp", f"{e} (model {model_dir})") from None
+
+
 def _check_engine(e: EngineConfig, path: str, src: str) -> None:
     for k in ("page_size", "max_running_requests", "chunked_prefill_size", "stream_interval"):
         if getattr(e, k) < 1:
@@ -449,8 +467,6 @@ def _check_engine(e: EngineConfig, path: str, src: str) -> None:
             raise ConfigError(src, f"{path}.{k}", f"must be >= 1, got {v}")
     if not 0 < e.mem_fraction_static <= 1:
         raise ConfigError(src, f"{path}.mem_fraction_static", f"must be in (0, 1], got {e.mem_fraction_static}")
-    if e.dist_init_port is not None:
-        raise ConfigError(src, f"{path}.dist_init_port", "only used by tp/pp > 1, which are not supported yet")
     if e.kv_cache_dtype not in ("auto", e.dtype):
         raise ConfigError(src, f"{path}.kv_cache_dtype", f"a KV cache dtype other than the model dtype "
                           f"({e.dtype!r}) is not supported yet; got {e.kv_cache_dtype!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, ClassVar, Optional, Union
 
 import numpy as np
 
@@ -136,6 +136,9 @@ class TransportConfig:
 class _RoomHandle:
     """What both ends of a room share: its state, error, abort and a bounded wait."""
 
+    # "sender" | "receiver": what `RoomTransfer` checks, so a rank in another process can be
+    # represented by a proxy with the same methods.
+    kind: ClassVar[str] = ""
     _abort_reason = ""
 
     def __init__(self, engine: "TransferEngine", st: Union["SenderRoom", "ReceiverRoom"]):
@@ -175,6 +178,7 @@ class _RoomHandle:
 class KVSender(_RoomHandle):
     """Prefill side of one room on one rank. Create with ``TransferEngine.create_sender``."""
 
+    kind: ClassVar[str] = "sender"
     _abort_reason = "aborted by prefill"
 
     @property
@@ -213,6 +217,7 @@ class KVSender(_RoomHandle):
 class KVReceiver(_RoomHandle):
     """Decode side of one room on one rank. Create with ``TransferEngine.create_receiver``."""
 
+    kind: ClassVar[str] = "receiver"
     _abort_reason = "aborted by decode"
 
     def set_destination(self, pages, meta_slot: Optional[int] = None) -> None:

@@ -43,6 +43,10 @@ class WorkerGroup(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def sync(self) -> None:
+        """Once per scheduler step: deliver queued transfer operations to every rank and refresh
+        their transfer states (ranks in other processes only)."""
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -50,12 +54,13 @@ class WorkerGroup(abc.ABC):
 class LocalWorkers(WorkerGroup):
     """The one rank of a tp = pp = 1 instance, in the scheduler's process."""
 
-    def __init__(self, specs: Sequence[RankSpec], workers: Sequence[RankWorker] | None = None):
+    def __init__(self, specs: Sequence[RankSpec]):
         if len(specs) != 1:
             raise ValueError(f"LocalWorkers runs exactly one rank, got {len(specs)}")
-        self.rank = workers[0] if workers else RankWorker(specs[0])
+        self.rank = RankWorker(specs[0])
+        self.num_pages = self.rank.capacity()
+        self.rank.allocate(self.num_pages)
         self.cfg = self.rank.cfg
-        self.num_pages = self.rank.num_pages
         self.page_size = specs[0].page_size
         self.bytes_per_page = self.rank.bytes_per_page
 

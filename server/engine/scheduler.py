@@ -22,8 +22,9 @@ from typing import Callable
 import torch
 
 from glm53.models import GlmConfig, OutOfPages, PageAllocator
-from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.config import ClusterConfig, InstanceConfig, check_model_fit
 from glm53.server.engine.group import LocalWorkers, WorkerGroup
+from glm53.server.engine.processes import ProcessWorkers, RanksLost
 from glm53.server.engine.worker import rank_specs
 from glm53.server.protocol import Abort, GenerateRequest, InstanceChannel, LoadStats, TokenEvent
 from glm53.server.sampling import SamplingParams
@@ -53,8 +54,13 @@ def build_workers(cluster: ClusterConfig, inst: InstanceConfig) -> WorkerGroup:
     from glm53.server.embedded_model import resolve_model_path
 
     path = resolve_model_path(cluster.model.path)
+    check_model_fit(cluster, path)
     specs = rank_specs(cluster, inst, str(path), GlmConfig.from_dir(path).num_hidden_layers)
-    return LocalWorkers(specs)
+    if len(specs) == 1:
+        return LocalWorkers(specs)
+    # Long enough for the slowest rank to load its weights; a dead rank is seen at once anyway.
+    timeout = max(120.0, cluster.transfer.transfer_timeout_s)
+    return ProcessWorkers(specs, timeout_s=timeout, host=inst.host, port=inst.engine.dist_init_port)
 
 
 @dataclass
@@ -99,6 +105,7 @@ class Scheduler(abc.ABC):
         self._log_t = time.monotonic()
         self._log_tokens = 0
         self._throughput = 0.0
+        self.broken = ""  # why this instance can no longer run (a rank was lost); "" while healthy
         self.channel = InstanceChannel(inst.address, inst.name, self.role, load_fn=lambda: self._load)
 
     @abc.abstractmethod
@@ -187,8 +194,15 @@ class Scheduler(abc.ABC):
         log.info("%s %s ready on %s", self.role, self.inst.name, self.inst.address)
         while not self._stop.is_set():
             self.poll_channel(timeout=0.0)
+            if self.broken:
+                self.poll_channel(timeout=0.05)
+                continue
             try:
+                self.workers.sync()
                 busy = self.step()
+            except RanksLost as e:
+                self._break(str(e))
+                continue
             except Exception as e:  # contain it: this step's requests fail, the instance lives
                 log.exception("%s: engine step failed", self.inst.name)
                 self.fail_all(f"internal error: {type(e).__name__}: {e}")
@@ -200,11 +214,21 @@ class Scheduler(abc.ABC):
                 # so wait briefly while any are in flight and longer when fully idle.
                 self.poll_channel(timeout=0.002 if self._load.num_transferring else 0.05)
 
+    def _break(self, why: str) -> None:
+        """A lost rank ends this instance's service: every request fails with the reason, pings
+        report not ready (the router routes around it), and new requests are refused."""
+        log.error("%s: %s; the instance stops serving", self.inst.name, why)
+        self.broken = f"{self.role} instance {self.inst.name} lost a rank: {why}"
+        self.channel.ready = False
+        self.fail_all(self.broken)
+
     def poll_channel(self, timeout: float) -> None:
         msg = self.channel.get(timeout=timeout) if timeout > 0 else None
         msgs = ([msg] if msg is not None else []) + self.channel.drain()
         for m in msgs:
-            if isinstance(m, GenerateRequest):
+            if isinstance(m, GenerateRequest) and self.broken:
+                self.send_error(m, self.broken, "internal")
+            elif isinstance(m, GenerateRequest):
                 self.on_request(m)
             elif isinstance(m, Abort):
                 self.on_abort(m)

@@ -12,9 +12,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from glm53.models import GlmConfig, ModelRunner, SeqChunk, load_weights
 from glm53.models.model import GlmForCausalLM
+from glm53.models.parallel import TPGroup
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.transport import KVReceiver, KVSender, Room, TransferEngine, TransportConfig
 
@@ -120,33 +122,40 @@ def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype) -> int:
 
 
 class RankWorker:
-    """Builds and owns one rank: model stage with weights, named KV pools registered with this
-    rank's transfer engine (started: a prefill rank has registered with its bootstrap server)."""
+    """One rank, built in two steps so that a group of ranks can agree on one page count (one
+    page-id space per instance): construction loads the stage with its weights and measures
+    `capacity()`; `allocate(num_pages)` then creates the named KV pools, registers each by name
+    with this rank's transfer engine and starts it (a prefill rank registers with its bootstrap
+    server)."""
 
-    def __init__(self, spec: RankSpec, runner: ModelRunner | None = None):
+    def __init__(self, spec: RankSpec, tp_group: dist.ProcessGroup | None = None):
+        """`tp_group`: the torch.distributed group of this rank's stage (None when tp = 1)."""
         self.spec = spec
         self.device = torch.device(spec.device)
-        self.runner = runner or self._build_runner()
-        self.cfg = self.runner.cfg
+        self.cfg = GlmConfig.from_dir(spec.model_path)
+        name = self.cfg.torch_dtype if spec.dtype == "auto" else spec.dtype
+        self.dtype = DTYPES.get(name, torch.bfloat16)
+        self.tp = TPGroup.from_process_group(tp_group) if tp_group is not None else TPGroup.single()
+        if self.tp.size != spec.tp_size:
+            raise ValueError(f"{spec.instance}: rank built for tp={spec.tp_size} in a group of {self.tp.size}")
+        self.model = GlmForCausalLM(self.cfg, dtype=self.dtype, layers=spec.layers, tp=self.tp)
+        load_weights(self.model, spec.model_path, progress=False)
+        self.model.to(self.device)
+        self.runner: ModelRunner | None = None
+        self.transfer: TransferEngine | None = None
+
+    def capacity(self) -> int:
+        """KV pages this rank can hold once its weights are loaded."""
+        return kv_pages(self.spec, self.cfg, self.dtype)
+
+    def allocate(self, num_pages: int) -> None:
+        spec = self.spec
+        self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device)
         self.transfer = TransferEngine(spec.role, spec.instance, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
                                        pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=spec.transport)
         for name, pool in self.runner.pools:
             self.transfer.register_pool(name, pool.tensor, layers=pool.layers)
         self.transfer.start(spec.bootstrap_address)
-
-    def _build_runner(self) -> ModelRunner:
-        spec = self.spec
-        cfg = GlmConfig.from_dir(spec.model_path)
-        name = cfg.torch_dtype if spec.dtype == "auto" else spec.dtype
-        dtype = DTYPES.get(name, torch.bfloat16)
-        model = GlmForCausalLM(cfg, dtype=dtype, layers=spec.layers)
-        load_weights(model, spec.model_path, progress=False)
-        model.to(self.device)
-        return ModelRunner(model, num_pages=kv_pages(spec, cfg, dtype), page_size=spec.page_size, device=self.device)
-
-    @property
-    def num_pages(self) -> int:
-        return self.runner.pools.num_pages
 
     @property
     def bytes_per_page(self) -> int:
@@ -162,4 +171,5 @@ class RankWorker:
         return self.transfer.create_receiver(room, bootstrap_address, dst_pages=dst_pages)
 
     def close(self) -> None:
-        self.transfer.close()
+        if self.transfer is not None:
+            self.transfer.close()

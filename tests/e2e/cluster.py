@@ -19,7 +19,8 @@ from tests.net import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_interval: int = 1) -> dict:
+def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_interval: int = 1,
+                 prefill_tp: int = 1, decode_tp: int = 1) -> dict:
     http, result, p_port, p_boot, d_port = ports
     return {
         "name": "e2e",
@@ -28,14 +29,16 @@ def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_inte
         "transfer": {"backend": "nixl", "bootstrap_timeout_s": transfer_timeout_s, "transfer_timeout_s": transfer_timeout_s},
         "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "max_running_requests": 64,
                      "chunked_prefill_size": 64, "num_pages": 2048},
-        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot}],
-        "decode": [{"name": "d0", "host": "127.0.0.1", "port": d_port, "stream_interval": stream_interval}],
+        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot, "tp": prefill_tp}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": d_port, "stream_interval": stream_interval,
+                    "tp": decode_tp}],
     }
 
 
 class Cluster:
-    def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0, stream_interval: int = 1):
-        self.cfg = cluster_yaml(free_ports(5), transfer_timeout_s, stream_interval)
+    def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0, stream_interval: int = 1,
+                 prefill_tp: int = 1, decode_tp: int = 1):
+        self.cfg = cluster_yaml(free_ports(5), transfer_timeout_s, stream_interval, prefill_tp, decode_tp)
         self.config_path = workdir / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg))
         self.url = f"http://127.0.0.1:{self.cfg['router']['port']}"

@@ -65,26 +65,38 @@ def test_chat_and_completions_stream_and_non_stream(cluster):
     wait_pages_free(cluster)
 
 
-def test_greedy_matches_offline_generate(cluster, model_cache):
-    """Token for token: the PD pipeline (chunked prefill of 64-token chunks, KV over UCX, decode)
-    against the model core's one-process `glm53-serve generate`. Prompts longer than the model's
-    index_topk (64) exercise sparse attention on both sides of the transfer."""
-    prompts = [[(i * 37 + 11) % 4000 + 10 for i in range(n)] for n in (7, 100, 300)]
-    new = 24
+def served_greedy(cluster, prompts: list[list[int]], new: int) -> list[list[int]]:
     outs = []
     for p in prompts:
         r = httpx.post(f"{cluster.url}/generate", timeout=120, json={
             "input_ids": p, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}})
         assert r.status_code == 200, r.text
         outs.append(r.json()["output_ids"])
-    cmd = [sys.executable, "-m", "glm53.server.cli", "generate", "--model", str(model_cache / EMBEDDED_DIRNAME),
+    return outs
+
+
+def offline_greedy(model_dir, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """The model core's one-process `glm53-serve generate`."""
+    cmd = [sys.executable, "-m", "glm53.server.cli", "generate", "--model", str(model_dir),
            "--max-new-tokens", str(new), "--page-size", "16", "--ignore-eos"]
     for p in prompts:
         cmd += ["--input-ids", ",".join(map(str, p))]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
-    offline = [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
-    assert outs == offline
+    return [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
+
+
+# Prompts longer than the embedded model's index_topk (64) exercise sparse attention on both
+# sides of the transfer.
+GREEDY_PROMPTS = [[(i * 37 + 11) % 4000 + 10 for i in range(n)] for n in (7, 100, 300)]
+
+
+def test_greedy_matches_offline_generate(cluster, model_cache):
+    """Token for token: the PD pipeline (chunked prefill of 64-token chunks, KV over UCX, decode)
+    against the model core's one-process `glm53-serve generate`."""
+    new = 24
+    assert served_greedy(cluster, GREEDY_PROMPTS, new) == offline_greedy(model_cache / EMBEDDED_DIRNAME,
+                                                                         GREEDY_PROMPTS, new)
 
 
 def test_32_concurrent_streaming_clients(cluster):

@@ -91,8 +91,18 @@ def test_wrong_type(tmp_path):
 def test_topology(tmp_path):
     d = base()
     d["prefill"][0]["tp"] = 2
+    d["decode"][0].update(tp=4, dist_init_port=40300)
+    cfg = load_config(write(tmp_path, d))
+    assert (cfg.prefill[0].tp, cfg.decode[0].tp, cfg.decode[0].engine.dist_init_port) == (2, 4, 40300)
+    d["decode"][0]["dist_init_port"] = 40101  # p0's bootstrap port
     e = error(tmp_path, d)
-    assert e.key == "prefill[0].tp" and "not supported yet" in str(e)
+    assert e.key == "decode[0].dist_init_port" and "prefill[0].bootstrap_port" in str(e)
+    d = base()
+    d["decode"][0]["dist_init_port"] = 40300  # one rank: nothing to rendezvous
+    assert error(tmp_path, d).key == "decode[0].dist_init_port"
+    d = base()
+    d["prefill"][0]["tp"] = 0
+    assert error(tmp_path, d).key == "prefill[0].tp"
     d = base()
     d["defaults"] = {"pp": 4}
     e = error(tmp_path, d)
@@ -148,9 +158,11 @@ def test_cli_flags_override_yaml(tmp_path):
     assert cfg.router.port == 31234 and cfg.model.path == str(tmp_path)
     assert all(i.engine.page_size == 64 and i.engine.max_running_requests == 7 for i in cfg.instances)
     args = build_parser().parse_args(["up", "--config", str(p), "-tp", "2"])
+    assert {i.tp for i in load_config(p, overrides_from_args(args)).instances} == {2}
+    args = build_parser().parse_args(["up", "--config", str(p), "--pp-size", "2"])
     with pytest.raises(ConfigError) as e:
         load_config(p, overrides_from_args(args))
-    assert "tp" in e.value.key and "not supported yet" in str(e.value)
+    assert "pp" in e.value.key and "not supported yet" in str(e.value)
     args = build_parser().parse_args(["prefill", "--config", str(p), "--port", "41000",
                                       "--disaggregation-bootstrap-port", "41001"])
     cfg = load_config(p, overrides_from_args(args, "prefill", 0))
@@ -169,8 +181,8 @@ def test_engine_keys_that_are_not_built_yet_are_refused(tmp_path):
     e = error(tmp_path, d)
     assert e.key == "defaults.kv_cache_dtype" and "not supported yet" in str(e)
     d = base()
-    d["defaults"] = {"dist_init_port": 40300}
-    assert error(tmp_path, d).key == "defaults.dist_init_port"
+    d["defaults"] = {"dist_init_port": 40300}  # one-rank instances have nothing to rendezvous
+    assert error(tmp_path, d).key == "prefill[0].dist_init_port"
     d = base()
     d["transfer"] = {"backend": "fake"}
     assert error(tmp_path, d).key == "transfer.backend"
@@ -200,3 +212,16 @@ def test_kv_capacity_from_num_pages_or_tokens(tmp_path):
     from glm53.models import ModelRunner
 
     assert ModelRunner.kv_bytes_per_token(cfg, torch.bfloat16) == (78 * 576 + 78 * 128) * 2
+
+
+def test_tp_must_split_the_model(tmp_path, model_dir):
+    from glm53.server.config import check_model_fit
+
+    d = base()
+    d["decode"][0]["tp"] = 2
+    check_model_fit(load_config(write(tmp_path, d)), model_dir)  # 4 heads, widths and vocab split by 2
+    d["decode"][0]["tp"] = 3
+    cfg = load_config(write(tmp_path, d))
+    with pytest.raises(ConfigError) as e:
+        check_model_fit(cfg, model_dir)
+    assert e.value.key == "decode[0].tp" and "num_attention_heads" in str(e.value) and "3" in str(e.value)

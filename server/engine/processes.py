@@ -1,0 +1,352 @@
+"""Rank processes under `torch.distributed`: the `WorkerGroup` of an instance with tp > 1.
+
+Rank 0 lives in the scheduler's process; ranks 1..N-1 are processes it spawns. All join one
+process group (gloo on CPU; NCCL for the model's collectives on CUDA plus a gloo group for the
+commands). Every scheduler step is one `Command`, broadcast from rank 0: the transfer operations
+queued since the last one (open a room's sender/receiver, send pages, finish, abort), then
+optionally a forward over the step's chunks. Every rank runs it on its own `RankWorker` — the
+forward's collectives pair up because every rank runs the same batch — and rank 0 gathers each
+rank's transfer states. A follower's handles are represented on rank 0 by `RemoteHandle`s that
+queue operations and report the states last gathered, so a room is still one `RoomTransfer`
+whose pages are freed only when every rank is terminal.
+
+A rank that dies breaks the group: the next collective raises, the group reports `RanksLost`
+and the scheduler fails what it holds (it never waits longer than the group timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from glm53.models import SeqChunk
+from glm53.server.engine.group import WorkerGroup
+from glm53.server.engine.worker import RankSpec, RankWorker
+from glm53.transport import KVPoll, MetadataRow, Room, RoomTransfer, TransferError, TransferErrorCode
+
+log = logging.getLogger(__name__)
+
+RoomKey = tuple[int, int]
+
+
+class RanksLost(RuntimeError):
+    """A rank of the instance died or stopped answering; the group cannot run any more."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One transfer operation, replayed in order on one follower (`rank`) or on all (None)."""
+
+    name: str  # "open_sender" | "open_receiver" | "send_pages" | "finish" | "abort"
+    room: RoomKey
+    args: tuple = ()
+    rank: Optional[int] = None
+
+
+@dataclass
+class Command:
+    ops: list[Op] = field(default_factory=list)
+    chunks: Optional[list[SeqChunk]] = None  # forward after the ops
+    stop: bool = False
+
+
+@dataclass(frozen=True)
+class HandleState:
+    """A follower handle's state as rank 0 last saw it."""
+
+    state: KVPoll
+    error: str = ""
+    error_code: Optional[TransferErrorCode] = None
+    row: Optional[MetadataRow] = None  # receivers, at SUCCESS
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a follower process needs to join the group."""
+
+    spec: RankSpec
+    rank: int
+    world_size: int
+    init_method: str
+    backend: str
+    timeout_s: float
+    parent_pid: int
+
+
+class RankRuntime:
+    """What every rank runs per command: its ops on its own handles, then the forward."""
+
+    def __init__(self, worker: RankWorker, rank: int):
+        self.worker, self.rank = worker, rank
+        self.handles: dict[RoomKey, Any] = {}
+
+    def apply(self, cmd: Command) -> tuple[Optional[list[torch.Tensor]], dict[RoomKey, HandleState]]:
+        for op in cmd.ops:
+            if op.rank in (None, self.rank):
+                self._apply(op)
+        logits = self.worker.forward(cmd.chunks) if cmd.chunks else None
+        return logits, self.report()
+
+    def _apply(self, op: Op) -> None:
+        room = Room(*op.room)
+        try:
+            if op.name == "open_sender":
+                self.handles[op.room] = self.worker.create_sender(room, *op.args)
+            elif op.name == "open_receiver":
+                self.handles[op.room] = self.worker.create_receiver(room, *op.args)
+            elif op.room in self.handles:
+                getattr(self.handles[op.room], op.name)(*op.args)
+        except TransferError as e:  # this room only: reported failed, never the group
+            self.handles[op.room] = _Failed(str(e), e.code)
+
+    def report(self) -> dict[RoomKey, HandleState]:
+        out = {}
+        for key, h in list(self.handles.items()):
+            state = h.poll()
+            row = h.metadata() if state == KVPoll.SUCCESS and h.kind == "receiver" else None
+            out[key] = HandleState(state, h.error, h.error_code, row)
+            if state in (KVPoll.SUCCESS, KVPoll.FAILED):
+                del self.handles[key]  # terminal is final: reported once, then forgotten
+        return out
+
+
+class _Failed:
+    """A handle that could not be created on this rank."""
+
+    kind = ""
+
+    def __init__(self, error: str, code: TransferErrorCode):
+        self.error, self.error_code = error, code
+
+    def poll(self) -> KVPoll:
+        return KVPoll.FAILED
+
+
+class RemoteHandle:
+    """Rank 0's stand-in for a follower's sender or receiver of one room."""
+
+    def __init__(self, group: "ProcessWorkers", kind: str, room: Room, rank: int, last_stage: bool):
+        self.kind, self.room, self.rank, self.last_stage = kind, room, rank, last_stage
+        self._group = group
+        self._seen = HandleState(KVPoll.BOOTSTRAPPING)
+
+    def update(self, st: HandleState) -> None:
+        if self._seen.state not in (KVPoll.SUCCESS, KVPoll.FAILED):
+            self._seen = st
+
+    def poll(self) -> KVPoll:
+        return self._seen.state
+
+    @property
+    def error(self) -> str:
+        return self._seen.error
+
+    @property
+    def error_code(self) -> Optional[TransferErrorCode]:
+        return self._seen.error_code
+
+    def metadata(self) -> MetadataRow:
+        if self._seen.row is None:
+            raise TransferError(f"room {self.room}: no metadata from rank {self.rank}", TransferErrorCode.INVALID)
+        return self._seen.row
+
+    def abort(self, reason: str = "") -> None:
+        self._group.queue(Op("abort", self.room.key, (reason,), self.rank))
+
+    def send_pages(self, src_pages, start: Optional[int] = None) -> None:
+        self._group.queue(Op("send_pages", self.room.key, (list(src_pages), start), self.rank))
+
+    def finish(self, row: Optional[MetadataRow] = None) -> None:
+        self._group.queue(Op("finish", self.room.key, (row,), self.rank))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _join(launch: Launch) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Join the instance's process group: (the model's TP group, the gloo group commands travel
+    on; the same group on CPU)."""
+    timeout = datetime.timedelta(seconds=launch.timeout_s)
+    if launch.backend == "nccl":
+        torch.cuda.set_device(torch.device(launch.spec.device))
+    dist.init_process_group(launch.backend, init_method=launch.init_method, rank=launch.rank,
+                            world_size=launch.world_size, timeout=timeout)
+    world = dist.group.WORLD
+    control = world if launch.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return world, control
+
+
+def _agree_pages(worker: RankWorker, control: dist.ProcessGroup) -> int:
+    """One page-id space: every rank allocates the smallest capacity of any rank."""
+    cap = torch.tensor([worker.capacity()], dtype=torch.long)
+    dist.all_reduce(cap, op=dist.ReduceOp.MIN, group=control)
+    return int(cap.item())
+
+
+def follower_main(launch: Launch) -> None:
+    """Entry of rank 1..N-1: join, load, allocate, then run commands until told to stop or the
+    group breaks."""
+    spec = launch.spec
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {spec.instance}-tp{spec.tp_rank} %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler decides when ranks stop
+    torch.set_grad_enabled(False)
+    if spec.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    _watch_parent(launch.parent_pid)
+    tp, control = _join(launch)
+    worker = RankWorker(spec, tp_group=tp)
+    worker.allocate(_agree_pages(worker, control))
+    dist.barrier(group=control)
+    runtime = RankRuntime(worker, launch.rank)
+    try:
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=control)
+            cmd: Command = box[0]
+            if cmd.stop:
+                break
+            _, report = runtime.apply(cmd)
+            dist.gather_object(report, None, dst=0, group=control)
+    except Exception as e:  # the group broke (rank 0 gone): nothing left to serve
+        log.warning("rank %d leaves: %s", launch.rank, e)
+    finally:
+        worker.close()
+
+
+def _watch_parent(pid: int) -> None:
+    """A follower outlives a killed scheduler only until the next collective times out; this
+    ends it within a second instead."""
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class ProcessWorkers(WorkerGroup):
+    """An instance's ranks as processes: rank 0 here, the followers spawned and joined."""
+
+    def __init__(self, specs: Sequence[RankSpec], timeout_s: float = 60.0, host: str = "127.0.0.1",
+                 port: int | None = None):
+        if any(s.pp_size != 1 for s in specs):
+            raise ValueError("ProcessWorkers runs one pipeline stage")
+        self.specs = list(specs)
+        world = len(specs)
+        backend = "gloo" if specs[0].device == "cpu" else "nccl"
+        init = f"tcp://{host}:{port or free_port(host)}"
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=follower_main, name=f"{specs[r].instance}-tp{r}", daemon=True,
+                                  args=(Launch(specs[r], r, world, init, backend, timeout_s, os.getpid()),))
+                      for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        self._closed = False
+        self._lost = ""
+        self._queue: list[Op] = []
+        self._remote: dict[RoomKey, list[RemoteHandle]] = {}
+        try:
+            tp, self._control = _join(Launch(specs[0], 0, world, init, backend, timeout_s, os.getpid()))
+            self.rank = RankWorker(specs[0], tp_group=tp)
+            self.num_pages = _agree_pages(self.rank, self._control)
+            self.rank.allocate(self.num_pages)
+            dist.barrier(group=self._control)
+        except Exception:
+            self._kill()
+            raise
+        self.runtime = RankRuntime(self.rank, 0)
+        self.cfg = self.rank.cfg
+        self.page_size = specs[0].page_size
+        self.bytes_per_page = self.rank.bytes_per_page  # replicated pools: each rank holds the same
+
+    def queue(self, op: Op) -> None:
+        self._queue.append(op)
+
+    def _run(self, chunks: Optional[list[SeqChunk]]) -> Optional[list[torch.Tensor]]:
+        if self._lost:
+            raise RanksLost(self._lost)
+        cmd, self._queue = Command(self._queue, chunks), []
+        try:
+            dist.broadcast_object_list([cmd], src=0, group=self._control)
+            logits, mine = self.runtime.apply(cmd)
+            reports: list[Any] = [None] * len(self.specs)
+            dist.gather_object(mine, reports, dst=0, group=self._control)
+        except RuntimeError as e:
+            dead = [p.name for p in self.procs if not p.is_alive()]
+            self._lost = f"rank process {', '.join(dead) or '?'} lost: {e}"
+            raise RanksLost(self._lost) from None
+        for rank, report in enumerate(reports[1:], 1):
+            for key, st in report.items():
+                for h in self._remote.get(key, ()):
+                    if h.rank == rank:
+                        h.update(st)
+        for key in [k for k, hs in self._remote.items() if all(h.poll() in (KVPoll.SUCCESS, KVPoll.FAILED)
+                                                               for h in hs)]:
+            del self._remote[key]
+        return logits
+
+    def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
+        logits = self._run(chunks)
+        assert logits is not None
+        return logits
+
+    def sync(self) -> None:
+        self._run(None)
+
+    def _open(self, kind: str, room: Room, local, args: tuple) -> RoomTransfer:
+        self.queue(Op("open_" + kind, room.key, args))
+        remote = [RemoteHandle(self, kind, room, r, self.specs[r].last_stage) for r in range(1, len(self.specs))]
+        self._remote[room.key] = remote
+        return RoomTransfer([local, *remote])
+
+    def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:
+        return self._open("sender", room, self.rank.create_sender(room, decode_instance), (decode_instance,))
+
+    def create_receivers(self, room: Room, bootstrap_address: str, dst_pages: list[int]) -> RoomTransfer:
+        local = self.rank.create_receiver(room, bootstrap_address, dst_pages)
+        return self._open("receiver", room, local, (bootstrap_address, list(dst_pages)))
+
+    @property
+    def lost(self) -> str:
+        return self._lost
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._lost:
+            try:
+                dist.broadcast_object_list([Command(stop=True)], src=0, group=self._control)
+            except RuntimeError:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+        self._kill()
+        self.rank.close()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group may refuse a clean teardown; the process is ending
+            pass
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

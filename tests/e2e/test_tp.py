@@ -1,0 +1,93 @@
+"""Tensor parallelism end to end through real processes: prefill and decode instances with
+different TP sizes (gloo rank processes, KV moved over UCX between mismatched shards), checked
+token for token against the one-process `glm53-serve generate`; and a rank killed mid-request."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import Cluster
+from tests.e2e.test_pd_serving import GREEDY_PROMPTS, MODEL, offline_greedy, served_greedy, wait_pages_free
+
+NEW_TOKENS = 16
+TRANSFER_TIMEOUT = 10.0
+
+
+@pytest.fixture(scope="module")
+def offline(model_cache):
+    # One run of the reference for every topology below (the cluster fixture of another module
+    # may not have created the model yet: a throwaway cluster start would; generate does too).
+    from glm53.server.embedded_model import ensure_embedded_model
+
+    return offline_greedy(ensure_embedded_model(model_cache), GREEDY_PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
+def test_tp_mismatched_pd_greedy_equals_offline(tmp_path_factory, model_cache, offline, prefill_tp, decode_tp):
+    c = Cluster(tmp_path_factory.mktemp(f"tp{prefill_tp}{decode_tp}"), model_cache,
+                prefill_tp=prefill_tp, decode_tp=decode_tp).start()
+    try:
+        assert served_greedy(c, GREEDY_PROMPTS, NEW_TOKENS) == offline
+        wait_pages_free(c)
+    finally:
+        c.stop()
+
+
+def rank_pids(cluster: Cluster, role: str) -> list[int]:
+    """The follower rank processes the instance's scheduler spawned."""
+    sched = cluster.instance_pid(role)
+    out = subprocess.run(["pgrep", "-P", str(sched)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def test_rank_killed_mid_request_fails_it_and_the_instance_reports_unhealthy(tmp_path_factory, model_cache):
+    c = Cluster(tmp_path_factory.mktemp("tpkill"), model_cache, transfer_timeout_s=TRANSFER_TIMEOUT,
+                decode_tp=2).start()
+    try:
+        followers = rank_pids(c, "decode")
+        assert followers, "decode tp=2 runs a follower rank process"
+        events, t_kill = [], None
+        body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", f"{c.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        for pid in followers:
+                            os.kill(pid, signal.SIGKILL)
+                        t_kill = time.monotonic()
+                    if line == "data: [DONE]":
+                        break
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert "lost a rank" in err["message"], err
+        assert time.monotonic() - t_kill < TRANSFER_TIMEOUT, "the failure must not wait for a timeout"
+        # The router stays up; the decode instance reports itself unhealthy, so /health says so.
+        assert httpx.get(f"{c.url}/v1/models", timeout=10).status_code == 200
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{c.url}/health", timeout=10).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        health = httpx.get(f"{c.url}/health", timeout=10)
+        assert health.status_code == 503 and "decode" in health.json()["error"]["message"]
+        # New requests fail fast with a clear error, never hang.
+        r = httpx.post(f"{c.url}/v1/completions", timeout=TRANSFER_TIMEOUT + 10,
+                       json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+        assert r.status_code in (503, 504) and r.json()["error"]["message"]
+        # The prefill side released the room's pages.
+        deadline = time.monotonic() + TRANSFER_TIMEOUT + 5
+        while c.kv_tokens_in_use().get("p0") != 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert c.kv_tokens_in_use().get("p0") == 0
+    finally:
+        c.stop()
