@@ -72,11 +72,12 @@ class Indexer(nn.Module):
 
     Replicated under tensor parallelism: every rank computes all indexer heads from the same
     (replicated) inputs, so every rank selects the same top-k, ties included, with no
-    communication. Splitting the heads would save (1 - 1/tp) of a small compute but needs an
-    all-reduce of the [tokens, context] fp32 scores per full layer, which grows with the context
-    (at 128K context, 512 KiB per decode token per full layer, against the 12 KiB hidden-state
-    all-reduce of GLM-5); `benchmarks/tp_cpu.py` measures both (benchmarks/RESULTS.md, "Tensor
-    parallelism"). SGLang and vLLM replicate it too.
+    communication. Splitting the heads saves little: the indexer's cost is reading every context
+    key, and with one key per token shared by all heads each rank would still read them all; only
+    the per-head products shrink. It would add an all-reduce of the [tokens, context] fp32 scores
+    per full layer, which grows with the context (at 128K, 512 KiB per decode token per full
+    layer, against GLM-5's 12 KiB hidden-state all-reduce). Measured on CPU, split was never
+    clearly faster (benchmarks/RESULTS.md, "Tensor parallelism").
     """
 
     def __init__(self, cfg: GlmConfig, dtype: torch.dtype):
