@@ -1,7 +1,12 @@
 """glm53.models: GLM-5 config and indexer schedule, target model (whole or one pipeline stage),
-weight loading, named KV pools, the runner, and tensor parallelism (`TPGroup`, `check_tp`)."""
+weight loading, named KV pools, the runner, tensor parallelism (`TPGroup`, `check_tp`), and the
+DFlash draft (config, model, loader, random-checkpoint writer)."""
 
 from glm53.models.config import ConfigError, GlmConfig, indexer_schedule
+from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection, add_draft_pools
+from glm53.models.draft_checkpoint import write_random_draft
+from glm53.models.draft_config import DFlashConfig, build_target_layer_ids, check_draft_tp
+from glm53.models.draft_weights import load_draft_projection, load_draft_weights
 from glm53.models.kv_cache import KVPools, OutOfPages, PageAllocator, Pool, kv_bytes_per_token, target_pools
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import CommStats, TPGroup, check_tp
@@ -14,4 +19,6 @@ __all__ = [
     "ForwardBatch", "GlmForCausalLM", "StageInput", "StageOutput",
     "CommStats", "TPGroup", "check_tp",
     "ModelRunner", "SeqChunk", "WeightError", "checkpoint_tensors", "load_weights",
+    "DRAFT_KV", "DFlashConfig", "DFlashDraft", "DraftBlock", "DraftProjection", "add_draft_pools",
+    "build_target_layer_ids", "check_draft_tp", "load_draft_projection", "load_draft_weights", "write_random_draft",
 ]

@@ -7,6 +7,13 @@ contiguous byte range for the transfer layer, whose cost is per descriptor (docs
 "Buffer table and item lengths"). A layer's cache is the strided view pool[:, j]
 ([num_pages, page_size, *per_token]) and kernels address it with strides.
 
+A head-sharded pool (tensor-parallel heads, e.g. the DFlash draft K/V) puts its heads axis
+before the layers, [num_pages, heads_local, n_layers, page_size, head_dim], the layout the
+transfer layer's `Heads` buffers have: a range of local heads is one contiguous part of a page
+item, so prefill and decode with different TP sizes can exchange head ranges. Its per-layer view
+is still [num_pages, page_size, heads_local, head_dim] (strided), so writers and readers treat
+both kinds alike.
+
 The allocator belongs to whoever schedules requests (the instance); ranks only own pools.
 """
 
@@ -113,13 +120,18 @@ def runs(pages: list[int]) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True, eq=False)
 class Pool:
-    """One named pool: `tensor` is [num_pages, n_layers, page_size, *per_token], and axis 1 holds
-    the global layers `layers`, in that order."""
+    """One named pool. Replicated (`total_heads` None): `tensor` is
+    [num_pages, n_layers, page_size, *per_token]. Head-sharded: `tensor` is
+    [num_pages, heads_local, n_layers, page_size, head_dim], `per_token` is (heads_local, head_dim)
+    and `total_heads` counts the heads over all TP ranks. The layer axis holds the layers `layers`,
+    in that order. `name`, `tensor`, `layers` and `total_heads` are what the transfer layer's
+    `register_pool` takes."""
 
     name: str
     layers: tuple[int, ...]
     per_token: tuple[int, ...]
     tensor: torch.Tensor
+    total_heads: int | None = None
     _pos: dict[int, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -136,8 +148,14 @@ class Pool:
         except KeyError:
             raise KeyError(f"pool {self.name!r} holds no layer {layer} (it holds {list(self.layers)})") from None
 
+    @property
+    def head_sharded(self) -> bool:
+        return self.total_heads is not None
+
     def view(self, layer: int) -> torch.Tensor:
         """The strided per-layer cache [num_pages, page_size, *per_token] kernels address."""
+        if self.head_sharded:
+            return self.tensor[:, :, self.index(layer)].transpose(1, 2)
         return self.tensor[:, self.index(layer)]
 
     def bytes_per_page(self) -> int:
@@ -156,14 +174,32 @@ class KVPools:
         self.device = torch.device(device)
         self._pools: dict[str, Pool] = {}
 
-    def add(self, name: str, layers: Sequence[int], per_token: Sequence[int], dtype: torch.dtype) -> Pool:
+    def add(
+        self,
+        name: str,
+        layers: Sequence[int],
+        per_token: Sequence[int],
+        dtype: torch.dtype,
+        total_heads: int | None = None,
+    ) -> Pool:
+        """A replicated pool, or with `total_heads` a head-sharded one whose `per_token` is
+        (heads_local, head_dim) (see `Pool`)."""
         if name in self._pools:
             raise ValueError(f"pool {name!r} is already registered")
         layers, per_token = tuple(layers), tuple(per_token)
         if len(set(layers)) != len(layers):
             raise ValueError(f"pool {name!r}: layer ids repeat: {list(layers)}")
-        shape = (self.num_pages, len(layers), self.page_size, *per_token)
-        pool = Pool(name, layers, per_token, torch.zeros(shape, dtype=dtype, device=self.device))
+        if total_heads is None:
+            shape = (self.num_pages, len(layers), self.page_size, *per_token)
+        else:
+            if len(per_token) != 2 or total_heads % per_token[0]:
+                raise ValueError(
+                    f"pool {name!r}: a head-sharded pool needs per_token (heads_local, head_dim) with heads_local "
+                    f"dividing total_heads={total_heads}, got {per_token}"
+                )
+            shape = (self.num_pages, per_token[0], len(layers), self.page_size, per_token[1])
+        tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        pool = Pool(name, layers, per_token, tensor, total_heads)
         self._pools[name] = pool
         return pool
 

@@ -51,10 +51,14 @@ class ForwardBatch:
 @dataclass
 class StageInput:
     """What a stage hands the next one: the residual stream after its last layer and, when the
-    next stage starts with shared layers, the top-k slots of the last full layer run so far."""
+    next stage starts with shared layers, the top-k slots of the last full layer run so far.
+    With a DFlash draft, also the fp32 accumulator of the draft's partial context projection
+    (Σ W_k h_k over the feature layers of the stages so far; docs/ARCHITECTURE.md, "Capture and
+    partial projection")."""
 
     hidden: torch.Tensor  # [N, hidden_size]
     topk_slots: torch.Tensor | None  # [N, index_topk] slot ids, or None
+    draft_acc: torch.Tensor | None = None  # [N, hidden_size] fp32, or None without a draft
 
 
 @dataclass
@@ -62,9 +66,10 @@ class StageOutput:
     hidden: torch.Tensor  # [N, hidden_size]: residual stream after the stage's last layer (pre-norm)
     topk_slots: torch.Tensor | None  # set only when the next stage's first layer is shared
     captures: dict[int, torch.Tensor]  # layer id -> [N, hidden_size] (see forward_stage)
+    draft_acc: torch.Tensor | None = None  # set by the runner on non-last stages with a draft projection
 
     def next_input(self) -> StageInput:
-        return StageInput(self.hidden, self.topk_slots)
+        return StageInput(self.hidden, self.topk_slots, self.draft_acc)
 
 
 class Indexer(nn.Module):

@@ -11,6 +11,14 @@ Under tensor parallelism every rank holds a runner over its shard of the model (
 `from_dir`, or a model built with it) and its own pools, which are the same as a single rank's
 (the latent and indexer caches are replicated). The scheduler sends every rank the same chunks,
 in the same order; each rank returns the same full logits.
+
+With a DFlash draft (last stage), the runner adds the `draft_kv` pool and every forward over
+chunks — chunked prefill and verify alike — also captures the target's feature layers, projects
+them and writes the draft context KV of every chunk token at its slot. Drafting reads only
+positions below a request's committed length, so the KV a verify writes for positions that are
+then rejected is never read, and is overwritten once those positions are committed. A non-last
+stage that owns feature layers takes a `DraftProjection` and hands its partial sum on in
+`StageOutput.draft_acc`.
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from glm53.models.config import GlmConfig
+from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
+from glm53.models.draft_config import DFlashConfig
+from glm53.models.draft_weights import load_draft_projection, load_draft_weights
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import TPGroup
@@ -47,12 +57,15 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         device: torch.device | str = "cpu",
-        draft: nn.Module | None = None,
+        draft: DFlashDraft | None = None,
+        draft_projection: DraftProjection | None = None,
     ):
         if draft is not None and not model.is_last:
             raise ValueError(
                 f"a draft model runs on the last stage only; this stage holds layers {model.layer_range}"
             )
+        if draft_projection is not None and (model.is_last or draft is not None):
+            raise ValueError("a draft projection is for non-last stages; the last stage takes the draft itself")
         self.cfg: GlmConfig = model.cfg
         self.model = model
         self.draft = draft
@@ -61,6 +74,19 @@ class ModelRunner:
         self.pools: KVPools = target_pools(
             model.cfg, model.layer_range, num_pages, page_size, model.dtype, self.device
         )
+        # What projects this stage's draft features: the draft itself on the last stage.
+        self.projection: DFlashDraft | DraftProjection | None = draft if draft is not None else draft_projection
+        self.draft_ids: tuple[int, ...] = ()  # feature layers this stage captures
+        self.upstream_ids: tuple[int, ...] = ()  # feature layers of earlier stages
+        if self.projection is not None:
+            ids = draft.cfg.target_layer_ids if draft is not None else draft_projection.ids
+            r = model.layer_range
+            self.draft_ids = tuple(i for i in ids if i in r)
+            self.upstream_ids = tuple(i for i in ids if i < r.start)
+            if draft_projection is not None and set(draft_projection.ids) - set(r):
+                raise ValueError(f"draft projection ids {list(draft_projection.ids)} are not all within layers {r}")
+        if draft is not None:
+            draft.add_pools(self.pools)
 
     @staticmethod
     def kv_bytes_per_token(cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None) -> int:
@@ -79,16 +105,28 @@ class ModelRunner:
         layers: range | None = None,
         progress: bool = True,
         tp: TPGroup | None = None,
+        draft_dir: str | Path | None = None,
     ) -> "ModelRunner":
         """Loads the stage holding `layers` (the whole model by default) from a checkpoint; with
-        `tp`, this rank's shard of it (reading only its slices of the split tensors)."""
+        `tp`, this rank's shard of it (reading only its slices of the split tensors). With
+        `draft_dir`, also the DFlash draft there (its config checked against the target's; same
+        dtype and `tp`), on the last stage; a non-last stage gets its `DraftProjection`."""
         cfg = GlmConfig.from_dir(model_dir)
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
         model = GlmForCausalLM(cfg, dtype=dtype, layers=layers, tp=tp)
         load_weights(model, model_dir, progress=progress)
         model.to(device)
-        return cls(model, num_pages=num_pages, page_size=page_size, device=device)
+        draft = projection = None
+        if draft_dir is not None and model.is_last:
+            draft = DFlashDraft(DFlashConfig.from_dir(draft_dir, cfg), cfg, dtype=dtype, tp=model.tp)
+            load_draft_weights(draft, draft_dir)
+            draft.to(device)
+        elif draft_dir is not None:
+            projection = load_draft_projection(draft_dir, cfg, model.layer_range, dtype).to(device)
+        return cls(
+            model, num_pages=num_pages, page_size=page_size, device=device, draft=draft, draft_projection=projection
+        )
 
     @property
     def page_size(self) -> int:
@@ -143,9 +181,37 @@ class ModelRunner:
         self, chunks: list[SeqChunk], inputs: StageInput | None = None, capture: Sequence[int] = ()
     ) -> StageOutput:
         """Runs this stage on every chunk in one batch. `inputs` is the previous stage's output
-        for the same chunks (None on the first stage); `capture` as `GlmForCausalLM.forward_stage`."""
+        for the same chunks (None on the first stage); `capture` as `GlmForCausalLM.forward_stage`.
+        With a draft, also writes the chunk tokens' draft context KV (last stage) or returns the
+        partial projection in `draft_acc` (a non-last stage with a `DraftProjection`)."""
         batch, _ = self.build_batch(chunks)
-        return self.model.forward_stage(batch, self.pools, inputs, capture)
+        if self.projection is None:
+            return self.model.forward_stage(batch, self.pools, inputs, capture)
+        out = self.model.forward_stage(batch, self.pools, inputs, tuple(set(capture) | set(self.draft_ids)))
+        acc = inputs.draft_acc if inputs is not None else None
+        if acc is None and self.upstream_ids:
+            raise ValueError(
+                f"draft feature layers {list(self.upstream_ids)} belong to earlier stages: this stage needs their "
+                "partial projection (StageInput.draft_acc)"
+            )
+        features = {i: out.captures[i] for i in self.draft_ids}
+        if acc is None and not features:
+            acc = torch.zeros(len(batch.positions), self.cfg.hidden_size, dtype=torch.float32, device=self.device)
+        else:
+            acc = self.projection.partial_projection(features, acc)
+        out.captures = {i: out.captures[i] for i in capture}
+        if self.draft is None:
+            out.draft_acc = acc
+        else:
+            self.draft.write_context(self.draft.context(acc), batch.positions, batch.out_slots, self.pools)
+        return out
+
+    def propose(self, blocks: list[DraftBlock], return_logits: bool = False):
+        """The draft's proposals [R, B − 1] for `blocks` (see `DFlashDraft.propose`); needs a
+        draft and the whole target model (its embedding and lm_head)."""
+        if self.draft is None:
+            raise ValueError("this runner holds no draft model")
+        return self.draft.propose(self.model, blocks, self.pools, return_logits=return_logits)
 
     def forward(self, chunks: list[SeqChunk], inputs: StageInput | None = None) -> list[torch.Tensor]:
         """Last stage: runs every chunk in one batch; per chunk, logits [rows, vocab] fp32."""

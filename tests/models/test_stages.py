@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import glm53.models.model as model_mod
-from glm53.models import ModelRunner, PageAllocator, SeqChunk, StageInput
+from glm53.models import DFlashConfig, DFlashDraft, ModelRunner, PageAllocator, SeqChunk, StageInput
+from glm53.models.draft_checkpoint import draft_config_dict
 from tests.models.oracle import make_checkpoint
 from tests.models.test_against_transformers import TOPK, IndexGapProbe, rel_err
 
@@ -138,6 +139,8 @@ def test_bad_capture_and_missing_inputs_raise(tmp_path):
     hidden = first.forward_stage(chunks).hidden
     with pytest.raises(RuntimeError, match="layer 2 shares top-k but no full layer ran before it"):
         second.forward_stage(chunks, StageInput(hidden, None))
+    draft_cfg = DFlashConfig.from_dict(draft_config_dict(first.cfg, head_dim=16, intermediate_size=32), first.cfg)
+    draft = DFlashDraft(draft_cfg, first.cfg)
     with pytest.raises(ValueError, match="draft model runs on the last stage only"):
-        ModelRunner(first.model, num_pages=PAGES, page_size=PAGE, draft=torch.nn.Linear(2, 2))
-    ModelRunner(second.model, num_pages=PAGES, page_size=PAGE, draft=torch.nn.Linear(2, 2))
+        ModelRunner(first.model, num_pages=PAGES, page_size=PAGE, draft=draft)
+    ModelRunner(second.model, num_pages=PAGES, page_size=PAGE, draft=draft)

@@ -1,0 +1,297 @@
+"""The DFlash draft model (z-lab `DFlashDraftModel`): Qwen3-style decoder layers fed by the
+target's features through KV injection, with no embeddings or LM head of its own.
+
+Context: the features h_k of the target layers `target_layer_ids` of every committed token are
+projected, c = hidden_norm(Σ_k W_k h_k) (`fc` split by column blocks, summed in fp32 so pipeline
+stages can each add their own blocks, docs/ARCHITECTURE.md "Capture and partial projection"),
+and every draft layer caches K = RoPE(k_norm(W_k c)) and V = W_v c of the token in the
+`draft_kv` pool at the token's target slot. Drafting: the block [last token, MASK × (B − 1)],
+embedded with the target's embedding at positions start_pos .. start_pos + B − 1, queries the
+cached context of [ctx_start, start_pos) and the block itself (non-causal); the target's lm_head
+on the final-normed block positions 1 .. B − 1 gives B − 1 proposals.
+
+Tensor parallelism: query and KV heads are split across ranks (q/k/v by heads, o_proj
+row-parallel), the MLP by its width; `fc` and the norms are replicated, so every rank computes
+the same context c and writes only its own K/V heads.
+
+Draft KV layout: one head-sharded pool `draft_kv`, [num_pages, 2·kv_local, n_layers, page_size,
+head_dim], whose heads axis interleaves K and V per KV head (K0, V0, K1, V1, …). The transfer
+layer gives TP rank r of tp the contiguous global heads [r·2H/tp, (r+1)·2H/tp) of a `Heads`
+buffer (H = num_key_value_heads), which with this order are exactly the K and V of the KV heads
+rank r computes; K heads then V heads would hand rank 0 all the K heads instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm53.kernels.norm import rms_norm
+from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from glm53.models.config import GlmConfig
+from glm53.models.draft_config import DFlashConfig, check_draft_tp
+from glm53.models.kv_cache import KVPools, Pool
+from glm53.models.layers import MLP, ColumnParallelLinear, Linear, Norm, RowParallelLinear, split
+from glm53.models.parallel import TPGroup
+
+DRAFT_KV = "draft_kv"
+
+
+@dataclass
+class DraftBlock:
+    """One request's draft step: the block [last_token, MASK × (B − 1)] at absolute positions
+    start_pos .. start_pos + B − 1, attending to the request's draft KV at positions
+    [ctx_start, start_pos) (read through `page_table`, which must cover start_pos tokens).
+    `ctx_start > 0` hides positions whose draft KV was never written. `block_size` None: the
+    checkpoint's B."""
+
+    last_token: int
+    start_pos: int
+    page_table: list[int]
+    ctx_start: int = 0
+    block_size: int | None = None
+
+
+def project_features(
+    weight: torch.Tensor, ids: tuple[int, ...], captures: Mapping[int, torch.Tensor], acc: torch.Tensor | None
+) -> torch.Tensor:
+    """acc + Σ W_k h_k over the ids present in `captures`, in `ids` order, accumulated in fp32.
+    `weight` holds the column blocks of `ids` ([H, len(ids)·H]). Each block's product is added
+    on its own, so splitting the ids over stages gives the same bits as one stage."""
+    extra = sorted(set(captures) - set(ids))
+    if extra:
+        raise ValueError(f"captured layers {extra} are not draft features here (ids {list(ids)})")
+    h = weight.shape[0]
+    for k, layer in enumerate(ids):
+        if layer not in captures:
+            continue
+        part = F.linear(captures[layer].to(weight.dtype), weight[:, k * h : (k + 1) * h]).float()
+        acc = part if acc is None else acc + part
+    if acc is None:
+        raise ValueError("no feature captured and no accumulator given: nothing to project")
+    return acc
+
+
+class DraftProjection(nn.Module):
+    """The `fc` column blocks of some of the draft's feature layers: what a pipeline stage that
+    owns target layers `ids` (but not the draft) adds into the accumulator it hands on."""
+
+    def __init__(self, weight: torch.Tensor, ids: tuple[int, ...]):
+        super().__init__()
+        if weight.shape[1] != len(ids) * weight.shape[0]:
+            raise ValueError(f"weight {tuple(weight.shape)} does not hold {len(ids)} column blocks")
+        self.ids = tuple(ids)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    @classmethod
+    def of_draft(cls, draft: "DFlashDraft", layers: range) -> "DraftProjection":
+        """The blocks of `draft.fc` for the feature ids within the target layers `layers`."""
+        ks = [k for k, i in enumerate(draft.cfg.target_layer_ids) if i in layers]
+        h = draft.cfg.hidden_size
+        w = torch.cat([draft.fc.weight[:, k * h : (k + 1) * h] for k in ks], dim=1) if ks else draft.fc.weight[:, :0]
+        return cls(w.clone(), tuple(draft.cfg.target_layer_ids[k] for k in ks))
+
+    def partial_projection(self, captures: Mapping[int, torch.Tensor], acc: torch.Tensor | None = None) -> torch.Tensor:
+        return project_features(self.weight, self.ids, captures, acc)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, dtype: torch.dtype, tp: TPGroup):
+        super().__init__()
+        self.cfg = cfg
+        hd, h = cfg.head_dim, cfg.hidden_size
+        self.n_heads = split(cfg.num_attention_heads, tp, "num_attention_heads")
+        self.n_kv = split(cfg.num_key_value_heads, tp, "num_key_value_heads")
+        self.q_proj = ColumnParallelLinear(h, cfg.num_attention_heads * hd, dtype, tp)
+        self.k_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * hd, dtype, tp)
+        self.v_proj = ColumnParallelLinear(h, cfg.num_key_value_heads * hd, dtype, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, h, dtype, tp)
+        self.q_norm = Norm(hd, dtype)
+        self.k_norm = Norm(hd, dtype)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's K (k_norm, RoPE) and V heads of rows x: each [N, kv_local, head_dim]."""
+        n, hd, eps = x.shape[0], self.cfg.head_dim, self.cfg.rms_norm_eps
+        k = rms_norm(self.k_proj(x).view(n, self.n_kv, hd), self.k_norm.weight, eps)
+        return apply_rope(k, cos, sin, interleave=False), self.v_proj(x).view(n, self.n_kv, hd)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
+        """x: block rows [R·B, H]; ctx_k/ctx_v [R, T, kv_local, head_dim]; ctx_mask [R, T]."""
+        r, t = ctx_mask.shape
+        n, hd = x.shape[0], self.cfg.head_dim
+        b = n // r
+        q = rms_norm(self.q_proj(x).view(n, self.n_heads, hd), self.q_norm.weight, self.cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin, interleave=False)
+        k, v = self.kv(x, cos, sin)
+        k = torch.cat([ctx_k, k.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)  # [R, kv, T+B, hd]
+        v = torch.cat([ctx_v, v.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)
+        group = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        # Every block query sees the request's valid context and all B block positions.
+        mask = torch.cat([ctx_mask, ctx_mask.new_ones(r, b)], dim=1)[:, None, None, :]
+        q = q.view(r, b, self.n_heads, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5)
+        return self.o_proj(o.transpose(1, 2).reshape(n, self.n_heads * hd))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, dtype: torch.dtype, tp: TPGroup):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = Norm(cfg.hidden_size, dtype)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, dtype)
+        self.self_attn = DraftAttention(cfg, dtype, tp)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, ctx_k, ctx_v, ctx_mask)
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+
+
+class DFlashDraft(nn.Module):
+    """The draft (this rank's shard of it under `tp`). Parameter names are the checkpoint's
+    (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`, `hidden_norm.weight`, `norm.weight`, …);
+    `check_draft_tp` runs first, so a tp that cannot split it is a `ConfigError` naming the field."""
+
+    def __init__(
+        self, cfg: DFlashConfig, target_cfg: GlmConfig, dtype: torch.dtype = torch.float32, tp: TPGroup | None = None
+    ):
+        super().__init__()
+        self.tp = tp if tp is not None else TPGroup.single()
+        check_draft_tp(cfg, self.tp.size)
+        if cfg.hidden_size != target_cfg.hidden_size:
+            raise ValueError(f"hidden_size: draft {cfg.hidden_size} vs target {target_cfg.hidden_size}")
+        self.cfg, self.target_cfg, self.dtype = cfg, target_cfg, dtype
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DraftLayer(cfg, dtype, self.tp) for _ in range(cfg.num_hidden_layers))
+        self.fc = Linear(cfg.num_features * h, h, dtype)
+        self.hidden_norm = Norm(h, dtype)
+        self.norm = Norm(h, dtype)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+
+    # --- the draft KV pool ---
+    @property
+    def kv_heads_local(self) -> int:
+        return self.cfg.num_key_value_heads // self.tp.size
+
+    @property
+    def pool_total_heads(self) -> int:
+        """Heads of the `draft_kv` pool over all ranks: a K and a V head per KV head."""
+        return 2 * self.cfg.num_key_value_heads
+
+    def add_pools(self, pools: KVPools) -> Pool:
+        """Adds this rank's `draft_kv` pool (same page ids as the target's pools)."""
+        return pools.add(
+            DRAFT_KV, self.cfg.draft_layers, (2 * self.kv_heads_local, self.cfg.head_dim), self.dtype,
+            total_heads=self.pool_total_heads,
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        """Draft KV bytes one token costs on this rank."""
+        per_layer = 2 * self.kv_heads_local * self.cfg.head_dim
+        return self.cfg.num_hidden_layers * per_layer * torch.empty((), dtype=self.dtype).element_size()
+
+    # --- context (KV injection) ---
+    def partial_projection(self, captures: Mapping[int, torch.Tensor], acc: torch.Tensor | None = None) -> torch.Tensor:
+        """acc + Σ W_k h_k over the feature layers present in `captures` (layer id -> [N, H]),
+        fp32 [N, H]. A pipeline stage passes only its own layers."""
+        return project_features(self.fc.weight, self.cfg.target_layer_ids, captures, acc)
+
+    def context(self, acc: torch.Tensor) -> torch.Tensor:
+        """c = hidden_norm(Σ_k W_k h_k), in the draft's dtype ([N, H])."""
+        return rms_norm(acc.float(), self.hidden_norm.weight.float(), self.cfg.rms_norm_eps).to(self.dtype)
+
+    @torch.inference_mode()
+    def write_context(self, c: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor, pools: KVPools) -> None:
+        """Every draft layer's K (k_norm, RoPE at `positions`) and V of the context rows `c`
+        (not through input_layernorm), written into `draft_kv` at `out_slots`."""
+        pool = pools[DRAFT_KV]
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        n = c.shape[0]
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(c, cos, sin)
+            pools.write(pool.view(i), out_slots, torch.stack([k, v], dim=2).view(n, 2 * self.kv_heads_local, -1))
+
+    def read_context(self, pools: KVPools, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [*slots.shape, kv_local, head_dim] of draft layer `layer` at flat slots."""
+        view = pools[DRAFT_KV].view(layer)
+        ps = view.shape[1]
+        kv = view[slots // ps, slots % ps]
+        return kv[..., 0::2, :], kv[..., 1::2, :]
+
+    # --- drafting ---
+    @torch.inference_mode()
+    def propose(
+        self, target: nn.Module, blocks: list[DraftBlock], pools: KVPools, return_logits: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Proposals [R, B − 1] (long) for the requests `blocks` in one batch: argmax of the
+        target's logits at block positions 1 .. B − 1 (a proposal equal to mask_token_id is
+        kept). With `return_logits`, also those fp32 logits [R, B − 1, vocab]. `target` is the
+        whole target model (its embedding and lm_head); every TP rank returns the same values."""
+        if not blocks:
+            raise ValueError("propose needs at least one block")
+        if not (getattr(target, "is_first", False) and getattr(target, "is_last", False)):
+            raise ValueError("drafting uses the target's embedding and lm_head: it needs the whole target model")
+        b = self._block_size(blocks)
+        dev = self.inv_freq.device
+        r = len(blocks)
+        ids = torch.full((r, b), self.cfg.mask_token_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor([blk.last_token for blk in blocks])
+        starts = torch.tensor([blk.start_pos for blk in blocks])
+        positions = (starts[:, None] + torch.arange(b)).reshape(-1).to(dev)
+        slots, mask = self._context_slots(blocks, pools.page_size)
+        slots, mask = slots.to(dev), mask.to(dev)
+
+        x = target.embed(ids.reshape(-1).to(dev)).to(self.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = self.read_context(pools, i, slots)
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+        h = rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
+        logits = target.lm_head(h.reshape(r * (b - 1), -1)).float().view(r, b - 1, -1)
+        tokens = logits.argmax(dim=-1)
+        return (tokens, logits) if return_logits else tokens
+
+    def _block_size(self, blocks: list[DraftBlock]) -> int:
+        sizes = {blk.block_size or self.cfg.block_size for blk in blocks}
+        if len(sizes) != 1:
+            raise ValueError(f"every block of one propose call needs the same block_size, got {sorted(sizes)}")
+        b = sizes.pop()
+        if b < 2:
+            raise ValueError(f"block_size must be >= 2 (one committed token and at least one draft), got {b}")
+        return b
+
+    @staticmethod
+    def _context_slots(blocks: list[DraftBlock], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [R, T] of positions lo .. lo + T − 1 (lo = the smallest ctx_start, T reaching the
+        largest start_pos) through each request's page table, and which of them each request sees."""
+        for blk in blocks:
+            if not 0 <= blk.ctx_start <= blk.start_pos:
+                raise ValueError(f"ctx_start {blk.ctx_start} must lie in [0, start_pos={blk.start_pos}]")
+            if -(-blk.start_pos // page_size) > len(blk.page_table):
+                raise ValueError(
+                    f"page table of {len(blk.page_table)} pages cannot hold {blk.start_pos} context tokens "
+                    f"(page_size={page_size})"
+                )
+        lo = min(blk.ctx_start for blk in blocks)
+        t = max(blk.start_pos for blk in blocks) - lo
+        pos = lo + torch.arange(t)
+        width = max(1, max(len(blk.page_table) for blk in blocks))
+        table = torch.zeros(len(blocks), width, dtype=torch.long)
+        for i, blk in enumerate(blocks):
+            table[i, : len(blk.page_table)] = torch.tensor(blk.page_table, dtype=torch.long)
+        ctx_start = torch.tensor([blk.ctx_start for blk in blocks])[:, None]
+        start = torch.tensor([blk.start_pos for blk in blocks])[:, None]
+        mask = (pos[None] >= ctx_start) & (pos[None] < start)
+        page = table.gather(1, (pos // page_size).clamp(max=width - 1)[None].expand(len(blocks), -1))
+        slots = torch.where(mask, page * page_size + pos % page_size, torch.zeros_like(page))
+        return slots, mask
+
+
+def add_draft_pools(pools: KVPools, draft: DFlashDraft) -> Pool:
+    """Adds the draft's `draft_kv` pool to `pools` (the target's pools of the last stage)."""
+    return draft.add_pools(pools)
