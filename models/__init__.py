@@ -3,7 +3,9 @@ weight loading, named KV pools, the runner, tensor parallelism (`TPGroup`, `chec
 DFlash draft (config, model, loader, random-checkpoint writer)."""
 
 from glm53.models.config import ConfigError, GlmConfig, indexer_schedule
-from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection, add_draft_pools
+from glm53.models.draft import (
+    DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection, add_draft_pools, draft_kv_bytes_per_token,
+)
 from glm53.models.draft_checkpoint import write_random_draft
 from glm53.models.draft_config import DFlashConfig, build_target_layer_ids, check_draft_tp
 from glm53.models.draft_weights import load_draft_projection, load_draft_weights
@@ -19,6 +21,6 @@ __all__ = [
     "ForwardBatch", "GlmForCausalLM", "StageInput", "StageOutput",
     "CommStats", "TPGroup", "check_tp",
     "ModelRunner", "SeqChunk", "WeightError", "checkpoint_tensors", "load_weights",
-    "DRAFT_KV", "DFlashConfig", "DFlashDraft", "DraftBlock", "DraftProjection", "add_draft_pools",
+    "DRAFT_KV", "DFlashConfig", "DFlashDraft", "DraftBlock", "DraftProjection", "add_draft_pools", "draft_kv_bytes_per_token",
     "build_target_layer_ids", "check_draft_tp", "load_draft_projection", "load_draft_weights", "write_random_draft",
 ]

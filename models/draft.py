@@ -192,8 +192,7 @@ class DFlashDraft(nn.Module):
 
     def kv_bytes_per_token(self) -> int:
         """Draft KV bytes one token costs on this rank."""
-        per_layer = 2 * self.kv_heads_local * self.cfg.head_dim
-        return self.cfg.num_hidden_layers * per_layer * torch.empty((), dtype=self.dtype).element_size()
+        return draft_kv_bytes_per_token(self.cfg, self.dtype, self.tp.size)
 
     # --- context (KV injection) ---
     def partial_projection(self, captures: Mapping[int, torch.Tensor], acc: torch.Tensor | None = None) -> torch.Tensor:
@@ -290,6 +289,13 @@ class DFlashDraft(nn.Module):
         page = table.gather(1, (pos // page_size).clamp(max=width - 1)[None].expand(len(blocks), -1))
         slots = torch.where(mask, page * page_size + pos % page_size, torch.zeros_like(page))
         return slots, mask
+
+
+def draft_kv_bytes_per_token(cfg: DFlashConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes one token costs in one TP rank's `draft_kv` pool (K and V of its KV heads, every
+    draft layer), for sizing the page pools before the draft is built."""
+    per_layer = 2 * (cfg.num_key_value_heads // tp_size) * cfg.head_dim
+    return cfg.num_hidden_layers * per_layer * torch.empty((), dtype=dtype).element_size()
 
 
 def add_draft_pools(pools: KVPools, draft: DFlashDraft) -> Pool:

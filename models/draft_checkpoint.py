@@ -37,7 +37,9 @@ def draft_config_dict(
     target's dense MLP width, the published default target layers, and the last vocabulary id
     as the mask token (the published drafts use an unused padded embedding row)."""
     heads = num_heads or target.num_attention_heads
-    ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(target.num_hidden_layers, n_layers)
+    if target_layer_ids is None:
+        target_layer_ids = build_target_layer_ids(target.num_hidden_layers, n_layers)
+    ids = list(target_layer_ids)
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",

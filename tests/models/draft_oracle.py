@@ -43,7 +43,8 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 class RefDraft:
     def __init__(self, draft_dir: Path, target_dir: Path):
         self.cfg = json.loads((Path(draft_dir) / "config.json").read_text())
-        self.w = {k.removeprefix("model."): v.float() for k, v in load_file(str(Path(draft_dir) / "model.safetensors")).items()}
+        tensors = load_file(str(Path(draft_dir) / "model.safetensors"))
+        self.w = {k.removeprefix("model."): v.float() for k, v in tensors.items()}
         target = load_file(str(Path(target_dir) / "model.safetensors"))
         self.embed = target["model.embed_tokens.weight"].float()
         self.lm_head = target["lm_head.weight"].float()

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from glm53.models import (
     DRAFT_KV, ConfigError, DFlashConfig, DFlashDraft, DraftBlock, DraftProjection, GlmConfig, GlmForCausalLM, KVPools,
-    ModelRunner, PageAllocator, WeightError, add_draft_pools, build_target_layer_ids, check_draft_tp,
+    ModelRunner, PageAllocator, WeightError, add_draft_pools, build_target_layer_ids, check_draft_tp, draft_kv_bytes_per_token,
     load_draft_projection, load_draft_weights, write_random_draft,
 )
 from glm53.models.draft_checkpoint import draft_config_dict
@@ -212,6 +212,7 @@ def test_pools_register_with_the_transfer_layer(ckpts):
     assert p.layers == (0, 1) and p.tensor.shape == (PAGES, 4, 2, PAGE, 16)
     assert spec.shard == Heads(total=4, per_rank=4, bytes_per_head=16 * 4)
     assert spec.bytes_per_token * 2 == runner.draft.kv_bytes_per_token()  # per layer vs all layers
+    assert draft_kv_bytes_per_token(runner.draft.cfg, torch.float32, 2) * 2 == runner.draft.kv_bytes_per_token()
     # The per-layer view is [pages, page_size, heads, head_dim], like a replicated pool's.
     assert p.view(1).shape == (PAGES, PAGE, 4, 16) and p.view(1).data_ptr() == p.tensor[:, :, 1].data_ptr()
     # Under tp=2 the transfer layer gives rank r heads [2r, 2r + 2): K and V of KV head r.
