@@ -58,6 +58,13 @@ def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
     t.add_argument("--disaggregation-transfer-backend", "--transfer-backend", dest="transfer_backend")
     t.add_argument("--bootstrap-timeout", dest="bootstrap_timeout_s", type=float)
     t.add_argument("--transfer-timeout", dest="transfer_timeout_s", type=float)
+    t.add_argument("--disaggregation-draft-kv-transfer", dest="draft_kv_transfer", choices=["on", "off"],
+                   help="prefill sends the DFlash draft's context KV with the target KV (default on)")
+    sp = p.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative-algorithm", dest="speculative_algorithm", type=str.upper,
+                    choices=["NONE", "DFLASH"])
+    sp.add_argument("--speculative-draft-model-path", dest="speculative_draft_model_path")
+    sp.add_argument("--speculative-num-draft-tokens", dest="speculative_num_draft_tokens", type=int)
     if not engine:  # the router starts no instance: engine flags would do nothing there
         return
     g = p.add_argument_group("engine (applies to every instance this command starts)")
@@ -125,6 +132,13 @@ def overrides_from_args(args: argparse.Namespace, role: str | None = None, index
     o["transfer.backend"] = get("transfer_backend")
     o["transfer.bootstrap_timeout_s"] = get("bootstrap_timeout_s")
     o["transfer.transfer_timeout_s"] = get("transfer_timeout_s")
+    algo = get("speculative_algorithm")
+    o["speculative.algorithm"] = {"NONE": "none"}.get(algo, algo)
+    path = get("speculative_draft_model_path")
+    o["speculative.draft_model_path"] = str(Path(path).expanduser().resolve()) if path else None
+    o["speculative.num_draft_tokens"] = get("speculative_num_draft_tokens")
+    kv = get("draft_kv_transfer")
+    o["speculative.draft_kv_transfer"] = None if kv is None else kv == "on"
     o["router.log_level"] = get("log_level")
     o["router.policy"] = get("policy")
     o["router.startup_timeout_s"] = get("startup_timeout_s")

@@ -113,6 +113,24 @@ class TransferConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """DFlash speculative decoding, for every instance (SGLang's flag names)."""
+
+    algorithm: Literal["none", "DFLASH"] = "none"
+    draft_model_path: str | None = None  # a DFlash draft directory (published layout)
+    # Tokens a verify step checks, the bonus slot included; None = the draft's block size.
+    num_draft_tokens: int | None = None
+    # Prefill sends the draft's context KV of the prompt with the target KV. Off, decode drafts
+    # only from the context it builds after the handoff (fewer accepted tokens on the first
+    # steps, fewer bytes moved).
+    draft_kv_transfer: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm == "DFLASH"
+
+
+@dataclass
 class EngineConfig:
     """Per-instance engine knobs; `defaults` and instance entries may set any of them."""
 
@@ -168,6 +186,7 @@ class ClusterConfig:
     prefill: list[InstanceConfig]
     decode: list[InstanceConfig]
     name: str = "glm53"
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def pool(self, role: str) -> list[InstanceConfig]:
         return self.prefill if role == "prefill" else self.decode
@@ -188,6 +207,7 @@ class ClusterConfig:
             "model": dataclasses.asdict(self.model),
             "router": dataclasses.asdict(self.router),
             "transfer": dataclasses.asdict(self.transfer),
+            "speculative": dataclasses.asdict(self.speculative),
             "defaults": dataclasses.asdict(self.defaults),
         }
         for role in ROLES:
@@ -207,7 +227,7 @@ class ClusterConfig:
 _INSTANCE_ONLY = ("name", "host", "port", "bootstrap_port")
 _PLACEMENT = ("devices", "tp", "pp")
 _ALIASES = {"tp_size": "tp", "pp_size": "pp", "max_num_seqs": "max_running_requests", "max_model_len": "context_length"}
-_TOP_KEYS = ("name", "model", "router", "transfer", "defaults", "prefill", "decode")
+_TOP_KEYS = ("name", "model", "router", "transfer", "speculative", "defaults", "prefill", "decode")
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ClusterConfig:
@@ -236,6 +256,7 @@ def parse_config(raw: Any, source: str = "<config>", overrides: dict[str, Any] |
     model = _build(ModelConfig, raw.get("model", {}), "model", source)
     router = _build(RouterConfig, raw.get("router", {}), "router", source)
     transfer = _build(TransferConfig, raw.get("transfer", {}), "transfer", source)
+    speculative = _build(SpeculativeConfig, raw.get("speculative", {}), "speculative", source)
 
     defaults_raw = raw.get("defaults", {})
     if not isinstance(defaults_raw, dict):
@@ -257,7 +278,7 @@ def parse_config(raw: Any, source: str = "<config>", overrides: dict[str, Any] |
         ]
 
     cfg = ClusterConfig(
-        source=source, name=name, model=model, router=router, transfer=transfer,
+        source=source, name=name, model=model, router=router, transfer=transfer, speculative=speculative,
         defaults=defaults, prefill=pools["prefill"], decode=pools["decode"],
     )
     _check_semantics(cfg)
@@ -369,6 +390,12 @@ def _check_semantics(cfg: ClusterConfig) -> None:
     for k in ("bootstrap_timeout_s", "transfer_timeout_s"):
         if getattr(cfg.transfer, k) <= 0:
             raise err(f"transfer.{k}", f"must be > 0, got {getattr(cfg.transfer, k)}")
+    spec = cfg.speculative
+    if spec.enabled and not spec.draft_model_path:
+        raise err("speculative.draft_model_path", "DFLASH needs a draft model directory")
+    if spec.num_draft_tokens is not None and spec.num_draft_tokens < 2:
+        raise err("speculative.num_draft_tokens", f"must be >= 2 (the bonus slot and a draft), got "
+                  f"{spec.num_draft_tokens}")
     if cfg.model.context_length is not None and cfg.model.context_length < 2:
         raise err("model.context_length", f"must be >= 2, got {cfg.model.context_length}")
     if not cfg.model.path:

@@ -182,6 +182,8 @@ class TokenEvent(_Message):
     completion_tokens: int = 0  # total generated so far, including token_ids
     cached_tokens: int = 0
     transfer: TransferStats | None = None
+    # Speculative decoding: tokens committed by each verify step since the previous event.
+    spec_accept: list[int] = field(default_factory=list)
 
     def _from_wire(self) -> None:
         if isinstance(self.transfer, dict):

@@ -137,7 +137,7 @@ def sample(
     x = logits[idx].float()
     temps = torch.tensor([params[i].temperature for i in rest], device=x.device).unsqueeze(1)
     x = x / temps
-    x = _filter(x, [params[i] for i in rest])
+    x = filter_logits(x, [params[i] for i in rest])
     probs = torch.softmax(x, dim=-1)
     # Exponential race: argmax(p / E) with E ~ Exp(1) is an exact draw from p, and lets each row
     # take its noise from its own generator.
@@ -150,7 +150,7 @@ def sample(
     return out
 
 
-def _filter(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filter_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask (to -inf) the logits that top-k, top-p or min-p exclude; x is temperature-scaled."""
     import torch
 

@@ -234,18 +234,21 @@ def check_pair(src: BufferSpec, dst: BufferSpec, src_tp: int, dst_tp: int, where
 def check_tables(prefill_stages: Sequence[BufferTable], prefill_tp: int,
                  decode: BufferTable, decode_tp: int) -> None:
     """Validate a prefill instance (one table per PP stage) against a decode instance (one
-    table, PP 1). Raises ``TableMismatch`` naming the field. Rules: every buffer name exists on
-    both sides; per-buffer geometry agrees (``check_pair``); no layer of a buffer is held by two
-    stages; the stages together hold exactly the decode buffer's layers."""
+    table, PP 1). Raises ``TableMismatch`` naming the field. Rules: every prefill buffer exists
+    on decode (decode may hold more: a buffer this prefill does not fill, such as draft KV from a
+    prefill without the draft, simply receives no writes); per-buffer geometry agrees
+    (``check_pair``); no layer of a buffer is held by two stages; the stages together hold exactly
+    the decode buffer's layers."""
     if prefill_tp < 1 or decode_tp < 1:
         raise TableMismatch("tp", f"prefill tp {prefill_tp}, decode tp {decode_tp}")
     if not prefill_stages:
         raise TableMismatch("pp", "prefill has no stages")
     pnames = set().union(*[set(t.names()) for t in prefill_stages])
     dnames = set(decode.names())
-    if pnames != dnames:
-        raise TableMismatch("name", f"prefill buffers {sorted(pnames)} vs decode {sorted(dnames)}")
-    for name in sorted(dnames):
+    if not pnames <= dnames:
+        raise TableMismatch("name", f"prefill buffers {sorted(pnames - dnames)} are not on decode "
+                            f"(prefill {sorted(pnames)}, decode {sorted(dnames)})")
+    for name in sorted(pnames):
         d = decode[name]
         owner: dict[int, int] = {}
         for s, t in enumerate(prefill_stages):

@@ -6,7 +6,7 @@ KV receivers on every rank, pointing prefill's ranks at the prompt pages -> when
 succeeded, read the checked metadata row (first token), stream it, join the running batch ->
 one decode forward per step for the whole batch -> finish on a stop token / eos / length.
 
-One place decides a request is over (`_append`) and one frees its pages (`_release`). A room
+One place decides a request is over (`_commit`) and one frees its pages (`_release`). A room
 whose transfer is in flight is released only from `_poll_transfers`, once every rank's receiver
 is terminal, so no write can land in reused pages.
 """
@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from glm53.models import SeqChunk
+from glm53.models.draft import DraftBlock
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
+from glm53.server.engine.spec import accept
 from glm53.server.sampling import sample, step_generator
 from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer, TransferError
 
@@ -37,6 +39,8 @@ class DecodeRequest(TrackedRequest):
     output: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)  # generated, not yet streamed
     aborted: bool = False  # while receiving: the pages wait for the receivers to be terminal
+    ctx_start: int = 0  # first position whose draft context KV exists (the prompt's came from prefill)
+    accepts: list[int] = field(default_factory=list)  # tokens committed per verify, not yet reported
     transfer_started: float = 0.0  # receivers created
     bootstrapped: float = 0.0  # receivers left BOOTSTRAPPING: prefill reached, destination sent
 
@@ -47,6 +51,14 @@ class DecodeScheduler(Scheduler):
     def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None):
         super().__init__(cluster, inst, workers)
         self.stream_interval = inst.engine.stream_interval
+        # Tokens a speculative step verifies (the bonus slot included); None: plain decoding.
+        self.block_size = self.workers.block_size
+        asked = cluster.speculative.num_draft_tokens
+        if self.block_size and asked:
+            if asked > self.block_size:
+                raise SystemExit(f"{cluster.source}: speculative.num_draft_tokens={asked} is larger than the "
+                                 f"draft's block size {self.block_size}")
+            self.block_size = asked
         self.waiting: deque[DecodeRequest] = deque()  # no pages yet
         self.receiving: list[DecodeRequest] = []  # pages held, KV in flight
         self.running: list[DecodeRequest] = []  # adopted, decoding
@@ -104,7 +116,7 @@ class DecodeScheduler(Scheduler):
                 self._release(r)
             elif state == KVPoll.FAILED:
                 self._release(r, error=(f"KV transfer failed: {r.receiver.error}",
-                                                protocol_error_code(r.receiver.error_code)))
+                                        protocol_error_code(r.receiver.error_code)))
             else:
                 self._adopt(r)
         return did
@@ -120,12 +132,17 @@ class DecodeScheduler(Scheduler):
             self._emit(r, [], "length", transfer=stats)
             self._release(r)
             return
-        tok = int(row.first_token_ids[0])
-        self._append(r, tok, transfer=stats, first=True)
+        # The draft's context for the prompt came with the KV (counts[1] = positions sent), or
+        # decode builds it from its own verify steps, starting after the prompt.
+        if len(row.counts) < 2 or row.counts[1] < r.prompt_len:
+            r.ctx_start = r.prompt_len
+        self._commit(r, [int(row.first_token_ids[0])], transfer=stats, first=True)
 
     def _decode(self) -> bool:
         if not self.running:
             return False
+        if self.block_size:
+            return self._decode_speculative()
         batch = list(self.running)
         chunks = [SeqChunk([r.output[-1]], r.prompt_len + len(r.output) - 1, r.pages) for r in batch]
         logits = self.workers.forward(chunks)
@@ -134,21 +151,49 @@ class DecodeScheduler(Scheduler):
         gens = [step_generator(r.params.seed, len(r.output)) if r.params.seed is not None else None for r in batch]
         toks = sample(rows, params, gens).tolist()
         for r, tok in zip(batch, toks):
-            self._append(r, int(tok))
+            self._commit(r, [int(tok)])
         self.count_tokens(len(batch))
         return True
 
-    # -- the one place a request finishes, the one place it is released ---------------------------------------------------
-    def _append(self, r: DecodeRequest, tok: int, transfer: TransferStats | None = None, first: bool = False) -> None:
-        """Commit one generated token: decide whether the request is over, stream it (token events
-        go out every `stream_interval` tokens, with the first token, and always with the last)."""
-        r.output.append(tok)
-        r.unsent.append(tok)
-        reason = None
-        if tok in r.req.spec.stop_ids:
-            reason = "stop"
-        elif len(r.output) >= r.params.max_new_tokens:
-            reason = "length"
+    def _decode_speculative(self) -> bool:
+        """One DFlash step for the whole batch: the draft proposes, the target verifies every
+        request's block in one forward, each request commits its accepted prefix + one token."""
+        batch = list(self.running)
+        blocks = []
+        for r in batch:
+            committed = r.prompt_len + len(r.output)
+            # Never verify past max_new_tokens: a block of n commits at most n tokens, so its
+            # positions stay inside the pages allocated for prompt + max_new_tokens.
+            n = min(self.block_size, r.params.max_new_tokens - len(r.output))
+            blocks.append(DraftBlock(last_token=r.output[-1], start_pos=committed - 1, page_table=r.pages,
+                                     ctx_start=r.ctx_start, block_size=n))
+        drafts, logits = self.workers.spec_step(blocks)
+        n_out = 0
+        for r, d, lg in zip(batch, drafts, logits):
+            toks = accept(d, lg, r.params, first_step=len(r.output))
+            r.accepts.append(len(toks))
+            n_out += self._commit(r, toks)
+        self.count_tokens(n_out)
+        return True
+
+    # -- the one place a request finishes, the one place it is released -------------------
+    def _commit(self, r: DecodeRequest, toks: list[int], transfer: TransferStats | None = None,
+                first: bool = False) -> int:
+        """Commit generated tokens in order, stopping at the first that ends the request (a stop
+        token or eos, or max_new_tokens: nothing is emitted past them); stream them (token events
+        go out every `stream_interval` tokens, with the first token, and always with the last).
+        Returns how many were committed."""
+        reason, n = None, 0
+        for tok in toks:
+            r.output.append(tok)
+            r.unsent.append(tok)
+            n += 1
+            if tok in r.req.spec.stop_ids:
+                reason = "stop"
+            elif len(r.output) >= r.params.max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                break
         if first or reason is not None or len(r.unsent) >= self.stream_interval:
             self._emit(r, r.unsent, reason, transfer=transfer)
             r.unsent = []
@@ -156,6 +201,7 @@ class DecodeScheduler(Scheduler):
             self._release(r)
         elif first:
             self.running.append(r)
+        return n
 
     def _release(self, r: DecodeRequest, error: tuple[str, str] | None = None) -> None:
         """End a request whose pages no transfer can still write: out of the batch, pages freed,
@@ -177,7 +223,8 @@ class DecodeScheduler(Scheduler):
         self.channel.send(r.req.reply_to, TokenEvent(
             room=r.req.room, generation=r.req.generation, instance=self.inst.name, token_ids=toks,
             finish_reason=reason, matched_stop=matched, prompt_tokens=r.prompt_len,
-            completion_tokens=len(r.output), transfer=transfer))
+            completion_tokens=len(r.output), transfer=transfer, spec_accept=r.accepts))
+        r.accepts = []
 
     def queue_sizes(self) -> tuple[int, int, int]:
         return len(self.running), len(self.waiting), len(self.receiving)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from glm53.models import GlmConfig, SeqChunk
+from glm53.models.draft import DraftBlock
 from glm53.server.engine.worker import RankSpec, RankWorker
 from glm53.transport import Room, RoomTransfer
 
@@ -26,11 +27,18 @@ class WorkerGroup(abc.ABC):
     num_pages: int  # KV pages every rank holds (one page-id space for the whole instance)
     page_size: int
     bytes_per_page: int  # KV bytes one page costs, summed over every pool of every rank
+    block_size: int | None  # the DFlash draft's block size; None without a draft
+    sends_draft_kv: bool  # prefill: the transfers carry the prompt's draft context KV
 
     @abc.abstractmethod
     def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
         """Run the chunks as one batch through every stage; per chunk, the last stage's logits
         [rows, vocab] (fp32), identical for all ranks."""
+
+    @abc.abstractmethod
+    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Decode with a draft: propose, then verify in one target forward (RankWorker.spec_step);
+        the drafts and the verify logits per request."""
 
     @abc.abstractmethod
     def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:
@@ -63,9 +71,14 @@ class LocalWorkers(WorkerGroup):
         self.cfg = self.rank.cfg
         self.page_size = specs[0].page_size
         self.bytes_per_page = self.rank.bytes_per_page
+        self.block_size = self.rank.block_size
+        self.sends_draft_kv = self.rank.sends_draft_kv
 
     def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
         return self.rank.forward(chunks)
+
+    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        return self.rank.spec_step(blocks)
 
     def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:
         return RoomTransfer([self.rank.create_sender(room, decode_instance)])

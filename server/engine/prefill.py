@@ -117,7 +117,9 @@ class PrefillScheduler(Scheduler):
                 self.running.remove(r)
                 self.sending.append(r)
                 if r.sender.poll() not in TERMINAL:
-                    r.sender.finish(MetadataRow(first_token_ids=(int(tok),), counts=(r.prompt_len,)))
+                    # counts: prompt tokens, and draft-context positions sent with them.
+                    draft_ctx = r.prompt_len if self.workers.sends_draft_kv else 0
+                    r.sender.finish(MetadataRow(first_token_ids=(int(tok),), counts=(r.prompt_len, draft_ctx)))
         return True
 
     def _reap(self) -> bool:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from glm53.models import SeqChunk
+from glm53.models.draft import DraftBlock
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.worker import RankSpec, RankWorker
 from glm53.transport import KVPoll, MetadataRow, Room, RoomTransfer, TransferError, TransferErrorCode
@@ -59,6 +60,7 @@ class Op:
 class Command:
     ops: list[Op] = field(default_factory=list)
     chunks: Optional[list[SeqChunk]] = None  # forward after the ops
+    spec: Optional[list[DraftBlock]] = None  # or a speculative step (propose + verify)
     stop: bool = False
 
 
@@ -92,12 +94,18 @@ class RankRuntime:
         self.worker, self.rank = worker, rank
         self.handles: dict[RoomKey, Any] = {}
 
-    def apply(self, cmd: Command) -> tuple[Optional[list[torch.Tensor]], dict[RoomKey, HandleState]]:
+    def apply(self, cmd: Command) -> tuple[Any, dict[RoomKey, HandleState]]:
+        """The forward's logits, the speculative step's (drafts, logits), or None; and the
+        transfer states of this rank's handles."""
         for op in cmd.ops:
             if op.rank in (None, self.rank):
                 self._apply(op)
-        logits = self.worker.forward(cmd.chunks) if cmd.chunks else None
-        return logits, self.report()
+        out = None
+        if cmd.chunks:
+            out = self.worker.forward(cmd.chunks)
+        elif cmd.spec:
+            out = self.worker.spec_step(cmd.spec)
+        return out, self.report()
 
     def _apply(self, op: Op) -> None:
         room = Room(*op.room)
@@ -274,15 +282,17 @@ class ProcessWorkers(WorkerGroup):
         self.runtime = RankRuntime(self.rank, 0)
         self.cfg = self.rank.cfg
         self.page_size = specs[0].page_size
-        self.bytes_per_page = self.rank.bytes_per_page  # replicated pools: each rank holds the same
+        self.bytes_per_page = self.rank.bytes_per_page  # per rank (the draft KV is this rank's heads)
+        self.block_size = self.rank.block_size
+        self.sends_draft_kv = self.rank.sends_draft_kv
 
     def queue(self, op: Op) -> None:
         self._queue.append(op)
 
-    def _run(self, chunks: Optional[list[SeqChunk]]) -> Optional[list[torch.Tensor]]:
+    def _run(self, chunks: Optional[list[SeqChunk]] = None, spec: Optional[list[DraftBlock]] = None) -> Any:
         if self._lost:
             raise RanksLost(self._lost)
-        cmd, self._queue = Command(self._queue, chunks), []
+        cmd, self._queue = Command(self._queue, chunks, spec), []
         try:
             dist.broadcast_object_list([cmd], src=0, group=self._control)
             logits, mine = self.runtime.apply(cmd)
@@ -307,8 +317,11 @@ class ProcessWorkers(WorkerGroup):
         assert logits is not None
         return logits
 
+    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        return self._run(spec=blocks)
+
     def sync(self) -> None:
-        self._run(None)
+        self._run()
 
     def _open(self, kind: str, room: Room, local, args: tuple) -> RoomTransfer:
         self.queue(Op("open_" + kind, room.key, args))

@@ -16,6 +16,9 @@ import torch.distributed as dist
 
 from glm53.models import GlmConfig, ModelRunner, SeqChunk, load_weights
 from glm53.models.model import GlmForCausalLM
+from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock
+from glm53.models.draft_config import DFlashConfig
+from glm53.models.draft_weights import load_draft_weights
 from glm53.models.parallel import TPGroup
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.transport import KVReceiver, KVSender, Room, TransferEngine, TransportConfig
@@ -44,6 +47,8 @@ class RankSpec:
     mem_fraction_static: float
     transport: TransportConfig
     bootstrap_address: str | None = None  # prefill: where the instance's bootstrap server listens
+    draft_path: str | None = None  # a DFlash draft (last stage only); None: no speculative decoding
+    send_draft_kv: bool = True  # prefill: register the draft KV with the transfer engine (sent to decode)
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
@@ -89,6 +94,7 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
     boot = f"tcp://{inst.host}:{inst.bootstrap_port}" if inst.role == "prefill" else None
     stages = stage_layers(num_layers, inst.pp)
     cfg = transport_config(cluster, inst)
+    spec = cluster.speculative
     specs = []
     for pp_rank, layers in enumerate(stages):
         for tp_rank in range(inst.tp):
@@ -99,11 +105,12 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
                 layers=layers, page_size=eng.page_size, num_pages=eng.num_pages,
                 max_total_tokens=eng.max_total_tokens, mem_fraction_static=eng.mem_fraction_static,
                 transport=cfg, bootstrap_address=boot, tp_rank=tp_rank, tp_size=inst.tp, pp_rank=pp_rank,
-                pp_size=inst.pp))
+                pp_size=inst.pp, send_draft_kv=spec.draft_kv_transfer,
+                draft_path=spec.draft_model_path if spec.enabled and pp_rank == len(stages) - 1 else None))
     return specs
 
 
-def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype) -> int:
+def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype, draft: DFlashDraft | None = None) -> int:
     """KV capacity in pages: `num_pages`, else `max_total_tokens`, else (GPU) what fits in
     `mem_fraction_static` of the device once the weights are loaded, else (CPU) 64K tokens."""
     if spec.num_pages is not None:
@@ -113,7 +120,10 @@ def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype) -> int:
     if tokens is None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = total * spec.mem_fraction_static - (total - free)
-        tokens = int(budget // ModelRunner.kv_bytes_per_token(cfg, dtype, spec.layers))
+        per_token = ModelRunner.kv_bytes_per_token(cfg, dtype, spec.layers)
+        if draft is not None:
+            per_token += draft.kv_bytes_per_token()
+        tokens = int(budget // per_token)
         if tokens < spec.page_size:
             raise SystemExit(f"{spec.instance}: mem_fraction_static={spec.mem_fraction_static} leaves no room for "
                              f"the KV cache after the weights ({(total - free) / 2**30:.1f} GiB used of "
@@ -141,21 +151,41 @@ class RankWorker:
         self.model = GlmForCausalLM(self.cfg, dtype=self.dtype, layers=spec.layers, tp=self.tp)
         load_weights(self.model, spec.model_path, progress=False)
         self.model.to(self.device)
+        self.draft: DFlashDraft | None = None
+        if spec.draft_path:
+            # A draft that does not fit the target is refused here, naming the field.
+            self.draft = DFlashDraft(DFlashConfig.from_dir(spec.draft_path, self.cfg), self.cfg, dtype=self.dtype,
+                                     tp=self.tp)
+            load_draft_weights(self.draft, spec.draft_path)
+            self.draft.to(self.device)
         self.runner: ModelRunner | None = None
         self.transfer: TransferEngine | None = None
 
     def capacity(self) -> int:
         """KV pages this rank can hold once its weights are loaded."""
-        return kv_pages(self.spec, self.cfg, self.dtype)
+        return kv_pages(self.spec, self.cfg, self.dtype, self.draft)
 
     def allocate(self, num_pages: int) -> None:
         spec = self.spec
-        self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device)
+        self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
+                                  draft=self.draft)
         self.transfer = TransferEngine(spec.role, spec.instance, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
                                        pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=spec.transport)
         for name, pool in self.runner.pools:
-            self.transfer.register_pool(name, pool.tensor, layers=pool.layers)
+            if name == DRAFT_KV and spec.role == "prefill" and not spec.send_draft_kv:
+                continue  # decode builds the draft context itself after the handoff
+            self.transfer.register_pool(name, pool.tensor, layers=pool.layers, total_heads=pool.total_heads)
         self.transfer.start(spec.bootstrap_address)
+
+    @property
+    def sends_draft_kv(self) -> bool:
+        """Prefill: this rank's transfers carry the prompt's draft context KV."""
+        return self.draft is not None and self.spec.send_draft_kv
+
+    @property
+    def block_size(self) -> int | None:
+        """The draft's block size (tokens a verify checks, the bonus slot included); None without one."""
+        return self.draft.cfg.block_size if self.draft is not None else None
 
     @property
     def bytes_per_page(self) -> int:
@@ -163,6 +193,21 @@ class RankWorker:
 
     def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
         return self.runner.forward(chunks)
+
+    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """One speculative step for a batch: the draft proposes `block_size - 1` tokens per
+        request, then one target forward verifies `[last token, drafts...]` (it also writes the
+        draft context of every verified position). Every rank computes the same proposals, so
+        every rank builds the same verify batch. Returns the drafts and the verify logits
+        [block_size, vocab] per request."""
+        drafts: list[list[int]] = [[] for _ in blocks]
+        for size in {b.block_size for b in blocks} - {1}:  # one propose call per block size
+            idx = [i for i, b in enumerate(blocks) if b.block_size == size]
+            for i, row in zip(idx, self.runner.propose([blocks[i] for i in idx]).tolist()):
+                drafts[i] = row
+        chunks = [SeqChunk([b.last_token, *d], b.start_pos, b.page_table, all_logits=True)
+                  for b, d in zip(blocks, drafts)]
+        return drafts, self.runner.forward(chunks)
 
     def create_sender(self, room: Room, decode_instance: str) -> KVSender:
         return self.transfer.create_sender(room, decode_instance)

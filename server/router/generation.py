@@ -44,6 +44,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    spec_verify_ct: int = 0  # speculative verify forwards the request took (0: none)
 
     def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -138,7 +139,7 @@ class Generation:
             return
         detok = IncrementalDetokenizer(state.tokenizer, p.skip_special_tokens)
         stops = StopStringMatcher(p.stop, include_stop=p.no_stop_trim)
-        n_out, cached, last_t, first_t = 0, 0, self.t0, None
+        n_out, cached, last_t, first_t, verify_ct = 0, 0, self.t0, None, 0
         try:
             while True:
                 try:
@@ -147,6 +148,9 @@ class Generation:
                     raise APIError(_STATUS_FOR_CODE.get(e.code, 503), str(e)) from None
                 now = time.monotonic()
                 cached = max(cached, ev.cached_tokens)
+                verify_ct += len(ev.spec_accept)
+                for n in ev.spec_accept:
+                    m.spec_accept.labels(name).observe(n)
                 ids = list(ev.token_ids)
                 if ids:
                     k = len(ids)
@@ -185,7 +189,7 @@ class Generation:
                 m.requests.labels(name, finish).inc()
                 if text or ids:
                     yield Delta(text, ids)
-                yield Outcome(finish, matched, len(spec.input_ids), n_out, cached)
+                yield Outcome(finish, matched, len(spec.input_ids), n_out, cached, verify_ct)
                 return
         finally:
             # Client gone, room failed or timed out: free both sides.

@@ -38,6 +38,10 @@ class RouterMetrics:
                                 [*m, "finished_reason"], registry=r)
         self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted (client disconnect, stop string).",
                                m, registry=r)
+        # Speculative decoding: tokens each verify step committed (accepted drafts + 1); the
+        # mean is SGLang's sglang:spec_accept_length.
+        self.spec_accept = Histogram("sglang:spec_accept_length", "Tokens committed per speculative verify step.",
+                                     m, buckets=tuple(range(1, 17)) + (24, 32), registry=r)
         self.router_running = Gauge("glm53:router_running_requests", "Requests in flight at the router.", m,
                                     registry=r)
         inst = [*m, "engine_type", "instance"]

@@ -58,7 +58,8 @@ def _meta_info(rid: str, prompt_tokens: int, t0: float, o: Outcome | None, n: in
             fr["length"] = o.completion_tokens
     return {"id": rid, "finish_reason": fr, "prompt_tokens": prompt_tokens,
             "completion_tokens": o.completion_tokens if o else n,
-            "cached_tokens": o.cached_tokens if o else 0, "e2e_latency": time.monotonic() - t0}
+            "cached_tokens": o.cached_tokens if o else 0, "spec_verify_ct": o.spec_verify_ct if o else 0,
+            "e2e_latency": time.monotonic() - t0}
 
 
 def _events(gen: Generation, rid: str, prompt_tokens: int, t0: float) -> AsyncIterator[str]:

@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_interval: int = 1,
-                 prefill_tp: int = 1, decode_tp: int = 1) -> dict:
+                 prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None) -> dict:
     http, result, p_port, p_boot, d_port = ports
     return {
+        **({"speculative": speculative} if speculative else {}),
         "name": "e2e",
         "model": {"path": "embedded:tiny-glm5", "served_model_name": ["glm-5-tiny"], "context_length": 2048},
         "router": {"host": "127.0.0.1", "port": http, "result_port": result, "health_check_interval_s": 0.5},
@@ -37,8 +38,9 @@ def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_inte
 
 class Cluster:
     def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0, stream_interval: int = 1,
-                 prefill_tp: int = 1, decode_tp: int = 1):
-        self.cfg = cluster_yaml(free_ports(5), transfer_timeout_s, stream_interval, prefill_tp, decode_tp)
+                 prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None):
+        self.cfg = cluster_yaml(free_ports(5), transfer_timeout_s, stream_interval, prefill_tp, decode_tp,
+                                speculative)
         self.config_path = workdir / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg))
         self.url = f"http://127.0.0.1:{self.cfg['router']['port']}"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from glm53.server.sampling import SamplingError, SamplingParams, _filter, sample, step_generator
+from glm53.server.sampling import SamplingError, SamplingParams, filter_logits, sample, step_generator
 
 
 def test_validation():
@@ -29,7 +29,7 @@ def test_greedy_is_argmax():
 
 def test_top_k_top_p_min_p_masks():
     x = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-    keep = lambda **kw: torch.isfinite(_filter(x.clone(), [SamplingParams(**kw)]))[0].tolist()  # noqa: E731
+    keep = lambda **kw: torch.isfinite(filter_logits(x.clone(), [SamplingParams(**kw)]))[0].tolist()  # noqa: E731
     assert keep(top_k=2) == [True, True, False, False, False]
     assert keep(top_p=0.5) == [True, False, False, False, False]
     assert keep(top_p=0.7) == [True, True, False, False, False]
@@ -40,7 +40,7 @@ def test_top_k_top_p_min_p_masks():
     assert keep(top_k=3, top_p=0.6) == [True, True, False, False, False]
     # rows with different settings in one batch
     xx = x.repeat(2, 1)
-    m = torch.isfinite(_filter(xx, [SamplingParams(top_k=1), SamplingParams()]))
+    m = torch.isfinite(filter_logits(xx, [SamplingParams(top_k=1), SamplingParams()]))
     assert m[0].tolist() == [True, False, False, False, False] and m[1].all()
 
 

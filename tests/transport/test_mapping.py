@@ -198,6 +198,19 @@ def test_mismatch_names_field(field, mutate):
     assert e.value.field == field and field in str(e.value)
 
 
+def test_decode_may_hold_buffers_prefill_does_not_fill():
+    """A prefill without the draft against a decode with draft KV: the draft pool gets no writes."""
+    pst, dt = _ok()
+    plain = [BufferTable.of(pst[0]["latent"])]
+    check_tables(plain, 2, dt, 2)
+    plan = plan_transfers(plain, 2, dt, 2)
+    names = {seg.buffer for segs in plan.routes.values() for seg in segs}
+    assert names == {"latent"}
+    with pytest.raises(TableMismatch) as e:  # the other way round is still refused
+        check_tables(pst, 2, BufferTable.of(dt["latent"]), 2)
+    assert e.value.field == "name" and "draft_k" in str(e.value)
+
+
 def test_overlapping_stages_rejected():
     a = BufferTable.of(BufferSpec("latent", (0, 1), 4, 2, "bfloat16"))
     b = BufferTable.of(BufferSpec("latent", (1, 2), 4, 2, "bfloat16"))

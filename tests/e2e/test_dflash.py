@@ -1,0 +1,90 @@
+"""DFlash across the PD split, through real processes: prefill writes the prompt's draft context
+KV into the `draft_kv` pool and sends it with the target KV; decode drafts and verifies. Greedy
+output with DFlash on equals greedy without it (`glm53-serve generate`), token for token, for
+several block sizes, batch 1 and a ragged concurrent batch, with the draft KV sent or not; the
+verify count and the accept-length metric are reported; every pool is back to full afterwards.
+
+The draft has random weights, so it is rarely right (τ ≈ 1): these tests show exactness and the
+plumbing; acceptance is the trained pair's to show."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import pytest
+
+from glm53.server.embedded_model import ensure_embedded_model
+from tests.e2e.cluster import Cluster
+from tests.e2e.test_pd_serving import GREEDY_PROMPTS, offline_greedy, served_greedy, wait_pages_free
+from glm53.models import write_random_draft
+
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def target_dir(model_cache):
+    return ensure_embedded_model(model_cache)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, target_dir):
+    d = tmp_path_factory.mktemp("draft")
+    return write_random_draft(d, target_dir, seed=5, n_layers=2, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def offline(target_dir):
+    return offline_greedy(target_dir, GREEDY_PROMPTS, NEW_TOKENS)
+
+
+def start(tmp_path_factory, model_cache, draft_dir, **spec) -> Cluster:
+    spec = {"algorithm": "DFLASH", "draft_model_path": str(draft_dir), **spec}
+    return Cluster(tmp_path_factory.mktemp("dflash"), model_cache, speculative=spec).start()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_cache, draft_dir):
+    c = start(tmp_path_factory, model_cache, draft_dir)
+    yield c
+    c.stop()
+
+
+def test_greedy_equals_non_speculative_batch_1_and_ragged_batch(cluster, offline):
+    assert served_greedy(cluster, GREEDY_PROMPTS, NEW_TOKENS) == offline
+    with cf.ThreadPoolExecutor(len(GREEDY_PROMPTS)) as ex:  # decode batches them together
+        outs = list(ex.map(lambda p: served_greedy(cluster, [p], NEW_TOKENS)[0], GREEDY_PROMPTS))
+    assert outs == offline
+    wait_pages_free(cluster)
+
+
+def test_verify_count_and_accept_metric(cluster):
+    r = httpx.post(f"{cluster.url}/generate", timeout=120, json={
+        "input_ids": GREEDY_PROMPTS[1], "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                            "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    # The first token comes from prefill; each verify commits 1..16 of the other 11.
+    assert 1 <= meta["spec_verify_ct"] <= 11 and meta["completion_tokens"] == 12
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    count = [ln for ln in text.splitlines() if ln.startswith("sglang:spec_accept_length_count")]
+    assert count and float(count[0].rsplit(" ", 1)[1]) >= meta["spec_verify_ct"]
+
+
+def test_sampled_requests_finish_and_free_pages(cluster):
+    with cf.ThreadPoolExecutor(8) as ex:
+        rs = list(ex.map(lambda i: httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+            "model": "glm-5-tiny", "prompt": f"def f{i}(x):", "max_tokens": 10, "temperature": 0.9, "seed": i,
+            "ignore_eos": True}), range(8)))
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10 for r in rs)
+    wait_pages_free(cluster)
+
+
+@pytest.mark.parametrize("spec", [{"num_draft_tokens": 2}, {"num_draft_tokens": 4, "draft_kv_transfer": False}])
+def test_greedy_equals_non_speculative_other_settings(tmp_path_factory, model_cache, draft_dir, offline, spec):
+    c = start(tmp_path_factory, model_cache, draft_dir, **spec)
+    try:
+        assert served_greedy(c, GREEDY_PROMPTS, NEW_TOKENS) == offline
+        wait_pages_free(c)
+    finally:
+        c.stop()
