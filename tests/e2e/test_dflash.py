@@ -88,3 +88,16 @@ def test_greedy_equals_non_speculative_other_settings(tmp_path_factory, model_ca
         wait_pages_free(c)
     finally:
         c.stop()
+
+
+def test_draft_kv_moves_between_mismatched_tp(tmp_path_factory, model_cache, draft_dir, offline):
+    """Prefill tp=1 against decode tp=2: the head-sharded draft KV buffer passes bootstrap and
+    moves with the target KV, and the output stays exact. (That each rank's shard holds exactly
+    its heads is checked byte for byte in tests/models/test_draft_runner.py.)"""
+    spec = {"algorithm": "DFLASH", "draft_model_path": str(draft_dir), "num_draft_tokens": 4}
+    c = Cluster(tmp_path_factory.mktemp("dflash-tp"), model_cache, speculative=spec, decode_tp=2).start()
+    try:
+        assert served_greedy(c, GREEDY_PROMPTS, NEW_TOKENS) == offline
+        wait_pages_free(c)
+    finally:
+        c.stop()
