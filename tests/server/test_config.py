@@ -225,3 +225,30 @@ def test_tp_must_split_the_model(tmp_path, model_dir):
     with pytest.raises(ConfigError) as e:
         check_model_fit(cfg, model_dir)
     assert e.value.key == "decode[0].tp" and "num_attention_heads" in str(e.value) and "3" in str(e.value)
+
+
+def test_the_draft_must_fit_the_model(tmp_path, model_dir):
+    import json
+
+    from glm53.models import write_random_draft
+    from glm53.server.config import check_model_fit
+
+    draft = write_random_draft(tmp_path / "draft", model_dir, n_layers=1, block_size=4)
+    d = base()
+    d["speculative"] = {"algorithm": "DFLASH", "draft_model_path": str(draft)}
+    check_model_fit(load_config(write(tmp_path, d)), model_dir)
+    d["speculative"]["num_draft_tokens"] = 8
+    with pytest.raises(ConfigError) as e:
+        check_model_fit(load_config(write(tmp_path, d)), model_dir)
+    assert e.value.key == "speculative.num_draft_tokens" and "block size 4" in str(e.value)
+    del d["speculative"]["num_draft_tokens"]
+    cfg_path = draft / "config.json"
+    c = json.loads(cfg_path.read_text())
+    c["hidden_size"] = 128
+    cfg_path.write_text(json.dumps(c))
+    with pytest.raises(ConfigError) as e:
+        check_model_fit(load_config(write(tmp_path, d)), model_dir)
+    assert e.value.key == "speculative.draft_model_path" and "hidden_size" in str(e.value)
+    d = base()
+    d["speculative"] = {"algorithm": "DFLASH"}
+    assert error(tmp_path, d).key == "speculative.draft_model_path"
