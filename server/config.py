@@ -4,7 +4,7 @@ One file describes the whole deployment (README, "The cluster config"). It is va
 before any process starts: an unknown key, a wrong type or an impossible topology raises
 `ConfigError` whose message starts with the file and the key path, e.g.
 
-    configs/local.yaml: prefill[0].pp: pipeline parallelism (pp > 1) is not supported yet; got 2
+    configs/local.yaml: decode[0].pp: decode instances run one pipeline stage (pp: 1); got 2
 
 Layout (every key optional except the pools):
 
@@ -437,8 +437,8 @@ def _check_semantics(cfg: ClusterConfig) -> None:
                 raise err(f"{path}.tp", f"must be >= 1, got {inst.tp}")
             if inst.pp < 1:
                 raise err(f"{path}.pp", f"must be >= 1, got {inst.pp}")
-            if inst.pp > 1:
-                raise err(f"{path}.pp", f"pipeline parallelism (pp > 1) is not supported yet; got {inst.pp}")
+            if inst.pp > 1 and role == "decode":
+                raise err(f"{path}.pp", f"decode instances run one pipeline stage (pp: 1); got {inst.pp}")
             _check_engine(inst.engine, path, src)
             if inst.engine.device == "cpu":
                 if inst.devices:
@@ -490,6 +490,9 @@ def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
                               f"{n} is larger than the draft's block size {draft.block_size}")
     for role in ROLES:
         for i, inst in enumerate(cfg.pool(role)):
+            if inst.pp > model.num_hidden_layers:
+                raise ConfigError(cfg.source, f"{role}[{i}].pp", f"{inst.pp} stages for a model of "
+                                  f"{model.num_hidden_layers} layers (model {model_dir})")
             try:
                 check_tp(model, inst.tp)
                 if draft is not None:

@@ -30,10 +30,17 @@ class WorkerGroup(abc.ABC):
     block_size: int | None  # the DFlash draft's block size; None without a draft
     sends_draft_kv: bool  # prefill: the transfers carry the prompt's draft context KV
 
+    pp: int = 1  # pipeline stages
+
     @abc.abstractmethod
+    def forward_microbatches(self, microbatches: list[list[SeqChunk]]) -> list[list[torch.Tensor]]:
+        """Run a step's micro-batches, in order, through every stage (pipelined across stages:
+        a request's consecutive chunks may sit in consecutive micro-batches); per micro-batch,
+        per chunk, the last stage's logits [rows, vocab] (fp32), identical for all ranks."""
+
     def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        """Run the chunks as one batch through every stage; per chunk, the last stage's logits
-        [rows, vocab] (fp32), identical for all ranks."""
+        """One micro-batch."""
+        return self.forward_microbatches([chunks])[0]
 
     @abc.abstractmethod
     def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -74,8 +81,8 @@ class LocalWorkers(WorkerGroup):
         self.block_size = self.rank.block_size
         self.sends_draft_kv = self.rank.sends_draft_kv
 
-    def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        return self.rank.forward(chunks)
+    def forward_microbatches(self, microbatches: list[list[SeqChunk]]) -> list[list[torch.Tensor]]:
+        return self.rank.forward_microbatches(microbatches)
 
     def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
         return self.rank.spec_step(blocks)

@@ -83,31 +83,49 @@ class PrefillScheduler(Scheduler):
                 continue
             self.running.append(r)
 
-    def _prefill_chunk(self) -> bool:
-        budget, chunks, owners = self.budget, [], []
-        for r in self.running:
-            if budget <= 0:
+    def _plan(self) -> tuple[list[list[SeqChunk]], list[list[PrefillRequest]]]:
+        """This step's micro-batches, each under the chunked-prefill token budget: one per
+        pipeline stage, so that a long prompt's consecutive chunks keep every stage busy (with
+        one stage, one micro-batch: plain chunked prefill)."""
+        planned = {id(r): r.done_tokens for r in self.running}
+        microbatches, owners = [], []
+        for _ in range(self.workers.pp):
+            budget, chunks, own = self.budget, [], []
+            for r in self.running:
+                done = planned[id(r)]
+                n = min(budget, r.prompt_len - done)
+                if n <= 0:
+                    continue
+                chunks.append(SeqChunk(r.req.spec.input_ids[done : done + n], done, r.pages))
+                own.append(r)
+                planned[id(r)] = done + n
+                budget -= n
+                if budget <= 0:
+                    break
+            if not chunks:
                 break
-            n = min(budget, r.prompt_len - r.done_tokens)
-            ids = r.req.spec.input_ids[r.done_tokens : r.done_tokens + n]
-            chunks.append(SeqChunk(ids, r.done_tokens, r.pages))
-            owners.append(r)
-            budget -= n
-        if not chunks:
+            microbatches.append(chunks)
+            owners.append(own)
+        return microbatches, owners
+
+    def _prefill_chunk(self) -> bool:
+        microbatches, owners = self._plan()
+        if not microbatches:
             return False
-        logits = self.workers.forward(chunks)
-        self.count_tokens(sum(len(c.token_ids) for c in chunks))
+        logits = self.workers.forward_microbatches(microbatches)
         finished = []
-        for r, c, lg in zip(owners, chunks, logits):
-            r.done_tokens += len(c.token_ids)
-            last = r.done_tokens == r.prompt_len
-            # Completed pages travel now; the last (partial) page goes with the last chunk.
-            full = len(r.pages) if last else r.done_tokens // self.workers.page_size
-            if r.sender.poll() not in TERMINAL and full > r.sent_pages:
-                r.sender.send_pages(r.pages[r.sent_pages : full], start=r.sent_pages)
-                r.sent_pages = full
-            if last:
-                finished.append((r, lg[-1]))
+        for chunks, own, lgs in zip(microbatches, owners, logits):
+            self.count_tokens(sum(len(c.token_ids) for c in chunks))
+            for r, c, lg in zip(own, chunks, lgs):
+                r.done_tokens += len(c.token_ids)
+                last = r.done_tokens == r.prompt_len
+                # Completed pages travel now; the last (partial) page goes with the last chunk.
+                full = len(r.pages) if last else r.done_tokens // self.workers.page_size
+                if r.sender.poll() not in TERMINAL and full > r.sent_pages:
+                    r.sender.send_pages(r.pages[r.sent_pages : full], start=r.sent_pages)
+                    r.sent_pages = full
+                if last:
+                    finished.append((r, lg[-1]))
         if finished:
             rows = torch.stack([lg for _, lg in finished])
             params = [r.params for r, _ in finished]

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from glm53.models import SeqChunk
 from glm53.models.draft import DraftBlock
 from glm53.server.engine.group import WorkerGroup
+from glm53.server.engine.pipeline import StagePipe
 from glm53.server.engine.worker import RankSpec, RankWorker
 from glm53.transport import KVPoll, MetadataRow, Room, RoomTransfer, TransferError, TransferErrorCode
 
@@ -59,8 +60,8 @@ class Op:
 @dataclass
 class Command:
     ops: list[Op] = field(default_factory=list)
-    chunks: Optional[list[SeqChunk]] = None  # forward after the ops
-    spec: Optional[list[DraftBlock]] = None  # or a speculative step (propose + verify)
+    microbatches: Optional[list[list[SeqChunk]]] = None  # a forward after the ops (pipelined over stages)
+    spec: Optional[list[DraftBlock]] = None  # or a speculative step (propose + verify; one stage)
     stop: bool = False
 
 
@@ -88,10 +89,10 @@ class Launch:
 
 
 class RankRuntime:
-    """What every rank runs per command: its ops on its own handles, then the forward."""
+    """What every rank runs per command: its ops on its own handles, then its stage's forward."""
 
-    def __init__(self, worker: RankWorker, rank: int):
-        self.worker, self.rank = worker, rank
+    def __init__(self, worker: RankWorker, rank: int, pipe: Optional[StagePipe] = None):
+        self.worker, self.rank, self.pipe = worker, rank, pipe
         self.handles: dict[RoomKey, Any] = {}
 
     def apply(self, cmd: Command) -> tuple[Any, dict[RoomKey, HandleState]]:
@@ -101,8 +102,8 @@ class RankRuntime:
             if op.rank in (None, self.rank):
                 self._apply(op)
         out = None
-        if cmd.chunks:
-            out = self.worker.forward(cmd.chunks)
+        if cmd.microbatches:
+            out = self.worker.forward_microbatches(cmd.microbatches, self.pipe)
         elif cmd.spec:
             out = self.worker.spec_step(cmd.spec)
         return out, self.report()
@@ -186,17 +187,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _join(launch: Launch) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Join the instance's process group: (the model's TP group, the gloo group commands travel
-    on; the same group on CPU)."""
+def _join(launch: Launch) -> tuple[dist.ProcessGroup, dist.ProcessGroup, Optional[tuple]]:
+    """Join the instance's process group. Returns this rank's stage TP group, the gloo group
+    commands travel on (the world group itself on CPU) and its neighbours' ranks (previous,
+    next stage; None with one stage). Ranks are pp-major: stage s holds ranks s*tp .. s*tp+tp-1."""
+    spec = launch.spec
     timeout = datetime.timedelta(seconds=launch.timeout_s)
     if launch.backend == "nccl":
-        torch.cuda.set_device(torch.device(launch.spec.device))
+        torch.cuda.set_device(torch.device(spec.device))
     dist.init_process_group(launch.backend, init_method=launch.init_method, rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout)
     world = dist.group.WORLD
     control = world if launch.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    return world, control
+    tp, pp = spec.tp_size, spec.pp_size
+    if pp == 1:
+        return world, control, None
+    # Every rank creates every stage's group, in the same order (torch.distributed requires it).
+    stage_groups = [dist.new_group(ranks=list(range(s * tp, (s + 1) * tp)), timeout=timeout) for s in range(pp)]
+    r = launch.rank
+    return stage_groups[spec.pp_rank], control, (r - tp if spec.pp_rank > 0 else None,
+                                                 r + tp if not spec.last_stage else None)
+
+
+def _pipe(links: Optional[tuple], worker: RankWorker) -> Optional[StagePipe]:
+    return StagePipe(*links, dtype=worker.dtype, device=worker.device) if links else None
 
 
 def _agree_pages(worker: RankWorker, control: dist.ProcessGroup) -> int:
@@ -211,17 +225,19 @@ def follower_main(launch: Launch) -> None:
     group breaks."""
     spec = launch.spec
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {spec.instance}-tp{spec.tp_rank} %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s {spec.instance}-pp{spec.pp_rank}-tp{spec.tp_rank} %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler decides when ranks stop
     torch.set_grad_enabled(False)
     if spec.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     _watch_parent(launch.parent_pid)
-    tp, control = _join(launch)
+    tp, control, links = _join(launch)
     worker = RankWorker(spec, tp_group=tp)
     worker.allocate(_agree_pages(worker, control))
     dist.barrier(group=control)
-    runtime = RankRuntime(worker, launch.rank)
+    runtime = RankRuntime(worker, launch.rank, _pipe(links, worker))
+    # The first rank of the last stage returns the step's results (rank 0 has them itself at pp 1).
+    answers = spec.last_stage and spec.tp_rank == 0
     try:
         while True:
             box: list[Any] = [None]
@@ -229,12 +245,21 @@ def follower_main(launch: Launch) -> None:
             cmd: Command = box[0]
             if cmd.stop:
                 break
-            _, report = runtime.apply(cmd)
-            dist.gather_object(report, None, dst=0, group=control)
+            out, report = runtime.apply(cmd)
+            dist.gather_object((report, _to_cpu(out) if answers else None), None, dst=0, group=control)
     except Exception as e:  # the group broke (rank 0 gone): nothing left to serve
         log.warning("rank %d leaves: %s", launch.rank, e)
     finally:
         worker.close()
+
+
+def _to_cpu(out: Any) -> Any:
+    """Step results for pickling (logits may live on a GPU)."""
+    if isinstance(out, torch.Tensor):
+        return out.cpu()
+    if isinstance(out, (list, tuple)):
+        return type(out)(_to_cpu(x) for x in out)
+    return out
 
 
 def _watch_parent(pid: int) -> None:
@@ -254,14 +279,16 @@ class ProcessWorkers(WorkerGroup):
 
     def __init__(self, specs: Sequence[RankSpec], timeout_s: float = 60.0, host: str = "127.0.0.1",
                  port: int | None = None):
-        if any(s.pp_size != 1 for s in specs):
-            raise ValueError("ProcessWorkers runs one pipeline stage")
         self.specs = list(specs)
         world = len(specs)
+        self.pp = specs[0].pp_size
+        # The first rank of the last stage answers a step (logits, proposals).
+        self._answer_rank = next(r for r, sp in enumerate(specs) if sp.last_stage and sp.tp_rank == 0)
         backend = "gloo" if specs[0].device == "cpu" else "nccl"
         init = f"tcp://{host}:{port or free_port(host)}"
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=follower_main, name=f"{specs[r].instance}-tp{r}", daemon=True,
+        self.procs = [ctx.Process(target=follower_main, daemon=True,
+                                  name=f"{specs[r].instance}-pp{specs[r].pp_rank}-tp{specs[r].tp_rank}",
                                   args=(Launch(specs[r], r, world, init, backend, timeout_s, os.getpid()),))
                       for r in range(1, world)]
         for p in self.procs:
@@ -271,7 +298,7 @@ class ProcessWorkers(WorkerGroup):
         self._queue: list[Op] = []
         self._remote: dict[RoomKey, list[RemoteHandle]] = {}
         try:
-            tp, self._control = _join(Launch(specs[0], 0, world, init, backend, timeout_s, os.getpid()))
+            tp, self._control, links = _join(Launch(specs[0], 0, world, init, backend, timeout_s, os.getpid()))
             self.rank = RankWorker(specs[0], tp_group=tp)
             self.num_pages = _agree_pages(self.rank, self._control)
             self.rank.allocate(self.num_pages)
@@ -279,30 +306,34 @@ class ProcessWorkers(WorkerGroup):
         except Exception:
             self._kill()
             raise
-        self.runtime = RankRuntime(self.rank, 0)
+        self.runtime = RankRuntime(self.rank, 0, _pipe(links, self.rank))
         self.cfg = self.rank.cfg
         self.page_size = specs[0].page_size
-        self.bytes_per_page = self.rank.bytes_per_page  # per rank (the draft KV is this rank's heads)
-        self.block_size = self.rank.block_size
-        self.sends_draft_kv = self.rank.sends_draft_kv
+        self.bytes_per_page = self.rank.bytes_per_page  # rank 0's pools (its stage, its heads)
+        self.block_size = self.rank.block_size  # decode: one stage, so rank 0 holds the draft
+        last = specs[self._answer_rank]
+        self.sends_draft_kv = bool(last.draft_path) and last.send_draft_kv
 
     def queue(self, op: Op) -> None:
         self._queue.append(op)
 
-    def _run(self, chunks: Optional[list[SeqChunk]] = None, spec: Optional[list[DraftBlock]] = None) -> Any:
+    def _run(self, microbatches: Optional[list[list[SeqChunk]]] = None,
+             spec: Optional[list[DraftBlock]] = None) -> Any:
         if self._lost:
             raise RanksLost(self._lost)
-        cmd, self._queue = Command(self._queue, chunks, spec), []
+        cmd, self._queue = Command(self._queue, microbatches, spec), []
         try:
             dist.broadcast_object_list([cmd], src=0, group=self._control)
-            logits, mine = self.runtime.apply(cmd)
-            reports: list[Any] = [None] * len(self.specs)
-            dist.gather_object(mine, reports, dst=0, group=self._control)
+            out, mine = self.runtime.apply(cmd)
+            replies: list[Any] = [None] * len(self.specs)
+            dist.gather_object((mine, None), replies, dst=0, group=self._control)
         except RuntimeError as e:
             dead = [p.name for p in self.procs if not p.is_alive()]
             self._lost = f"rank process {', '.join(dead) or '?'} lost: {e}"
             raise RanksLost(self._lost) from None
-        for rank, report in enumerate(reports[1:], 1):
+        if self._answer_rank:
+            out = replies[self._answer_rank][1]
+        for rank, (report, _) in enumerate(replies[1:], 1):
             for key, st in report.items():
                 for h in self._remote.get(key, ()):
                     if h.rank == rank:
@@ -310,12 +341,10 @@ class ProcessWorkers(WorkerGroup):
         for key in [k for k, hs in self._remote.items() if all(h.poll() in (KVPoll.SUCCESS, KVPoll.FAILED)
                                                                for h in hs)]:
             del self._remote[key]
-        return logits
+        return out
 
-    def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        logits = self._run(chunks)
-        assert logits is not None
-        return logits
+    def forward_microbatches(self, microbatches: list[list[SeqChunk]]) -> list[list[torch.Tensor]]:
+        return self._run(microbatches)
 
     def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
         return self._run(spec=blocks)

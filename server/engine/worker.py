@@ -16,11 +16,12 @@ import torch.distributed as dist
 
 from glm53.models import GlmConfig, ModelRunner, SeqChunk, load_weights
 from glm53.models.model import GlmForCausalLM
-from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock
+from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.draft_config import DFlashConfig
-from glm53.models.draft_weights import load_draft_weights
+from glm53.models.draft_weights import load_draft_projection, load_draft_weights
 from glm53.models.parallel import TPGroup
 from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.engine.pipeline import StagePipe, run_microbatches
 from glm53.transport import KVReceiver, KVSender, Room, TransferEngine, TransportConfig
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ class RankSpec:
     mem_fraction_static: float
     transport: TransportConfig
     bootstrap_address: str | None = None  # prefill: where the instance's bootstrap server listens
-    draft_path: str | None = None  # a DFlash draft (last stage only); None: no speculative decoding
+    # A DFlash draft (the last stage runs it; earlier stages project their own features with its
+    # `fc` blocks); None: no speculative decoding.
+    draft_path: str | None = None
     send_draft_kv: bool = True  # prefill: register the draft KV with the transfer engine (sent to decode)
     tp_rank: int = 0
     tp_size: int = 1
@@ -106,7 +109,7 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
                 max_total_tokens=eng.max_total_tokens, mem_fraction_static=eng.mem_fraction_static,
                 transport=cfg, bootstrap_address=boot, tp_rank=tp_rank, tp_size=inst.tp, pp_rank=pp_rank,
                 pp_size=inst.pp, send_draft_kv=spec.draft_kv_transfer,
-                draft_path=spec.draft_model_path if spec.enabled and pp_rank == len(stages) - 1 else None))
+                draft_path=spec.draft_model_path if spec.enabled else None))
     return specs
 
 
@@ -152,12 +155,15 @@ class RankWorker:
         load_weights(self.model, spec.model_path, progress=False)
         self.model.to(self.device)
         self.draft: DFlashDraft | None = None
-        if spec.draft_path:
+        self.projection: DraftProjection | None = None  # a non-last stage's share of the draft's fc
+        if spec.draft_path and spec.last_stage:
             # A draft that does not fit the target is refused here, naming the field.
             self.draft = DFlashDraft(DFlashConfig.from_dir(spec.draft_path, self.cfg), self.cfg, dtype=self.dtype,
                                      tp=self.tp)
             load_draft_weights(self.draft, spec.draft_path)
             self.draft.to(self.device)
+        elif spec.draft_path:
+            self.projection = load_draft_projection(spec.draft_path, self.cfg, spec.layers, self.dtype).to(self.device)
         self.runner: ModelRunner | None = None
         self.transfer: TransferEngine | None = None
 
@@ -168,7 +174,7 @@ class RankWorker:
     def allocate(self, num_pages: int) -> None:
         spec = self.spec
         self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
-                                  draft=self.draft)
+                                  draft=self.draft, draft_projection=self.projection)
         self.transfer = TransferEngine(spec.role, spec.instance, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
                                        pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=spec.transport)
         for name, pool in self.runner.pools:
@@ -193,6 +199,11 @@ class RankWorker:
 
     def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
         return self.runner.forward(chunks)
+
+    def forward_microbatches(self, microbatches: list[list[SeqChunk]],
+                             pipe: StagePipe | None = None) -> list[list[torch.Tensor]] | None:
+        """This stage's part of a pipelined step (pipeline.py); the logits on the last stage."""
+        return run_microbatches(self.runner, pipe, microbatches)
 
     def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """One speculative step for a batch: the draft proposes `block_size - 1` tokens per

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_interval: int = 1,
-                 prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None) -> dict:
+                 prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None,
+                 prefill_pp: int = 1) -> dict:
     http, result, p_port, p_boot, d_port = ports
     return {
         **({"speculative": speculative} if speculative else {}),
@@ -30,7 +31,8 @@ def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_inte
         "transfer": {"backend": "nixl", "bootstrap_timeout_s": transfer_timeout_s, "transfer_timeout_s": transfer_timeout_s},
         "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "max_running_requests": 64,
                      "chunked_prefill_size": 64, "num_pages": 2048},
-        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot, "tp": prefill_tp}],
+        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot, "tp": prefill_tp,
+                     "pp": prefill_pp}],
         "decode": [{"name": "d0", "host": "127.0.0.1", "port": d_port, "stream_interval": stream_interval,
                     "tp": decode_tp}],
     }
@@ -38,9 +40,9 @@ def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_inte
 
 class Cluster:
     def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0, stream_interval: int = 1,
-                 prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None):
+                 prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None, prefill_pp: int = 1):
         self.cfg = cluster_yaml(free_ports(5), transfer_timeout_s, stream_interval, prefill_tp, decode_tp,
-                                speculative)
+                                speculative, prefill_pp)
         self.config_path = workdir / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg))
         self.url = f"http://127.0.0.1:{self.cfg['router']['port']}"

@@ -106,7 +106,10 @@ def test_topology(tmp_path):
     d = base()
     d["defaults"] = {"pp": 4}
     e = error(tmp_path, d)
-    assert e.key.endswith(".pp") and "not supported yet" in str(e)
+    assert e.key == "decode[0].pp" and "one pipeline stage" in str(e)
+    d = base()
+    d["prefill"][0]["pp"] = 3
+    assert load_config(write(tmp_path, d)).prefill[0].pp == 3
     d = base()
     d["decode"][0]["port"] = 40100  # same host and port as p0
     e = error(tmp_path, d)
@@ -162,7 +165,7 @@ def test_cli_flags_override_yaml(tmp_path):
     args = build_parser().parse_args(["up", "--config", str(p), "--pp-size", "2"])
     with pytest.raises(ConfigError) as e:
         load_config(p, overrides_from_args(args))
-    assert "pp" in e.value.key and "not supported yet" in str(e.value)
+    assert e.value.key == "decode[0].pp" and "one pipeline stage" in str(e.value)
     args = build_parser().parse_args(["prefill", "--config", str(p), "--port", "41000",
                                       "--disaggregation-bootstrap-port", "41001"])
     cfg = load_config(p, overrides_from_args(args, "prefill", 0))
