@@ -240,6 +240,11 @@ class DecodeScheduler(Scheduler):
         for r in list(self.running):
             self._release(r, error=(message, "internal"))
 
+    def abandon(self) -> None:
+        self.waiting.clear()
+        self.receiving.clear()
+        self.running.clear()
+
 
 def main(cluster: ClusterConfig, instance_index: int = 0) -> int:
     return run_instance(DecodeScheduler, cluster, "decode", instance_index)

@@ -168,6 +168,11 @@ class PrefillScheduler(Scheduler):
             self.sending.append(r)
         self.running = []
 
+    def abandon(self) -> None:
+        self.waiting.clear()
+        self.running.clear()
+        self.sending.clear()
+
     def close(self) -> None:
         super().close()
         self.bootstrap.close()

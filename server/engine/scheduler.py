@@ -125,6 +125,11 @@ class Scheduler(abc.ABC):
         """Fail every request this instance holds (the router gets an error event for each);
         pages are freed as soon as no transfer can still write them."""
 
+    @abc.abstractmethod
+    def abandon(self) -> None:
+        """Forget every request (after `fail_all` told the router): the instance lost a rank and
+        will run nothing again, so its pages can never be written or reused."""
+
     def accept(self, req: GenerateRequest, max_tokens: int) -> bool:
         """Whether this instance can run the request; False after answering the router with an error."""
         ids = req.spec.input_ids
@@ -221,6 +226,10 @@ class Scheduler(abc.ABC):
         self.broken = f"{self.role} instance {self.inst.name} lost a rank: {why}"
         self.channel.ready = False
         self.fail_all(self.broken)
+        # The lost rank's transfer handles will never report again; nothing runs here any more,
+        # so the pages they guarded are reported free rather than held forever.
+        self.abandon()
+        self.allocator = PageAllocator(self.workers.num_pages)
 
     def poll_channel(self, timeout: float) -> None:
         msg = self.channel.get(timeout=timeout) if timeout > 0 else None

@@ -5,6 +5,13 @@ token, with DFlash off and on (the draft's context projected partially on every 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
 import pytest
 
 from glm53.models import write_random_draft
@@ -40,5 +47,43 @@ def test_pp_prefill_greedy_equals_offline(tmp_path_factory, model_cache, draft_d
     try:
         assert served_greedy(c, GREEDY_PROMPTS, NEW_TOKENS) == offline
         wait_pages_free(c)
+    finally:
+        c.stop()
+
+
+def test_stage_killed_mid_prefill(tmp_path_factory, model_cache):
+    """A prefill stage dies while a request is in its pipeline: the client gets a clear error,
+    decode's and every stage's pages come back, and the prefill instance reports unhealthy."""
+    c = Cluster(tmp_path_factory.mktemp("ppkill"), model_cache, prefill_pp=2, transfer_timeout_s=10.0).start()
+    try:
+        sched = c.instance_pid("prefill")
+        stages = [int(p) for p in subprocess.run(["pgrep", "-P", str(sched), "-f", "spawn_main"],
+                                                 capture_output=True, text=True).stdout.split()]
+        assert stages, "prefill pp=2 runs a second stage process"
+        with httpx.Client(timeout=60) as http:
+            # The stopped stage holds the pipeline: the request is stuck inside it when it dies.
+            for pid in stages:
+                os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            result = {}
+            t = threading.Thread(target=lambda: result.update(r=http.post(f"{c.url}/generate", json={
+                "input_ids": GREEDY_PROMPTS[2], "sampling_params": {"max_new_tokens": 4}})))
+            t.start()
+            time.sleep(1.0)
+            for pid in stages:
+                os.kill(pid, signal.SIGKILL)
+            t.join(30)
+            r = result["r"]
+        assert r.status_code >= 500 and "lost a rank" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 15
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (c.kv_tokens_in_use().get("p0") != 0
+                                               or c.kv_tokens_in_use().get("d0") != 0):
+            time.sleep(0.5)
+        assert c.kv_tokens_in_use() == {"p0": 0, "d0": 0}
+        while time.monotonic() < deadline and httpx.get(f"{c.url}/health", timeout=10).status_code != 503:
+            time.sleep(0.2)
+        health = httpx.get(f"{c.url}/health", timeout=10)
+        assert health.status_code == 503 and "prefill" in health.json()["error"]["message"]
     finally:
         c.stop()
