@@ -15,6 +15,7 @@ step stage s works on micro-batch m + 1 while stage s + 1 works on m.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,11 @@ _HEADER = 4  # tokens, hidden, top-k columns (0: none), draft accumulator presen
 
 
 @dataclass
-class BoundaryStats:
-    """Bytes this stage sent across its outgoing boundary, and the tokens they carried."""
+class StageStats:
+    """One rank's running totals: seconds spent computing its stage (not waiting for the
+    previous stage), and the bytes and tokens it sent across its outgoing boundary."""
 
+    busy_s: float = 0.0
     bytes: int = 0
     tokens: int = 0
 
@@ -39,7 +42,7 @@ class StagePipe:
     def __init__(self, prev_rank: int | None, next_rank: int | None, dtype: torch.dtype, device: torch.device,
                  group: dist.ProcessGroup | None = None):
         self.prev, self.next, self.dtype, self.device, self.group = prev_rank, next_rank, dtype, device, group
-        self.stats = BoundaryStats()
+        self.stats = StageStats()
 
     def send(self, out: StageOutput) -> list:
         """Start sending `out` to the next stage; the work handles (wait on them before the
@@ -74,18 +77,23 @@ class StagePipe:
         return StageInput(hidden, topk, draft_acc)
 
 
-def run_microbatches(runner, pipe: StagePipe | None, microbatches: list[list[SeqChunk]]) -> list[list[torch.Tensor]] | None:
+def run_microbatches(runner, pipe: StagePipe | None, microbatches: list[list[SeqChunk]],
+                     stats: StageStats | None = None) -> list[list[torch.Tensor]] | None:
     """Run a step's micro-batches in order on this stage: receive each one's input from the
     previous stage, run the stage, hand the output on (asynchronously) — or, on the last stage,
-    return every micro-batch's per-chunk logits. Without a pipe this is the whole model."""
+    return every micro-batch's per-chunk logits. Without a pipe this is the whole model. Compute
+    time goes into `stats.busy_s` (wall time of the stage's forwards; on CUDA, of their launches)."""
     last = pipe is None or pipe.next is None
     results, pending = [], []
     for chunks in microbatches:
         inputs = pipe.recv() if pipe is not None and pipe.prev is not None else None
+        t0 = time.perf_counter()
         if last:
             results.append(runner.forward(chunks, inputs))
         else:
             pending.extend(pipe.send(runner.forward_stage(chunks, inputs)))
+        if stats is not None:
+            stats.busy_s += time.perf_counter() - t0
     for work, _ in pending:
         work.wait()
     return results if last else None

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from glm53.models import SeqChunk
 from glm53.models.draft import DraftBlock
 from glm53.server.engine.group import WorkerGroup
-from glm53.server.engine.pipeline import StagePipe
+from glm53.server.engine.pipeline import StagePipe, StageStats
 from glm53.server.engine.worker import RankSpec, RankWorker
 from glm53.transport import KVPoll, MetadataRow, Room, RoomTransfer, TransferError, TransferErrorCode
 
@@ -94,6 +94,10 @@ class RankRuntime:
     def __init__(self, worker: RankWorker, rank: int, pipe: Optional[StagePipe] = None):
         self.worker, self.rank, self.pipe = worker, rank, pipe
         self.handles: dict[RoomKey, Any] = {}
+
+    @property
+    def stage_stats(self) -> Optional[StageStats]:
+        return self.pipe.stats if self.pipe is not None else None
 
     def apply(self, cmd: Command) -> tuple[Any, dict[RoomKey, HandleState]]:
         """The forward's logits, the speculative step's (drafts, logits), or None; and the
@@ -246,7 +250,8 @@ def follower_main(launch: Launch) -> None:
             if cmd.stop:
                 break
             out, report = runtime.apply(cmd)
-            dist.gather_object((report, _to_cpu(out) if answers else None), None, dst=0, group=control)
+            dist.gather_object((report, _to_cpu(out) if answers else None, runtime.stage_stats), None, dst=0,
+                               group=control)
     except Exception as e:  # the group broke (rank 0 gone): nothing left to serve
         log.warning("rank %d leaves: %s", launch.rank, e)
     finally:
@@ -297,6 +302,7 @@ class ProcessWorkers(WorkerGroup):
         self._lost = ""
         self._queue: list[Op] = []
         self._remote: dict[RoomKey, list[RemoteHandle]] = {}
+        self.stage_stats: list[Optional[StageStats]] = []  # per rank, as of the last step
         try:
             tp, self._control, links = _join(Launch(specs[0], 0, world, init, backend, timeout_s, os.getpid()))
             self.rank = RankWorker(specs[0], tp_group=tp)
@@ -326,14 +332,15 @@ class ProcessWorkers(WorkerGroup):
             dist.broadcast_object_list([cmd], src=0, group=self._control)
             out, mine = self.runtime.apply(cmd)
             replies: list[Any] = [None] * len(self.specs)
-            dist.gather_object((mine, None), replies, dst=0, group=self._control)
+            dist.gather_object((mine, None, self.runtime.stage_stats), replies, dst=0, group=self._control)
         except RuntimeError as e:
             dead = [p.name for p in self.procs if not p.is_alive()]
             self._lost = f"rank process {', '.join(dead) or '?'} lost: {e}"
             raise RanksLost(self._lost) from None
         if self._answer_rank:
             out = replies[self._answer_rank][1]
-        for rank, (report, _) in enumerate(replies[1:], 1):
+        self.stage_stats = [st for _, _, st in replies]
+        for rank, (report, _, _) in enumerate(replies[1:], 1):
             for key, st in report.items():
                 for h in self._remote.get(key, ()):
                     if h.rank == rank:

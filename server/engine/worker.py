@@ -203,7 +203,7 @@ class RankWorker:
     def forward_microbatches(self, microbatches: list[list[SeqChunk]],
                              pipe: StagePipe | None = None) -> list[list[torch.Tensor]] | None:
         """This stage's part of a pipelined step (pipeline.py); the logits on the last stage."""
-        return run_microbatches(self.runner, pipe, microbatches)
+        return run_microbatches(self.runner, pipe, microbatches, pipe.stats if pipe is not None else None)
 
     def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """One speculative step for a batch: the draft proposes `block_size - 1` tokens per
