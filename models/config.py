@@ -11,15 +11,33 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 log = logging.getLogger(__name__)
 
 FULL, SHARED = "full", "shared"
 
 
+T = TypeVar("T")
+
+
 class ConfigError(ValueError):
     """A model config value is missing or invalid; the message names the field."""
+
+
+def from_config_json(model_dir: str | Path, parse: Callable[[dict[str, Any]], T]) -> T:
+    """`parse` applied to `model_dir/config.json`; every error names the file."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: config.json not found")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    try:
+        return parse(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def indexer_schedule(
@@ -142,17 +160,7 @@ class GlmConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "GlmConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{path}: config.json not found")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        try:
-            return cls.from_dict(data)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        return from_config_json(model_dir, cls.from_dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GlmConfig":

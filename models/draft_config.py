@@ -8,12 +8,11 @@ target layer `target_layer_ids[k]`, docs/ARCHITECTURE.md "Capture and partial pr
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm53.models.config import ConfigError, GlmConfig
+from glm53.models.config import ConfigError, GlmConfig, from_config_json
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -56,17 +55,7 @@ class DFlashConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path, target: GlmConfig) -> "DFlashConfig":
-        p = Path(path) / "config.json"
-        if not p.is_file():
-            raise ConfigError(f"{p}: config.json not found")
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from e
-        try:
-            return cls.from_dict(data, target)
-        except ConfigError as e:
-            raise ConfigError(f"{p}: {e}") from None
+        return from_config_json(path, lambda d: cls.from_dict(d, target))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], target: GlmConfig) -> "DFlashConfig":
