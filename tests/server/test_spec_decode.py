@@ -45,7 +45,7 @@ class KnownWorkers(WorkerGroup):
             logits.append(rows)
         return drafts, logits
 
-    def forward(self, chunks):
+    def forward_microbatches(self, microbatches):
         raise AssertionError("speculative decoding verifies through spec_step only")
 
     def create_senders(self, room, decode_instance):
