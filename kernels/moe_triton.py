@@ -58,12 +58,15 @@ def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfi
         # the interpreter's cost is per program and per K step: few, large tiles
         return MoEConfig(BM=64, BN1=64, BN2=64, BK=64, GROUP_M=4, num_warps=1, num_stages=1)
     rows = n_pairs / max(1, n_experts)
-    wide = 1 if dtype == torch.float32 else 2  # fp32 tiles take twice the shared memory
-    if rows <= 16:
-        return MoEConfig(BM=16, BN1=64, BN2=64, BK=256 // wide, num_warps=4, num_stages=4)
-    if rows <= 64:
-        return MoEConfig(BM=64, BN1=64, BN2=64, BK=128 // wide, num_warps=4, num_stages=4)
-    return MoEConfig(BM=128, BN1=128 // wide, BN2=128, BK=64, num_warps=8, num_stages=3)
+    # shared memory per pipeline stage (bf16), gate+up kernel: BM·BK·2 + 2·BK·BN1·2 bytes;
+    # fp32 operands take twice as much, so they halve the K step
+    half = 2 if dtype == torch.float32 else 1
+    if rows <= 16:  # 36 KB a stage
+        return MoEConfig(BM=16, BN1=64, BN2=64, BK=128 // half, num_warps=4, num_stages=4)
+    if rows <= 64:  # 48 KB a stage
+        return MoEConfig(BM=64, BN1=64, BN2=64, BK=128 // half, num_warps=4, num_stages=4)
+    # 48 KB a stage; two 128x128 fp32 accumulators over 8 warps (128 registers a thread)
+    return MoEConfig(BM=128, BN1=128, BN2=128, BK=64 // half, num_warps=8, num_stages=3)
 
 
 @triton.jit
