@@ -63,8 +63,8 @@ def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfi
     half = 2 if dtype == torch.float32 else 1
     if rows <= 16:  # 36 KB a stage
         return MoEConfig(BM=16, BN1=64, BN2=64, BK=128 // half, num_warps=4, num_stages=4)
-    if rows <= 64:  # 48 KB a stage
-        return MoEConfig(BM=64, BN1=64, BN2=64, BK=128 // half, num_warps=4, num_stages=4)
+    if rows <= 64:  # 40 KB a stage; 0.348 ms against 0.380 with 64x64x128 tiles (H200, N=64, E=16)
+        return MoEConfig(BM=64, BN1=128, BN2=128, BK=64 // half, num_warps=4, num_stages=4)
     # 48 KB a stage; two 128x128 fp32 accumulators over 8 warps (128 registers a thread)
     return MoEConfig(BM=128, BN1=128, BN2=128, BK=64 // half, num_warps=8, num_stages=3)
 
