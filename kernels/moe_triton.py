@@ -7,9 +7,10 @@ Layout, all of it computed on the device (no host sync, so the op can sit in a C
 - The N·k (token, slot) pairs are sorted by expert (`torch.sort`, stable) and each expert's
   segment start is found with `searchsorted` on the sorted ids: `seg[e] .. seg[e+1]` are expert
   e's pairs in sorted order. An expert's segment is cut into row blocks of BM pairs; block b of
-  the launch belongs to the expert whose cumulative block count first exceeds b. Every program
-  derives that from `seg` itself (a cumsum over the E experts, cheap next to one K step), so
-  there is no padded index array to build. The grid is sized by the bound
+  the launch belongs to the expert whose cumulative block count first exceeds b. One tiny
+  program writes those cumulative counts (`_plan_kernel`); each GEMM program finds its expert
+  with one comparison over the E counts, so there is no padded index array to build (and no
+  nested jit helpers, which the interpreter makes slow). The grid is sized by the bound
   Σ_e ⌈c_e / BM⌉ ≤ ⌈N·k / BM⌉ + min(E, N·k); programs past the real count return at once.
 - Kernel 1 (gate+up): a program computes a [BM, BN] tile of gate·x and of up·x over the same
   gathered x rows (one A tile feeds two products), applies silu(g)·u in fp32 and stores it in
