@@ -1,10 +1,17 @@
 """MoE routing (sigmoid scores, `e_score_correction_bias` for selection only, group-limited
-selection, normalised top-k weights, routed scaling) and the expert/MLP forward."""
+selection, normalised top-k weights, routed scaling) and the expert/MLP forward.
+
+`moe_experts` dispatches by `dispatch.use_triton`: the fused grouped-GEMM kernel
+(`moe_triton.py`: expert-sorted pairs, gate+up with SiLU·mul in one kernel, down with the routing
+weights, a deterministic sum over the k slots; no host sync) on CUDA tensors, the per-expert loop
+`moe_experts_reference` on CPU."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from glm53.kernels.dispatch import use_triton
 
 
 def route(
@@ -37,7 +44,7 @@ def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def moe_experts(
+def moe_experts_reference(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
@@ -45,7 +52,8 @@ def moe_experts(
     up: torch.Tensor,
     down: torch.Tensor,
 ) -> torch.Tensor:
-    """Routed experts: x [N, H]; gate/up [E, I, H]; down [E, H, I]. Loops over the experts hit."""
+    """Routed experts: x [N, H]; weights [N, k]; ids [N, k]; gate/up [E, I, H]; down [E, H, I].
+    Loops over the experts hit (reading the per-expert counts back to the host)."""
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -61,3 +69,20 @@ def moe_experts(
         y = swiglu_mlp(x[tok], gate[e], up[e], down[e])
         out.index_add_(0, tok, y * weights.reshape(-1)[sel, None].to(y.dtype))
     return out
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts (shapes as `moe_experts_reference`), summed over each token's k experts
+    with its routing weights; returns [N, H] in x's dtype."""
+    if use_triton(x):
+        from glm53.kernels.moe_triton import moe_experts_triton
+
+        return moe_experts_triton(x, weights, ids, gate, up, down)
+    return moe_experts_reference(x, weights, ids, gate, up, down)

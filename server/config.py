@@ -281,7 +281,11 @@ def parse_config(raw: Any, source: str = "<config>", overrides: dict[str, Any] |
         source=source, name=name, model=model, router=router, transfer=transfer, speculative=speculative,
         defaults=defaults, prefill=pools["prefill"], decode=pools["decode"],
     )
-    _check_semantics(cfg)
+    # Instances that state their memory share (in their entry or in `defaults`): only those may
+    # share a GPU. The dataclass keeps just the value, so this is read off the raw entries.
+    sized = {f"{role}[{i}]" for role in ROLES for i, e in enumerate(raw[role])
+             if "mem_fraction_static" in e or "mem_fraction_static" in defaults_raw}
+    _check_semantics(cfg, sized)
     return cfg
 
 
@@ -363,7 +367,13 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
     return inst
 
 
-def _check_semantics(cfg: ClusterConfig) -> None:
+# Instances on one GPU (one-GPU PD: prefill and decode side by side) must each set
+# mem_fraction_static, and the fractions must leave the driver and the allocators some room.
+MAX_SHARED_MEM_FRACTION = 0.95
+
+
+def _check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = frozenset()) -> None:
+    """`sized`: the key paths ("decode[0]") of instances that set mem_fraction_static explicitly."""
     src = cfg.source
 
     def err(key: str, msg: str) -> ConfigError:
@@ -411,7 +421,7 @@ def _check_semantics(cfg: ClusterConfig) -> None:
     if (router_host, cfg.router.result_port) in ports:
         raise err("router.result_port", f"port {cfg.router.result_port} is already used by router.port")
     ports[(router_host, cfg.router.result_port)] = "router.result_port"
-    devices: dict[tuple[str, int], str] = {}
+    devices: dict[tuple[str, int], list[tuple[str, InstanceConfig]]] = {}
     for role in ROLES:
         for i, inst in enumerate(cfg.pool(role)):
             path = f"{role}[{i}]"
@@ -454,9 +464,22 @@ def _check_semantics(cfg: ClusterConfig) -> None:
                     if d < 0:
                         raise err(f"{path}.devices", f"GPU ids must be >= 0, got {d}")
                     slot = (_canonical_host(inst.host), d)
-                    if slot in devices:
-                        raise err(f"{path}.devices", f"GPU {d} on host {inst.host} is already used by {devices[slot]}")
-                    devices[slot] = path
+                    users = devices.setdefault(slot, [])
+                    unsized = [p for p, _ in users + [(path, inst)] if p not in sized]
+                    if users and unsized:
+                        keys = " and ".join(f"{p}.mem_fraction_static" for p, _ in users + [(path, inst)])
+                        raise err(f"{path}.devices", f"GPU {d} on host {inst.host} is already used by "
+                                  f"{', '.join(p for p, _ in users)}; instances may share a GPU only when each "
+                                  f"sets mem_fraction_static (not set: {', '.join(unsized)}) and they sum to at "
+                                  f"most {MAX_SHARED_MEM_FRACTION}: set {keys}")
+                    users.append((path, inst))
+                    fractions = [u.engine.mem_fraction_static for _, u in users]
+                    if sum(fractions) > MAX_SHARED_MEM_FRACTION + 1e-9:
+                        raise err(f"{path}.devices", f"GPU {d} on host {inst.host} is shared with "
+                                  f"{', '.join(p for p, _ in users[:-1])}; their mem_fraction_static must be set "
+                                  f"and sum to at most {MAX_SHARED_MEM_FRACTION} "
+                                  f"({' + '.join(f'{p}.mem_fraction_static {f:g}' for (p, _), f in zip(users, fractions))}"
+                                  f" = {sum(fractions):g})")
     # Both sides of a transfer must agree on the page layout.
     first = cfg.prefill[0]
     for role in ROLES:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from glm53.kernels import index_cache_fp8
+from glm53.kernels.moe import moe_experts, moe_experts_reference
 from glm53.kernels.indexer_logits import (
     indexer_logits,
     indexer_logits_fp8,
@@ -162,4 +163,45 @@ def check_sparse_mla(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=
         assert torch.all(out[2] == 0)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err <= tol, err
+    return err
+
+
+def moe_inputs(N, H, I, E, k, dtype, device="cpu", n_empty=0, ids_dtype=torch.int64):
+    """Fresh random MoE inputs: each token picks k distinct experts among E - n_empty live ones
+    (a random subset, so some experts get no token at all); positive routing weights in fp32;
+    weights scaled by fan-in so every stage's outputs stay O(1)."""
+    live = torch.randperm(E, device=device)[: E - n_empty]
+    assert live.numel() >= k
+    ids = live[torch.rand(N, live.numel(), device=device).argsort(dim=1)[:, :k]].to(ids_dtype)
+    x = torch.randn(N, H, device=device).to(dtype)
+    weights = torch.rand(N, k, device=device) + 0.05
+    gate = (torch.randn(E, I, H, device=device) * H**-0.5).to(dtype)
+    up = (torch.randn(E, I, H, device=device) * H**-0.5).to(dtype)
+    down = (torch.randn(E, H, I, device=device) * I**-0.5).to(dtype)
+    return x, weights, ids, gate, up, down
+
+
+def check_moe(N, H, I, E, k, dtype=torch.bfloat16, device="cpu", n_empty=0, ids_dtype=torch.int64,
+              config=None, tol=None):
+    """The public op (Triton here) against the per-expert reference in float64 (float32 on a GPU:
+    full-precision products, no tf32), by ‖out − ref‖ / ‖ref‖. Tolerances: bf16 1e-2 (the bf16
+    reference itself lands near 6e-3: h, each expert's output and the sum are rounded to bf16);
+    fp32 1e-5 (IEEE products; measured ~3e-7). Bit-identical across two runs (no atomics).
+    `config` (a `MoEConfig`) calls the Triton kernel directly with those tiles."""
+    inputs = moe_inputs(N, H, I, E, k, dtype, device, n_empty, ids_dtype)
+    if config is None:
+        run = lambda: moe_experts(*inputs)  # noqa: E731
+    else:
+        from glm53.kernels.moe_triton import moe_experts_triton
+
+        run = lambda: moe_experts_triton(*inputs, config=config)  # noqa: E731
+    out = run()
+    ref_dtype = torch.float32 if torch.device(device).type == "cuda" else torch.float64
+    x, weights, ids, gate, up, down = (t if t is inputs[2] else t.to(ref_dtype) for t in inputs)
+    ref = moe_experts_reference(x, weights, ids, gate, up, down)
+    assert out.shape == (N, H) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = ((out.to(ref_dtype) - ref).norm() / ref.norm()).item()
+    assert err <= (tol or (1e-2 if dtype == torch.bfloat16 else 1e-5)), err
+    assert torch.equal(run(), out), "two runs differ: the result must be deterministic"
     return err

@@ -40,3 +40,14 @@ def test_fp8_index_cache_layout_roundtrip():
     assert ((deq - k).norm() / k.norm()).item() < 0.05
     # other layers untouched
     assert torch.count_nonzero(pool[:, :2]) == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="interpreter process")
+def test_moe_cpu_tensors_take_the_reference():
+    from glm53.kernels.moe import moe_experts, moe_experts_reference
+
+    from .cases import moe_inputs
+
+    torch.manual_seed(1)
+    inputs = moe_inputs(9, 32, 16, 6, 3, torch.float32, n_empty=1)
+    assert torch.equal(moe_experts(*inputs), moe_experts_reference(*inputs))

@@ -111,3 +111,15 @@ def test_sparse_mla_hopper_ragged(kw):
 @pytest.mark.parametrize("kw", [dict(col_halves=False), dict(col_halves=False, num_splits=1), dict(block_n=32)])
 def test_sparse_mla_variants_tiny(kw):
     cases.check_sparse_mla(3, 4, 32, 16, 40, page_size=4, device=DEV, **kw)
+
+
+# ---- fused MoE at GLM-5 widths (H 6144, I 2048, top-8): decode, small and prefill batches ----
+@pytest.mark.parametrize("N", [1, 64, 4096])
+@pytest.mark.parametrize("E", [16, 32])
+def test_moe_glm5(N, E):
+    cases.check_moe(N, 6144, 2048, E, 8, dtype=torch.bfloat16, device=DEV, n_empty=2 if N > 1 else 0)
+
+
+def test_moe_fp32_and_odd_shapes():
+    cases.check_moe(200, 320, 96, 12, 6, dtype=torch.float32, device=DEV, n_empty=3)
+    cases.check_moe(33, 6144, 2048, 16, 8, dtype=torch.bfloat16, device=DEV, ids_dtype=torch.int32)

@@ -283,3 +283,27 @@ SPARSE_MLA_VARIANTS = [
 def test_sparse_mla_variants(kw):
     cases.check_sparse_mla(3, 20, 32, 8, 50, page_size=8, **kw)  # odd heads, R=32: halves of 16
     cases.check_sparse_mla(3, 16, 48, 16, 70, page_size=4, **kw)  # R not a power of two
+
+
+# ---- fused MoE (grouped GEMM over expert-sorted pairs) -----------------------------------------
+# N from one token to a few hundred, k = 2..8, experts left without a token, uneven H/I (K masks,
+# columns past the width), fp32 and bf16, int32 ids. Tolerances in cases.check_moe.
+@pytest.mark.parametrize("N,H,I,E,k,dtype,n_empty", [
+    (1, 64, 32, 8, 2, torch.bfloat16, 0),
+    (1, 64, 32, 16, 8, torch.float32, 0),
+    (5, 80, 48, 8, 3, torch.float32, 2),
+    (37, 64, 32, 12, 4, torch.bfloat16, 5),
+    (300, 64, 32, 16, 8, torch.bfloat16, 3),
+])
+def test_moe_against_reference(N, H, I, E, k, dtype, n_empty):
+    cases.check_moe(N, H, I, E, k, dtype=dtype, n_empty=n_empty)
+
+
+def test_moe_small_tiles_many_blocks():
+    # 16-row blocks (each live expert gets ~32 pairs: two or three blocks), two column tiles in
+    # each kernel, a K step that divides neither H nor I, GROUP_M not dividing the block count,
+    # int32 ids: the GPU's decode-sized tiling on the same code path
+    from glm53.kernels.moe_triton import MoEConfig
+
+    cfg = MoEConfig(BM=16, BN1=32, BN2=64, BK=32, GROUP_M=3, num_warps=1, num_stages=1)
+    cases.check_moe(24, 80, 48, 4, 2, dtype=torch.bfloat16, n_empty=1, ids_dtype=torch.int32, config=cfg)

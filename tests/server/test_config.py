@@ -139,6 +139,62 @@ def test_topology(tmp_path):
     assert error(tmp_path, d).key == "prefill[0].port"
 
 
+def _one_gpu(prefill: dict, decode: dict, defaults: dict | None = None) -> dict:
+    d = base()
+    d["defaults"] = {"device": "cuda", **(defaults or {})}
+    d["prefill"][0].update({"devices": [0], **prefill})
+    d["decode"][0].update({"devices": [0], **decode})
+    return d
+
+
+def test_one_gpu_pd_with_explicit_memory_fractions(tmp_path):
+    # prefill and decode on one GPU: allowed when each sets its share and the sum is <= 0.95
+    cfg = load_config(write(tmp_path, _one_gpu({"mem_fraction_static": 0.45}, {"mem_fraction_static": 0.5})))
+    assert cfg.prefill[0].devices == cfg.decode[0].devices == [0]
+    assert (cfg.prefill[0].engine.mem_fraction_static, cfg.decode[0].engine.mem_fraction_static) == (0.45, 0.5)
+    assert parse_config(cfg.to_dict()).to_dict() == cfg.to_dict()
+    # set once in defaults counts as set for each instance (0.45 + 0.45)
+    load_config(write(tmp_path, _one_gpu({}, {}, {"mem_fraction_static": 0.45})))
+    # the sum is over every instance on the GPU: a second decode instance tips it over
+    d = _one_gpu({"mem_fraction_static": 0.3}, {"mem_fraction_static": 0.3})
+    d["decode"].append({"name": "d1", "host": "127.0.0.1", "port": 40202, "devices": [0], "mem_fraction_static": 0.4})
+    e = error(tmp_path, d)
+    assert e.key == "decode[1].devices" and "prefill[0], decode[0]" in str(e) and "= 1" in str(e)
+    # tp instances may share all their GPUs
+    d = _one_gpu({"mem_fraction_static": 0.4, "tp": 2, "devices": [0, 1]},
+                 {"mem_fraction_static": 0.4, "tp": 2, "devices": [1, 0], "dist_init_port": 40300})
+    load_config(write(tmp_path, d))
+    # another host's GPU 0 is another GPU
+    d = _one_gpu({}, {"host": "10.0.0.2"})
+    load_config(write(tmp_path, d))
+
+
+def test_one_gpu_pd_refused_without_fractions_or_over_095(tmp_path):
+    e = error(tmp_path, _one_gpu({"mem_fraction_static": 0.6}, {"mem_fraction_static": 0.5}))
+    assert e.key == "decode[0].devices"
+    assert str(e).endswith("decode[0].devices: GPU 0 on host 127.0.0.1 is shared with prefill[0]; their "
+                           "mem_fraction_static must be set and sum to at most 0.95 (prefill[0].mem_fraction_static "
+                           "0.6 + decode[0].mem_fraction_static 0.5 = 1.1)"), str(e)
+    # one side left at the default (0.85): refused, naming both instances' keys
+    e = error(tmp_path, _one_gpu({}, {"mem_fraction_static": 0.1}))
+    assert e.key == "decode[0].devices" and "already used by prefill[0]" in str(e)
+    assert "not set: prefill[0]" in str(e)
+    assert "prefill[0].mem_fraction_static and decode[0].mem_fraction_static" in str(e)
+    # written out at the default value is explicit, and 0.85 + 0.1 = 0.95 fits
+    load_config(write(tmp_path, _one_gpu({"mem_fraction_static": 0.85}, {"mem_fraction_static": 0.1})))
+    # the CLI flag sets it everywhere: 2 x 0.5 is too much, 2 x 0.45 is fine
+    p = write(tmp_path, _one_gpu({}, {}))
+    args = build_parser().parse_args(["up", "--config", str(p), "--mem-fraction-static", "0.5"])
+    with pytest.raises(ConfigError) as ex:
+        load_config(p, overrides_from_args(args))
+    assert ex.value.key == "decode[0].devices" and "= 1)" in str(ex.value)
+    args = build_parser().parse_args(["up", "--config", str(p), "--gpu-memory-utilization", "0.45"])
+    assert load_config(p, overrides_from_args(args)).decode[0].engine.mem_fraction_static == 0.45
+    # one instance still may not list a GPU twice, whatever its fraction
+    d = _one_gpu({"mem_fraction_static": 0.3, "tp": 2, "devices": [0, 0]}, {"mem_fraction_static": 0.3})
+    assert "lists a GPU twice" in str(error(tmp_path, d))
+
+
 def test_yaml_syntax_and_missing_file(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model: [unclosed\n")
