@@ -121,15 +121,18 @@ def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype, draft: DFlashDr
     tokens = spec.max_total_tokens
     device = torch.device(spec.device)
     if tokens is None and device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * spec.mem_fraction_static - (total - free)
+        # mem_fraction_static is this instance's share of the GPU (instances may share one): count
+        # only what this process holds, not what another instance on the same GPU took.
+        _, total = torch.cuda.mem_get_info(device)
+        used = torch.cuda.memory_reserved(device)
+        budget = total * spec.mem_fraction_static - used
         per_token = ModelRunner.kv_bytes_per_token(cfg, dtype, spec.layers)
         if draft is not None:
             per_token += draft.kv_bytes_per_token()
         tokens = int(budget // per_token)
         if tokens < spec.page_size:
             raise SystemExit(f"{spec.instance}: mem_fraction_static={spec.mem_fraction_static} leaves no room for "
-                             f"the KV cache after the weights ({(total - free) / 2**30:.1f} GiB used of "
+                             f"the KV cache after the weights ({used / 2**30:.1f} GiB used of "
                              f"{total / 2**30:.1f})")
     return -(-(tokens or CPU_DEFAULT_KV_TOKENS) // spec.page_size)
 
