@@ -27,7 +27,9 @@ absolute positions, block non-causal, context strictly before the anchor, the ta
 embedding and lm_head); `--check` verifies that on CPU against `DFlashDraft.propose`.
 
 Deterministic seeds; the step counts follow the time budget (printed), so a rerun with
-`--target-steps/--draft-steps` set to the printed counts repeats the same run.
+`--target-steps/--draft-steps` set to the printed counts repeats the same run (up to the GPU's
+non-deterministic reductions). The shipped pair: `--target-steps 923 --draft-steps 1577` on
+the Python 3.11.7 standard library (`--corpus`), benchmarks/RESULTS.md "The trained embedded pair".
 """
 
 from __future__ import annotations
@@ -303,7 +305,7 @@ def train_target(model, train, held, a, device) -> None:
         worst = bal.update()
         if step % 50 == 0 or step == total - 1:
             el = time.time() - t0
-            log(f"target step {step:5d} loss {lm.item():.3f} indexer_kl {float(ix):.3f} load_max/mean {worst:.2f} "
+            log(f"target step {step:5d} loss {lm.item():.3f} indexer_kl {float(ix.detach()):.3f} load_max/mean {worst:.2f} "
                 f"{(step + 1) * a.batch * a.seq / el / 1e3:.0f}K tok/s {el:.0f}s")
         step += 1
     aux.enabled = False
