@@ -1,18 +1,25 @@
-"""The embedded default model: a tiny GLM-5 (`glm_moe_dsa`) checkpoint created on first use.
+"""The embedded default model: a tiny GLM-5 (`glm_moe_dsa`) trained on Python source, and its
+DFlash draft, both shipped in `assets/` and installed into `$GLM53_CACHE` on first use.
 
-It is laid out exactly like a Hugging Face GLM-5 checkpoint (config.json, generation_config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja), so everything
-that serves it serves the real model too. The weights are deterministic random numbers written
-with torch + safetensors; the tokenizer is a byte-level BPE trained with `tokenizers` on the
-Python standard library's source, plus GLM's special tokens. Nothing is downloaded.
+`embedded:tiny-glm5` is the trained target (assets/tiny-glm5, made by tools/train_tiny.py): laid
+out exactly like a Hugging Face GLM-5 checkpoint (config.json, generation_config.json,
+model.safetensors in bf16, tokenizer.json, tokenizer_config.json, chat_template.jinja), so
+everything that serves it serves the real model too. `embedded:tiny-glm5-dflash` is its trained
+DFlash draft (assets/tiny-glm5-dflash, the published DFlash layout, block size 16). Nothing is
+downloaded.
+
+The random tiny model stays available (`ensure_random_model`, `write_embedded_model`): the same
+layout with deterministic random weights of `MODEL_DIMS`, for tests that need arbitrary configs.
+The tokenizer of both is a byte-level BPE trained with `tokenizers` on the Python standard
+library's source, plus GLM's special tokens.
 
 Dimensions are small enough for quick CPU serving but keep every GLM-5 feature live: MLA with
 q/kv LoRA, a DSA indexer with index_topk 64 (so prompts longer than 64 tokens are sparse), cross-
 layer index sharing (indexer_types mixes "full" and "shared"), a dense first layer, and grouped
 sigmoid-routed MoE with a shared expert.
 
-Creation is atomic: the checkpoint is built in a temporary directory and renamed into place
-under an exclusive file lock, so concurrent `up`s neither corrupt nor duplicate it.
+Installation is atomic: the checkpoint is built (copied) in a temporary directory and renamed
+into place under an exclusive file lock, so concurrent `up`s neither corrupt nor duplicate it.
 """
 
 from __future__ import annotations
@@ -34,9 +41,17 @@ if TYPE_CHECKING:  # imported lazily: resolving an existing model path must stay
 
 log = logging.getLogger(__name__)
 
-# Bump when the checkpoint's content changes, so old caches are not reused.
-EMBEDDED_VERSION = 1
+# Bump when the shipped checkpoints' content changes, so old caches are not reused.
+# v1: random weights; v2: the trained pair of tools/train_tiny.py (assets/).
+EMBEDDED_VERSION = 2
 EMBEDDED_DIRNAME = f"tiny-glm5-v{EMBEDDED_VERSION}"
+EMBEDDED_DRAFT = "embedded:tiny-glm5-dflash"
+EMBEDDED_DRAFT_DIRNAME = f"tiny-glm5-dflash-v{EMBEDDED_VERSION}"
+# The random model (its own version: bump when write_embedded_model's output changes).
+EMBEDDED_RANDOM = "embedded:tiny-glm5-random"
+RANDOM_VERSION = 1
+RANDOM_DIRNAME = f"tiny-glm5-random-v{RANDOM_VERSION}"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SEED = 0x61A5
 BPE_VOCAB = 4096
 TRAIN_TEXT_BYTES = 3_000_000
@@ -139,30 +154,67 @@ def cache_root() -> Path:
 
 
 def resolve_model_path(path: str) -> Path:
-    """A config's model.path as a directory, creating the embedded model when it is named."""
+    """A config's model.path as a directory, installing the embedded model when it is named."""
     if path == EMBEDDED_MODEL:
         return ensure_embedded_model()
+    if path == EMBEDDED_RANDOM:
+        return ensure_random_model()
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model path {path!r} is not a model directory (no config.json)")
     return p
 
 
+def resolve_draft_path(path: str) -> Path:
+    """A config's speculative.draft_model_path as a directory, installing the embedded draft
+    when `embedded:tiny-glm5-dflash` is named."""
+    if path == EMBEDDED_DRAFT:
+        return ensure_embedded_draft()
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"draft path {path!r} is not a draft directory (no config.json)")
+    return p
+
+
 def ensure_embedded_model(root: Path | None = None) -> Path:
-    """The embedded checkpoint's directory, created (once, atomically) if missing."""
+    """The trained embedded checkpoint's directory, installed (once, atomically) if missing."""
+    return _ensure(root, EMBEDDED_DIRNAME, lambda out: _copy_asset("tiny-glm5", out))
+
+
+def ensure_embedded_draft(root: Path | None = None) -> Path:
+    """The embedded model's trained DFlash draft, installed (once, atomically) if missing."""
+    return _ensure(root, EMBEDDED_DRAFT_DIRNAME, lambda out: _copy_asset("tiny-glm5-dflash", out))
+
+
+def ensure_random_model(root: Path | None = None) -> Path:
+    """The random tiny checkpoint (MODEL_DIMS, deterministic weights), created if missing."""
+    return _ensure(root, RANDOM_DIRNAME, write_embedded_model)
+
+
+def _copy_asset(name: str, out: Path) -> None:
+    src = ASSETS / name
+    if not (src / "config.json").is_file() or not (src / "model.safetensors").is_file():
+        raise FileNotFoundError(f"the shipped checkpoint {src} is missing (a source checkout has it under assets/)")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith(".log"):
+            shutil.copyfile(f, out / f.name)
+
+
+def _ensure(root: Path | None, dirname: str, write) -> Path:
     root = Path(root) if root is not None else cache_root()
-    final = root / EMBEDDED_DIRNAME
+    final = root / dirname
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{EMBEDDED_DIRNAME}.lock", "w") as lock:
+    with open(root / f"{dirname}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # whoever waited here finds the finished directory
         if (final / "config.json").is_file():
             return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_DIRNAME}.", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dirname}.", dir=root))
         try:
-            log.info("creating the embedded tiny GLM-5 model in %s", final)
-            write_embedded_model(tmp)
+            log.info("installing the embedded checkpoint %s in %s", dirname, final)
+            write(tmp)
             if final.exists():  # a partial directory from an older, interrupted layout
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -173,6 +225,8 @@ def ensure_embedded_model(root: Path | None = None) -> Path:
 
 
 def write_embedded_model(out: Path) -> None:
+    """The random tiny model (MODEL_DIMS) into `out`; tools/train_tiny.py also writes the
+    trained model's small files with it (then replaces the weights)."""
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     tok.save(str(out / "tokenizer.json"))

@@ -6,7 +6,8 @@ import pytest
 from safetensors import safe_open
 
 from glm53.server.embedded_model import (
-    SPECIAL_TOKENS, ensure_embedded_model, model_config, weight_shapes, write_weights,
+    ASSETS, EMBEDDED_DRAFT, MODEL_DIMS, SPECIAL_TOKENS, ensure_embedded_draft, ensure_embedded_model,
+    ensure_random_model, model_config, resolve_draft_path, weight_shapes, write_weights,
 )
 
 
@@ -86,3 +87,59 @@ def test_concurrent_creation_is_atomic(tmp_path):
         t.join()
     assert not errors and len(set(out)) == 1
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [out[0].name]
+
+
+# --- the trained pair (assets/, tools/train_tiny.py) ---
+
+def test_the_embedded_model_is_the_shipped_trained_checkpoint(model_dir):
+    for f in sorted((ASSETS / "tiny-glm5").iterdir()):
+        if not f.name.endswith(".log"):
+            assert (model_dir / f.name).read_bytes() == f.read_bytes(), f.name
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["index_topk"] == 64 and cfg["first_k_dense_replace"] == 1 and cfg["n_shared_experts"] == 1
+
+
+def test_shipped_pair_is_bf16_and_small():
+    total = sum(f.stat().st_size for d in ("tiny-glm5", "tiny-glm5-dflash") for f in (ASSETS / d).iterdir())
+    assert total <= 25 * 2**20, total
+    for d in ("tiny-glm5", "tiny-glm5-dflash"):
+        with safe_open(str(ASSETS / d / "model.safetensors"), "pt") as f:
+            dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        assert dtypes <= {"BF16", "F32"} and "BF16" in dtypes
+
+
+def test_embedded_draft_fits_the_embedded_model(tmp_path, model_dir):
+    from glm53.models import DFlashConfig, DFlashDraft, GlmConfig, load_draft_weights
+
+    d = ensure_embedded_draft(tmp_path)
+    assert resolve_draft_path(str(d)) == d
+    target = GlmConfig.from_dir(model_dir)
+    cfg = DFlashConfig.from_dir(d, target)
+    assert cfg.block_size == 16 and cfg.hidden_size == target.hidden_size
+    load_draft_weights(DFlashDraft(cfg, target), d)  # none missing/unexpected
+    assert EMBEDDED_DRAFT == "embedded:tiny-glm5-dflash"
+
+
+def test_the_trained_model_writes_python(model_dir):
+    import torch
+    from tokenizers import Tokenizer
+
+    from glm53.models import ModelRunner, PageAllocator
+    from glm53.server.offline import greedy_generate
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    prompt = tok.encode("import os\nimport sys\n\n\ndef main(argv):\n").ids
+    runner = ModelRunner.from_dir(model_dir, page_size=16, num_pages=64, device="cpu", dtype=torch.float32, progress=False)
+    out = greedy_generate(runner, PageAllocator(64), [prompt], 24, ignore_eos=True)[0]
+    text = tok.decode(out)
+    # Python-shaped (greedy decoding of a 10M-parameter model repeats itself, but in Python)
+    assert "\n    " in text and any(k in text for k in ("import ", "return", "def ", " = ", "(")), text
+
+
+def test_the_random_model_stays_available(tmp_path):
+    from glm53.models import GlmConfig, GlmForCausalLM, load_weights
+
+    d = ensure_random_model(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["hidden_size"] == MODEL_DIMS["hidden_size"] and cfg["num_hidden_layers"] == MODEL_DIMS["num_hidden_layers"]
+    load_weights(GlmForCausalLM(GlmConfig.from_dir(d)), d, progress=False)

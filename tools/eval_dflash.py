@@ -1,0 +1,80 @@
+"""τ and decode speed of a trained target + DFlash draft on held-out Python code, through the
+decode scheduler's real loop (DFlash off vs on, greedy; the outputs must be identical).
+
+    PYTHONPATH=. python tools/eval_dflash.py --model DIR --draft DIR [--device cpu|cuda] [--batch 1 16] [--new 128]
+
+Prompts: the first `--prompt` tokens of held-out standard-library files (the split of
+tools/train_tiny.py: sha1 of the path relative to the stdlib < 5 %), longer than index_topk so
+decoding runs the sparse path. τ = tokens committed per verify step (≤ block size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.dflash import decode_run, scheduler  # noqa: E402
+from tools.train_tiny import held_out, stdlib_files  # noqa: E402
+
+
+def prompts(model: Path, n: int, length: int) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    out = []
+    for rel, text in stdlib_files():
+        if held_out(rel):
+            ids = tok.encode(text).ids
+            if len(ids) >= length:
+                out.append(ids[:length])
+        if len(out) == n:
+            break
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--draft", type=Path, required=True)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=200)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_grad_enabled(False)
+    if a.device == "cpu":
+        torch.set_num_threads(a.threads)
+    all_prompts = prompts(a.model, max(a.batch), a.prompt)
+    print(f"device {a.device}, {len(all_prompts)} held-out prompts of {a.prompt} tokens, {a.new} new tokens, block {a.block}")
+    print(f"{'batch':>5} | {'mode':<6} | {'tok/s':>8} | {'tau':>5} | speed-up vs off")
+    for batch in a.batch:
+        ps = all_prompts[:batch]
+        base, ref = None, None
+        for mode in ("off", "dflash"):
+            sched = scheduler(a.model, None if mode == "off" else a.draft, a.device, a.block)
+            try:
+                decode_run(sched, ps, 8)  # warm-up
+                dt, toks, verify, outs = decode_run(sched, ps, a.new)
+            finally:
+                sched.close()
+            if ref is None:
+                ref = outs
+            same = outs == ref
+            rate = toks / dt
+            base = base or rate
+            tau = f"{toks / verify:.2f}" if verify else "-"
+            print(f"{batch:>5} | {mode:<6} | {rate:8.1f} | {tau:>5} | {rate / base:.2f}x"
+                  + ("" if same else "  OUTPUT DIFFERS FROM OFF"), flush=True)
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"{time.time() - t0:.0f}s")
