@@ -135,7 +135,8 @@ def overrides_from_args(args: argparse.Namespace, role: str | None = None, index
     algo = get("speculative_algorithm")
     o["speculative.algorithm"] = {"NONE": "none"}.get(algo, algo)
     path = get("speculative_draft_model_path")
-    o["speculative.draft_model_path"] = str(Path(path).expanduser().resolve()) if path else None
+    o["speculative.draft_model_path"] = (path if not path or path.startswith("embedded:")
+                                         else str(Path(path).expanduser().resolve()))
     o["speculative.num_draft_tokens"] = get("speculative_num_draft_tokens")
     kv = get("draft_kv_transfer")
     o["speculative.draft_kv_transfer"] = None if kv is None else kv == "on"
@@ -317,7 +318,7 @@ def _killpg(pgid: int, sig: int) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from glm53.server.embedded_model import resolve_model_path
+    from glm53.server.embedded_model import resolve_paths
 
     cfg, _ = _load(args)
     here = local_addresses()
@@ -328,10 +329,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not local and not run_router:
         raise ConfigError(cfg.source, "", f"no process of this config runs on this host ({socket.gethostname()})")
 
-    try:
-        model_dir = resolve_model_path(cfg.model.path)
-    except FileNotFoundError as e:
-        raise ConfigError(cfg.source, "model.path", str(e)) from None
+    model_dir, cfg = resolve_paths(cfg)
     check_model_fit(cfg, model_dir)
     resolved = cfg.to_dict()
     resolved["model"]["path"] = str(model_dir)

@@ -31,8 +31,11 @@ from typing import Any, Literal
 
 import yaml
 
-# The model path that `up` materializes on first use (server/embedded_model.py).
+# Names `up` materializes on first use (server/embedded_model.py): the trained tiny GLM-5, its
+# DFlash draft, and a random-weight tiny GLM-5 for tests.
 EMBEDDED_MODEL = "embedded:tiny-glm5"
+EMBEDDED_RANDOM = "embedded:tiny-glm5-random"
+EMBEDDED_DRAFT = "embedded:tiny-glm5-dflash"
 PAIRING_POLICIES = ("round_robin", "least_loaded", "random")
 # Backends the transport layer implements.
 TRANSFER_BACKENDS = ("nixl",)
@@ -410,8 +413,15 @@ def _check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froz
         raise err("model.context_length", f"must be >= 2, got {cfg.model.context_length}")
     if not cfg.model.path:
         raise err("model.path", "must name a model directory (or 'embedded:tiny-glm5')")
-    if cfg.model.path.startswith("embedded:") and cfg.model.path != EMBEDDED_MODEL:
-        raise err("model.path", f"unknown embedded model {cfg.model.path!r}; the only one is {EMBEDDED_MODEL!r}")
+    if cfg.model.path.startswith("embedded:") and cfg.model.path not in (EMBEDDED_MODEL, EMBEDDED_RANDOM):
+        raise err("model.path", f"unknown embedded model {cfg.model.path!r}; there are {EMBEDDED_MODEL!r} and "
+                  f"{EMBEDDED_RANDOM!r}")
+    draft = spec.draft_model_path or ""
+    if draft.startswith("embedded:") and draft != EMBEDDED_DRAFT:
+        raise err("speculative.draft_model_path", f"unknown embedded draft {draft!r}; the only one is {EMBEDDED_DRAFT!r}")
+    if draft == EMBEDDED_DRAFT and cfg.model.path != EMBEDDED_MODEL:
+        raise err("speculative.draft_model_path", f"{EMBEDDED_DRAFT!r} is the draft of {EMBEDDED_MODEL!r}, "
+                  f"not of {cfg.model.path!r}")
     _check_engine(cfg.defaults, "defaults", src)
 
     names: dict[str, str] = {}

@@ -24,6 +24,7 @@ into place under an exclusive file lock, so concurrent `up`s neither corrupt nor
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import logging
@@ -34,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glm53.server.config import EMBEDDED_MODEL
+from glm53.server.config import EMBEDDED_DRAFT, EMBEDDED_MODEL, EMBEDDED_RANDOM, ClusterConfig, ConfigError
 
 if TYPE_CHECKING:  # imported lazily: resolving an existing model path must stay cheap
     import torch
@@ -45,10 +46,8 @@ log = logging.getLogger(__name__)
 # v1: random weights; v2: the trained pair of tools/train_tiny.py (assets/).
 EMBEDDED_VERSION = 2
 EMBEDDED_DIRNAME = f"tiny-glm5-v{EMBEDDED_VERSION}"
-EMBEDDED_DRAFT = "embedded:tiny-glm5-dflash"
 EMBEDDED_DRAFT_DIRNAME = f"tiny-glm5-dflash-v{EMBEDDED_VERSION}"
 # The random model (its own version: bump when write_embedded_model's output changes).
-EMBEDDED_RANDOM = "embedded:tiny-glm5-random"
 RANDOM_VERSION = 1
 RANDOM_DIRNAME = f"tiny-glm5-random-v{RANDOM_VERSION}"
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -174,6 +173,23 @@ def resolve_draft_path(path: str) -> Path:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"draft path {path!r} is not a draft directory (no config.json)")
     return p
+
+
+def resolve_paths(cfg: ClusterConfig) -> tuple[Path, ClusterConfig]:
+    """The model directory, and `cfg` with its draft path made a directory too (installing the
+    embedded ones when named); a missing directory is a ConfigError naming the key."""
+    try:
+        model_dir = resolve_model_path(cfg.model.path)
+    except FileNotFoundError as e:
+        raise ConfigError(cfg.source, "model.path", str(e)) from None
+    spec = cfg.speculative
+    if spec.enabled and spec.draft_model_path:
+        try:
+            draft = resolve_draft_path(spec.draft_model_path)
+        except FileNotFoundError as e:
+            raise ConfigError(cfg.source, "speculative.draft_model_path", str(e)) from None
+        cfg = dataclasses.replace(cfg, speculative=dataclasses.replace(spec, draft_model_path=str(draft)))
+    return model_dir, cfg
 
 
 def ensure_embedded_model(root: Path | None = None) -> Path:

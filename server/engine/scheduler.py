@@ -51,9 +51,9 @@ def instance_by_index(cluster: ClusterConfig, role: str, index: int) -> Instance
 
 def build_workers(cluster: ClusterConfig, inst: InstanceConfig) -> WorkerGroup:
     """The instance's ranks, built and started (a prefill rank needs its bootstrap server up)."""
-    from glm53.server.embedded_model import resolve_model_path
+    from glm53.server.embedded_model import resolve_paths
 
-    path = resolve_model_path(cluster.model.path)
+    path, cluster = resolve_paths(cluster)
     check_model_fit(cluster, path)
     specs = rank_specs(cluster, inst, str(path), GlmConfig.from_dir(path).num_hidden_layers)
     if len(specs) == 1:

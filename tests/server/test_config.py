@@ -311,3 +311,16 @@ def test_the_draft_must_fit_the_model(tmp_path, model_dir):
     d = base()
     d["speculative"] = {"algorithm": "DFLASH"}
     assert error(tmp_path, d).key == "speculative.draft_model_path"
+
+
+def test_embedded_draft_names(tmp_path):
+    d = base()
+    d["model"] = {"path": "embedded:tiny-glm5"}
+    d["speculative"] = {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash"}
+    assert load_config(write(tmp_path, d)).speculative.draft_model_path == "embedded:tiny-glm5-dflash"
+    d["speculative"]["draft_model_path"] = "embedded:nope"
+    assert "unknown embedded draft" in str(error(tmp_path, d))
+    d["model"] = {"path": "embedded:tiny-glm5-random"}
+    d["speculative"]["draft_model_path"] = "embedded:tiny-glm5-dflash"
+    e = error(tmp_path, d)
+    assert e.key == "speculative.draft_model_path" and "tiny-glm5-random" in str(e)
