@@ -1,8 +1,10 @@
 """What every handler does with a request before it generates: check the model name and the
-fields clients may not send or that are not supported yet, render chat messages, check token
-ids, name the request, and build the one RequestSpec both instances receive.
+fields clients may not send or that are not supported yet, render chat messages, turn prompts
+into checked token ids, name the request, and build the one RequestSpec both instances receive.
 
-Each check raises APIError with the status, message and param the client sees.
+Each check raises APIError with the status, message and param the client sees. The prompt
+functions (`chat_prompt_ids`, `text_prompt_ids`, `ids_prompt`) do the heavy work and run in the
+router's worker threads (offload.py), never on the event loop.
 """
 
 from __future__ import annotations
@@ -73,8 +75,7 @@ def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_toke
     if prompt_len == 0:
         raise APIError(400, "The prompt is empty (it has no tokens).", "prompt")
     if prompt_len >= ctx:
-        raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your request has "
-                       f"{prompt_len} input tokens. Please reduce the length of the input.", "messages")
+        raise too_long(ctx, str(prompt_len), "messages")
     room = ctx - prompt_len
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
@@ -100,6 +101,31 @@ def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_toke
     except SamplingError as e:
         raise APIError(400, str(e), e.param) from None
     return RequestSpec(rid, input_ids, params, list(state.tokenizer.eos_token_ids))
+
+
+def too_long(ctx: int, n: str, param: str) -> APIError:
+    return APIError(400, f"This model's maximum context length is {ctx} tokens. However, your request has "
+                    f"{n} input tokens. Please reduce the length of the input.", param)
+
+
+def text_prompt_ids(state: RouterState, text: str, param: str) -> list[int]:
+    """The token ids of a text prompt. One that certainly cannot fit the context (more bytes than
+    context_length tokens can cover) is refused without tokenizing it."""
+    at_least = state.tokenizer.min_tokens(text)
+    if at_least >= state.context_length:
+        raise too_long(state.context_length, f"at least {at_least}", param)
+    return state.tokenizer.encode(text)
+
+
+def chat_prompt_ids(state: RouterState, body: ChatCompletionRequest) -> list[int]:
+    return text_prompt_ids(state, render_chat(state, body), "messages")
+
+
+def ids_prompt(state: RouterState, ids: list[int], param: str) -> list[int]:
+    """A token-id prompt: its length against the context first (cheap), then the vocabulary."""
+    if len(ids) >= state.context_length:
+        raise too_long(state.context_length, str(len(ids)), param)
+    return check_ids(state, ids, param)
 
 
 def check_ids(state: RouterState, ids: list[int], param: str) -> list[int]:

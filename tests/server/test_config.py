@@ -225,3 +225,13 @@ def test_tp_must_split_the_model(tmp_path, model_dir):
     with pytest.raises(ConfigError) as e:
         check_model_fit(cfg, model_dir)
     assert e.value.key == "decode[0].tp" and "num_attention_heads" in str(e.value) and "3" in str(e.value)
+
+
+def test_router_limits_and_restart_keys(tmp_path):
+    cfg = parse_config(base())
+    assert cfg.router.max_request_bytes == 4 << 20 and cfg.router.max_restarts == 5
+    for key, bad in (("max_request_bytes", 10), ("tokenizer_pool_size", 0), ("max_restarts", -1),
+                     ("restart_window_s", 0), ("restart_backoff_s", -1.0)):
+        d = base()
+        d["router"] = {key: bad}
+        assert error(tmp_path, d).key == f"router.{key}"

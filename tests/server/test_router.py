@@ -286,6 +286,9 @@ def test_prefill_failure_is_an_error_event(tmp_path, model_dir, glm53_cache):
         assert httpx.get(c.url + "/health").status_code == 200
     finally:
         c.stop()
+    # With one prefill instance there is nothing to retry on, and the log says so.
+    log = c.log_path.read_text()
+    assert "no other prefill instance to retry on" in log and "retrying on another" not in log
 
 
 def test_failed_prefill_is_retried_on_another(tmp_path, model_dir, glm53_cache):
