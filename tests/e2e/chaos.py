@@ -86,11 +86,16 @@ class Report:
                 f"{self.rss_base_mb:.0f} -> {self.rss_after_mb:.0f} MB; KV tokens in use after {self.pools_after}")
 
 
-def start_cluster(workdir, cache, *, health_timeout_s: float = 3.0, transfer_timeout_s: float = 10.0) -> Cluster:
-    """A 1P1D deployment of the embedded model that notices faults quickly and restarts what dies."""
+def start_cluster(workdir, cache, *, health_timeout_s: float = 3.0, transfer_timeout_s: float = 10.0,
+                  bootstrap_timeout_s: float | None = None, prefill: dict | None = None) -> Cluster:
+    """A 1P1D deployment of the embedded model that notices faults quickly and restarts what
+    dies; `prefill` overrides engine keys of p0."""
     c = Cluster(workdir, cache, transfer_timeout_s=transfer_timeout_s)
     c.cfg["router"].update({"health_check_interval_s": 0.5, "health_timeout_s": health_timeout_s,
                             "restart_backoff_s": 0.5, "max_restarts": 1000})
+    if bootstrap_timeout_s is not None:
+        c.cfg["transfer"]["bootstrap_timeout_s"] = bootstrap_timeout_s
+    c.cfg["prefill"][0].update(prefill or {})
     c.config_path.write_text(yaml.safe_dump(c.cfg))
     c.start()
     # `up`'s children share its stdout (the router's access log goes there): once the test
