@@ -98,6 +98,17 @@ def test_certainly_too_long_prompt_is_refused_without_tokenizing(limits_cluster)
     assert ok.status_code == 200, ok.text
 
 
+def test_too_many_stops_is_a_400(limits_cluster):
+    e = error(post(limits_cluster, "/v1/completions", json.dumps({"prompt": "x", "stop": ["a"] * 65}).encode()), 400)
+    assert e["param"] == "stop" and "at most 64" in e["message"]
+    e = error(post(limits_cluster, "/generate", json.dumps({"text": "x", "sampling_params": {
+        "stop": [str(i) for i in range(1000)]}}).encode()), 400)
+    assert e["param"] == "stop"
+    e = error(post(limits_cluster, "/v1/completions", json.dumps({"prompt": "x", "stop_token_ids": [5] * 2000}).encode()),
+              400)
+    assert e["param"] == "stop_token_ids" and "at most 1024" in e["message"]
+
+
 def test_more_prompts_than_capacity_is_a_400(limits_cluster):
     c = limits_cluster
     e = error(post(c, "/v1/completions", json.dumps({"prompt": ["a"] * (CAPACITY + 1)}).encode()), 400)
