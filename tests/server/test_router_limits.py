@@ -104,8 +104,8 @@ def test_too_many_stops_is_a_400(limits_cluster):
     e = error(post(limits_cluster, "/generate", json.dumps({"text": "x", "sampling_params": {
         "stop": [str(i) for i in range(1000)]}}).encode()), 400)
     assert e["param"] == "stop"
-    e = error(post(limits_cluster, "/v1/completions", json.dumps({"prompt": "x", "stop_token_ids": [5] * 2000}).encode()),
-              400)
+    body = json.dumps({"prompt": "x", "stop_token_ids": [5] * 2000}).encode()
+    e = error(post(limits_cluster, "/v1/completions", body), 400)
     assert e["param"] == "stop_token_ids" and "at most 1024" in e["message"]
 
 
