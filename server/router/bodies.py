@@ -83,7 +83,10 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InputError(400, f"The request body is not valid UTF-8 (byte {e.start}).", "body") from None
-    obj = json.loads(text)
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise InputError(400, "The request body is nested too deeply.", "body") from None
     if _SURROGATE_ESCAPE.search(raw):
         where = find_lone_surrogate(obj)
         if where is not None:

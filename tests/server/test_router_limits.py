@@ -65,6 +65,8 @@ def test_valid_text_and_encodings(limits_cluster):
     assert r.status_code == 200, r.text
     e = error(post(c, "/v1/completions", b'{"prompt":"x\xff"}'), 400)
     assert "UTF-8" in e["message"] and e["param"] == "body"
+    e = error(post(c, "/v1/completions", b"[" * 100_000 + b"]" * 100_000), 400)
+    assert "nested too deeply" in e["message"]
 
 
 def test_body_over_the_limit_is_413_before_parsing(limits_cluster):
