@@ -15,7 +15,6 @@ applies to every process.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import importlib.util
 import json
@@ -23,9 +22,7 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -34,6 +31,7 @@ from typing import Any, Callable
 import yaml
 
 from glm53.server.config import ClusterConfig, ConfigError, check_model_fit, load_config
+from glm53.server.supervisor import Event, RestartPolicy, RunDir, Supervisor
 
 log = logging.getLogger("glm53.serve")
 
@@ -269,54 +267,6 @@ def local_addresses() -> set[str]:
     return names
 
 
-def _set_pdeathsig() -> None:
-    # Runs in the child between fork and exec: the kernel sends SIGTERM to the child if `up`
-    # dies without cleaning up (e.g. SIGKILL), so no instance outlives its supervisor.
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class Supervisor:
-    """Child processes, each in its own process group (so Ctrl-C reaches only `up`, and stopping
-    a child also stops anything it spawned)."""
-
-    def __init__(self) -> None:
-        self.children: list[tuple[str, subprocess.Popen]] = []
-
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_set_pdeathsig)
-        self.children.append((name, proc))
-
-    def exited(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.children if p.poll() is not None]
-
-    def stop(self, timeout: float = 10.0) -> None:
-        for _, p in self.children:
-            if p.poll() is None:
-                _killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for name, p in self.children:
-            try:
-                p.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s; killing it", name, timeout)
-        for _, p in self.children:
-            # The group may hold grandchildren even after the leader exited.
-            _killpg(p.pid, signal.SIGKILL)
-            if p.poll() is None:
-                p.wait(5)
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def cmd_up(args: argparse.Namespace) -> int:
     from glm53.server.embedded_model import resolve_paths
 
@@ -333,22 +283,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     check_model_fit(cfg, model_dir)
     resolved = cfg.to_dict()
     resolved["model"]["path"] = str(model_dir)
-    workdir = Path(tempfile.mkdtemp(prefix="glm53-up-"))
-    cfg_file = workdir / "cluster.yaml"
-    cfg_file.write_text(f"# resolved from {cfg.source} by glm53-serve up\n" + yaml.safe_dump(resolved, sort_keys=False))
 
     env = dict(os.environ)
     if cfg.single_host and "UCX_NET_DEVICES" not in env:
         env["UCX_NET_DEVICES"] = "lo"  # one host: keep UCX on loopback, away from absent NICs
 
-    sup = Supervisor()
+    sup = Supervisor(RestartPolicy(r.max_restarts, r.restart_window_s, r.restart_backoff_s))
     stop = {"sig": None}
 
     def on_signal(sig, _frame):
         stop["sig"] = sig
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too (the terminal went away): every exit `up` can see removes its directory.
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    run_dir = RunDir()
+    for d in run_dir.removed:
+        log.info("removed %s, left behind by an `up` that is no longer running", d)
     try:
+        cfg_file = run_dir.path / "cluster.yaml"
+        cfg_file.write_text(f"# resolved from {cfg.source} by glm53-serve up\n"
+                            + yaml.safe_dump(resolved, sort_keys=False))
         exe = [sys.executable, "-m", "glm53.server.cli"]
         for inst in local:
             sup.spawn(inst.name, [*exe, inst.role, "--config", str(cfg_file), "--instance", inst.name], env)
@@ -363,13 +317,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             else f"instances {', '.join(i.name for i in local)} (router at {cfg.router.host}:{cfg.router.port})"
         print(f"glm53-serve ready: {what}", flush=True)
         while stop["sig"] is None:
-            for name, rc in sup.exited():
-                if name == "router":
-                    log.error("the router exited (code %s); stopping everything", rc)
-                    return 1
-                if not getattr(sup, f"_reported_{name}", False):
-                    log.error("%s exited (code %s); the router routes around it", name, rc)
-                    setattr(sup, f"_reported_{name}", True)
+            rc = _supervise(cfg, local, sup, sup.poll())
+            if rc is not None:
+                return rc
             time.sleep(0.2)
         log.info("stopping (signal %s)", stop["sig"])
         return 0
@@ -377,9 +327,26 @@ def cmd_up(args: argparse.Namespace) -> int:
         sup.stop()
         for s, h in old.items():
             signal.signal(s, h)
-        for f in workdir.iterdir():
-            f.unlink()
-        workdir.rmdir()
+        run_dir.remove()
+
+
+def _supervise(cfg: ClusterConfig, local, sup: Supervisor, events: list[Event]) -> int | None:
+    """React to what the supervisor saw; an exit code when `up` must stop everything. A
+    restarted instance needs nothing more: the router's health pings re-admit it once it
+    answers ready, as they do for any instance that comes back."""
+    for ev in events:
+        if ev.name == "router" and ev.kind in ("stopped", "given_up"):
+            log.error("the router is gone (%s); stopping everything", ev.kind.replace("_", " "))
+            return 0 if ev.kind == "stopped" else 1
+        if ev.kind == "given_up":
+            inst = next(i for i in local if i.name == ev.name)
+            # Instances on other hosts may still serve; when none of the role is left, nothing can.
+            pool = cfg.pool(inst.role)
+            if all(i in local and not sup.alive(i.name) for i in pool):
+                log.error("no %s instance is left; stopping everything", inst.role)
+                return 1
+            log.error("%s stays down; the router routes around it", ev.name)
+    return None
 
 
 def _wait_ready(cfg: ClusterConfig, local, run_router: bool, sup: Supervisor, stop: dict, timeout: float) -> bool:

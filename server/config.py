@@ -91,8 +91,22 @@ class RouterConfig:
     # resubmitted on another prefill instance this many times.
     max_retries: int = 1
     stream_idle_timeout_s: float | None = None
+    # Request bodies larger than this get 413 before they are parsed. A prompt that fills a
+    # 200K-token context is ~1.4 MB as token ids and ~1 MB as text, so 4 MiB leaves ~3x
+    # headroom. JSON parsing and validation hold the interpreter lock wherever they run, so
+    # this also bounds the one stall a body can cause the event loop (measured on a 2-core VM
+    # at 4 MiB: ~0.3 s for 2M one-digit token ids, ~0.8 s for 125K one-word chat messages).
+    max_request_bytes: int = 4 * 1024 * 1024
+    # Threads that parse bodies, render chat templates and (de)tokenize, off the event loop.
+    tokenizer_pool_size: int = 4
     # Seconds `up` waits for every process to report ready.
     startup_timeout_s: float = 600.0
+    # `up` restarts a process that crashes (not one that stops cleanly), after
+    # restart_backoff_s doubled per restart in the window (at most 60 s), and gives up on it
+    # after max_restarts restarts within restart_window_s.
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
+    restart_backoff_s: float = 1.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @property
@@ -400,6 +414,12 @@ def _check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froz
         raise err("router.max_retries", f"must be >= 0, got {cfg.router.max_retries}")
     if cfg.router.startup_timeout_s <= 0:
         raise err("router.startup_timeout_s", f"must be > 0, got {cfg.router.startup_timeout_s}")
+    for k, low in (("max_request_bytes", 1024), ("tokenizer_pool_size", 1), ("max_restarts", 0)):
+        if getattr(cfg.router, k) < low:
+            raise err(f"router.{k}", f"must be >= {low}, got {getattr(cfg.router, k)}")
+    for k in ("restart_window_s", "restart_backoff_s"):
+        if getattr(cfg.router, k) <= 0:
+            raise err(f"router.{k}", f"must be > 0, got {getattr(cfg.router, k)}")
     for k in ("bootstrap_timeout_s", "transfer_timeout_s"):
         if getattr(cfg.transfer, k) <= 0:
             raise err(f"transfer.{k}", f"must be > 0, got {getattr(cfg.transfer, k)}")

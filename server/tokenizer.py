@@ -4,7 +4,9 @@
   template from `chat_template.jinja` if present, else `tokenizer_config.json`'s `chat_template`,
   rendered with a sandboxed jinja2 environment configured like Hugging Face's (trim_blocks,
   lstrip_blocks, a non-HTML-escaping `tojson`, `raise_exception`), so real GLM templates render
-  byte-identically.
+  byte-identically. `encode`/`decode` release the GIL (the batch entry points of `tokenizers`
+  do; the single ones do not), so they may run in worker threads beside the event loop;
+  `min_tokens` is a certain lower bound on a text's token count, computed without tokenizing.
 - `IncrementalDetokenizer`: text deltas for a growing token list that never split a multi-byte
   character: a delta is released only when the decoded window does not end in U+FFFD.
 - `StopStringMatcher`: finds stop strings in streamed text, holding back any tail that could be
@@ -53,6 +55,9 @@ class Tokenizer:
     pad_token: str | None = None
     bos_token: str | None = None
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # Most input bytes one token can stand for; None when the pipeline can drop or fuse text
+    # (then no cheap lower bound on the token count is certain).
+    max_token_bytes: int | None = None
     _template: Any = None
 
     @classmethod
@@ -62,6 +67,15 @@ class Tokenizer:
         if not tok_file.is_file():
             raise FileNotFoundError(f"{tok_file}: not found (the router needs a tokenizers-format tokenizer)")
         tok = HFTokenizer.from_file(str(tok_file))
+        # A server answers for every token: never silently cut or pad a prompt.
+        tok.no_truncation()
+        tok.no_padding()
+        # BPE's word cache (10K entries) fills during the first long prompt, its entries spread
+        # through that prompt's freed memory, which then stays resident (~50 MB after a 4 MB
+        # prompt, measured); without it the heap trims back to its baseline, at no measured
+        # cost in speed.
+        if hasattr(tok.model, "_resize_cache"):
+            tok.model._resize_cache(0)
         tcfg = _read_json(d / "tokenizer_config.json")
         mcfg = _read_json(d / "config.json")
         gcfg = _read_json(d / "generation_config.json")
@@ -99,14 +113,32 @@ class Tokenizer:
             max_position_embeddings=mcfg.get("max_position_embeddings"),
             eos_token=token_str(tcfg.get("eos_token")), pad_token=token_str(tcfg.get("pad_token")),
             bos_token=token_str(tcfg.get("bos_token")), defaults=defaults,
+            max_token_bytes=_max_token_bytes(tok),
         )
 
     # ---- encode / decode ----
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # The fast variant skips character offsets: less work, and far less to free afterwards
+        # (that happens under the GIL: 0.3 s vs 0.07 s for a 4 MB prompt, measured).
+        batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
+    def decode_one(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """`decode` for a few ids on the event loop (streaming): skips the batch machinery."""
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))` that is certain (0 when none is known): every
+        input byte ends up in exactly one token, and one token stands for at most
+        `max_token_bytes` bytes of the (normalized) text."""
+        if not self.max_token_bytes or not text:
+            return 0
+        if self.tok.normalizer is not None:
+            text = self.tok.normalizer.normalize_str(text)
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
@@ -127,6 +159,51 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template error: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise ChatTemplateError(f"chat template cannot render these messages: {e}") from None
+
+
+# Pre-tokenizers that keep every input character (they split or map text, never drop it).
+_LOSSLESS_PRE = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation", "Sequence"}
+
+
+def _max_token_bytes(tok: HFTokenizer) -> int | None:
+    """The most input bytes one token can cover, if that is bounded and every input byte is
+    covered by some token: a BPE model with no fused unknowns, a pre-tokenizer that drops
+    nothing, and added tokens that absorb no surrounding whitespace. None otherwise."""
+    cfg = json.loads(tok.to_str())
+    model = cfg.get("model") or {}
+    if model.get("type") != "BPE" or model.get("fuse_unk"):
+        return None
+
+    def lossless(pre: Any) -> bool:
+        if pre is None:
+            return True
+        kind = pre.get("type")
+        if kind not in _LOSSLESS_PRE or str(pre.get("behavior", "")).lower() == "removed":
+            return False
+        return all(lossless(p) for p in pre.get("pretokenizers", []))
+
+    if not lossless(cfg.get("pre_tokenizer")):
+        return None
+    added = cfg.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):
+        return None
+    vocab = tok.get_vocab(with_added_tokens=False)
+    byte_level = '"ByteLevel"' in json.dumps(cfg.get("pre_tokenizer"))
+    if byte_level:
+        # Each vocabulary character is one input byte; every byte must have its character, or
+        # (with no unk token) a byte could vanish from the encoding.
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        if not set(ByteLevel.alphabet()) <= vocab.keys():
+            return None
+        longest = max((len(t) for t in vocab), default=1)
+    else:
+        if model.get("unk_token") is None:
+            return None  # unknown characters would be dropped
+        # A vocabulary entry's UTF-8 length covers at least its input (Metaspace's marker is
+        # 3 bytes for a 1-byte space); an unknown character is one token of up to 4 bytes.
+        longest = max([4, *(len(t.encode("utf-8")) for t in vocab)])
+    return max([longest, *(len(str(a.get("content", "")).encode("utf-8")) for a in added)])
 
 
 def _read_json(p: Path) -> dict[str, Any]:
@@ -170,7 +247,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
-        dec = self.tokenizer.decode
+        dec = self.tokenizer.decode_one
         prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = dec(self.ids[self.prefix_offset:], self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -183,7 +260,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Release whatever is held back (at the end of generation)."""
-        dec = self.tokenizer.decode
+        dec = self.tokenizer.decode_one
         prefix = dec(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = dec(self.ids[self.prefix_offset:], self.skip)
         delta = full[len(prefix):] if len(full) > len(prefix) else ""

@@ -22,8 +22,8 @@ Pieces
   peer, prepare descriptors, post write with notification, poll, abort, deregister);
   ``import_nixl()`` prefers ``nixl_cu13`` over ``nixl_cu12``.
 * ``messages``: the control protocol as dataclasses with explicit msgpack encoding (REGISTER,
-  TOPOLOGY, HELLO, ROOM, ABORT, FAIL, QUIESCED, PING, ...), the records inside them, and the
-  notification attached to each write.
+  TOPOLOGY, HELLO, ROOM, ACCEPTED, ABORT, FAIL, QUIESCED, PING, ...), the records inside them,
+  and the notification attached to each write.
 * ``bootstrap``: ``BootstrapServer`` (ZMQ ROUTER) — the registry of one prefill instance's
   ranks (endpoint, agent metadata, buffer table). Carries no data.
 * ``handles``: what callers hold — ``Room``, ``KVPoll`` / ``TERMINAL``, ``TransportConfig``,

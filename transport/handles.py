@@ -108,10 +108,13 @@ class Room:
 @dataclass
 class TransportConfig:
     """Timeouts in seconds; all bounded. ``transfer_timeout_s`` runs to the commit from the
-    moment a side enters WaitingForInput: for a sender, when it has every decode rank's
-    destination; for a receiver, when it has sent its destination to the prefill ranks, so on
-    decode it also covers the request's queueing and prefill compute. ``peer_timeout_s`` fails
-    rooms whose peer sent nothing (not even a heartbeat) for that long."""
+    moment prefill admitted the room: for a sender, once it has every decode rank's destination
+    (it is created at admission); for a receiver, from prefill's ACCEPTED (or its first data
+    notice), so it covers prefill compute and the KV move but not prefill's queue.
+    ``bootstrap_timeout_s`` bounds reaching the prefill instance and then, separately, the queue
+    wait before admission (a receiver whose room is not accepted that long after it sent its
+    destination fails with BOOTSTRAP_TIMEOUT). ``peer_timeout_s`` fails rooms whose peer sent
+    nothing (not even a heartbeat) for that long."""
 
     bootstrap_timeout_s: float = 60.0
     transfer_timeout_s: float = 300.0

@@ -6,8 +6,9 @@ Control messages travel over ZMQ; the map key ``"t"`` names the type:
 * bootstrap (prefill rank <-> ``BootstrapServer``; decode rank -> server): ``REGISTER`` /
   ``REGISTERED``, ``UNREGISTER``, ``QUERY`` / ``TOPOLOGY``;
 * peer to peer: ``HELLO`` / ``HELLO_ACK`` (once per decode rank and prefill rank: tables,
-  regions, routes), ``ROOM`` (per request: where to write), ``ABORT`` (decode -> prefill),
-  ``FAIL`` / ``QUIESCED`` (prefill -> decode), ``PING`` / ``PONG`` (liveness).
+  regions, routes), ``ROOM`` (per request: where to write), ``ACCEPTED`` (prefill -> decode:
+  the room left prefill's queue), ``ABORT`` (decode -> prefill), ``FAIL`` / ``QUIESCED``
+  (prefill -> decode), ``PING`` / ``PONG`` (liveness).
 
 Failure messages carry a ``TransferErrorCode`` (key ``"code"``; a peer that sends none, or one
 this version does not know, reads as ``FAILED``). A message of another protocol version is read
@@ -26,7 +27,8 @@ import numpy as np
 from .handles import Room, TransferErrorCode
 from .mapping import Segment
 
-PROTOCOL_VERSION = 1
+# 2: ACCEPTED (decode's transfer clock starts at prefill's admission, not at ROOM).
+PROTOCOL_VERSION = 2
 
 
 def pack(msg: dict) -> bytes:
@@ -301,6 +303,26 @@ class RoomDestination(Message):
 
 
 @dataclass(frozen=True)
+class Accepted(Message):
+    """Prefill rank -> decode rank: the room's sender exists (prefill admitted the request) and
+    has this decode rank's destination. Decode's transfer clock starts here; the wait before
+    it is prefill's queue, bounded separately (docs/ARCHITECTURE.md, "Transfer lifecycle")."""
+
+    T: ClassVar[str] = "ACCEPTED"
+    room: Room
+    pp: int
+    tp: int
+
+    def to_wire(self) -> dict:
+        return {"t": self.T, "room": self.room.id, "gen": self.room.generation, "pp": self.pp,
+                "tp": self.tp}
+
+    @classmethod
+    def from_wire(cls, m: Mapping) -> "Accepted":
+        return cls(_room(m), m["pp"], m["tp"])
+
+
+@dataclass(frozen=True)
 class Abort(Message):
     """Decode rank -> prefill ranks: the room failed on decode (``code``, ``reason``)."""
 
@@ -386,8 +408,8 @@ class Pong(Message):
 
 
 _TYPES: dict[str, type] = {c.T: c for c in (
-    Register, Registered, Unregister, Query, Topology, Hello, HelloAck, RoomDestination, Abort,
-    Fail, Quiesced, Ping, Pong)}
+    Register, Registered, Unregister, Query, Topology, Hello, HelloAck, RoomDestination,
+    Accepted, Abort, Fail, Quiesced, Ping, Pong)}
 
 
 def decode_message(m: Mapping) -> Optional[Message]:

@@ -3,8 +3,10 @@ done check and failures.
 
 Per prefill instance (by bootstrap address): QUERY the bootstrap server until the topology is
 complete, check the ranks' tables against ours, plan the byte routes and say HELLO to every
-rank. Per room: once connected and given pages, send ROOM to every prefill rank, then count the
-data notices of each expected sender; the room succeeds when every sender's completion arrived,
+rank. Per room: once connected and given pages, send ROOM to every prefill rank and wait for
+prefill to admit the room (ACCEPTED, or its first data notice; the queue wait is bounded by the
+bootstrap timeout), then, within the transfer timeout from that moment, count the data notices
+of each expected sender; the room succeeds when every sender's completion arrived,
 its announced transfer count matches, and the metadata row written last checks (room id,
 generation, crc). A failed room reports FAILED only once no prefill rank can still write into
 its pages (docs/ARCHITECTURE.md, "Transfer lifecycle"). Runs on the engine's progress thread,
@@ -26,8 +28,9 @@ from .buffers import BufferTable, MetadataRow, TableMismatch
 from .handles import (TERMINAL, Failure, KVPoll, KVReceiver, Room, TransferError,
                       TransferErrorCode)
 from .mapping import TransferPlan, plan_transfers
-from .messages import (PROTOCOL_VERSION, Abort, Fail, Hello, HelloAck, Message, Notif, Query,
-                       Quiesced, RemoteRegion, RoomDestination, Topology, decode_message, unpack)
+from .messages import (PROTOCOL_VERSION, Abort, Accepted, Fail, Hello, HelloAck, Message, Notif,
+                       Query, Quiesced, RemoteRegion, RoomDestination, Topology, decode_message,
+                       unpack)
 
 if TYPE_CHECKING:
     from .engine import TransferEngine
@@ -85,6 +88,9 @@ class ReceiverRoom:
     failing: bool = False
     quiesce_deadline: float = 0.0
     deadline: float = 0.0
+    # When prefill admitted the room (0: not yet). Before it the deadline bounds prefill's queue
+    # (bootstrap timeout), after it the transfer (transfer timeout).
+    accepted: float = 0.0
     pages: Optional[np.ndarray] = None
     slot: int = -1
     own_slot: bool = False
@@ -183,6 +189,10 @@ class ReceiverSide:
     def on_message(self, ep: str, msg: Message, now: float) -> bool:
         if isinstance(msg, HelloAck):
             self._on_hello_ack(msg)
+        elif isinstance(msg, Accepted):
+            rt = self.rooms.get(msg.room.key)
+            if rt is not None and (msg.pp, msg.tp) in rt.room_sent:
+                self._start_transfer_clock(rt, now)
         elif isinstance(msg, (Fail, Quiesced)):
             self._on_fail(msg)
         else:
@@ -221,6 +231,8 @@ class ReceiverSide:
         if rt is None or rt.failing or rt.state in TERMINAL or k not in rt.expected:
             return False
         if n.kind == "D":
+            # Data can only come from an admitted sender; ACCEPTED travels on another channel.
+            self._start_transfer_clock(rt, time.monotonic())
             rt.ndata[k] += 1
             if rt.state == KVPoll.WAITING_FOR_INPUT:
                 rt.state = KVPoll.TRANSFERRING
@@ -346,13 +358,25 @@ class ReceiverSide:
                 e._send(r.ep, msg)
                 rt.room_sent[k] = r.ep
             rt.state = KVPoll.WAITING_FOR_INPUT
-            rt.deadline = now + e.cfg.transfer_timeout_s
+            # Prefill's queue: it fails a ROOM it has no sender for after the same bound.
+            rt.deadline = now + e.cfg.bootstrap_timeout_s
             return
         if now > rt.deadline:
-            self._fail(rt, Code.TRANSFER_TIMEOUT, "transfer timeout: completion not received "
-                       f"from {sorted(set(rt.expected) - set(rt.fin))}")
+            if not rt.accepted:
+                self._fail(rt, Code.BOOTSTRAP_TIMEOUT, f"bootstrap timeout: prefill instance at "
+                           f"{rt.addr} did not admit the room within "
+                           f"{e.cfg.bootstrap_timeout_s:g}s (queued)")
+            else:
+                self._fail(rt, Code.TRANSFER_TIMEOUT, "transfer timeout: completion not received "
+                           f"from {sorted(set(rt.expected) - set(rt.fin))}")
             return
         self._check_done(rt)
+
+    def _start_transfer_clock(self, rt: ReceiverRoom, now: float) -> None:
+        if rt.accepted or rt.failing or rt.state in TERMINAL:
+            return
+        rt.accepted = now
+        rt.deadline = now + self.e.cfg.transfer_timeout_s
 
     def _check_done(self, rt: ReceiverRoom) -> None:
         if rt.failing or rt.state in TERMINAL:

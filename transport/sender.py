@@ -1,7 +1,10 @@
 """The prefill role: sender rooms, decode peers, posting chunks, the metadata row last, quiesce.
 
 A decode rank says HELLO once (its table, pool regions, metadata slots and the byte routes this
-rank writes to it), then ROOM per request (destination pages and metadata slot). A sender
+rank writes to it), then ROOM per request (destination pages and metadata slot). Once a room has
+both its sender (prefill admitted the request) and a decode rank's ROOM, that rank is told
+ACCEPTED, which starts its transfer clock; a ROOM whose sender is not created within the
+bootstrap timeout (prefill's queue) fails with BOOTSTRAP_TIMEOUT. A sender
 posts each queued chunk to every decode rank it writes to as soon as that rank's destination is
 known; after ``finish`` and once its data writes completed it writes the metadata row (the rank
 that is the row's writer) or sends a completion notice, so the row is the commit record
@@ -24,7 +27,7 @@ from .buffers import BufferTable, MetadataRow, TableMismatch, check_pair
 from .handles import (TERMINAL, Failure, KVPoll, KVSender, Room, TransferError,
                       TransferErrorCode)
 from .mapping import Segment, page_runs, segment_descs
-from .messages import (PROTOCOL_VERSION, Abort, Fail, Hello, HelloAck, Message,
+from .messages import (PROTOCOL_VERSION, Abort, Accepted, Fail, Hello, HelloAck, Message,
                        MetaSlotRegion, Notif, Quiesced, RemoteRegion, RoomDestination)
 
 if TYPE_CHECKING:
@@ -340,6 +343,8 @@ class SenderSide:
                 return
         st.dinst, st.dtp = dest.inst, dest.dtp
         st.dst[dest.drank] = dest
+        # The sender exists, so prefill admitted the room: decode's transfer clock starts now.
+        e._send(dest.ep, Accepted(st.room, e.pp_rank, e.tp_rank))
 
     def _on_abort(self, ep: str, m: Abort) -> None:
         e, room = self.e, m.room

@@ -13,6 +13,8 @@ This module builds the app; the rest of the router is split by job:
 - sse.py: SSE events, streaming and collecting a generation
 - openai.py, native.py, tokens.py, ops.py: the handlers, one APIRouter per API family
 - schemas.py: request bodies and the error envelope
+- bodies.py: the body size limit, and parsing/validation off the event loop
+- offload.py: the worker threads for parsing, templating and (de)tokenizing
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glm53.server.config import ClusterConfig
 from glm53.server.router import native, openai, ops, tokens
+from glm53.server.router.bodies import BodyInvalid
 from glm53.server.router.generation import RouterState
 from glm53.server.router.instance_pool import InstancePool
 from glm53.server.router.metrics import RouterMetrics
+from glm53.server.router.offload import Offload, TrimAfterLargeRequests
 from glm53.server.router.schemas import APIError, error_body
 from glm53.server.tokenizer import Tokenizer
 
@@ -44,10 +48,12 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
     pool = pool or InstancePool(cfg, metrics)
     pool.metrics = metrics
     ctx = cfg.model.context_length or tokenizer.max_position_embeddings or 4096
+    offload = Offload(cfg.router.tokenizer_pool_size)
     state = RouterState(cfg=cfg, tokenizer=tokenizer, pool=pool, metrics=metrics, served_names=served,
-                        model_root=str(model_dir), context_length=int(ctx))
+                        model_root=str(model_dir), context_length=int(ctx), offload=offload)
     app = FastAPI(title="glm53-serve", version="0.1.0", lifespan=_lifespan)
     app.state.router = state
+    app.add_middleware(TrimAfterLargeRequests, offload=offload)
     _install_error_handlers(app)
     # The route table's order (and /openapi.json's) is the order of these includes.
     for family in (openai, native, tokens, ops):
@@ -57,12 +63,13 @@ def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = 
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI):
-    pool = app.state.router.pool
-    await pool.start()
+    state = app.state.router
+    await state.pool.start()
     try:
         yield
     finally:
-        await pool.stop()
+        await state.pool.stop()
+        state.offload.close()
 
 
 _TYPE_NAMES = {"int", "str", "float", "bool", "list", "dict", "function-after", "constrained-int"}
@@ -75,31 +82,37 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
-        errs = e.errors()
-        lines, param = [], None
-        for err in errs[:5]:
-            # OpenAI names the field itself ("max_tokens"), without FastAPI's "body." prefix.
-            parts = [str(x) for x in err.get("loc", ())]
-            if parts and parts[0] in ("body", "query", "path"):
-                parts = parts[1:]
-            # pydantic adds the union member it tried ("int", "list[str]") to the location.
-            loc = ".".join(x for x in parts if not (x[:1].islower() and ("[" in x or x in _TYPE_NAMES)))
-            param = param or loc or None
-            lines.append(f"  {loc}: {err.get('msg', 'invalid value')}")
-        msg = f"{len(errs)} validation error{'s' if len(errs) != 1 else ''}:\n" + "\n".join(lines)
-        if any(err.get("type") == "json_invalid" for err in errs):
-            msg, param = "The request body is not valid JSON.", "body"
-        return JSONResponse(error_body(400, msg, param), status_code=400)
+        return _validation_response(e.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+        if isinstance(e, BodyInvalid):
+            return _validation_response(e.errors)
+        return JSONResponse(error_body(e.status_code, str(e.detail), getattr(e, "param", None)),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception):
         log.exception("router: unhandled error")
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
+
+
+def _validation_response(errs: list) -> JSONResponse:
+    """One 400 for pydantic's errors, naming the first field (FastAPI's own and bodies.py's)."""
+    lines, param = [], None
+    for err in errs[:5]:
+        # OpenAI names the field itself ("max_tokens"), without FastAPI's "body." prefix.
+        parts = [str(x) for x in err.get("loc", ())]
+        if parts and parts[0] in ("body", "query", "path"):
+            parts = parts[1:]
+        # pydantic adds the union member it tried ("int", "list[str]") to the location.
+        loc = ".".join(x for x in parts if not (x[:1].islower() and ("[" in x or x in _TYPE_NAMES)))
+        param = param or loc or None
+        lines.append(f"  {loc}: {err.get('msg', 'invalid value')}")
+    msg = f"{len(errs)} validation error{'s' if len(errs) != 1 else ''}:\n" + "\n".join(lines)
+    if any(err.get("type") == "json_invalid" for err in errs):
+        msg, param = "The request body is not valid JSON.", "body"
+    return JSONResponse(error_body(400, msg, param), status_code=400)
 
 
 def main(cfg: ClusterConfig, model_dir: Path | None = None) -> int:

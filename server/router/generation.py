@@ -17,6 +17,7 @@ from glm53.server.config import ClusterConfig
 from glm53.server.protocol import RequestSpec
 from glm53.server.router.instance_pool import InstancePool, Room, RoomFailed, Unavailable
 from glm53.server.router.metrics import RouterMetrics
+from glm53.server.router.offload import Offload
 from glm53.server.router.schemas import APIError
 from glm53.server.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -64,6 +65,7 @@ class RouterState:
     served_names: list[str]
     model_root: str
     context_length: int
+    offload: Offload  # worker threads for parsing, templating and (de)tokenizing
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -101,11 +103,13 @@ class Generation:
                         or room.generation >= self.state.cfg.router.max_retries):
                     raise
                 self.failed_prefills.add(room.prefill.name)
-                log.warning("router: %s: %s; retrying on another prefill instance", self.spec.rid, e)
                 try:
                     new = self.state.pool.submit(self.spec, frozenset(self.failed_prefills), room.generation + 1)
                 except Unavailable:
+                    log.warning("router: %s: %s; no other prefill instance to retry on", self.spec.rid, e)
                     raise e from None
+                log.warning("router: %s: %s; retrying on another prefill instance (%s)", self.spec.rid, e,
+                            new.prefill.name)
                 self.state.pool.release(room, abort=True)
                 self.room = new
 

@@ -12,12 +12,14 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import Delta, Generation, Outcome
-from glm53.server.router.intake import State, check_ids, check_internal, request_id, request_spec, stop_list
+from glm53.server.router.intake import (State, check_internal, ids_prompt, request_id, request_spec, stop_list,
+                                        text_prompt_ids)
 from glm53.server.router.schemas import APIError, GenerateRequestBody, GenerateSamplingParams
 from glm53.server.router.sse import SSE_HEADERS, collect, event_stream, sse, until_disconnect
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 
 @router.post("/generate")
@@ -25,8 +27,8 @@ async def generate_native(body: GenerateRequestBody, request: Request, state: St
     check_internal(body)
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "exactly one of text and input_ids must be given", "text")
-    ids = (check_ids(state, list(body.input_ids), "input_ids") if body.input_ids is not None
-           else state.tokenizer.encode(body.text or ""))
+    ids = await (state.offload.run(ids_prompt, state, list(body.input_ids), "input_ids") if body.input_ids is not None
+                 else state.offload.run(text_prompt_ids, state, body.text or "", "text"))
     sp = body.sampling_params or GenerateSamplingParams()
     rid = body.rid or request_id(request, "gen")
     spec = request_spec(state, rid, ids, max_tokens=sp.max_new_tokens, default_max=128,

@@ -15,13 +15,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from glm53.server.protocol import RequestSpec
+from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import Delta, Generation, Outcome, RouterState
-from glm53.server.router.intake import (State, check_ids, check_internal, check_model, check_unsupported,
-                                        render_chat, request_id, request_spec, stop_list)
+from glm53.server.router.intake import (State, chat_prompt_ids, check_internal, check_model, check_unsupported,
+                                        ids_prompt, request_id, request_spec, stop_list, text_prompt_ids)
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions
 from glm53.server.router.sse import SSE_HEADERS, collect, event_stream, sse, until_disconnect
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 
 @router.get("/v1/models")
@@ -53,7 +54,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise APIError(400, "top_logprobs is not supported yet", "top_logprobs")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise APIError(400, "response_format other than text is not supported yet", "response_format")
-    ids = state.tokenizer.encode(render_chat(state, body))
+    ids = await state.offload.run(chat_prompt_ids, state, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid = request_id(request, "chatcmpl")
     spec = request_spec(state, rid, ids, max_tokens=max_tokens, default_max=None, temperature=body.temperature,
@@ -125,20 +126,27 @@ async def completions(body: CompletionRequest, request: Request, state: State):
         raise APIError(400, "suffix is not supported", "suffix")
     if body.best_of not in (None, 1):
         raise APIError(400, "best_of > 1 is not supported yet", "best_of")
-    prompts = _completion_prompts(state, body.prompt)
-    if body.stream and len(prompts) > 1:
+    n_prompts = _count_prompts(body.prompt)
+    if body.stream and n_prompts > 1:
         raise APIError(400, "streaming several prompts in one request is not supported yet", "prompt")
+    # More generations than the router ever runs at once can never be admitted: a 400, where a
+    # 503 ("retry later") would be a promise no retry keeps.
+    cap = state.cfg.router.max_running_requests
+    if n_prompts * body.n > cap:
+        raise APIError(400, f"This request asks for {n_prompts * body.n} generations ({n_prompts} prompts x n="
+                       f"{body.n}), but this server runs at most {cap} at once (router.max_running_requests). "
+                       f"Send at most {cap} per request.", "prompt")
+    prompts, echoes = await state.offload.run(_completion_prompts, state, body)
     rid = request_id(request, "cmpl")
     created = int(time.time())
     # Every prompt is checked (and echoed text decoded) before any is submitted.
-    specs, echoes = [], []
+    specs = []
     for i, ids in enumerate(prompts):
         specs.append(request_spec(
             state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, max_tokens=body.max_tokens, default_max=16,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
             stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens))
-        echoes.append(state.tokenizer.decode(ids, body.skip_special_tokens) if body.echo else "")
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if body.stream:
         gen = Generation(state, specs[0])
@@ -168,18 +176,23 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     return JSONResponse({**base, "choices": choices, "usage": total.usage()}, headers={"x-request-id": rid})
 
 
-def _completion_prompts(state: RouterState, prompt: Any) -> list[list[int]]:
-    """`prompt` in any of its four shapes (text, token ids, or a list of either) as token id lists."""
-    if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt)]
+def _count_prompts(prompt: Any) -> int:
+    # pydantic made the list homogeneous: its first element tells the shape.
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+
+
+def _completion_prompts(state: RouterState, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """`prompt` in any of its four shapes (text, token ids, or a list of either) as token id lists,
+    and the text each echoes (worker thread)."""
+    prompt = body.prompt
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
-    if all(isinstance(x, int) for x in prompt):
-        return [check_ids(state, list(prompt), "prompt")]
-    out = []
-    for p in prompt:
-        out.append(state.tokenizer.encode(p) if isinstance(p, str) else check_ids(state, list(p), "prompt"))
-    return out
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = [text_prompt_ids(state, p, "prompt") if isinstance(p, str) else ids_prompt(state, list(p), "prompt")
+           for p in prompt]
+    echoes = [state.tokenizer.decode(ids, body.skip_special_tokens) if body.echo else "" for ids in out]
+    return out, echoes
 
 
 def _start_all(state: RouterState, specs: list[RequestSpec]) -> list[Generation]:

@@ -10,13 +10,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from glm53.server.protocol import RequestSpec
+from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import Generation
 from glm53.server.router.intake import State
 from glm53.server.router.schemas import APIError, error_body
 from glm53.server.router.sse import collect
 from glm53.server.sampling import SamplingParams
 
-router = APIRouter()
+router = APIRouter(route_class=BodyRoute)
 
 
 # 200 while at least one prefill and one decode instance answer their health checks. (Comments,

@@ -40,9 +40,11 @@ def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_inte
 
 class Cluster:
     def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0, stream_interval: int = 1,
-                 prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None, prefill_pp: int = 1):
+                 prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None, prefill_pp: int = 1,
+                 router: dict | None = None):
         self.cfg = cluster_yaml(free_ports(5), transfer_timeout_s, stream_interval, prefill_tp, decode_tp,
                                 speculative, prefill_pp)
+        self.cfg["router"].update(router or {})
         self.config_path = workdir / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg))
         self.url = f"http://127.0.0.1:{self.cfg['router']['port']}"

@@ -19,7 +19,9 @@ TRANSFER_TIMEOUT = 8.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_cache):
-    c = Cluster(tmp_path_factory.mktemp("faults"), model_cache, transfer_timeout_s=TRANSFER_TIMEOUT).start()
+    # `up` would restart the killed decode within seconds; this module checks life without one.
+    c = Cluster(tmp_path_factory.mktemp("faults"), model_cache, transfer_timeout_s=TRANSFER_TIMEOUT,
+                router={"restart_backoff_s": 60.0}).start()
     yield c
     c.stop()
 

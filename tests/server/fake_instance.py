@@ -11,6 +11,8 @@ one token per active room per tick, like a continuous batch. Behaviour knobs (en
     FAKE_PREFILL_FAIL  prefill fails every room with this error message
     FAKE_PREFILL_FAIL_ONLY  comma-separated instance names FAKE_PREFILL_FAIL applies to (default all)
     FAKE_TRANSFER_BYTES  prefill reports a transfer of this many bytes per room
+    FAKE_CRASH_ON_RESTART  comma-separated instance names that exit with code 3 at start when
+                       they ran before (their pid file exists): a crash loop under `up`
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def main(cfg: ClusterConfig, index: int) -> int:
         prefill_fail = None
     transfer_bytes = int(os.environ.get("FAKE_TRANSFER_BYTES", "0"))
     if os.environ.get("FAKE_PID_DIR"):
-        with open(os.path.join(os.environ["FAKE_PID_DIR"], f"{inst.name}.pid"), "w") as f:
+        pid_file = os.path.join(os.environ["FAKE_PID_DIR"], f"{inst.name}.pid")
+        if inst.name in os.environ.get("FAKE_CRASH_ON_RESTART", "").split(",") and os.path.exists(pid_file):
+            return 3
+        with open(pid_file, "w") as f:
             f.write(str(os.getpid()))
 
     rooms: dict[int, _Room] = {}

@@ -324,3 +324,13 @@ def test_embedded_draft_names(tmp_path):
     d["speculative"]["draft_model_path"] = "embedded:tiny-glm5-dflash"
     e = error(tmp_path, d)
     assert e.key == "speculative.draft_model_path" and "tiny-glm5-random" in str(e)
+
+
+def test_router_limits_and_restart_keys(tmp_path):
+    cfg = parse_config(base())
+    assert cfg.router.max_request_bytes == 4 << 20 and cfg.router.max_restarts == 5
+    for key, bad in (("max_request_bytes", 10), ("tokenizer_pool_size", 0), ("max_restarts", -1),
+                     ("restart_window_s", 0), ("restart_backoff_s", -1.0)):
+        d = base()
+        d["router"] = {key: bad}
+        assert error(tmp_path, d).key == f"router.{key}"

@@ -235,8 +235,10 @@ def test_client_disconnect_aborts(cluster):
 
 
 def test_decode_dies_mid_stream(tmp_path, model_dir, glm53_cache):
+    # A long restart backoff: the killed instances stay down for this test (test_supervisor.py
+    # covers their restart).
     c = start_cluster(tmp_path, model_dir, glm53_cache, n_prefill=1, n_decode=2,
-                      env={"FAKE_TOKEN_DELAY": "0.05"})
+                      router={"restart_backoff_s": 60}, env={"FAKE_TOKEN_DELAY": "0.05"})
     try:
         t0 = time.monotonic()
         with httpx.stream("POST", c.url + "/v1/chat/completions", json={
@@ -286,6 +288,9 @@ def test_prefill_failure_is_an_error_event(tmp_path, model_dir, glm53_cache):
         assert httpx.get(c.url + "/health").status_code == 200
     finally:
         c.stop()
+    # With one prefill instance there is nothing to retry on, and the log says so.
+    log = c.log_path.read_text()
+    assert "no other prefill instance to retry on" in log and "retrying on another" not in log
 
 
 def test_failed_prefill_is_retried_on_another(tmp_path, model_dir, glm53_cache):

@@ -69,3 +69,28 @@ def test_stop_strings():
     assert m.feed("xab") == "x" and m.matched == "ab"
     m = StopStringMatcher(["END"], include_stop=True)
     assert m.feed("abcEND more") == "abcEND"
+
+
+def test_min_tokens_is_a_certain_lower_bound(model_dir, tmp_path):
+    import random
+
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    t = Tokenizer.from_dir(model_dir)
+    assert t.max_token_bytes == 64  # the embedded vocabulary's longest entry (64 '#')
+    rng = random.Random(0)
+    specials = [s for s, _ in SPECIAL_TOKENS]
+    pieces = ["#" * 64, " " * 200, "\n" + " " * 47, "é", "世界", "🌍", "def ", "\x00", *specials]
+    texts = ["", "x", "#" * 6400, " " * 10_000, "".join(specials) * 50]
+    for _ in range(300):
+        texts.append("".join(rng.choice(pieces) if rng.random() < 0.5 else chr(rng.randrange(32, 0x2FFF))
+                             for _ in range(rng.randrange(1, 400))))
+    for text in texts:
+        assert t.min_tokens(text) <= len(t.encode(text)), text[:80]
+    assert t.min_tokens("#" * 6400) == len(t.encode("#" * 6400)) == 100  # tight on the longest entry
+    # A pre-tokenizer that drops whitespace gives no certain bound.
+    hf = HFTokenizer(models.BPE(unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    t2 = Tokenizer.from_dir(tmp_path)
+    assert t2.max_token_bytes is None and t2.min_tokens("a " * 1000) == 0
