@@ -11,6 +11,7 @@ Layout (every key optional except the pools):
     model:     {path, served_model_name, context_length, chat_template}
     router:    {host, port, result_port, advertise_host, policy, ...}
     transfer:  {backend, bootstrap_timeout_s, transfer_timeout_s}
+    speculative: {algorithm, draft_model_path, num_draft_tokens, draft_kv_transfer}
     defaults:  any instance key below except name/host/port/bootstrap_port
     prefill:   [ {name, host, port, bootstrap_port, devices, tp, pp, <engine knobs>}, ... ]
     decode:    [ ... same, without bootstrap_port ... ]
@@ -23,13 +24,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from glm53.server.config_values import ConfigError, check_keys, check_value, type_name
 
 # Names `up` materializes on first use (server/embedded_model.py): the trained tiny GLM-5, its
 # DFlash draft, and a random-weight tiny GLM-5 for tests.
@@ -40,15 +42,6 @@ PAIRING_POLICIES = ("round_robin", "least_loaded", "random")
 # Backends the transport layer implements.
 TRANSFER_BACKENDS = ("nixl",)
 ROLES = ("prefill", "decode")
-
-
-class ConfigError(ValueError):
-    """Invalid cluster config; the message names the file and the key path."""
-
-    def __init__(self, source: str, key: str, message: str):
-        self.source, self.key, self.message = source, key, message
-        where = f"{source}: {key}: " if key else f"{source}: "
-        super().__init__(where + message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,10 +259,10 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Cl
 
 def parse_config(raw: Any, source: str = "<config>", overrides: dict[str, Any] | None = None) -> ClusterConfig:
     if not isinstance(raw, dict):
-        raise ConfigError(source, "", f"the top level must be a mapping, got {_type_name(raw)}")
+        raise ConfigError(source, "", f"the top level must be a mapping, got {type_name(raw)}")
     raw = apply_overrides(raw, overrides or {})
-    _check_keys(raw, _TOP_KEYS, "", source)
-    name = _check_value(raw.get("name", "glm53"), str, "name", source)
+    check_keys(raw, _TOP_KEYS, "", source)
+    name = check_value(raw.get("name", "glm53"), str, "name", source)
     model = _build(ModelConfig, raw.get("model", {}), "model", source)
     router = _build(RouterConfig, raw.get("router", {}), "router", source)
     transfer = _build(TransferConfig, raw.get("transfer", {}), "transfer", source)
@@ -277,10 +270,10 @@ def parse_config(raw: Any, source: str = "<config>", overrides: dict[str, Any] |
 
     defaults_raw = raw.get("defaults", {})
     if not isinstance(defaults_raw, dict):
-        raise ConfigError(source, "defaults", f"expected a mapping, got {_type_name(defaults_raw)}")
+        raise ConfigError(source, "defaults", f"expected a mapping, got {type_name(defaults_raw)}")
     defaults_raw = _resolve_aliases(defaults_raw, "defaults", source)
     engine_keys = [f.name for f in dataclasses.fields(EngineConfig)]
-    _check_keys(defaults_raw, (*engine_keys, *_PLACEMENT), "defaults", source)
+    check_keys(defaults_raw, (*engine_keys, *_PLACEMENT), "defaults", source)
     defaults = _build(EngineConfig, {k: v for k, v in defaults_raw.items() if k in engine_keys}, "defaults", source)
 
     pools: dict[str, list[InstanceConfig]] = {}
@@ -289,7 +282,7 @@ def parse_config(raw: Any, source: str = "<config>", overrides: dict[str, Any] |
         if entries is None:
             raise ConfigError(source, role, f"missing: list at least one {role} instance")
         if not isinstance(entries, list) or not entries:
-            raise ConfigError(source, role, f"expected a non-empty list of instances, got {_type_name(entries)}")
+            raise ConfigError(source, role, f"expected a non-empty list of instances, got {type_name(entries)}")
         pools[role] = [
             _build_instance(e, role, i, defaults_raw, source) for i, e in enumerate(entries)
         ]
@@ -358,10 +351,10 @@ def _resolve_aliases(d: dict[str, Any], path: str, source: str) -> dict[str, Any
 def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, Any], source: str) -> InstanceConfig:
     path = f"{role}[{index}]"
     if not isinstance(entry, dict):
-        raise ConfigError(source, path, f"expected a mapping, got {_type_name(entry)}")
+        raise ConfigError(source, path, f"expected a mapping, got {type_name(entry)}")
     entry = _resolve_aliases(entry, path, source)
     engine_keys = [f.name for f in dataclasses.fields(EngineConfig)]
-    _check_keys(entry, (*_INSTANCE_ONLY, *_PLACEMENT, *engine_keys), path, source)
+    check_keys(entry, (*_INSTANCE_ONLY, *_PLACEMENT, *engine_keys), path, source)
     for k in ("host", "port", "bootstrap_port") if role == "prefill" else ("host", "port"):
         if k not in entry:
             raise ConfigError(source, f"{path}.{k}", "required key is missing")
@@ -586,93 +579,24 @@ def _canonical_host(h: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Generic dataclass building with key-path errors
+# Dataclass building with key-path errors (value checks: config_values.py)
 # --------------------------------------------------------------------------------------------
-
-
-def _check_keys(d: dict[str, Any], allowed: tuple[str, ...] | list[str], path: str, source: str) -> None:
-    for k in d:
-        if not isinstance(k, str) or k not in allowed:
-            key = f"{path}.{k}" if path else str(k)
-            hint = _close_match(str(k), allowed)
-            raise ConfigError(source, key, "unknown key" + (f" (did you mean '{hint}'?)" if hint else "")
-                              + f"; allowed here: {', '.join(allowed)}")
 
 
 def _build(cls: type, d: Any, path: str, source: str, skip: tuple[str, ...] = ()) -> Any:
     if d is None:
         d = {}
     if not isinstance(d, dict):
-        raise ConfigError(source, path, f"expected a mapping, got {_type_name(d)}")
+        raise ConfigError(source, path, f"expected a mapping, got {type_name(d)}")
     d = _resolve_aliases(d, path, source)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
-    _check_keys(d, tuple(fields), path, source)
+    check_keys(d, tuple(fields), path, source)
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for k, v in d.items():
-        kwargs[k] = _check_value(v, hints[k], f"{path}.{k}" if path else k, source)
+        kwargs[k] = check_value(v, hints[k], f"{path}.{k}" if path else k, source)
     missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(source, f"{path}.{missing[0]}", "required key is missing")
     return cls(**kwargs)
-
-
-def _check_value(v: Any, tp: Any, key: str, source: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        rest = [a for a in args if a is not type(None)]
-        errors = []
-        for a in rest:
-            try:
-                return _check_value(v, a, key, source)
-            except ConfigError as e:
-                errors.append(e.message)
-        raise ConfigError(source, key, errors[0] if len(rest) == 1 else f"expected {_describe(tp)}, got {v!r}")
-    if origin is Literal:
-        if v not in args:
-            raise ConfigError(source, key, f"must be one of {', '.join(map(repr, args))}; got {v!r}")
-        return v
-    if origin is list:
-        if isinstance(v, (str, int, float)) and args and args[0] is str:
-            v = [v]  # a single served name may be written as a scalar
-        if not isinstance(v, list):
-            raise ConfigError(source, key, f"expected a list, got {_type_name(v)}")
-        return [_check_value(x, args[0], f"{key}[{i}]", source) for i, x in enumerate(v)]
-    if tp is bool:
-        if not isinstance(v, bool):
-            raise ConfigError(source, key, f"expected true/false, got {v!r}")
-        return v
-    if tp is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(source, key, f"expected an integer, got {_type_name(v)} {v!r}")
-        return v
-    if tp is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(source, key, f"expected a number, got {_type_name(v)} {v!r}")
-        return float(v)
-    if tp is str:
-        if not isinstance(v, str):
-            raise ConfigError(source, key, f"expected a string, got {_type_name(v)} {v!r}")
-        return v
-    raise TypeError(f"config field {key}: unsupported annotation {tp!r}")  # a bug in this module
-
-
-def _describe(tp: Any) -> str:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return " or ".join(getattr(a, "__name__", str(a)) for a in args)
-
-
-def _type_name(v: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-def _close_match(k: str, allowed: tuple[str, ...] | list[str]) -> str | None:
-    import difflib
-
-    m = difflib.get_close_matches(k, list(allowed), n=1, cutoff=0.75)
-    return m[0] if m else None
