@@ -303,12 +303,9 @@ class RoomDestination(Message):
 
 
 @dataclass(frozen=True)
-class Accepted(Message):
-    """Prefill rank -> decode rank: the room's sender exists (prefill admitted the request) and
-    has this decode rank's destination. Decode's transfer clock starts here; the wait before
-    it is prefill's queue, bounded separately (docs/ARCHITECTURE.md, "Transfer lifecycle")."""
+class _FromRank(Message):
+    """A notice about one room from one prefill rank (its stage and tp rank)."""
 
-    T: ClassVar[str] = "ACCEPTED"
     room: Room
     pp: int
     tp: int
@@ -318,8 +315,17 @@ class Accepted(Message):
                 "tp": self.tp}
 
     @classmethod
-    def from_wire(cls, m: Mapping) -> "Accepted":
+    def from_wire(cls, m: Mapping):
         return cls(_room(m), m["pp"], m["tp"])
+
+
+@dataclass(frozen=True)
+class Accepted(_FromRank):
+    """Prefill rank -> decode rank: the room's sender exists (prefill admitted the request) and
+    has this decode rank's destination. Decode's transfer clock starts here; the wait before
+    it is prefill's queue, bounded separately (docs/ARCHITECTURE.md, "Transfer lifecycle")."""
+
+    T: ClassVar[str] = "ACCEPTED"
 
 
 @dataclass(frozen=True)
@@ -366,21 +372,10 @@ class Fail(Message):
 
 
 @dataclass(frozen=True)
-class Quiesced(Message):
+class Quiesced(_FromRank):
     """Prefill rank -> decode rank: no write of ``room`` can land from this rank any more."""
 
     T: ClassVar[str] = "QUIESCED"
-    room: Room
-    pp: int
-    tp: int
-
-    def to_wire(self) -> dict:
-        return {"t": self.T, "room": self.room.id, "gen": self.room.generation, "pp": self.pp,
-                "tp": self.tp}
-
-    @classmethod
-    def from_wire(cls, m: Mapping) -> "Quiesced":
-        return cls(_room(m), m["pp"], m["tp"])
 
 
 @dataclass(frozen=True)
