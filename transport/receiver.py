@@ -29,8 +29,8 @@ from .handles import (TERMINAL, Failure, KVPoll, KVReceiver, Room, TransferError
                       TransferErrorCode)
 from .mapping import TransferPlan, plan_transfers
 from .messages import (PROTOCOL_VERSION, Abort, Accepted, Fail, Hello, HelloAck, Message, Notif,
-                       Query, Quiesced, RemoteRegion, RoomDestination, Topology, decode_message,
-                       unpack)
+                       Ping, Query, Quiesced, RemoteRegion, RoomDestination, Topology,
+                       decode_message, unpack)
 
 if TYPE_CHECKING:
     from .engine import TransferEngine
@@ -66,6 +66,7 @@ class PrefillInstance:
     tp_size: int = 0
     plan: Optional[TransferPlan] = None
     want_until: float = 0.0  # keep querying until then (connect())
+    probe_until: float = 0.0  # quiet ranks pinged: re-query unless they answer by then
     ranks: dict[RankKey, PrefillRank] = field(default_factory=dict)
 
     def connected(self) -> bool:
@@ -352,6 +353,8 @@ class ReceiverSide:
                 return
             if rt.pages is None:
                 return  # the caller has not allocated yet: its wait, not ours
+            if not self._answering(inst, now):
+                return
             rt.expected = inst.plan.senders_for(e.tp_rank)
             msg = RoomDestination(rt.room, e.instance, e.tp_size, e.tp_rank, rt.pages, rt.slot)
             for k, r in inst.ranks.items():
@@ -371,6 +374,28 @@ class ReceiverSide:
                            f"from {sorted(set(rt.expected) - set(rt.fin))}")
             return
         self._check_done(rt)
+
+    def _answering(self, inst: PrefillInstance, now: float) -> bool:
+        """Whether `inst`'s ranks were heard from recently enough to send them a ROOM. A prefill
+        instance that restarted keeps its bootstrap address but not its ranks' endpoints: a ROOM
+        sent to the old ones would wait for peer liveness to give up (peer_timeout_s). So the
+        ranks of an instance that has been quiet are pinged first, and the instance is queried
+        afresh if they do not answer within two heartbeat intervals."""
+        e = self.e
+        quiet_after = 2 * e.cfg.heartbeat_interval_s
+        quiet = [r.ep for r in inst.ranks.values() if now - e._seen.get(r.ep, 0.0) > quiet_after]
+        if not quiet:
+            inst.probe_until = 0.0
+            return True
+        if not inst.probe_until:
+            inst.probe_until = now + quiet_after
+            for ep in quiet:
+                e._send(ep, Ping())
+        elif now > inst.probe_until:
+            log.info("%s: prefill ranks %s at %s silent for %.1fs; querying its bootstrap server "
+                     "again", e.name, quiet, inst.addr, quiet_after)
+            self._new_instance(inst.addr)
+        return False
 
     def _start_transfer_clock(self, rt: ReceiverRoom, now: float) -> None:
         if rt.accepted or rt.failing or rt.state in TERMINAL:

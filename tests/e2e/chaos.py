@@ -289,8 +289,8 @@ def settle(c: Cluster, report: Report, timeout: float = 60.0) -> bool:
         time.sleep(0.5)
     served = False
     while healed and not served and time.monotonic() < deadline:
-        # The first request after a prefill restart can meet decode's cached view of the old
-        # prefill ranks (failed by peer liveness, then re-queried): it gets a clear error.
+        # Retried: a request can still meet what the last fault left (an instance healthy again
+        # by its pings while its transfer peers still catch up); each try gets a clear answer.
         r = httpx.post(c.url + "/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "after the storm", "max_tokens": 4, "ignore_eos": True})
         served = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
