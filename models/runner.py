@@ -34,6 +34,7 @@ from glm53.models.config import GlmConfig
 from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.draft_config import DFlashConfig
 from glm53.models.draft_weights import load_draft_projection, load_draft_weights
+from glm53.models.graph import DecodeGraphs, GraphConfig
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import TPGroup
@@ -59,7 +60,11 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         draft: DFlashDraft | None = None,
         draft_projection: DraftProjection | None = None,
+        graphs: GraphConfig | None = None,
     ):
+        """`graphs`: capture CUDA graphs of the decode step (models/graph.py); the pools then
+        get one more page than `num_pages`, the padding page that padded graph rows write, which
+        no page allocator over `num_pages` ever hands out."""
         if draft is not None and not model.is_last:
             raise ValueError(
                 f"a draft model runs on the last stage only; this stage holds layers {model.layer_range}"
@@ -72,7 +77,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.tp: TPGroup = model.tp
         self.pools: KVPools = target_pools(
-            model.cfg, model.layer_range, num_pages, page_size, model.dtype, self.device
+            model.cfg, model.layer_range, num_pages + (graphs is not None), page_size, model.dtype, self.device
         )
         # What projects this stage's draft features: the draft itself on the last stage.
         self.projection: DFlashDraft | DraftProjection | None = draft if draft is not None else draft_projection
@@ -87,6 +92,9 @@ class ModelRunner:
                 raise ValueError(f"draft projection ids {list(draft_projection.ids)} are not all within layers {r}")
         if draft is not None:
             draft.add_pools(self.pools)
+        self.graphs: DecodeGraphs | None = None
+        if graphs is not None:
+            self.graphs = DecodeGraphs(self, graphs, pad_page=num_pages)
 
     @staticmethod
     def kv_bytes_per_token(cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None) -> int:
@@ -217,6 +225,10 @@ class ModelRunner:
         """Last stage: runs every chunk in one batch; per chunk, logits [rows, vocab] fp32."""
         if not self.model.is_last:
             raise ValueError(f"logits come from the last stage; this stage holds layers {self.model.layer_range}")
+        if self.graphs is not None and inputs is None:
+            key = self.graphs.bucket(chunks)
+            if key is not None:
+                return self.graphs.forward(chunks, key)
         out = self.forward_stage(chunks, inputs)
         rows = torch.tensor(self.logit_rows(chunks), dtype=torch.long, device=self.device)
         logits = self.model.logits(out.hidden[rows])
