@@ -69,8 +69,9 @@ def test_graph_replay_equals_eager_and_syncs_nothing(ckpt, dtype):
             eager = torch.cat(runner.forward(chunks))
         finally:
             runner.graphs = graphs
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(got, eager, rtol=tol, atol=tol)
+        # (other batch shapes: other GEMM tilings, so equal up to rounding)
+        rel = float((got - eager).norm() / eager.norm())
+        assert rel <= (1e-5 if dtype == torch.float32 else 2e-2), rel
         if dtype == torch.float32:
             assert torch.equal(got.argmax(-1), eager.argmax(-1))
         for r, t in zip(batch, eager.argmax(-1).tolist()):
