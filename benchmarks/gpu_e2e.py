@@ -12,6 +12,9 @@
 
     python3 benchmarks/gpu_e2e.py --out DIR [--phases floor,model,serve,exact] [--slice DIR]
 
+The router needs fastapi, starlette, pydantic (+ pydantic_core, annotated-types,
+typing-inspection) and uvicorn, which the device image lacks: carry them as wheels.
+
 The slice (tools/make_slice.py: GLM-5 widths, 4 layers, 16 experts) is written to --slice unless
 it exists. A JSON report goes to DIR/gpu_e2e.json; servers' logs beside it.
 """
@@ -161,9 +164,11 @@ class Server:
                 return self
             if not line and self.proc.poll() is not None:
                 break
-        self.__exit__()
+        self.log.flush()
         self.log.seek(0)
-        raise RuntimeError(f"server did not become ready:\n{self.log.read()[-6000:]}")
+        tail = self.log.read()[-6000:]
+        self.__exit__()
+        raise RuntimeError(f"server did not become ready:\n{tail}")
 
     def __exit__(self, *exc) -> None:
         if self.proc and self.proc.poll() is None:
