@@ -174,16 +174,26 @@ class ModelRunner:
             slots.extend(c.page_table[q // ps] * ps + q % ps for q in p)
             rows.extend([i] * len(p))
         dev = self.device
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        # One pinned host tensor, one non-blocking copy: a plain torch.tensor(..., device=cuda)
+        # is a blocking copy, which waits for the GPU to drain (a host sync per tensor).
+        host = torch.tensor([ids, pos, slots, rows], dtype=torch.long, pin_memory=dev.type == "cuda")
+        if dev.type == "cuda":
+            table = table.pin_memory()
+        host, table = (t.to(dev, non_blocking=True) for t in (host, table))
+        positions = host[1]
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids=host[0],
             positions=positions,
-            out_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            page_table=table.to(dev)[torch.tensor(rows, device=dev)],
+            out_slots=host[2],
+            page_table=table[host[3]],
             context_lens=(positions + 1).to(torch.int32),
             max_context=max(pos) + 1,
         )
-        return batch, torch.tensor(self.logit_rows(chunks), dtype=torch.long, device=dev)
+        return batch, self._device_rows(self.logit_rows(chunks))
+
+    def _device_rows(self, rows: list[int]) -> torch.Tensor:
+        t = torch.tensor(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
 
     def forward_stage(
         self, chunks: list[SeqChunk], inputs: StageInput | None = None, capture: Sequence[int] = ()
@@ -230,7 +240,7 @@ class ModelRunner:
             if key is not None:
                 return self.graphs.forward(chunks, key)
         out = self.forward_stage(chunks, inputs)
-        rows = torch.tensor(self.logit_rows(chunks), dtype=torch.long, device=self.device)
+        rows = self._device_rows(self.logit_rows(chunks))
         logits = self.model.logits(out.hidden[rows])
         res, r = [], 0
         for c in chunks:

@@ -63,9 +63,15 @@ def test_graph_replay_equals_eager_and_syncs_nothing(ckpt, dtype):
         # the same step eagerly on the same state (rewrites the same KV): the same numbers
         same = graphs.run_eager(*key)[:n]
         assert torch.equal(got, same), float((got - same).abs().max())
-        # and the plain eager path (build_batch, exact widths, no padding)
+        # and the plain eager path (build_batch, exact widths, no padding), whose batch is
+        # built with non-blocking copies (no sync either)
         runner.graphs = None
         try:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                runner.build_batch(chunks)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
             eager = torch.cat(runner.forward(chunks))
         finally:
             runner.graphs = graphs
