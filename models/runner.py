@@ -19,6 +19,10 @@ positions below a request's committed length, so the KV a verify writes for posi
 then rejected is never read, and is overwritten once those positions are committed. A non-last
 stage that owns feature layers takes a `DraftProjection` and hands its partial sum on in
 `StageOutput.draft_acc`.
+
+With `graphs` (a whole model on one CUDA rank, no draft), decode batches of one-token chunks
+replay CUDA graphs over a device-resident batch state (models/graph.py, decode_state.py);
+everything else runs eagerly through `build_batch`.
 """
 
 from __future__ import annotations
