@@ -19,6 +19,10 @@ positions below a request's committed length, so the KV a verify writes for posi
 then rejected is never read, and is overwritten once those positions are committed. A non-last
 stage that owns feature layers takes a `DraftProjection` and hands its partial sum on in
 `StageOutput.draft_acc`.
+
+With `graphs` (a whole model on one CUDA rank, no draft), decode batches of one-token chunks
+replay CUDA graphs over a device-resident batch state (models/graph.py, decode_state.py);
+everything else runs eagerly through `build_batch`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from glm53.models.config import GlmConfig
 from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.draft_config import DFlashConfig
 from glm53.models.draft_weights import load_draft_projection, load_draft_weights
+from glm53.models.graph import DecodeGraphs, GraphConfig
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import TPGroup
@@ -59,7 +64,11 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         draft: DFlashDraft | None = None,
         draft_projection: DraftProjection | None = None,
+        graphs: GraphConfig | None = None,
     ):
+        """`graphs`: capture CUDA graphs of the decode step (models/graph.py); the pools then
+        get one more page than `num_pages`, the padding page that padded graph rows write, which
+        no page allocator over `num_pages` ever hands out."""
         if draft is not None and not model.is_last:
             raise ValueError(
                 f"a draft model runs on the last stage only; this stage holds layers {model.layer_range}"
@@ -72,7 +81,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.tp: TPGroup = model.tp
         self.pools: KVPools = target_pools(
-            model.cfg, model.layer_range, num_pages, page_size, model.dtype, self.device
+            model.cfg, model.layer_range, num_pages + (graphs is not None), page_size, model.dtype, self.device
         )
         # What projects this stage's draft features: the draft itself on the last stage.
         self.projection: DFlashDraft | DraftProjection | None = draft if draft is not None else draft_projection
@@ -87,6 +96,9 @@ class ModelRunner:
                 raise ValueError(f"draft projection ids {list(draft_projection.ids)} are not all within layers {r}")
         if draft is not None:
             draft.add_pools(self.pools)
+        self.graphs: DecodeGraphs | None = None
+        if graphs is not None:
+            self.graphs = DecodeGraphs(self, graphs, pad_page=num_pages)
 
     @staticmethod
     def kv_bytes_per_token(cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None) -> int:
@@ -166,16 +178,26 @@ class ModelRunner:
             slots.extend(c.page_table[q // ps] * ps + q % ps for q in p)
             rows.extend([i] * len(p))
         dev = self.device
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        # One pinned host tensor, one non-blocking copy: a plain torch.tensor(..., device=cuda)
+        # is a blocking copy, which waits for the GPU to drain (a host sync per tensor).
+        host = torch.tensor([ids, pos, slots, rows], dtype=torch.long, pin_memory=dev.type == "cuda")
+        if dev.type == "cuda":
+            table = table.pin_memory()
+        host, table = (t.to(dev, non_blocking=True) for t in (host, table))
+        positions = host[1]
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids=host[0],
             positions=positions,
-            out_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            page_table=table.to(dev)[torch.tensor(rows, device=dev)],
+            out_slots=host[2],
+            page_table=table[host[3]],
             context_lens=(positions + 1).to(torch.int32),
             max_context=max(pos) + 1,
         )
-        return batch, torch.tensor(self.logit_rows(chunks), dtype=torch.long, device=dev)
+        return batch, self._device_rows(self.logit_rows(chunks))
+
+    def _device_rows(self, rows: list[int]) -> torch.Tensor:
+        t = torch.tensor(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
 
     def forward_stage(
         self, chunks: list[SeqChunk], inputs: StageInput | None = None, capture: Sequence[int] = ()
@@ -217,8 +239,12 @@ class ModelRunner:
         """Last stage: runs every chunk in one batch; per chunk, logits [rows, vocab] fp32."""
         if not self.model.is_last:
             raise ValueError(f"logits come from the last stage; this stage holds layers {self.model.layer_range}")
+        if self.graphs is not None and inputs is None:
+            key = self.graphs.bucket(chunks)
+            if key is not None:
+                return self.graphs.forward(chunks, key)
         out = self.forward_stage(chunks, inputs)
-        rows = torch.tensor(self.logit_rows(chunks), dtype=torch.long, device=self.device)
+        rows = self._device_rows(self.logit_rows(chunks))
         logits = self.model.logits(out.hidden[rows])
         res, r = [], 0
         for c in chunks:

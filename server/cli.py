@@ -73,6 +73,10 @@ def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
     g.add_argument("--chunked-prefill-size", "--max-num-batched-tokens", dest="chunked_prefill_size", type=int)
     g.add_argument("--num-pages", type=int)
     g.add_argument("--max-total-tokens", type=int)
+    g.add_argument("--cuda-graph-max-bs", dest="cuda_graph_max_bs", type=int,
+                   help="largest decode batch captured in a CUDA graph (default 64)")
+    g.add_argument("--disable-cuda-graph", dest="disable_cuda_graph", action="store_true", default=None,
+                   help="run every decode step eagerly")
     g.add_argument("--mem-fraction-static", "--gpu-memory-utilization", dest="mem_fraction_static", type=float)
     g.add_argument("--device", choices=["cpu", "cuda"])
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
@@ -112,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _ENGINE_FLAGS = ("tp", "pp", "page_size", "max_running_requests", "chunked_prefill_size", "num_pages",
-                 "max_total_tokens", "mem_fraction_static", "device", "dtype", "kv_cache_dtype")
+                 "max_total_tokens", "mem_fraction_static", "device", "dtype", "kv_cache_dtype", "cuda_graph_max_bs",
+                 "disable_cuda_graph")
 
 
 def overrides_from_args(args: argparse.Namespace, role: str | None = None, index: int | None = None) -> dict[str, Any]:

@@ -162,6 +162,11 @@ class EngineConfig:
     dist_init_port: int | None = None
     # Print SGLang-style "Prefill batch, ..." / "Decode batch, ..." lines every N seconds.
     log_interval_s: float = 10.0
+    # CUDA graphs of the decode step (decode instances on CUDA, tp 1, pp 1, no draft), captured at
+    # start-up for batch sizes 1, 2, 4, ... up to cuda_graph_max_bs (SGLang's --cuda-graph-max-bs);
+    # larger batches run eagerly. disable_cuda_graph: never capture (SGLang's --disable-cuda-graph).
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
 
 
 @dataclass
@@ -548,7 +553,7 @@ def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
 
 
 def _check_engine(e: EngineConfig, path: str, src: str) -> None:
-    for k in ("page_size", "max_running_requests", "chunked_prefill_size", "stream_interval"):
+    for k in ("page_size", "max_running_requests", "chunked_prefill_size", "stream_interval", "cuda_graph_max_bs"):
         if getattr(e, k) < 1:
             raise ConfigError(src, f"{path}.{k}", f"must be >= 1, got {getattr(e, k)}")
     for k in ("num_pages", "max_total_tokens"):

@@ -19,6 +19,7 @@ from glm53.models.model import GlmForCausalLM
 from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.draft_config import DFlashConfig
 from glm53.models.draft_weights import load_draft_projection, load_draft_weights
+from glm53.models.graph import GraphConfig
 from glm53.models.parallel import TPGroup
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.pipeline import StagePipe, run_microbatches
@@ -56,6 +57,17 @@ class RankSpec:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    # Decode CUDA graphs (models/graph.py): the largest captured batch (0: none) and the longest
+    # request a graph holds, in tokens (None: the model's max_position_embeddings).
+    cuda_graph_max_bs: int = 0
+    context_length: int | None = None
+
+    @property
+    def graphs(self) -> bool:
+        """Whether this rank captures decode graphs: decode, CUDA, the whole model on one rank,
+        no draft (the speculative step runs eagerly)."""
+        return (self.cuda_graph_max_bs > 0 and self.role == "decode" and self.device.startswith("cuda")
+                and self.tp_size == 1 and self.pp_size == 1 and not self.draft_path)
 
     @property
     def last_stage(self) -> bool:
@@ -109,7 +121,9 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
                 max_total_tokens=eng.max_total_tokens, mem_fraction_static=eng.mem_fraction_static,
                 transport=cfg, bootstrap_address=boot, tp_rank=tp_rank, tp_size=inst.tp, pp_rank=pp_rank,
                 pp_size=inst.pp, send_draft_kv=spec.draft_kv_transfer,
-                draft_path=spec.draft_model_path if spec.enabled else None))
+                draft_path=spec.draft_model_path if spec.enabled else None,
+                cuda_graph_max_bs=0 if eng.disable_cuda_graph else min(eng.cuda_graph_max_bs, eng.max_running_requests),
+                context_length=cluster.model.context_length))
     return specs
 
 
@@ -176,8 +190,14 @@ class RankWorker:
 
     def allocate(self, num_pages: int) -> None:
         spec = self.spec
+        graphs = None
+        if spec.graphs:
+            # A graph holds the longest request this instance can admit, and no more.
+            longest = min(spec.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings,
+                          num_pages * spec.page_size)
+            graphs = GraphConfig(max_bs=spec.cuda_graph_max_bs, max_context=longest)
         self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
-                                  draft=self.draft, draft_projection=self.projection)
+                                  draft=self.draft, draft_projection=self.projection, graphs=graphs)
         self.transfer = TransferEngine(spec.role, spec.instance, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
                                        pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=spec.transport)
         for name, pool in self.runner.pools:

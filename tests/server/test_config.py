@@ -334,3 +334,27 @@ def test_router_limits_and_restart_keys(tmp_path):
         d = base()
         d["router"] = {key: bad}
         assert error(tmp_path, d).key == f"router.{key}"
+
+
+def test_cuda_graph_keys(tmp_path):
+    from glm53.server.engine.worker import rank_specs
+
+    d = base()
+    d["defaults"] = {"device": "cuda", "dtype": "bfloat16"}
+    d["prefill"][0]["devices"] = [0]
+    d["decode"][0].update(devices=[1], max_running_requests=48)
+    cluster = load_config(write(tmp_path, d))
+    spec = rank_specs(cluster, cluster.decode[0], "unused", 4)[0]
+    # on by default for a one-rank CUDA decode instance, capped at its batch
+    assert spec.graphs and spec.cuda_graph_max_bs == 48
+    assert not rank_specs(cluster, cluster.prefill[0], "unused", 4)[0].graphs
+    d["decode"][0]["disable_cuda_graph"] = True
+    cluster = load_config(write(tmp_path, d))
+    assert not rank_specs(cluster, cluster.decode[0], "unused", 4)[0].graphs
+    d["decode"][0]["cuda_graph_max_bs"] = 0
+    e = error(tmp_path, d)
+    assert e.key == "decode[0].cuda_graph_max_bs" and "must be >= 1" in str(e)
+    args = build_parser().parse_args(["up", "--config", str(write(tmp_path, base())), "--cuda-graph-max-bs", "8",
+                                      "--disable-cuda-graph"])
+    cfg = load_config(write(tmp_path, base()), overrides_from_args(args))
+    assert all(i.engine.cuda_graph_max_bs == 8 and i.engine.disable_cuda_graph for i in cfg.instances)

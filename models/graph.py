@@ -1,0 +1,134 @@
+"""CUDA graphs for the decode forward at bucketed batch sizes and page-table widths.
+
+A decode step on a small model is launch-bound: hundreds of kernels whose launches cost more than
+their work. Capturing the whole step (the device-side batch derivation, every layer, the final
+norm and the lm_head) once per (batch size, width) bucket and replaying it costs one launch.
+
+- The inputs live in a `DecodeState` (static buffers, updated incrementally); a batch of n
+  requests runs the smallest captured batch size >= n, the rows past n being the state's padding
+  request (its KV goes to the reserved padding page), and the smallest captured width >= its
+  longest page table (kernel widths are fixed per bucket: `max_context = width * page_size`).
+- Widths step by 4x from 4K tokens up to the instance's longest request, so a short-context
+  batch does not pay for the longest one's widths.
+- Everything the graph cannot hold runs eagerly (`ModelRunner.build_batch`): more requests than
+  the largest bucket, chunks of more than one token (prefill, verify), pipeline stages, tensor
+  parallelism, and stages with a draft (their forwards also write the draft context).
+- Graphs share one memory pool and are captured largest first, at start-up; warm-up and capture
+  only ever write the padding page.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from glm53.models.decode_state import DecodeState
+
+log = logging.getLogger(__name__)
+
+MIN_WIDTH_TOKENS = 4096  # the narrowest captured width
+WIDTH_STEP = 4  # each captured width is this many times the previous one
+
+
+def batch_buckets(max_bs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, ... below `max_bs`, then `max_bs` itself."""
+    if max_bs < 1:
+        raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+    out, b = [], 1
+    while b < max_bs:
+        out.append(b)
+        b *= 2
+    return tuple(out + [max_bs])
+
+
+def width_buckets(max_pages: int, page_size: int) -> tuple[int, ...]:
+    """Page-table widths (pages): MIN_WIDTH_TOKENS, then x WIDTH_STEP, up to `max_pages`."""
+    out, w = [], -(-MIN_WIDTH_TOKENS // page_size)
+    while w < max_pages:
+        out.append(w)
+        w *= WIDTH_STEP
+    return tuple(out + [max_pages])
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """`max_bs`: the largest captured batch; `max_context`: the longest request (tokens) a graph
+    must hold (the model's context length or less)."""
+
+    max_bs: int
+    max_context: int
+
+
+def pick(buckets: Sequence[int], n: int) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one runner (whole model, single rank, CUDA)."""
+
+    def __init__(self, runner, cfg: GraphConfig, pad_page: int):
+        model = runner.model
+        if runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        if not (model.is_first and model.is_last) or model.tp.size != 1 or runner.projection is not None:
+            raise ValueError("decode graphs hold the whole model on one rank without a draft")
+        self.runner = runner
+        ps = runner.page_size
+        self.max_pages = -(-cfg.max_context // ps)
+        self.sizes = batch_buckets(cfg.max_bs)
+        self.widths = width_buckets(self.max_pages, ps)
+        self.state = DecodeState(cfg.max_bs, self.max_pages, ps, pad_page, model.cfg.max_position_embeddings,
+                                 runner.device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
+        self.capture()
+
+    def run_eager(self, bs: int, width: int) -> torch.Tensor:
+        """The step the graphs hold, run eagerly on the state's first `bs` rows: logits [bs, vocab] fp32."""
+        r = self.runner
+        batch = self.state.batch(bs, width)
+        return r.model.logits(r.model.forward_stage(batch, r.pools, None).hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.runner.device)
+        for width in reversed(self.widths):
+            for bs in reversed(self.sizes):
+                # Warm-up compiles every Triton variant of the bucket outside the capture.
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.run_eager(bs, width)
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self.run_eager(bs, width)
+                self.graphs[(bs, width)] = (g, out)
+        torch.cuda.synchronize(self.runner.device)
+        log.info("captured %d decode graphs (batch %s, widths %s pages) in %.1f s", len(self.graphs),
+                 list(self.sizes), list(self.widths), time.perf_counter() - t0)
+
+    def bucket(self, chunks: Sequence) -> tuple[int, int] | None:
+        """(batch size, width) of the graph that holds `chunks`, or None: run them eagerly."""
+        if not chunks or any(len(c.token_ids) != 1 or c.all_logits for c in chunks):
+            return None
+        bs = pick(self.sizes, len(chunks))
+        width = pick(self.widths, max(len(c.page_table) for c in chunks))
+        if bs is None or width is None:
+            return None
+        return bs, width
+
+    def forward(self, chunks: Sequence, key: tuple[int, int]) -> list[torch.Tensor]:
+        """Per chunk, its logits [1, vocab] fp32 (a copy: the graph's output is overwritten by
+        the next replay)."""
+        self.state.update(chunks)
+        g, out = self.graphs[key]
+        g.replay()
+        self.replays += 1
+        return list(out[: len(chunks)].clone().split(1))

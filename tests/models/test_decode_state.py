@@ -1,0 +1,104 @@
+"""The device-side decode batch state (models/decode_state.py) on CPU tensors: after every step of
+a run where requests join, leave and move between rows, its batch holds what `build_batch` builds
+from the same chunks, rows are rewritten only when they change, and the model's logits over it
+(padded rows, fixed widths) equal the eager forward's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from glm53.models import ModelRunner, PageAllocator, SeqChunk
+from glm53.models.decode_state import DecodeState
+from glm53.models.graph import batch_buckets, pick, width_buckets
+from tests.models.oracle import make_checkpoint
+
+PS = 4
+
+
+def _check_rows(state: DecodeState, runner: ModelRunner, chunks: list[SeqChunk], bs: int, width: int) -> None:
+    ref, _ = runner.build_batch(chunks)
+    got = state.batch(bs, width)
+    n = len(chunks)
+    assert got.max_context == width * PS
+    for name in ("input_ids", "positions", "out_slots", "context_lens"):
+        assert torch.equal(getattr(got, name)[:n], getattr(ref, name)), name
+    for i, c in enumerate(chunks):
+        k = len(c.page_table)
+        assert got.page_table[i, :k].tolist() == c.page_table
+        assert (got.page_table[i, k:] == -1).all()
+    # padding rows: position 0 on the padding page, nothing else
+    assert (got.positions[n:] == 0).all() and (got.out_slots[n:] == state.pad_page * PS).all()
+    assert (got.page_table[n:, 0] == state.pad_page).all() and (got.page_table[n:, 1:] == -1).all()
+
+
+def test_buckets():
+    assert batch_buckets(1) == (1,) and batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert width_buckets(100, 64) == (64, 100)  # 4096 tokens = 64 pages of 64, then the longest
+    assert width_buckets(3000, 16) == (256, 1024, 3000)
+    assert pick((1, 2, 4), 3) == 4 and pick((1, 2, 4), 5) is None
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    make_checkpoint(path, seed=3, index_topk_freq=2, index_skip_topk_offset=2)
+    # one page more than the allocator hands out: the padding page
+    return ModelRunner.from_dir(path, page_size=PS, num_pages=97, progress=False)
+
+
+def test_incremental_state_matches_build_batch_and_eager_logits(runner):
+    rng = random.Random(5)
+    alloc = PageAllocator(96)
+    state = DecodeState(max_bs=6, max_pages=12, page_size=PS, pad_page=96,
+                        max_position=runner.cfg.max_position_embeddings)
+    # requests: [pages, next position, last token]; prompts of random length already "in" the cache
+    running: list[list] = []
+    vocab = runner.cfg.vocab_size
+    for step in range(14):
+        if step in (0, 3, 6):  # joins (two at once at step 0)
+            for _ in range(2 if step == 0 else 1):
+                plen = rng.randrange(1, 30)
+                pages = alloc.alloc(runner.pages_needed(plen + 16))
+                # a prompt's KV: prefill it eagerly (random tokens) so attention reads real values
+                runner.forward([SeqChunk([rng.randrange(vocab) for _ in range(plen)], 0, pages)])
+                running.insert(rng.randrange(len(running) + 1), [pages, plen, rng.randrange(vocab)])
+        if step in (5, 9, 11):  # leaves from the middle: the rows after it move up
+            alloc.free(running.pop(len(running) // 2)[0])
+        chunks = [SeqChunk([tok], pos, pages) for pages, pos, tok in running]
+        before = state.rows_written
+        state.update(chunks)
+        if step in (1, 2, 4, 7, 8):  # nothing joined or left: no row is rewritten
+            assert state.rows_written == before
+        bs = pick(batch_buckets(6), len(chunks)) or len(chunks)
+        width = max(len(c.page_table) for c in chunks) + 1  # wider than needed: fixed widths are free
+        _check_rows(state, runner, chunks, bs, width)
+        # the decode step itself, eagerly (build_batch); it writes the real rows' KV
+        eager = torch.cat(runner.forward(chunks))
+        if step % 4 == 1:
+            # The model over the padded, fixed-width state batch: same logits for the real rows
+            # (it rewrites their KV with the same values, and the padding row's on the padding page).
+            batch = state.batch(bs, width)
+            logits = runner.model.logits(runner.model.forward_stage(batch, runner.pools, None).hidden)
+            torch.testing.assert_close(logits[: len(chunks)], eager, rtol=1e-4, atol=1e-4)
+            assert torch.equal(logits[: len(chunks)].argmax(-1), eager.argmax(-1))
+        for r, t in zip(running, eager.argmax(-1).tolist()):
+            r[1] += 1
+            r[2] = t
+
+
+def test_state_rejects_what_it_cannot_hold(runner):
+    state = DecodeState(max_bs=2, max_pages=3, page_size=PS, pad_page=96, max_position=64)
+    with pytest.raises(ValueError, match="exceed the state's 2 rows"):
+        state.update([SeqChunk([1], 0, [0])] * 3)
+    with pytest.raises(ValueError, match="one new token"):
+        state.update([SeqChunk([1, 2], 0, [0])])
+    with pytest.raises(ValueError, match="cannot hold"):
+        state.update([SeqChunk([1], 4, [0])])
+    with pytest.raises(ValueError, match="exceeds the state's width"):
+        state.update([SeqChunk([1], 0, [0, 1, 2, 3])])
+    with pytest.raises(ValueError, match="outside"):
+        state.update([SeqChunk([1], 64, list(range(3)))])
