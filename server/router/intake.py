@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 
 from glm53.server.protocol import RequestSpec
 from glm53.server.router.generation import RouterState
+from glm53.server.router.parsers.chat import template_messages, template_tools, thinking_kwargs
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, TokenizeRequest, _Sampling
 from glm53.server.sampling import SamplingError, SamplingParams
 from glm53.server.tokenizer import ChatTemplateError
@@ -155,12 +156,12 @@ def render_chat(state: RouterState, body: ChatCompletionRequest | TokenizeReques
     for i, m in enumerate(msgs):
         if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
             raise APIError(400, "only text content parts are supported", f"messages[{i}].content")
-    kwargs = dict(body.chat_template_kwargs or {})
+    kwargs = {**thinking_kwargs(body), **(body.chat_template_kwargs or {})}
     for k in ("messages", "tools", "add_generation_prompt"):
         kwargs.pop(k, None)
     if isinstance(body, ChatCompletionRequest) and body.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    msgs, tools = template_messages(msgs), template_tools(body)
     try:
         return state.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=body.add_generation_prompt,
                                                    **kwargs)
