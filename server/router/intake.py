@@ -78,7 +78,8 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_tokens: int | None,
                  default_max: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
                  min_p: float | None, seed: int | None, stop: list[str], stop_token_ids: list[int] | None,
-                 ignore_eos: bool, skip_special_tokens: bool = True, no_stop_trim: bool = False) -> RequestSpec:
+                 ignore_eos: bool, skip_special_tokens: bool = True, no_stop_trim: bool = False,
+                 grammar: str | None = None, grammar_after: int | None = None) -> RequestSpec:
     """The one request object both instances receive: validated params, context-capped
     max_new_tokens, the model's eos ids."""
     prompt_len = len(input_ids)
@@ -111,6 +112,7 @@ def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_toke
             min_p=min_p if min_p is not None else (d.min_p or 0.0),
             seed=seed, max_new_tokens=max_tokens, stop=stop, stop_token_ids=list(stop_token_ids or []),
             ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens, no_stop_trim=no_stop_trim,
+            grammar=grammar, grammar_after=grammar_after,
         )
     except SamplingError as e:
         raise APIError(400, str(e), e.param) from None

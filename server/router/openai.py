@@ -15,11 +15,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from glm53.server.protocol import RequestSpec
+from glm53.server.router import structured
 from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import Delta, Generation, Outcome, RouterState
 from glm53.server.router.intake import (State, chat_prompt_ids, check_internal, check_model, check_unsupported,
                                         ids_prompt, request_id, request_spec, stop_list, text_prompt_ids)
 from glm53.server.router.parsers.chat import ChatParsing, check_tool_choice
+from glm53.server.router.parsers.reasoning import THINK_END
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions
 from glm53.server.router.sse import SSE_HEADERS, collect, event_stream, sse, until_disconnect
 
@@ -53,17 +55,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     check_unsupported(body)
     if body.top_logprobs:
         raise APIError(400, "top_logprobs is not supported yet", "top_logprobs")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than text is not supported yet", "response_format")
+    ask = structured.from_response_format(body.response_format)
     check_tool_choice(body, state.cfg.router.tool_call_parser)
     ids = await state.offload.run(chat_prompt_ids, state, body)
     parsing = ChatParsing.for_request(state.cfg.router, body, state.tokenizer.decode_one(ids[-4:], False))
+    grammar = await structured.grammar(state, ask)
+    # A thinking model thinks freely; the grammar holds for the answer after </think>.
+    after = state.tokenizer.token_to_id(THINK_END) if grammar and parsing.in_reasoning else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid = request_id(request, "chatcmpl")
     spec = request_spec(state, rid, ids, max_tokens=max_tokens, default_max=None, temperature=body.temperature,
                         top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
                         stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids,
-                        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
+                        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
+                        grammar=grammar, grammar_after=after)
     gen = Generation(state, spec)
     created = int(time.time())
     if body.stream:
@@ -159,7 +164,9 @@ async def completions(body: CompletionRequest, request: Request, state: State):
         raise APIError(400, f"This request asks for {n_prompts * body.n} generations ({n_prompts} prompts x n="
                        f"{body.n}), but this server runs at most {cap} at once (router.max_running_requests). "
                        f"Send at most {cap} per request.", "prompt")
+    ask = structured.from_response_format((body.model_extra or {}).get("response_format"))
     prompts, echoes = await state.offload.run(_completion_prompts, state, body)
+    grammar = await structured.grammar(state, ask)
     rid = request_id(request, "cmpl")
     created = int(time.time())
     # Every prompt is checked (and echoed text decoded) before any is submitted.
@@ -169,7 +176,7 @@ async def completions(body: CompletionRequest, request: Request, state: State):
             state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, max_tokens=body.max_tokens, default_max=16,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
             stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens))
+            skip_special_tokens=body.skip_special_tokens, grammar=grammar))
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if body.stream:
         gen = Generation(state, specs[0])
