@@ -59,6 +59,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     check_tool_choice(body, state.cfg.router.tool_call_parser)
     ids = await state.offload.run(chat_prompt_ids, state, body)
     parsing = ChatParsing.for_request(state.cfg.router, body, state.tokenizer.decode_one(ids[-4:], False))
+    forced = parsing.forced_calls(body, state.tokenizer.token_to_id)
+    if forced is not None:
+        if ask is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with a "
+                           "response_format: both constrain the answer", "tool_choice")
+        ask = structured.Ask("lark", forced, "tool_choice")
     grammar = await structured.grammar(state, ask)
     # A thinking model thinks freely; the grammar holds for the answer after </think>.
     after = state.tokenizer.token_to_id(THINK_END) if grammar and parsing.in_reasoning else None

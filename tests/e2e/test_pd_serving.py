@@ -168,6 +168,7 @@ def test_metrics_report_latency_and_transfers(cluster):
 
 
 def test_structured_output(cluster):
-    structured_checks.check_chat_json_schema_and_json_object(cluster)
+    structured_checks.check_chat_json_schema_and_json_object(cluster, structured_checks.SAMPLING[::2])
     structured_checks.check_generate_regex_ebnf_schema_and_completions(cluster)
     structured_checks.check_bad_grammars_are_400_naming_the_field(cluster)
+    structured_checks.check_forced_tool_calls(cluster)

@@ -119,3 +119,44 @@ def test_bad_grammars(grammars):
     with pytest.raises(GrammarError):
         grammar_for("json_schema", "[1, 2]", "json_schema")
     assert SamplingParams.from_dict(SamplingParams(grammar="g", grammar_after=5).to_dict()).grammar_after == 5
+
+
+def test_tool_choice_grammar(grammars, tok):
+    """Walks under the tool_choice grammar (leaning towards GLM's markers, so values end) always
+    parse as complete calls of the allowed functions with schema keys."""
+    from glm53.server.router.parsers.tool_calls import parse_tool_calls
+    from glm53.server.router.parsers.tool_grammar import tool_call_lark
+
+    tools = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+             "get_time": {"type": "object", "properties": {}}, "free": {}}
+    markers = [tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                                            "</arg_value>")] + list(tok.eos_token_ids)
+    gen = torch.Generator().manual_seed(1)
+    for only, parallel in ((None, True), (None, False), ("get_weather", True), ("free", True)):
+        lark = tool_call_lark(tok.token_to_id, tools, only, parallel)
+        g = grammar_for("lark", lark, "tool_choice")
+        grammars.check(g, "tool_choice")
+        for _ in range(4):
+            c, out = Constraint(grammars.matcher(g), grammars.vocab_size), []
+            for _ in range(300):
+                allowed = c.allowed()
+                pref = [m for m in markers if allowed[m]]
+                if pref and torch.rand((), generator=gen) < 0.3:
+                    t = pref[int(torch.randint(len(pref), (1,), generator=gen))]
+                else:
+                    ids = allowed.nonzero().flatten()
+                    t = int(ids[torch.randint(len(ids), (1,), generator=gen)])
+                if t in tok.eos_token_ids:
+                    break
+                out.append(t)
+                c.advance([t])
+            else:
+                raise AssertionError("no end")
+            content, calls = parse_tool_calls(tok.decode(out), tools)
+            assert content == "" and calls and all(x.complete for x in calls), tok.decode(out)
+            assert len(calls) == 1 or (parallel and only is None)
+            for x in calls:
+                assert x.name == (only or x.name) and x.name in tools
+                if x.name != "free":
+                    assert set(json.loads(x.arguments)) <= set(tools[x.name]["properties"])
+    assert tool_call_lark(lambda t: None, tools, None, True) is None

@@ -126,8 +126,9 @@ def test_call_ends_reasoning_and_tool_choice(pcluster):
     tok = httpx.post(pcluster.url + "/tokenize", json={"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
     assert tok.status_code == 200
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
-    for choice in ({"type": "function", "function": {"name": "nope"}}, "maybe"):
-        e = httpx.post(pcluster.url + "/v1/chat/completions", json={**body, "tool_choice": choice})
+    for extra in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, {"tool_choice": "maybe"},
+                  {"tool_choice": "required", "response_format": {"type": "json_object"}}):
+        e = httpx.post(pcluster.url + "/v1/chat/completions", json={**body, **extra})
         assert e.status_code == 400 and e.json()["error"]["param"] == "tool_choice", e.text
     # an assistant turn with calls (arguments as JSON text) and a tool result render and run
     hist = [{"role": "user", "content": "x"},

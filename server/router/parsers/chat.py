@@ -9,10 +9,10 @@ prompt (does it open a thinking block?), and checks `tool_choice` (a 400 naming 
   first, then `function.arguments` fragments).
 
 `tool_choice`: "none" renders no tools and parses no calls; "auto", "required" and a named
-function render the tools and parse calls. "required" and a named function are not enforced
-while generating (no constrained decoding for tool calls yet): the model is asked for a call by
-the template, and the answer holds whatever it produced. With `parallel_tool_calls: false` only
-the first call is returned.
+function render the tools and parse calls. "required" and a named function are enforced while
+generating by a grammar of the call markup (`forced_calls`, tool_grammar.py; after `</think>`
+when the model thinks first). With `parallel_tool_calls: false` only the first call is
+returned (and a "required" grammar allows one).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from glm53.server.router.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from glm53.server.router.parsers.reasoning import (THINK_END, THINK_START, TOOL_START, ReasoningStream,
                                                    prompt_opens_reasoning, split_reasoning)
 from glm53.server.router.parsers.tool_calls import ToolCallStream, parse_tool_calls
+from glm53.server.router.parsers.tool_grammar import tool_call_lark
 from glm53.server.router.schemas import APIError
 
 
@@ -130,6 +131,16 @@ class ChatParsing:
         if self.reasoning:
             msg["reasoning_content"] = msg["reasoning"] = reasoning or None
         return msg, complete
+
+    def forced_calls(self, body: Any, token_id: Any) -> str | None:
+        """The Lark grammar that enforces tool_choice "required" or a named function (None for
+        "auto"/"none", without the tool-call parser, or when GLM's markers are not single
+        tokens)."""
+        choice = body.tool_choice
+        if self.tools is None or not (choice == "required" or isinstance(choice, dict)):
+            return None
+        only = check_tool_choice(body, "glm47")
+        return tool_call_lark(token_id, self.tools, only, self.parallel)
 
     def stream(self) -> "ChatStream":
         return ChatStream(self)
