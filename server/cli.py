@@ -87,6 +87,8 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="router bind address")
     p.add_argument("--port", type=int, help="router HTTP port (default 30000)")
     p.add_argument("--policy", "--pd-policy", dest="policy", choices=["round_robin", "least_loaded", "random"])
+    p.add_argument("--reasoning-parser", help="split <think> text into reasoning_content (glm45)")
+    p.add_argument("--tool-call-parser", help="parse <tool_call> markup into OpenAI tool_calls (glm47)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +148,8 @@ def overrides_from_args(args: argparse.Namespace, role: str | None = None, index
     o["router.log_level"] = get("log_level")
     o["router.policy"] = get("policy")
     o["router.startup_timeout_s"] = get("startup_timeout_s")
+    o["router.reasoning_parser"] = get("reasoning_parser")
+    o["router.tool_call_parser"] = get("tool_call_parser")
     if role is None:
         o["router.host"] = get("host")
         o["router.port"] = get("port")

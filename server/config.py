@@ -101,6 +101,10 @@ class RouterConfig:
     restart_window_s: float = 300.0
     restart_backoff_s: float = 1.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Chat output parsers (SGLang's names; server/router/parsers): `<think>` text as
+    # reasoning_content, `<tool_call>` markup as tool_calls. None: the text as generated.
+    reasoning_parser: Literal["glm45"] | None = None
+    tool_call_parser: Literal["glm47"] | None = None
 
     @property
     def result_host(self) -> str:

@@ -41,6 +41,10 @@ class SamplingParams:
     # string in the text.
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Structured output (server/grammar.py): llguidance grammar text the tokens must follow, from
+    # the token after `grammar_after` when that is set (e.g. `</think>`). None: unconstrained.
+    grammar: str | None = None
+    grammar_after: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +87,11 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise SamplingError("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise SamplingError("grammar", "grammar must be a string")
+        if self.grammar_after is not None and (isinstance(self.grammar_after, bool)
+                                               or not isinstance(self.grammar_after, int) or self.grammar_after < 0):
+            raise SamplingError("grammar_after", "grammar_after must be a token id")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -116,13 +125,17 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None] | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, V] (any float dtype) -> token ids [B] (int64). `generators[i]` (or None) is
-    used for row i's draw; rows without one draw from torch's global generator."""
+    used for row i's draw; rows without one draw from torch's global generator. `allowed`
+    (bool [B, V], structured output) masks out the tokens a row may not take."""
     import torch
 
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [B, V] with B = len(params) = {len(params)}, got {tuple(logits.shape)}")
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]

@@ -17,12 +17,14 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from glm53.models import SeqChunk
 from glm53.models.draft import DraftBlock
 from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.engine.constraints import Constraints, mask_block, masks
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
@@ -43,6 +45,7 @@ class DecodeRequest(TrackedRequest):
     accepts: list[int] = field(default_factory=list)  # tokens committed per verify, not yet reported
     transfer_started: float = 0.0  # receivers created
     bootstrapped: float = 0.0  # receivers left BOOTSTRAPPING: prefill reached, destination sent
+    constraint: Any = None  # structured output: the grammar state (engine/constraints.py)
 
 
 class DecodeScheduler(Scheduler):
@@ -62,6 +65,7 @@ class DecodeScheduler(Scheduler):
         self.waiting: deque[DecodeRequest] = deque()  # no pages yet
         self.receiving: list[DecodeRequest] = []  # pages held, KV in flight
         self.running: list[DecodeRequest] = []  # adopted, decoding
+        self.constraints = Constraints(cluster)
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
@@ -136,6 +140,7 @@ class DecodeScheduler(Scheduler):
         # decode builds it from its own verify steps, starting after the prompt.
         if len(row.counts) < 2 or row.counts[1] < r.prompt_len:
             r.ctx_start = r.prompt_len
+        r.constraint = self.constraints.new(r.params)
         self._commit(r, [int(row.first_token_ids[0])], transfer=stats, first=True)
 
     def _decode(self) -> bool:
@@ -149,7 +154,7 @@ class DecodeScheduler(Scheduler):
         rows = torch.cat([lg[-1:] for lg in logits])
         params = [r.params for r in batch]
         gens = [step_generator(r.params.seed, len(r.output)) if r.params.seed is not None else None for r in batch]
-        toks = sample(rows, params, gens).tolist()
+        toks = sample(rows, params, gens, masks([r.constraint for r in batch], rows.shape[-1])).tolist()
         for r, tok in zip(batch, toks):
             self._commit(r, [int(tok)])
         self.count_tokens(len(batch))
@@ -170,6 +175,8 @@ class DecodeScheduler(Scheduler):
         drafts, logits = self.workers.spec_step(blocks)
         n_out = 0
         for r, d, lg in zip(batch, drafts, logits):
+            if r.constraint is not None:
+                lg = mask_block(r.constraint, d, lg)
             toks = accept(d, lg, r.params, first_step=len(r.output))
             r.accepts.append(len(toks))
             n_out += self._commit(r, toks)
@@ -194,6 +201,8 @@ class DecodeScheduler(Scheduler):
                 reason = "length"
             if reason is not None:
                 break
+        if r.constraint is not None:
+            r.constraint.advance(toks[:n])
         if first or reason is not None or len(r.unsent) >= self.stream_interval:
             self._emit(r, r.unsent, reason, transfer=transfer)
             r.unsent = []

@@ -18,6 +18,7 @@ import torch
 
 from glm53.models import SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.engine.constraints import Constraints
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
 from glm53.server.protocol import Abort, GenerateRequest
@@ -43,6 +44,7 @@ class PrefillScheduler(Scheduler):
                                          port=inst.bootstrap_port)
         super().__init__(cluster, inst, workers)
         self.budget = inst.engine.chunked_prefill_size
+        self.constraints = Constraints(cluster)  # structured output: the first token's mask
         self.waiting: deque[PrefillRequest] = deque()
         self.running: list[PrefillRequest] = []  # prefilling, in arrival order
         self.sending: list[PrefillRequest] = []  # prefill done, transfer in flight
@@ -130,7 +132,7 @@ class PrefillScheduler(Scheduler):
             rows = torch.stack([lg for _, lg in finished])
             params = [r.params for r, _ in finished]
             gens = [step_generator(p.seed, 0) if p.seed is not None else None for p in params]
-            first = sample(rows, params, gens).tolist()
+            first = sample(rows, params, gens, self.constraints.first_masks(params, rows.shape[-1])).tolist()
             for (r, _), tok in zip(finished, first):
                 self.running.remove(r)
                 self.sending.append(r)

@@ -66,6 +66,7 @@ class RouterState:
     model_root: str
     context_length: int
     offload: Offload  # worker threads for parsing, templating and (de)tokenizing
+    grammars: Any = None  # structured output: the compiled-grammar cache, built on first use (structured.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 
 from glm53.server.protocol import RequestSpec
 from glm53.server.router.generation import RouterState
+from glm53.server.router.parsers.chat import template_messages, template_tools, thinking_kwargs
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, TokenizeRequest, _Sampling
 from glm53.server.sampling import SamplingError, SamplingParams
 from glm53.server.tokenizer import ChatTemplateError
@@ -77,7 +78,8 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_tokens: int | None,
                  default_max: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
                  min_p: float | None, seed: int | None, stop: list[str], stop_token_ids: list[int] | None,
-                 ignore_eos: bool, skip_special_tokens: bool = True, no_stop_trim: bool = False) -> RequestSpec:
+                 ignore_eos: bool, skip_special_tokens: bool = True, no_stop_trim: bool = False,
+                 grammar: str | None = None, grammar_after: int | None = None) -> RequestSpec:
     """The one request object both instances receive: validated params, context-capped
     max_new_tokens, the model's eos ids."""
     prompt_len = len(input_ids)
@@ -110,6 +112,7 @@ def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_toke
             min_p=min_p if min_p is not None else (d.min_p or 0.0),
             seed=seed, max_new_tokens=max_tokens, stop=stop, stop_token_ids=list(stop_token_ids or []),
             ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens, no_stop_trim=no_stop_trim,
+            grammar=grammar, grammar_after=grammar_after,
         )
     except SamplingError as e:
         raise APIError(400, str(e), e.param) from None
@@ -155,12 +158,12 @@ def render_chat(state: RouterState, body: ChatCompletionRequest | TokenizeReques
     for i, m in enumerate(msgs):
         if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
             raise APIError(400, "only text content parts are supported", f"messages[{i}].content")
-    kwargs = dict(body.chat_template_kwargs or {})
+    kwargs = {**thinking_kwargs(body), **(body.chat_template_kwargs or {})}
     for k in ("messages", "tools", "add_generation_prompt"):
         kwargs.pop(k, None)
     if isinstance(body, ChatCompletionRequest) and body.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    msgs, tools = template_messages(msgs), template_tools(body)
     try:
         return state.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=body.add_generation_prompt,
                                                    **kwargs)

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from glm53.server.router import structured
 from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import Delta, Generation, Outcome
 from glm53.server.router.intake import (State, check_internal, ids_prompt, request_id, request_spec, stop_list,
@@ -30,12 +31,13 @@ async def generate_native(body: GenerateRequestBody, request: Request, state: St
     ids = await (state.offload.run(ids_prompt, state, list(body.input_ids), "input_ids") if body.input_ids is not None
                  else state.offload.run(text_prompt_ids, state, body.text or "", "text"))
     sp = body.sampling_params or GenerateSamplingParams()
+    grammar = await structured.grammar(state, structured.from_sampling_params(sp))
     rid = body.rid or request_id(request, "gen")
     spec = request_spec(state, rid, ids, max_tokens=sp.max_new_tokens, default_max=128,
                         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
                         seed=sp.sampling_seed, stop=stop_list(sp.stop), stop_token_ids=sp.stop_token_ids,
                         ignore_eos=sp.ignore_eos, skip_special_tokens=sp.skip_special_tokens,
-                        no_stop_trim=sp.no_stop_trim)
+                        no_stop_trim=sp.no_stop_trim, grammar=grammar)
     gen = Generation(state, spec)
     t0 = time.monotonic()
     if body.stream:

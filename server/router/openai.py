@@ -15,10 +15,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from glm53.server.protocol import RequestSpec
+from glm53.server.router import structured
 from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import Delta, Generation, Outcome, RouterState
 from glm53.server.router.intake import (State, chat_prompt_ids, check_internal, check_model, check_unsupported,
                                         ids_prompt, request_id, request_spec, stop_list, text_prompt_ids)
+from glm53.server.router.parsers.chat import ChatParsing, check_tool_choice
+from glm53.server.router.parsers.reasoning import THINK_END
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions
 from glm53.server.router.sse import SSE_HEADERS, collect, event_stream, sse, until_disconnect
 
@@ -52,41 +55,68 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     check_unsupported(body)
     if body.top_logprobs:
         raise APIError(400, "top_logprobs is not supported yet", "top_logprobs")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than text is not supported yet", "response_format")
+    ask = structured.from_response_format(body.response_format)
+    check_tool_choice(body, state.cfg.router.tool_call_parser)
     ids = await state.offload.run(chat_prompt_ids, state, body)
+    parsing = ChatParsing.for_request(state.cfg.router, body, state.tokenizer.decode_one(ids[-4:], False))
+    forced = parsing.forced_calls(body, state.tokenizer.token_to_id)
+    if forced is not None:
+        if ask is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with a "
+                           "response_format: both constrain the answer", "tool_choice")
+        ask = structured.Ask("lark", forced, "tool_choice")
+    grammar = await structured.grammar(state, ask)
+    # A thinking model thinks freely; the grammar holds for the answer after </think>.
+    after = state.tokenizer.token_to_id(THINK_END) if grammar and parsing.in_reasoning else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     rid = request_id(request, "chatcmpl")
     spec = request_spec(state, rid, ids, max_tokens=max_tokens, default_max=None, temperature=body.temperature,
                         top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
                         stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids,
-                        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens)
+                        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
+                        grammar=grammar, grammar_after=after)
     gen = Generation(state, spec)
     created = int(time.time())
     if body.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        return StreamingResponse(_chat_events(gen, base, body.stream_options, len(ids)),
+        return StreamingResponse(_chat_events(gen, base, body.stream_options, len(ids), parsing, state),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
     res = await until_disconnect(request, collect(gen))
     if res is None:
         return Response(status_code=499)
-    text, _, out = res
+    text, out_ids, out = res
+    message, called = parsing.message(text)
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                     "logprobs": None, "finish_reason": out.finish_reason,
+        "choices": [{"index": 0, "message": message,
+                     "logprobs": None, "finish_reason": _finish_reason(out, called),
                      "matched_stop": out.matched_stop, "stop_reason": out.matched_stop}],
-        "usage": out.usage(),
+        "usage": _chat_usage(out, parsing, out_ids, state),
     }, headers={"x-request-id": rid})
 
 
-def _chat_events(gen: Generation, base: dict, opts: StreamOptions | None, plen: int) -> AsyncIterator[str]:
-    """chat.completion.chunk events: the assistant role, a content delta per piece of text, the
-    finish chunk, then (include_usage) a usage-only chunk. With continuous_usage_stats every chunk
-    carries the running usage; with include_usage alone, `"usage": null`."""
+def _finish_reason(out: Outcome, called: bool) -> str:
+    # "tool_calls" only when a call was completed and the model ended its turn itself.
+    return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
+
+
+def _chat_usage(out: Outcome, parsing: ChatParsing, ids: list[int], state: RouterState) -> dict:
+    usage = out.usage()
+    usage["completion_tokens_details"]["reasoning_tokens"] = parsing.reasoning_tokens(ids, state.tokenizer.token_to_id)
+    return usage
+
+
+def _chat_events(gen: Generation, base: dict, opts: StreamOptions | None, plen: int, parsing: ChatParsing,
+                 state: RouterState) -> AsyncIterator[str]:
+    """chat.completion.chunk events: the assistant role, a delta per piece of output (reasoning,
+    content or tool-call pieces: parsers/chat.py), the finish chunk, then (include_usage) a
+    usage-only chunk. With continuous_usage_stats every chunk carries the running usage; with
+    include_usage alone, `"usage": null`."""
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
     counted = 0  # completion tokens so far, stop tokens included
+    out_ids: list[int] = []
+    stream = parsing.stream()
 
     def with_usage(obj: dict, n: int | None) -> dict:
         if include_usage:
@@ -94,21 +124,25 @@ def _chat_events(gen: Generation, base: dict, opts: StreamOptions | None, plen: 
                             if continuous and n is not None else None)
         return obj
 
+    def delta_events(deltas: list[dict], n: int | None) -> list[str]:
+        return [sse(with_usage({**base, "choices": [{"index": 0, "delta": d, "logprobs": None,
+                                                      "finish_reason": None}]}, n)) for d in deltas]
+
     def chunk(d: Delta) -> str | None:
         nonlocal counted
         counted += len(d.token_ids)
-        if not d.text:
-            return None
-        return sse(with_usage({**base, "choices": [{"index": 0, "delta": {"content": d.text},
-                                                    "logprobs": None, "finish_reason": None}]}, counted))
+        out_ids.extend(d.token_ids)
+        return "".join(delta_events(stream.feed(d.text), counted)) if d.text else None
 
     def finish(o: Outcome) -> list[str]:
-        return [sse(with_usage({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                                     "finish_reason": o.finish_reason,
+        return [*delta_events(stream.finish(), o.completion_tokens),
+                sse(with_usage({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                     "finish_reason": _finish_reason(o, stream.complete_calls > 0),
                                                      "matched_stop": o.matched_stop}]},
                                o.completion_tokens))]
 
-    usage = (lambda o: sse({**base, "choices": [], "usage": o.usage()})) if include_usage else None
+    usage = (lambda o: sse({**base, "choices": [], "usage": _chat_usage(o, parsing, out_ids, state)})) \
+        if include_usage else None
     head = [sse(with_usage({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]}, 0))]
     return event_stream(gen, head, chunk, finish, usage)
@@ -136,7 +170,9 @@ async def completions(body: CompletionRequest, request: Request, state: State):
         raise APIError(400, f"This request asks for {n_prompts * body.n} generations ({n_prompts} prompts x n="
                        f"{body.n}), but this server runs at most {cap} at once (router.max_running_requests). "
                        f"Send at most {cap} per request.", "prompt")
+    ask = structured.from_response_format((body.model_extra or {}).get("response_format"))
     prompts, echoes = await state.offload.run(_completion_prompts, state, body)
+    grammar = await structured.grammar(state, ask)
     rid = request_id(request, "cmpl")
     created = int(time.time())
     # Every prompt is checked (and echoed text decoded) before any is submitted.
@@ -146,7 +182,7 @@ async def completions(body: CompletionRequest, request: Request, state: State):
             state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, max_tokens=body.max_tokens, default_max=16,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
             stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens))
+            skip_special_tokens=body.skip_special_tokens, grammar=grammar))
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if body.stream:
         gen = Generation(state, specs[0])

@@ -141,7 +141,7 @@ class CompletionRequest(_Sampling):
 
 class GenerateSamplingParams(BaseModel):
     """SGLang's `sampling_params` (the subset glm53-serve implements). Anything else —
-    penalties, min_new_tokens, n, regex/json_schema — is a 400 naming the key, not ignored."""
+    penalties, min_new_tokens, n — is a 400 naming the key, not ignored."""
 
     model_config = ConfigDict(extra="forbid")
     max_new_tokens: int | None = Field(default=None, ge=0)
@@ -155,6 +155,10 @@ class GenerateSamplingParams(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Structured output (router/structured.py): at most one.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequestBody(_Body):

@@ -11,6 +11,8 @@ def model_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_cache):
     # Decode batches token events in twos here (stream_interval), one by one in test_faults.
-    c = Cluster(tmp_path_factory.mktemp("cluster"), model_cache, stream_interval=2).start()
+    # The tool-call parser changes nothing for requests without tools (structured_checks.py).
+    c = Cluster(tmp_path_factory.mktemp("cluster"), model_cache, stream_interval=2,
+                router={"tool_call_parser": "glm47"}).start()
     yield c
     c.stop()

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from glm53.server.embedded_model import ensure_embedded_model
+from tests.e2e import structured_checks
 from tests.e2e.cluster import Cluster
 from tests.e2e.test_pd_serving import GREEDY_PROMPTS, offline_greedy, served_greedy, wait_pages_free
 from glm53.models import write_random_draft
@@ -69,6 +70,12 @@ def test_verify_count_and_accept_metric(cluster):
     text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     count = [ln for ln in text.splitlines() if ln.startswith("sglang:spec_accept_length_count")]
     assert count and float(count[0].rsplit(" ", 1)[1]) >= meta["spec_verify_ct"]
+
+
+def test_structured_output_at_every_block_position(cluster):
+    structured_checks.check_chat_json_schema_and_json_object(cluster, structured_checks.SAMPLING[:2], json_object=False)
+    structured_checks.check_generate_regex(cluster, structured_checks.SAMPLING[1])
+    wait_pages_free(cluster)
 
 
 def test_sampled_requests_finish_and_free_pages(cluster):

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from glm53.server.embedded_model import EMBEDDED_DIRNAME
+from tests.e2e import structured_checks
 from tests.e2e.cluster import ROOT
 
 MODEL = "glm-5-tiny"
@@ -164,3 +165,10 @@ def test_metrics_report_latency_and_transfers(cluster):
                  "sglang:kv_transfer_latency_ms_count", "sglang:kv_transfer_bootstrap_ms_count",
                  "glm53:kv_transfer_bytes_total"):
         assert value(name) > 0, name
+
+
+def test_structured_output(cluster):
+    structured_checks.check_chat_json_schema_and_json_object(cluster, structured_checks.SAMPLING[::2])
+    structured_checks.check_generate_regex_ebnf_schema_and_completions(cluster)
+    structured_checks.check_bad_grammars_are_400_naming_the_field(cluster)
+    structured_checks.check_forced_tool_calls(cluster)

@@ -13,10 +13,13 @@ one token per active room per tick, like a continuous batch. Behaviour knobs (en
     FAKE_TRANSFER_BYTES  prefill reports a transfer of this many bytes per room
     FAKE_CRASH_ON_RESTART  comma-separated instance names that exit with code 3 at start when
                        they ran before (their pid file exists): a crash loop under `up`
+    FAKE_SCRIPTS       a JSON file holding a list of token id lists: a request with
+                       seed SCRIPT_SEED + i emits script i, one token a step, then the first eos id
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -29,6 +32,7 @@ from glm53.server.protocol import (Abort, GenerateRequest, InstanceChannel, Load
 
 # Plain BPE ids of the embedded tokenizer (below its 4096 merges; no specials).
 TOKEN_LO, TOKEN_HI = 300, 3800
+SCRIPT_SEED = 7_000_000
 
 
 def fake_token(input_ids: list[int], step: int, seed: int | None = None) -> int:
@@ -55,6 +59,10 @@ def main(cfg: ClusterConfig, index: int) -> int:
     if only and inst.name not in only:
         prefill_fail = None
     transfer_bytes = int(os.environ.get("FAKE_TRANSFER_BYTES", "0"))
+    scripts = []
+    if os.environ.get("FAKE_SCRIPTS"):
+        with open(os.environ["FAKE_SCRIPTS"]) as f:
+            scripts = json.load(f)
     if os.environ.get("FAKE_PID_DIR"):
         pid_file = os.path.join(os.environ["FAKE_PID_DIR"], f"{inst.name}.pid")
         if inst.name in os.environ.get("FAKE_CRASH_ON_RESTART", "").split(",") and os.path.exists(pid_file):
@@ -91,7 +99,10 @@ def main(cfg: ClusterConfig, index: int) -> int:
                     q, spec = r.req, r.req.spec
                     if time.monotonic() < r.start_at:
                         continue
-                    if eos_at is not None and r.step == eos_at and not spec.params.ignore_eos:
+                    script = (spec.params.seed or 0) - SCRIPT_SEED
+                    if 0 <= script < len(scripts):
+                        tok = scripts[script][r.step] if r.step < len(scripts[script]) else spec.eos_token_ids[0]
+                    elif eos_at is not None and r.step == eos_at and not spec.params.ignore_eos:
                         tok = spec.eos_token_ids[0]
                     else:
                         tok = fake_token(spec.input_ids, r.step, spec.params.seed)
