@@ -148,10 +148,11 @@ class SamplingParams:
 
 @dataclass
 class TokenHistory:
-    """What `adjust_logits` needs of one row: the prompt ids (repetition penalty), the tokens
-    generated before this position, and the ids that end the request (masked by min_new_tokens)."""
+    """What `adjust_logits` needs of one row: the prompt ids (repetition penalty; a sequence, or
+    a tensor of its distinct ids), the tokens generated before this position, and the ids that
+    end the request (masked by min_new_tokens)."""
 
-    prompt: Sequence[int]
+    prompt: Sequence[int] | torch.Tensor
     output: Sequence[int]
     stop_ids: Sequence[int] = ()
 
@@ -206,9 +207,15 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     rep = torch.tensor([p.repetition_penalty for p in ps], device=dev).unsqueeze(1)
     if bool((rep != 1).any()):
         seen = torch.zeros(R, V, dtype=torch.bool, device=dev)
-        r, t = pairs([list(h.prompt) + list(h.output) if p.repetition_penalty != 1 else []
-                      for p, h in zip(ps, hs)])
+        r, t = pairs([list(h.output) if p.repetition_penalty != 1 else [] for p, h in zip(ps, hs)])
         seen[r, t] = True
+        for k, (p, h) in enumerate(zip(ps, hs)):
+            if p.repetition_penalty != 1:
+                # A long prompt comes as a cached tensor of its distinct ids (decode builds it once).
+                prompt = (h.prompt if isinstance(h.prompt, torch.Tensor)
+                          else torch.tensor(list(h.prompt), dtype=torch.long))
+                prompt = prompt.to(dev)
+                seen[k, prompt[(prompt >= 0) & (prompt < V)]] = True
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     freq = torch.tensor([p.frequency_penalty for p in ps], device=dev).unsqueeze(1)
     pres = torch.tensor([p.presence_penalty for p in ps], device=dev).unsqueeze(1)

@@ -53,12 +53,17 @@ class DecodeRequest(TrackedRequest):
     unsent_lp: list[float] = field(default_factory=list)  # logprobs of `unsent` (if asked for)
     unsent_top: list[list] = field(default_factory=list)
 
-    @property
-    def history(self) -> TokenHistory | None:
+    _prompt_ids: torch.Tensor | None = None  # the prompt's distinct ids (repetition penalty), built once
+    _stop_ids: list[int] | None = None
+
+    def history(self, device: torch.device) -> TokenHistory | None:
         """What penalties, logit_bias and min_new_tokens need (None when the request has none)."""
         if not self.params.adjusts:
             return None
-        return TokenHistory(self.req.spec.input_ids, self.output, sorted(self.req.spec.stop_ids))
+        if self._prompt_ids is None or self._prompt_ids.device != device:
+            self._prompt_ids = torch.tensor(sorted(set(self.req.spec.input_ids)), dtype=torch.long, device=device)
+            self._stop_ids = sorted(self.req.spec.stop_ids)
+        return TokenHistory(self._prompt_ids, self.output, self._stop_ids)
 
 
 class DecodeScheduler(Scheduler):
@@ -205,7 +210,7 @@ class DecodeScheduler(Scheduler):
         params = [r.params for r in batch]
         gens = [step_generator(r.params.seed, len(r.output), choice=r.index) if r.params.seed is not None else None
                 for r in batch]
-        toks = sample(rows, params, gens, [r.history for r in batch]).tolist()
+        toks = sample(rows, params, gens, [r.history(rows.device) for r in batch]).tolist()
         lps = (self._logprobs(batch, list(rows.unsqueeze(1)), [[t] for t in toks])
                if any(r.req.spec.logprobs >= 0 for r in batch) else [None] * len(batch))
         for r, tok, lp in zip(batch, toks, lps):
@@ -228,7 +233,7 @@ class DecodeScheduler(Scheduler):
         drafts, logits = self.workers.spec_step(blocks)
         n_out = 0
         for r, d, lg in zip(batch, drafts, logits):
-            toks = accept(d, lg, r.params, first_step=len(r.output), history=r.history, choice=r.index)
+            toks = accept(d, lg, r.params, first_step=len(r.output), history=r.history(lg.device), choice=r.index)
             r.accepts.append(len(toks))
             # The target's logprobs of the committed tokens: verify row i produced token i.
             lp = self._logprobs([r], [lg], [toks])[0]

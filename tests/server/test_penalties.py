@@ -58,6 +58,9 @@ def test_adjust_matches_reference_on_random_batches():
         cases = [random_case(rng) for _ in range(B)]
         params, hists = [c[0] for c in cases], [c[1] for c in cases]
         got = adjust_logits(logits, params, hists)
+        # decode's form: the prompt as a tensor of its distinct ids gives the same logits
+        as_tensor = [TokenHistory(torch.tensor(sorted(set(h.prompt))), h.output, h.stop_ids) for h in hists]
+        assert torch.equal(adjust_logits(logits, params, as_tensor), got)
         for i, (p, h) in enumerate(cases):
             want = torch.tensor(reference_adjust(logits[i].tolist(), p, h))
             fin = torch.isfinite(want)
