@@ -104,7 +104,8 @@ class SamplingParams:
             setattr(self, name, v)
         self.repetition_penalty = num("repetition_penalty", self.repetition_penalty)
         if not 0 < self.repetition_penalty <= 2:
-            raise SamplingError("repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+            raise SamplingError("repetition_penalty",
+                                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if not isinstance(self.logit_bias, dict):
             raise SamplingError("logit_bias", "logit_bias must map token ids to numbers")
         bias = {}
@@ -204,22 +205,23 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     if any(masked):
         r, t = pairs(masked)
         x[r, t] = float("-inf")
-    rep = torch.tensor([p.repetition_penalty for p in ps], device=dev).unsqueeze(1)
-    if bool((rep != 1).any()):
+    # Which adjustments run is decided from the params on the host: no device sync.
+    if any(p.repetition_penalty != 1 for p in ps):
+        rep = torch.tensor([p.repetition_penalty for p in ps], device=dev).unsqueeze(1)
         seen = torch.zeros(R, V, dtype=torch.bool, device=dev)
         r, t = pairs([list(h.output) if p.repetition_penalty != 1 else [] for p, h in zip(ps, hs)])
         seen[r, t] = True
         for k, (p, h) in enumerate(zip(ps, hs)):
             if p.repetition_penalty != 1:
-                # A long prompt comes as a cached tensor of its distinct ids (decode builds it once).
+                # A long prompt comes as a cached tensor of its distinct ids (decode builds it once);
+                # prompt ids were checked against the vocabulary when the request was accepted.
                 prompt = (h.prompt if isinstance(h.prompt, torch.Tensor)
                           else torch.tensor(list(h.prompt), dtype=torch.long))
-                prompt = prompt.to(dev)
-                seen[k, prompt[(prompt >= 0) & (prompt < V)]] = True
+                seen[k].index_fill_(0, prompt.to(dev), True)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = torch.tensor([p.frequency_penalty for p in ps], device=dev).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in ps], device=dev).unsqueeze(1)
-    if bool((freq != 0).any() or (pres != 0).any()):
+    if any(p.frequency_penalty or p.presence_penalty for p in ps):
+        freq = torch.tensor([p.frequency_penalty for p in ps], device=dev).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in ps], device=dev).unsqueeze(1)
         counts = torch.zeros(R, V, device=dev)
         r, t = pairs([list(h.output) for h in hs])
         counts.index_put_((r, t), torch.ones(len(t), device=dev), accumulate=True)

@@ -189,8 +189,9 @@ def _item(gen: Generation, text: str, ids: list[int], lp: Collected | None, o: O
     spec = gen.spec
     meta = _meta_info(spec.rid if spec.n == 1 else f"{spec.rid}_{choice}", len(spec.input_ids), t0, o, len(ids))
     if spec.logprobs >= 0:
-        meta["input_token_logprobs"] = sglang_tokens(texts, spec.input_ids[max(spec.prompt_logprobs_start, 0):],
-                                                     gen.prompt_logprobs or []) if spec.prompt_logprobs_start >= 0 else []
+        start = spec.prompt_logprobs_start
+        meta["input_token_logprobs"] = (sglang_tokens(texts, spec.input_ids[start:], gen.prompt_logprobs or [])
+                                        if start >= 0 else [])
         meta["output_token_logprobs"] = sglang_tokens(texts, ids, lp.logprobs if lp else [])
         if spec.logprobs > 0:
             meta["input_top_logprobs"] = sglang_tops(texts, gen.prompt_top_logprobs or [])
