@@ -95,7 +95,9 @@ def test_bench_serving_request_body(cluster):
 
 def test_openai_logprobs_shapes_and_values(cluster, runner):
     c = client(cluster)
-    comp = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    # best_of 1 (what bench_serving's OpenAI backends send) is n's default
+    comp = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, echo=True,
+                                best_of=1)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(PROMPT) + 5 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     ids = PROMPT + generate(cluster, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
