@@ -46,11 +46,23 @@ def check_internal(body: Any) -> None:
         raise APIError(400, f"{bad[0]} is set by the router and may not be sent by clients", bad[0])
 
 
+# vLLM/SGLang extensions that ask for more output than this server returns: unknown fields are
+# otherwise ignored (as vLLM does), but these would then silently be missing from the answer.
+ASKS_FOR_MORE = ("prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids", "return_hidden_states",
+                 "return_prompt_token_ids")
+
+
 def check_unsupported(body: _Sampling) -> None:
     """OpenAI fields whose values glm53-serve cannot honour: a 400 naming the field rather than a
     silently different result."""
     if body.n > MAX_CHOICES:
         raise APIError(400, f"n must be at most {MAX_CHOICES}, got {body.n}", "n")
+    extra = body.model_extra or {}
+    for k in ASKS_FOR_MORE:
+        if extra.get(k) not in (None, False, 0):
+            raise APIError(400, f"{k} is not supported (use echo with logprobs for prompt logprobs on "
+                           "/v1/completions, or return_logprob on /generate)" if k == "prompt_logprobs"
+                           else f"{k} is not supported", k)
 
 
 # Stop strings are matched on the event loop for every streamed token, each costing ~3 us

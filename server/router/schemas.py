@@ -38,8 +38,9 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def internal_fields(self) -> list[str]:
+        # A null one asks for nothing (SGLang clients may send every field with its default).
         extra = self.model_extra or {}
-        return [k for k in INTERNAL_FIELDS if k in extra]
+        return [k for k in INTERNAL_FIELDS if extra.get(k) is not None]
 
 
 class StreamOptions(BaseModel):

@@ -174,15 +174,16 @@ def reference_greedy(runner: ModelRunner, prompt: list[int], p: SamplingParams, 
                      new: int) -> list[int]:
     """Greedy decoding with the reference model and the per-token reference adjustment."""
     out: list[int] = []
-    alloc = PageAllocator(64)
-    pages = alloc.alloc(runner.pages_needed(len(prompt) + new))
+    pages = PageAllocator(64).alloc(runner.pages_needed(len(prompt) + new))
+    chunk = SeqChunk(prompt, 0, pages)
     for _ in range(new):
         # Penalties act on the raw logits (a division by the repetition penalty does not commute
         # with log_softmax's per-row shift), so the reference adjusts the raw logits too.
         with torch.no_grad():
-            raw = runner.forward([SeqChunk(prompt + out, 0, pages)])[0][-1]
+            raw = runner.forward([chunk])[0][-1]
         adj = reference_adjust(raw.tolist(), p, TokenHistory(prompt, out, stop_ids))
         out.append(max(range(len(adj)), key=lambda t: (adj[t], -t)))
+        chunk = SeqChunk([out[-1]], len(prompt) + len(out) - 1, pages)  # the cache holds the rest
     return out
 
 
@@ -254,4 +255,8 @@ def test_generate_fields_batch_and_error_params(cluster):
     assert e["error"]["param"] == "prompt"
     e = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "x", "max_tokens": 4, "min_tokens": 9}).json()
     assert e["error"]["param"] == "min_tokens"
+    # an OpenAI-side extension asking for output this server does not produce is not ignored
+    e = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "x", "prompt_logprobs": 1}).json()
+    assert e["error"]["param"] == "prompt_logprobs"
+    assert generate(cluster, {"text": "hi", "bootstrap_room": None, "sampling_params": {"max_new_tokens": 1}})
     wait_pages_free(cluster)
