@@ -115,6 +115,15 @@ def test_openai_logprobs_shapes_and_values(cluster, runner):
                                                 stream=True) if x.choices and x.choices[0].logprobs]
     got = [v for x in streamed for v in x.choices[0].logprobs.token_logprobs]
     assert got == pytest.approx(lp.token_logprobs[len(PROMPT):], abs=1e-5)
+    # streamed, n = 2, echo: each choice starts with the prompt and its logprobs
+    per: dict[int, list] = {0: [], 1: []}
+    for x in c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1, echo=True,
+                                  n=2, stream=True, stream_options={"include_usage": True}):
+        for ch in x.choices:
+            per[ch.index].extend(ch.logprobs.token_logprobs if ch.logprobs else [])
+        if x.usage:
+            assert x.usage.completion_tokens == 10
+    assert per[0] == per[1] == pytest.approx(lp.token_logprobs, abs=1e-5)
 
     msgs = [{"role": "user", "content": "Count to five."}]
     chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
