@@ -47,6 +47,10 @@ from glm53.server.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 3
+# The most choices (n) and top logprobs a request may carry: the router refuses more, and the
+# first tokens' logprobs of that many fit the transport's metadata slot (engine/logprobs.py).
+MAX_CHOICES = 64
+MAX_TOP_LOGPROBS = 20
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Error codes an instance puts in TokenEvent.error_code; the router maps them to messages/metrics.
 ERROR_CODES = ("bootstrap_timeout", "transfer_timeout", "transfer_failed", "overloaded", "context_length",

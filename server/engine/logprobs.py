@@ -21,12 +21,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from glm53.server.protocol import MAX_CHOICES, MAX_TOP_LOGPROBS
 from glm53.server.sampling import token_logprobs
 
-# The most choices and top logprobs a request may ask for (router-checked): their first-token
-# logprobs fit the transport's metadata slot (server/engine/worker.py sizes it from these).
-MAX_CHOICES = 64
-MAX_TOP_LOGPROBS = 20
 _HDR = struct.Struct("<ii")  # choices, top-k
 
 

@@ -15,8 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from glm53.server.engine.logprobs import MAX_CHOICES, MAX_TOP_LOGPROBS
-from glm53.server.protocol import RequestSpec
+from glm53.server.protocol import MAX_CHOICES, MAX_TOP_LOGPROBS, RequestSpec
 from glm53.server.router.generation import RouterState
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, TokenizeRequest, _Sampling
 from glm53.server.sampling import SamplingError, SamplingParams

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from glm53.server.protocol import RequestSpec
+from glm53.server.protocol import MAX_CHOICES, RequestSpec
 from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import Delta, Generation, Outcome, RouterState, total_usage
 from glm53.server.router.intake import (Penalties, State, chat_prompt_ids, check_internal, check_model,
@@ -170,8 +170,11 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     check_unsupported(body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of other than n is not supported (choices are not ranked)", "best_of")
+    best_of = body.n if body.best_of is None else body.best_of
+    if not body.n <= best_of <= MAX_CHOICES:
+        raise APIError(400, f"best_of must be in [n, {MAX_CHOICES}], got {best_of} (n={body.n})", "best_of")
+    if best_of > body.n and body.stream:
+        raise APIError(400, "best_of > n cannot be streamed", "best_of")
     lp_num = -1
     if body.logprobs is not None and body.logprobs is not False:
         lp_num = int(body.logprobs)
@@ -180,7 +183,7 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     n_prompts = _count_prompts(body.prompt)
     if body.stream and n_prompts > 1:
         raise APIError(400, "streaming several prompts in one request is not supported yet", "prompt")
-    _check_capacity(state, body.n, n_prompts)
+    _check_capacity(state, best_of, n_prompts)
     prompts, echoes = await state.offload.run(_completion_prompts, state, body)
     rid = request_id(request, "cmpl")
     created = int(time.time())
@@ -191,7 +194,9 @@ async def completions(body: CompletionRequest, request: Request, state: State):
             state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, max_tokens=body.max_tokens, default_max=16,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
             stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens, penalties=_penalties(body), n=body.n, logprobs=lp_num,
+            skip_special_tokens=body.skip_special_tokens, penalties=_penalties(body), n=best_of,
+            # best_of ranks the choices by their tokens' summed logprobs: it needs them.
+            logprobs=max(lp_num, 0) if best_of > body.n else lp_num,
             prompt_logprobs_start=0 if body.echo and lp_num >= 0 else -1, prompt_param="prompt",
             names={**_NAMES, "logprobs": "logprobs"}))
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
@@ -214,13 +219,16 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     texts = Texts(state.tokenizer)
     choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
     for p, (gen, per_prompt) in enumerate(zip(gens, res)):
-        for j, c in enumerate(per_prompt):
+        usage["completion_tokens"] += sum(c.outcome.completion_tokens for c in per_prompt)  # best_of: all
+        kept = per_prompt
+        if best_of > body.n:  # the n most likely (summed logprobs), most likely first, as vLLM ranks them
+            kept = sorted(per_prompt, key=lambda c: -sum(c.logprobs))[: body.n]
+        for j, c in enumerate(kept):
             out = c.outcome
             lp = _completion_lp(texts, gen, echoes[p], c) if lp_num >= 0 else None
             choices.append({"index": p * body.n + j, "text": echoes[p] + c.text, "logprobs": lp,
                             "finish_reason": out.finish_reason, "matched_stop": out.matched_stop,
                             "stop_reason": out.matched_stop})
-            usage["completion_tokens"] += out.completion_tokens
         usage["prompt_tokens"] += per_prompt[0].outcome.prompt_tokens
         usage["cached"] += max(c.outcome.cached_tokens for c in per_prompt)
     total = Outcome("stop", None, usage["prompt_tokens"], usage["completion_tokens"], usage["cached"])

@@ -174,8 +174,18 @@ def test_n_choices_share_one_prefill(cluster):
     # /generate: n=2 answers a list
     g = generate(cluster, {"text": "hello", "sampling_params": {"n": 2, "max_new_tokens": 3, "temperature": 0}})
     assert isinstance(g, list) and len(g) == 2 and g[0]["output_ids"] == g[1]["output_ids"]
+    # best_of: the most likely of best_of seeded choices (summed logprobs), which are n=3's
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    three = c.completions.create(n=3, logprobs=0, **kw)
+    best = max(three.choices, key=lambda x: sum(x.logprobs.token_logprobs))
+    picked = c.completions.create(n=1, best_of=3, **kw)
+    assert len(picked.choices) == 1 and picked.choices[0].text == best.text and picked.choices[0].logprobs is None
+    assert picked.usage.completion_tokens == three.usage.completion_tokens  # all three were generated
     with pytest.raises(openai.BadRequestError):
-        c.completions.create(model=MODEL, prompt="x", n=2, best_of=3)
+        c.completions.create(model=MODEL, prompt="x", n=2, best_of=1)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="x", n=1, best_of=2, stream=True)
     wait_pages_free(cluster)
 
 
