@@ -13,7 +13,8 @@ thread (`InstanceChannel`) so a long forward pass does not look like a dead peer
 
 Router -> instance
     GenerateRequest  sent to BOTH the chosen prefill and decode instance, same room/generation.
-    Abort            sent to both on client disconnect, stop-string match, or router-side failure.
+    Abort            sent to both on client disconnect, stop-string match, or router-side failure;
+                     to decode alone, for one choice of an n > 1 room that a stop string ended.
     HealthPing       every router.health_check_interval_s to every instance.
 
 Instance -> router
@@ -160,6 +161,9 @@ class Abort(_Message):
     room: int
     generation: int
     reason: str = "abort"
+    # None: the whole room; i: only choice i of an n > 1 room (decode; ended by a stop string
+    # while the other choices go on).
+    index: int | None = None
 
 
 @dataclass

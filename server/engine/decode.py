@@ -95,6 +95,11 @@ class DecodeScheduler(Scheduler):
 
     def on_abort(self, msg: Abort) -> None:
         key = (msg.room, msg.generation)
+        if msg.index is not None:  # one choice of a running n > 1 request; the others go on
+            for r in list(self.running):
+                if r.key == key and r.index == msg.index:
+                    self._release(r)
+            return
         for r in list(self.waiting):
             if r.key == key:
                 self.waiting.remove(r)

@@ -7,8 +7,8 @@ instances when it ends early. Failures surface as APIError with the status the c
 
 A spec with n > 1 is one room with n choices (one prefill, n decode sequences): each choice has
 its own detokenizer, stop matching, Deltas and Outcome (`index`), and the room ends when every
-choice has. A choice ended router-side (a stop string) while others run keeps decoding on the
-instance until its own end or the room's; its later tokens are dropped here. Logprobs ride on the
+choice has. A choice ended router-side (a stop string) while others run is aborted on decode
+alone; tokens of it already in flight are dropped here. Logprobs ride on the
 Deltas with the token ids they belong to; prompt logprobs (from prefill) are on the Generation
 before its first Delta is yielded.
 """
@@ -205,6 +205,8 @@ class Generation:
                 c = choices[ev.index]
                 if (ids or ev.finish_reason is not None) and not c.done:
                     pending.extend(c.feed(ev, want_lp, len(spec.input_ids)))
+                    if c.done and not c.ended_by_instance and not all(ch.done for ch in choices):
+                        self.state.pool.abort_choice(self.room, c.index)  # the others go on
                 if want_prompt and self.prompt_logprobs is None:
                     continue  # hold everything until the prompt logprobs are here
                 for item in pending:

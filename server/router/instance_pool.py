@@ -213,6 +213,12 @@ class InstancePool:
             self._send(room.decode, msg)
             self._send(room.prefill, msg)
 
+    def abort_choice(self, room: Room, index: int) -> None:
+        """Stop one choice of a live n > 1 room on its decode instance (the others go on)."""
+        if not room.done:
+            self._send(room.decode, encode(Abort(room=room.room, generation=room.generation, reason="stop string",
+                                                 index=index)))
+
     # ---- internals ----
     def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> InstanceState:
         cands = [i for i in self.healthy(role) if i.name not in exclude]

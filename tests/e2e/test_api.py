@@ -167,6 +167,15 @@ def test_n_choices_share_one_prefill(cluster):
             if x.finish_reason:
                 finishes[x.index] = x.finish_reason
     assert [texts[i] for i in range(3)] == [x.message.content for x in a.choices] and len(finishes) == 3
+    # a stop string that ends choice 0 only: choice 0 is aborted on decode alone, choice 1 goes on
+    kw2 = dict(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, seed=99, n=2,
+               extra_body={"ignore_eos": True})
+    free = c.chat.completions.create(**kw2)
+    t0, t1 = free.choices[0].message.content, free.choices[1].message.content
+    stop = next(t0[i:i + 2] for i in range(1, len(t0) - 1) if t0[i:i + 2] not in t1 and t0[i:i + 2].strip())
+    cut = c.chat.completions.create(stop=[stop], **kw2)
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == t0[: t0.index(stop)]
+    assert cut.choices[1].finish_reason == "length" and cut.choices[1].message.content == t1
     # completions: two prompts x n=2, OpenAI's index order
     comp = c.completions.create(model=MODEL, prompt=["one two", "three four"], max_tokens=4, temperature=0, n=2)
     assert [x.index for x in comp.choices] == [0, 1, 2, 3]
