@@ -219,8 +219,9 @@ class Generation:
                     # The instances end eos/length choices themselves; a router-side end needs an abort.
                     self._close(abort=not all(ch.ended_by_instance for ch in choices))
                     m.e2e.labels(name).observe(now - self.t0)
-                    if first_t is not None and n_total > 1:
-                        m.tpot.labels(name).observe((now - first_t) / (n_total - 1))
+                    longest = max(ch.n_out for ch in choices)  # choices decode side by side
+                    if first_t is not None and longest > 1:
+                        m.tpot.labels(name).observe((now - first_t) / (longest - 1))
                     m.prompt_tokens.labels(name).inc(len(spec.input_ids))
                     m.generation_tokens.labels(name).inc(n_total)
                     return
