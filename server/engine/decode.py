@@ -203,6 +203,20 @@ class DecodeScheduler(Scheduler):
             out.append(rows_logprobs(lg[: len(t)], t, k) if k >= 0 else None)
         return out
 
+    def _batch_logprobs(self, batch: list[DecodeRequest], rows: torch.Tensor,
+                        toks: list[int]) -> list[tuple[list[float], list[list]] | None]:
+        """A plain decode step's logprobs: one log_softmax over the rows of the requests that
+        asked (each keeps its own number of top logprobs); None for the others."""
+        want = [i for i, r in enumerate(batch) if r.req.spec.logprobs >= 0]
+        out: list[tuple[list[float], list[list]] | None] = [None] * len(batch)
+        if not want:
+            return out
+        top = max(batch[i].req.spec.logprobs for i in want)
+        lps, tops = rows_logprobs(rows[torch.tensor(want, device=rows.device)], [toks[i] for i in want], top)
+        for i, lp, tp in zip(want, lps, tops):
+            out[i] = ([lp], [tp[: batch[i].req.spec.logprobs]])
+        return out
+
     def _decode(self) -> bool:
         if not self.running:
             return False
@@ -216,8 +230,7 @@ class DecodeScheduler(Scheduler):
         gens = [step_generator(r.params.seed, len(r.output), choice=r.index) if r.params.seed is not None else None
                 for r in batch]
         toks = sample(rows, params, gens, [r.history(rows.device) for r in batch]).tolist()
-        lps = (self._logprobs(batch, list(rows.unsqueeze(1)), [[t] for t in toks])
-               if any(r.req.spec.logprobs >= 0 for r in batch) else [None] * len(batch))
+        lps = self._batch_logprobs(batch, rows, toks)
         for r, tok, lp in zip(batch, toks, lps):
             self._commit(r, [int(tok)], *(lp or (None, None)))
         self.count_tokens(len(batch))

@@ -6,6 +6,7 @@ shape (stream and not)."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 
 import httpx
@@ -72,6 +73,15 @@ def test_generate_logprobs_equal_reference(cluster, runner):
     assert out2["meta_info"]["input_token_logprobs"] == []
     assert [x[0] for x in out2["meta_info"]["output_token_logprobs"]] == pytest.approx([x[0] for x in outp], abs=1e-5)
     assert all(x[2] is None for x in out2["meta_info"]["output_token_logprobs"])
+    # requests with different top counts decode in one batch, each with its own count
+    with cf.ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(lambda k: generate(cluster, {
+            "input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": k,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}), (0, 1, 4)))
+    assert "output_top_logprobs" not in outs[0]["meta_info"]
+    assert {len(t) for t in outs[1]["meta_info"]["output_top_logprobs"]} == {1}
+    assert {len(t) for t in outs[2]["meta_info"]["output_top_logprobs"]} == {4}
+    assert all(o["output_ids"][:6] == ids for o in outs)
     # a request that does not ask gets none
     assert "output_token_logprobs" not in generate(cluster, {"input_ids": PROMPT,
                                                              "sampling_params": {"max_new_tokens": 2}})["meta_info"]
