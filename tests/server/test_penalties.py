@@ -3,6 +3,7 @@ speculative acceptance, against a straightforward per-row, per-token reference; 
 
 import math
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -24,10 +25,11 @@ def reference_adjust(row: list[float], p: SamplingParams, h: TokenHistory) -> li
         for t in h.stop_ids:
             x[t] = -math.inf
     seen = set(h.prompt) | set(h.output)
+    counts = Counter(h.output)
     for t in range(len(x)):
         if t in seen and p.repetition_penalty != 1:
             x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
-        c = list(h.output).count(t)
+        c = counts[t]
         x[t] -= p.frequency_penalty * c + p.presence_penalty * (1 if c else 0)
     return x
 
