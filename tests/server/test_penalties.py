@@ -1,5 +1,7 @@
 """Penalties, logit_bias and min_new_tokens on batched tensors (sampling.adjust_logits) and in
-speculative acceptance, against a straightforward per-row, per-token reference; logprobs."""
+speculative acceptance, against a straightforward per-row, per-token reference; logprobs on the
+instances (raw log_softmax, chunked prompt logprobs, the first tokens' payload) and in the
+router's response shapes."""
 
 import math
 import random
@@ -184,3 +186,27 @@ def test_choice_generators_differ_and_choice0_is_the_n1_stream():
     b = torch.rand(4, generator=step_generator(7, 3, choice=0))
     c = torch.rand(4, generator=step_generator(7, 3, choice=1))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_router_logprob_shapes():
+    from glm53.server.router.logprobs import (Texts, chat_content, completion_logprobs, merge_completion,
+                                              sglang_tokens, sglang_tops)
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return {1: "a", 2: "bc", 3: "é"}[ids[0]]
+
+    texts = Texts(Tok())
+    c = chat_content(texts, [1, 3], [-0.5, float("-inf")], [[[1, -0.5], [2, -1.0]], [[3, -2.0]]])
+    assert c[0] == {"token": "a", "logprob": -0.5, "bytes": [97],
+                    "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]},
+                                     {"token": "bc", "logprob": -1.0, "bytes": [98, 99]}]}
+    assert c[1]["logprob"] == -9999.0 and c[1]["bytes"] == [195, 169]  # JSON has no -inf
+    head = completion_logprobs(texts, [2, 1], [None, -1.0], [None, [[1, -1.0]]])
+    tail = completion_logprobs(texts, [3], [-0.25], [[[3, -0.25]]], offset=3)
+    m = merge_completion(head, tail)
+    assert m == {"tokens": ["bc", "a", "é"], "token_logprobs": [None, -1.0, -0.25],
+                 "top_logprobs": [None, {"a": -1.0}, {"é": -0.25}], "text_offset": [0, 2, 3]}
+    assert sglang_tokens(texts, [1, 2], [None, -1.5]) == [[None, 1, "a"], [-1.5, 2, "bc"]]
+    assert sglang_tokens(None, [1], [-1.0]) == [[-1.0, 1, None]]
+    assert sglang_tops(None, [[], [[2, -0.5]]]) == [None, [[-0.5, 2, None]]]
