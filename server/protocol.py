@@ -13,14 +13,18 @@ thread (`InstanceChannel`) so a long forward pass does not look like a dead peer
 
 Router -> instance
     GenerateRequest  sent to BOTH the chosen prefill and decode instance, same room/generation.
-    Abort            sent to both on client disconnect, stop-string match, or router-side failure.
+    Abort            sent to both on client disconnect, stop-string match, or router-side failure;
+                     to decode alone, for one choice of an n > 1 room that a stop string ended.
     HealthPing       every router.health_check_interval_s to every instance.
 
 Instance -> router
     TokenEvent       decode: the first token (sampled by prefill, arrives with the KV) and every
-                     later token, in order; the last event of a room has finish_reason set.
-                     The first event carries the room's transfer stats (measured by decode).
-                     prefill: only on failure (finish_reason "error").
+                     later token, in order, per choice (`index`; a request with n > 1 has n);
+                     a choice's last event has finish_reason set. With logprobs asked for, each
+                     token's logprob (and top logprobs) rides with it. The first event carries
+                     the room's transfer stats (measured by decode).
+                     prefill: on failure (finish_reason "error"), and, when the request asks for
+                     prompt logprobs, one event with them (no tokens) before the KV is committed.
     HealthPong       reply to each ping, with load numbers for pairing and /metrics.
 
 A room is (room: u64, generation: u32). Events whose (room, generation) the router does not know
@@ -43,7 +47,11 @@ from glm53.server.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+# The most choices (n) and top logprobs a request may carry: the router refuses more, and the
+# first tokens' logprobs of that many fit the transport's metadata slot (engine/logprobs.py).
+MAX_CHOICES = 64
+MAX_TOP_LOGPROBS = 20
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Error codes an instance puts in TokenEvent.error_code; the router maps them to messages/metrics.
 ERROR_CODES = ("bootstrap_timeout", "transfer_timeout", "transfer_failed", "overloaded", "context_length",
@@ -102,6 +110,11 @@ class RequestSpec:
     input_ids: list[int]
     params: SamplingParams  # max_new_tokens already capped so that prompt + completion <= context
     eos_token_ids: list[int]  # the model's eos ids; finish "stop" unless params.ignore_eos
+    n: int = 1  # choices sharing the prompt's prefill (decode copies the prompt's KV pages)
+    # -1: no logprobs; 0: each output token's logprob; k > 0: also its k most likely tokens.
+    logprobs: int = -1
+    # -1: no prompt logprobs; p >= 0: the logprobs of prompt positions p.. (prefill computes them).
+    prompt_logprobs_start: int = -1
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -113,7 +126,9 @@ class RequestSpec:
     def from_wire(cls, d: dict[str, Any]) -> "RequestSpec":
         try:
             return cls(rid=d["rid"], input_ids=list(d["input_ids"]), params=SamplingParams.from_dict(d["params"]),
-                       eos_token_ids=list(d["eos_token_ids"]))
+                       eos_token_ids=list(d["eos_token_ids"]), n=int(d.get("n", 1)),
+                       logprobs=int(d.get("logprobs", -1)),
+                       prompt_logprobs_start=int(d.get("prompt_logprobs_start", -1)))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"generate: bad request spec: {e}") from None
 
@@ -146,6 +161,9 @@ class Abort(_Message):
     room: int
     generation: int
     reason: str = "abort"
+    # None: the whole room; i: only choice i of an n > 1 room (decode; ended by a stop string
+    # while the other choices go on).
+    index: int | None = None
 
 
 @dataclass
@@ -184,6 +202,15 @@ class TokenEvent(_Message):
     transfer: TransferStats | None = None
     # Speculative decoding: tokens committed by each verify step since the previous event.
     spec_accept: list[int] = field(default_factory=list)
+    index: int = 0  # the choice these tokens belong to (0..n-1)
+    # Requests asking for logprobs: per token of token_ids, its logprob under log_softmax of the
+    # raw logits, and its top-k [[id, logprob], ...] (most likely first; empty lists for k = 0).
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[list]] = field(default_factory=list)
+    # prefill, requests asking for prompt logprobs: one entry per prompt position from
+    # spec.prompt_logprobs_start (None for position 0, which has no context).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[list]] | None = None
 
     def _from_wire(self) -> None:
         if isinstance(self.transfer, dict):

@@ -6,6 +6,11 @@ KV receivers on every rank, pointing prefill's ranks at the prompt pages -> when
 succeeded, read the checked metadata row (first token), stream it, join the running batch ->
 one decode forward per step for the whole batch -> finish on a stop token / eos / length.
 
+A request with n > 1 choices gets n page tables at admission; the prompt's KV lands in the
+first, and on adoption the other n - 1 get a copy of the prompt's pages (inside this instance's
+pools) and their own first token from prefill: one prefill, n sequences decoding side by side,
+each finishing on its own (its events carry its `index`).
+
 One place decides a request is over (`_commit`) and one frees its pages (`_release`). A room
 whose transfer is in flight is released only from `_poll_transfers`, once every rank's receiver
 is terminal, so no write can land in reused pages.
@@ -28,8 +33,9 @@ from glm53.server.engine.constraints import Constraints, mask_block, masks
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
+from glm53.server.engine.logprobs import rows_logprobs, unpack_first
 from glm53.server.engine.spec import accept
-from glm53.server.sampling import sample, step_generator
+from glm53.server.sampling import TokenHistory, sample, step_generator
 from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer, TransferError
 
 log = logging.getLogger(__name__)
@@ -46,6 +52,21 @@ class DecodeRequest(TrackedRequest):
     transfer_started: float = 0.0  # receivers created
     bootstrapped: float = 0.0  # receivers left BOOTSTRAPPING: prefill reached, destination sent
     constraint: Any = None  # structured output: the grammar state (engine/constraints.py)
+    index: int = 0  # the choice (0..n-1) of a request with n choices
+    unsent_lp: list[float] = field(default_factory=list)  # logprobs of `unsent` (if asked for)
+    unsent_top: list[list] = field(default_factory=list)
+
+    _prompt_ids: torch.Tensor | None = None  # the prompt's distinct ids (repetition penalty), built once
+    _stop_ids: list[int] | None = None
+
+    def history(self, device: torch.device) -> TokenHistory | None:
+        """What penalties, logit_bias and min_new_tokens need (None when the request has none)."""
+        if not self.params.adjusts:
+            return None
+        if self._prompt_ids is None or self._prompt_ids.device != device:
+            self._prompt_ids = torch.tensor(sorted(set(self.req.spec.input_ids)), dtype=torch.long, device=device)
+            self._stop_ids = sorted(self.req.spec.stop_ids)
+        return TokenHistory(self._prompt_ids, self.output, self._stop_ids)
 
 
 class DecodeScheduler(Scheduler):
@@ -69,11 +90,20 @@ class DecodeScheduler(Scheduler):
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
-        if self.accept(req, len(req.spec.input_ids) + req.spec.params.max_new_tokens):
+        if self.accept(req, len(req.spec.input_ids) + req.spec.params.max_new_tokens, copies=req.spec.n):
             self.waiting.append(DecodeRequest(req, time.monotonic()))
+
+    def _seq_pages(self, r: DecodeRequest) -> int:
+        """Pages of one choice: its prompt and max_new_tokens."""
+        return self.workers.pages_needed(r.prompt_len + r.params.max_new_tokens)
 
     def on_abort(self, msg: Abort) -> None:
         key = (msg.room, msg.generation)
+        if msg.index is not None:  # one choice of a running n > 1 request; the others go on
+            for r in list(self.running):
+                if r.key == key and r.index == msg.index:
+                    self._release(r)
+            return
         for r in list(self.waiting):
             if r.key == key:
                 self.waiting.remove(r)
@@ -93,7 +123,8 @@ class DecodeScheduler(Scheduler):
 
     def _admit(self) -> None:
         while len(self.receiving) + len(self.running) < self.max_running:
-            r = self.admit_next(self.waiting, lambda r: r.prompt_len + r.params.max_new_tokens)
+            # n page tables of one choice each, allocated together (the first receives the KV).
+            r = self.admit_next(self.waiting, lambda r: r.req.spec.n * self._seq_pages(r) * self.workers.page_size)
             if r is None:
                 return
             boot = f"tcp://{r.req.prefill.host}:{r.req.prefill.bootstrap_port}"
@@ -132,16 +163,64 @@ class DecodeScheduler(Scheduler):
             bytes=self.workers.pages_needed(r.prompt_len) * self.workers.bytes_per_page,
             bootstrap_seconds=r.bootstrapped - r.transfer_started,
         )
-        if r.params.max_new_tokens == 0:
-            self._emit(r, [], "length", transfer=stats)
+        if r.params.max_new_tokens == 0:  # e.g. prompt logprobs only: every choice ends at once
+            for i in range(r.req.spec.n):
+                r.index = i
+                self._emit(r, [], "length", transfer=stats if i == 0 else None)
             self._release(r)
             return
         # The draft's context for the prompt came with the KV (counts[1] = positions sent), or
         # decode builds it from its own verify steps, starting after the prompt.
         if len(row.counts) < 2 or row.counts[1] < r.prompt_len:
             r.ctx_start = r.prompt_len
-        r.constraint = self.constraints.new(r.params)
-        self._commit(r, [int(row.first_token_ids[0])], transfer=stats, first=True)
+        n = r.req.spec.n
+        if len(row.first_token_ids) != n:
+            self._release(r, error=(f"prefill sent {len(row.first_token_ids)} first tokens for n={n}", "internal"))
+            return
+        lps, tops = unpack_first(bytes(row.payload)) if r.req.spec.logprobs >= 0 else (None, None)
+        seqs = [r]
+        if n > 1:
+            per, prompt_pages = self._seq_pages(r), self.workers.pages_needed(r.prompt_len)
+            pages, r.pages = r.pages, r.pages[:per]
+            for i in range(1, n):
+                c = DecodeRequest(r.req, r.arrived, pages=pages[i * per: (i + 1) * per], ctx_start=r.ctx_start,
+                                  index=i)
+                # Each choice writes its own pages from the prompt's end on: a copy of the
+                # prompt's KV (the last page may be partial) gives it the prefill's context.
+                self.workers.copy_pages(r.pages[:prompt_pages], c.pages[:prompt_pages])
+                seqs.append(c)
+        for c in seqs:
+            c.constraint = self.constraints.new(c.params)
+            tok = [int(row.first_token_ids[c.index])]
+            if lps is None:
+                self._commit(c, tok, transfer=stats if c.index == 0 else None, first=True)
+            else:
+                self._commit(c, tok, [lps[c.index]], [tops[c.index]], transfer=stats if c.index == 0 else None,
+                             first=True)
+
+    def _logprobs(self, batch: list[DecodeRequest], logits: list[torch.Tensor],
+                  toks: list[list[int]]) -> list[tuple[list[float], list[list]] | None]:
+        """Per request of the batch that asked for logprobs: its committed tokens' logprobs
+        and top pairs, from the raw logits rows that produced them."""
+        out: list[tuple[list[float], list[list]] | None] = []
+        for r, lg, t in zip(batch, logits, toks):
+            k = r.req.spec.logprobs
+            out.append(rows_logprobs(lg[: len(t)], t, k) if k >= 0 else None)
+        return out
+
+    def _batch_logprobs(self, batch: list[DecodeRequest], rows: torch.Tensor,
+                        toks: list[int]) -> list[tuple[list[float], list[list]] | None]:
+        """A plain decode step's logprobs: one log_softmax over the rows of the requests that
+        asked (each keeps its own number of top logprobs); None for the others."""
+        want = [i for i, r in enumerate(batch) if r.req.spec.logprobs >= 0]
+        out: list[tuple[list[float], list[list]] | None] = [None] * len(batch)
+        if not want:
+            return out
+        top = max(batch[i].req.spec.logprobs for i in want)
+        lps, tops = rows_logprobs(rows[torch.tensor(want, device=rows.device)], [toks[i] for i in want], top)
+        for i, lp, tp in zip(want, lps, tops):
+            out[i] = ([lp], [tp[: batch[i].req.spec.logprobs]])
+        return out
 
     def _decode(self) -> bool:
         if not self.running:
@@ -153,10 +232,13 @@ class DecodeScheduler(Scheduler):
         logits = self.workers.forward(chunks)
         rows = torch.cat([lg[-1:] for lg in logits])
         params = [r.params for r in batch]
-        gens = [step_generator(r.params.seed, len(r.output)) if r.params.seed is not None else None for r in batch]
-        toks = sample(rows, params, gens, masks([r.constraint for r in batch], rows.shape[-1])).tolist()
-        for r, tok in zip(batch, toks):
-            self._commit(r, [int(tok)])
+        gens = [step_generator(r.params.seed, len(r.output), choice=r.index) if r.params.seed is not None else None
+                for r in batch]
+        toks = sample(rows, params, gens, [r.history(rows.device) for r in batch],
+                      allowed=masks([r.constraint for r in batch], rows.shape[-1])).tolist()
+        lps = self._batch_logprobs(batch, rows, toks)
+        for r, tok, lp in zip(batch, toks, lps):
+            self._commit(r, [int(tok)], *(lp or (None, None)))
         self.count_tokens(len(batch))
         return True
 
@@ -175,25 +257,31 @@ class DecodeScheduler(Scheduler):
         drafts, logits = self.workers.spec_step(blocks)
         n_out = 0
         for r, d, lg in zip(batch, drafts, logits):
-            if r.constraint is not None:
-                lg = mask_block(r.constraint, d, lg)
-            toks = accept(d, lg, r.params, first_step=len(r.output))
+            # Structured output masks the verify rows; logprobs stay those of the raw logits.
+            masked = mask_block(r.constraint, d, lg) if r.constraint is not None else lg
+            toks = accept(d, masked, r.params, first_step=len(r.output), history=r.history(lg.device),
+                          choice=r.index)
             r.accepts.append(len(toks))
-            n_out += self._commit(r, toks)
+            # The target's logprobs of the committed tokens: verify row i produced token i.
+            lp = self._logprobs([r], [lg], [toks])[0]
+            n_out += self._commit(r, toks, *(lp or (None, None)))
         self.count_tokens(n_out)
         return True
 
     # -- the one place a request finishes, the one place it is released -------------------
-    def _commit(self, r: DecodeRequest, toks: list[int], transfer: TransferStats | None = None,
-                first: bool = False) -> int:
+    def _commit(self, r: DecodeRequest, toks: list[int], lps: list[float] | None = None,
+                tops: list[list] | None = None, transfer: TransferStats | None = None, first: bool = False) -> int:
         """Commit generated tokens in order, stopping at the first that ends the request (a stop
         token or eos, or max_new_tokens: nothing is emitted past them); stream them (token events
         go out every `stream_interval` tokens, with the first token, and always with the last).
         Returns how many were committed."""
         reason, n = None, 0
-        for tok in toks:
+        for j, tok in enumerate(toks):
             r.output.append(tok)
             r.unsent.append(tok)
+            if lps is not None:
+                r.unsent_lp.append(lps[j])
+                r.unsent_top.append(tops[j])
             n += 1
             if tok in r.req.spec.stop_ids:
                 reason = "stop"
@@ -205,7 +293,7 @@ class DecodeScheduler(Scheduler):
             r.constraint.advance(toks[:n])
         if first or reason is not None or len(r.unsent) >= self.stream_interval:
             self._emit(r, r.unsent, reason, transfer=transfer)
-            r.unsent = []
+            r.unsent, r.unsent_lp, r.unsent_top = [], [], []
         if reason is not None:
             self._release(r)
         elif first:
@@ -232,7 +320,8 @@ class DecodeScheduler(Scheduler):
         self.channel.send(r.req.reply_to, TokenEvent(
             room=r.req.room, generation=r.req.generation, instance=self.inst.name, token_ids=toks,
             finish_reason=reason, matched_stop=matched, prompt_tokens=r.prompt_len,
-            completion_tokens=len(r.output), transfer=transfer, spec_accept=r.accepts))
+            completion_tokens=len(r.output), transfer=transfer, spec_accept=r.accepts, index=r.index,
+            logprobs=list(r.unsent_lp), top_logprobs=list(r.unsent_top)))
         r.accepts = []
 
     def queue_sizes(self) -> tuple[int, int, int]:

@@ -62,6 +62,11 @@ class WorkerGroup(abc.ABC):
         """Once per scheduler step: deliver queued transfer operations to every rank and refresh
         their transfer states (ranks in other processes only)."""
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy pages src[i] -> dst[i] in every KV pool of every rank, before the next forward
+        (decode: the prompt's KV for each further choice of an n > 1 request)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy KV pages")
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -86,6 +91,9 @@ class LocalWorkers(WorkerGroup):
 
     def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
         return self.rank.spec_step(blocks)
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.rank.copy_pages(src, dst)
 
     def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:
         return RoomTransfer([self.rank.create_sender(room, decode_instance)])

@@ -2,9 +2,12 @@
 transfer of each chunk's completed pages as soon as its forward pass is done.
 
 Per request: admit (allocate prompt pages, open the room's KV senders on every rank) -> prefill
-in chunks under a per-step token budget -> sample the first token -> `finish` with the metadata
-row (the commit record) -> when the senders of every rank are terminal, free the pages (only in
-`_reap`). A failed transfer is reported to the router as an error event for the room.
+in chunks under a per-step token budget -> sample the first token of each of the request's n
+choices -> `finish` with the metadata row (the commit record: the n first tokens and, when asked
+for, their logprobs) -> when the senders of every rank are terminal, free the pages (only in
+`_reap`). A failed transfer is reported to the router as an error event for the room. A request
+asking for prompt logprobs gets every position's logits, reduced chunk by chunk (logprobs.py),
+and sends them to the router before the commit.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,8 +24,9 @@ from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.constraints import Constraints
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
-from glm53.server.protocol import Abort, GenerateRequest
-from glm53.server.sampling import sample, step_generator
+from glm53.server.engine.logprobs import PromptLogprobs, pack_first, rows_logprobs
+from glm53.server.protocol import Abort, GenerateRequest, TokenEvent
+from glm53.server.sampling import TokenHistory, sample, step_generator
 from glm53.transport import TERMINAL, BootstrapServer, KVPoll, MetadataRow, Room, RoomTransfer, TransferError
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,7 @@ class PrefillRequest(TrackedRequest):
     sender: RoomTransfer | None = None  # the room's senders on every rank
     done_tokens: int = 0  # prompt tokens already in the cache
     sent_pages: int = 0  # pages already handed to the sender
+    prompt_lp: PromptLogprobs | None = field(default=None)  # asked for prompt logprobs
 
 
 class PrefillScheduler(Scheduler):
@@ -52,9 +57,15 @@ class PrefillScheduler(Scheduler):
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
         if self.accept(req, len(req.spec.input_ids)):
-            self.waiting.append(PrefillRequest(req, time.monotonic()))
+            r = PrefillRequest(req, time.monotonic())
+            spec = req.spec
+            if spec.prompt_logprobs_start >= 0:
+                r.prompt_lp = PromptLogprobs(spec.input_ids, spec.prompt_logprobs_start, max(0, spec.logprobs))
+            self.waiting.append(r)
 
     def on_abort(self, msg: Abort) -> None:
+        if msg.index is not None:
+            return  # one decode choice: nothing of it is here
         key = (msg.room, msg.generation)
         for r in list(self.waiting):
             if r.key == key:
@@ -98,7 +109,8 @@ class PrefillScheduler(Scheduler):
                 n = min(budget, r.prompt_len - done)
                 if n <= 0:
                     continue
-                chunks.append(SeqChunk(r.req.spec.input_ids[done : done + n], done, r.pages))
+                chunks.append(SeqChunk(r.req.spec.input_ids[done : done + n], done, r.pages,
+                                       all_logits=r.prompt_lp is not None))
                 own.append(r)
                 planned[id(r)] = done + n
                 budget -= n
@@ -119,6 +131,8 @@ class PrefillScheduler(Scheduler):
         for chunks, own, lgs in zip(microbatches, owners, logits):
             self.count_tokens(sum(len(c.token_ids) for c in chunks))
             for r, c, lg in zip(own, chunks, lgs):
+                if r.prompt_lp is not None:  # reduced now: no [chunk, V] outlives this loop
+                    r.prompt_lp.add_chunk(lg, c.start_pos)
                 r.done_tokens += len(c.token_ids)
                 last = r.done_tokens == r.prompt_len
                 # Completed pages travel now; the last (partial) page goes with the last chunk.
@@ -129,18 +143,47 @@ class PrefillScheduler(Scheduler):
                 if last:
                     finished.append((r, lg[-1]))
         if finished:
-            rows = torch.stack([lg for _, lg in finished])
-            params = [r.params for r, _ in finished]
-            gens = [step_generator(p.seed, 0) if p.seed is not None else None for p in params]
-            first = sample(rows, params, gens, self.constraints.first_masks(params, rows.shape[-1])).tolist()
-            for (r, _), tok in zip(finished, first):
-                self.running.remove(r)
-                self.sending.append(r)
-                if r.sender.poll() not in TERMINAL:
-                    # counts: prompt tokens, and draft-context positions sent with them.
-                    draft_ctx = r.prompt_len if self.workers.sends_draft_kv else 0
-                    r.sender.finish(MetadataRow(first_token_ids=(int(tok),), counts=(r.prompt_len, draft_ctx)))
+            self._first_tokens(finished)
         return True
+
+    def _first_tokens(self, finished: list[tuple[PrefillRequest, torch.Tensor]]) -> None:
+        """Sample each finished request's first token for every one of its n choices (choice i
+        seeded by step_generator(seed, 0, choice=i)), send prompt logprobs, commit the KV."""
+        rows, params, gens, hists = [], [], [], []
+        for r, lg in finished:
+            spec = r.req.spec
+            hist = TokenHistory(spec.input_ids, [], sorted(spec.stop_ids)) if r.params.adjusts else None
+            for i in range(spec.n):
+                rows.append(lg)
+                params.append(r.params)
+                gens.append(step_generator(r.params.seed, 0, choice=i) if r.params.seed is not None else None)
+                hists.append(hist)
+        logits = torch.stack(rows)
+        allowed = self.constraints.first_masks(params, logits.shape[-1])
+        first = sample(logits, params, gens, hists, allowed=allowed).tolist()
+        k = 0
+        for r, _ in finished:
+            spec = r.req.spec
+            toks, rows_r = first[k: k + spec.n], logits[k: k + spec.n]
+            k += spec.n
+            self.running.remove(r)
+            self.sending.append(r)
+            if r.sender.poll() in TERMINAL:
+                continue
+            payload = b""
+            if spec.logprobs >= 0:
+                lps, tops = rows_logprobs(rows_r, toks, spec.logprobs)
+                payload = pack_first(lps, [[(i, v) for i, v in t] for t in tops])
+            if r.prompt_lp is not None:
+                self.channel.send(r.req.reply_to, TokenEvent(
+                    room=r.req.room, generation=r.req.generation, instance=self.inst.name,
+                    prompt_tokens=r.prompt_len, prompt_logprobs=r.prompt_lp.logprobs,
+                    prompt_top_logprobs=r.prompt_lp.tops))
+                r.prompt_lp = None
+            # counts: prompt tokens, and draft-context positions sent with them.
+            draft_ctx = r.prompt_len if self.workers.sends_draft_kv else 0
+            r.sender.finish(MetadataRow(first_token_ids=tuple(int(t) for t in toks),
+                                        counts=(r.prompt_len, draft_ctx), payload=payload))
 
     def _reap(self) -> bool:
         """Free the pages of requests whose transfer reached a terminal state."""

@@ -63,6 +63,7 @@ class Command:
     microbatches: Optional[list[list[SeqChunk]]] = None  # a forward after the ops (pipelined over stages)
     spec: Optional[list[DraftBlock]] = None  # or a speculative step (propose + verify; one stage)
     stop: bool = False
+    copies: list[tuple[list[int], list[int]]] = field(default_factory=list)  # KV page copies, before the forward
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class RankRuntime:
         for op in cmd.ops:
             if op.rank in (None, self.rank):
                 self._apply(op)
+        for src, dst in cmd.copies:
+            self.worker.copy_pages(src, dst)
         out = None
         if cmd.microbatches:
             out = self.worker.forward_microbatches(cmd.microbatches, self.pipe)
@@ -301,6 +304,7 @@ class ProcessWorkers(WorkerGroup):
         self._closed = False
         self._lost = ""
         self._queue: list[Op] = []
+        self._copies: list[tuple[list[int], list[int]]] = []
         self._remote: dict[RoomKey, list[RemoteHandle]] = {}
         self.stage_stats: list[Optional[StageStats]] = []  # per rank, as of the last step
         try:
@@ -323,11 +327,15 @@ class ProcessWorkers(WorkerGroup):
     def queue(self, op: Op) -> None:
         self._queue.append(op)
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self._copies.append((list(src), list(dst)))  # with the next command, before its forward
+
     def _run(self, microbatches: Optional[list[list[SeqChunk]]] = None,
              spec: Optional[list[DraftBlock]] = None) -> Any:
         if self._lost:
             raise RanksLost(self._lost)
-        cmd, self._queue = Command(self._queue, microbatches, spec), []
+        cmd, self._queue = Command(self._queue, microbatches, spec, copies=self._copies), []
+        self._copies = []
         try:
             dist.broadcast_object_list([cmd], src=0, group=self._control)
             out, mine = self.runtime.apply(cmd)

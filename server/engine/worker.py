@@ -22,6 +22,7 @@ from glm53.models.draft_weights import load_draft_projection, load_draft_weights
 from glm53.models.graph import GraphConfig
 from glm53.models.parallel import TPGroup
 from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.engine.logprobs import meta_slot_bytes
 from glm53.server.engine.pipeline import StagePipe, run_microbatches
 from glm53.transport import KVReceiver, KVSender, Room, TransferEngine, TransportConfig
 
@@ -99,6 +100,8 @@ def transport_config(cluster: ClusterConfig, inst: InstanceConfig) -> TransportC
         host=inst.host,
         # One metadata slot per receiving request: never fewer than the decode batch can hold.
         meta_slots=max(1024, inst.engine.max_running_requests),
+        # The commit record carries the first token of every choice and its logprobs.
+        meta_slot_bytes=meta_slot_bytes(),
     )
 
 
@@ -242,6 +245,15 @@ class RankWorker:
         chunks = [SeqChunk([b.last_token, *d], b.start_pos, b.page_table, all_logits=True)
                   for b, d in zip(blocks, drafts)]
         return drafts, self.runner.forward(chunks)
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV pages src[i] -> dst[i] in every pool (target, indexer, draft): page is dim 0."""
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for _, pool in self.runner.pools:
+            pool.tensor.index_copy_(0, d, pool.tensor.index_select(0, s))
 
     def create_sender(self, room: Room, decode_instance: str) -> KVSender:
         return self.transfer.create_sender(room, decode_instance)

@@ -4,6 +4,13 @@
 token has come back, turns decode's token events into text (incremental detokenization, stop
 strings applied router-side), records the request's metrics and aborts the room on both
 instances when it ends early. Failures surface as APIError with the status the client sees.
+
+A spec with n > 1 is one room with n choices (one prefill, n decode sequences): each choice has
+its own detokenizer, stop matching, Deltas and Outcome (`index`), and the room ends when every
+choice has. A choice ended router-side (a stop string) while others run is aborted on decode
+alone; tokens of it already in flight are dropped here. Logprobs ride on the
+Deltas with the token ids they belong to; prompt logprobs (from prefill) are on the Generation
+before its first Delta is yielded.
 """
 
 from __future__ import annotations
@@ -30,10 +37,20 @@ _STATUS_FOR_CODE = {"context_length": 400, "bad_request": 400, "timeout": 504, "
 
 @dataclass
 class Delta:
-    """New text and the token ids it came from (a stop token is among the ids, not the text)."""
+    """New text and the token ids it came from (a stop token is among the ids, not the text:
+    `shown` counts the ids the text shows), for choice `index`; with logprobs asked for, one
+    logprob and one list of top [id, logprob] pairs per id."""
 
     text: str
     token_ids: list[int]
+    index: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list] | None = None
+    shown: int | None = None  # None: all of token_ids
+
+    @property
+    def shown_ids(self) -> list[int]:
+        return self.token_ids if self.shown is None else self.token_ids[: self.shown]
 
 
 @dataclass
@@ -46,12 +63,19 @@ class Outcome:
     completion_tokens: int
     cached_tokens: int = 0
     spec_verify_ct: int = 0  # speculative verify forwards the request took (0: none)
+    index: int = 0  # the choice
 
     def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+def total_usage(outcomes: list[Outcome], prompt_tokens: int) -> dict[str, Any]:
+    """Usage of several choices (and prompts): `prompt_tokens` once, completions summed."""
+    done = sum(o.completion_tokens for o in outcomes)
+    return Outcome("stop", None, prompt_tokens, done, max((o.cached_tokens for o in outcomes), default=0)).usage()
 
 
 @dataclass
@@ -82,7 +106,10 @@ class Generation:
         self.room: Room | None = None
         self._open = False
         self.failed_prefills: set[str] = set()
-        if spec.params.max_new_tokens == 0:
+        # Prompt logprobs (spec.prompt_logprobs_start >= 0), from prefill's event.
+        self.prompt_logprobs: list[float | None] | None = None
+        self.prompt_top_logprobs: list[list] | None = None
+        if spec.params.max_new_tokens == 0 and spec.prompt_logprobs_start < 0:
             return
         try:
             self.room = state.pool.submit(spec)
@@ -140,11 +167,15 @@ class Generation:
         spec, p, state = self.spec, self.spec.params, self.state
         m, name = state.metrics, state.metrics.model_name
         if self.room is None:
-            yield Outcome("length", None, len(spec.input_ids), 0)
+            for i in range(spec.n):
+                yield Outcome("length", None, len(spec.input_ids), 0, index=i)
             return
-        detok = IncrementalDetokenizer(state.tokenizer, p.skip_special_tokens)
-        stops = StopStringMatcher(p.stop, include_stop=p.no_stop_trim)
-        n_out, cached, last_t, first_t, verify_ct = 0, 0, self.t0, None, 0
+        choices = [_Choice(i, IncrementalDetokenizer(state.tokenizer, p.skip_special_tokens),
+                           StopStringMatcher(p.stop, include_stop=p.no_stop_trim)) for i in range(spec.n)]
+        want_prompt = spec.prompt_logprobs_start >= 0
+        want_lp = spec.logprobs >= 0
+        pending: list[Delta | Outcome] = []  # held until the prompt logprobs are here
+        cached, last_t, first_t, verify_ct, n_total = 0, self.t0, None, 0, 0
         try:
             while True:
                 try:
@@ -152,6 +183,9 @@ class Generation:
                 except RoomFailed as e:
                     raise APIError(_STATUS_FOR_CODE.get(e.code, 503), str(e)) from None
                 now = time.monotonic()
+                if ev.prompt_logprobs is not None:
+                    self.prompt_logprobs = list(ev.prompt_logprobs)
+                    self.prompt_top_logprobs = list(ev.prompt_top_logprobs or [])
                 cached = max(cached, ev.cached_tokens)
                 verify_ct += len(ev.spec_accept)
                 for n in ev.spec_accept:
@@ -166,36 +200,74 @@ class Generation:
                     for _ in range(k):
                         m.itl.labels(name).observe((now - last_t) / k)
                     last_t = now
-                # Decode decides "stop" (a stop/eos token) and "length"; a stop token is counted
-                # but not shown.
-                finish, matched = ev.finish_reason, ev.matched_stop
-                visible = ids[:-1] if finish == "stop" and ids and matched == ids[-1] else ids
-                n_out += len(ids)
-                text = stops.feed(detok.add(visible)) if visible else ""
-                if stops.matched is not None:
-                    finish, matched = "stop", stops.matched
-                if finish is None:
-                    if text or ids:
-                        yield Delta(text, ids)
+                    n_total += len(ids)
+                if not 0 <= ev.index < spec.n:
                     continue
-                if stops.matched is None:
-                    text += stops.feed(detok.flush())
-                    if stops.matched is None:
-                        text += stops.flush()
-                    else:
-                        finish, matched = "stop", stops.matched
-                # The instances end eos/length rooms themselves; a router-side end needs an abort.
-                self._close(abort=ev.finish_reason is None)
-                m.e2e.labels(name).observe(now - self.t0)
-                if first_t is not None and n_out > 1:
-                    m.tpot.labels(name).observe((now - first_t) / (n_out - 1))
-                m.prompt_tokens.labels(name).inc(len(spec.input_ids))
-                m.generation_tokens.labels(name).inc(n_out)
-                m.requests.labels(name, finish).inc()
-                if text or ids:
-                    yield Delta(text, ids)
-                yield Outcome(finish, matched, len(spec.input_ids), n_out, cached, verify_ct)
-                return
+                c = choices[ev.index]
+                if (ids or ev.finish_reason is not None) and not c.done:
+                    pending.extend(c.feed(ev, want_lp, len(spec.input_ids)))
+                    if c.done and not c.ended_by_instance and not all(ch.done for ch in choices):
+                        self.state.pool.abort_choice(self.room, c.index)  # the others go on
+                if want_prompt and self.prompt_logprobs is None:
+                    continue  # hold everything until the prompt logprobs are here
+                for item in pending:
+                    if isinstance(item, Outcome):
+                        item.cached_tokens, item.spec_verify_ct = cached, verify_ct
+                        m.requests.labels(name, item.finish_reason).inc()
+                    yield item
+                pending = []
+                if all(ch.done for ch in choices):
+                    # The instances end eos/length choices themselves; a router-side end needs an abort.
+                    self._close(abort=not all(ch.ended_by_instance for ch in choices))
+                    m.e2e.labels(name).observe(now - self.t0)
+                    longest = max(ch.n_out for ch in choices)  # choices decode side by side
+                    if first_t is not None and longest > 1:
+                        m.tpot.labels(name).observe((now - first_t) / (longest - 1))
+                    m.prompt_tokens.labels(name).inc(len(spec.input_ids))
+                    m.generation_tokens.labels(name).inc(n_total)
+                    return
         finally:
             # Client gone, room failed or timed out: free both sides.
             self.cancel()
+
+
+@dataclass
+class _Choice:
+    """The router's state of one choice: its text pipeline and how it ended."""
+
+    index: int
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    n_out: int = 0
+    done: bool = False
+    ended_by_instance: bool = False
+
+    def feed(self, ev: Any, want_lp: bool, prompt_tokens: int) -> list[Delta | Outcome]:
+        """This choice's Delta (and Outcome, at its end) for one of its token events."""
+        ids = list(ev.token_ids)
+        lps = list(ev.logprobs) if want_lp else None
+        tops = list(ev.top_logprobs) if want_lp else None
+        # Decode decides "stop" (a stop/eos token) and "length"; a stop token is counted but not shown.
+        finish, matched = ev.finish_reason, ev.matched_stop
+        visible = ids[:-1] if finish == "stop" and ids and matched == ids[-1] else ids
+        self.n_out += len(ids)
+        text = self.stops.feed(self.detok.add(visible)) if visible else ""
+        if self.stops.matched is not None:
+            finish, matched = "stop", self.stops.matched
+        out: list[Delta | Outcome] = []
+        if finish is None:
+            if text or ids:
+                out.append(Delta(text, ids, self.index, lps, tops))
+            return out
+        if self.stops.matched is None:
+            text += self.stops.feed(self.detok.flush())
+            if self.stops.matched is None:
+                text += self.stops.flush()
+            else:
+                finish, matched = "stop", self.stops.matched
+        self.done = True
+        self.ended_by_instance = ev.finish_reason is not None
+        if text or ids:
+            out.append(Delta(text, ids, self.index, lps, tops, shown=len(visible)))
+        out.append(Outcome(finish, matched, prompt_tokens, self.n_out, index=self.index))
+        return out

@@ -213,6 +213,12 @@ class InstancePool:
             self._send(room.decode, msg)
             self._send(room.prefill, msg)
 
+    def abort_choice(self, room: Room, index: int) -> None:
+        """Stop one choice of a live n > 1 room on its decode instance (the others go on)."""
+        if not room.done:
+            self._send(room.decode, encode(Abort(room=room.room, generation=room.generation, reason="stop string",
+                                                 index=index)))
+
     # ---- internals ----
     def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> InstanceState:
         cands = [i for i in self.healthy(role) if i.name not in exclude]
@@ -277,7 +283,7 @@ class InstancePool:
         if room is None or room.generation != msg.generation:
             return  # finished, aborted or superseded: late events are expected
         if msg.instance == room.prefill.name and msg.instance != room.decode.name:
-            # Prefill reports only failures (and transfer stats); after the first token the
+            # Prefill reports only failures and prompt logprobs; after the first token the
             # decode side owns the room.
             if msg.finish_reason == "error" and not room.got_first_token:
                 if self.metrics and msg.error_code in ("bootstrap_timeout", "transfer_timeout", "transfer_failed"):
@@ -285,6 +291,8 @@ class InstancePool:
                 room.queue.put_nowait(RoomFailed(
                     f"prefill instance {msg.instance} failed the request: {msg.error or 'unknown error'}",
                     msg.error_code or "internal", side="prefill"))
+            elif msg.prompt_logprobs is not None and msg.finish_reason is None:
+                room.queue.put_nowait(msg)  # the prompt logprobs the request asked for
             return
         if msg.instance != room.decode.name:
             return

@@ -10,11 +10,12 @@ router's worker threads (offload.py), never on the event loop.
 from __future__ import annotations
 
 import uuid
+from dataclasses import asdict, dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from glm53.server.protocol import RequestSpec
+from glm53.server.protocol import MAX_CHOICES, MAX_TOP_LOGPROBS, RequestSpec
 from glm53.server.router.generation import RouterState
 from glm53.server.router.parsers.chat import template_messages, template_tools, thinking_kwargs
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, TokenizeRequest, _Sampling
@@ -45,18 +46,23 @@ def check_internal(body: Any) -> None:
         raise APIError(400, f"{bad[0]} is set by the router and may not be sent by clients", bad[0])
 
 
+# vLLM/SGLang extensions that ask for more output than this server returns: unknown fields are
+# otherwise ignored (as vLLM does), but these would then silently be missing from the answer.
+ASKS_FOR_MORE = ("prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids", "return_hidden_states",
+                 "return_prompt_token_ids")
+
+
 def check_unsupported(body: _Sampling) -> None:
-    """OpenAI sampling fields that glm53-serve does not implement: a 400 naming the field rather
-    than a silently different result."""
-    if body.n != 1:
-        raise APIError(400, "n > 1 is not supported yet", "n")
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported yet", "logprobs")
-    for k in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, k) not in (None, 0, 0.0):
-            raise APIError(400, f"{k} is not supported yet", k)
-    if body.repetition_penalty not in (None, 1, 1.0):
-        raise APIError(400, "repetition_penalty is not supported yet", "repetition_penalty")
+    """OpenAI fields whose values glm53-serve cannot honour: a 400 naming the field rather than a
+    silently different result."""
+    if body.n > MAX_CHOICES:
+        raise APIError(400, f"n must be at most {MAX_CHOICES}, got {body.n}", "n")
+    extra = body.model_extra or {}
+    for k in ASKS_FOR_MORE:
+        if extra.get(k) not in (None, False, 0):
+            raise APIError(400, f"{k} is not supported (use echo with logprobs for prompt logprobs on "
+                           "/v1/completions, or return_logprob on /generate)" if k == "prompt_logprobs"
+                           else f"{k} is not supported", k)
 
 
 # Stop strings are matched on the event loop for every streamed token, each costing ~3 us
@@ -75,26 +81,47 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+@dataclass
+class Penalties:
+    """The history-dependent sampling fields of a request (SamplingParams names)."""
+
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_new_tokens: int | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
 def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_tokens: int | None,
                  default_max: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
                  min_p: float | None, seed: int | None, stop: list[str], stop_token_ids: list[int] | None,
                  ignore_eos: bool, skip_special_tokens: bool = True, no_stop_trim: bool = False,
-                 grammar: str | None = None, grammar_after: int | None = None) -> RequestSpec:
+                 grammar: str | None = None, grammar_after: int | None = None,
+                 penalties: Penalties | None = None, n: int = 1, logprobs: int = -1,
+                 prompt_logprobs_start: int = -1, prompt_param: str = "messages",
+                 names: dict[str, str] | None = None) -> RequestSpec:
     """The one request object both instances receive: validated params, context-capped
-    max_new_tokens, the model's eos ids."""
+    max_new_tokens, the model's eos ids. `prompt_param` is the field the prompt came in (the
+    context-length error names it); `names` maps SamplingParams names to the client's (e.g.
+    min_new_tokens -> min_tokens) for error params."""
+    names = names or {}
     prompt_len = len(input_ids)
     ctx = state.context_length
     if prompt_len == 0:
-        raise APIError(400, "The prompt is empty (it has no tokens).", "prompt")
+        raise APIError(400, "The prompt is empty (it has no tokens).", prompt_param)
     if prompt_len >= ctx:
-        raise too_long(ctx, str(prompt_len), "messages")
+        raise too_long(ctx, str(prompt_len), prompt_param)
     room = ctx - prompt_len
+    max_param = names.get("max_new_tokens", "max_tokens")
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
     elif prompt_len + max_tokens > ctx:
         raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
                        f"{prompt_len + max_tokens} tokens ({prompt_len} in the input, {max_tokens} in the "
-                       "completion). Please reduce the length of the input or the completion.", "max_tokens")
+                       "completion). Please reduce the length of the input or the completion.", max_param)
     d = state.tokenizer.defaults
     vocab = state.tokenizer.vocab_size
     if len(stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
@@ -104,6 +131,14 @@ def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_toke
         if not 0 <= t < vocab:
             raise APIError(400, f"stop_token_ids: token id {t} is outside the vocabulary (0..{vocab - 1})",
                            "stop_token_ids")
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {n}", names.get("n", "n"))
+    if logprobs > MAX_TOP_LOGPROBS:
+        raise APIError(400, f"at most {MAX_TOP_LOGPROBS} top logprobs are supported, got {logprobs}",
+                       names.get("logprobs", "top_logprobs"))
+    extra = (penalties or Penalties()).params()
+    if len(extra.get("logit_bias") or {}) > vocab:
+        raise APIError(400, "logit_bias has more entries than the vocabulary", names.get("logit_bias", "logit_bias"))
     try:
         params = SamplingParams(
             temperature=temperature if temperature is not None else (d.temperature if d.temperature is not None else 1.0),
@@ -112,11 +147,22 @@ def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_toke
             min_p=min_p if min_p is not None else (d.min_p or 0.0),
             seed=seed, max_new_tokens=max_tokens, stop=stop, stop_token_ids=list(stop_token_ids or []),
             ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens, no_stop_trim=no_stop_trim,
-            grammar=grammar, grammar_after=grammar_after,
+            grammar=grammar, grammar_after=grammar_after, **extra,
         )
     except SamplingError as e:
-        raise APIError(400, str(e), e.param) from None
-    return RequestSpec(rid, input_ids, params, list(state.tokenizer.eos_token_ids))
+        raise APIError(400, str(e), names.get(e.param, e.param)) from None
+    for t in params.logit_bias:
+        if t >= vocab:
+            raise APIError(400, f"logit_bias: token id {t} is outside the vocabulary (0..{vocab - 1})",
+                           names.get("logit_bias", "logit_bias"))
+    if params.min_new_tokens > params.max_new_tokens:
+        raise APIError(400, f"min_new_tokens ({params.min_new_tokens}) is more than the {params.max_new_tokens} "
+                       "tokens this request may generate", names.get("min_new_tokens", "min_new_tokens"))
+    if prompt_logprobs_start >= prompt_len:
+        raise APIError(400, f"logprob_start_len ({prompt_logprobs_start}) must be less than the prompt's "
+                       f"{prompt_len} tokens", "logprob_start_len")
+    return RequestSpec(rid, input_ids, params, list(state.tokenizer.eos_token_ids), n=n, logprobs=logprobs,
+                       prompt_logprobs_start=prompt_logprobs_start)
 
 
 def too_long(ctx: int, n: str, param: str) -> APIError:

@@ -2,7 +2,8 @@
 
 Responses follow OpenAI's shapes with vLLM/SGLang's extras (`matched_stop`, `stop_reason`,
 `continuous_usage_stats`). A non-streamed request whose client goes away ends with a 499 (for the
-access log) and its room is aborted.
+access log) and its room is aborted. `n` choices share one prefill (one room, n decode
+sequences); logprobs are log_softmax of the model's raw logits (logprobs.py).
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from glm53.server.protocol import RequestSpec
+from glm53.server.protocol import MAX_CHOICES, RequestSpec
 from glm53.server.router import structured
 from glm53.server.router.bodies import BodyRoute
-from glm53.server.router.generation import Delta, Generation, Outcome, RouterState
-from glm53.server.router.intake import (State, chat_prompt_ids, check_internal, check_model, check_unsupported,
-                                        ids_prompt, request_id, request_spec, stop_list, text_prompt_ids)
+from glm53.server.router.generation import Delta, Generation, Outcome, RouterState, total_usage
+from glm53.server.router.intake import (Penalties, State, chat_prompt_ids, check_internal, check_model,
+                                        check_unsupported, ids_prompt, request_id, request_spec, stop_list,
+                                        text_prompt_ids)
+from glm53.server.router.logprobs import Texts, chat_content, completion_logprobs, merge_completion
 from glm53.server.router.parsers.chat import ChatParsing, check_tool_choice
 from glm53.server.router.parsers.reasoning import THINK_END
-from glm53.server.router.schemas import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions
-from glm53.server.router.sse import SSE_HEADERS, collect, event_stream, sse, until_disconnect
+from glm53.server.router.schemas import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, _Sampling
+from glm53.server.router.sse import SSE_HEADERS, Collected, collect, event_stream, sse, until_disconnect
 
 router = APIRouter(route_class=BodyRoute)
 
@@ -45,6 +48,18 @@ def _model_card(state: RouterState, name: str) -> dict:
             "root": state.model_root, "parent": None, "max_model_len": state.context_length, "permission": []}
 
 
+# ---- shared ----
+
+# OpenAI's names for SamplingParams fields, for error params.
+_NAMES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens", "seed": "seed"}
+
+
+def _penalties(body: _Sampling) -> Penalties:
+    return Penalties(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                     repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias,
+                     min_new_tokens=body.min_tokens)
+
+
 # ---- chat ----
 
 
@@ -53,8 +68,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     check_internal(body)
     model = check_model(state, body.model)
     check_unsupported(body)
-    if body.top_logprobs:
-        raise APIError(400, "top_logprobs is not supported yet", "top_logprobs")
+    if body.top_logprobs is not None:
+        if not 0 <= body.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}", "top_logprobs")
+        if not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
     ask = structured.from_response_format(body.response_format)
     check_tool_choice(body, state.cfg.router.tool_call_parser)
     ids = await state.offload.run(chat_prompt_ids, state, body)
@@ -69,29 +87,40 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     # A thinking model thinks freely; the grammar holds for the answer after </think>.
     after = state.tokenizer.token_to_id(THINK_END) if grammar and parsing.in_reasoning else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    names = {**_NAMES, "logprobs": "top_logprobs",
+             "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"}
     rid = request_id(request, "chatcmpl")
     spec = request_spec(state, rid, ids, max_tokens=max_tokens, default_max=None, temperature=body.temperature,
                         top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
                         stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids,
                         ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
-                        grammar=grammar, grammar_after=after)
+                        grammar=grammar, grammar_after=after, penalties=_penalties(body), n=body.n,
+                        logprobs=(body.top_logprobs or 0) if body.logprobs else -1, prompt_param="messages",
+                        names=names)
+    _check_capacity(state, body.n, 1)
     gen = Generation(state, spec)
     created = int(time.time())
     if body.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        return StreamingResponse(_chat_events(gen, base, body.stream_options, len(ids), parsing, state),
+        return StreamingResponse(_chat_events(state, gen, base, body.stream_options, len(ids), parsing),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
     res = await until_disconnect(request, collect(gen))
     if res is None:
         return Response(status_code=499)
-    text, out_ids, out = res
-    message, called = parsing.message(text)
+    texts = Texts(state.tokenizer)
+    choices = []
+    for i, c in enumerate(res):
+        out = c.outcome
+        lp = None
+        if spec.logprobs >= 0:
+            lp = {"content": chat_content(texts, c.ids[: c.shown], c.logprobs, c.top_logprobs)}
+        message, called = parsing.message(c.text)
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": _finish_reason(out, called),
+                        "matched_stop": out.matched_stop, "stop_reason": out.matched_stop})
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": message,
-                     "logprobs": None, "finish_reason": _finish_reason(out, called),
-                     "matched_stop": out.matched_stop, "stop_reason": out.matched_stop}],
-        "usage": _chat_usage(out, parsing, out_ids, state),
+        "choices": choices, "usage": _chat_usage(state, parsing, [c.outcome for c in res], [c.ids for c in res],
+                                                 len(ids)),
     }, headers={"x-request-id": rid})
 
 
@@ -100,51 +129,77 @@ def _finish_reason(out: Outcome, called: bool) -> str:
     return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
 
 
-def _chat_usage(out: Outcome, parsing: ChatParsing, ids: list[int], state: RouterState) -> dict:
-    usage = out.usage()
-    usage["completion_tokens_details"]["reasoning_tokens"] = parsing.reasoning_tokens(ids, state.tokenizer.token_to_id)
+def _chat_usage(state: RouterState, parsing: ChatParsing, outs: list[Outcome], ids: list[list[int]],
+                plen: int) -> dict:
+    """Usage of all choices, with their reasoning tokens counted."""
+    usage = total_usage(outs, plen)
+    usage["completion_tokens_details"]["reasoning_tokens"] = sum(
+        parsing.reasoning_tokens(i, state.tokenizer.token_to_id) for i in ids)
     return usage
 
 
-def _chat_events(gen: Generation, base: dict, opts: StreamOptions | None, plen: int, parsing: ChatParsing,
-                 state: RouterState) -> AsyncIterator[str]:
-    """chat.completion.chunk events: the assistant role, a delta per piece of output (reasoning,
-    content or tool-call pieces: parsers/chat.py), the finish chunk, then (include_usage) a
-    usage-only chunk. With continuous_usage_stats every chunk carries the running usage; with
-    include_usage alone, `"usage": null`."""
+def _check_capacity(state: RouterState, n: int, prompts: int) -> None:
+    # More generations than the router ever runs at once can never be admitted: a 400, where a
+    # 503 ("retry later") would be a promise no retry keeps. A room of n choices counts once.
+    cap = state.cfg.router.max_running_requests
+    if prompts > cap:
+        raise APIError(400, f"This request asks for {prompts} generations, but this server runs at most {cap} at "
+                       f"once (router.max_running_requests). Send at most {cap} per request.", "prompt")
+
+
+def _chat_events(state: RouterState, gen: Generation, base: dict, opts: StreamOptions | None, plen: int,
+                 parsing: ChatParsing) -> AsyncIterator[str]:
+    """chat.completion.chunk events: the assistant role per choice, deltas per piece of output
+    (reasoning, content or tool-call pieces: parsers/chat.py; the tokens' logprobs ride on the
+    piece that shows them), each choice's finish chunk, then (include_usage) a usage-only chunk.
+    With continuous_usage_stats every chunk carries the running usage; with include_usage alone,
+    `"usage": null`."""
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
-    counted = 0  # completion tokens so far, stop tokens included
-    out_ids: list[int] = []
-    stream = parsing.stream()
+    want_lp = gen.spec.logprobs >= 0
+    texts = Texts(state.tokenizer)
+    counted = 0  # completion tokens so far (all choices), stop tokens included
+    n = gen.spec.n
+    streams = [parsing.stream() for _ in range(n)]  # one parser state per choice
+    out_ids: list[list[int]] = [[] for _ in range(n)]
 
-    def with_usage(obj: dict, n: int | None) -> dict:
+    def with_usage(obj: dict, k: int | None) -> dict:
         if include_usage:
-            obj["usage"] = ({"prompt_tokens": plen, "completion_tokens": n, "total_tokens": plen + n}
-                            if continuous and n is not None else None)
+            obj["usage"] = ({"prompt_tokens": plen, "completion_tokens": k, "total_tokens": plen + k}
+                            if continuous and k is not None else None)
         return obj
 
-    def delta_events(deltas: list[dict], n: int | None) -> list[str]:
-        return [sse(with_usage({**base, "choices": [{"index": 0, "delta": d, "logprobs": None,
-                                                      "finish_reason": None}]}, n)) for d in deltas]
+    def delta_events(index: int, deltas: list[dict], lp: dict | None) -> list[str]:
+        # Logprobs go with the first piece; with no piece (a marker held back), on an empty delta.
+        if lp is not None and not deltas:
+            deltas = [{"content": ""}]
+        return [sse(with_usage({**base, "choices": [{"index": index, "delta": d, "logprobs": lp if j == 0 else None,
+                                                      "finish_reason": None}]}, counted))
+                for j, d in enumerate(deltas)]
 
     def chunk(d: Delta) -> str | None:
         nonlocal counted
         counted += len(d.token_ids)
-        out_ids.extend(d.token_ids)
-        return "".join(delta_events(stream.feed(d.text), counted)) if d.text else None
+        out_ids[d.index].extend(d.token_ids)
+        shown = d.shown_ids
+        lp = ({"content": chat_content(texts, shown, d.logprobs or [], d.top_logprobs or [])}
+              if want_lp and shown else None)
+        pieces = streams[d.index].feed(d.text) if d.text else []
+        return "".join(delta_events(d.index, pieces, lp)) or None
 
     def finish(o: Outcome) -> list[str]:
-        return [*delta_events(stream.finish(), o.completion_tokens),
-                sse(with_usage({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                                     "finish_reason": _finish_reason(o, stream.complete_calls > 0),
+        s = streams[o.index]
+        return [*delta_events(o.index, s.finish(), None),
+                sse(with_usage({**base, "choices": [{"index": o.index, "delta": {}, "logprobs": None,
+                                                     "finish_reason": _finish_reason(o, s.complete_calls > 0),
                                                      "matched_stop": o.matched_stop}]},
-                               o.completion_tokens))]
+                               counted))]
 
-    usage = (lambda o: sse({**base, "choices": [], "usage": _chat_usage(o, parsing, out_ids, state)})) \
+    usage = (lambda outs: sse({**base, "choices": [], "usage": _chat_usage(state, parsing, outs, out_ids, plen)})) \
         if include_usage else None
-    head = [sse(with_usage({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]}, 0))]
+    head = [sse(with_usage({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}, 0))
+            for i in range(n)]
     return event_stream(gen, head, chunk, finish, usage)
 
 
@@ -158,18 +213,20 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     check_unsupported(body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    if body.best_of not in (None, 1):
-        raise APIError(400, "best_of > 1 is not supported yet", "best_of")
+    best_of = body.n if body.best_of is None else body.best_of
+    if not body.n <= best_of <= MAX_CHOICES:
+        raise APIError(400, f"best_of must be in [n, {MAX_CHOICES}], got {best_of} (n={body.n})", "best_of")
+    if best_of > body.n and body.stream:
+        raise APIError(400, "best_of > n cannot be streamed", "best_of")
+    lp_num = -1
+    if body.logprobs is not None and body.logprobs is not False:
+        lp_num = int(body.logprobs)
+        if not 0 <= lp_num <= 5:
+            raise APIError(400, f"logprobs must be in [0, 5], got {body.logprobs}", "logprobs")
     n_prompts = _count_prompts(body.prompt)
     if body.stream and n_prompts > 1:
         raise APIError(400, "streaming several prompts in one request is not supported yet", "prompt")
-    # More generations than the router ever runs at once can never be admitted: a 400, where a
-    # 503 ("retry later") would be a promise no retry keeps.
-    cap = state.cfg.router.max_running_requests
-    if n_prompts * body.n > cap:
-        raise APIError(400, f"This request asks for {n_prompts * body.n} generations ({n_prompts} prompts x n="
-                       f"{body.n}), but this server runs at most {cap} at once (router.max_running_requests). "
-                       f"Send at most {cap} per request.", "prompt")
+    _check_capacity(state, best_of, n_prompts)
     ask = structured.from_response_format((body.model_extra or {}).get("response_format"))
     prompts, echoes = await state.offload.run(_completion_prompts, state, body)
     grammar = await structured.grammar(state, ask)
@@ -182,11 +239,15 @@ async def completions(body: CompletionRequest, request: Request, state: State):
             state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, max_tokens=body.max_tokens, default_max=16,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
             stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens, grammar=grammar))
+            skip_special_tokens=body.skip_special_tokens, grammar=grammar, penalties=_penalties(body), n=best_of,
+            # best_of ranks the choices by their tokens' summed logprobs: it needs them.
+            logprobs=max(lp_num, 0) if best_of > body.n else lp_num,
+            prompt_logprobs_start=0 if body.echo and lp_num >= 0 else -1, prompt_param="prompt",
+            names={**_NAMES, "logprobs": "logprobs"}))
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if body.stream:
         gen = Generation(state, specs[0])
-        return StreamingResponse(_completion_events(gen, base, body.stream_options, echoes[0]),
+        return StreamingResponse(_completion_events(state, gen, base, body.stream_options, echoes[0]),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
     gens = _start_all(state, specs)
 
@@ -200,16 +261,37 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     res = await until_disconnect(request, run_all())
     if res is None:
         return Response(status_code=499)
+    texts = Texts(state.tokenizer)
     choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
-    for i, (text, _, out) in enumerate(res):
-        choices.append({"index": i, "text": echoes[i] + text, "logprobs": None,
-                        "finish_reason": out.finish_reason, "matched_stop": out.matched_stop,
-                        "stop_reason": out.matched_stop})
-        usage["prompt_tokens"] += out.prompt_tokens
-        usage["completion_tokens"] += out.completion_tokens
-        usage["cached"] += out.cached_tokens
+    for p, (gen, per_prompt) in enumerate(zip(gens, res)):
+        usage["completion_tokens"] += sum(c.outcome.completion_tokens for c in per_prompt)  # best_of: all
+        kept = per_prompt
+        if best_of > body.n:  # the n most likely (summed logprobs), most likely first, as vLLM ranks them
+            kept = sorted(per_prompt, key=lambda c: -sum(c.logprobs))[: body.n]
+        for j, c in enumerate(kept):
+            out = c.outcome
+            lp = _completion_lp(texts, gen, echoes[p], c) if lp_num >= 0 else None
+            choices.append({"index": p * body.n + j, "text": echoes[p] + c.text, "logprobs": lp,
+                            "finish_reason": out.finish_reason, "matched_stop": out.matched_stop,
+                            "stop_reason": out.matched_stop})
+        usage["prompt_tokens"] += per_prompt[0].outcome.prompt_tokens
+        usage["cached"] += max(c.outcome.cached_tokens for c in per_prompt)
     total = Outcome("stop", None, usage["prompt_tokens"], usage["completion_tokens"], usage["cached"])
     return JSONResponse({**base, "choices": choices, "usage": total.usage()}, headers={"x-request-id": rid})
+
+
+def _completion_lp(texts: Texts, gen: Generation, echo: str, c: Collected) -> dict:
+    """A completion choice's logprobs: with echo, the prompt's tokens first."""
+    head = None
+    if echo:
+        head = _prompt_lp(texts, gen)
+    out = completion_logprobs(texts, c.ids[: c.shown], c.logprobs, c.top_logprobs, offset=len(echo))
+    return merge_completion(head, out)
+
+
+def _prompt_lp(texts: Texts, gen: Generation) -> dict:
+    tops = [t if i else None for i, t in enumerate(gen.prompt_top_logprobs or [])]
+    return completion_logprobs(texts, gen.spec.input_ids, gen.prompt_logprobs or [], tops)
 
 
 def _count_prompts(prompt: Any) -> int:
@@ -244,20 +326,45 @@ def _start_all(state: RouterState, specs: list[RequestSpec]) -> list[Generation]
     return started
 
 
-def _completion_events(gen: Generation, base: dict, opts: StreamOptions | None, echo: str) -> AsyncIterator[str]:
-    """text_completion events: the echoed prompt (if any), a chunk per piece of text, the finish
+def _completion_events(state: RouterState, gen: Generation, base: dict, opts: StreamOptions | None,
+                       echo: str) -> AsyncIterator[str]:
+    """text_completion events: the echoed prompt per choice (if any, with the prompt's logprobs),
+    a chunk per piece of text (with its tokens' logprobs when asked for), each choice's finish
     chunk, then (include_usage) a usage-only chunk; with include_usage the others carry
     `"usage": null`."""
     include_usage = bool(opts and opts.include_usage)
+    want_lp = gen.spec.logprobs >= 0
+    texts = Texts(state.tokenizer)
+    offsets = [len(echo)] * gen.spec.n
+    plen = len(gen.spec.input_ids)
+    echoed = [False] * gen.spec.n
 
-    def tc(text: str, finish_reason: str | None, **extra: Any) -> str:
-        obj = {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+    def tc(index: int, text: str, finish_reason: str | None, lp: dict | None = None, **extra: Any) -> str:
+        obj = {**base, "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                                     **extra}]}
         if include_usage:
             obj["usage"] = None
         return sse(obj)
 
-    head = [tc(echo, None)] if echo else []
-    return event_stream(gen, head, lambda d: tc(d.text, None) if d.text else None,
-                        lambda o: [tc("", o.finish_reason, matched_stop=o.matched_stop)],
-                        (lambda o: sse({**base, "choices": [], "usage": o.usage()})) if include_usage else None)
+    def echo_head(i: int) -> str:
+        # Sent with the choice's first event: the prompt's logprobs are known by then.
+        echoed[i] = True
+        return tc(i, echo, None, _prompt_lp(texts, gen) if want_lp else None)
+
+    def chunk(d: Delta) -> str | None:
+        pre = echo_head(d.index) if echo and not echoed[d.index] else ""
+        shown = d.shown_ids
+        if not d.text and not (want_lp and shown):
+            return pre or None
+        lp = None
+        if want_lp:
+            lp = completion_logprobs(texts, shown, d.logprobs or [], d.top_logprobs or [], offset=offsets[d.index])
+        offsets[d.index] += len(d.text)
+        return pre + tc(d.index, d.text, None, lp)
+
+    def finish(o: Outcome) -> list[str]:
+        pre = [echo_head(o.index)] if echo and not echoed[o.index] else []
+        return pre + [tc(o.index, "", o.finish_reason, matched_stop=o.matched_stop)]
+
+    usage = (lambda outs: sse({**base, "choices": [], "usage": total_usage(outs, plen)})) if include_usage else None
+    return event_stream(gen, [], chunk, finish, usage)

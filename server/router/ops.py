@@ -40,7 +40,7 @@ async def health_generate(state: State):
     spec = RequestSpec(f"health-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0.0, max_new_tokens=1,
                                                                          ignore_eos=True), [])
     try:
-        _, out_ids, _ = await collect(Generation(state, spec))
+        out_ids = (await collect(Generation(state, spec)))[0].ids
     except APIError as e:
         return JSONResponse(error_body(503, f"health generation failed: {e.message}"), status_code=503)
     return {"status": "ok", "output_ids": out_ids}

@@ -38,8 +38,9 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def internal_fields(self) -> list[str]:
+        # A null one asks for nothing (SGLang clients may send every field with its default).
         extra = self.model_extra or {}
-        return [k for k in INTERNAL_FIELDS if k in extra]
+        return [k for k in INTERNAL_FIELDS if extra.get(k) is not None]
 
 
 class StreamOptions(BaseModel):
@@ -114,6 +115,8 @@ class _Sampling(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
     logprobs: Union[bool, int, None] = None
     user: str | None = None
 
@@ -140,8 +143,9 @@ class CompletionRequest(_Sampling):
 
 
 class GenerateSamplingParams(BaseModel):
-    """SGLang's `sampling_params` (the subset glm53-serve implements). Anything else —
-    penalties, min_new_tokens, n — is a 400 naming the key, not ignored."""
+    """SGLang's `sampling_params`: every field SGLang defines is accepted (an unknown one is a
+    400); the ones glm53-serve does not implement are a 400 naming them when they ask for
+    something (native.check_generate), never ignored."""
 
     model_config = ConfigDict(extra="forbid")
     max_new_tokens: int | None = Field(default=None, ge=0)
@@ -152,21 +156,44 @@ class GenerateSamplingParams(BaseModel):
     sampling_seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    # Structured output (router/structured.py): at most one.
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_new_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = Field(default=None, ge=1)
+    # Accepted only at their "nothing asked" values (None / True for spaces_between_special_tokens):
+    stop_regex: Union[str, list[str], None] = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
+    custom_params: dict[str, Any] | None = None
+    spaces_between_special_tokens: bool | None = True
+    # A streaming hint: the instances' stream_interval applies.
+    stream_interval: int | None = None
+
+
+IntOrList = Union[int, list[int], None]
 
 
 class GenerateRequestBody(_Body):
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: GenerateSamplingParams | None = None
+    """SGLang's GenerateReqInput: single or batch (`text: [...]`, `input_ids: [[...], ...]`, and
+    the per-item fields as lists). Fields beyond those typed here are SGLang's own, checked by
+    native.check_generate (accepted at their defaults, else a 400 naming them)."""
+
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[StrictInt], list[list[StrictInt]], None] = Field(default=None, union_mode="left_to_right")
+    sampling_params: Union[GenerateSamplingParams, list[GenerateSamplingParams], None] = None
     stream: bool = False
-    rid: str | None = None
+    rid: Union[str, list[str], None] = None
+    return_logprob: Union[bool, list[bool], None] = None
+    logprob_start_len: IntOrList = None
+    top_logprobs_num: IntOrList = None
+    return_text_in_logprobs: bool = False
 
 
 class TokenizeRequest(_Body):

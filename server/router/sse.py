@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
@@ -27,22 +28,40 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def collect(gen: Generation) -> tuple[str, list[int], Outcome]:
-    """The whole generation: its text, its token ids and how it ended."""
-    text, ids, outcome = [], [], None
+@dataclass
+class Collected:
+    """One choice of a whole generation: text, token ids (`shown` of them shown by the text: a
+    final stop token is not), how it ended, and the ids' logprobs when asked for."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    outcome: Outcome | None = None
+    shown: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list] = field(default_factory=list)
+
+
+async def collect(gen: Generation) -> list[Collected]:
+    """The whole generation, one entry per choice."""
+    out = [Collected() for _ in range(gen.spec.n)]
     events = gen.events()
     try:
         async with contextlib.aclosing(events):
             async for item in events:
+                c = out[item.index]
                 if isinstance(item, Delta):
-                    text.append(item.text)
-                    ids.extend(item.token_ids)
+                    c.text += item.text
+                    c.ids.extend(item.token_ids)
+                    c.shown += len(item.shown_ids)
+                    if item.logprobs is not None:
+                        c.logprobs.extend(item.logprobs)
+                        c.top_logprobs.extend(item.top_logprobs or [])
                 else:
-                    outcome = item
+                    c.outcome = item
     finally:
         gen.cancel()
-    assert outcome is not None
-    return "".join(text), ids, outcome
+    assert all(c.outcome is not None for c in out)
+    return out
 
 
 async def until_disconnect(request: Request, coro: Any) -> Any:
@@ -65,11 +84,12 @@ async def until_disconnect(request: Request, coro: Any) -> Any:
 
 async def event_stream(gen: Generation, head: list[str], chunk: Callable[[Delta], str | None],
                        finish: Callable[[Outcome], list[str]],
-                       usage: Callable[[Outcome], str] | None) -> AsyncIterator[str]:
+                       usage: Callable[[list[Outcome]], str] | None) -> AsyncIterator[str]:
     """SSE body: `head` events, `chunk`'s event per Delta (none when it returns None), `finish`'s
-    event(s) and `usage`'s, then [DONE]; an error event and [DONE] if the generation fails
-    mid-stream. Closing it (client gone) aborts the room."""
+    event(s) per choice's Outcome, then `usage`'s of all choices' Outcomes, then [DONE]; an error
+    event and [DONE] if the generation fails mid-stream. Closing it (client gone) aborts the room."""
     events = gen.events()
+    outcomes: list[Outcome] = []
     try:
         async with contextlib.aclosing(events):
             for h in head:
@@ -81,10 +101,11 @@ async def event_stream(gen: Generation, head: list[str], chunk: Callable[[Delta]
                         if ev:
                             yield ev
                     else:
+                        outcomes.append(item)
                         for ev in finish(item):
                             yield ev
-                        if usage is not None:
-                            yield usage(item)
+                if usage is not None and outcomes:
+                    yield usage(outcomes)
             except APIError as e:
                 yield sse(error_body(e.status, e.message, e.param))
             yield SSE_DONE

@@ -51,7 +51,8 @@ def from_response_format(fmt: Any, param: str = "response_format") -> Ask | None
 
 def from_sampling_params(sp: Any) -> Ask | None:
     """SGLang's json_schema / regex / ebnf (`sampling_params.<key>`)."""
-    asks = [Ask(k, getattr(sp, k), k) for k in ("json_schema", "regex", "ebnf") if getattr(sp, k) is not None]
+    asks = [Ask(k, getattr(sp, k), f"sampling_params.{k}") for k in ("json_schema", "regex", "ebnf")
+            if getattr(sp, k) is not None]
     if len(asks) > 1:
         raise APIError(400, f"at most one of json_schema, regex and ebnf may be given; got "
                        f"{' and '.join(a.kind for a in asks)}", asks[1].param)

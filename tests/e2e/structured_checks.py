@@ -94,10 +94,10 @@ def check_bad_grammars_are_400_naming_the_field(cluster):
     assert post("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema"}}) \
         == "response_format.json_schema"
     assert post("/v1/chat/completions", {**chat, "response_format": {"type": "yaml"}}) == "response_format.type"
-    assert post("/generate", {"text": "x", "sampling_params": {"regex": "[a-"}}) == "regex"
-    assert post("/generate", {"text": "x", "sampling_params": {"json_schema": "{not json"}}) == "json_schema"
-    assert post("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= ("}}) == "ebnf"
-    assert post("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}) == "ebnf"
+    assert post("/generate", {"text": "x", "sampling_params": {"regex": "[a-"}}) == "sampling_params.regex"
+    assert post("/generate", {"text": "x", "sampling_params": {"json_schema": "{not json"}}) == "sampling_params.json_schema"
+    assert post("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= ("}}) == "sampling_params.ebnf"
+    assert post("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}) == "sampling_params.ebnf"
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},

@@ -108,3 +108,34 @@ def test_draft_kv_moves_between_mismatched_tp(tmp_path_factory, model_cache, dra
         wait_pages_free(c)
     finally:
         c.stop()
+
+
+def test_logprobs_penalties_and_n_under_speculation(cluster, target_dir):
+    """With DFlash on: logprobs are the target's (verify logits) log_softmax of the committed
+    tokens; penalties and logit_bias stay exact (applied per block position); n > 1 choices
+    (the draft context KV copied with the prompt's) each equal the n = 1 answer when greedy."""
+    from glm53.models import ModelRunner
+    from glm53.server.sampling import SamplingParams
+    from tests.e2e.test_api import TOL, ref_logsoftmax, reference_greedy
+
+    runner = ModelRunner.from_dir(target_dir, num_pages=64, progress=False)
+    prompt = GREEDY_PROMPTS[1]
+
+    def gen(body):
+        r = httpx.post(f"{cluster.url}/generate", timeout=120, json={"input_ids": prompt, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    out = gen({"return_logprob": True, "top_logprobs_num": 2,
+               "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}})
+    ids = out["output_ids"]
+    ref = ref_logsoftmax(runner, prompt + ids)
+    for j, (lp, tid, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+        assert tid == ids[j] and abs(lp - ref[len(prompt) - 1 + j, tid].item()) < TOL
+    kw = {"frequency_penalty": 1.2, "repetition_penalty": 1.5, "logit_bias": {"40": 3.0}}
+    got = gen({"sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, **kw}})["output_ids"]
+    assert got == reference_greedy(runner, prompt, SamplingParams(temperature=0, **kw), [], 10)
+    many = httpx.post(f"{cluster.url}/generate", timeout=120, json={"input_ids": prompt, "sampling_params": {
+        "n": 3, "max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}).json()
+    assert [m["output_ids"] for m in many] == [ids] * 3
+    wait_pages_free(cluster)

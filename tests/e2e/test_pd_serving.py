@@ -130,7 +130,7 @@ def test_32_concurrent_streaming_clients(cluster):
         ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
-        ({"model": MODEL, "prompt": [1] * 3000, "max_tokens": 1}, 400, None),
+        ({"model": MODEL, "prompt": [1] * 3000, "max_tokens": 1}, 400, "prompt"),
         ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
     ],
 )
@@ -146,8 +146,11 @@ def test_bad_requests_get_openai_error_bodies(cluster, body, status, param):
 
 def test_generate_refuses_sampling_params_it_does_not_implement(cluster):
     r = httpx.post(f"{cluster.url}/generate", timeout=30, json={
-        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "frequency_penalty": 0.5}})
-    assert r.status_code == 400 and "frequency_penalty" in r.json()["error"]["param"]
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "stop_regex": "a+"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.stop_regex"
+    r = httpx.post(f"{cluster.url}/generate", timeout=30, json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "no_such_param": 1}})
+    assert r.status_code == 400 and "no_such_param" in r.json()["error"]["param"]
 
 
 def test_metrics_report_latency_and_transfers(cluster):

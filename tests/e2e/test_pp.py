@@ -17,6 +17,7 @@ import pytest
 from glm53.models import write_random_draft
 from glm53.server.embedded_model import ensure_embedded_model
 from tests.e2e.cluster import Cluster
+from tests.e2e.test_api import TOL, ref_logsoftmax
 from tests.e2e.test_pd_serving import GREEDY_PROMPTS, offline_greedy, served_greedy, wait_pages_free
 
 NEW_TOKENS = 12
@@ -39,13 +40,30 @@ def draft_dir(tmp_path_factory, target_dir):
     return write_random_draft(tmp_path_factory.mktemp("draft"), target_dir, seed=9, n_layers=2, block_size=4)
 
 
+@pytest.fixture(scope="module")
+def runner(target_dir):
+    from glm53.models import ModelRunner
+
+    return ModelRunner.from_dir(target_dir, num_pages=64, progress=False)
+
+
 @pytest.mark.parametrize("pp, tp, dflash", [(2, 1, False), (3, 1, True), (2, 2, True)])
-def test_pp_prefill_greedy_equals_offline(tmp_path_factory, model_cache, draft_dir, offline, pp, tp, dflash):
+def test_pp_prefill_greedy_equals_offline(tmp_path_factory, model_cache, draft_dir, offline, runner, pp, tp, dflash):
     spec = {"algorithm": "DFLASH", "draft_model_path": str(draft_dir)} if dflash else None
     c = Cluster(tmp_path_factory.mktemp(f"pp{pp}tp{tp}"), model_cache, prefill_pp=pp, prefill_tp=tp,
                 speculative=spec).start()
     try:
         assert served_greedy(c, GREEDY_PROMPTS, NEW_TOKENS) == offline
+        # prompt logprobs from the last stage's logits of every chunk
+        prompt = GREEDY_PROMPTS[-1]
+        r = httpx.post(f"{c.url}/generate", timeout=120, json={
+            "input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        ref = ref_logsoftmax(runner, prompt)
+        got = r.json()["meta_info"]["input_token_logprobs"]
+        assert got[0][0] is None and len(got) == len(prompt)
+        assert all(abs(got[q][0] - ref[q - 1, prompt[q]].item()) < TOL for q in range(1, len(prompt)))
         wait_pages_free(c)
     finally:
         c.stop()

@@ -35,6 +35,15 @@ def test_tp_mismatched_pd_greedy_equals_offline(tmp_path_factory, model_cache, o
                 prefill_tp=prefill_tp, decode_tp=decode_tp).start()
     try:
         assert served_greedy(c, GREEDY_PROMPTS, NEW_TOKENS) == offline
+        # n = 2 on the same prefill (decode copies the prompt's pages on every rank) and prompt
+        # logprobs from every prefill chunk's logits
+        r = httpx.post(f"{c.url}/generate", timeout=120, json={
+            "input_ids": GREEDY_PROMPTS[0], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"n": 2, "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        items = r.json()
+        assert [x["output_ids"] for x in items] == [offline[0]] * 2
+        assert all(len(x["meta_info"]["input_token_logprobs"]) == len(GREEDY_PROMPTS[0]) for x in items)
         wait_pages_free(c)
     finally:
         c.stop()

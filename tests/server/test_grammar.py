@@ -102,7 +102,7 @@ def test_sample_respects_allowed():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1),
               SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5, seed=2)]
     for _ in range(20):
-        out = sample(logits, params, None, allowed).tolist()
+        out = sample(logits, params, None, allowed=allowed).tolist()
         assert out[0] == (3 if logits[0, 3] > logits[0, 7] else 7) and out[1] == 11
         assert out[2] == int(logits[2].argmax())
     assert torch.equal(sample(logits, params[2:3] * 4), logits.argmax(-1))

@@ -14,7 +14,9 @@ def _req(**kw) -> GenerateRequest:
     d = PeerInfo("d0", "decode", "127.0.0.1", 3, 4)
     spec = RequestSpec(rid="r", input_ids=[1, 2, 3], eos_token_ids=[9],
                        params=SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=[7], seed=2**63,
-                                             stop=["\n\n"], no_stop_trim=True))
+                                             stop=["\n\n"], no_stop_trim=True, presence_penalty=0.5,
+                                             repetition_penalty=1.2, logit_bias={"4": -3.0}, min_new_tokens=2),
+                       n=3, logprobs=2, prompt_logprobs_start=1)
     base = dict(spec=spec, room=2**63 - 1, generation=2**32 - 1, prefill=p, decode=d, reply_to="tcp://127.0.0.1:9")
     base.update(kw)
     return GenerateRequest(**base)
@@ -23,7 +25,10 @@ def _req(**kw) -> GenerateRequest:
 def test_round_trip_every_message():
     msgs = [_req(), Abort(room=5, generation=1, reason="client"), HealthPing(seq=3, reply_to="tcp://x:1"),
             TokenEvent(room=5, generation=1, instance="d0", token_ids=[1, 2], finish_reason="stop", matched_stop=2,
-                       prompt_tokens=3, completion_tokens=2, transfer=TransferStats(0.5, 1024, 0.1)),
+                       prompt_tokens=3, completion_tokens=2, transfer=TransferStats(0.5, 1024, 0.1), index=2,
+                       logprobs=[-0.5, -1.5], top_logprobs=[[[1, -0.5]], [[2, -1.5]]]),
+            TokenEvent(room=5, generation=1, instance="p0", prompt_logprobs=[None, -2.0],
+                       prompt_top_logprobs=[[], [[3, -1.0]]]),
             HealthPong(seq=3, instance="d0", role="decode", ready=True, load=LoadStats(num_running=2))]
     for m in msgs:
         assert decode(encode(m)) == m

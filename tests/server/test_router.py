@@ -173,7 +173,7 @@ def test_error_bodies(cluster):
     err(httpx.post(u, json=[1, 2]), 400)
     err(httpx.post(u, json={"messages": msgs, "temperature": -1}), 400)
     err(httpx.post(u, json={"messages": msgs, "top_k": 0}), 400)
-    err(httpx.post(u, json={"messages": msgs, "n": 2}), 400)
+    err(httpx.post(u, json={"messages": msgs, "n": 65}), 400)
     err(httpx.post(u, json={"messages": msgs, "bootstrap_room": 5}), 400)
     e = err(httpx.post(u, json={"messages": [{"role": "user", "content": "word " * 600}]}), 400)
     assert "maximum context length is 512" in e["message"]
