@@ -2,13 +2,16 @@
 decode scheduler's real loop (DFlash off vs on, greedy; the outputs must be identical).
 
     PYTHONPATH=. python tools/eval_dflash.py --model DIR --draft DIR [--device cpu|cuda] [--batch 1 16] [--new 128]
-        [--block 4 8 16] [--repeat 1]
+        [--block 4 8 16] [--repeat 1] [--singles 1] [--clock wall|cpu]
 
 Prompts: the first `--prompt` tokens of held-out standard-library files (the split of
 tools/train_tiny.py: sha1 of the path relative to the stdlib < 5 %), longer than index_topk so
 decoding runs the sparse path. τ = tokens committed per verify step (≤ block size). With
 `--repeat N` the off and DFlash runs alternate N times (on a shared, noisy CPU the ratio of
 neighbouring runs is steadier than either rate); the table shows the median rate of each.
+`--singles N`: batch 1 decodes N prompts one after the other (τ and rates over all of them);
+`--clock cpu` times the decode loop by this thread's CPU time instead of wall time (torch runs
+one thread here), which leaves out the time other jobs on a shared CPU took.
 """
 
 from __future__ import annotations
@@ -51,26 +54,34 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--block", type=int, nargs="+", default=[16])
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--singles", type=int, default=1, help="batch 1: this many prompts, one at a time")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
-    all_prompts = prompts(a.model, max(a.batch), a.prompt)
+    all_prompts = prompts(a.model, max(a.batch + [a.singles]), a.prompt)
+    clock = time.thread_time if a.clock == "cpu" else time.perf_counter
     print(f"device {a.device}, {len(all_prompts)} held-out prompts of {a.prompt} tokens, {a.new} new tokens, "
-          f"blocks {a.block}, {a.repeat} alternating repeat(s)")
+          f"blocks {a.block}, {a.repeat} alternating repeat(s), {a.clock} clock"
+          + (f", batch 1 over {a.singles} prompts one at a time" if a.singles > 1 else ""))
     print(f"{'batch':>5} | {'mode':<9} | {'tok/s':>8} | {'tau':>5} | speed-up vs off")
     for batch in a.batch:
-        ps = all_prompts[:batch]
+        groups = [[p] for p in all_prompts[: a.singles]] if batch == 1 else [all_prompts[:batch]]
         modes = [("off", None)] + [(f"dflash {b}", b) for b in a.block]
         rates: dict[str, list[float]] = {m: [] for m, _ in modes}
         taus, ref, differs = {}, None, set()
         for _ in range(a.repeat):
             for mode, block in modes:
                 sched = scheduler(a.model, None if block is None else a.draft, a.device, block)
+                dt = toks = verify = 0
+                outs = []
                 try:
-                    decode_run(sched, ps, 8)  # warm-up
-                    dt, toks, verify, outs = decode_run(sched, ps, a.new)
+                    decode_run(sched, groups[0], 8)  # warm-up
+                    for ps in groups:
+                        d, t, v, o = decode_run(sched, ps, a.new, clock)
+                        dt, toks, verify, outs = dt + d, toks + t, verify + v, outs + o
                 finally:
                     sched.close()
                 ref = outs if ref is None else ref
