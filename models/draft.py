@@ -243,13 +243,6 @@ class DFlashDraft(nn.Module):
             raise ValueError("draft_kv pool layers are not the draft's layers 0..L-1 in order")
         return pool.tensor.permute(0, 3, 1, 2, 4)
 
-    def read_context(self, pools: KVPools, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [*slots.shape, kv_local, head_dim] of draft layer `layer` at flat slots."""
-        view = pools[DRAFT_KV].view(layer)
-        ps = view.shape[1]
-        kv = view[slots // ps, slots % ps]
-        return kv[..., 0::2, :], kv[..., 1::2, :]
-
     # --- drafting ---
     @torch.inference_mode()
     def propose(

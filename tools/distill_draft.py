@@ -17,12 +17,14 @@ what the target would emit from there: such sequences are exact DFlash training 
    the sampled head for the second kind).
 2. Training: the DFlash recipe of tools/train_tiny.py (features of the target's layers
    `target_layer_ids` from transformers' `GlmMoeDsaForCausalLM` on the same weights, random
-   anchors, block [anchor token, MASK × (B − 1)], loss weights exp(−(k − 1)/γ)); the draft starts
+   anchors, block [anchor token, MASK × (B − 1)], loss weights exp(−(k − 1)/γ); every 4th step
+   uses block B/2, since serving may verify fewer than B positions); the draft starts
    from `--init-draft` (a deeper draft gets extra layers whose output projections start at zero,
    so it starts as the init draft's function).
 3. Held-out: greedy continuations of held-out prompts; "accepted" is the mean matching prefix of
-   the draft's block against the target's greedy tokens, which under greedy decoding is exactly
-   the tokens accepted per verify step (τ − 1), up to bf16 feature rounding.
+   the draft's block against the target's greedy tokens over random anchors: what a verify step
+   starting there would accept (up to bf16 feature rounding). τ − 1 in decoding is lower, as
+   verify steps start more often where the draft misses (tools/eval_dflash.py measures τ).
 
 Deterministic seeds; the generation rounds and draft steps follow the time budgets (printed), and
 `--gen-rounds/--draft-steps` set to the printed counts repeat the run.
