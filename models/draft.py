@@ -120,8 +120,9 @@ class DraftAttention(nn.Module):
         return apply_rope(k, cos, sin, interleave=False), self.v_proj(x).view(n, self.n_kv, hd)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
-        """x: block rows [R·B, H]; ctx_k/ctx_v [R, T, kv_local, head_dim]; ctx_mask [R, T]."""
-        r, t = ctx_mask.shape
+        """x: block rows [R·B, H]; ctx_k/ctx_v [R, T, kv_local, head_dim]; ctx_mask [R, T], or
+        None when every row sees all T context positions."""
+        r = ctx_k.shape[0]
         n, hd = x.shape[0], self.cfg.head_dim
         b = n // r
         q = rms_norm(self.q_proj(x).view(n, self.n_heads, hd), self.q_norm.weight, self.cfg.rms_norm_eps)
@@ -130,9 +131,10 @@ class DraftAttention(nn.Module):
         k = torch.cat([ctx_k, k.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)  # [R, kv, T+B, hd]
         v = torch.cat([ctx_v, v.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)
         group = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         # Every block query sees the request's valid context and all B block positions.
-        mask = torch.cat([ctx_mask, ctx_mask.new_ones(r, b)], dim=1)[:, None, None, :]
+        mask = None if ctx_mask is None else torch.cat([ctx_mask, ctx_mask.new_ones(r, b)], dim=1)[:, None, None, :]
         q = q.view(r, b, self.n_heads, hd).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5)
         return self.o_proj(o.transpose(1, 2).reshape(n, self.n_heads * hd))
@@ -207,20 +209,39 @@ class DFlashDraft(nn.Module):
     @torch.inference_mode()
     def write_context(self, c: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor, pools: KVPools) -> None:
         """Every draft layer's K (k_norm, RoPE at `positions`) and V of the context rows `c`
-        (not through input_layernorm), written into `draft_kv` at `out_slots`."""
-        pool = pools[DRAFT_KV]
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
-        n = c.shape[0]
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.kv(c, cos, sin)
-            pools.write(pool.view(i), out_slots, torch.stack([k, v], dim=2).view(n, 2 * self.kv_heads_local, -1))
+        (not through input_layernorm), written into `draft_kv` at `out_slots`.
 
-    def read_context(self, pools: KVPools, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [*slots.shape, kv_local, head_dim] of draft layer `layer` at flat slots."""
-        view = pools[DRAFT_KV].view(layer)
-        ps = view.shape[1]
-        kv = view[slots // ps, slots % ps]
-        return kv[..., 0::2, :], kv[..., 1::2, :]
+        All layers at once: one matmul with every layer's k_proj/v_proj stacked, one norm, one
+        RoPE and one store (per layer it was ~20 small ops, which dominate at decode sizes on a
+        CPU); the values are those of `DraftAttention.kv` per layer."""
+        pool = pools[DRAFT_KV]
+        n, nl, kv, hd = c.shape[0], len(self.layers), self.kv_heads_local, self.cfg.head_dim
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        w_kv, w_norm = self._stacked_kv()
+        x = F.linear(c, w_kv).view(n, nl, 2, kv, hd)
+        k = rms_norm(x[:, :, 0], w_norm, self.cfg.rms_norm_eps)  # [n, L, kv, hd]; w_norm [L, 1, hd]
+        k = apply_rope(k.reshape(n, nl * kv, hd), cos, sin, interleave=False).view(n, nl, kv, hd)
+        # pool heads interleave K and V per KV head: [n, L, kv, 2, hd] -> [n, 2·kv, L, hd]
+        vals = torch.stack([k, x[:, :, 1]], dim=3).permute(0, 2, 3, 1, 4).reshape(n, 2 * kv, nl, hd)
+        ps = pools.page_size
+        self._all_layers(pool)[out_slots // ps, out_slots % ps] = vals.to(pool.dtype)
+
+    def _stacked_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(every layer's [k_proj; v_proj] weights stacked [L·2·kv·hd, H], k_norm weights
+        [L, 1, hd]); rebuilt whenever a weight was replaced or changed in place (loading)."""
+        ws = [w for layer in self.layers for w in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)]
+        norms = [layer.self_attn.k_norm.weight for layer in self.layers]
+        key = tuple((w.data_ptr(), w._version, w.device) for w in ws + norms)
+        if getattr(self, "_stacked_key", None) != key:
+            self._stacked = (torch.cat(ws), torch.stack(norms)[:, None, :])
+            self._stacked_key = key
+        return self._stacked
+
+    def _all_layers(self, pool: Pool) -> torch.Tensor:
+        """The `draft_kv` pool as [pages, page_size, 2·kv, L, hd] (draft layer i at index i)."""
+        if [pool.index(i) for i in range(len(self.layers))] != list(range(len(self.layers))):
+            raise ValueError("draft_kv pool layers are not the draft's layers 0..L-1 in order")
+        return pool.tensor.permute(0, 3, 1, 2, 4)
 
     # --- drafting ---
     @torch.inference_mode()
@@ -242,18 +263,40 @@ class DFlashDraft(nn.Module):
         ids[:, 0] = torch.tensor([blk.last_token for blk in blocks])
         starts = torch.tensor([blk.start_pos for blk in blocks])
         positions = (starts[:, None] + torch.arange(b)).reshape(-1).to(dev)
-        slots, mask = self._context_slots(blocks, pools.page_size)
-        slots, mask = slots.to(dev), mask.to(dev)
+        _, mask = self._context_slots(blocks, pools.page_size)
+        mask = mask.to(dev)
+        ctx = self._gather_context(blocks, pools)  # [R, T, 2·kv, L, hd]
+        # The same context for every request (one request, or all at one position): no mask needed.
+        full = len({(blk.ctx_start, blk.start_pos) for blk in blocks}) == 1
 
         x = target.embed(ids.reshape(-1).to(dev)).to(self.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         for i, layer in enumerate(self.layers):
-            ctx_k, ctx_v = self.read_context(pools, i, slots)
-            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+            x = layer(x, cos, sin, ctx[..., 0::2, i, :], ctx[..., 1::2, i, :], None if full else mask)
         h = rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
         logits = target.lm_head(h.reshape(r * (b - 1), -1)).float().view(r, b - 1, -1)
         tokens = logits.argmax(dim=-1)
         return (tokens, logits) if return_logits else tokens
+
+    def _gather_context(self, blocks: list[DraftBlock], pools: KVPools) -> torch.Tensor:
+        """Every layer's draft K/V [R, T, 2·kv, L, hd] of positions lo .. lo + T − 1 (as
+        `_context_slots`), read as whole pages (one contiguous copy per page instead of a gather
+        per token and layer); positions a request does not see hold arbitrary values."""
+        ps = pools.page_size
+        lo = min(blk.ctx_start for blk in blocks)
+        t = max(blk.start_pos for blk in blocks) - lo
+        first, last = lo // ps, -(-(lo + t) // ps)
+        width = max(1, last - first)
+        table = torch.zeros(len(blocks), width, dtype=torch.long)
+        for i, blk in enumerate(blocks):
+            row = blk.page_table[first:last]
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        pool = pools[DRAFT_KV]
+        self._all_layers(pool)  # checks the layer order
+        pages = pool.tensor[table.to(pool.tensor.device)]  # [R, P, 2·kv, L, ps, hd]
+        r, p, h2, nl, _, hd = pages.shape
+        off = lo - first * ps
+        return pages.permute(0, 1, 4, 2, 3, 5).reshape(r, p * ps, h2, nl, hd)[:, off : off + t]
 
     def _block_size(self, blocks: list[DraftBlock]) -> int:
         sizes = {blk.block_size or self.cfg.block_size for blk in blocks}

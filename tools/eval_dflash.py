@@ -2,15 +2,22 @@
 decode scheduler's real loop (DFlash off vs on, greedy; the outputs must be identical).
 
     PYTHONPATH=. python tools/eval_dflash.py --model DIR --draft DIR [--device cpu|cuda] [--batch 1 16] [--new 128]
+        [--block 4 8 16] [--repeat 1] [--singles 1] [--clock wall|cpu]
 
 Prompts: the first `--prompt` tokens of held-out standard-library files (the split of
 tools/train_tiny.py: sha1 of the path relative to the stdlib < 5 %), longer than index_topk so
-decoding runs the sparse path. τ = tokens committed per verify step (≤ block size).
+decoding runs the sparse path. τ = tokens committed per verify step (≤ block size). With
+`--repeat N` the off and DFlash runs alternate N times (on a shared, noisy CPU the ratio of
+neighbouring runs is steadier than either rate); the table shows the median rate of each.
+`--singles N`: batch 1 decodes N prompts one after the other (τ and rates over all of them);
+`--clock cpu` times the decode loop by this thread's CPU time instead of wall time (torch runs
+one thread here), which leaves out the time other jobs on a shared CPU took.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,33 +52,49 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=200)
-    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--block", type=int, nargs="+", default=[16])
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--singles", type=int, default=1, help="batch 1: this many prompts, one at a time")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
-    all_prompts = prompts(a.model, max(a.batch), a.prompt)
-    print(f"device {a.device}, {len(all_prompts)} held-out prompts of {a.prompt} tokens, {a.new} new tokens, block {a.block}")
-    print(f"{'batch':>5} | {'mode':<6} | {'tok/s':>8} | {'tau':>5} | speed-up vs off")
+    all_prompts = prompts(a.model, max(a.batch + [a.singles]), a.prompt)
+    clock = time.thread_time if a.clock == "cpu" else time.perf_counter
+    print(f"device {a.device}, {len(all_prompts)} held-out prompts of {a.prompt} tokens, {a.new} new tokens, "
+          f"blocks {a.block}, {a.repeat} alternating repeat(s), {a.clock} clock"
+          + (f", batch 1 over {a.singles} prompts one at a time" if a.singles > 1 else ""))
+    print(f"{'batch':>5} | {'mode':<9} | {'tok/s':>8} | {'tau':>5} | speed-up vs off")
     for batch in a.batch:
-        ps = all_prompts[:batch]
-        base, ref = None, None
-        for mode in ("off", "dflash"):
-            sched = scheduler(a.model, None if mode == "off" else a.draft, a.device, a.block)
-            try:
-                decode_run(sched, ps, 8)  # warm-up
-                dt, toks, verify, outs = decode_run(sched, ps, a.new)
-            finally:
-                sched.close()
-            if ref is None:
-                ref = outs
-            same = outs == ref
-            rate = toks / dt
-            base = base or rate
-            tau = f"{toks / verify:.2f}" if verify else "-"
-            print(f"{batch:>5} | {mode:<6} | {rate:8.1f} | {tau:>5} | {rate / base:.2f}x"
-                  + ("" if same else "  OUTPUT DIFFERS FROM OFF"), flush=True)
+        groups = [[p] for p in all_prompts[: a.singles]] if batch == 1 else [all_prompts[:batch]]
+        modes = [("off", None)] + [(f"dflash {b}", b) for b in a.block]
+        rates: dict[str, list[float]] = {m: [] for m, _ in modes}
+        taus, ref, differs = {}, None, set()
+        for _ in range(a.repeat):
+            for mode, block in modes:
+                sched = scheduler(a.model, None if block is None else a.draft, a.device, block)
+                dt = toks = verify = 0
+                outs = []
+                try:
+                    decode_run(sched, groups[0], 8)  # warm-up
+                    for ps in groups:
+                        d, t, v, o = decode_run(sched, ps, a.new, clock)
+                        dt, toks, verify, outs = dt + d, toks + t, verify + v, outs + o
+                finally:
+                    sched.close()
+                ref = outs if ref is None else ref
+                if outs != ref:
+                    differs.add(mode)
+                rates[mode].append(toks / dt)
+                taus[mode] = f"{toks / verify:.2f}" if verify else "-"
+        med = {m: statistics.median(r) for m, r in rates.items()}
+        for mode, _ in modes:
+            ratios = [x / y for x, y in zip(rates[mode], rates["off"])]
+            print(f"{batch:>5} | {mode:<9} | {med[mode]:8.1f} | {taus[mode]:>5} | {statistics.median(ratios):.2f}x"
+                  + (f" (per repeat {', '.join(f'{r:.2f}' for r in ratios)})" if a.repeat > 1 and mode != "off" else "")
+                  + ("  OUTPUT DIFFERS FROM OFF" if mode in differs else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""DFlash on vs off through the whole PD pipeline (router, prefill, UCX transfer, decode) on the
+embedded trained pair: held-out Python prompts, greedy, one request at a time and all at once.
+
+    PYTHONPATH=. python benchmarks/dflash_pd.py [--blocks 4 16] [--prompts 8] [--new 128] [--concurrent 16]
+
+Prompts: the first 200 tokens of held-out standard-library files (tools/eval_dflash.py's). One at a
+time, each prompt runs twice, with max_new_tokens 1 (prefill + transfer + first token) and N;
+the decode rate is (N − 1) / (t_N − t_1), so it leaves out the prefill and transfer, which DFlash
+does not change. All at once: `--concurrent` requests together, output tokens / wall time.
+τ = tokens after the first per verify step (the router's `spec_verify_ct`). Every DFlash
+output must equal the output with DFlash off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.e2e.cluster import Cluster  # noqa: E402
+from tools.eval_dflash import prompts  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def generate(url: str, ids: list[int], new: int) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/generate", timeout=600, json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": new, "temperature": 0, "ignore_eos": True}})
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--concurrent", type=int, default=16)
+    a = ap.parse_args()
+    ps = prompts(ASSETS / "tiny-glm5", max(a.prompts, a.concurrent), 200)
+    cache = Path(tempfile.mkdtemp(prefix="dflash-pd-"))
+    print(f"PD pipeline (1 prefill + 1 decode, CPU), {a.prompts} held-out prompts of 200 tokens one at a time, "
+          f"{a.concurrent} at once, {a.new} new tokens, greedy")
+    print(f"{'mode':<10} | {'1 at a time: decode tok/s':>26} | {'tau':>5} | {'speed-up':>8} | "
+          f"{f'{a.concurrent} at once: tok/s':>20} | {'tau':>5} | {'speed-up':>8}")
+    base1 = baseN = ref = None
+    for block in [None, *a.blocks]:
+        spec = None if block is None else {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash",
+                                           "num_draft_tokens": block}
+        c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec).start()
+        try:
+            generate(c.url, ps[0], 8)  # warm-up
+            dec_t = toks = verify = 0.0
+            outs = []
+            for p in ps[: a.prompts]:
+                t1, _ = generate(c.url, p, 1)
+                tn, r = generate(c.url, p, a.new)
+                dec_t += tn - t1
+                toks += r["meta_info"]["completion_tokens"] - 1
+                verify += r["meta_info"].get("spec_verify_ct", 0)
+                outs.append(r["output_ids"] if "output_ids" in r else r["text"])
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(a.concurrent) as ex:
+                res = list(ex.map(lambda p: generate(c.url, p, a.new)[1], ps[: a.concurrent]))
+            wall = time.perf_counter() - t0
+        finally:
+            c.stop()
+        tok_n = sum(r["meta_info"]["completion_tokens"] for r in res)
+        ver_n = sum(r["meta_info"].get("spec_verify_ct", 0) for r in res)
+        outs += [r["output_ids"] if "output_ids" in r else r["text"] for r in res]
+        ref = outs if ref is None else ref
+        rate1, rateN = toks / dec_t, tok_n / wall
+        base1, baseN = base1 or rate1, baseN or rateN
+        tau1 = f"{toks / verify:.2f}" if verify else "-"
+        tauN = f"{(tok_n - len(res)) / ver_n:.2f}" if ver_n else "-"
+        name = "off" if block is None else f"dflash {block}"
+        print(f"{name:<10} | {rate1:26.1f} | {tau1:>5} | {rate1 / base1:7.2f}x | {rateN:20.1f} | {tauN:>5} | "
+              f"{rateN / baseN:7.2f}x" + ("" if outs == ref else "  OUTPUT DIFFERS FROM OFF"), flush=True)
+
+
+if __name__ == "__main__":
+    main()
