@@ -295,7 +295,10 @@ def sample(
     for r, i in enumerate(rest):
         g = generators[i] if generators is not None else None
         if g is not None:
-            noise[r].exponential_(generator=g)
+            # Drawn where the generator lives (the CPU for step_generator's), then copied: a
+            # seeded request gets the same noise on any device.
+            row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=g.device).exponential_(generator=g)
+            noise[r] = row.to(noise.device, non_blocking=True)
     out[idx] = (probs / noise).argmax(dim=-1)
     return out
 

@@ -51,6 +51,8 @@ def accept(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, 
         out.append(target[len(out)])
         return out
     probs = torch.softmax(filter_logits(logits.float() / params.temperature, [params] * (n + 1)), dim=-1)
+    if params.seed is not None:
+        probs = probs.cpu()  # step_generator's generators are CPU ones: draw there, on any device
     out = []
     for i in range(n + 1):
         g = step_generator(params.seed, first_step + i, choice=choice) if params.seed is not None else None

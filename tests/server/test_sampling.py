@@ -62,3 +62,23 @@ def test_seeded_reproducible_and_batch_independent():
     c = [sample(logits[:1], [p], [step_generator(42, s)]).item() for s in range(20)]
     d = [sample(logits[:1], [p], [step_generator(42, s)]).item() for s in range(20)]
     assert c == d and len(set(c)) > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (seeded draws on device logits)")
+def test_seeded_draws_are_the_same_on_the_gpu():
+    """step_generator's generators are CPU ones: seeded rows of logits on the GPU must still draw
+    (the bug: 'Expected a cuda device type for generator'), and draw what the CPU draws."""
+    from glm53.server.engine.spec import accept
+
+    torch.manual_seed(5)
+    logits = torch.randn(3, 500)
+    params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_p=0.9, seed=8),
+              SamplingParams(temperature=0)]
+
+    def gens():
+        return [step_generator(7, 2), step_generator(8, 2), None]
+
+    assert sample(logits, params, gens()).tolist() == sample(logits.cuda(), params, gens()).cpu().tolist()
+    lg, p = torch.randn(4, 500), SamplingParams(temperature=0.9, seed=3)
+    for drafts in ([1, 2, 3], [int(lg[0].argmax()), int(lg[1].argmax()), 4]):
+        assert accept(drafts, lg, p, first_step=1) == accept(drafts, lg.cuda(), p, first_step=1)
