@@ -95,6 +95,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        with torch.cuda.device(self.runner.device):  # capture streams belong to the current device
+            self._capture()
+
+    def _capture(self) -> None:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.runner.device)

@@ -165,6 +165,10 @@ class RankWorker:
         """`tp_group`: the torch.distributed group of this rank's stage (None when tp = 1)."""
         self.spec = spec
         self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            # One GPU per rank process: make it the current one, so work that follows the current
+            # device (cuBLAS handles, CUDA graph capture streams) runs on it, not on GPU 0.
+            torch.cuda.set_device(self.device)
         self.cfg = GlmConfig.from_dir(spec.model_path)
         name = self.cfg.torch_dtype if spec.dtype == "auto" else spec.dtype
         self.dtype = DTYPES.get(name, torch.bfloat16)
