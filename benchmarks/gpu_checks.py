@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,33 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_e2e import PROMPT_LENS, Server, cluster_config  # noqa: E402
+from gpu_e2e import PROMPT_LENS, Server, cluster_config, cpu_reference, served_greedy  # noqa: E402
 
 NEW = 24
 PROMPTS = [[(i * 37 + 11 * n) % 4000 + 10 for i in range(n)] for n in PROMPT_LENS]
 REGEX = r"[a-c]{3}-[0-9]{2}"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
           "required": ["n", "ok"], "additionalProperties": False}
-
-
-def cpu_reference(model: Path) -> list[list[int]]:
-    cmd = [sys.executable, "-m", "glm53.server.cli", "generate", "--model", str(model), "--max-new-tokens", str(NEW),
-           "--page-size", "16", "--ignore-eos"]
-    for p in PROMPTS:
-        cmd += ["--input-ids", ",".join(map(str, p))]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=True)
-    return [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
-
-
-async def served_greedy(url: str) -> list[list[int]]:
-    async with httpx.AsyncClient(timeout=300) as http:
-        async def one(p):
-            r = await http.post(f"{url}/generate", json={"input_ids": p, "sampling_params": {
-                "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
-            r.raise_for_status()
-            return r.json()["output_ids"]
-        return await asyncio.gather(*(one(p) for p in PROMPTS))
 
 
 def api_checks(url: str) -> dict[str, bool]:
@@ -110,7 +88,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = ensure_embedded_model()
-    cpu = cpu_reference(model)
+    cpu = cpu_reference(model, PROMPTS, NEW)
     report = {}
     for tag, pre, dec, spec in topologies(args.which, ensure_embedded_draft()):
         cfg = cluster_config(str(model), "float32", True, [0] * 5, 1024)
@@ -121,7 +99,7 @@ def main() -> None:
         t0 = time.monotonic()
         try:
             with Server(cfg, out, tag) as s:
-                gpu = asyncio.run(served_greedy(s.url))
+                gpu = asyncio.run(served_greedy(s.url, PROMPTS, NEW))
                 row = {"greedy_equal_cpu": f"{sum(a == b for a, b in zip(cpu, gpu))}/{len(PROMPTS)}"}
                 if args.which == "api":
                     row.update(api_checks(s.url))

@@ -206,13 +206,8 @@ def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req
 PROMPT_LENS = (7, 100, 300, 41, 180, 65)
 
 
-def exact_check(out: Path, new: int = 24) -> dict:
-    import httpx
-
-    from glm53.server.embedded_model import ensure_embedded_model
-
-    model = ensure_embedded_model()
-    prompts = [[(i * 37 + 11 * n) % 4000 + 10 for i in range(n)] for n in PROMPT_LENS]
+def cpu_reference(model: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Greedy outputs of `glm53-serve generate` on the CPU (the reference path)."""
     cmd = [sys.executable, "-m", "glm53.server.cli", "generate", "--model", str(model), "--max-new-tokens", str(new),
            "--page-size", "16", "--ignore-eos"]
     for p in prompts:
@@ -221,23 +216,35 @@ def exact_check(out: Path, new: int = 24) -> dict:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if res.returncode:
         raise RuntimeError(res.stderr[-3000:])
-    cpu = [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
+    return [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
 
-    async def served(url):
-        async with httpx.AsyncClient(timeout=300) as http:
-            async def one(p):
-                r = await http.post(f"{url}/generate", json={"input_ids": p, "sampling_params": {
-                    "max_new_tokens": new, "temperature": 0, "ignore_eos": True}})
-                r.raise_for_status()
-                return r.json()["output_ids"]
-            return await asyncio.gather(*(one(p) for p in prompts))
+
+async def served_greedy(url: str, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Greedy outputs of a served model for `prompts`, sent at once."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=300) as http:
+        async def one(p):
+            r = await http.post(f"{url}/generate", json={"input_ids": p, "sampling_params": {
+                "max_new_tokens": new, "temperature": 0, "ignore_eos": True}})
+            r.raise_for_status()
+            return r.json()["output_ids"]
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def exact_check(out: Path, new: int = 24) -> dict:
+    from glm53.server.embedded_model import ensure_embedded_model
+
+    model = ensure_embedded_model()
+    prompts = [[(i * 37 + 11 * n) % 4000 + 10 for i in range(n)] for n in PROMPT_LENS]
+    cpu = cpu_reference(model, prompts, new)
 
     report = {}
     for graphs in (True, False):
         tag = f"exact-graphs-{'on' if graphs else 'off'}"
         cfg = cluster_config(str(model), "float32", graphs, [0] * 5, 1024)
         with Server(cfg, out, tag) as s:
-            gpu = asyncio.run(served(s.url))
+            gpu = asyncio.run(served_greedy(s.url, prompts, new))
         same = sum(a == b for a, b in zip(cpu, gpu))
         report[tag] = {"equal": same, "of": len(prompts)}
         print(f"{tag}: {same}/{len(prompts)} greedy outputs equal to the CPU reference", flush=True)

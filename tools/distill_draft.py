@@ -43,8 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.train_tiny import (  # noqa: E402
-    DRAFT_DIMS, DraftTrainer, build_target, draft_loss, held_out, log, lr_at, save_draft, stdlib_files,
-    target_features,
+    DRAFT_DIMS, DraftTrainer, build_target, draft_loss, held_out, load_target, log, lr_at, save_draft,
+    stdlib_files, target_features,
 )
 
 KINDS = ("greedy", "sampled head", "sampled")
@@ -54,23 +54,9 @@ SAMPLED_HEAD = 24
 def load_hf_target(tdir: Path, device):
     """transformers' GlmMoeDsaForCausalLM with the checkpoint's weights (per-expert tensors
     stacked back into gate_up_proj / down_proj), frozen, eval mode."""
-    from safetensors.torch import load_file
-
     cfg = json.loads((tdir / "config.json").read_text())
     model = build_target(cfg, torch.device("cpu"))
-    sd = load_file(str(tdir / "model.safetensors"))
-    state = {}
-    for n, p in model.state_dict().items():
-        if n.endswith("experts.gate_up_proj"):
-            base = n.removesuffix(".gate_up_proj")
-            state[n] = torch.stack([torch.cat([sd[f"{base}.{e}.gate_proj.weight"], sd[f"{base}.{e}.up_proj.weight"]])
-                                    for e in range(p.shape[0])])
-        elif n.endswith("experts.down_proj"):
-            base = n.removesuffix(".down_proj")
-            state[n] = torch.stack([sd[f"{base}.{e}.down_proj.weight"] for e in range(p.shape[0])])
-        else:
-            state[n] = sd[n]
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    load_target(model, tdir)
     model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)

@@ -261,6 +261,26 @@ def save_target(model, cfg: dict, out: Path) -> None:
     save_file(out_t, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+def load_target(model, tdir: Path) -> None:
+    """The checkpoint in `tdir` into a transformers target (save_target's inverse: per-expert
+    tensors stacked back into gate_up_proj / down_proj), in fp32."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tdir / "model.safetensors"))
+    state = {}
+    for n, p in model.state_dict().items():
+        if n.endswith("experts.gate_up_proj"):
+            base = n.removesuffix(".gate_up_proj")
+            state[n] = torch.stack([torch.cat([sd[f"{base}.{e}.gate_proj.weight"], sd[f"{base}.{e}.up_proj.weight"]])
+                                    for e in range(p.shape[0])])
+        elif n.endswith("experts.down_proj"):
+            base = n.removesuffix(".down_proj")
+            state[n] = torch.stack([sd[f"{base}.{e}.down_proj.weight"] for e in range(p.shape[0])])
+        else:
+            state[n] = sd[n]
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+
+
 @torch.no_grad()
 def eval_target(model, stream, seq, n, device) -> float:
     g = torch.Generator().manual_seed(99)
@@ -547,19 +567,7 @@ def check(tmp: Path) -> None:
     log("check: our loader takes the trained-layout target (no missing/unexpected tensors)")
     # the round trip keeps the function: HF and ours agree on the logits (bf16 weights in both)
     model_b = build_target(cfg, dev)
-    from safetensors.torch import load_file
-    sd = load_file(str(tdir / "model.safetensors"))
-    reload = {}
-    for n, p in model_b.state_dict().items():
-        if n.endswith("experts.gate_up_proj"):
-            base = n.removesuffix(".gate_up_proj")
-            reload[n] = torch.stack([torch.cat([sd[f"{base}.{e}.gate_proj.weight"], sd[f"{base}.{e}.up_proj.weight"]]) for e in range(p.shape[0])])
-        elif n.endswith("experts.down_proj"):
-            base = n.removesuffix(".down_proj")
-            reload[n] = torch.stack([sd[f"{base}.{e}.down_proj.weight"] for e in range(p.shape[0])])
-        else:
-            reload[n] = sd[n]
-    model_b.load_state_dict({k: v.float() for k, v in reload.items()})
+    load_target(model_b, tdir)
     model_b.eval()
     x = torch.randint(0, 4000, (1, 8))  # dense (<= index_topk): no top-k ties from random relu scores
     with torch.no_grad():

@@ -271,3 +271,16 @@ class _Choice:
             out.append(Delta(text, ids, self.index, lps, tops, shown=len(visible)))
         out.append(Outcome(finish, matched, prompt_tokens, self.n_out, index=self.index))
         return out
+
+
+def start_all(state: RouterState, specs: list[RequestSpec]) -> list[Generation]:
+    """Submit every request, or none: if one cannot be placed, those already submitted are aborted."""
+    started: list[Generation] = []
+    try:
+        for spec in specs:
+            started.append(Generation(state, spec))
+    except APIError:
+        for g in started:
+            g.cancel()
+        raise
+    return started

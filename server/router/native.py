@@ -23,15 +23,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from glm53.server.router import structured
-from glm53.server.protocol import RequestSpec
 from glm53.server.router.bodies import BodyRoute
-from glm53.server.router.generation import Delta, Generation, Outcome, RouterState
+from glm53.server.router.generation import Delta, Generation, Outcome, RouterState, start_all
 from glm53.server.router.intake import (Penalties, State, check_internal, ids_prompt, request_id, request_spec,
                                         stop_list, text_prompt_ids)
 from glm53.server.router.logprobs import Texts, sglang_tokens, sglang_tops
 from glm53.server.router.schemas import APIError, GenerateRequestBody, GenerateSamplingParams
-from glm53.server.router.sse import SSE_DONE, SSE_HEADERS, Collected, collect, sse, until_disconnect
-from glm53.server.router.sse import event_stream
+from glm53.server.router.sse import (SSE_DONE, SSE_HEADERS, Collected, collect_all, event_stream, sse,
+                                     until_disconnect)
 
 router = APIRouter(route_class=BodyRoute)
 
@@ -144,7 +143,7 @@ async def generate_native(body: GenerateRequestBody, request: Request, state: St
                                                            "repetition_penalty")}}))
     is_list = not single or specs[0].n > 1
     t0 = time.monotonic()
-    gens = _start_all(state, specs)
+    gens = start_all(state, specs)
     texts = Texts(state.tokenizer) if with_text else None
     if body.stream:
         if len(gens) == 1:
@@ -153,14 +152,7 @@ async def generate_native(body: GenerateRequestBody, request: Request, state: St
         return StreamingResponse(_merged_events(gens, texts, t0, count), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
-    async def run_all():
-        try:
-            return await asyncio.gather(*(collect(g) for g in gens))
-        finally:
-            for g in gens:
-                g.cancel()
-
-    res = await until_disconnect(request, run_all())
+    res = await until_disconnect(request, collect_all(gens))
     if res is None:
         return Response(status_code=499)
     items = []
@@ -175,17 +167,6 @@ def _prompt_ids(state: RouterState, prompts: list[Any], field: str) -> list[list
     return [text_prompt_ids(state, p, field) if isinstance(p, str) else ids_prompt(state, list(p), field)
             for p in prompts]
 
-
-def _start_all(state: RouterState, specs: list[RequestSpec]) -> list[Generation]:
-    started: list[Generation] = []
-    try:
-        for spec in specs:
-            started.append(Generation(state, spec))
-    except APIError:
-        for g in started:
-            g.cancel()
-        raise
-    return started
 
 
 def _item(gen: Generation, text: str, ids: list[int], lp: Collected | None, o: Outcome | None,

@@ -8,17 +8,16 @@ sequences); logprobs are log_softmax of the model's raw logits (logprobs.py).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from glm53.server.protocol import MAX_CHOICES, RequestSpec
+from glm53.server.protocol import MAX_CHOICES
 from glm53.server.router import structured
 from glm53.server.router.bodies import BodyRoute
-from glm53.server.router.generation import Delta, Generation, Outcome, RouterState, total_usage
+from glm53.server.router.generation import Delta, Generation, Outcome, RouterState, start_all, total_usage
 from glm53.server.router.intake import (Penalties, State, chat_prompt_ids, check_internal, check_model,
                                         check_unsupported, ids_prompt, request_id, request_spec, stop_list,
                                         text_prompt_ids)
@@ -26,7 +25,8 @@ from glm53.server.router.logprobs import Texts, chat_content, completion_logprob
 from glm53.server.router.parsers.chat import ChatParsing, check_tool_choice
 from glm53.server.router.parsers.reasoning import THINK_END
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, _Sampling
-from glm53.server.router.sse import SSE_HEADERS, Collected, collect, event_stream, sse, until_disconnect
+from glm53.server.router.sse import (SSE_HEADERS, Collected, collect, collect_all, event_stream, sse,
+                                     until_disconnect)
 
 router = APIRouter(route_class=BodyRoute)
 
@@ -249,16 +249,9 @@ async def completions(body: CompletionRequest, request: Request, state: State):
         gen = Generation(state, specs[0])
         return StreamingResponse(_completion_events(state, gen, base, body.stream_options, echoes[0]),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
-    gens = _start_all(state, specs)
+    gens = start_all(state, specs)
 
-    async def run_all():
-        try:
-            return await asyncio.gather(*(collect(g) for g in gens))
-        finally:
-            for g in gens:
-                g.cancel()
-
-    res = await until_disconnect(request, run_all())
+    res = await until_disconnect(request, collect_all(gens))
     if res is None:
         return Response(status_code=499)
     texts = Texts(state.tokenizer)
@@ -312,18 +305,6 @@ def _completion_prompts(state: RouterState, body: CompletionRequest) -> tuple[li
     echoes = [state.tokenizer.decode(ids, body.skip_special_tokens) if body.echo else "" for ids in out]
     return out, echoes
 
-
-def _start_all(state: RouterState, specs: list[RequestSpec]) -> list[Generation]:
-    """Submit every prompt, or none: if one cannot be placed, those already submitted are aborted."""
-    started: list[Generation] = []
-    try:
-        for spec in specs:
-            started.append(Generation(state, spec))
-    except APIError:
-        for g in started:
-            g.cancel()
-        raise
-    return started
 
 
 def _completion_events(state: RouterState, gen: Generation, base: dict, opts: StreamOptions | None,

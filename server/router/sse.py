@@ -64,6 +64,15 @@ async def collect(gen: Generation) -> list[Collected]:
     return out
 
 
+async def collect_all(gens: list[Generation]) -> list[list[Collected]]:
+    """Every generation whole, in order; all of them are cancelled if this is (client gone)."""
+    try:
+        return await asyncio.gather(*(collect(g) for g in gens))
+    finally:
+        for g in gens:
+            g.cancel()
+
+
 async def until_disconnect(request: Request, coro: Any) -> Any:
     """Await `coro`, cancelling it (which aborts its room) if the client goes away."""
     task = asyncio.ensure_future(coro)
