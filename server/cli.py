@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 import yaml
 
-from glm53.server.config import ClusterConfig, ConfigError, check_model_fit, load_config
+from glm53.server.config import ClusterConfig, ConfigError, load_config
+from glm53.server.model_fit import check_model_fit
 from glm53.server.supervisor import Event, RestartPolicy, RunDir, Supervisor
 
 log = logging.getLogger("glm53.serve")

@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from glm53.models import GlmConfig, OutOfPages, PageAllocator
-from glm53.server.config import ClusterConfig, InstanceConfig, check_model_fit
+from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.model_fit import check_model_fit
 from glm53.server.engine.group import LocalWorkers, WorkerGroup
 from glm53.server.engine.processes import ProcessWorkers, RanksLost
 from glm53.server.engine.worker import rank_specs

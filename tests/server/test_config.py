@@ -274,7 +274,7 @@ def test_kv_capacity_from_num_pages_or_tokens(tmp_path):
 
 
 def test_tp_must_split_the_model(tmp_path, model_dir):
-    from glm53.server.config import check_model_fit
+    from glm53.server.model_fit import check_model_fit
 
     d = base()
     d["decode"][0]["tp"] = 2
@@ -290,7 +290,7 @@ def test_the_draft_must_fit_the_model(tmp_path, model_dir):
     import json
 
     from glm53.models import write_random_draft
-    from glm53.server.config import check_model_fit
+    from glm53.server.model_fit import check_model_fit
 
     draft = write_random_draft(tmp_path / "draft", model_dir, n_layers=1, block_size=4)
     d = base()
