@@ -43,8 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.train_tiny import (  # noqa: E402
-    DRAFT_DIMS, DraftTrainer, build_target, draft_loss, held_out, load_target, log, lr_at, save_draft,
-    stdlib_files, target_features,
+    DRAFT_DIMS, DraftTrainer, StepBudget, build_target, draft_loss, held_out, load_target, log, lr_at,
+    save_draft, stdlib_files, target_features,
 )
 
 KINDS = ("greedy", "sampled head", "sampled")
@@ -193,18 +193,12 @@ def train(draft, model, data, held, a, device) -> None:
     g = torch.Generator().manual_seed(2)
     seqs_d = seqs.to(device)
     full_b = draft.B
-    total = a.draft_steps or 10**9
-    t0 = time.time()
+    budget = StepBudget(a.draft_steps, a.draft_seconds, "draft")
     step = 0
-    while step < total:
-        if not a.draft_steps and step == 10:
-            t10 = time.time()
-        if not a.draft_steps and step == 40:
-            rate = 30 / (time.time() - t10)
-            total = max(60, int((a.draft_seconds - (t10 - t0)) * rate) + 10)
-            log(f"draft: {rate:.2f} steps/s -> {total} steps")
+    while step < budget.total:
+        budget.tick(step)
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, total, a.draft_lr, 30)
+            grp["lr"] = lr_at(step, budget.total, a.draft_lr, 30)
         idx = torch.randint(0, len(seqs), (a.batch,), generator=g)
         x = seqs_d[idx.to(device)]
         # every 4th step a half block, so serving with num_draft_tokens < B is trained too
@@ -219,12 +213,12 @@ def train(draft, model, data, held, a, device) -> None:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 100 == 0 or step == total - 1:  # (a step % 4 == 0: full block)
+        if step % 100 == 0 or step == budget.total - 1:  # (a step % 4 == 0: full block)
             msg = f"draft step {step:5d} loss {loss.item():.3f} accepted {acc.item():.2f}"
-            if step % 500 == 0 or step == total - 1:
+            if step % 500 == 0 or step == budget.total - 1:
                 hl, ha = held_accept(draft, model, *held[:2], a, device, draft.B)
                 msg += f" | held-out loss {hl:.3f} accepted {ha:.2f}"
-            log(msg + f" {time.time() - t0:.0f}s")
+            log(msg + f" {budget.elapsed():.0f}s")
         step += 1
 
 

@@ -129,6 +129,30 @@ def batch_from(stream: torch.Tensor, n: int, seq: int, g: torch.Generator, devic
     return torch.stack([stream[s : s + seq] for s in starts.tolist()]).long().to(device)
 
 
+class StepBudget:
+    """How many steps a training run takes: `steps` when given, else as many as fit `seconds`,
+    from the rate of steps 10..40 (after the warm-up). `total` is the step count so far."""
+
+    def __init__(self, steps: int, seconds: float, name: str):
+        self.steps, self.seconds, self.name = steps, seconds, name
+        self.total = steps or 10**9
+        self.t0 = time.time()
+        self.t10 = 0.0
+
+    def tick(self, step: int) -> None:
+        if self.steps:
+            return
+        if step == 10:
+            self.t10 = time.time()
+        elif step == 40:
+            rate = 30 / (time.time() - self.t10)
+            self.total = max(60, int((self.seconds - (self.t10 - self.t0)) * rate) + 10)
+            log(f"{self.name}: {rate:.2f} steps/s -> {self.total} steps")
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -301,18 +325,12 @@ def train_target(model, train, held, a, device) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=a.target_lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(1)
     model.train()
-    total = a.target_steps or 10**9
-    t0 = time.time()
+    budget = StepBudget(a.target_steps, a.target_seconds, "target")
     step = 0
-    while step < total:
-        if not a.target_steps and step == 10:
-            t10 = time.time()
-        if not a.target_steps and step == 40:  # steps/s after the warm-up fixes the step count
-            rate = 30 / (time.time() - t10)
-            total = max(60, int((a.target_seconds - (t10 - t0)) * rate) + 10)
-            log(f"target: {rate:.2f} steps/s -> {total} steps")
+    while step < budget.total:
+        budget.tick(step)
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, total, a.target_lr, 30)
+            grp["lr"] = lr_at(step, budget.total, a.target_lr, 30)
         x = batch_from(train, a.batch, a.seq + 1, g, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(x[:, :-1]).logits
@@ -323,8 +341,8 @@ def train_target(model, train, held, a, device) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         worst = bal.update()
-        if step % 50 == 0 or step == total - 1:
-            el = time.time() - t0
+        if step % 50 == 0 or step == budget.total - 1:
+            el = budget.elapsed()
             log(f"target step {step:5d} loss {lm.item():.3f} indexer_kl {float(ix.detach()):.3f} load_max/mean {worst:.2f} "
                 f"{(step + 1) * a.batch * a.seq / el / 1e3:.0f}K tok/s {el:.0f}s")
         step += 1
@@ -474,19 +492,13 @@ def train_draft(draft, model, train, held, a, device) -> None:
     lm_head = model.lm_head.weight.detach()
     opt = torch.optim.AdamW(draft.parameters(), lr=a.draft_lr, betas=(0.9, 0.95), weight_decay=0.01, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(2)
-    total = a.draft_steps or 10**9
-    t0 = time.time()
+    budget = StepBudget(a.draft_steps, a.draft_seconds, "draft")
     step = 0
     model.eval()
-    while step < total:
-        if not a.draft_steps and step == 10:
-            t10 = time.time()
-        if not a.draft_steps and step == 40:  # steps/s after the warm-up fixes the step count
-            rate = 30 / (time.time() - t10)
-            total = max(60, int((a.draft_seconds - (t10 - t0)) * rate) + 10)
-            log(f"draft: {rate:.2f} steps/s -> {total} steps")
+    while step < budget.total:
+        budget.tick(step)
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, total, a.draft_lr, 30)
+            grp["lr"] = lr_at(step, budget.total, a.draft_lr, 30)
         x = batch_from(train, a.batch, a.seq, g, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             with torch.no_grad():
@@ -497,9 +509,9 @@ def train_draft(draft, model, train, held, a, device) -> None:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == total - 1:
+        if step % 50 == 0 or step == budget.total - 1:
             log(f"draft step {step:5d} loss {loss.item():.3f} accepted(teacher-forced) {acc_len.item():.2f} "
-                f"{time.time() - t0:.0f}s")
+                f"{budget.elapsed():.0f}s")
         step += 1
 
 
