@@ -62,10 +62,10 @@ class WorkerGroup(abc.ABC):
         """Once per scheduler step: deliver queued transfer operations to every rank and refresh
         their transfer states (ranks in other processes only)."""
 
+    @abc.abstractmethod
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy pages src[i] -> dst[i] in every KV pool of every rank, before the next forward
         (decode: the prompt's KV for each further choice of an n > 1 request)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot copy KV pages")
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
