@@ -1,0 +1,209 @@
+"""Where a GPU step's time goes, and prefill against the matmul roofline (made for the device tool).
+
+1. `decode`: the slice's decode step (CUDA graphs, as served) at the given batch sizes with
+   4K-token contexts, under `torch.profiler`: wall time per step, GPU kernel time per step, and
+   the kernels that take it, grouped by name (kernels inside graph replays are recorded too).
+2. `prefill`: one 4K-token prompt prefilled in one chunk: time, the model's real FLOPs for it
+   (every projection it runs, experts by top-k, sparse MLA over the selected rows, the indexer
+   over the causal context) and the bf16 matmul throughput measured in the same run on the
+   prefill's own large GEMM shapes; prints the fraction of it the prefill reaches, and its kernels.
+
+    python3 benchmarks/gpu_profile.py --out DIR [--phases decode,prefill] [--slice DIR] [--sizes 1 64]
+
+The slice is written as benchmarks/gpu_e2e.py writes it. A JSON report goes to DIR/gpu_profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def kernel_table(prof, steps: int, top: int) -> tuple[float, list[dict]]:
+    """(GPU kernel µs per step, [{name, us_per_step, calls_per_step}] largest first)."""
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if us <= 0 or ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        rows.append({"name": ev.key[:110], "us_per_step": us / steps, "calls_per_step": ev.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return sum(r["us_per_step"] for r in rows), rows[:top]
+
+
+def print_table(title: str, total_us: float, rows: list[dict]) -> None:
+    print(f"{title}: GPU kernels {total_us:8.1f} us/step", flush=True)
+    for r in rows:
+        print(f"   {r['us_per_step']:8.1f} us {r['calls_per_step']:5.1f}x  {r['name']}", flush=True)
+
+
+def profile(fn, steps: int):
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
+# -- decode ------------------------------------------------------------------------------------
+def decode_profile(model_dir: Path, sizes: list[int], ctx: int, steps: int, top: int) -> list[dict]:
+    from glm53.models import ModelRunner, SeqChunk
+    from glm53.models.graph import GraphConfig
+
+    base = ModelRunner.from_dir(model_dir, page_size=64, num_pages=1, device="cuda", progress=False)
+    need = -(-(ctx + 4 * steps + 64) // 64)
+    runner = ModelRunner(base.model, num_pages=need * max(sizes), page_size=64, device="cuda",
+                         graphs=GraphConfig(max_bs=max(sizes), max_context=need * 64))
+    for _, pool in runner.pools:
+        pool.tensor.normal_()
+    report = []
+    for bs in sizes:
+        state = {"it": 0, "toks": [1] * bs}
+
+        def step():
+            it = state["it"]
+            chunks = [SeqChunk([state["toks"][i]], ctx + it, list(range(i * need, (i + 1) * need))) for i in range(bs)]
+            logits = runner.forward(chunks)
+            state["toks"] = torch.cat(logits).argmax(-1).tolist()
+            state["it"] = it + 1
+
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        wall = statistics.median(times) * 1e3
+        prof = profile(step, steps)
+        gpu_us, rows = kernel_table(prof, steps, top)
+        print_table(f"decode bs {bs}: wall {wall:.2f} ms/step", gpu_us, rows)
+        report.append({"bs": bs, "wall_ms": wall, "gpu_us": gpu_us, "kernels": rows})
+    return report
+
+
+# -- prefill -----------------------------------------------------------------------------------
+def prefill_flops(cfg, model, n: int) -> dict:
+    """FLOPs of prefilling n tokens from position 0 (one logit row)."""
+    from glm53.models.config import FULL
+
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    dense = experts = head = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name or p.dim() < 2:
+            continue
+        if ".experts." in name:
+            experts += 2 * n * k * p.numel() // e
+        elif "lm_head" in name:
+            head += 2 * p.numel()
+        else:
+            dense += 2 * n * p.numel()  # kv_b_proj too: absorbed into q and o, same count
+    r, rope, h = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads
+    sel = sum(min(t + 1, cfg.index_topk) for t in range(n))  # rows each token's top-k holds
+    attn = cfg.num_hidden_layers * h * sel * (2 * (r + rope) + 2 * r)
+    causal = n * (n + 1) // 2
+    full = sum(1 for t in cfg.indexer_types if t == FULL)
+    indexer = full * causal * cfg.index_n_heads * cfg.index_head_dim * 2
+    parts = {"dense": dense, "experts": experts, "head": head, "sparse_mla": attn, "indexer": indexer}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def matmul_tflops(shapes: list[tuple[int, int, int]], reps: int = 20) -> dict:
+    """bf16 torch.matmul throughput (TFLOP/s) for [m, k] @ [k, n] shapes."""
+    out = {}
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize()
+        s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            a @ b
+        t.record()
+        torch.cuda.synchronize()
+        out[f"{m}x{k}x{n}"] = 2 * m * k * n * reps / (s.elapsed_time(t) / 1e3) / 1e12
+    return out
+
+
+def prefill_profile(model_dir: Path, n: int, reps: int, top: int) -> dict:
+    from glm53.models import ModelRunner, SeqChunk
+
+    pages = -(-n // 64) + 1
+    runner = ModelRunner.from_dir(model_dir, page_size=64, num_pages=pages, device="cuda", progress=False)
+    cfg = runner.cfg
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+
+    def run():
+        runner.forward([SeqChunk(ids, 0, list(range(pages)))])
+
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    sec = statistics.median(times)
+    flops = prefill_flops(cfg, runner.model, n)
+    h, i, q = cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_lora_rank
+    mm = matmul_tflops([(n, h, q), (n, q, cfg.num_attention_heads * cfg.qk_head_dim), (n * cfg.num_experts_per_tok // max(cfg.n_routed_experts, 1), h, 2 * i), (8192, 8192, 8192)])
+    peak = max(mm.values())
+    achieved = flops["total"] / sec / 1e12
+    print(f"prefill {n} tokens: {sec * 1e3:.1f} ms, {flops['total'] / 1e12:.2f} TFLOP "
+          f"({', '.join(f'{k} {v / 1e12:.2f}' for k, v in flops.items() if k != 'total')}) -> {achieved:.0f} TFLOP/s; "
+          f"bf16 matmul {', '.join(f'{k}: {v:.0f}' for k, v in mm.items())} TFLOP/s -> {achieved / peak:.0%} of the best",
+          flush=True)
+    prof = profile(run, 2)
+    gpu_us, rows = kernel_table(prof, 2, top)
+    print_table(f"prefill {n}", gpu_us, rows)
+    return {"tokens": n, "ms": sec * 1e3, "flops": flops, "tflops": achieved, "matmul_tflops": mm,
+            "fraction": achieved / peak, "gpu_us": gpu_us, "kernels": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--phases", default="decode,prefill")
+    ap.add_argument("--slice", default="/tmp/glm5-slice")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    from gpu_e2e import ensure_slice
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slice_dir = ensure_slice(Path(a.slice))
+    report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(a)}
+    if "decode" in a.phases:
+        report["decode"] = decode_profile(slice_dir, a.sizes, a.context, a.steps, a.top)
+        torch.cuda.empty_cache()
+    if "prefill" in a.phases:
+        report["prefill"] = prefill_profile(slice_dir, a.context, 3, a.top)
+    (out / "gpu_profile.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
