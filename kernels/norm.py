@@ -1,16 +1,31 @@
-"""Normalisations: RMSNorm (model, MLA latents) and LayerNorm with bias (indexer keys)."""
+"""Normalisations: RMSNorm (model, MLA latents) and LayerNorm with bias (indexer keys).
+
+`rms_norm` runs the Triton kernel (`norm_triton.py`) where `dispatch.use_triton` says so and the
+weight is one vector; the reference (`rms_norm_reference`) otherwise."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from glm53.kernels.dispatch import use_triton
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32, cast back, then scale (the reference's order of operations).
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim. `out` (optional, may be x itself) receives the result."""
+    if use_triton(x) and weight.dim() == 1 and x.stride(-1) == 1:
+        from glm53.kernels.norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, out)
+    y = rms_norm_reference(x, weight, eps)
+    return y if out is None else out.copy_(y)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

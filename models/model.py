@@ -99,10 +99,10 @@ class Indexer(nn.Module):
         n, rope = x.shape[0], cfg.qk_rope_head_dim
         q = self.wq_b(q_resid).view(n, cfg.index_n_heads, cfg.index_head_dim)
         k = layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_KEY_NORM_EPS)
-        # The indexer's head layout is [rope | nope], the opposite of MLA's.
+        # The indexer's head layout is [rope | nope], the opposite of MLA's; rotated in place.
         il = cfg.indexer_rope_interleave
-        q = torch.cat([apply_rope(q[..., :rope], cos, sin, il), q[..., rope:]], dim=-1)
-        k = torch.cat([apply_rope(k[..., :rope], cos, sin, il), k[..., rope:]], dim=-1)
+        apply_rope(q[..., :rope], cos, sin, il, out=q[..., :rope])
+        apply_rope(k[..., :rope], cos, sin, il, out=k[..., :rope])
         cache = kv.view(INDEX_K, layer)
         kv.write(cache, batch.out_slots, k)
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
@@ -136,13 +136,13 @@ class Attention(nn.Module):
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_resid = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LATENT_NORM_EPS)
         q = self.q_b_proj(q_resid).view(n, h, cfg.qk_head_dim)
-        q_nope, q_pe = q[..., :nope], q[..., nope:]
+        # The latent row [norm(c) | rope(k_pe)] is built in place in the projection's output and
+        # the query [W_UK q_nope | rope(q_pe)] in one buffer: no cats (each a launch and a copy).
         ckv = self.kv_a_proj_with_mqa(x)
-        c = rms_norm(ckv[:, :r], self.kv_a_layernorm.weight, LATENT_NORM_EPS)
-        q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
-        k_pe = apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave)
+        rms_norm(ckv[:, :r], self.kv_a_layernorm.weight, LATENT_NORM_EPS, out=ckv[:, :r])
+        apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave, out=ckv[:, r:])
         cache = kv.view(LATENT, self.layer)
-        kv.write(cache, batch.out_slots, torch.cat([c, k_pe], dim=-1))
+        kv.write(cache, batch.out_slots, ckv)
 
         if self.indexer is not None:
             topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer)
@@ -151,8 +151,9 @@ class Attention(nn.Module):
 
         # Absorbed form: fold W_UK into the query and W_UV into the output (per head).
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
-        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w[:, :nope])
-        q_all = torch.cat([q_lat, q_pe], dim=-1)
+        q_all = torch.empty(n, h, r + cfg.qk_rope_head_dim, dtype=q.dtype, device=q.device)
+        torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope], out=q_all[..., :r].transpose(0, 1))
+        apply_rope(q[..., nope:], cos, sin, cfg.rope_interleave, out=q_all[..., r:])
         o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r)
         o = torch.einsum("nhr,hvr->nhv", o_lat, w[:, nope:])
         return self.o_proj(o.reshape(n, h * cfg.v_head_dim)), topk_slots

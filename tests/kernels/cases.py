@@ -8,6 +8,8 @@ import torch
 
 from glm53.kernels import index_cache_fp8
 from glm53.kernels.moe import moe_experts, moe_experts_reference
+from glm53.kernels.norm import rms_norm, rms_norm_reference
+from glm53.kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rope_inv_freq
 from glm53.kernels.indexer_logits import (
     indexer_logits,
     indexer_logits_fp8,
@@ -205,3 +207,49 @@ def check_moe(N, H, I, E, k, dtype=torch.bfloat16, device="cpu", n_empty=0, ids_
     assert err <= (tol or (1e-2 if dtype == torch.bfloat16 else 1e-5)), err
     assert torch.equal(run(), out), "two runs differ: the result must be deterministic"
     return err
+
+
+def check_rms_norm(N, D, dtype, device="cpu", w_dtype=None, col0=0):
+    """The public op (Triton here) on rows that are a column slice of a wider tensor (strided
+    rows, as the MLA latent's norm runs), new and in place, against the reference: equal up to
+    one rounding of the output dtype (the fp32 sum runs in another order)."""
+    base = torch.randn(N, col0 + D + 3, device=device).to(dtype) * 3
+    x = base[:, col0 : col0 + D]
+    w = (torch.rand(D, device=device) + 0.5).to(w_dtype or dtype)
+    ref = rms_norm_reference(x.clone(), w, 1e-6)
+    out = rms_norm(x, w, 1e-6)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: one or two units in the last place
+    assert torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol), (out.float() - ref.float()).abs().max()
+    if out.dtype != dtype:
+        return
+    untouched = base.clone()
+    rms_norm(x, w, 1e-6, out=x)
+    assert torch.equal(x, out.to(dtype)), "in place differs from out of place"
+    assert torch.equal(base[:, :col0], untouched[:, :col0]) and torch.equal(base[:, col0 + D:], untouched[:, col0 + D:])
+
+
+def check_rope(N, H, R, dtype, interleave, device="cpu", lead=0):
+    """Rotation of a slice [lead, lead + R) of each head (strided, as MLA's q_pe) into a new
+    tensor, into a slice of another buffer and in place, against the reference: bit-equal in
+    bf16 on a GPU (the kernel rounds each product like torch), within fp32 rounding in fp32.
+    The interpreter truncates fp32 -> bf16 casts instead of rounding them, so on CPU bf16 is
+    compared within two units in the last place."""
+    x_full = torch.randn(N, H, lead + R, device=device).to(dtype)
+    x = x_full[..., lead:] if H > 1 else x_full[:, 0, lead:]
+    pos = torch.randint(0, 100000, (N,), device=device)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(R, 1e6, device))
+    ref = apply_rope_reference(x, cos, sin, interleave)
+    out = apply_rope(x, cos, sin, interleave)
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    elif torch.device(device).type == "cuda":
+        assert torch.equal(out, ref)
+    else:
+        assert torch.allclose(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+    dst = torch.randn(N, H, R + 5, device=device).to(dtype)
+    apply_rope(x, cos, sin, interleave, out=dst[..., 5:] if H > 1 else dst[:, 0, 5:])
+    assert torch.equal((dst[..., 5:] if H > 1 else dst[:, 0, 5:]), out)
+    keep = x_full[..., :lead].clone()
+    apply_rope(x, cos, sin, interleave, out=x)
+    assert torch.equal(x, out) and torch.equal(x_full[..., :lead], keep)

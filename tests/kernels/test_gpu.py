@@ -123,3 +123,18 @@ def test_moe_glm5(N, E):
 def test_moe_fp32_and_odd_shapes():
     cases.check_moe(200, 320, 96, 12, 6, dtype=torch.float32, device=DEV, n_empty=3)
     cases.check_moe(33, 6144, 2048, 16, 8, dtype=torch.bfloat16, device=DEV, ids_dtype=torch.int32)
+
+
+# ---- RMSNorm and RoPE at GLM-5 widths ---------------------------------------------------------
+@pytest.mark.parametrize("N", [1, 64, 4096])
+def test_rms_norm_glm5(N):
+    cases.check_rms_norm(N, 6144, torch.bfloat16, device=DEV)
+    cases.check_rms_norm(N, 512, torch.bfloat16, device=DEV, col0=0)  # the latent slice of [c | k_pe]
+    cases.check_rms_norm(N, 2048, torch.float32, device=DEV)
+
+
+@pytest.mark.parametrize("N", [1, 64, 4096])
+def test_rope_glm5(N):
+    cases.check_rope(N, 64, 64, torch.bfloat16, True, device=DEV, lead=192)  # MLA q_pe
+    cases.check_rope(N, 1, 64, torch.bfloat16, True, device=DEV, lead=512)  # MLA k_pe
+    cases.check_rope(N, 32, 64, torch.float32, False, device=DEV)  # indexer-like, NeoX

@@ -307,3 +307,16 @@ def test_moe_small_tiles_many_blocks():
 
     cfg = MoEConfig(BM=16, BN1=32, BN2=64, BK=32, GROUP_M=3, num_warps=1, num_stages=1)
     cases.check_moe(24, 80, 48, 4, 2, dtype=torch.bfloat16, n_empty=1, ids_dtype=torch.int32, config=cfg)
+
+
+# ---- RMSNorm and RoPE (one kernel each instead of ~8 and ~10 elementwise ones) ---------------
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)])
+def test_rms_norm_against_reference(dtype, w_dtype):
+    cases.check_rms_norm(7, 96, dtype, w_dtype=w_dtype, col0=5)  # D not a power of two, strided rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_against_reference(dtype, interleave):
+    cases.check_rope(5, 20, 16, dtype, interleave, lead=12)  # heads past one block, a strided slice
+    cases.check_rope(3, 1, 8, dtype, interleave, lead=4)  # 2-D [N, R]
