@@ -271,6 +271,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--requests", type=int, default=8, help="requests per point (at least the concurrency)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--graphs", choices=["both", "on", "off"], default="both", help="serve phase: CUDA graphs")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -300,7 +301,7 @@ def main() -> None:
         save()
     if "serve" in phases:
         report["serve"] = []
-        for graphs in (True, False):
+        for graphs in {"both": (True, False), "on": (True,), "off": (False,)}[a.graphs]:
             report["serve"] += serve_sweep(slice_dir, out, graphs, a.concurrency, a.requests, a.input_len,
                                            a.output_len)
             save()

@@ -206,7 +206,7 @@ def sort_pairs(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.T
     """(order, seg): `order[p]` is the pair index (t·k + j) at sorted position p (experts
     ascending, tokens ascending within an expert); expert e owns positions seg[e] .. seg[e+1].
     Device-side only (sort + searchsorted; no bincount, whose CUDA version reads the max back)."""
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).to(torch.int32)  # 32-bit keys: half the radix passes of int64 ids
     sorted_ids, order = torch.sort(flat, stable=True)
     bounds = torch.arange(n_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
     seg = torch.searchsorted(sorted_ids, bounds, out_int32=True)

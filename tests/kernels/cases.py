@@ -231,10 +231,10 @@ def check_rms_norm(N, D, dtype, device="cpu", w_dtype=None, col0=0):
 
 def check_rope(N, H, R, dtype, interleave, device="cpu", lead=0):
     """Rotation of a slice [lead, lead + R) of each head (strided, as MLA's q_pe) into a new
-    tensor, into a slice of another buffer and in place, against the reference: bit-equal in
-    bf16 on a GPU (the kernel rounds each product like torch), within fp32 rounding in fp32.
-    The interpreter truncates fp32 -> bf16 casts instead of rounding them, so on CPU bf16 is
-    compared within two units in the last place."""
+    tensor, into a slice of another buffer and in place, against the reference: in bf16 within
+    one unit in the last place on a GPU (the kernel rounds each product like torch, but the
+    compiler may contract a product and a difference), two under the interpreter (which
+    truncates fp32 -> bf16 casts instead of rounding them); in fp32 within fp32 rounding."""
     x_full = torch.randn(N, H, lead + R, device=device).to(dtype)
     x = x_full[..., lead:] if H > 1 else x_full[:, 0, lead:]
     pos = torch.randint(0, 100000, (N,), device=device)
@@ -243,10 +243,9 @@ def check_rope(N, H, R, dtype, interleave, device="cpu", lead=0):
     out = apply_rope(x, cos, sin, interleave)
     if dtype == torch.float32:
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-    elif torch.device(device).type == "cuda":
-        assert torch.equal(out, ref)
     else:
-        assert torch.allclose(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+        ulp = 2**-7 if torch.device(device).type == "cuda" else 2**-6
+        assert torch.allclose(out.float(), ref.float(), rtol=ulp, atol=ulp), (out.float() - ref.float()).abs().max()
     dst = torch.randn(N, H, R + 5, device=device).to(dtype)
     apply_rope(x, cos, sin, interleave, out=dst[..., 5:] if H > 1 else dst[:, 0, 5:])
     assert torch.equal((dst[..., 5:] if H > 1 else dst[:, 0, 5:]), out)
