@@ -24,7 +24,26 @@ def route(
     norm_topk_prob: bool,
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weights [N, top_k] fp32, expert ids [N, top_k])."""
+    """Returns (weights [N, top_k] fp32, expert ids [N, top_k] int64). After the router GEMM, the
+    Triton kernel (`route_triton.py`) where `use_triton` says so and selection is not grouped."""
+    if use_triton(x) and n_group <= 1:
+        from glm53.kernels.route_triton import route_triton
+
+        logits = F.linear(x.float(), gate_weight.float())
+        return route_triton(logits, correction_bias.float(), top_k, norm_topk_prob, scaling)
+    return route_reference(x, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
+
+
+def route_reference(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     scores = F.linear(x.float(), gate_weight.float()).sigmoid()
     choice = scores + correction_bias.float()
     n, e = choice.shape

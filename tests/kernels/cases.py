@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from glm53.kernels import index_cache_fp8
-from glm53.kernels.moe import moe_experts, moe_experts_reference
+from glm53.kernels.moe import moe_experts, moe_experts_reference, route, route_reference
 from glm53.kernels.norm import rms_norm, rms_norm_reference
 from glm53.kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rope_inv_freq
 from glm53.kernels.indexer_logits import (
@@ -252,3 +252,17 @@ def check_rope(N, H, R, dtype, interleave, device="cpu", lead=0):
     keep = x_full[..., :lead].clone()
     apply_rope(x, cos, sin, interleave, out=x)
     assert torch.equal(x, out) and torch.equal(x_full[..., :lead], keep)
+
+
+def check_route(N, H, E, k, norm=True, device="cpu"):
+    """Routing (Triton here) against the torch reference on random tokens, router and bias:
+    the same experts in the same order, weights within fp32 rounding."""
+    x = torch.randn(N, H, device=device).to(torch.bfloat16)
+    gate = torch.randn(E, H, device=device) * H**-0.5
+    bias = torch.randn(E, device=device) * 0.1
+    args = (x, gate, bias, k, 1, 1, norm, 2.5)
+    w, ids = route(*args)
+    w_ref, ids_ref = route_reference(*args)
+    assert ids.dtype == ids_ref.dtype and w.dtype == torch.float32
+    assert torch.equal(ids, ids_ref)
+    assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6), (w - w_ref).abs().max()

@@ -138,3 +138,9 @@ def test_rope_glm5(N):
     cases.check_rope(N, 64, 64, torch.bfloat16, True, device=DEV, lead=192)  # MLA q_pe
     cases.check_rope(N, 1, 64, torch.bfloat16, True, device=DEV, lead=512)  # MLA k_pe
     cases.check_rope(N, 32, 64, torch.float32, False, device=DEV)  # indexer-like, NeoX
+
+
+@pytest.mark.parametrize("N", [1, 64, 4096])
+@pytest.mark.parametrize("E", [16, 256])
+def test_route_glm5(N, E):
+    cases.check_route(N, 6144, E, 8, device=DEV)

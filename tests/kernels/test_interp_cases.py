@@ -320,3 +320,8 @@ def test_rms_norm_against_reference(dtype, w_dtype):
 def test_rope_against_reference(dtype, interleave):
     cases.check_rope(5, 20, 16, dtype, interleave, lead=12)  # heads past one block, a strided slice
     cases.check_rope(3, 1, 8, dtype, interleave, lead=4)  # 2-D [N, R]
+
+
+@pytest.mark.parametrize("N,E,k,norm", [(5, 16, 8, True), (3, 12, 3, False), (1, 64, 6, True)])
+def test_route_against_reference(N, E, k, norm):
+    cases.check_route(N, 32, E, k, norm)  # E and k not powers of two in places

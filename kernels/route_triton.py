@@ -1,0 +1,51 @@
+"""MoE routing after the router GEMM as one Triton kernel: sigmoid, the correction bias for the
+choice, top-k by repeated max, the chosen experts' sigmoid scores, normalisation and scaling.
+
+In torch this is ~8 kernels per MoE layer (sigmoid, add, top-k, gather, sum, add, div, mul); a
+program here routes one token with its E scores in registers. Ties pick the lowest expert id.
+Group-limited selection (n_group > 1) stays on the torch path (`moe.route`)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scaling,
+                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    live = e < E
+    s = tl.sigmoid(tl.load(logits_ptr + row * stride_l + e, mask=live, other=0.0).to(tl.float32))
+    choice = tl.where(live, s + tl.load(bias_ptr + e, mask=live, other=0.0).to(tl.float32), float("-inf"))
+    slot = tl.arange(0, K_PAD)
+    ws = tl.zeros((K_PAD,), dtype=tl.float32)
+    ids = tl.zeros((K_PAD,), dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(choice, 0)
+        pick = tl.min(tl.where(choice == best, e, BLOCK_E), 0)
+        wj = tl.sum(tl.where(e == pick, s, 0.0), 0)
+        ws = tl.where(slot == j, wj, ws)
+        ids = tl.where(slot == j, pick.to(tl.int64), ids)
+        choice = tl.where(e == pick, float("-inf"), choice)
+    if NORM:
+        ws = ws / (tl.sum(ws, 0) + 1e-20)
+    keep = slot < K
+    tl.store(w_ptr + row * K + slot, ws * scaling, mask=keep)
+    tl.store(ids_ptr + row * K + slot, ids, mask=keep)
+
+
+def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] (the router GEMM's output, fp32), bias [E] -> (weights [N, k] fp32, ids [N, k] int64)."""
+    N, E = logits.shape
+    assert correction_bias.shape == (E,) and logits.stride(1) == 1 and 0 < top_k <= E
+    w = torch.empty((N, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((N, top_k), dtype=torch.int64, device=logits.device)
+    if N:
+        _route_kernel[(N,)](logits, correction_bias, w, ids, E, logits.stride(0), float(scaling), K=top_k,
+                            K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+                            NORM=norm_topk_prob, num_warps=1 if E <= 256 else 4)
+    return w, ids
