@@ -207,8 +207,9 @@ def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req
             r["startup_s"] = s.startup_s
             rows.append(r)
             print(f"  conc {c}: {r['ok']}/{r['n']} ok, {r['out_tok_s']:.0f} tok/s, TTFT p50 "
-                  f"{r['ttft_p50'] * 1e3:.0f} ms, ITL p50 {r['itl_p50'] * 1e3:.2f} ms, p99 {r['itl_p99'] * 1e3:.2f} ms",
-                  flush=True)
+                  f"{r['ttft_p50'] * 1e3:.0f} ms, ITL p50 {r['itl_p50'] * 1e3:.2f} ms, p99 {r['itl_p99'] * 1e3:.2f} ms; "
+                  f"after every prefill: ITL p50 {r['itl_after_prefills_p50'] * 1e3:.2f} ms over "
+                  f"{r['itl_after_prefills_n']} intervals", flush=True)
     return rows
 
 
@@ -309,7 +310,8 @@ def main() -> None:
             for r in report["serve"]:
                 f = report["floor"][r["concurrency"]]["ms"]
                 print(f"graphs {'on ' if r['graphs'] else 'off'} conc {r['concurrency']:3d}: ITL p50 "
-                      f"{r['itl_p50'] * 1e3:6.2f} ms, floor {f:5.2f} ms ({r['itl_p50'] * 1e3 / f:4.1f}x)")
+                      f"{r['itl_p50'] * 1e3:6.2f} ms, floor {f:5.2f} ms ({r['itl_p50'] * 1e3 / f:4.2f}x); after every "
+                      f"prefill {r['itl_after_prefills_p50'] * 1e3:6.2f} ms ({r['itl_after_prefills_p50'] * 1e3 / f:4.2f}x)")
     if "exact" in phases:
         report["exact"] = exact_check(out)
         save()
