@@ -270,6 +270,8 @@ def sample(
 
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [B, V] with B = len(params) = {len(params)}, got {tuple(logits.shape)}")
+    if allowed is None and all(p.greedy and not p.adjusts for p in params):
+        return logits.argmax(dim=-1)  # the common all-greedy batch: one kernel, no index tensors
     logits = adjust_logits(logits, params, histories)
     if allowed is not None:
         logits = logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))

@@ -80,3 +80,22 @@ def test_instance_channel_answers_pings_and_queues_requests():
         ch.close()
         pull.close(0)
         ctx.term()
+
+
+def test_plain_is_asdict_without_copying_scalar_lists():
+    """Messages go out through `plain` (encode's to_dict), which must equal dataclasses.asdict on
+    nested messages while passing lists of scalars through uncopied."""
+    import dataclasses
+
+    from glm53.server.protocol import plain
+
+    ids = [7, 8, 9]
+    spec = RequestSpec("r1", ids, SamplingParams(temperature=0.5, logit_bias={3: 1.5}, stop=["x"]), [2])
+    req = GenerateRequest(spec=spec, room=5, generation=1, prefill=PeerInfo("p", "prefill", "h", 1, 2),
+                          decode=PeerInfo("d", "decode", "h", 3, None), reply_to="tcp://h:4")
+    ev = TokenEvent(room=5, generation=1, instance="d", token_ids=[1, 2], transfer=TransferStats(0.5, 10, 0.1),
+                    logprobs=[-0.5, -1.0], top_logprobs=[[[1, -0.5], [2, -1.5]], [[2, -1.0]]])
+    for msg in (req, ev):
+        assert plain(msg) == dataclasses.asdict(msg)
+        assert decode(encode(msg)) == msg
+    assert plain(req)["spec"]["input_ids"] is ids  # not copied
