@@ -89,7 +89,7 @@ def quantize(latent: torch.Tensor, layout: LatentLayout) -> torch.Tensor:
 
 def dequantize_rows(rows: torch.Tensor, layout: LatentLayout) -> torch.Tensor:
     """rows [..., bytes_per_token] uint8 (contiguous last dim) -> fp32 [..., R + P]."""
-    R, T, NT = layout.rank, layout.tile, layout.n_tiles
+    R, T = layout.rank, layout.tile
     assert rows.dtype == torch.uint8 and rows.shape[-1] == layout.bytes_per_token, (rows.dtype, rows.shape)
     rows = rows.contiguous()
     c = rows[..., :R].view(torch.float8_e4m3fn).float()

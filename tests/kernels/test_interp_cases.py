@@ -307,3 +307,13 @@ def test_moe_small_tiles_many_blocks():
 
     cfg = MoEConfig(BM=16, BN1=32, BN2=64, BK=32, GROUP_M=3, num_warps=1, num_stages=1)
     cases.check_moe(24, 80, 48, 4, 2, dtype=torch.bfloat16, n_empty=1, ids_dtype=torch.int32, config=cfg)
+
+
+# ---- sparse MLA over the FP8 latent cache (656 B/token layout, kernels/latent_cache_fp8) ----
+@pytest.mark.parametrize("shape", [
+    dict(H=4, R=96, P=32, K=70, page_size=16),  # the tiny model's: one tile of 96
+    dict(H=20, R=256, P=64, K=50, page_size=8),  # two tiles, odd heads
+    dict(H=16, R=512, P=64, K=40, page_size=4, num_splits=3),  # GLM-5's row (four tiles), splits
+], ids=lambda s: f"R{s['R']}")
+def test_sparse_mla_fp8(shape):
+    cases.check_sparse_mla_fp8(3, **shape)
