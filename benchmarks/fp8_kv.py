@@ -31,18 +31,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def bench(fn, reps: int = 50) -> float:
-    """Median microseconds of fn() over `reps` CUDA-event-timed calls (after a warm-up)."""
-    fn()
+def bench(fn, calls: int = 20, reps: int = 10) -> float:
+    """Microseconds of GPU time per fn() call: `calls` calls captured in one CUDA graph (so no
+    launch or Python time is counted), the median over `reps` replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
 
 
@@ -50,6 +61,7 @@ def bench(fn, reps: int = 50) -> float:
 def kernel_phase() -> list[dict]:
     from glm53.kernels import latent_cache_fp8 as L
     from glm53.kernels.sparse_mla import sparse_mla, sparse_mla_reference
+    from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
     from glm53.kernels.sparse_mla_triton import sparse_mla_triton
 
     R, P, H, K, ps, n_tok = 512, 64, 64, 2048, 64, 32768
@@ -80,6 +92,16 @@ def kernel_phase() -> list[dict]:
                "fp8_rows_GBps": b8 / t8 / 1e3, "bf16_rows_GBps": b16 / t16 / 1e3}
         print(f"kernel T {T:2d}: fp8 {t8:7.1f} us (rel err {err:.2e}), bf16 default {t16:7.1f} us, "
               f"bf16 tl {t16tl:7.1f} us", flush=True)
+        sweep = {}
+        for bn, st, nw in ((32, 2, 8), (32, 3, 8), (64, 2, 8), (64, 3, 4), (32, 3, 4)):
+            key = f"block_n={bn},stages={st},warps={nw}"
+            try:
+                sweep[key] = bench(lambda: sparse_mla_fp8_triton(q, cache8, idx, 1 / 16, R, block_n=bn,
+                                                                 num_stages=st, num_warps=nw))
+            except Exception as e:  # a schedule that does not compile (shared memory, registers)
+                sweep[key] = repr(e)[:200]
+        row["fp8_sweep_us"] = sweep
+        print(f"  fp8 schedules: {sweep}", flush=True)
         rows.append(row)
     return rows
 

@@ -59,9 +59,9 @@ def _store_tile(row_ptr, o, hm, k: tl.constexpr, R: tl.constexpr, TILE: tl.const
 
 @triton.jit
 def _sparse_mla_fp8_kernel(
-    q_ptr, c_ptr, s_ptr, r_ptr, idx_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, c_ptr, idx_ptr, out_ptr, part_ptr, lse_ptr,
     K, qk_scale, split_len,
-    stride_qt, stride_qh, stride_p1, stride_s1, stride_p4, stride_s4, stride_p2, stride_s2,
+    stride_qt, stride_qh, stride_p1, stride_s1,
     stride_it, stride_ot, stride_oh,
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
     NT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, SOFF: tl.constexpr, ROFF: tl.constexpr,
@@ -106,9 +106,11 @@ def _sparse_mla_fp8_kernel(
         page = slot // PAGE
         off = slot - page * PAGE
         pg = page.to(tl.int64)
+        # One byte address per row; the scales and the rope part are reinterpreted from it (their
+        # byte offsets and the 656 B row stride are multiples of 16, so the loads stay vectorized)
         c_row = c_ptr + pg * stride_p1 + off * stride_s1
-        s_row = s_ptr + pg * stride_p4 + off * stride_s4 + SOFF
-        r_row = r_ptr + pg * stride_p2 + off * stride_s2 + ROFF
+        s_row = (c_row + SOFF).to(tl.pointer_type(tl.float32), bitcast=True)
+        r_row = (c_row + ROFF).to(tl.pointer_type(tl.bfloat16), bitcast=True)
         kpe = tl.load(r_row[:, None] + p[None, :], mask=valid[:, None] & pm[None, :], other=0.0).to(cdt)
         s = tl.dot(q_pe, tl.trans(kpe), input_precision=PRECISION)
         c0 = _load_tile(c_row, valid, 0, R, TILE, BLOCK_T).to(cdt)
@@ -181,7 +183,7 @@ def sparse_mla_fp8_triton(
     layout = LatentLayout(R, P)
     assert layout.n_tiles <= MAX_TILES, f"the FP8 kernel takes at most {MAX_TILES} latent tiles, R={R} needs {layout.n_tiles}"
     assert q.stride(2) == 1, "the latent dim must be contiguous"
-    c8, c32, c16 = views(kv_cache, layout)
+    c8 = views(kv_cache, layout)[0]
     page_size = kv_cache.shape[1]
     K = indices.shape[1]
     out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
@@ -213,12 +215,11 @@ def sparse_mla_fp8_triton(
     else:
         part = lse = out  # never touched
     _sparse_mla_fp8_kernel[(T * nhb, num_splits)](
-        q, c8, c32, c16, indices, out, part, lse,
+        q, c8, indices, out, part, lse,
         K, sm_scale * LOG2E, split_len,
-        q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), c32.stride(0), c32.stride(1),
-        c16.stride(0), c16.stride(1), indices.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), c8.stride(0), c8.stride(1), indices.stride(0), out.stride(0), out.stride(1),
         H=H, R=R, P=P, TILE=layout.tile, BLOCK_T=BLOCK_T, NT=layout.n_tiles, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P,
-        SOFF=layout.scale_offset // 4, ROFF=layout.rope_offset // 2, PAGE=page_size, BLOCK_H=block_h,
+        SOFF=layout.scale_offset, ROFF=layout.rope_offset, PAGE=page_size, BLOCK_H=block_h,
         BLOCK_N=block_n, NHB=nhb, SPLIT=num_splits > 1, DOT_F32=interp,
         PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
