@@ -254,6 +254,24 @@ def test_kv_cache_dtype(tmp_path):
     assert {i.engine.kv_cache_dtype for i in cfg.instances} == {"fp8_e4m3"}
 
 
+def test_fp8_kv_must_fit_the_model(tmp_path, model_dir):
+    import json
+    import shutil
+
+    from glm53.server.model_fit import check_model_fit
+
+    d = base()
+    d["defaults"] = {"kv_cache_dtype": "fp8_e4m3"}
+    check_model_fit(load_config(write(tmp_path, d)), model_dir)  # kv_lora_rank 96, rope 32, keys 64
+    odd = tmp_path / "odd"
+    shutil.copytree(model_dir, odd)
+    c = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**c, "kv_lora_rank": 98}))
+    with pytest.raises(ConfigError) as e:
+        check_model_fit(load_config(write(tmp_path, d)), odd)
+    assert e.value.key == "prefill[0].kv_cache_dtype" and "kv_lora_rank" in str(e.value)
+
+
 def test_engine_keys_that_are_not_built_yet_are_refused(tmp_path):
     d = base()
     d["defaults"] = {"dist_init_port": 40300}  # one-rank instances have nothing to rendezvous
