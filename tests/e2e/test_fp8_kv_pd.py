@@ -6,13 +6,14 @@ silently kept fp32 pages, or a transfer that garbled the bytes, would not pass."
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import yaml
 
 from glm53.models import ModelRunner, PageAllocator
-from glm53.models.kv_cache import FP8
+from glm53.server import offline
 from glm53.server.embedded_model import EMBEDDED_DIRNAME
-from glm53.server.offline import greedy_generate
 from tests.e2e.cluster import Cluster
 
 # Longer than the embedded model's index_topk (64); with 300 tokens the FP8 and fp32 greedy
@@ -21,7 +22,7 @@ PROMPTS = [[(i * 37 + 11) % 4000 + 10 for i in range(n)] for n in (100, 300)]
 NEW = 12
 
 
-def test_fp8_kv_through_the_pd_pipeline(tmp_path, model_cache):
+def test_fp8_kv_through_the_pd_pipeline(tmp_path, model_cache, capsys):
     c = Cluster(tmp_path, model_cache, transfer_timeout_s=20.0)
     c.cfg["defaults"]["kv_cache_dtype"] = "fp8_e4m3"
     c.config_path.write_text(yaml.safe_dump(c.cfg))
@@ -35,9 +36,14 @@ def test_fp8_kv_through_the_pd_pipeline(tmp_path, model_cache):
             served.append(r.json()["output_ids"])
     finally:
         c.stop()
-    ref = ModelRunner.from_dir(model_cache / EMBEDDED_DIRNAME, page_size=16, num_pages=64, progress=False)
-    fp8 = ModelRunner(ref.model, num_pages=64, page_size=16, kv_dtype=FP8)
-    want = greedy_generate(fp8, PageAllocator(64), PROMPTS, NEW, True)
+    # the model core in this process, through `glm53-serve generate --kv-cache-dtype fp8_e4m3`
+    model = model_cache / EMBEDDED_DIRNAME
+    argv = ["--model", str(model), "--max-new-tokens", str(NEW), "--page-size", "16", "--ignore-eos",
+            "--kv-cache-dtype", "fp8_e4m3"]
+    capsys.readouterr()
+    assert offline.main(argv + [a for p in PROMPTS for a in ("--input-ids", ",".join(map(str, p)))]) == 0
+    want = [json.loads(line)["output_ids"] for line in capsys.readouterr().out.splitlines()]
     assert served == want
-    fp32 = greedy_generate(ref, PageAllocator(64), PROMPTS[1:], NEW, True)
+    ref = ModelRunner.from_dir(model, page_size=16, num_pages=64, progress=False)
+    fp32 = offline.greedy_generate(ref, PageAllocator(64), PROMPTS[1:], NEW, True)
     assert fp32[0] != want[1], "this prompt must tell an FP8 cache from an fp32 one"
