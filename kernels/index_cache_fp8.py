@@ -7,7 +7,7 @@ view `pool[:, j]` (`[num_pages, page_size * (D + 4)]`): every kernel takes strid
 
 Quantization (DeepSeek-V3.2 `act_quant`, ue8m0): one scale per token,
 `scale = 2^ceil(log2(max(amax, 1e-4) / 448))`, `k_fp8 = clamp(k / scale, ±448)`. Callers rotate
-keys (and queries) with the Hadamard transform before quantizing; this module does not.
+keys (and queries) with the Hadamard transform (`hadamard`) before quantizing; `store` does not.
 """
 
 from __future__ import annotations
@@ -15,6 +15,18 @@ from __future__ import annotations
 import torch
 
 FP8_MAX = 448.0
+
+
+def hadamard(dim: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix [dim, dim] (dim a power of two): `x @ H` rotates
+    rows; applied to both keys and queries it leaves every q·k unchanged and spreads an outlier
+    channel over all channels before the per-token FP8 scale is taken."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two width, got {dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / dim**0.5).to(device=device, dtype=dtype)
 
 
 def page_bytes(page_size: int, dim: int = 128) -> int:

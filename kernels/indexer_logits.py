@@ -32,15 +32,23 @@ def indexer_logits_reference(
     page_table: torch.Tensor,
     lengths: torch.Tensor,
     max_len: int,
+    k_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """`k_scales` [num_pages, page_size] fp32 with an fp8 `k_cache`: each gathered key is
+    dequantized (fp8 value × its token's scale) in fp32, only the rows a query can see."""
     T, H, D = q.shape
     out = torch.empty((T, max_len), dtype=torch.float32, device=q.device)
     # Bound the gathered keys to ~16M elements per chunk of query tokens.
     chunk = max(1, (1 << 24) // max(1, max_len * D))
     pos = torch.arange(max_len, device=q.device)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        keys = gather_paged(k_cache, page_table[t0:t1], max_len).float()  # [t, S, D]
+        if fp8:  # gather the bytes (indexing fp8 tensors is not implemented everywhere), then widen
+            keys = gather_paged(k_cache.view(torch.uint8), page_table[t0:t1], max_len)
+            keys = keys.view(torch.float8_e4m3fn).float() * gather_paged(k_scales, page_table[t0:t1], max_len)[..., None]
+        else:
+            keys = gather_paged(k_cache, page_table[t0:t1], max_len).float()  # [t, S, D]
         dots = torch.einsum("thd,tsd->ths", q[t0:t1].float(), keys).relu_()
         logit = torch.einsum("th,ths->ts", weights[t0:t1].float(), dots)
         valid = pos[None, :] < lengths[t0:t1].to(torch.long)[:, None]
@@ -74,9 +82,10 @@ def indexer_logits_fp8_reference(
     lengths: torch.Tensor,
     max_len: int,
 ) -> torch.Tensor:
-    """The same logits over the FP8 cache: keys dequantized (fp8 value × per-token scale) in fp32."""
-    keys = index_cache_fp8.dequantize(k_cache_fp8, q.shape[-1])
-    return indexer_logits_reference(q.float(), weights, keys, page_table, lengths, max_len)
+    """The same logits over the FP8 cache: the keys each query sees, dequantized (fp8 value ×
+    per-token scale) in fp32; never the whole pool."""
+    keys, scales = index_cache_fp8.split_view(k_cache_fp8, q.shape[-1])
+    return indexer_logits_reference(q.float(), weights, keys, page_table, lengths, max_len, k_scales=scales)
 
 
 def indexer_logits_fp8(

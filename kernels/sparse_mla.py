@@ -4,7 +4,10 @@ out[t, h] = Σ_j softmax_j(q[t, h] · kv[s_j] · sm_scale) · kv[s_j, :kv_lora_r
 over the selected slots s_j = indices[t, j] (−1 = none).
 
 - `q` [T, H, R + P]: absorbed queries (q_nope·W_UK | rotated q_pe), in the cache's order;
-- `kv_cache` [num_pages, page_size, R + P]: one layer's view of the page-major latent pool;
+- `kv_cache` [num_pages, page_size, R + P]: one layer's view of the page-major latent pool, or
+  the FP8 cache [num_pages, page_size, bytes_per_token] uint8 (`latent_cache_fp8`, 656 B/token for
+  GLM-5): the selected rows are dequantized after they are gathered (the reference gathers then
+  dequantizes; the Triton kernel dequantizes in registers), never the whole pool;
 - `indices` [T, K] int32 physical slots (page * page_size + offset);
 - returns [T, H, R] in q's dtype (accumulation in fp32). A row with no valid slot gives zeros.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from glm53.kernels import latent_cache_fp8
 from glm53.kernels.dispatch import use_triton
 
 
@@ -22,6 +26,8 @@ def sparse_mla_reference(
     T, H, Dqk = q.shape
     K = indices.shape[1]
     page_size = kv_cache.shape[1]
+    fp8 = kv_cache.dtype == torch.uint8
+    layout = latent_cache_fp8.LatentLayout(kv_lora_rank, Dqk - kv_lora_rank) if fp8 else None
     out = torch.empty((T, H, kv_lora_rank), dtype=q.dtype, device=q.device)
     chunk = max(1, (1 << 24) // max(1, K * Dqk))
     for t0 in range(0, T, chunk):
@@ -29,7 +35,10 @@ def sparse_mla_reference(
         idx = indices[t0:t1].to(torch.long)
         valid = idx >= 0
         idx = idx.clamp_min(0)
-        kv = kv_cache[idx // page_size, idx % page_size].float()  # [t, K, R+P]
+        if fp8:  # only the selected rows: [t, K, bytes_per_token] -> fp32 [t, K, R+P]
+            kv = latent_cache_fp8.gather(kv_cache, idx, layout)
+        else:
+            kv = kv_cache[idx // page_size, idx % page_size].float()  # [t, K, R+P]
         scores = torch.einsum("thd,tkd->thk", q[t0:t1].float(), kv) * sm_scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # all-masked row -> zeros
@@ -40,6 +49,10 @@ def sparse_mla_reference(
 def sparse_mla(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, kv_lora_rank: int
 ) -> torch.Tensor:
+    if use_triton(q) and kv_cache.dtype == torch.uint8:
+        from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
+
+        return sparse_mla_fp8_triton(q, kv_cache, indices, sm_scale, kv_lora_rank)
     if use_triton(q):
         from glm53.kernels.sparse_mla_triton import sparse_mla_triton
 

@@ -14,6 +14,13 @@ item, so prefill and decode with different TP sizes can exchange head ranges. It
 is still [num_pages, page_size, heads_local, head_dim] (strided), so writers and readers treat
 both kinds alike.
 
+With an FP8 KV cache (`kv_dtype=torch.float8_e4m3fn`) the target pools hold bytes: `latent`
+is uint8 `[num_pages, n_layers, page_size, 656]` for GLM-5 (the FlashMLA row of
+`kernels/latent_cache_fp8`), `index_k` uint8 `[num_pages, n_layers, page_size, D + 4]` whose
+page item per layer is `kernels/index_cache_fp8`'s `[page_size × D fp8 | page_size × fp32]` (the
+token axis of that shape only counts bytes). Either way `bytes_per_token` is the real one, and
+the transfer layer moves the bytes as they are. The DFlash draft's pool keeps the model dtype.
+
 The allocator belongs to whoever schedules requests (the instance); ranks only own pools.
 """
 
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glm53.kernels.latent_cache_fp8 import LatentLayout
 from glm53.models.config import GlmConfig
 
 # The target model's pool names (the transfer layer's buffer names too).
@@ -232,6 +240,14 @@ class KVPools:
         view[slots // ps, slots % ps] = values.to(view.dtype)
 
 
+FP8 = torch.float8_e4m3fn  # the `kv_dtype` that selects the FP8 layouts
+
+
+def check_kv_dtype(kv_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    if kv_dtype not in (dtype, FP8):
+        raise ValueError(f"a KV cache of {kv_dtype} for a {dtype} model: the cache holds the model dtype or FP8")
+
+
 def target_pools(
     cfg: GlmConfig,
     layers: range,
@@ -239,20 +255,29 @@ def target_pools(
     page_size: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    kv_dtype: torch.dtype | None = None,
 ) -> KVPools:
     """The target model's pools for the stage holding `layers`: `latent` [c_kv | k_pe] on every
     layer, `index_k` on the stage's "full" indexer layers only (shared layers reuse another
-    layer's top-k and own no keys; a stage without full layers gets no `index_k` pool)."""
+    layer's top-k and own no keys; a stage without full layers gets no `index_k` pool).
+    `kv_dtype` None or `dtype`: both in the model dtype; `FP8`: both in their FP8 byte layouts."""
+    kv_dtype = kv_dtype or dtype
+    check_kv_dtype(kv_dtype, dtype)
     pools = KVPools(num_pages, page_size, device)
-    pools.add(LATENT, layers, (cfg.latent_dim,), dtype)
+    fp8 = kv_dtype == FP8
+    latent = (LatentLayout.for_config(cfg).bytes_per_token,) if fp8 else (cfg.latent_dim,)
+    pools.add(LATENT, layers, latent, torch.uint8 if fp8 else dtype)
     full = [i for i in cfg.full_layers if i in layers]
     if full:
-        pools.add(INDEX_K, full, (cfg.index_head_dim,), dtype)
+        keys = (cfg.index_head_dim + 4,) if fp8 else (cfg.index_head_dim,)
+        pools.add(INDEX_K, full, keys, torch.uint8 if fp8 else dtype)
     return pools
 
 
-def kv_bytes_per_token(cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None) -> int:
+def kv_bytes_per_token(
+    cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None, kv_dtype: torch.dtype | None = None
+) -> int:
     """KV bytes one token costs in the target pools of the stage holding `layers` (all by
     default); the same rule as `target_pools`, measured on meta tensors."""
     layers = layers if layers is not None else range(cfg.num_hidden_layers)
-    return target_pools(cfg, layers, 1, 1, dtype, device="meta").bytes_per_page()
+    return target_pools(cfg, layers, 1, 1, dtype, device="meta", kv_dtype=kv_dtype).bytes_per_page()

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm53.kernels.indexer_logits import indexer_logits
+from glm53.kernels import index_cache_fp8, latent_cache_fp8
+from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
 from glm53.kernels.moe import moe_experts, route
 from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -93,6 +94,12 @@ class Indexer(nn.Module):
         self.k_norm = Norm(cfg.index_head_dim, dtype, bias=True)
         # Head gates stay fp32 whatever the model dtype (as in the reference checkpoints).
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, torch.float32)
+        # With FP8 keys, queries and keys are rotated first (DESIGN "DSA": the rotation is
+        # orthonormal, so it only matters where keys are quantized); a width that is not a power of
+        # two (no Hadamard matrix) quantizes unrotated keys.
+        d = cfg.index_head_dim
+        rot = index_cache_fp8.hadamard(d) if d & (d - 1) == 0 else None
+        self.register_buffer("hadamard", rot, persistent=False)
 
     def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPools, layer: int) -> torch.Tensor:
         cfg = self.cfg
@@ -104,10 +111,19 @@ class Indexer(nn.Module):
         apply_rope(q[..., :rope], cos, sin, il, out=q[..., :rope])
         apply_rope(k[..., :rope], cos, sin, il, out=k[..., :rope])
         cache = kv.view(INDEX_K, layer)
-        kv.write(cache, batch.out_slots, k)
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
         weights = self.weights_proj(x).float() * scale
-        logits = indexer_logits(q, weights, cache, batch.page_table, batch.context_lens, batch.max_context)
+        args = (batch.page_table, batch.context_lens, batch.max_context)
+        if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
+            if self.hadamard is not None:
+                q = (q.float() @ self.hadamard).to(q.dtype)
+                k = k.float() @ self.hadamard
+            cache = cache.flatten(1)  # [num_pages, page_size * (D + 4)]: the page item per layer
+            index_cache_fp8.store(cache, batch.out_slots, k)
+            logits = indexer_logits_fp8(q, weights, cache, *args)
+        else:
+            kv.write(cache, batch.out_slots, k)
+            logits = indexer_logits(q, weights, cache, *args)
         return dsa_topk_paged(logits, batch.context_lens, cfg.index_topk, batch.page_table, kv.page_size)
 
 
@@ -129,6 +145,7 @@ class Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype, tp)
         self.o_proj = RowParallelLinear(h * cfg.v_head_dim, cfg.hidden_size, dtype, tp)
         self.indexer = Indexer(cfg, dtype) if cfg.indexer_types[layer] == FULL else None
+        self.latent_fp8 = latent_cache_fp8.LatentLayout.for_config(cfg) if cfg.kv_lora_rank % 4 == 0 else None
 
     def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPools, topk_slots: torch.Tensor | None):
         cfg = self.cfg
@@ -142,7 +159,10 @@ class Attention(nn.Module):
         rms_norm(ckv[:, :r], self.kv_a_layernorm.weight, LATENT_NORM_EPS, out=ckv[:, :r])
         apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave, out=ckv[:, r:])
         cache = kv.view(LATENT, self.layer)
-        kv.write(cache, batch.out_slots, ckv)
+        if cache.dtype == torch.uint8:  # the FP8 latent rows (kernels/latent_cache_fp8)
+            latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8)
+        else:
+            kv.write(cache, batch.out_slots, ckv)
 
         if self.indexer is not None:
             topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer)

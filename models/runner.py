@@ -65,10 +65,13 @@ class ModelRunner:
         draft: DFlashDraft | None = None,
         draft_projection: DraftProjection | None = None,
         graphs: GraphConfig | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         """`graphs`: capture CUDA graphs of the decode step (models/graph.py); the pools then
         get one more page than `num_pages`, the padding page that padded graph rows write, which
-        no page allocator over `num_pages` ever hands out."""
+        no page allocator over `num_pages` ever hands out. `kv_dtype`: the target KV cache's
+        dtype, the model's (None) or `kv_cache.FP8` (the FP8 layouts; the draft's KV keeps the
+        model dtype)."""
         if draft is not None and not model.is_last:
             raise ValueError(
                 f"a draft model runs on the last stage only; this stage holds layers {model.layer_range}"
@@ -81,7 +84,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.tp: TPGroup = model.tp
         self.pools: KVPools = target_pools(
-            model.cfg, model.layer_range, num_pages + (graphs is not None), page_size, model.dtype, self.device
+            model.cfg, model.layer_range, num_pages + (graphs is not None), page_size, model.dtype, self.device,
+            kv_dtype=kv_dtype,
         )
         # What projects this stage's draft features: the draft itself on the last stage.
         self.projection: DFlashDraft | DraftProjection | None = draft if draft is not None else draft_projection
@@ -101,9 +105,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, graphs, pad_page=num_pages)
 
     @staticmethod
-    def kv_bytes_per_token(cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None) -> int:
+    def kv_bytes_per_token(
+        cfg: GlmConfig, dtype: torch.dtype, layers: range | None = None, kv_dtype: torch.dtype | None = None
+    ) -> int:
         """KV bytes one token costs in the target pools of the stage holding `layers`."""
-        return kv_bytes_per_token(cfg, dtype, layers)
+        return kv_bytes_per_token(cfg, dtype, layers, kv_dtype)
 
     @classmethod
     def from_dir(
@@ -118,6 +124,7 @@ class ModelRunner:
         progress: bool = True,
         tp: TPGroup | None = None,
         draft_dir: str | Path | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> "ModelRunner":
         """Loads the stage holding `layers` (the whole model by default) from a checkpoint; with
         `tp`, this rank's shard of it (reading only its slices of the split tensors). With
@@ -137,7 +144,8 @@ class ModelRunner:
         elif draft_dir is not None:
             projection = load_draft_projection(draft_dir, cfg, model.layer_range, dtype).to(device)
         return cls(
-            model, num_pages=num_pages, page_size=page_size, device=device, draft=draft, draft_projection=projection
+            model, num_pages=num_pages, page_size=page_size, device=device, draft=draft, draft_projection=projection,
+            kv_dtype=kv_dtype,
         )
 
     @property

@@ -151,6 +151,8 @@ class EngineConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     # Model weights dtype at run time; "auto" = the checkpoint's.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # "auto" = the model dtype; "fp8_e4m3" = the FP8 KV layouts (656 B/token latent rows for GLM-5,
+    # 132 B/token indexer keys); prefill and decode instances must agree on it.
     kv_cache_dtype: Literal["auto", "bfloat16", "float32", "fp8_e4m3"] = "auto"
     page_size: int = 64
     max_running_requests: int = 64
@@ -532,9 +534,11 @@ def _check_engine(e: EngineConfig, path: str, src: str) -> None:
             raise ConfigError(src, f"{path}.{k}", f"must be >= 1, got {v}")
     if not 0 < e.mem_fraction_static <= 1:
         raise ConfigError(src, f"{path}.mem_fraction_static", f"must be in (0, 1], got {e.mem_fraction_static}")
-    if e.kv_cache_dtype not in ("auto", e.dtype):
-        raise ConfigError(src, f"{path}.kv_cache_dtype", f"a KV cache dtype other than the model dtype "
-                          f"({e.dtype!r}) is not supported yet; got {e.kv_cache_dtype!r}")
+    # The target KV cache holds the model dtype or the FP8 layouts (kernels/latent_cache_fp8,
+    # index_cache_fp8); a 16/32-bit cache in another dtype than the model's is not built.
+    if e.kv_cache_dtype not in ("auto", "fp8_e4m3", e.dtype):
+        raise ConfigError(src, f"{path}.kv_cache_dtype", f"must be 'auto', 'fp8_e4m3' or the model dtype "
+                          f"({e.dtype!r}); got {e.kv_cache_dtype!r}")
     if e.log_interval_s <= 0:
         raise ConfigError(src, f"{path}.log_interval_s", f"must be > 0, got {e.log_interval_s}")
 

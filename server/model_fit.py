@@ -34,9 +34,27 @@ def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
             if inst.pp > model.num_hidden_layers:
                 raise ConfigError(cfg.source, f"{role}[{i}].pp", f"{inst.pp} stages for a model of "
                                   f"{model.num_hidden_layers} layers (model {model_dir})")
+            if inst.engine.kv_cache_dtype == "fp8_e4m3":
+                _check_fp8_kv(cfg, model, f"{role}[{i}].kv_cache_dtype", model_dir)
             try:
                 check_tp(model, inst.tp)
                 if draft is not None:
                     check_draft_tp(draft, inst.tp)
             except ModelConfigError as e:
                 raise ConfigError(cfg.source, f"{role}[{i}].tp", f"{e} (model {model_dir})") from None
+
+
+def _check_fp8_kv(cfg: ClusterConfig, model, key: str, model_dir) -> None:
+    """The FP8 latent row needs kv_lora_rank % 4 == 0 and an even rope width (its fp32 and bf16
+    parts stay aligned); the FP8 indexer keys a power-of-two index_head_dim (the Triton kernel's
+    tile width; it is also the width the Hadamard rotation needs)."""
+    from glm53.kernels.latent_cache_fp8 import LatentLayout
+
+    try:
+        LatentLayout.for_config(model)
+    except ValueError as e:
+        raise ConfigError(cfg.source, key, f"{e} (model {model_dir})") from None
+    d = model.index_head_dim
+    if d & (d - 1):
+        raise ConfigError(cfg.source, key, f"FP8 indexer keys need a power-of-two index_head_dim, the model has {d} "
+                          f"(model {model_dir})")

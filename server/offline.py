@@ -36,6 +36,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                   help="the KV cache: the model dtype (auto) or the FP8 layouts")
 
 
 def greedy_generate(
@@ -94,7 +96,9 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     num_pages = sum(-(-(len(p) + args.max_new_tokens) // args.page_size) for p in args.input_ids)
     num_pages = max(1, num_pages)
-    runner = ModelRunner.from_dir(args.model, page_size=args.page_size, num_pages=num_pages, device=args.device)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else None
+    runner = ModelRunner.from_dir(args.model, page_size=args.page_size, num_pages=num_pages, device=args.device,
+                                  kv_dtype=kv_dtype)
     try:
         outs = greedy_generate(runner, PageAllocator(num_pages), args.input_ids, args.max_new_tokens, args.ignore_eos)
     except ValueError as e:

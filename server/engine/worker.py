@@ -20,6 +20,7 @@ from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjectio
 from glm53.models.draft_config import DFlashConfig
 from glm53.models.draft_weights import load_draft_projection, load_draft_weights
 from glm53.models.graph import GraphConfig
+from glm53.models.kv_cache import FP8
 from glm53.models.parallel import TPGroup
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.logprobs import meta_slot_bytes
@@ -29,6 +30,8 @@ from glm53.transport import KVReceiver, KVSender, Room, TransferEngine, Transpor
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# kv_cache_dtype values that are not the model dtype ("auto" or a DTYPES key are the model's).
+KV_DTYPES = {"fp8_e4m3": FP8}
 # KV capacity on CPU when neither num_pages nor max_total_tokens is set.
 CPU_DEFAULT_KV_TOKENS = 65536
 
@@ -49,6 +52,7 @@ class RankSpec:
     max_total_tokens: int | None
     mem_fraction_static: float
     transport: TransportConfig
+    kv_cache_dtype: str = "auto"  # "auto" / the model dtype, or "fp8_e4m3" (the FP8 KV layouts)
     bootstrap_address: str | None = None  # prefill: where the instance's bootstrap server listens
     # A DFlash draft (the last stage runs it; earlier stages project their own features with its
     # `fc` blocks); None: no speculative decoding.
@@ -122,7 +126,7 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
                 role=inst.role, instance=inst.name, model_path=model_path, device=device, dtype=eng.dtype,
                 layers=layers, page_size=eng.page_size, num_pages=eng.num_pages,
                 max_total_tokens=eng.max_total_tokens, mem_fraction_static=eng.mem_fraction_static,
-                transport=cfg, bootstrap_address=boot, tp_rank=tp_rank, tp_size=inst.tp, pp_rank=pp_rank,
+                kv_cache_dtype=eng.kv_cache_dtype, transport=cfg, bootstrap_address=boot, tp_rank=tp_rank, tp_size=inst.tp, pp_rank=pp_rank,
                 pp_size=inst.pp, send_draft_kv=spec.draft_kv_transfer,
                 draft_path=spec.draft_model_path if spec.enabled else None,
                 cuda_graph_max_bs=0 if eng.disable_cuda_graph else min(eng.cuda_graph_max_bs, eng.max_running_requests),
@@ -143,7 +147,7 @@ def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype, draft: DFlashDr
         _, total = torch.cuda.mem_get_info(device)
         used = torch.cuda.memory_reserved(device)
         budget = total * spec.mem_fraction_static - used
-        per_token = ModelRunner.kv_bytes_per_token(cfg, dtype, spec.layers)
+        per_token = ModelRunner.kv_bytes_per_token(cfg, dtype, spec.layers, KV_DTYPES.get(spec.kv_cache_dtype))
         if draft is not None:
             per_token += draft.kv_bytes_per_token()
         tokens = int(budget // per_token)
@@ -204,7 +208,8 @@ class RankWorker:
                           num_pages * spec.page_size)
             graphs = GraphConfig(max_bs=spec.cuda_graph_max_bs, max_context=longest)
         self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
-                                  draft=self.draft, draft_projection=self.projection, graphs=graphs)
+                                  draft=self.draft, draft_projection=self.projection, graphs=graphs,
+                                  kv_dtype=KV_DTYPES.get(spec.kv_cache_dtype))
         self.transfer = TransferEngine(spec.role, spec.instance, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
                                        pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=spec.transport)
         for name, pool in self.runner.pools:

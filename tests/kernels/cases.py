@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from glm53.kernels import index_cache_fp8
+from glm53.kernels import index_cache_fp8, latent_cache_fp8
 from glm53.kernels.moe import moe_experts, moe_experts_reference, route, route_reference
 from glm53.kernels.norm import rms_norm, rms_norm_reference
 from glm53.kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rope_inv_freq
@@ -160,6 +160,50 @@ def check_sparse_mla(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=
 
         out = sparse_mla_triton(q, kv, idx, sm_scale, R, **kernel_kw)
     ref = sparse_mla_reference(q.float(), kv.float(), idx, sm_scale, R)
+    assert out.shape == (T, H, R) and out.dtype == q.dtype
+    if T >= 3:
+        assert torch.all(out[2] == 0)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err <= tol, err
+    return err
+
+
+def fp8_latent_pool(num_pages, page_size, R, P, device="cpu"):
+    """A strided layer view of a 2-layer page-major FP8 latent pool filled with random rows (per-row
+    magnitudes spread over two decades, so the tile scales differ), and the same cache dequantized
+    to fp32 [num_pages, page_size, R + P]."""
+    lay = latent_cache_fp8.LatentLayout(R, P)
+    pool = torch.zeros(num_pages, 2, page_size, lay.bytes_per_token, dtype=torch.uint8, device=device)
+    view = pool[:, 1]
+    n = num_pages * page_size
+    latent = torch.randn(n, R + P, device=device) * 10 ** (2 * torch.rand(n, 1, device=device) - 1)
+    slots = torch.arange(n, device=device)
+    latent_cache_fp8.store(view, slots, latent, lay)
+    return view, latent_cache_fp8.gather(view, slots, lay).view(num_pages, page_size, R + P)
+
+
+def check_sparse_mla_fp8(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=None, **kernel_kw):
+    """Sparse MLA over the FP8 latent cache against the fp32 reference over the dequantized cache
+    (contexts of n_ctx > K slots, holes, short and empty rows). `kernel_kw` calls the FP8 Triton
+    kernel directly with those schedule options; without them the public op runs."""
+    n_ctx = n_ctx or 2 * K
+    num_pages = (n_ctx + page_size - 1) // page_size + 1
+    cache, dense = fp8_latent_pool(num_pages, page_size, R, P, device)
+    q = torch.randn(T, H, R + P, device=device).bfloat16()
+    idx = torch.stack([torch.randperm(num_pages * page_size, device=device)[:K] for _ in range(T)]).int()
+    if T >= 2:
+        idx[1, K // 3 :] = -1
+        idx[0, ::5] = -1
+    if T >= 3:
+        idx[2] = -1
+    sm_scale = (R + P) ** -0.5
+    if not kernel_kw:
+        out = sparse_mla(q, cache, idx, sm_scale, R)
+    else:
+        from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
+
+        out = sparse_mla_fp8_triton(q, cache, idx, sm_scale, R, **kernel_kw)
+    ref = sparse_mla_reference(q.float(), dense, idx, sm_scale, R)
     assert out.shape == (T, H, R) and out.dtype == q.dtype
     if T >= 3:
         assert torch.all(out[2] == 0)

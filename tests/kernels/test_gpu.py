@@ -108,6 +108,12 @@ def test_sparse_mla_hopper_ragged(kw):
     cases.check_sparse_mla(5, 128, 512, 64, 1000, page_size=16, device=DEV, n_ctx=4096, kernel="hopper", **kw)
 
 
+@pytest.mark.parametrize("T", [1, 4, 64])
+def test_sparse_mla_fp8_glm5(T):
+    # the FP8 latent cache (656 B/token): the portable Triton kernel, against the fp32 reference
+    cases.check_sparse_mla_fp8(T, 64, 512, 64, 2048, page_size=64, device=DEV, n_ctx=8192)
+
+
 @pytest.mark.parametrize("kw", [dict(col_halves=False), dict(col_halves=False, num_splits=1), dict(block_n=32)])
 def test_sparse_mla_variants_tiny(kw):
     cases.check_sparse_mla(3, 4, 32, 16, 40, page_size=4, device=DEV, **kw)

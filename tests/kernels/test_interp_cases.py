@@ -325,3 +325,13 @@ def test_rope_against_reference(dtype, interleave):
 @pytest.mark.parametrize("N,E,k,norm", [(5, 16, 8, True), (3, 12, 3, False), (1, 64, 6, True)])
 def test_route_against_reference(N, E, k, norm):
     cases.check_route(N, 32, E, k, norm)  # E and k not powers of two in places
+
+
+# ---- sparse MLA over the FP8 latent cache (656 B/token layout, kernels/latent_cache_fp8) ----
+@pytest.mark.parametrize("shape", [
+    dict(H=4, R=96, P=32, K=70, page_size=16),  # the tiny model's: one tile of 96
+    dict(H=20, R=256, P=64, K=50, page_size=8),  # two tiles, odd heads
+    dict(H=16, R=512, P=64, K=40, page_size=4, num_splits=3),  # GLM-5's row (four tiles), splits
+], ids=lambda s: f"R{s['R']}")
+def test_sparse_mla_fp8(shape):
+    cases.check_sparse_mla_fp8(3, **shape)

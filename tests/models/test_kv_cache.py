@@ -107,3 +107,18 @@ def test_target_pools_follow_the_indexer_schedule_and_register_by_name():
     assert [n for n, _ in target_pools(cfg, range(2, 3), 7, 4, torch.bfloat16)] == ["latent"]
     assert kv_bytes_per_token(cfg, torch.bfloat16, range(1, 4)) == (3 * 16 + 2 * 6) * 2
     assert kv_bytes_per_token(cfg, torch.float32) == (6 * 16 + 4 * 6) * 4
+
+
+def test_fp8_target_pools_are_bytes_and_the_buffer_table_sees_the_real_row():
+    from glm53.models.kv_cache import FP8
+    from glm53.transport.buffers import BufferSpec
+    from tests.models.test_config import GLM5
+
+    cfg = GlmConfig.from_dict({**GLM5, "num_hidden_layers": 4, "index_topk_freq": 4, "index_skip_topk_offset": 3})
+    pools = target_pools(cfg, range(4), num_pages=3, page_size=64, dtype=torch.bfloat16, device="meta", kv_dtype=FP8)
+    specs = {n: BufferSpec.for_tensor(n, p.tensor, p.layers) for n, p in pools}
+    assert (specs["latent"].bytes_per_token, specs["latent"].dtype) == (656, "uint8")
+    assert (specs["index_k"].bytes_per_token, specs["index_k"].item_bytes) == (132, 3 * 8448)  # layers 0-2 full
+    assert kv_bytes_per_token(cfg, torch.bfloat16, kv_dtype=FP8) == 4 * 656 + 3 * 132
+    with pytest.raises(ValueError, match="model dtype or FP8"):
+        target_pools(cfg, range(4), 3, 64, torch.bfloat16, device="meta", kv_dtype=torch.float32)

@@ -234,11 +234,45 @@ def test_cli_flags_override_yaml(tmp_path):
     assert cfg.router.port == 30000
 
 
-def test_engine_keys_that_are_not_built_yet_are_refused(tmp_path):
+def test_kv_cache_dtype(tmp_path):
     d = base()
     d["defaults"] = {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}
+    assert all(i.engine.kv_cache_dtype == "fp8_e4m3" for i in load_config(write(tmp_path, d)).instances)
+    d = base()
+    d["defaults"] = {"dtype": "bfloat16", "kv_cache_dtype": "float32"}  # a 16/32-bit cache != the model's
     e = error(tmp_path, d)
-    assert e.key == "defaults.kv_cache_dtype" and "not supported yet" in str(e)
+    assert e.key == "defaults.kv_cache_dtype" and "fp8_e4m3" in str(e)
+    # Prefill and decode must agree: the error names both keys.
+    d = base()
+    d["decode"][0]["kv_cache_dtype"] = "fp8_e4m3"
+    e = error(tmp_path, d)
+    assert e.key == "decode[0].kv_cache_dtype" and "prefill[0].kv_cache_dtype" in str(e)
+    # The flag, like every engine flag, sets it for every instance of the file.
+    p = write(tmp_path, base())
+    args = build_parser().parse_args(["decode", "--config", str(p), "--kv-cache-dtype", "fp8_e4m3"])
+    cfg = load_config(p, overrides_from_args(args, "decode", 0))
+    assert {i.engine.kv_cache_dtype for i in cfg.instances} == {"fp8_e4m3"}
+
+
+def test_fp8_kv_must_fit_the_model(tmp_path, model_dir):
+    import json
+    import shutil
+
+    from glm53.server.model_fit import check_model_fit
+
+    d = base()
+    d["defaults"] = {"kv_cache_dtype": "fp8_e4m3"}
+    check_model_fit(load_config(write(tmp_path, d)), model_dir)  # kv_lora_rank 96, rope 32, keys 64
+    odd = tmp_path / "odd"
+    shutil.copytree(model_dir, odd)
+    c = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**c, "kv_lora_rank": 98}))
+    with pytest.raises(ConfigError) as e:
+        check_model_fit(load_config(write(tmp_path, d)), odd)
+    assert e.value.key == "prefill[0].kv_cache_dtype" and "kv_lora_rank" in str(e.value)
+
+
+def test_engine_keys_that_are_not_built_yet_are_refused(tmp_path):
     d = base()
     d["defaults"] = {"dist_init_port": 40300}  # one-rank instances have nothing to rendezvous
     assert error(tmp_path, d).key == "prefill[0].dist_init_port"
@@ -271,6 +305,9 @@ def test_kv_capacity_from_num_pages_or_tokens(tmp_path):
     from glm53.models import ModelRunner
 
     assert ModelRunner.kv_bytes_per_token(cfg, torch.bfloat16) == (78 * 576 + 78 * 128) * 2
+    # FP8: the 656 B latent row and the 132 B indexer key, per layer; pages that fit the budget
+    # follow (kv_pages divides the budget by this).
+    assert ModelRunner.kv_bytes_per_token(cfg, torch.bfloat16, kv_dtype=torch.float8_e4m3fn) == 78 * (656 + 132)
 
 
 def test_tp_must_split_the_model(tmp_path, model_dir):
