@@ -74,9 +74,11 @@ class DecodeState:
             if len(c.page_table) > self.max_pages:
                 raise ValueError(f"page table of {len(c.page_table)} pages exceeds the state's width {self.max_pages}")
 
-    def update(self, chunks: Sequence) -> None:
+    def update(self, chunks: Sequence, tokens=None) -> None:
         """Make rows [0, len(chunks)) hold `chunks` (SeqChunks of one token each) and every row
-        after them the padding request. No host sync: device ops and non-blocking copies only."""
+        after them the padding request. `tokens` (runner.DeviceTokens): the input ids of some
+        rows are on the device (the previous step's samples). No host sync: device ops and
+        non-blocking copies only."""
         self.check(chunks)
         n = len(chunks)
         if self.active:
@@ -98,6 +100,9 @@ class DecodeState:
         self.active = n
         if n:
             self.input_ids[:n].copy_(self._host([c.token_ids[0] for c in chunks]), non_blocking=True)
+        if tokens is not None and tokens.dst:
+            src, dst = tokens.index(self.device)
+            self.input_ids.index_copy_(0, dst, tokens.values.index_select(0, src))
 
     def _write_rows(self, changed: list[tuple[int, int, list[int]]]) -> None:
         w = max(len(p) for _, _, p in changed)

@@ -128,10 +128,10 @@ class DecodeGraphs:
             return None
         return bs, width
 
-    def forward(self, chunks: Sequence, key: tuple[int, int]) -> list[torch.Tensor]:
+    def forward(self, chunks: Sequence, key: tuple[int, int], tokens=None) -> list[torch.Tensor]:
         """Per chunk, its logits [1, vocab] fp32 (a copy: the graph's output is overwritten by
-        the next replay)."""
-        self.state.update(chunks)
+        the next replay). `tokens` (runner.DeviceTokens): inputs still on the device."""
+        self.state.update(chunks, tokens)
         g, out = self.graphs[key]
         g.replay()
         self.replays += 1

@@ -55,6 +55,27 @@ class SeqChunk:
     all_logits: bool = False  # True: logits for every new token (verify); else the last one only
 
 
+@dataclass
+class DeviceTokens:
+    """Input tokens that are still on the device (an overlapped decode step's inputs are the
+    previous step's samples, not yet read back): chunk `dst[i]`'s one token is `values[src[i]]`;
+    its `token_ids` holds a placeholder."""
+
+    values: torch.Tensor  # [m] long, on the runner's device
+    src: list[int]
+    dst: list[int]
+
+    def __post_init__(self):
+        if len(self.src) != len(self.dst):
+            raise ValueError("src and dst must have the same length")
+
+    def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(src, dst) as device tensors, through one pinned non-blocking copy (no host sync)."""
+        t = torch.tensor([self.src, self.dst], dtype=torch.long, pin_memory=device.type == "cuda")
+        t = t.to(device, non_blocking=True)
+        return t[0], t[1]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -243,14 +264,23 @@ class ModelRunner:
             raise ValueError("this runner holds no draft model")
         return self.draft.propose(self.model, blocks, self.pools, return_logits=return_logits)
 
-    def forward(self, chunks: list[SeqChunk], inputs: StageInput | None = None) -> list[torch.Tensor]:
-        """Last stage: runs every chunk in one batch; per chunk, logits [rows, vocab] fp32."""
+    def forward(self, chunks: list[SeqChunk], inputs: StageInput | None = None,
+                tokens: DeviceTokens | None = None) -> list[torch.Tensor]:
+        """Last stage: runs every chunk in one batch; per chunk, logits [rows, vocab] fp32.
+        `tokens`: the inputs of some one-token chunks are on the device (whole model only)."""
         if not self.model.is_last:
             raise ValueError(f"logits come from the last stage; this stage holds layers {self.model.layer_range}")
+        if tokens is not None:
+            if inputs is not None or not self.model.is_first or self.draft is not None:
+                raise ValueError("device-side input tokens are for plain decode on the whole model")
+            if any(len(c.token_ids) != 1 or c.all_logits for c in chunks):
+                raise ValueError("device-side input tokens are for batches of one-token chunks")
         if self.graphs is not None and inputs is None:
             key = self.graphs.bucket(chunks)
             if key is not None:
-                return self.graphs.forward(chunks, key)
+                return self.graphs.forward(chunks, key, tokens)
+        if tokens is not None:
+            return self._forward_with(chunks, tokens)
         out = self.forward_stage(chunks, inputs)
         rows = self._device_rows(self.logit_rows(chunks))
         logits = self.model.logits(out.hidden[rows])
@@ -260,3 +290,11 @@ class ModelRunner:
             res.append(logits[r : r + k])
             r += k
         return res
+
+    def _forward_with(self, chunks: list[SeqChunk], tokens: DeviceTokens) -> list[torch.Tensor]:
+        """The eager forward with the device-side tokens put into the batch's input ids (one token
+        per chunk: chunk i is row i of the batch)."""
+        batch, _ = self.build_batch(chunks)
+        src, dst = tokens.index(self.device)
+        batch.input_ids.index_copy_(0, dst, tokens.values.index_select(0, src))
+        return list(self.model.forward(batch, self.pools, slice(None)).split(1))

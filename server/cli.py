@@ -78,6 +78,8 @@ def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
                    help="largest decode batch captured in a CUDA graph (default 64)")
     g.add_argument("--disable-cuda-graph", dest="disable_cuda_graph", action="store_true", default=None,
                    help="run every decode step eagerly")
+    g.add_argument("--disable-overlap-schedule", dest="disable_overlap_schedule", action="store_true", default=None,
+                   help="read every decode step's tokens back before launching the next")
     g.add_argument("--mem-fraction-static", "--gpu-memory-utilization", dest="mem_fraction_static", type=float)
     g.add_argument("--device", choices=["cpu", "cuda"])
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
@@ -120,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("tp", "pp", "page_size", "max_running_requests", "chunked_prefill_size", "num_pages",
                  "max_total_tokens", "mem_fraction_static", "device", "dtype", "kv_cache_dtype", "cuda_graph_max_bs",
-                 "disable_cuda_graph")
+                 "disable_cuda_graph", "disable_overlap_schedule")
 
 
 def overrides_from_args(args: argparse.Namespace, role: str | None = None, index: int | None = None) -> dict[str, Any]:

@@ -173,6 +173,10 @@ class EngineConfig:
     # larger batches run eagerly. disable_cuda_graph: never capture (SGLang's --disable-cuda-graph).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
+    # Decode instances with tp 1 and pp 1 launch plain greedy steps one ahead of reading their
+    # tokens back (engine/overlap.py); disable_overlap_schedule runs every step synchronously
+    # (SGLang's --disable-overlap-schedule).
+    disable_overlap_schedule: bool = False
 
 
 @dataclass

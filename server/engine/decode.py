@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from glm53.models import SeqChunk
+from glm53.models.runner import DeviceTokens
 from glm53.models.draft import DraftBlock
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.constraints import Constraints, mask_block, masks
@@ -34,6 +35,7 @@ from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.engine.logprobs import rows_logprobs, unpack_first
+from glm53.server.engine.overlap import InflightStep, overlappable
 from glm53.server.engine.spec import accept
 from glm53.server.sampling import TokenHistory, sample, step_generator
 from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer, TransferError
@@ -53,6 +55,9 @@ class DecodeRequest(TrackedRequest):
     bootstrapped: float = 0.0  # receivers left BOOTSTRAPPING: prefill reached, destination sent
     constraint: Any = None  # structured output: the grammar state (engine/constraints.py)
     index: int = 0  # the choice (0..n-1) of a request with n choices
+    pending: int = 0  # overlapped steps launched for it and not read back (engine/overlap.py)
+    finished: bool = False  # released: no more tokens are committed
+    free_after_step: bool = False  # released while an in-flight step still writes its pages
     unsent_lp: list[float] = field(default_factory=list)  # logprobs of `unsent` (if asked for)
     unsent_top: list[list] = field(default_factory=list)
 
@@ -87,6 +92,9 @@ class DecodeScheduler(Scheduler):
         self.receiving: list[DecodeRequest] = []  # pages held, KV in flight
         self.running: list[DecodeRequest] = []  # adopted, decoding
         self.constraints = Constraints(cluster)
+        # Overlapped plain decoding (engine/overlap.py): the step launched and not yet read back.
+        self.overlap = self.workers.device_tokens and not self.block_size and not inst.engine.disable_overlap_schedule
+        self.inflight: InflightStep | None = None
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
@@ -223,10 +231,13 @@ class DecodeScheduler(Scheduler):
         return out
 
     def _decode(self) -> bool:
-        if not self.running:
-            return False
         if self.block_size:
-            return self._decode_speculative()
+            return self._decode_speculative() if self.running else False
+        if self.overlap and self.running and all(overlappable(r) for r in self.running):
+            return self._decode_overlapped()
+        drained = self._drain()
+        if not self.running:
+            return drained
         batch = list(self.running)
         chunks = [SeqChunk([r.output[-1]], r.prompt_len + len(r.output) - 1, r.pages) for r in batch]
         logits = self.workers.forward(chunks)
@@ -241,6 +252,53 @@ class DecodeScheduler(Scheduler):
             self._commit(r, [int(tok)], *(lp or (None, None)))
         self.count_tokens(len(batch))
         return True
+
+    def _decode_overlapped(self) -> bool:
+        """Launch the next plain step, then read back and commit the one before it."""
+        prev, self.inflight = self.inflight, None
+        # A row whose launched steps already reach max_new_tokens needs no more.
+        batch = [r for r in self.running if len(r.output) + r.pending < r.params.max_new_tokens]
+        if batch:
+            rows = prev.row_of() if prev is not None else {}
+            chunks, src, dst = [], [], []
+            for i, r in enumerate(batch):
+                if r.pending:  # its input is prev's sample for it, still on the device
+                    src.append(rows[id(r)])
+                    dst.append(i)
+                chunks.append(SeqChunk([0 if r.pending else r.output[-1]], r.prompt_len + len(r.output) + r.pending - 1,
+                                       r.pages))
+            tokens = DeviceTokens(prev.tokens, src, dst) if src else None
+            logits = self.workers.forward_decode(chunks, tokens)
+            self.inflight = InflightStep.launch(batch, torch.cat([lg[-1:] for lg in logits]))
+            for r in batch:
+                r.pending += 1
+        if prev is not None:
+            self._resolve(prev)
+        return True
+
+    def _drain(self) -> bool:
+        """Read back and commit the in-flight step, if any (before a synchronous step)."""
+        step, self.inflight = self.inflight, None
+        if step is None:
+            return False
+        self._resolve(step)
+        return True
+
+    def _resolve(self, step: InflightStep) -> None:
+        """Commit an overlapped step's tokens (rows released since it launched drop theirs);
+        then free the pages of released rows that no step in flight still writes."""
+        toks = step.result()
+        n = 0
+        for r, tok in zip(step.batch, toks):
+            r.pending -= 1
+            if not r.finished:
+                self._commit(r, [tok])
+                n += 1
+        for r in step.batch:
+            if r.free_after_step and not (self.inflight is not None and self.inflight.holds(r)):
+                r.free_after_step = False
+                self._free_pages(r)
+        self.count_tokens(n)
 
     def _decode_speculative(self) -> bool:
         """One DFlash step for the whole batch: the draft proposes, the target verifies every
@@ -305,10 +363,17 @@ class DecodeScheduler(Scheduler):
         and for a failure the router told (`error` = (message, protocol error code))."""
         if r in self.running:
             self.running.remove(r)
-        self.allocator.free(r.pages)
-        r.pages = []
+        r.finished = True
+        if self.inflight is not None and self.inflight.holds(r):
+            r.free_after_step = True  # the step in flight still writes them (engine/overlap.py)
+        else:
+            self._free_pages(r)
         if error is not None:
             self.send_error(r.req, *error)
+
+    def _free_pages(self, r: DecodeRequest) -> None:
+        self.allocator.free(r.pages)
+        r.pages = []
 
     def _abort_transfer(self, r: DecodeRequest, reason: str) -> None:
         if not r.aborted:
@@ -328,6 +393,16 @@ class DecodeScheduler(Scheduler):
         return len(self.running), len(self.waiting), len(self.receiving)
 
     def fail_all(self, message: str) -> None:
+        step, self.inflight = self.inflight, None
+        if step is not None:  # its rows' pages are freed below, once nothing writes them
+            try:
+                step.result()
+            except Exception:  # the step itself failed: nothing of it is read
+                log.exception("%s: the in-flight decode step failed", self.inst.name)
+            for r in step.batch:
+                if r.free_after_step:
+                    r.free_after_step = False
+                    self._free_pages(r)
         for r in self.waiting:
             self.send_error(r.req, message, "internal")
         self.waiting.clear()
@@ -339,6 +414,7 @@ class DecodeScheduler(Scheduler):
             self._release(r, error=(message, "internal"))
 
     def abandon(self) -> None:
+        self.inflight = None
         self.waiting.clear()
         self.receiving.clear()
         self.running.clear()

@@ -18,6 +18,7 @@ import torch
 
 from glm53.models import GlmConfig, SeqChunk
 from glm53.models.draft import DraftBlock
+from glm53.models.runner import DeviceTokens
 from glm53.server.engine.worker import RankSpec, RankWorker
 from glm53.transport import Room, RoomTransfer
 
@@ -31,6 +32,9 @@ class WorkerGroup(abc.ABC):
     sends_draft_kv: bool  # prefill: the transfers carry the prompt's draft context KV
 
     pp: int = 1  # pipeline stages
+    # Whether `forward_decode` exists: a decode step whose inputs are the previous step's samples
+    # still on the device (the overlapped decode loop, engine/decode.py).
+    device_tokens: bool = False
 
     @abc.abstractmethod
     def forward_microbatches(self, microbatches: list[list[SeqChunk]]) -> list[list[torch.Tensor]]:
@@ -86,8 +90,15 @@ class LocalWorkers(WorkerGroup):
         self.block_size = self.rank.block_size
         self.sends_draft_kv = self.rank.sends_draft_kv
 
+    device_tokens = True
+
     def forward_microbatches(self, microbatches: list[list[SeqChunk]]) -> list[list[torch.Tensor]]:
         return self.rank.forward_microbatches(microbatches)
+
+    def forward_decode(self, chunks: list[SeqChunk], tokens: DeviceTokens) -> list[torch.Tensor]:
+        """A decode batch (one token per chunk) whose inputs `tokens` names are on the device;
+        returns without waiting for the GPU."""
+        return self.rank.forward(chunks, tokens)
 
     def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
         return self.rank.spec_step(blocks)

@@ -22,6 +22,7 @@ from glm53.models.draft_weights import load_draft_projection, load_draft_weights
 from glm53.models.graph import GraphConfig
 from glm53.models.kv_cache import FP8
 from glm53.models.parallel import TPGroup
+from glm53.models.runner import DeviceTokens
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.logprobs import meta_slot_bytes
 from glm53.server.engine.pipeline import StagePipe, run_microbatches
@@ -232,8 +233,8 @@ class RankWorker:
     def bytes_per_page(self) -> int:
         return self.runner.pools.bytes_per_page()
 
-    def forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor]:
-        return self.runner.forward(chunks)
+    def forward(self, chunks: list[SeqChunk], tokens: DeviceTokens | None = None) -> list[torch.Tensor]:
+        return self.runner.forward(chunks, tokens=tokens)
 
     def forward_microbatches(self, microbatches: list[list[SeqChunk]],
                              pipe: StagePipe | None = None) -> list[list[torch.Tensor]] | None:

@@ -102,3 +102,34 @@ def test_state_rejects_what_it_cannot_hold(runner):
         state.update([SeqChunk([1], 0, [0, 1, 2, 3])])
     with pytest.raises(ValueError, match="outside"):
         state.update([SeqChunk([1], 64, list(range(3)))])
+
+
+def test_device_side_input_tokens(runner):
+    """An overlapped step's inputs on the device (runner.DeviceTokens): the state's input ids and
+    the eager forward's logits equal those of the same step given the tokens on the host."""
+    from glm53.models.runner import DeviceTokens
+
+    alloc = PageAllocator(96)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, runner.cfg.vocab_size, (n,), generator=g).tolist() for n in (9, 14, 5)]
+    chunks = []
+    for p in prompts:
+        pages = alloc.alloc(-(-(len(p) + 2) // PS))
+        runner.forward([SeqChunk(p, 0, pages)])
+        chunks.append(SeqChunk([0], len(p), pages))
+    samples = torch.tensor([7, 31, 19, 4])  # the "previous step's" samples, rows 0..3
+    tokens = DeviceTokens(samples, src=[2, 0], dst=[0, 2])  # chunks 0 and 2 take theirs from the device
+    host = [SeqChunk([int(samples[2])], chunks[0].start_pos, chunks[0].page_table),
+            SeqChunk([55], chunks[1].start_pos, chunks[1].page_table),
+            SeqChunk([int(samples[0])], chunks[2].start_pos, chunks[2].page_table)]
+    chunks[1].token_ids = [55]
+
+    state = DecodeState(max_bs=4, max_pages=12, page_size=PS, pad_page=96, max_position=runner.cfg.max_position_embeddings)
+    state.update(chunks, tokens)
+    assert state.input_ids[:3].tolist() == [int(samples[2]), 55, int(samples[0])]
+
+    ref = torch.cat(runner.forward(host))  # writes the same slots with the same values
+    got = torch.cat(runner.forward(chunks, tokens=tokens))
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="one-token chunks"):
+        runner.forward([SeqChunk([1, 2], 0, chunks[0].page_table)], tokens=tokens)

@@ -1,0 +1,62 @@
+"""The overlapped decode loop's unit: one plain decode step launched and not yet read back.
+
+A GPU decode step is short (~2 ms on the GLM-5 slice) and the scheduler's host work around it
+(building the batch, reading tokens back, committing and streaming them) is not: done in series,
+the GPU idles through it. The decode scheduler therefore launches step k + 1 before it reads
+step k's tokens: step k + 1's inputs are step k's greedy samples, which stay on the device
+(`DeviceTokens`), and step k's copy to the host is waited for only after step k + 1 is queued.
+
+What that costs is decided in `DecodeScheduler` (engine/decode.py): a request that ends at
+step k (a stop token) has already been launched into step k + 1, whose result for it is dropped;
+its pages are freed only once step k + 1 has run, since that step still writes them. Only plain
+greedy rows overlap (no penalties, logprobs or grammar: those need each step's tokens on the
+host before the next step); any other row drains the pipeline first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class InflightStep:
+    batch: list  # the step's requests, in row order
+    tokens: torch.Tensor  # [n] long on the device: each row's greedy sample
+    host: torch.Tensor  # [n] long on the host (pinned on CUDA): their copy, valid once `done` ran
+    done: torch.cuda.Event | None  # recorded after the copy (CUDA); None: the copy was synchronous
+
+    @classmethod
+    def launch(cls, batch: list, logits: torch.Tensor) -> "InflightStep":
+        """Queue the greedy samples of `logits` [n, vocab] and their copy to the host; returns
+        at once on CUDA."""
+        tokens = logits.argmax(dim=-1)
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return cls(batch, tokens, host, done)
+        return cls(batch, tokens, tokens, None)
+
+    def row_of(self) -> dict[int, int]:
+        """id(request) -> its row."""
+        return {id(r): i for i, r in enumerate(self.batch)}
+
+    def holds(self, r) -> bool:
+        return any(x is r for x in self.batch)
+
+    def result(self) -> list[int]:
+        """The step's tokens, waiting for the GPU if it is still running."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+def overlappable(r) -> bool:
+    """A decode request whose next input can stay on the device: greedy, and nothing that needs
+    each step's token on the host first (penalties and logit_bias read the history, logprobs the
+    logits row, a grammar its state)."""
+    p = r.params
+    return p.greedy and not p.adjusts and r.constraint is None and r.req.spec.logprobs < 0
