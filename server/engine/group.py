@@ -18,6 +18,7 @@ import torch
 
 from glm53.models import GlmConfig, SeqChunk
 from glm53.models.draft import DraftBlock
+from glm53.models.spec_state import SpecOutput
 from glm53.server.engine.worker import RankSpec, RankWorker
 from glm53.transport import Room, RoomTransfer
 
@@ -43,9 +44,9 @@ class WorkerGroup(abc.ABC):
         return self.forward_microbatches([chunks])[0]
 
     @abc.abstractmethod
-    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """Decode with a draft: propose, then verify in one target forward (RankWorker.spec_step);
-        the drafts and the verify logits per request."""
+    def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
+        """Decode with a draft: propose, then verify in one target forward (ModelRunner.spec_step);
+        the drafts, the verify logits and (when computed) their argmaxes per request."""
 
     @abc.abstractmethod
     def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:
@@ -89,7 +90,7 @@ class LocalWorkers(WorkerGroup):
     def forward_microbatches(self, microbatches: list[list[SeqChunk]]) -> list[list[torch.Tensor]]:
         return self.rank.forward_microbatches(microbatches)
 
-    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
         return self.rank.spec_step(blocks)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
