@@ -29,13 +29,13 @@ from tests.net import free_ports
 
 
 def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | None, graphs: bool = True,
-              max_running: int = 64, dtype: str = "float32") -> DecodeScheduler:
+              max_running: int = 64, dtype: str = "float32", context: int | None = None) -> DecodeScheduler:
     """A decode scheduler on one in-process rank (no prefill instance is started). On CUDA it
     captures its decode graphs (with a draft: of the DFlash step) for batches up to
-    `max_running` unless `graphs` is False."""
+    `max_running` and requests up to `context` tokens (None: the model's) unless `graphs` is False."""
     ports = free_ports(4)
     raw = {
-        "model": {"path": str(model_dir)},
+        "model": {"path": str(model_dir), **({"context_length": context} if context else {})},
         "defaults": {"device": device, "dtype": dtype, "page_size": 16, "num_pages": 2048,
                      "stream_interval": 1000, "max_running_requests": max_running,
                      "disable_cuda_graph": not graphs},
