@@ -131,8 +131,10 @@ class DraftAttention(nn.Module):
         k = torch.cat([ctx_k, k.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)  # [R, kv, T+B, hd]
         v = torch.cat([ctx_v, v.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)
         group = self.n_heads // self.n_kv
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if group > 1:  # repeat_interleave on the heads, as a broadcast view + reshape
+            t = k.shape[2]
+            k = k[:, :, None].expand(r, self.n_kv, group, t, hd).reshape(r, self.n_heads, t, hd)
+            v = v[:, :, None].expand(r, self.n_kv, group, t, hd).reshape(r, self.n_heads, t, hd)
         q = q.view(r, b, self.n_heads, hd).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None, None, :],
                                            scale=hd**-0.5)

@@ -69,10 +69,14 @@ def test_spec_graph_replay_equals_eager_and_syncs_nothing(ckpts, dtype):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         got = split_output(rows, K, tokens[:n].cpu().tolist(), lg)
-        # the same step eagerly on the same state (rewrites the same KV): the same bits
+        # the same step eagerly on the same state (rewrites the same KV): the same bits for the
+        # requests' tokens (a row's padding tokens all write one slot of the padding page, in no
+        # fixed order, so their own outputs are not compared)
         same_t, same_l = graphs.run_eager(*key)
-        assert torch.equal(tokens[:n], same_t[:n])
-        assert torch.equal(lg, same_l[: n * K]), float((lg - same_l[: n * K]).abs().max())
+        real = torch.tensor([i * K + j for i, r in enumerate(rows) for j in range(r.n)], device="cuda")
+        assert torch.equal(tokens[:n, : K - 1], same_t[:n, : K - 1])
+        assert torch.equal(tokens[:n, K - 1 :].reshape(-1)[real], same_t[:n, K - 1 :].reshape(-1)[real])
+        assert torch.equal(lg[real], same_l[real]), float((lg[real] - same_l[real]).abs().max())
         # and the eager DFlash step (own widths, no padding, drafts through the host)
         runner.spec_graphs = None
         try:
