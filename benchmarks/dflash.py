@@ -28,12 +28,17 @@ from glm53.server.sampling import SamplingParams
 from tests.net import free_ports
 
 
-def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | None) -> DecodeScheduler:
+def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | None, graphs: bool = True,
+              max_running: int = 64, dtype: str = "float32", context: int | None = None) -> DecodeScheduler:
+    """A decode scheduler on one in-process rank (no prefill instance is started). On CUDA it
+    captures its decode graphs (with a draft: of the DFlash step) for batches up to
+    `max_running` and requests up to `context` tokens (None: the model's) unless `graphs` is False."""
     ports = free_ports(4)
     raw = {
-        "model": {"path": str(model_dir)},
-        "defaults": {"device": device, "dtype": "float32", "page_size": 16, "num_pages": 2048,
-                     "stream_interval": 1000, "max_running_requests": 64},
+        "model": {"path": str(model_dir), **({"context_length": context} if context else {})},
+        "defaults": {"device": device, "dtype": dtype, "page_size": 16, "num_pages": 2048,
+                     "stream_interval": 1000, "max_running_requests": max_running,
+                     "disable_cuda_graph": not graphs},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
         "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2], **({"devices": [0]} if device == "cuda" else {})}],
     }

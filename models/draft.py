@@ -119,9 +119,9 @@ class DraftAttention(nn.Module):
         k = rms_norm(self.k_proj(x).view(n, self.n_kv, hd), self.k_norm.weight, eps)
         return apply_rope(k, cos, sin, interleave=False), self.v_proj(x).view(n, self.n_kv, hd)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
-        """x: block rows [R·B, H]; ctx_k/ctx_v [R, T, kv_local, head_dim]; ctx_mask [R, T], or
-        None when every row sees all T context positions."""
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        """x: block rows [R·B, H]; ctx_k/ctx_v [R, T, kv_local, head_dim]; mask [R, T + B], the
+        context and block positions each row's queries see, or None when they see all of them."""
         r = ctx_k.shape[0]
         n, hd = x.shape[0], self.cfg.head_dim
         b = n // r
@@ -131,12 +131,13 @@ class DraftAttention(nn.Module):
         k = torch.cat([ctx_k, k.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)  # [R, kv, T+B, hd]
         v = torch.cat([ctx_v, v.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)
         group = self.n_heads // self.n_kv
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        # Every block query sees the request's valid context and all B block positions.
-        mask = None if ctx_mask is None else torch.cat([ctx_mask, ctx_mask.new_ones(r, b)], dim=1)[:, None, None, :]
+        if group > 1:  # repeat_interleave on the heads, as a broadcast view + reshape
+            t = k.shape[2]
+            k = k[:, :, None].expand(r, self.n_kv, group, t, hd).reshape(r, self.n_heads, t, hd)
+            v = v[:, :, None].expand(r, self.n_kv, group, t, hd).reshape(r, self.n_heads, t, hd)
         q = q.view(r, b, self.n_heads, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd**-0.5)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None, None, :],
+                                           scale=hd**-0.5)
         return self.o_proj(o.transpose(1, 2).reshape(n, self.n_heads * hd))
 
 
@@ -149,8 +150,8 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg, dtype, tp)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, ctx_mask) -> torch.Tensor:
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, ctx_k, ctx_v, ctx_mask)
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
 
 
@@ -264,24 +265,42 @@ class DFlashDraft(nn.Module):
         starts = torch.tensor([blk.start_pos for blk in blocks])
         positions = (starts[:, None] + torch.arange(b)).reshape(-1).to(dev)
         _, mask = self._context_slots(blocks, pools.page_size)
-        mask = mask.to(dev)
         ctx = self._gather_context(blocks, pools)  # [R, T, 2·kv, L, hd]
         # The same context for every request (one request, or all at one position): no mask needed.
         full = len({(blk.ctx_start, blk.start_pos) for blk in blocks}) == 1
-
-        x = target.embed(ids.reshape(-1).to(dev)).to(self.dtype)
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx[..., 0::2, i, :], ctx[..., 1::2, i, :], None if full else mask)
-        h = rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
-        logits = target.lm_head(h.reshape(r * (b - 1), -1)).float().view(r, b - 1, -1)
+        # Every block query sees the request's valid context and all B block positions.
+        mask = None if full else torch.cat([mask, mask.new_ones(r, b)], dim=1).to(dev)
+        logits = self.block_logits(target, ids.to(dev), positions, ctx, mask)
         tokens = logits.argmax(dim=-1)
         return (tokens, logits) if return_logits else tokens
 
+    def block_logits(self, target: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+        """The drafting forward on device tensors only (no host reads: CUDA graphs capture it,
+        models/spec_graph.py): blocks `ids` [R, B] at `positions` [R·B] over the context K/V `ctx`
+        [R, T, 2·kv, L, hd] with the key mask `mask` [R, T + B] (None: every query sees all);
+        fp32 logits [R, B − 1, vocab] of block positions 1 .. B − 1."""
+        r, b = ids.shape
+        x = target.embed(ids.reshape(-1)).to(self.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx[..., 0::2, i, :], ctx[..., 1::2, i, :], mask)
+        h = rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
+        return target.lm_head(h.reshape(r * (b - 1), -1)).float().view(r, b - 1, -1)
+
+    def gather_pages(self, table: torch.Tensor, pools: KVPools) -> torch.Tensor:
+        """Every layer's draft K/V of the pages `table` [R, P] (long, valid page ids) as
+        [R, P·page_size, 2·kv, L, hd]: one contiguous copy per page."""
+        pool = pools[DRAFT_KV]
+        self._all_layers(pool)  # checks the layer order
+        pages = pool.tensor[table]  # [R, P, 2·kv, L, ps, hd]
+        r, p, h2, nl, ps, hd = pages.shape
+        return pages.permute(0, 1, 4, 2, 3, 5).reshape(r, p * ps, h2, nl, hd)
+
     def _gather_context(self, blocks: list[DraftBlock], pools: KVPools) -> torch.Tensor:
         """Every layer's draft K/V [R, T, 2·kv, L, hd] of positions lo .. lo + T − 1 (as
-        `_context_slots`), read as whole pages (one contiguous copy per page instead of a gather
-        per token and layer); positions a request does not see hold arbitrary values."""
+        `_context_slots`), read as whole pages; positions a request does not see hold arbitrary
+        values."""
         ps = pools.page_size
         lo = min(blk.ctx_start for blk in blocks)
         t = max(blk.start_pos for blk in blocks) - lo
@@ -291,12 +310,8 @@ class DFlashDraft(nn.Module):
         for i, blk in enumerate(blocks):
             row = blk.page_table[first:last]
             table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        pool = pools[DRAFT_KV]
-        self._all_layers(pool)  # checks the layer order
-        pages = pool.tensor[table.to(pool.tensor.device)]  # [R, P, 2·kv, L, ps, hd]
-        r, p, h2, nl, _, hd = pages.shape
         off = lo - first * ps
-        return pages.permute(0, 1, 4, 2, 3, 5).reshape(r, p * ps, h2, nl, hd)[:, off : off + t]
+        return self.gather_pages(table.to(pools[DRAFT_KV].tensor.device), pools)[:, off : off + t]
 
     def _block_size(self, blocks: list[DraftBlock]) -> int:
         sizes = {blk.block_size or self.cfg.block_size for blk in blocks}

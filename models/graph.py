@@ -11,8 +11,9 @@ norm and the lm_head) once per (batch size, width) bucket and replaying it costs
 - Widths step by 4x from 4K tokens up to the instance's longest request, so a short-context
   batch does not pay for the longest one's widths.
 - Everything the graph cannot hold runs eagerly (`ModelRunner.build_batch`): more requests than
-  the largest bucket, chunks of more than one token (prefill, verify), pipeline stages, tensor
-  parallelism, and stages with a draft (their forwards also write the draft context).
+  the largest bucket, chunks of more than one token (prefill, verify), pipeline stages and tensor
+  parallelism. A runner with a DFlash draft captures its speculative step instead
+  (models/spec_graph.py, the same design).
 - Graphs share one memory pool and are captured largest first, at start-up; warm-up and capture
   only ever write the padding page.
 """
@@ -57,10 +58,12 @@ def width_buckets(max_pages: int, page_size: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class GraphConfig:
     """`max_bs`: the largest captured batch; `max_context`: the longest request (tokens) a graph
-    must hold (the model's context length or less)."""
+    must hold (the model's context length or less); `block`: with a DFlash draft, the tokens a
+    verify step checks, the bonus slot included (None: the draft's block size)."""
 
     max_bs: int
     max_context: int
+    block: int | None = None
 
 
 def pick(buckets: Sequence[int], n: int) -> int | None:

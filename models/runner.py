@@ -20,9 +20,10 @@ then rejected is never read, and is overwritten once those positions are committ
 stage that owns feature layers takes a `DraftProjection` and hands its partial sum on in
 `StageOutput.draft_acc`.
 
-With `graphs` (a whole model on one CUDA rank, no draft), decode batches of one-token chunks
-replay CUDA graphs over a device-resident batch state (models/graph.py, decode_state.py);
-everything else runs eagerly through `build_batch`.
+With `graphs` (a whole model on one CUDA rank), decode batches of one-token chunks replay CUDA
+graphs over a device-resident batch state (models/graph.py, decode_state.py), or, with a draft,
+DFlash steps (`spec_step`) replay graphs of propose + verify (models/spec_graph.py,
+spec_state.py); everything else runs eagerly through `build_batch`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.draft_config import DFlashConfig
 from glm53.models.draft_weights import load_draft_projection, load_draft_weights
 from glm53.models.graph import DecodeGraphs, GraphConfig
+from glm53.models.spec_graph import SpecGraphs
+from glm53.models.spec_state import SpecOutput
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import TPGroup
@@ -122,7 +125,10 @@ class ModelRunner:
         if draft is not None:
             draft.add_pools(self.pools)
         self.graphs: DecodeGraphs | None = None
-        if graphs is not None:
+        self.spec_graphs: SpecGraphs | None = None
+        if graphs is not None and draft is not None:
+            self.spec_graphs = SpecGraphs(self, graphs, pad_page=num_pages)
+        elif graphs is not None:
             self.graphs = DecodeGraphs(self, graphs, pad_page=num_pages)
 
     @staticmethod
@@ -235,7 +241,13 @@ class ModelRunner:
         for the same chunks (None on the first stage); `capture` as `GlmForCausalLM.forward_stage`.
         With a draft, also writes the chunk tokens' draft context KV (last stage) or returns the
         partial projection in `draft_acc` (a non-last stage with a `DraftProjection`)."""
-        batch, _ = self.build_batch(chunks)
+        return self.forward_batch(self.build_batch(chunks)[0], inputs, capture)
+
+    def forward_batch(
+        self, batch: ForwardBatch, inputs: StageInput | None = None, capture: Sequence[int] = ()
+    ) -> StageOutput:
+        """`forward_stage` on a batch already built (device tensors only: the DFlash graphs
+        capture it on their static batch)."""
         if self.projection is None:
             return self.model.forward_stage(batch, self.pools, inputs, capture)
         out = self.model.forward_stage(batch, self.pools, inputs, tuple(set(capture) | set(self.draft_ids)))
@@ -263,6 +275,32 @@ class ModelRunner:
         if self.draft is None:
             raise ValueError("this runner holds no draft model")
         return self.draft.propose(self.model, blocks, self.pools, return_logits=return_logits)
+
+    def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
+        """One DFlash step for a batch: the draft proposes `block_size − 1` tokens per request
+        (none for a block of 1), then one target forward verifies `[last token, drafts...]` and
+        writes the draft context of every verified position. A captured graph runs it when one
+        holds the batch (`SpecGraphs.bucket` decides), else it runs eagerly. Every TP rank
+        computes the same proposals, so every rank builds the same verify batch."""
+        if self.spec_graphs is not None:
+            hit = self.spec_graphs.bucket(blocks)
+            if hit is not None:
+                return self.spec_graphs.step(*hit)
+        drafts: list[list[int]] = [[] for _ in blocks]
+        for size in {b.block_size for b in blocks} - {1}:  # one propose call per block size
+            idx = [i for i, b in enumerate(blocks) if b.block_size == size]
+            for i, row in zip(idx, self.propose([blocks[i] for i in idx]).tolist()):
+                drafts[i] = row
+        chunks = [SeqChunk([b.last_token, *d], b.start_pos, b.page_table, all_logits=True)
+                  for b, d in zip(blocks, drafts)]
+        logits = self.forward(chunks)
+        # Every row's argmax in one copy (greedy requests accept from it without a read each).
+        flat = torch.cat(logits).argmax(dim=-1).tolist()
+        greedy, r = [], 0
+        for lg in logits:
+            greedy.append(flat[r : r + len(lg)])
+            r += len(lg)
+        return SpecOutput(drafts, logits, greedy)
 
     def forward(self, chunks: list[SeqChunk], inputs: StageInput | None = None,
                 tokens: DeviceTokens | None = None) -> list[torch.Tensor]:

@@ -168,9 +168,10 @@ class EngineConfig:
     dist_init_port: int | None = None
     # Print SGLang-style "Prefill batch, ..." / "Decode batch, ..." lines every N seconds.
     log_interval_s: float = 10.0
-    # CUDA graphs of the decode step (decode instances on CUDA, tp 1, pp 1, no draft), captured at
-    # start-up for batch sizes 1, 2, 4, ... up to cuda_graph_max_bs (SGLang's --cuda-graph-max-bs);
-    # larger batches run eagerly. disable_cuda_graph: never capture (SGLang's --disable-cuda-graph).
+    # CUDA graphs of the decode step (decode instances on CUDA, tp 1, pp 1; with a DFlash draft, of
+    # its propose + verify step), captured at start-up for batch sizes 1, 2, 4, ... up to
+    # cuda_graph_max_bs (SGLang's --cuda-graph-max-bs); larger batches run eagerly.
+    # disable_cuda_graph: never capture (SGLang's --disable-cuda-graph).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     # Decode instances with tp 1 and pp 1 launch plain greedy steps one ahead of reading their

@@ -2,7 +2,7 @@
 decode scheduler's real loop (DFlash off vs on, greedy; the outputs must be identical).
 
     PYTHONPATH=. python tools/eval_dflash.py --model DIR --draft DIR [--device cpu|cuda] [--batch 1 16] [--new 128]
-        [--block 4 8 16] [--repeat 1] [--singles 1] [--clock wall|cpu]
+        [--block 4 8 16] [--repeat 1] [--singles 1] [--clock wall|cpu] [--graphs on|off|both] [--context N]
 
 Prompts: the first `--prompt` tokens of held-out standard-library files (the split of
 tools/train_tiny.py: sha1 of the path relative to the stdlib < 5 %), longer than index_topk so
@@ -12,6 +12,11 @@ neighbouring runs is steadier than either rate); the table shows the median rate
 `--singles N`: batch 1 decodes N prompts one after the other (τ and rates over all of them);
 `--clock cpu` times the decode loop by this thread's CPU time instead of wall time (torch runs
 one thread here), which leaves out the time other jobs on a shared CPU took.
+
+On CUDA, plain decoding (`off`) replays its CUDA graphs; `--graphs` says whether the DFlash modes
+replay theirs (`on`, the default, as served), run eagerly (`off`), or both (`dflash N eager` rows
+beside `dflash N`). Graphs are captured for batches up to the largest `--batch` and requests up to
+`--context` tokens (default: the model's context length).
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ def main() -> None:
     ap.add_argument("--singles", type=int, default=1, help="batch 1: this many prompts, one at a time")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--graphs", choices=["on", "off", "both"], default="on", help="CUDA graphs of the DFlash step")
+    ap.add_argument("--context", type=int, default=None, help="longest request the graphs hold (tokens)")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.device == "cpu":
@@ -66,15 +73,18 @@ def main() -> None:
     print(f"device {a.device}, {len(all_prompts)} held-out prompts of {a.prompt} tokens, {a.new} new tokens, "
           f"blocks {a.block}, {a.repeat} alternating repeat(s), {a.clock} clock"
           + (f", batch 1 over {a.singles} prompts one at a time" if a.singles > 1 else ""))
-    print(f"{'batch':>5} | {'mode':<9} | {'tok/s':>8} | {'tau':>5} | speed-up vs off")
+    print(f"{'batch':>5} | {'mode':<15} | {'tok/s':>8} | {'tau':>5} | speed-up vs off")
     for batch in a.batch:
         groups = [[p] for p in all_prompts[: a.singles]] if batch == 1 else [all_prompts[:batch]]
-        modes = [("off", None)] + [(f"dflash {b}", b) for b in a.block]
-        rates: dict[str, list[float]] = {m: [] for m, _ in modes}
+        kinds = {"on": [True], "off": [False], "both": [False, True]}[a.graphs]
+        modes = [("off", None, True)] + [(f"dflash {b}" + ("" if g else " eager"), b, g)
+                                         for b in a.block for g in kinds]
+        rates: dict[str, list[float]] = {m: [] for m, _, _ in modes}
         taus, ref, differs = {}, None, set()
         for _ in range(a.repeat):
-            for mode, block in modes:
-                sched = scheduler(a.model, None if block is None else a.draft, a.device, block)
+            for mode, block, graphs in modes:
+                sched = scheduler(a.model, None if block is None else a.draft, a.device, block, graphs=graphs,
+                                  max_running=max(a.batch), context=a.context)
                 dt = toks = verify = 0
                 outs = []
                 try:
@@ -90,9 +100,9 @@ def main() -> None:
                 rates[mode].append(toks / dt)
                 taus[mode] = f"{toks / verify:.2f}" if verify else "-"
         med = {m: statistics.median(r) for m, r in rates.items()}
-        for mode, _ in modes:
+        for mode, _, _ in modes:
             ratios = [x / y for x, y in zip(rates[mode], rates["off"])]
-            print(f"{batch:>5} | {mode:<9} | {med[mode]:8.1f} | {taus[mode]:>5} | {statistics.median(ratios):.2f}x"
+            print(f"{batch:>5} | {mode:<15} | {med[mode]:8.1f} | {taus[mode]:>5} | {statistics.median(ratios):.2f}x"
                   + (f" (per repeat {', '.join(f'{r:.2f}' for r in ratios)})" if a.repeat > 1 and mode != "off" else "")
                   + ("  OUTPUT DIFFERS FROM OFF" if mode in differs else ""), flush=True)
 

@@ -312,13 +312,14 @@ class DecodeScheduler(Scheduler):
             n = min(self.block_size, r.params.max_new_tokens - len(r.output))
             blocks.append(DraftBlock(last_token=r.output[-1], start_pos=committed - 1, page_table=r.pages,
                                      ctx_start=r.ctx_start, block_size=n))
-        drafts, logits = self.workers.spec_step(blocks)
+        out = self.workers.spec_step(blocks)
+        greedy = out.greedy or [None] * len(batch)
         n_out = 0
-        for r, d, lg in zip(batch, drafts, logits):
+        for r, d, lg, am in zip(batch, out.drafts, out.logits, greedy):
             # Structured output masks the verify rows; logprobs stay those of the raw logits.
             masked = mask_block(r.constraint, d, lg) if r.constraint is not None else lg
             toks = accept(d, masked, r.params, first_step=len(r.output), history=r.history(lg.device),
-                          choice=r.index)
+                          choice=r.index, argmax=am if r.constraint is None else None)
             r.accepts.append(len(toks))
             # The target's logprobs of the committed tokens: verify row i produced token i.
             lp = self._logprobs([r], [lg], [toks])[0]

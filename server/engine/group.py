@@ -19,6 +19,7 @@ import torch
 from glm53.models import GlmConfig, SeqChunk
 from glm53.models.draft import DraftBlock
 from glm53.models.runner import DeviceTokens
+from glm53.models.spec_state import SpecOutput
 from glm53.server.engine.worker import RankSpec, RankWorker
 from glm53.transport import Room, RoomTransfer
 
@@ -47,9 +48,9 @@ class WorkerGroup(abc.ABC):
         return self.forward_microbatches([chunks])[0]
 
     @abc.abstractmethod
-    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """Decode with a draft: propose, then verify in one target forward (RankWorker.spec_step);
-        the drafts and the verify logits per request."""
+    def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
+        """Decode with a draft: propose, then verify in one target forward (ModelRunner.spec_step);
+        the drafts, the verify logits and (when computed) their argmaxes per request."""
 
     @abc.abstractmethod
     def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:
@@ -100,7 +101,7 @@ class LocalWorkers(WorkerGroup):
         returns without waiting for the GPU."""
         return self.rank.forward(chunks, tokens)
 
-    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
         return self.rank.spec_step(blocks)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from glm53.models import SeqChunk
 from glm53.models.draft import DraftBlock
+from glm53.models.spec_state import SpecOutput
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.pipeline import StagePipe, StageStats
 from glm53.server.engine.worker import RankSpec, RankWorker
@@ -101,7 +102,7 @@ class RankRuntime:
         return self.pipe.stats if self.pipe is not None else None
 
     def apply(self, cmd: Command) -> tuple[Any, dict[RoomKey, HandleState]]:
-        """The forward's logits, the speculative step's (drafts, logits), or None; and the
+        """The forward's logits, the speculative step's `SpecOutput`, or None; and the
         transfer states of this rank's handles."""
         for op in cmd.ops:
             if op.rank in (None, self.rank):
@@ -361,7 +362,7 @@ class ProcessWorkers(WorkerGroup):
     def forward_microbatches(self, microbatches: list[list[SeqChunk]]) -> list[list[torch.Tensor]]:
         return self._run(microbatches)
 
-    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
         return self._run(spec=blocks)
 
     def sync(self) -> None:

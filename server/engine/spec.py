@@ -25,12 +25,14 @@ from glm53.server.sampling import SamplingParams, TokenHistory, adjust_logits, f
 
 
 def accept(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, first_step: int,
-           history: TokenHistory | None = None, choice: int = 0) -> list[int]:
+           history: TokenHistory | None = None, choice: int = 0, argmax: Sequence[int] | None = None) -> list[int]:
     """The tokens to commit (1..len(drafts)+1 of them) for one request. `logits` is [n+1, V];
     `first_step` is the output position of the first token committed here (seeded requests draw
     position j's randomness from `step_generator(seed, j, choice=choice)`, as non-speculative
     decoding does). `history` (prompt, output so far, stop ids) is needed when the params adjust
-    the logits."""
+    the logits. `argmax`: each row's argmax of these very logits, already on the host (the step
+    read it with the drafts, one copy for the batch); greedy requests whose logits nothing
+    adjusts accept from it instead of reading the rows."""
     n = len(drafts)
     if logits.shape[0] != n + 1:
         raise ValueError(f"verify logits must have {n + 1} rows for {n} drafts, got {logits.shape[0]}")
@@ -42,7 +44,12 @@ def accept(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, 
                  for i in range(n + 1)]
         logits = adjust_logits(logits, [params] * (n + 1), hists)
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        if argmax is not None and not params.adjusts:
+            if len(argmax) != n + 1:
+                raise ValueError(f"argmax must have {n + 1} rows for {n} drafts, got {len(argmax)}")
+            target = list(argmax)
+        else:
+            target = logits.argmax(dim=-1).tolist()
         out = []
         for d, t in zip(drafts, target):
             if d != t:

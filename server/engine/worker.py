@@ -21,6 +21,7 @@ from glm53.models.draft_config import DFlashConfig
 from glm53.models.draft_weights import load_draft_projection, load_draft_weights
 from glm53.models.graph import GraphConfig
 from glm53.models.kv_cache import FP8
+from glm53.models.spec_state import SpecOutput
 from glm53.models.parallel import TPGroup
 from glm53.models.runner import DeviceTokens
 from glm53.server.config import ClusterConfig, InstanceConfig
@@ -63,17 +64,19 @@ class RankSpec:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
-    # Decode CUDA graphs (models/graph.py): the largest captured batch (0: none) and the longest
-    # request a graph holds, in tokens (None: the model's max_position_embeddings).
+    # Decode CUDA graphs (models/graph.py; with a draft, of the DFlash step, models/spec_graph.py):
+    # the largest captured batch (0: none) and the longest request a graph holds, in tokens (None:
+    # the model's max_position_embeddings).
     cuda_graph_max_bs: int = 0
     context_length: int | None = None
+    num_draft_tokens: int | None = None  # the verify width of a DFlash step (None: the draft's block)
 
     @property
     def graphs(self) -> bool:
-        """Whether this rank captures decode graphs: decode, CUDA, the whole model on one rank,
-        no draft (the speculative step runs eagerly)."""
+        """Whether this rank captures decode graphs: decode, CUDA, the whole model (and its draft,
+        if any) on one rank."""
         return (self.cuda_graph_max_bs > 0 and self.role == "decode" and self.device.startswith("cuda")
-                and self.tp_size == 1 and self.pp_size == 1 and not self.draft_path)
+                and self.tp_size == 1 and self.pp_size == 1)
 
     @property
     def last_stage(self) -> bool:
@@ -131,7 +134,8 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
                 pp_size=inst.pp, send_draft_kv=spec.draft_kv_transfer,
                 draft_path=spec.draft_model_path if spec.enabled else None,
                 cuda_graph_max_bs=0 if eng.disable_cuda_graph else min(eng.cuda_graph_max_bs, eng.max_running_requests),
-                context_length=cluster.model.context_length))
+                context_length=cluster.model.context_length,
+                num_draft_tokens=spec.num_draft_tokens if spec.enabled else None))
     return specs
 
 
@@ -207,7 +211,10 @@ class RankWorker:
             # A graph holds the longest request this instance can admit, and no more.
             longest = min(spec.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings,
                           num_pages * spec.page_size)
-            graphs = GraphConfig(max_bs=spec.cuda_graph_max_bs, max_context=longest)
+            block = None
+            if self.draft is not None:  # a wider ask is the decode scheduler's error, not the capture's
+                block = min(spec.num_draft_tokens or self.draft.cfg.block_size, self.draft.cfg.block_size)
+            graphs = GraphConfig(max_bs=spec.cuda_graph_max_bs, max_context=longest, block=block)
         self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
                                   draft=self.draft, draft_projection=self.projection, graphs=graphs,
                                   kv_dtype=KV_DTYPES.get(spec.kv_cache_dtype))
@@ -241,20 +248,9 @@ class RankWorker:
         """This stage's part of a pipelined step (pipeline.py); the logits on the last stage."""
         return run_microbatches(self.runner, pipe, microbatches, pipe.stats if pipe is not None else None)
 
-    def spec_step(self, blocks: list[DraftBlock]) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """One speculative step for a batch: the draft proposes `block_size - 1` tokens per
-        request, then one target forward verifies `[last token, drafts...]` (it also writes the
-        draft context of every verified position). Every rank computes the same proposals, so
-        every rank builds the same verify batch. Returns the drafts and the verify logits
-        [block_size, vocab] per request."""
-        drafts: list[list[int]] = [[] for _ in blocks]
-        for size in {b.block_size for b in blocks} - {1}:  # one propose call per block size
-            idx = [i for i, b in enumerate(blocks) if b.block_size == size]
-            for i, row in zip(idx, self.runner.propose([blocks[i] for i in idx]).tolist()):
-                drafts[i] = row
-        chunks = [SeqChunk([b.last_token, *d], b.start_pos, b.page_table, all_logits=True)
-                  for b, d in zip(blocks, drafts)]
-        return drafts, self.runner.forward(chunks)
+    def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
+        """One speculative step for a batch (`ModelRunner.spec_step`: graphs when they hold it)."""
+        return self.runner.spec_step(blocks)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy KV pages src[i] -> dst[i] in every pool (target, indexer, draft): page is dim 0."""

@@ -27,6 +27,16 @@ def test_greedy_commits_the_matching_prefix_and_the_target_token():
     assert accept([], logits[:1], p, 0) == target[:1]
     with pytest.raises(ValueError, match="rows"):
         accept([1, 2], logits, p, 0)
+    # the argmaxes the step read with the drafts: used instead of reading the logits...
+    assert accept(target[:4], logits, p, 0, argmax=target) == target
+    other = [(t + 1) % V for t in target]
+    assert accept(other[:4], logits, p, 0, argmax=other) == other
+    # ...but not when the logits are adjusted (the argmaxes are of the raw logits)
+    from glm53.server.sampling import TokenHistory
+
+    biased = SamplingParams(temperature=0.0, logit_bias={other[0]: -100.0})
+    hist = TokenHistory(torch.tensor([0]), [], [])
+    assert accept(other[:4], logits, biased, 0, history=hist, argmax=other)[0] != other[0]
 
 
 def chi_square_p(counts: list[int], probs: list[float]) -> float:

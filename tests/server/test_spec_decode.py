@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from glm53.models.spec_state import SpecOutput
 from glm53.server.config import parse_config
 from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
 from glm53.server.engine.group import WorkerGroup
@@ -43,7 +44,7 @@ class KnownWorkers(WorkerGroup):
                 rows[i, target_token(b.start_pos + 1 + i)] = 10.0
             drafts.append(d)
             logits.append(rows)
-        return drafts, logits
+        return SpecOutput(drafts, logits)
 
     def forward_microbatches(self, microbatches):
         raise AssertionError("speculative decoding verifies through spec_step only")

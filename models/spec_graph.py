@@ -1,0 +1,146 @@
+"""CUDA graphs of the DFlash decode step: propose, verify and the draft context write, one graph
+per (batch size, width) bucket, over the static buffers of a `SpecState` (models/spec_state.py).
+
+Eagerly, a DFlash step is the draft's forward, a device→host copy of its proposals, the verify
+batch built from Python lists and copied back, the target forward with the draft context write,
+then one host read per request to accept: on a small model hundreds of launches and several
+syncs, several times the plain decode step. Here the proposals never leave the device: the graph
+drafts, builds the verify tokens from the drafts, verifies, writes the draft context of the
+verified positions and takes the argmax of every verify row; the host then reads the drafts and
+those argmaxes in one copy (`SpecOutput.greedy`) and accepts (spec.py) outside the graph.
+
+As models/graph.py: the smallest captured batch size >= the batch (padding rows are the state's
+padding request), the smallest captured width >= the pages the step's positions reach (kernel
+widths fixed per bucket), graphs captured largest first into one memory pool at start-up, and
+everything else eager (`ModelRunner.spec_step`): more requests than the largest bucket, a block
+wider than the captured verify width, positions past the widest graph. `bucket` is the one place
+that decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from glm53.models.draft import DraftBlock
+from glm53.models.graph import GraphConfig, batch_buckets, pick, width_buckets
+from glm53.models.spec_state import SpecOutput, SpecState, StepRow
+
+log = logging.getLogger(__name__)
+
+
+def step_rows(blocks: Sequence[DraftBlock], draft_block: int) -> list[StepRow]:
+    """The blocks as host rows (a block without `block_size` verifies the draft's `draft_block`)."""
+    return [StepRow(b.last_token, b.start_pos, b.ctx_start, b.block_size or draft_block, tuple(b.page_table))
+            for b in blocks]
+
+
+def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step the graphs hold, on the state's first `bs` rows at `width` pages, device ops only:
+    (tokens [bs, 2K − 1] long: the K − 1 drafts, then the target's argmax of each of the K verify
+    rows; the verify logits [bs·K, vocab] fp32). Writes the verify tokens' target KV and draft
+    context KV (padding tokens on the padding page)."""
+    draft, model = runner.draft, runner.model
+    d = state.draft_inputs(bs, width)
+    ctx = draft.gather_pages(d.table, runner.pools)
+    drafts = draft.block_logits(model, d.ids, d.positions, ctx, d.mask).argmax(dim=-1)
+    out = runner.forward_batch(state.verify_batch(bs, width, drafts))
+    logits = model.logits(out.hidden)
+    return torch.cat([drafts, logits.argmax(dim=-1).view(bs, state.k)], dim=1), logits
+
+
+def split_output(rows: Sequence[StepRow], k: int, tokens: list[list[int]], logits: torch.Tensor) -> SpecOutput:
+    """Per request, its n − 1 drafts, n verify logits rows and their argmaxes, out of the padded
+    step's host tokens [≥ len(rows)][2K − 1] and device logits [≥ len(rows)·K, vocab]."""
+    return SpecOutput(
+        drafts=[t[: r.n - 1] for r, t in zip(rows, tokens)],
+        logits=[logits[i * k : i * k + r.n] for i, r in enumerate(rows)],
+        greedy=[t[k - 1 : k - 1 + r.n] for r, t in zip(rows, tokens)],
+    )
+
+
+class SpecGraphs:
+    """The captured DFlash step graphs of one runner (whole model and its draft, one CUDA rank)."""
+
+    def __init__(self, runner, cfg: GraphConfig, pad_page: int):
+        model, draft = runner.model, runner.draft
+        if runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        if draft is None or not (model.is_first and model.is_last) or model.tp.size != 1:
+            raise ValueError("DFlash step graphs hold the whole model and its draft on one rank")
+        self.k = cfg.block or draft.cfg.block_size
+        if not 2 <= self.k <= draft.cfg.block_size:
+            raise ValueError(f"verify width {self.k} outside [2, the draft's block size {draft.cfg.block_size}]")
+        self.runner = runner
+        ps = runner.page_size
+        max_pages = -(-cfg.max_context // ps)
+        self.sizes = batch_buckets(cfg.max_bs)
+        self.widths = width_buckets(max_pages, ps)
+        self.state = SpecState(cfg.max_bs, max_pages, ps, pad_page, self.k, draft.cfg.mask_token_id,
+                               model.cfg.max_position_embeddings, runner.device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.replays = 0
+        self.capture()
+
+    @torch.inference_mode()
+    def run_eager(self, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step the graphs hold, run eagerly on the state as it is."""
+        return spec_forward(self.runner, self.state, bs, width)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        with torch.cuda.device(self.runner.device):  # capture streams belong to the current device
+            t0 = time.perf_counter()
+            pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(self.runner.device)
+            for width in reversed(self.widths):
+                for bs in reversed(self.sizes):
+                    # Warm-up compiles every Triton variant of the bucket outside the capture.
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):
+                            self.run_eager(bs, width)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool):
+                        out = self.run_eager(bs, width)
+                    self.graphs[(bs, width)] = (g, out)
+            torch.cuda.synchronize(self.runner.device)
+        log.info("captured %d DFlash step graphs (verify width %d, batch %s, widths %s pages) in %.1f s",
+                 len(self.graphs), self.k, list(self.sizes), list(self.widths), time.perf_counter() - t0)
+
+    def bucket(self, blocks: Sequence[DraftBlock]) -> tuple[list[StepRow], tuple[int, int]] | None:
+        """The step's rows and the (batch size, width) of the graph that holds them, or None:
+        run the step eagerly (which also raises the clear error for a block nothing can hold)."""
+        if not blocks:
+            return None
+        rows = step_rows(blocks, self.runner.draft.cfg.block_size)
+        try:
+            self.state.check(rows)
+        except ValueError:
+            return None
+        bs = pick(self.sizes, len(rows))
+        width = pick(self.widths, self.state.width_needed(rows))
+        if bs is None or width is None:
+            return None
+        return rows, (bs, width)
+
+    def launch(self, rows: list[StepRow], key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """State update and replay, no host sync: the graph's (tokens, logits) outputs, valid
+        until the next replay."""
+        self.state.update(rows)
+        g, out = self.graphs[key]
+        g.replay()
+        self.replays += 1
+        return out
+
+    def step(self, rows: list[StepRow], key: tuple[int, int]) -> SpecOutput:
+        """`launch`, a copy of the logits (the next replay overwrites the graph's), then the step's
+        one device→host copy: the drafts and the verify argmaxes."""
+        tokens, logits = self.launch(rows, key)
+        m = len(rows)
+        lg = logits[: m * self.k].clone()
+        return split_output(rows, self.k, tokens[:m].cpu().tolist(), lg)

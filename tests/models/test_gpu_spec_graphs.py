@@ -1,0 +1,126 @@
+"""CUDA graphs of the DFlash step (models/spec_graph.py): replay against the same step run eagerly
+and against the eager DFlash step, no host sync inside a step, and greedy DFlash decoding with
+graphs equal to decoding without a draft and to the CPU reference. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm53.models import DraftBlock, ModelRunner, PageAllocator, SeqChunk
+from glm53.models.graph import GraphConfig
+from glm53.models.spec_graph import split_output
+from tests.models.draft_oracle import make_draft_checkpoint
+from tests.models.oracle import make_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, Triton kernels)"),
+]
+
+PS, PAGES, K = 16, 96, 4
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec_graphs")
+    make_checkpoint(root / "target", seed=11, index_topk_freq=2, index_skip_topk_offset=2)
+    make_draft_checkpoint(root / "draft", root / "target", seed=12, target_layer_ids=[1, 2, 4], block_size=K)
+    return root / "target", root / "draft"
+
+
+def _runner(ckpts, dtype, graphs):
+    r = ModelRunner.from_dir(ckpts[0], page_size=PS, num_pages=1, device="cuda", dtype=dtype, progress=False,
+                             draft_dir=ckpts[1])
+    return ModelRunner(r.model, num_pages=PAGES, page_size=PS, device="cuda", draft=r.draft, graphs=graphs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spec_graph_replay_equals_eager_and_syncs_nothing(ckpts, dtype):
+    # max_context 400: one width of 25 pages; batch buckets 1, 2, 4, 6
+    runner = _runner(ckpts, dtype, GraphConfig(max_bs=6, max_context=400, block=K))
+    graphs = runner.spec_graphs
+    assert runner.graphs is None and graphs.k == K and graphs.sizes == (1, 2, 4, 6) and len(graphs.graphs) == 4
+    rng = random.Random(3)
+    g = torch.Generator().manual_seed(1)
+    alloc = PageAllocator(PAGES)
+    reqs = []  # [pages, start (the last token's position), last token, ctx_start]
+    for n in [17, 230, 64, 5, 131, 300]:  # several past index_topk (8): sparse attention
+        pages = alloc.alloc(runner.pages_needed(n + 60))
+        prompt = torch.randint(0, runner.cfg.vocab_size, (n,), generator=g).tolist()
+        tok = int(runner.forward([SeqChunk(prompt, 0, pages)])[0][-1].argmax())
+        reqs.append([pages, n, tok, n // 2])
+    for step, n in enumerate((1, 3, 6, 5, 2, 4, 6)):  # padded sizes (3 -> 4, 5 -> 6), rows moving
+        batch = reqs[:n] if step % 2 else reqs[-n:]
+        blocks = [DraftBlock(tok, pos, pages, ctx_start=ctx, block_size=1 + (i + step) % K)
+                  for i, (pages, pos, tok, ctx) in enumerate(batch)]
+        hit = graphs.bucket(blocks)
+        assert hit is not None
+        rows, key = hit
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tokens, logits = graphs.launch(rows, key)  # state update + replay
+            lg = logits[: n * K].clone()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        got = split_output(rows, K, tokens[:n].cpu().tolist(), lg)
+        # the same step eagerly on the same state (rewrites the same KV): the same bits for the
+        # requests' tokens (a row's padding tokens all write one slot of the padding page, in no
+        # fixed order, so their own outputs are not compared)
+        same_t, same_l = graphs.run_eager(*key)
+        real = torch.tensor([i * K + j for i, r in enumerate(rows) for j in range(r.n)], device="cuda")
+        assert torch.equal(tokens[:n, : K - 1], same_t[:n, : K - 1])
+        assert torch.equal(tokens[:n, K - 1 :].reshape(-1)[real], same_t[:n, K - 1 :].reshape(-1)[real])
+        assert torch.equal(lg[real], same_l[real]), float((lg[real] - same_l[real]).abs().max())
+        # and the eager DFlash step (own widths, no padding, drafts through the host)
+        runner.spec_graphs = None
+        try:
+            ref = runner.spec_step(blocks)
+        finally:
+            runner.spec_graphs = graphs
+        first = torch.stack([x[0] for x in got.logits])  # row 0 does not depend on the drafts
+        want = torch.stack([x[0] for x in ref.logits])
+        rel = float((first - want).norm() / want.norm())
+        assert rel <= (1e-5 if dtype == torch.float32 else 2e-2), rel
+        if dtype == torch.float32:
+            assert got.drafts == ref.drafts and got.greedy == ref.greedy
+            for a, b in zip(got.logits, ref.logits):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for r, b, am in zip(batch, blocks, ref.greedy):  # commit a random accepted prefix
+            a = rng.randrange(1, b.block_size + 1)
+            r[1] += a  # the committed d_1 .. d_{a-1} sit before the new last token, the target's
+            r[2] = am[a - 1]
+    assert graphs.replays == 7
+
+
+def test_greedy_dflash_with_graphs_equals_off_and_cpu():
+    """The embedded trained pair through the decode scheduler's real loop (fp32, greedy)."""
+    from benchmarks.dflash import decode_run, scheduler
+    from glm53.server.embedded_model import ensure_embedded_draft, ensure_embedded_model
+    from glm53.server.offline import greedy_generate
+
+    root = Path(tempfile.mkdtemp(prefix="spec-graphs-"))
+    model, draft = ensure_embedded_model(root), ensure_embedded_draft(root)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (90, 40, 170)]
+    new = 40
+    cpu = ModelRunner.from_dir(model, page_size=16, num_pages=256, progress=False)
+    want = greedy_generate(cpu, PageAllocator(256), prompts, new, ignore_eos=True)
+    for draft_dir, graphs in ((None, True), (draft, True), (draft, False)):
+        sched = scheduler(model, draft_dir, "cuda", 4, graphs=graphs, max_running=4)
+        try:
+            runner = sched.workers.rank.runner
+            _, toks, verify, outs = decode_run(sched, prompts, new)
+            assert outs == want, (draft_dir, graphs)
+            if draft_dir is not None:
+                assert toks / verify > 1.3  # the drafts were accepted: multi-token steps ran
+                assert (runner.spec_graphs is not None and runner.spec_graphs.replays > 0) == graphs
+            else:
+                assert runner.graphs.replays > 0
+        finally:
+            sched.close()
