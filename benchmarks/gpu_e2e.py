@@ -192,7 +192,9 @@ class Server:
 
 
 def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req: int, in_len: int,
-                out_len: int) -> list[dict]:
+                out_len: int, long_out: int = 0) -> list[dict]:
+    """The sweep; with `long_out`, one more point at the highest concurrency with that many
+    output tokens, so that most of its decode steps run after every prefill is done."""
     from serving import sweep_point
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -201,12 +203,14 @@ def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req
     with Server(cluster_config(str(model_dir), "bfloat16", graphs, [0] * 5, in_len + out_len + 64), out, tag) as s:
         asyncio.run(sweep_point(s.url, "m", 1, 2, in_len, out_len, vocab, 99))  # warm-up
         rows = []
-        for c in conc:
-            r = asyncio.run(sweep_point(s.url, "m", c, max(n_req, c), in_len, out_len, vocab, c))
+        points = [(c, out_len) for c in conc] + ([(max(conc), long_out)] if long_out else [])
+        for c, n_out in points:
+            r = asyncio.run(sweep_point(s.url, "m", c, max(n_req, c), in_len, n_out, vocab, c))
             r["graphs"] = graphs
+            r["output_len"] = n_out
             r["startup_s"] = s.startup_s
             rows.append(r)
-            print(f"  conc {c}: {r['ok']}/{r['n']} ok, {r['out_tok_s']:.0f} tok/s, TTFT p50 "
+            print(f"  conc {c}, {n_out} out: {r['ok']}/{r['n']} ok, {r['out_tok_s']:.0f} tok/s, TTFT p50 "
                   f"{r['ttft_p50'] * 1e3:.0f} ms, ITL p50 {r['itl_p50'] * 1e3:.2f} ms, p99 {r['itl_p99'] * 1e3:.2f} ms; "
                   f"after every prefill: ITL p50 {r['itl_after_prefills_p50'] * 1e3:.2f} ms over "
                   f"{r['itl_after_prefills_n']} intervals", flush=True)
@@ -243,7 +247,7 @@ async def served_greedy(url: str, prompts: list[list[int]], new: int) -> list[li
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def exact_check(out: Path, new: int = 24) -> dict:
+def exact_check(out: Path, modes: tuple[bool, ...] = (True, False), new: int = 24) -> dict:
     from glm53.server.embedded_model import ensure_embedded_model
 
     model = ensure_embedded_model()
@@ -251,7 +255,7 @@ def exact_check(out: Path, new: int = 24) -> dict:
     cpu = cpu_reference(model, prompts, new)
 
     report = {}
-    for graphs in (True, False):
+    for graphs in modes:
         tag = f"exact-graphs-{'on' if graphs else 'off'}"
         cfg = cluster_config(str(model), "float32", graphs, [0] * 5, 1024)
         with Server(cfg, out, tag) as s:
@@ -272,7 +276,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--requests", type=int, default=8, help="requests per point (at least the concurrency)")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--graphs", choices=["both", "on", "off"], default="both", help="serve phase: CUDA graphs")
+    ap.add_argument("--graphs", choices=["both", "on", "off"], default="both", help="serve and exact phases: CUDA graphs")
+    ap.add_argument("--long-output", type=int, default=0,
+                    help="serve phase: one more point at the highest concurrency with this many output tokens")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -304,16 +310,16 @@ def main() -> None:
         report["serve"] = []
         for graphs in {"both": (True, False), "on": (True,), "off": (False,)}[a.graphs]:
             report["serve"] += serve_sweep(slice_dir, out, graphs, a.concurrency, a.requests, a.input_len,
-                                           a.output_len)
+                                           a.output_len, a.long_output)
             save()
         if "floor" in report:
             for r in report["serve"]:
                 f = report["floor"][r["concurrency"]]["ms"]
-                print(f"graphs {'on ' if r['graphs'] else 'off'} conc {r['concurrency']:3d}: ITL p50 "
+                print(f"graphs {'on ' if r['graphs'] else 'off'} conc {r['concurrency']:3d} out {r['output_len']:4d}: ITL p50 "
                       f"{r['itl_p50'] * 1e3:6.2f} ms, floor {f:5.2f} ms ({r['itl_p50'] * 1e3 / f:4.2f}x); after every "
                       f"prefill {r['itl_after_prefills_p50'] * 1e3:6.2f} ms ({r['itl_after_prefills_p50'] * 1e3 / f:4.2f}x)")
     if "exact" in phases:
-        report["exact"] = exact_check(out)
+        report["exact"] = exact_check(out, {"both": (True, False), "on": (True,), "off": (False,)}[a.graphs])
         save()
     save()
 
