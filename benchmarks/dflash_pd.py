@@ -3,12 +3,13 @@ embedded trained pair: held-out Python prompts, greedy, one request at a time an
 
     PYTHONPATH=. python benchmarks/dflash_pd.py [--blocks 4 16] [--prompts 8] [--new 128] [--concurrent 16]
 
-Prompts: the first 200 tokens of held-out standard-library files (tools/eval_dflash.py's). One at a
-time, each prompt runs twice, with max_new_tokens 1 (prefill + transfer + first token) and N;
-the decode rate is (N − 1) / (t_N − t_1), so it leaves out the prefill and transfer, which DFlash
-does not change. All at once: `--concurrent` requests together, output tokens / wall time.
-τ = tokens after the first per verify step (the router's `spec_verify_ct`). Every DFlash
-output must equal the output with DFlash off.
+Prompts: the first 200 tokens of held-out standard-library files (tools/eval_dflash.py's, from
+`tools.distill_data.held_file_prompts`). One at a time, each prompt runs twice, with
+max_new_tokens 1 (prefill + transfer + first token) and N; the decode rate is
+(N − 1) / (t_N − t_1), so it leaves out the prefill and transfer, which DFlash does not change.
+All at once: `--concurrent` requests together, output tokens / wall time. τ = tokens after the
+first per verify step (the router's `spec_verify_ct`). Every DFlash output must equal the output
+with DFlash off.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.e2e.cluster import Cluster  # noqa: E402
-from tools.eval_dflash import prompts  # noqa: E402
+from tools.distill_data import held_file_prompts  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -44,7 +45,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--concurrent", type=int, default=16)
     a = ap.parse_args()
-    ps = prompts(ASSETS / "tiny-glm5", max(a.prompts, a.concurrent), 200)
+    ps = held_file_prompts(ASSETS / "tiny-glm5", max(a.prompts, a.concurrent), 200)
     cache = Path(tempfile.mkdtemp(prefix="dflash-pd-"))
     print(f"PD pipeline (1 prefill + 1 decode, CPU), {a.prompts} held-out prompts of 200 tokens one at a time, "
           f"{a.concurrent} at once, {a.new} new tokens, greedy")

@@ -31,22 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.dflash import decode_run, scheduler  # noqa: E402
-from tools.train_tiny import held_out, stdlib_files  # noqa: E402
-
-
-def prompts(model: Path, n: int, length: int) -> list[list[int]]:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    out = []
-    for rel, text in stdlib_files():
-        if held_out(rel):
-            ids = tok.encode(text).ids
-            if len(ids) >= length:
-                out.append(ids[:length])
-        if len(out) == n:
-            break
-    return out
+from tools.distill_data import held_file_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -68,7 +53,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
-    all_prompts = prompts(a.model, max(a.batch + [a.singles]), a.prompt)
+    all_prompts = held_file_prompts(a.model, max(a.batch + [a.singles]), a.prompt)
     clock = time.thread_time if a.clock == "cpu" else time.perf_counter
     print(f"device {a.device}, {len(all_prompts)} held-out prompts of {a.prompt} tokens, {a.new} new tokens, "
           f"blocks {a.block}, {a.repeat} alternating repeat(s), {a.clock} clock"
@@ -104,7 +89,8 @@ def main() -> None:
             ratios = [x / y for x, y in zip(rates[mode], rates["off"])]
             print(f"{batch:>5} | {mode:<15} | {med[mode]:8.1f} | {taus[mode]:>5} | {statistics.median(ratios):.2f}x"
                   + (f" (per repeat {', '.join(f'{r:.2f}' for r in ratios)})" if a.repeat > 1 and mode != "off" else "")
-                  + ("  OUTPUT DIFFERS FROM OFF" if mode in differs else ""), flush=True)
+                  + ("  OUTPUT DIFFERS FROM OFF" if mode in differs else "")
+                  + ("  (CUDA graphs)" if graphs.get(mode) else ""), flush=True)
 
 
 if __name__ == "__main__":
