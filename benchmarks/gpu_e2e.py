@@ -200,7 +200,8 @@ def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     tag = f"serve-graphs-{'on' if graphs else 'off'}"
     print(f"{tag}:", flush=True)
-    with Server(cluster_config(str(model_dir), "bfloat16", graphs, [0] * 5, in_len + out_len + 64), out, tag) as s:
+    context = in_len + max(out_len, long_out) + 64
+    with Server(cluster_config(str(model_dir), "bfloat16", graphs, [0] * 5, context), out, tag) as s:
         asyncio.run(sweep_point(s.url, "m", 1, 2, in_len, out_len, vocab, 99))  # warm-up
         rows = []
         points = [(c, out_len) for c in conc] + ([(max(conc), long_out)] if long_out else [])

@@ -85,12 +85,12 @@ def main() -> None:
                 rates[mode].append(toks / dt)
                 taus[mode] = f"{toks / verify:.2f}" if verify else "-"
         med = {m: statistics.median(r) for m, r in rates.items()}
-        for mode, _, _ in modes:
+        for mode, _, captured in modes:
             ratios = [x / y for x, y in zip(rates[mode], rates["off"])]
             print(f"{batch:>5} | {mode:<15} | {med[mode]:8.1f} | {taus[mode]:>5} | {statistics.median(ratios):.2f}x"
                   + (f" (per repeat {', '.join(f'{r:.2f}' for r in ratios)})" if a.repeat > 1 and mode != "off" else "")
                   + ("  OUTPUT DIFFERS FROM OFF" if mode in differs else "")
-                  + ("  (CUDA graphs)" if graphs.get(mode) else ""), flush=True)
+                  + ("  (CUDA graphs)" if captured and a.device == "cuda" else ""), flush=True)
 
 
 if __name__ == "__main__":
