@@ -23,7 +23,7 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
 from glm53.kernels.latent_cache_fp8 import LatentLayout, views
-from glm53.kernels.sparse_mla_triton import LOG2E, _combine_kernel, _num_sms
+from glm53.kernels.sparse_mla_triton import LOG2E, combine_splits, plan_splits
 
 MAX_TILES = 4
 
@@ -208,15 +208,7 @@ def sparse_mla_fp8_triton(
     if num_stages is None:
         num_stages = 1 if interp else 2
     nhb = triton.cdiv(H, block_h)
-    if num_splits is None:
-        num_splits = max(1, min(_num_sms(q.device) // (T * nhb), triton.cdiv(K, block_n)))
-    split_len = triton.cdiv(triton.cdiv(max(K, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(K, split_len))
-    if num_splits > 1:
-        part = torch.empty((T, H, num_splits, BLOCK_R), dtype=torch.float32, device=q.device)
-        lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out  # never touched
+    num_splits, split_len, part, lse = plan_splits(q, out, K, nhb, block_n, num_splits, BLOCK_R)
     _sparse_mla_fp8_kernel[(T * nhb, num_splits)](
         q, c8, indices, out, part, lse,
         K, sm_scale * LOG2E, split_len,
@@ -226,10 +218,5 @@ def sparse_mla_fp8_triton(
         BLOCK_N=block_n, NHB=nhb, SPLIT=num_splits > 1, DOT_F32=interp,
         PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
-        _combine_kernel[(T * H,)](
-            part, lse, out, num_splits, out.stride(0), out.stride(1),
-            H=H, R=R, BLOCK_R=BLOCK_R, BLOCK_SP=triton.next_power_of_2(num_splits), PDL=not interp,
-            num_warps=1 if interp else 4, **({} if interp else dict(launch_pdl=True)),
-        )
+    combine_splits(part, lse, out, num_splits, R, BLOCK_R)
     return out

@@ -172,6 +172,38 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def plan_splits(q: torch.Tensor, out: torch.Tensor, K: int, nhb: int, block_n: int, num_splits: int | None,
+                block_r: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """How the K selected slots are split across programs: (num_splits, split_len, part, lse).
+    By default one wave of programs (measured on the H200 at 2 stages: 2 splits at 64 tokens x
+    64 heads beat 4 or 5), at least one block of slots each. With one split, `part` and `lse` are
+    `out` (never touched)."""
+    T, H = q.shape[:2]
+    if num_splits is None:
+        num_splits = max(1, min(_num_sms(q.device) // (T * nhb), triton.cdiv(K, block_n)))
+    split_len = triton.cdiv(triton.cdiv(max(K, 1), num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(K, split_len))
+    if num_splits == 1:
+        return 1, split_len, out, out
+    part = torch.empty((T, H, num_splits, block_r), dtype=torch.float32, device=q.device)
+    lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
+    return num_splits, split_len, part, lse
+
+
+def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int, R: int,
+                   block_r: int) -> None:
+    """Merge the splits' partial outputs into `out` by their log-sum-exps (nothing with one split)."""
+    if num_splits == 1:
+        return
+    interp = triton_interpreting()
+    T, H = out.shape[:2]
+    _combine_kernel[(T * H,)](
+        part, lse, out, num_splits, out.stride(0), out.stride(1),
+        H=H, R=R, BLOCK_R=block_r, BLOCK_SP=triton.next_power_of_2(num_splits), PDL=not interp,
+        num_warps=1 if interp else 4, **({} if interp else dict(launch_pdl=True)),
+    )
+
+
 def sparse_mla_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -226,18 +258,8 @@ def sparse_mla_triton(
     if num_stages is None:
         num_stages = 1 if interp else 3
     nhb = triton.cdiv(H, block_h)
-    if num_splits is None:
-        # One wave of programs (measured on the H200 at 2 stages: 2 splits at 64 tokens x 64 heads
-        # beat 4 or 5), at least one block of slots each.
-        num_splits = max(1, min(_num_sms(q.device) // (T * nhb), triton.cdiv(K, block_n)))
-    split_len = triton.cdiv(triton.cdiv(max(K, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(K, split_len))
+    num_splits, split_len, part, lse = plan_splits(q, out, K, nhb, block_n, num_splits, BLOCK_R)
     qk_scale = sm_scale * LOG2E
-    if num_splits > 1:
-        part = torch.empty((T, H, num_splits, BLOCK_R), dtype=torch.float32, device=q.device)
-        lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out  # never touched
     if kernel == "hopper":
         sparse_mla_hopper(q, kv_cache, indices, out, part, lse, qk_scale, split_len, R, num_splits, block_n)
     else:
@@ -250,10 +272,5 @@ def sparse_mla_triton(
             NHB=nhb, SPLIT=num_splits > 1, HALVES=col_halves, DOT_F32=interp,
             PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
         )
-    if num_splits > 1:
-        _combine_kernel[(T * H,)](
-            part, lse, out, num_splits, out.stride(0), out.stride(1),
-            H=H, R=R, BLOCK_R=BLOCK_R, BLOCK_SP=triton.next_power_of_2(num_splits), PDL=not interp,
-            num_warps=1 if interp else 4, **({} if interp else dict(launch_pdl=True)),
-        )
+    combine_splits(part, lse, out, num_splits, R, BLOCK_R)
     return out
