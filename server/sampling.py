@@ -254,6 +254,15 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int]
     return lp, [list(zip(t, v)) for t, v in zip(tok.tolist(), vals.tolist())]
 
 
+def on_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
+    """A small host list as a device tensor through a pinned non-blocking copy: a plain
+    `torch.tensor(..., device=cuda)` waits for every kernel queued before it (a host sync)."""
+    import torch
+
+    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -279,15 +288,15 @@ def sample(
     out = torch.empty(B, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
+        idx = on_device(greedy, logits.device)
         out[idx] = logits[idx].argmax(dim=-1)
     rest = [i for i, p in enumerate(params) if not p.greedy]
     if not rest:
         return out
 
-    idx = torch.tensor(rest, device=logits.device)
+    idx = on_device(rest, logits.device)
     x = logits[idx].float()
-    temps = torch.tensor([params[i].temperature for i in rest], device=x.device).unsqueeze(1)
+    temps = on_device([params[i].temperature for i in rest], x.device).unsqueeze(1)
     x = x / temps
     x = filter_logits(x, [params[i] for i in rest])
     probs = torch.softmax(x, dim=-1)
@@ -310,10 +319,11 @@ def filter_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     import torch
 
     V = x.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=x.device).clamp(max=V)
-    top_p = torch.tensor([p.top_p for p in params], device=x.device)
-    min_p = torch.tensor([p.min_p for p in params], device=x.device)
-    need_sort = bool((top_k < V).any() or (top_p < 1).any())
+    # Which filters run is decided from the params on the host: nothing here waits for the GPU.
+    top_k = on_device([min(p.top_k, V) if p.top_k > 0 else V for p in params], x.device)
+    top_p = on_device([p.top_p for p in params], x.device)
+    min_p = on_device([p.min_p for p in params], x.device)
+    need_sort = any(0 < p.top_k < V or p.top_p < 1 for p in params)
     if need_sort:
         sorted_x, order = x.sort(dim=-1, descending=True)
         rank = torch.arange(V, device=x.device).unsqueeze(0)
@@ -327,7 +337,7 @@ def filter_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
         drop[:, 0] = False
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
         probs = torch.softmax(x, dim=-1)
         thresh = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         x = x.masked_fill(probs < thresh, float("-inf"))

@@ -3,14 +3,14 @@
 A GPU decode step is short (~2 ms on the GLM-5 slice) and the scheduler's host work around it
 (building the batch, reading tokens back, committing and streaming them) is not: done in series,
 the GPU idles through it. The decode scheduler therefore launches step k + 1 before it reads
-step k's tokens: step k + 1's inputs are step k's greedy samples, which stay on the device
+step k's tokens: step k + 1's inputs are step k's samples, which stay on the device
 (`DeviceTokens`), and step k's copy to the host is waited for only after step k + 1 is queued.
 
 What that costs is decided in `DecodeScheduler` (engine/decode.py): a request that ends at
 step k (a stop token) has already been launched into step k + 1, whose result for it is dropped;
 its pages are freed only once step k + 1 has run, since that step still writes them. Only plain
-greedy rows overlap (no penalties, logprobs or grammar: those need each step's tokens on the
-host before the next step); any other row drains the pipeline first.
+rows overlap, greedy or sampled without a seed (no penalties, logprobs or grammar: those need
+each step's tokens on the host before the next step); any other row drains the pipeline first.
 """
 
 from __future__ import annotations
@@ -19,19 +19,21 @@ from dataclasses import dataclass
 
 import torch
 
+from glm53.server.sampling import sample
+
 
 @dataclass
 class InflightStep:
     batch: list  # the step's requests, in row order
-    tokens: torch.Tensor  # [n] long on the device: each row's greedy sample
+    tokens: torch.Tensor  # [n] long on the device: each row's sample
     host: torch.Tensor  # [n] long on the host (pinned on CUDA): their copy, valid once `done` ran
     done: torch.cuda.Event | None  # recorded after the copy (CUDA); None: the copy was synchronous
 
     @classmethod
     def launch(cls, batch: list, logits: torch.Tensor) -> "InflightStep":
-        """Queue the greedy samples of `logits` [n, vocab] and their copy to the host; returns
-        at once on CUDA."""
-        tokens = logits.argmax(dim=-1)
+        """Queue the samples of `logits` [n, vocab] (each row by its request's params) and their
+        copy to the host; returns at once on CUDA."""
+        tokens = sample(logits, [r.params for r in batch])
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -55,8 +57,9 @@ class InflightStep:
 
 
 def overlappable(r) -> bool:
-    """A decode request whose next input can stay on the device: greedy, and nothing that needs
-    each step's token on the host first (penalties and logit_bias read the history, logprobs the
-    logits row, a grammar its state)."""
+    """A decode request whose next input can stay on the device: nothing needs each step's token
+    or logits on the host first (penalties and logit_bias read the history, logprobs the logits
+    row, a grammar its state) and its draw needs no host generator (a seed's noise is drawn on
+    the CPU)."""
     p = r.params
-    return p.greedy and not p.adjusts and r.constraint is None and r.req.spec.logprobs < 0
+    return (p.greedy or p.seed is None) and not p.adjusts and r.constraint is None and r.req.spec.logprobs < 0

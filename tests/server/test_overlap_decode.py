@@ -95,8 +95,9 @@ def scheduler(overlap: bool) -> tuple[DecodeScheduler, list]:
     return sched, sent
 
 
-def adopt(sched: DecodeScheduler, room: int, prompt_len: int, max_new: int, stop=(), logprobs: int = -1):
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=list(stop))
+def adopt(sched: DecodeScheduler, room: int, prompt_len: int, max_new: int, stop=(), logprobs: int = -1,
+          **sampling):
+    params = SamplingParams(**{"temperature": 0.0, **sampling}, max_new_tokens=max_new, stop_token_ids=list(stop))
     spec = RequestSpec(f"r{room}", list(range(3, 3 + prompt_len)), params, [], logprobs=logprobs)
     req = GenerateRequest(spec=spec, room=room, generation=0, prefill=PeerInfo("p0", "prefill", "h", 1, 2),
                           decode=PeerInfo("d0", "decode", "h", 3, None), reply_to="tcp://unused:1")
@@ -188,5 +189,26 @@ def test_a_row_with_logprobs_drains_the_pipeline():
         assert out[1] == reference_tokens(10, 6) and out[2] == reference_tokens(12, 4)
         assert all(len(ev.logprobs) == len(ev.token_ids) for ev in sent if ev.room == 2)
         assert sched.allocator.num_free == sched.allocator.num_pages
+    finally:
+        sched.close()
+
+
+def test_unseeded_sampled_rows_overlap_and_seeded_ones_drain():
+    """Sampled rows without a seed overlap (drawn on the device by the sampler); a seeded one
+    draws its noise on the host, so it runs synchronously. The double's logits are so peaked that
+    at temperature 0.05 every draw is its greedy token: the outputs are the greedy chains."""
+    sched, sent = scheduler(True)
+    try:
+        adopt(sched, 1, 10, 8, temperature=0.05, top_k=5, top_p=0.9)
+        sched._decode()
+        assert sched.inflight is not None
+        adopt(sched, 2, 12, 5, temperature=0.05, seed=7)
+        sched._decode()
+        assert sched.inflight is None  # the seeded row drained the pipeline
+        while sched.running or sched.inflight is not None:
+            sched._decode()
+        out = outputs(sent)
+        assert out[1] == reference_tokens(10, 8) and out[2] == reference_tokens(12, 5)
+        assert sched.workers.routed > 0
     finally:
         sched.close()
