@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,6 +71,32 @@ def pick(buckets: Sequence[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+@torch.inference_mode()
+def capture_buckets(device: torch.device, sizes: Sequence[int], widths: Sequence[int],
+                    run: Callable[[int, int], Any]) -> dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any]]:
+    """One CUDA graph of `run(bs, width)` per bucket, largest first, into one memory pool:
+    {(bs, width): (graph, the outputs its replays overwrite)}. The decode step's and the DFlash
+    step's graphs are both captured here."""
+    graphs = {}
+    with torch.cuda.device(device):  # capture streams belong to the current device
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        for width in reversed(widths):
+            for bs in reversed(sizes):
+                # Warm-up compiles every Triton variant of the bucket outside the capture.
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        run(bs, width)
+                torch.cuda.current_stream().wait_stream(stream)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = run(bs, width)
+                graphs[(bs, width)] = (g, out)
+        torch.cuda.synchronize(device)
+    return graphs
+
+
 class DecodeGraphs:
     """The captured decode graphs of one runner (whole model, single rank, CUDA)."""
 
@@ -96,28 +123,9 @@ class DecodeGraphs:
         batch = self.state.batch(bs, width)
         return r.model.logits(r.model.forward_stage(batch, r.pools, None).hidden)
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        with torch.cuda.device(self.runner.device):  # capture streams belong to the current device
-            self._capture()
-
-    def _capture(self) -> None:
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.runner.device)
-        for width in reversed(self.widths):
-            for bs in reversed(self.sizes):
-                # Warm-up compiles every Triton variant of the bucket outside the capture.
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self.run_eager(bs, width)
-                torch.cuda.current_stream().wait_stream(stream)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    out = self.run_eager(bs, width)
-                self.graphs[(bs, width)] = (g, out)
-        torch.cuda.synchronize(self.runner.device)
+        self.graphs = capture_buckets(self.runner.device, self.sizes, self.widths, self.run_eager)
         log.info("captured %d decode graphs (batch %s, widths %s pages) in %.1f s", len(self.graphs),
                  list(self.sizes), list(self.widths), time.perf_counter() - t0)
 

@@ -58,6 +58,13 @@ class SeqChunk:
     all_logits: bool = False  # True: logits for every new token (verify); else the last one only
 
 
+def device_longs(values: list, device: torch.device) -> torch.Tensor:
+    """Host ints as a long tensor on `device` through a pinned non-blocking copy: a plain
+    `torch.tensor(..., device=cuda)` waits for the GPU to drain (a host sync)."""
+    t = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
+
+
 @dataclass
 class DeviceTokens:
     """Input tokens that are still on the device (an overlapped decode step's inputs are the
@@ -74,8 +81,7 @@ class DeviceTokens:
 
     def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(src, dst) as device tensors, through one pinned non-blocking copy (no host sync)."""
-        t = torch.tensor([self.src, self.dst], dtype=torch.long, pin_memory=device.type == "cuda")
-        t = t.to(device, non_blocking=True)
+        t = device_longs([self.src, self.dst], device)
         return t[0], t[1]
 
 
@@ -231,8 +237,7 @@ class ModelRunner:
         return batch, self._device_rows(self.logit_rows(chunks))
 
     def _device_rows(self, rows: list[int]) -> torch.Tensor:
-        t = torch.tensor(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        return t.to(self.device, non_blocking=True)
+        return device_longs(rows, self.device)
 
     def forward_stage(
         self, chunks: list[SeqChunk], inputs: StageInput | None = None, capture: Sequence[int] = ()

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from glm53.models.draft import DraftBlock
-from glm53.models.graph import GraphConfig, batch_buckets, pick, width_buckets
+from glm53.models.graph import GraphConfig, batch_buckets, capture_buckets, pick, width_buckets
 from glm53.models.spec_state import SpecOutput, SpecState, StepRow
 
 log = logging.getLogger(__name__)
@@ -90,25 +90,9 @@ class SpecGraphs:
         """The step the graphs hold, run eagerly on the state as it is."""
         return spec_forward(self.runner, self.state, bs, width)
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        with torch.cuda.device(self.runner.device):  # capture streams belong to the current device
-            t0 = time.perf_counter()
-            pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream(self.runner.device)
-            for width in reversed(self.widths):
-                for bs in reversed(self.sizes):
-                    # Warm-up compiles every Triton variant of the bucket outside the capture.
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for _ in range(2):
-                            self.run_eager(bs, width)
-                    torch.cuda.current_stream().wait_stream(stream)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
-                        out = self.run_eager(bs, width)
-                    self.graphs[(bs, width)] = (g, out)
-            torch.cuda.synchronize(self.runner.device)
+        t0 = time.perf_counter()
+        self.graphs = capture_buckets(self.runner.device, self.sizes, self.widths, self.run_eager)
         log.info("captured %d DFlash step graphs (verify width %d, batch %s, widths %s pages) in %.1f s",
                  len(self.graphs), self.k, list(self.sizes), list(self.widths), time.perf_counter() - t0)
 
