@@ -37,6 +37,18 @@ def timed(fn, iters: int, sync) -> float:
     return statistics.median(times[3:]) * 1e3
 
 
+def kernels(title: str, step, steps: int, positions: int) -> float:
+    """Profiles `steps` steps (at positions cycling through the first `positions` the timing
+    used); prints the GPU kernel time per step and its largest kernels."""
+    from gpu_profile import kernel_table, print_table, profile  # benchmarks/ is the script's dir
+
+    it = iter(range(10**6))
+    prof = profile(lambda: step(next(it) % positions), steps)
+    gpu_us, table = kernel_table(prof, steps, 15)
+    print_table(title, gpu_us, table)
+    return gpu_us
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, required=True)
@@ -47,6 +59,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=12)
     ap.add_argument("--plain", action="store_true", help="also time the plain decode step")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="GPU: also profile this many graph steps of each kind and print their kernels")
     ap.add_argument("--device", default="cuda", help="cpu: the eager rows only (a smoke test of the script)")
     a = ap.parse_args()
     gpu = a.device == "cuda"
@@ -85,6 +99,8 @@ def main() -> None:
             assert not gpu or (graphs.replays > before) == (mode == "graph")
             rows.append({"kind": "dflash", "bs": bs, "mode": mode, "block": k, "ms": ms})
             print(f"dflash step  bs {bs:3d} block {k} {mode:5s}: {ms:7.2f} ms", flush=True)
+            if a.profile and mode == "graph":
+                rows[-1]["gpu_us"] = kernels(f"dflash step bs {bs} block {k}", step, a.profile, a.iters)
         runner.spec_graphs = graphs
     if a.plain and gpu:
         t0 = time.perf_counter()
@@ -108,6 +124,8 @@ def main() -> None:
                 ms = timed(step, a.iters, sync)
                 rows.append({"kind": "plain", "bs": bs, "mode": mode, "ms": ms})
                 print(f"plain decode bs {bs:3d}         {mode:5s}: {ms:7.2f} ms", flush=True)
+                if a.profile and mode == "graph":
+                    rows[-1]["gpu_us"] = kernels(f"plain decode bs {bs}", step, a.profile, a.iters)
             plain.graphs = dec
     if a.json:
         a.json.write_text(json.dumps({"capture_s": capture_s, "rows": rows}, indent=1))

@@ -37,6 +37,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, ClassVar, Union
 
@@ -88,6 +90,9 @@ def plain(v: Any) -> Any:
     return v
 
 
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
+
+
 @dataclass
 class _Message:
     TYPE: ClassVar[str] = ""
@@ -101,7 +106,9 @@ class _Message:
     @classmethod
     def from_dict(cls, d: dict[str, Any]):
         # Unknown keys are ignored so that a newer peer may add optional fields.
-        names = {f.name for f in fields(cls)}
+        names = _FIELD_NAMES.get(cls)
+        if names is None:  # made once per class: the router decodes thousands of events a second
+            names = _FIELD_NAMES[cls] = frozenset(f.name for f in fields(cls))
         kwargs = {k: v for k, v in d.items() if k in names}
         try:
             obj = cls(**kwargs)
@@ -277,15 +284,31 @@ Message = Union[GenerateRequest, Abort, HealthPing, TokenEvent, HealthPong]
 _TYPES: dict[str, type] = {c.TYPE: c for c in (GenerateRequest, Abort, HealthPing, TokenEvent, HealthPong)}
 
 
+# One frame holding several messages for one destination, in order: a decode step's token events
+# for all its requests go to the router as one frame instead of one frame per request.
+BATCH = "batch"
+
+
 def encode(msg: Message) -> bytes:
     return msgpack.packb(msg.to_dict(), use_bin_type=True)
 
 
-def decode(data: bytes) -> Message:
+def encode_batch(msgs: list[Message]) -> bytes:
+    return msgpack.packb({"type": BATCH, "v": PROTOCOL_VERSION, "msgs": [m.to_dict() for m in msgs]},
+                         use_bin_type=True)
+
+
+def _unpack(data: bytes) -> dict:
     try:
         d = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types
         raise ProtocolError(f"not a msgpack message: {e}") from None
+    if not isinstance(d, dict):
+        raise ProtocolError(f"expected a msgpack map, got {type(d).__name__}")
+    return d
+
+
+def _from_map(d: Any) -> Message:
     if not isinstance(d, dict):
         raise ProtocolError(f"expected a msgpack map, got {type(d).__name__}")
     if d.get("v") != PROTOCOL_VERSION:
@@ -294,6 +317,24 @@ def decode(data: bytes) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {d.get('type')!r}")
     return cls.from_dict(d)
+
+
+def decode(data: bytes) -> Message:
+    """One message (a batch frame is a ProtocolError here: see `decode_all`)."""
+    return _from_map(_unpack(data))
+
+
+def decode_all(data: bytes) -> list[Message]:
+    """The messages of one frame: a single message or a batch (`encode_batch`)."""
+    d = _unpack(data)
+    if d.get("type") != BATCH:
+        return [_from_map(d)]
+    if d.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {d.get('v')!r}, expected {PROTOCOL_VERSION}")
+    msgs = d.get("msgs")
+    if not isinstance(msgs, list):
+        raise ProtocolError("a batch frame needs a list of messages")
+    return [_from_map(m) for m in msgs]
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +347,8 @@ class InstanceChannel:
 
     An IO thread owns the PULL socket: it answers HealthPing itself (from `load_fn()` and
     `ready`), and queues GenerateRequest/Abort for the engine, which takes them with `get()` /
-    `drain()`. `send()` may be called from any thread (a lock serializes the PUSH sockets).
+    `drain()`. `send()` may be called from any thread (a lock serializes the PUSH sockets);
+    inside `batched()` the calling thread's sends are held and leave as one frame per destination.
     """
 
     def __init__(self, bind_address: str, name: str, role: str,
@@ -321,6 +363,8 @@ class InstanceChannel:
         self._push: dict[str, zmq.Socket] = {}
         self._lock = threading.Lock()
         self._inbox: queue.Queue[Message] = queue.Queue()
+        self._held: dict[str, list[Message]] | None = None  # batched() sends, per destination
+        self._held_by: int | None = None  # the thread batching (the IO thread's pongs never wait)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-zmq-io", daemon=True)
         self._thread.start()
@@ -340,8 +384,31 @@ class InstanceChannel:
             except queue.Empty:
                 return out
 
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Hold this thread's sends until the block ends, then send each destination's messages
+        in order as one frame (one message: a plain frame). The engine wraps each step in it, so
+        the router gets one frame per step rather than one per request and token."""
+        if self._held_by == threading.get_ident():
+            yield  # nested: the outer block sends
+            return
+        held: dict[str, list[Message]] = {}
+        self._held, self._held_by = held, threading.get_ident()
+        try:
+            yield
+        finally:
+            self._held, self._held_by = None, None
+            for reply_to, msgs in held.items():
+                self._send_frame(reply_to, encode(msgs[0]) if len(msgs) == 1 else encode_batch(msgs),
+                                 msgs[0].TYPE if len(msgs) == 1 else f"batch of {len(msgs)}")
+
     def send(self, reply_to: str, msg: Message) -> None:
-        data = encode(msg)
+        if self._held_by is not None and self._held_by == threading.get_ident() and self._held is not None:
+            self._held.setdefault(reply_to, []).append(msg)
+            return
+        self._send_frame(reply_to, encode(msg), msg.TYPE)
+
+    def _send_frame(self, reply_to: str, data: bytes, what: str) -> None:
         with self._lock:
             sock = self._push.get(reply_to)
             if sock is None:
@@ -355,7 +422,7 @@ class InstanceChannel:
             try:
                 sock.send(data)
             except zmq.Again:
-                log.warning("%s: router %s is not draining events; dropped a %s", self.name, reply_to, msg.TYPE)
+                log.warning("%s: router %s is not draining events; dropped a %s", self.name, reply_to, what)
 
     def close(self) -> None:
         self._stop.set()

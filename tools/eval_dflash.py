@@ -49,6 +49,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--graphs", choices=["on", "off", "both"], default="on", help="CUDA graphs of the DFlash step")
     ap.add_argument("--context", type=int, default=None, help="longest request the graphs hold (tokens)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: after the table, one more batch-1 run of each mode under torch.profiler: GPU kernel "
+                         "time and wall time per decode step")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.device == "cpu":
@@ -69,7 +73,7 @@ def main() -> None:
         for _ in range(a.repeat):
             for mode, block, graphs in modes:
                 sched = scheduler(a.model, None if block is None else a.draft, a.device, block, graphs=graphs,
-                                  max_running=max(a.batch), context=a.context)
+                                  max_running=max(a.batch), context=a.context, dtype=a.dtype)
                 dt = toks = verify = 0
                 outs = []
                 try:
@@ -91,6 +95,31 @@ def main() -> None:
                   + (f" (per repeat {', '.join(f'{r:.2f}' for r in ratios)})" if a.repeat > 1 and mode != "off" else "")
                   + ("  OUTPUT DIFFERS FROM OFF" if mode in differs else "")
                   + ("  (CUDA graphs)" if captured and a.device == "cuda" else ""), flush=True)
+    if a.profile and a.device == "cuda":
+        profile_steps(a, all_prompts[0])
+
+
+def profile_steps(a, prompt: list[int]) -> None:
+    """Per mode, one batch-1 decode of `prompt` under torch.profiler: wall and GPU kernel time per
+    decode step (a plain step or a DFlash step), and the largest kernels."""
+    from benchmarks.gpu_profile import kernel_table, print_table, profile
+
+    for block in [None] + a.block:
+        sched = scheduler(a.model, None if block is None else a.draft, "cuda", block, max_running=max(a.batch),
+                          context=a.context, dtype=a.dtype)
+        try:
+            decode_run(sched, [prompt], 8)  # warm-up
+            res = {}
+            t0 = time.perf_counter()
+            prof = profile(lambda: res.setdefault("run", decode_run(sched, [prompt], a.new)), 1)
+            wall = time.perf_counter() - t0
+        finally:
+            sched.close()
+        _, toks, verify, _ = res["run"]
+        steps = verify or toks
+        gpu_us, rows = kernel_table(prof, steps, 12)
+        print_table(f"{'off' if block is None else f'dflash {block}'}: {steps} steps, wall {wall / steps * 1e3:.2f} "
+                    f"ms/step under the profiler", gpu_us, rows)
 
 
 if __name__ == "__main__":

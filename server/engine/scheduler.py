@@ -200,26 +200,34 @@ class Scheduler(abc.ABC):
         self.channel.ready = True
         log.info("%s %s ready on %s", self.role, self.inst.name, self.inst.address)
         while not self._stop.is_set():
-            self.poll_channel(timeout=0.0)
             if self.broken:
                 self.poll_channel(timeout=0.05)
                 continue
-            try:
-                self.workers.sync()
-                busy = self.step()
-            except RanksLost as e:
-                self._break(str(e))
+            # A step's events (every request's tokens) leave together, one frame per router.
+            with self.channel.batched():
+                busy = self._step_contained()
+            if busy is None:
                 continue
-            except Exception as e:  # contain it: this step's requests fail, the instance lives
-                log.exception("%s: engine step failed", self.inst.name)
-                self.fail_all(f"internal error: {type(e).__name__}: {e}")
-                busy = True
             self._load = self.load()
             self._maybe_log()
             if not busy:
                 # A router message ends the wait at once; only transfer completions are polled,
                 # so wait briefly while any are in flight and longer when fully idle.
                 self.poll_channel(timeout=0.002 if self._load.num_transferring else 0.05)
+
+    def _step_contained(self) -> bool | None:
+        """Router messages, then one step; whether it did work (None: a rank was lost)."""
+        self.poll_channel(timeout=0.0)
+        try:
+            self.workers.sync()
+            return self.step()
+        except RanksLost as e:
+            self._break(str(e))
+            return None
+        except Exception as e:  # contain it: this step's requests fail, the instance lives
+            log.exception("%s: engine step failed", self.inst.name)
+            self.fail_all(f"internal error: {type(e).__name__}: {e}")
+            return True
 
     def _break(self, why: str) -> None:
         """A lost rank ends this instance's service: every request fails with the reason, pings

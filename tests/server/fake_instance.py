@@ -95,30 +95,36 @@ def main(cfg: ClusterConfig, index: int) -> int:
                     rooms.pop(m.room, None)
             if role == "decode" and rooms:
                 time.sleep(delay)
-                for rid, r in list(rooms.items()):
-                    q, spec = r.req, r.req.spec
-                    if time.monotonic() < r.start_at:
-                        continue
-                    script = (spec.params.seed or 0) - SCRIPT_SEED
-                    if 0 <= script < len(scripts):
-                        tok = scripts[script][r.step] if r.step < len(scripts[script]) else spec.eos_token_ids[0]
-                    elif eos_at is not None and r.step == eos_at and not spec.params.ignore_eos:
-                        tok = spec.eos_token_ids[0]
-                    else:
-                        tok = fake_token(spec.input_ids, r.step, spec.params.seed)
-                    r.step += 1
-                    finish, matched = None, None
-                    if tok in spec.stop_ids:
-                        finish, matched = "stop", tok
-                    elif r.step >= spec.params.max_new_tokens:
-                        finish = "length"
-                    ch.send(q.reply_to, TokenEvent(room=q.room, generation=q.generation, instance=inst.name,
-                                                   token_ids=[tok], finish_reason=finish, matched_stop=matched,
-                                                   prompt_tokens=len(spec.input_ids), completion_tokens=r.step))
-                    if finish:
-                        del rooms[rid]
+                with ch.batched():  # one frame per step, as the real engine sends
+                    step_rooms(ch, rooms, scripts, eos_at, inst.name)
             load["v"] = LoadStats(num_running=len(rooms), page_size=inst.engine.page_size,
                                   kv_pages_used=len(rooms), kv_pages_total=inst.engine.num_pages or 1024)
     finally:
         ch.close()
     return 0
+
+
+def step_rooms(ch: InstanceChannel, rooms: dict[int, _Room], scripts: list, eos_at: int | None, name: str) -> None:
+    """One decode "step": a token for every room past its first-token delay."""
+    for rid, r in list(rooms.items()):
+        q, spec = r.req, r.req.spec
+        if time.monotonic() < r.start_at:
+            continue
+        script = (spec.params.seed or 0) - SCRIPT_SEED
+        if 0 <= script < len(scripts):
+            tok = scripts[script][r.step] if r.step < len(scripts[script]) else spec.eos_token_ids[0]
+        elif eos_at is not None and r.step == eos_at and not spec.params.ignore_eos:
+            tok = spec.eos_token_ids[0]
+        else:
+            tok = fake_token(spec.input_ids, r.step, spec.params.seed)
+        r.step += 1
+        finish, matched = None, None
+        if tok in spec.stop_ids:
+            finish, matched = "stop", tok
+        elif r.step >= spec.params.max_new_tokens:
+            finish = "length"
+        ch.send(q.reply_to, TokenEvent(room=q.room, generation=q.generation, instance=name,
+                                       token_ids=[tok], finish_reason=finish, matched_stop=matched,
+                                       prompt_tokens=len(spec.input_ids), completion_tokens=r.step))
+        if finish:
+            del rooms[rid]

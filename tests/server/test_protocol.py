@@ -5,7 +5,7 @@ import zmq
 from tests.net import free_ports
 from glm53.server.protocol import (PROTOCOL_VERSION, Abort, GenerateRequest, HealthPing, HealthPong,
                                    InstanceChannel, LoadStats, PeerInfo, ProtocolError, RequestSpec, TokenEvent,
-                                   TransferStats, decode, encode, probe)
+                                   TransferStats, decode, decode_all, encode, encode_batch, probe)
 from glm53.server.sampling import SamplingParams
 
 
@@ -79,6 +79,52 @@ def test_instance_channel_answers_pings_and_queues_requests():
     finally:
         ch.close()
         pull.close(0)
+        ctx.term()
+
+
+def test_batch_frames_round_trip_and_are_checked():
+    evs = [TokenEvent(room=r, generation=1, instance="d0", token_ids=[r, r + 1]) for r in range(5)]
+    assert decode_all(encode_batch(evs)) == evs
+    assert decode_all(encode(evs[0])) == [evs[0]]
+    with pytest.raises(ProtocolError):
+        decode(encode_batch(evs))  # one message expected
+    with pytest.raises(ProtocolError):
+        decode_all(msgpack.packb({"type": "batch", "v": PROTOCOL_VERSION, "msgs": 3}))
+    with pytest.raises(ProtocolError):
+        decode_all(msgpack.packb({"type": "batch", "v": PROTOCOL_VERSION + 1, "msgs": []}))
+    bad = evs[0].to_dict()
+    bad["v"] = PROTOCOL_VERSION + 1
+    with pytest.raises(ProtocolError):
+        decode_all(msgpack.packb({"type": "batch", "v": PROTOCOL_VERSION, "msgs": [evs[1].to_dict(), bad]}))
+
+
+def test_batched_sends_leave_as_one_frame_per_destination_in_order():
+    ctx = zmq.Context()
+    pulls = [ctx.socket(zmq.PULL) for _ in range(2)]
+    addrs = [f"tcp://127.0.0.1:{p.bind_to_random_port('tcp://127.0.0.1')}" for p in pulls]
+    (inst_port,) = free_ports(1)
+    ch = InstanceChannel(f"tcp://127.0.0.1:{inst_port}", "d0", "decode")
+    ch.ready = True
+    try:
+        ev = [TokenEvent(room=r, generation=0, instance="d0", token_ids=[r]) for r in range(7)]
+        with ch.batched():
+            for e in ev[:5]:
+                ch.send(addrs[0], e)
+            ch.send(addrs[1], ev[5])
+            with ch.batched():  # nested: still held
+                ch.send(addrs[0], ev[6])
+            # the IO thread answers a ping while the engine holds its events: never held back
+            assert probe({"d0": f"tcp://127.0.0.1:{inst_port}"}, timeout=5) == {"d0"}
+            assert not pulls[0].poll(200) and not pulls[1].poll(0)
+        assert pulls[0].poll(5000) and decode_all(pulls[0].recv()) == ev[:5] + [ev[6]]
+        assert pulls[1].poll(5000) and decode(pulls[1].recv()) == ev[5]  # one message: a plain frame
+        assert not pulls[0].poll(200)
+        ch.send(addrs[1], ev[0])  # outside a batch: at once
+        assert pulls[1].poll(5000) and decode(pulls[1].recv()) == ev[0]
+    finally:
+        ch.close()
+        for p in pulls:
+            p.close(0)
         ctx.term()
 
 
