@@ -2,6 +2,10 @@
 embedded trained pair: held-out Python prompts, greedy, one request at a time and all at once.
 
     PYTHONPATH=. python benchmarks/dflash_pd.py [--blocks 4 16] [--prompts 8] [--new 128] [--concurrent 16]
+        [--device cpu|cuda]
+
+`--device cuda`: both instances on GPU 0 (one-GPU PD, bf16, CUDA graphs as served; the transfer
+moves pages within the GPU).
 
 Prompts: the first 200 tokens of held-out standard-library files (tools/eval_dflash.py's, from
 `tools.distill_data.held_file_prompts`). One at a time, each prompt runs twice, with
@@ -22,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.e2e.cluster import Cluster  # noqa: E402
@@ -38,16 +43,25 @@ def generate(url: str, ids: list[int], new: int) -> tuple[float, dict]:
     return time.perf_counter() - t0, r.json()
 
 
+def on_one_gpu(c: Cluster) -> None:
+    """Both instances on GPU 0 in bf16, each with its share of the memory."""
+    c.cfg["defaults"].update(device="cuda", dtype="bfloat16", chunked_prefill_size=8192)
+    for role in ("prefill", "decode"):
+        c.cfg[role][0].update(devices=[0], mem_fraction_static=0.3)
+    c.config_path.write_text(yaml.safe_dump(c.cfg))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--concurrent", type=int, default=16)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     a = ap.parse_args()
     ps = held_file_prompts(ASSETS / "tiny-glm5", max(a.prompts, a.concurrent), 200)
     cache = Path(tempfile.mkdtemp(prefix="dflash-pd-"))
-    print(f"PD pipeline (1 prefill + 1 decode, CPU), {a.prompts} held-out prompts of 200 tokens one at a time, "
+    print(f"PD pipeline (1 prefill + 1 decode, {a.device}), {a.prompts} held-out prompts of 200 tokens one at a time, "
           f"{a.concurrent} at once, {a.new} new tokens, greedy")
     print(f"{'mode':<10} | {'1 at a time: decode tok/s':>26} | {'tau':>5} | {'speed-up':>8} | "
           f"{f'{a.concurrent} at once: tok/s':>20} | {'tau':>5} | {'speed-up':>8}")
@@ -55,7 +69,10 @@ def main() -> None:
     for block in [None, *a.blocks]:
         spec = None if block is None else {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash",
                                            "num_draft_tokens": block}
-        c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec).start()
+        c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec)
+        if a.device == "cuda":
+            on_one_gpu(c)
+        c.start()
         try:
             generate(c.url, ps[0], 8)  # warm-up
             dec_t = toks = verify = 0.0

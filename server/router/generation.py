@@ -155,6 +155,11 @@ class Generation:
     def cancel(self) -> None:
         self._close(abort=True)
 
+    def ready(self) -> bool:
+        """Whether the room's next event is already queued (a stream holds its output until it is
+        not, and then writes it at once: one write per burst instead of one per token)."""
+        return self.room is not None and not self.room.queue.empty()
+
     def __del__(self) -> None:
         # A response whose body never started (client gone before the first byte) never runs
         # events(); do not leave its room running on the instances.
@@ -176,6 +181,7 @@ class Generation:
         want_lp = spec.logprobs >= 0
         pending: list[Delta | Outcome] = []  # held until the prompt logprobs are here
         cached, last_t, first_t, verify_ct, n_total = 0, self.t0, None, 0, 0
+        itl, accepts = m.itl.labels(name), m.spec_accept.labels(name)  # looked up once, observed per token
         try:
             while True:
                 try:
@@ -189,7 +195,7 @@ class Generation:
                 cached = max(cached, ev.cached_tokens)
                 verify_ct += len(ev.spec_accept)
                 for n in ev.spec_accept:
-                    m.spec_accept.labels(name).observe(n)
+                    accepts.observe(n)
                 ids = list(ev.token_ids)
                 if ids:
                     k = len(ids)
@@ -198,7 +204,7 @@ class Generation:
                         m.ttft.labels(name).observe(now - self.t0)
                         k -= 1
                     for _ in range(k):
-                        m.itl.labels(name).observe((now - last_t) / k)
+                        itl.observe((now - last_t) / k)
                     last_t = now
                     n_total += len(ids)
                 if not 0 <= ev.index < spec.n:

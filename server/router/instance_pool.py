@@ -187,7 +187,10 @@ class InstancePool:
         else:
             timeout = self.cfg.router.stream_idle_timeout_s or t.transfer_timeout_s
         try:
-            item = await asyncio.wait_for(room.queue.get(), timeout)
+            if not room.queue.empty():  # already here: no timer (wait_for costs a task per call, per token)
+                item = room.queue.get_nowait()
+            else:
+                item = await asyncio.wait_for(room.queue.get(), timeout)
         except asyncio.TimeoutError:
             what = "the first token" if not room.got_first_token else "the next token"
             if self.metrics:

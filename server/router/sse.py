@@ -99,6 +99,7 @@ async def event_stream(gen: Generation, head: list[str], chunk: Callable[[Delta]
     event and [DONE] if the generation fails mid-stream. Closing it (client gone) aborts the room."""
     events = gen.events()
     outcomes: list[Outcome] = []
+    held: list[str] = []  # events not written yet: while more are queued, they go out as one write
     try:
         async with contextlib.aclosing(events):
             for h in head:
@@ -108,15 +109,17 @@ async def event_stream(gen: Generation, head: list[str], chunk: Callable[[Delta]
                     if isinstance(item, Delta):
                         ev = chunk(item)
                         if ev:
-                            yield ev
+                            held.append(ev)
                     else:
                         outcomes.append(item)
-                        for ev in finish(item):
-                            yield ev
+                        held.extend(finish(item))
+                    if held and not gen.ready():
+                        yield "".join(held)
+                        held = []
                 if usage is not None and outcomes:
-                    yield usage(outcomes)
+                    held.append(usage(outcomes))
             except APIError as e:
-                yield sse(error_body(e.status, e.message, e.param))
-            yield SSE_DONE
+                held.append(sse(error_body(e.status, e.message, e.param)))
+            yield "".join(held) + SSE_DONE
     finally:
         gen.cancel()
