@@ -130,15 +130,16 @@ class DraftAttention(nn.Module):
         k, v = self.kv(x, cos, sin)
         k = torch.cat([ctx_k, k.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)  # [R, kv, T+B, hd]
         v = torch.cat([ctx_v, v.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)
+        # Query head h reads KV head h // group. The mask is the same for every query of a request
+        # (the block attends non-causally), so a KV head's `group` query heads are simply more
+        # query rows of it: [R, kv, group·B, hd], and the K/V are never expanded to the query heads
+        # (at batch 64 on GLM-5 widths that expansion was most of the DFlash step).
         group = self.n_heads // self.n_kv
-        if group > 1:  # repeat_interleave on the heads, as a broadcast view + reshape
-            t = k.shape[2]
-            k = k[:, :, None].expand(r, self.n_kv, group, t, hd).reshape(r, self.n_heads, t, hd)
-            v = v[:, :, None].expand(r, self.n_kv, group, t, hd).reshape(r, self.n_heads, t, hd)
-        q = q.view(r, b, self.n_heads, hd).transpose(1, 2)
+        q = q.view(r, b, self.n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(r, self.n_kv, group * b, hd)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None, None, :],
                                            scale=hd**-0.5)
-        return self.o_proj(o.transpose(1, 2).reshape(n, self.n_heads * hd))
+        o = o.view(r, self.n_kv, group, b, hd).permute(0, 3, 1, 2, 4)  # [R, B, kv, group, hd]
+        return self.o_proj(o.reshape(n, self.n_heads * hd))
 
 
 class DraftLayer(nn.Module):
