@@ -158,7 +158,7 @@ class RequestSpec:
     input_ids: list[int]
     params: SamplingParams  # max_new_tokens already capped so that prompt + completion <= context
     eos_token_ids: list[int]  # the model's eos ids; finish "stop" unless params.ignore_eos
-    n: int = 1  # choices sharing the prompt's prefill (decode copies the prompt's KV pages)
+    n: int = 1  # choices sharing the prompt's prefill (and, on decode, its full KV pages)
     # -1: no logprobs; 0: each output token's logprob; k > 0: also its k most likely tokens.
     logprobs: int = -1
     # -1: no prompt logprobs; p >= 0: the logprobs of prompt positions p.. (prefill computes them).

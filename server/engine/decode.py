@@ -6,10 +6,13 @@ KV receivers on every rank, pointing prefill's ranks at the prompt pages -> when
 succeeded, read the checked metadata row (first token), stream it, join the running batch ->
 one decode forward per step for the whole batch -> finish on a stop token / eos / length.
 
-A request with n > 1 choices gets n page tables at admission; the prompt's KV lands in the
-first, and on adoption the other n - 1 get a copy of the prompt's pages (inside this instance's
-pools) and their own first token from prefill: one prefill, n sequences decoding side by side,
-each finishing on its own (its events carry its `index`).
+A request with n > 1 choices shares the prompt's full pages among its choices (decode writes
+only from the prompt's end on, so nothing writes them) and gets, per choice, the pages from the
+prompt's last (possibly partial) page to max_new_tokens. The prompt's KV lands in the shared
+pages and the first choice's; on adoption each other choice gets a copy of the partial page
+(inside this instance's pools) and its own first token from prefill: one prefill, n sequences
+decoding side by side, each finishing on its own (its events carry its `index`). The shared
+pages are freed with the last choice (`SharedPages`).
 
 One place decides a request is over (`_commit`) and one frees its pages (`_release`). A room
 whose transfer is in flight is released only from `_poll_transfers`, once every rank's receiver
@@ -44,6 +47,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class SharedPages:
+    """The prompt's full pages of an n > 1 request: held once for all its choices (every choice's
+    page table starts with them) and freed when the last choice is released."""
+
+    pages: list[int]
+    users: int
+
+
+@dataclass
 class DecodeRequest(TrackedRequest):
     receiver: RoomTransfer | None = None  # the room's receivers on every rank
     output: list[int] = field(default_factory=list)
@@ -58,6 +70,7 @@ class DecodeRequest(TrackedRequest):
     pending: int = 0  # overlapped steps launched for it and not read back (engine/overlap.py)
     finished: bool = False  # released: no more tokens are committed
     free_after_step: bool = False  # released while an in-flight step still writes its pages
+    shared: SharedPages | None = None  # n > 1: the prompt's full pages, the head of `pages`
     unsent_lp: list[float] = field(default_factory=list)  # logprobs of `unsent` (if asked for)
     unsent_top: list[list] = field(default_factory=list)
 
@@ -98,12 +111,20 @@ class DecodeScheduler(Scheduler):
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
-        if self.accept(req, len(req.spec.input_ids) + req.spec.params.max_new_tokens, copies=req.spec.n):
+        if self.accept(req, len(req.spec.input_ids) + req.spec.params.max_new_tokens, pages=self._request_pages(req)):
             self.waiting.append(DecodeRequest(req, time.monotonic()))
 
     def _seq_pages(self, r: DecodeRequest) -> int:
         """Pages of one choice: its prompt and max_new_tokens."""
         return self.workers.pages_needed(r.prompt_len + r.params.max_new_tokens)
+
+    def _request_pages(self, req: GenerateRequest) -> int:
+        """Pages a request takes: n choices of prompt + max_new_tokens, the prompt's full pages
+        once (shared), the rest per choice."""
+        s = req.spec
+        full = len(s.input_ids) // self.workers.page_size
+        per = self.workers.pages_needed(len(s.input_ids) + s.params.max_new_tokens)
+        return full + s.n * (per - full)
 
     def on_abort(self, msg: Abort) -> None:
         key = (msg.room, msg.generation)
@@ -131,8 +152,9 @@ class DecodeScheduler(Scheduler):
 
     def _admit(self) -> None:
         while len(self.receiving) + len(self.running) < self.max_running:
-            # n page tables of one choice each, allocated together (the first receives the KV).
-            r = self.admit_next(self.waiting, lambda r: r.req.spec.n * self._seq_pages(r) * self.workers.page_size)
+            # Every choice's pages, allocated together: the prompt's full pages, then each choice's
+            # own (the first choice's own pages receive the prompt's partial last page).
+            r = self.admit_next(self.waiting, lambda r: self._request_pages(r.req) * self.workers.page_size)
             if r is None:
                 return
             boot = f"tcp://{r.req.prefill.host}:{r.req.prefill.bootstrap_port}"
@@ -188,14 +210,19 @@ class DecodeScheduler(Scheduler):
         lps, tops = unpack_first(bytes(row.payload)) if r.req.spec.logprobs >= 0 else (None, None)
         seqs = [r]
         if n > 1:
-            per, prompt_pages = self._seq_pages(r), self.workers.pages_needed(r.prompt_len)
-            pages, r.pages = r.pages, r.pages[:per]
+            full = r.prompt_len // self.workers.page_size
+            own = self._seq_pages(r) - full
+            partial = self.workers.pages_needed(r.prompt_len) - full  # 1: the prompt's last page is partial
+            shared = SharedPages(r.pages[:full], users=n)
+            pages = r.pages
+            r.pages, r.shared = pages[: full + own], shared
             for i in range(1, n):
-                c = DecodeRequest(r.req, r.arrived, pages=pages[i * per: (i + 1) * per], ctx_start=r.ctx_start,
-                                  index=i)
+                c = DecodeRequest(r.req, r.arrived, pages=shared.pages + pages[full + i * own: full + (i + 1) * own],
+                                  ctx_start=r.ctx_start, index=i, shared=shared)
                 # Each choice writes its own pages from the prompt's end on: a copy of the
-                # prompt's KV (the last page may be partial) gives it the prefill's context.
-                self.workers.copy_pages(r.pages[:prompt_pages], c.pages[:prompt_pages])
+                # prompt's partial last page gives it the rest of the prefill's context.
+                if partial:
+                    self.workers.copy_pages(r.pages[full:full + 1], c.pages[full:full + 1])
                 seqs.append(c)
         for c in seqs:
             c.constraint = self.constraints.new(c.params)
@@ -373,7 +400,14 @@ class DecodeScheduler(Scheduler):
             self.send_error(r.req, *error)
 
     def _free_pages(self, r: DecodeRequest) -> None:
-        self.allocator.free(r.pages)
+        if r.shared is None:
+            self.allocator.free(r.pages)
+        else:  # its own pages now; the shared ones with the last choice
+            self.allocator.free(r.pages[len(r.shared.pages):])
+            r.shared.users -= 1
+            if r.shared.users == 0:
+                self.allocator.free(r.shared.pages)
+            r.shared = None
         r.pages = []
 
     def _abort_transfer(self, r: DecodeRequest, reason: str) -> None:

@@ -131,9 +131,9 @@ class Scheduler(abc.ABC):
         """Forget every request (after `fail_all` told the router): the instance lost a rank and
         will run nothing again, so its pages can never be written or reused."""
 
-    def accept(self, req: GenerateRequest, max_tokens: int, copies: int = 1) -> bool:
-        """Whether this instance can run the request (`copies` sequences of `max_tokens` tokens
-        each); False after answering the router with an error."""
+    def accept(self, req: GenerateRequest, max_tokens: int, pages: int | None = None) -> bool:
+        """Whether this instance can run the request (sequences of `max_tokens` tokens taking
+        `pages` pages in all; None: one sequence); False after answering the router with an error."""
         ids = req.spec.input_ids
         vocab = self.cfg.vocab_size
         if any(not 0 <= t < vocab for t in ids):
@@ -142,7 +142,7 @@ class Scheduler(abc.ABC):
         if not ids or max_tokens > self.cfg.max_position_embeddings:
             self.send_error(req, "prompt is empty or longer than the model's context", "context_length")
             return False
-        if copies * self.workers.pages_needed(max_tokens) > self.allocator.num_pages:
+        if (pages if pages is not None else self.workers.pages_needed(max_tokens)) > self.allocator.num_pages:
             self.send_error(req, f"request needs more KV pages than the {self.role} pool holds", "context_length")
             return False
         return True
