@@ -418,8 +418,9 @@ class InstanceChannel:
                                  msgs[0].TYPE if len(msgs) == 1 else f"batch of {len(msgs)}")
 
     def send(self, reply_to: str, msg: Message) -> None:
-        if self._held_by is not None and self._held_by == threading.get_ident() and self._held is not None:
-            self._held.setdefault(reply_to, []).append(msg)
+        held = self._held
+        if held is not None and self._held_by == threading.get_ident():
+            held.setdefault(reply_to, []).append(msg)
             return
         self._send_frame(reply_to, encode(msg), msg.TYPE)
 
