@@ -14,6 +14,7 @@ times the step, not τ). Median over the steps after the first three.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -42,7 +43,7 @@ def kernels(title: str, step, steps: int, positions: int) -> float:
     used); prints the GPU kernel time per step and its largest kernels."""
     from gpu_profile import kernel_table, print_table, profile  # benchmarks/ is the script's dir
 
-    it = iter(range(10**6))
+    it = itertools.count()
     prof = profile(lambda: step(next(it) % positions), steps)
     gpu_us, table = kernel_table(prof, steps, 15)
     print_table(title, gpu_us, table)

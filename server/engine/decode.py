@@ -114,17 +114,17 @@ class DecodeScheduler(Scheduler):
         if self.accept(req, len(req.spec.input_ids) + req.spec.params.max_new_tokens, pages=self._request_pages(req)):
             self.waiting.append(DecodeRequest(req, time.monotonic()))
 
-    def _seq_pages(self, r: DecodeRequest) -> int:
-        """Pages of one choice: its prompt and max_new_tokens."""
-        return self.workers.pages_needed(r.prompt_len + r.params.max_new_tokens)
-
-    def _request_pages(self, req: GenerateRequest) -> int:
-        """Pages a request takes: n choices of prompt + max_new_tokens, the prompt's full pages
-        once (shared), the rest per choice."""
+    def _page_split(self, req: GenerateRequest) -> tuple[int, int]:
+        """(the prompt's full pages, shared by the choices; each choice's own pages, from the
+        prompt's partial last page to max_new_tokens)."""
         s = req.spec
         full = len(s.input_ids) // self.workers.page_size
-        per = self.workers.pages_needed(len(s.input_ids) + s.params.max_new_tokens)
-        return full + s.n * (per - full)
+        return full, self.workers.pages_needed(len(s.input_ids) + s.params.max_new_tokens) - full
+
+    def _request_pages(self, req: GenerateRequest) -> int:
+        """Pages a request takes: the prompt's full pages once, the rest per choice."""
+        full, own = self._page_split(req)
+        return full + req.spec.n * own
 
     def on_abort(self, msg: Abort) -> None:
         key = (msg.room, msg.generation)
@@ -210,9 +210,7 @@ class DecodeScheduler(Scheduler):
         lps, tops = unpack_first(bytes(row.payload)) if r.req.spec.logprobs >= 0 else (None, None)
         seqs = [r]
         if n > 1:
-            full = r.prompt_len // self.workers.page_size
-            own = self._seq_pages(r) - full
-            partial = self.workers.pages_needed(r.prompt_len) - full  # 1: the prompt's last page is partial
+            full, own = self._page_split(r.req)
             shared = SharedPages(r.pages[:full], users=n)
             pages = r.pages
             r.pages, r.shared = pages[: full + own], shared
@@ -221,7 +219,7 @@ class DecodeScheduler(Scheduler):
                                   ctx_start=r.ctx_start, index=i, shared=shared)
                 # Each choice writes its own pages from the prompt's end on: a copy of the
                 # prompt's partial last page gives it the rest of the prefill's context.
-                if partial:
+                if r.prompt_len % self.workers.page_size:
                     self.workers.copy_pages(r.pages[full:full + 1], c.pages[full:full + 1])
                 seqs.append(c)
         for c in seqs:
