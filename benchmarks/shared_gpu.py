@@ -1,0 +1,227 @@
+"""Decode beside prefill on one GPU: what the decode step costs while prefill runs on the same GPU,
+with prefill in another process (the GPU time-slices between the two contexts) or in the same
+process on a lower-priority CUDA stream (the block scheduler serves decode's kernels first).
+
+    python3 benchmarks/shared_gpu.py --slice DIR [--bs 64] [--ctx 4096] [--chunk 4096] [--out FILE]
+
+Decode is the slice's graphed step at batch `bs` over `ctx`-token contexts, timed as the serving
+loop runs it (forward, argmax, the tokens back to the host); prefill is `chunk`-token forwards
+back to back. Printed per variant: the decode step's median and p90, its ratio to the HBM floor
+measured in the same run (gpu_e2e.step_bytes at the device copy bandwidth), and prefill's chunk
+time and tokens/s. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def load(slice_dir: str):
+    from glm53.models import ModelRunner
+
+    return ModelRunner.from_dir(slice_dir, page_size=64, num_pages=1, device="cuda", progress=False).model
+
+
+class Prefill:
+    """Back-to-back prefill chunks of one prompt in a thread, on `stream`."""
+
+    def __init__(self, model, chunk: int, stream: torch.cuda.Stream):
+        from glm53.models import ModelRunner
+
+        self.pages = -(-chunk // 64)
+        self.runner = ModelRunner(model, num_pages=self.pages, page_size=64, device="cuda")
+        self.tokens = torch.randint(10, model.cfg.vocab_size - 10, (chunk,)).tolist()
+        self.stream, self.times = stream, []
+        self.stop, self.started = threading.Event(), threading.Event()
+
+    def launch(self) -> torch.cuda.Event:
+        """One chunk's forward queued on the current stream; the event marks its end."""
+        from glm53.models import SeqChunk
+
+        self.runner.forward([SeqChunk(self.tokens, 0, list(range(self.pages)))])
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def chunk(self) -> float:
+        t = time.perf_counter()
+        self.launch().synchronize()
+        return time.perf_counter() - t
+
+    def run(self) -> None:
+        torch.set_grad_enabled(False)
+        with torch.cuda.stream(self.stream):
+            while not self.stop.is_set():
+                self.times.append(self.chunk())
+                self.started.set()
+
+
+class Decode:
+    """The graphed decode step at batch `bs`, as the serving loop times it."""
+
+    def __init__(self, model, bs: int, ctx: int, steps: int):
+        from glm53.models import ModelRunner
+        from glm53.models.graph import GraphConfig
+
+        self.bs, self.ctx = bs, ctx
+        self.need = -(-(ctx + 4 * steps + 64) // 64)
+        self.runner = ModelRunner(model, num_pages=self.need * bs, page_size=64, device="cuda",
+                                  graphs=GraphConfig(max_bs=bs, max_context=self.need * 64))
+        for _, pool in self.runner.pools:  # random KV: realistic indexer scores
+            pool.tensor.normal_()
+        self.pos, self.toks = ctx, [1] * bs
+
+    def steps(self, n: int) -> list[float]:
+        from glm53.models import SeqChunk
+
+        times = []
+        for _ in range(n):
+            chunks = [SeqChunk([self.toks[i]], self.pos, list(range(i * self.need, (i + 1) * self.need)))
+                      for i in range(self.bs)]
+            t = time.perf_counter()
+            logits = self.runner.forward(chunks)
+            self.toks = torch.cat(logits).argmax(-1).tolist()
+            times.append(time.perf_counter() - t)
+            self.pos += 1
+        return times
+
+
+def summary(times: list[float]) -> dict:
+    s = sorted(times)
+    return {"n": len(s), "p50_ms": statistics.median(s) * 1e3, "p90_ms": s[int(0.9 * (len(s) - 1))] * 1e3}
+
+
+def child(slice_dir: str, chunk: int) -> None:
+    """The other process's prefill loop: runs until stdin closes, then prints its chunk times."""
+    torch.set_grad_enabled(False)
+    p = Prefill(load(slice_dir), chunk, torch.cuda.Stream())
+    th = threading.Thread(target=p.run, daemon=True)
+    th.start()
+    p.started.wait(600)
+    print("ready", flush=True)
+    sys.stdin.read()
+    p.stop.set()
+    th.join(60)
+    print(json.dumps(p.times), flush=True)
+
+
+def beside_process(args, dec: Decode) -> tuple[dict, dict]:
+    proc = subprocess.Popen([sys.executable, __file__, "--slice", args.slice, "--chunk", str(args.chunk),
+                             "--child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("prefill process did not start")
+        times = dec.steps(args.steps)
+        proc.stdin.close()
+        out = proc.stdout.read()
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    chunks = json.loads(out.strip().splitlines()[-1])[1:]
+    return summary(times), summary(chunks)
+
+
+def beside_thread(args, model, dec: Decode, prefill_prio: int, decode_prio: int, switch: float) -> tuple[dict, dict]:
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch)
+    p = Prefill(model, args.chunk, torch.cuda.Stream(priority=prefill_prio))
+    th = threading.Thread(target=p.run, daemon=True)
+    th.start()
+    try:
+        if not p.started.wait(600):
+            raise RuntimeError("prefill thread did not start")
+        with torch.cuda.stream(torch.cuda.Stream(priority=decode_prio)):
+            times = dec.steps(args.steps)
+    finally:
+        p.stop.set()
+        th.join(120)
+        sys.setswitchinterval(old)
+    return summary(times), summary(p.times[1:])
+
+
+def beside_launched(args, model, dec: Decode, prefill_prio: int, decode_prio: int, chunks: int = 8) -> tuple[dict, dict]:
+    """One thread: a prefill chunk is queued on its stream, then decode steps run until the GPU
+    has finished it. No GIL to share: what the decode step costs here is the GPU's doing."""
+    p = Prefill(model, args.chunk, torch.cuda.Stream(priority=prefill_prio))
+    times, spans, launch = [], [], []
+    with torch.cuda.stream(torch.cuda.Stream(priority=decode_prio)):
+        for _ in range(chunks):
+            t = time.perf_counter()
+            with torch.cuda.stream(p.stream):
+                ev = p.launch()
+            launch.append(time.perf_counter() - t)
+            while not ev.query():
+                times += dec.steps(1)
+            spans.append(time.perf_counter() - t)
+    print(f"  prefill launch (host) p50 {statistics.median(launch) * 1e3:.1f} ms of a "
+          f"{statistics.median(spans) * 1e3:.1f} ms span", flush=True)
+    return summary(times[chunks:]), summary(spans[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--slice", required=True)
+    ap.add_argument("--bs", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.slice, args.chunk)
+    from gpu_e2e import copy_bandwidth, step_bytes
+
+    torch.set_grad_enabled(False)
+    bw = copy_bandwidth()
+    floor_ms = step_bytes(Path(args.slice), args.bs, args.ctx)["total"] / bw * 1e3
+    model = load(args.slice)
+    dec = Decode(model, args.bs, args.ctx, 4 * args.steps + 64)
+    dec.steps(20)  # warm-up
+    low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): numerically high = low priority
+    p_alone = Prefill(model, args.chunk, torch.cuda.Stream())
+    with torch.cuda.stream(p_alone.stream):
+        p_alone.chunk()
+        prefill_alone = summary([p_alone.chunk() for _ in range(5)])
+    del p_alone
+    rows = {"floor_ms": floor_ms, "copy_GBps": bw / 1e9, "prefill_alone": prefill_alone,
+            "decode_alone": summary(dec.steps(args.steps))}
+    variants = {
+        "other process": lambda: beside_process(args, dec),
+        "same process, prefill low priority": lambda: beside_thread(args, model, dec, low, high, 0.005),
+        "same process, prefill low priority, 0.5 ms GIL switch": lambda: beside_thread(args, model, dec, low, high, 5e-4),
+        "same process, equal priority": lambda: beside_thread(args, model, dec, 0, 0, 0.005),
+        "one thread, prefill queued at low priority": lambda: beside_launched(args, model, dec, low, high),
+        "one thread, prefill queued at equal priority": lambda: beside_launched(args, model, dec, 0, 0),
+    }
+    print(f"floor {floor_ms:.2f} ms (copy {bw / 1e9:.0f} GB/s); prefill alone {prefill_alone['p50_ms']:.1f} ms "
+          f"per {args.chunk}-token chunk", flush=True)
+    a = rows["decode_alone"]
+    print(f"{'decode alone':55s} p50 {a['p50_ms']:6.2f} ms ({a['p50_ms'] / floor_ms:.2f}x floor), "
+          f"p90 {a['p90_ms']:6.2f} ms", flush=True)
+    for name, fn in variants.items():
+        d, p = fn()
+        rows[name] = {"decode": d, "prefill": p}
+        print(f"{name:55s} p50 {d['p50_ms']:6.2f} ms ({d['p50_ms'] / floor_ms:.2f}x floor), p90 {d['p90_ms']:6.2f} ms; "
+              f"prefill {p['p50_ms']:6.1f} ms/chunk = {args.chunk / p['p50_ms'] * 1e3:,.0f} tok/s "
+              f"(alone {args.chunk / prefill_alone['p50_ms'] * 1e3:,.0f})", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
