@@ -192,16 +192,23 @@ class Server:
 
 
 def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req: int, in_len: int,
-                out_len: int, long_out: int = 0) -> list[dict]:
+                out_len: int, long_out: int = 0, placement: dict | None = None) -> list[dict]:
     """The sweep; with `long_out`, one more point at the highest concurrency with that many
-    output tokens, so that most of its decode steps run after every prefill is done."""
+    output tokens, so that most of its decode steps run after every prefill is done. `placement`:
+    per role the instance keys that place it (devices, tp); default both on GPU 0."""
     from serving import sweep_point
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    tag = f"serve-graphs-{'on' if graphs else 'off'}"
+    placement = placement or {}
+    where = "".join(f"-{role[0]}{'.'.join(map(str, p['devices']))}" + (f"-tp{p['tp']}" if p.get("tp", 1) > 1 else "")
+                    for role, p in placement.items())
+    tag = f"serve-graphs-{'on' if graphs else 'off'}{where}"
     print(f"{tag}:", flush=True)
     context = in_len + max(out_len, long_out) + 64
-    with Server(cluster_config(str(model_dir), "bfloat16", graphs, [0] * 5, context), out, tag) as s:
+    cfg = cluster_config(str(model_dir), "bfloat16", graphs, [0] * 5, context)
+    for role, p in placement.items():
+        cfg[role][0].update(p)
+    with Server(cfg, out, tag) as s:
         asyncio.run(sweep_point(s.url, "m", 1, 2, in_len, out_len, vocab, 99))  # warm-up
         rows = []
         points = [(c, out_len) for c in conc] + ([(max(conc), long_out)] if long_out else [])
@@ -210,6 +217,7 @@ def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req
             r["graphs"] = graphs
             r["output_len"] = n_out
             r["startup_s"] = s.startup_s
+            r["placement"] = placement
             rows.append(r)
             print(f"  conc {c}, {n_out} out: {r['ok']}/{r['n']} ok, {r['out_tok_s']:.0f} tok/s, TTFT p50 "
                   f"{r['ttft_p50'] * 1e3:.0f} ms, ITL p50 {r['itl_p50'] * 1e3:.2f} ms, p99 {r['itl_p99'] * 1e3:.2f} ms; "
@@ -280,7 +288,11 @@ def main() -> None:
     ap.add_argument("--graphs", choices=["both", "on", "off"], default="both", help="serve and exact phases: CUDA graphs")
     ap.add_argument("--long-output", type=int, default=0,
                     help="serve phase: one more point at the highest concurrency with this many output tokens")
+    ap.add_argument("--prefill-devices", type=int, nargs="+", default=[0], help="serve phase: prefill's GPUs")
+    ap.add_argument("--decode-devices", type=int, nargs="+", default=[0], help="serve phase: decode's GPUs")
+    ap.add_argument("--decode-tp", type=int, default=1, help="serve phase: decode's tp (= len(--decode-devices))")
     a = ap.parse_args()
+    placement = {"prefill": {"devices": a.prefill_devices}, "decode": {"devices": a.decode_devices, "tp": a.decode_tp}}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     phases = a.phases.split(",")
@@ -311,7 +323,7 @@ def main() -> None:
         report["serve"] = []
         for graphs in {"both": (True, False), "on": (True,), "off": (False,)}[a.graphs]:
             report["serve"] += serve_sweep(slice_dir, out, graphs, a.concurrency, a.requests, a.input_len,
-                                           a.output_len, a.long_output)
+                                           a.output_len, a.long_output, placement)
             save()
         if "floor" in report:
             for r in report["serve"]:
