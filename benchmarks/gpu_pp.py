@@ -4,7 +4,10 @@ four-GPU kind, and runnable on the CPU with the embedded model to check the scri
 1. `kv`: one prompt prefilled by pp = 1 and pp = P stages (GPUs 0 .. P − 1, chunks pipelined as
    micro-batches, the draft's context projected partially per stage) into one decode rank on the
    last GPU, in its own process as in serving, through real NIXL transfers. The first token and
-   decode's target KV (`latent`, `index_k`) and draft KV (`draft_kv`) must be byte-identical.
+   decode's target KV (`latent`, `index_k`) and draft KV (`draft_kv`) must be byte-identical, and
+   every prefill rank must post the descriptors `transport.mapping` plans for it.
+   `tp` (issue 19, two GPUs): the same with prefill tp = 2 against tp = 1 (first token and
+   descriptor counts; the pools are compared but TP's all-reduce need not be bit-equal).
 2. `serve`: the model served with DFlash (`glm53-serve up`): prefill pp = P on GPUs 0 .. P − 1 and
    decode on the last GPU, against prefill pp = 1 on GPU 0; greedy outputs of prompts sent one at
    a time (so every batch has the same shapes in both runs) must be equal.
@@ -12,7 +15,7 @@ four-GPU kind, and runnable on the CPU with the embedded model to check the scri
    chunks pipelined), the speed-up over pp = 1 beside the ideal pp×, and the bytes each stage
    boundary carries per token (hidden + residual + the draft's fp32 accumulator), measured.
 
-    python3 benchmarks/gpu_pp.py --out DIR [--phases kv,serve,ttft] [--pp 3] [--slice DIR]
+    python3 benchmarks/gpu_pp.py --out DIR [--phases kv,tp,serve,ttft] [--pp 3] [--slice DIR]
     PYTHONPATH=. python benchmarks/gpu_pp.py --out DIR --device cpu   # the embedded model, CPU
 
 On CUDA the model is a GLM-5-shaped slice of 8 layers (tools/make_slice.py; written to --slice
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import subprocess
 import sys
 import time
@@ -37,7 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-ROOM = (7, 0)
 TIMEOUT_S = 300.0
 
 
@@ -64,120 +65,44 @@ def models(args) -> tuple[Path, Path]:
     return model, draft
 
 
-# -- kv: decode's pools after pp = 1 and pp = P --------------------------------------------------
-def kv_config(args, model: Path, draft: Path, pp: int, pages: int) -> dict:
-    from tests.net import free_ports
-
-    ports = free_ports(4)
-    cuda = args.device == "cuda"
-    return {
-        "model": {"path": str(model)},
-        "transfer": {"bootstrap_timeout_s": 120, "transfer_timeout_s": 120},
-        "speculative": {"algorithm": "DFLASH", "draft_model_path": str(draft)},
-        "defaults": {"device": args.device, "dtype": "bfloat16" if cuda else "float32", "page_size": args.page_size,
-                     "num_pages": pages, "disable_cuda_graph": True},
-        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1], "pp": pp,
-                     **({"devices": list(range(pp))} if cuda else {}),
-                     **({"dist_init_port": ports[3]} if pp > 1 else {})}],
-        "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2],
-                    **({"devices": [torch.cuda.device_count() - 1]} if cuda else {})}],
-    }
-
-
-def decode_side(raw: dict, model: str, bootstrap: str, pages: list[int], out: str, q) -> None:
-    """Decode's one rank in its own process: receive the room, save its pages of every pool."""
+# -- kv: decode's pools after pp = 1 and pp = P (tests/pd_harness.py) ---------------------------
+def prefilled(args, model: Path, draft: Path, out: Path, **parallel):
     from glm53.models import GlmConfig
-    from glm53.server.config import parse_config
-    from glm53.server.engine.worker import RankWorker, rank_specs
-    from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer
+    from tests.pd_harness import prefill_into_decode
 
-    torch.set_grad_enabled(False)
-    cfg = parse_config(raw)
-    (spec,) = rank_specs(cfg, cfg.decode[0], model, GlmConfig.from_dir(model).num_hidden_layers)
-    rank = RankWorker(spec)
-    rank.allocate(raw["defaults"]["num_pages"])
-    try:
-        rx = RoomTransfer([rank.create_receiver(Room(*ROOM), bootstrap, pages)])
-        q.put("ready")
-        deadline = time.monotonic() + TIMEOUT_S
-        while rx.poll() not in TERMINAL and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if rx.poll() != KVPoll.SUCCESS:
-            q.put(f"receiver ended {rx.poll()}: {rx.error}")
-            return
-        torch.save({"first": rx.metadata().first_token_ids,
-                    "pools": {name: pool.tensor[pages].cpu() for name, pool in rank.runner.pools}}, out)
-        q.put("done")
-    finally:
-        rank.close()
+    g = torch.Generator().manual_seed(12)
+    vocab = GlmConfig.from_dir(model).vocab_size
+    prompt = torch.randint(10, vocab - 10, (args.kv_prompt,), generator=g).tolist()
+    return prefill_into_decode(model, draft, prompt, device=args.device, page_size=args.page_size, chunk=args.chunk,
+                               workdir=out, timeout_s=TIMEOUT_S, **parallel)
 
 
-def prefill_into_decode(args, model: Path, draft: Path, pp: int, prompt: list[int], out: Path) -> dict:
-    from glm53.models import GlmConfig, SeqChunk
-    from glm53.server.config import parse_config
-    from glm53.server.engine.group import LocalWorkers
-    from glm53.server.engine.processes import ProcessWorkers
-    from glm53.server.engine.worker import rank_specs
-    from glm53.transport import BootstrapServer, KVPoll, MetadataRow, Room
-
-    n_pages = -(-len(prompt) // args.page_size)
-    raw = kv_config(args, model, draft, pp, n_pages + 8)
-    cfg = parse_config(raw)
-    inst = cfg.prefill[0]
-    boot = BootstrapServer("p0", pp_size=pp, tp_size=1, host="127.0.0.1", port=inst.bootstrap_port)
-    specs = rank_specs(cfg, inst, str(model), GlmConfig.from_dir(model).num_hidden_layers)
-    ranks = LocalWorkers(specs) if pp == 1 else ProcessWorkers(specs, timeout_s=TIMEOUT_S, port=inst.engine.dist_init_port)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    pages = list(range(3, 3 + n_pages))  # not from page 0: offsets must be right
-    child = ctx.Process(target=decode_side, args=(raw, str(model), boot.address, pages, str(out), q))
-    child.start()
-    try:
-        if (msg := q.get(timeout=TIMEOUT_S)) != "ready":
-            raise RuntimeError(msg)
-        tx = ranks.create_senders(Room(*ROOM), "d0")
-        chunk = args.chunk
-        mbs = [[SeqChunk(prompt[i : i + chunk], i, pages)] for i in range(0, len(prompt), chunk)]
-        t0 = time.perf_counter()
-        logits = ranks.forward_microbatches(mbs)  # one step: the chunks pipeline through the stages
-        first = int(logits[-1][0][-1].argmax())
-        forward_s = time.perf_counter() - t0
-        tx.send_pages(pages, start=0)
-        tx.finish(MetadataRow(first_token_ids=(first,), counts=(len(prompt), len(prompt))))
-        deadline = time.monotonic() + TIMEOUT_S
-        while tx.poll() not in (KVPoll.SUCCESS, KVPoll.FAILED) and time.monotonic() < deadline:
-            ranks.sync()
-            time.sleep(0.005)
-        if tx.poll() != KVPoll.SUCCESS:
-            raise RuntimeError(f"sender ended {tx.poll()}")
-        if (msg := q.get(timeout=TIMEOUT_S)) != "done":
-            raise RuntimeError(msg)
-        child.join(TIMEOUT_S)
-        got = torch.load(out)
-        return {"first": first, "decode_first": got["first"], "pools": got["pools"], "forward_s": forward_s}
-    finally:
-        if child.is_alive():
-            child.kill()
-        ranks.close()
-        boot.close()
+def compare(ref, got, tag: str) -> dict:
+    """First tokens, descriptor counts against the mapping, and decode's pools, byte for byte."""
+    row = {"pages": int(next(iter(ref.pools.values())).shape[0]), f"first_{tag}": got.first, "first_ref": ref.first,
+           "first_equal": ref.first == ref.decode_first == got.first == got.decode_first,
+           "forward_s": {"ref": ref.forward_s, tag: got.forward_s},
+           "descs": {"ref": ref.descs, tag: got.descs}, "descs_as_planned": ref.descs == ref.predicted and
+           got.descs == got.predicted, "predicted": {"ref": ref.predicted, tag: got.predicted}}
+    for name, t in ref.pools.items():
+        other = got.pools[name]
+        same = bool(torch.equal(t.view(torch.uint8), other.view(torch.uint8)))
+        row[name] = {"bytes": t.numel() * t.element_size(), "written": bool(t.abs().sum() > 0), "identical": same,
+                     "max_abs_diff": 0.0 if same or t.dtype == torch.uint8 else float((t.float() - other.float()).abs().max())}
+    return row
 
 
 def kv_phase(args, model: Path, draft: Path, out: Path) -> dict:
-    g = torch.Generator().manual_seed(12)
-    from glm53.models import GlmConfig
-
-    vocab = GlmConfig.from_dir(model).vocab_size
-    prompt = torch.randint(10, vocab - 10, (args.kv_prompt,), generator=g).tolist()
-    ref = prefill_into_decode(args, model, draft, 1, prompt, out / "kv-pp1.pt")
-    got = prefill_into_decode(args, model, draft, args.pp, prompt, out / f"kv-pp{args.pp}.pt")
-    row = {"prompt": len(prompt), "chunk": args.chunk, "first_pp1": ref["first"], f"first_pp{args.pp}": got["first"],
-           "first_equal": ref["first"] == got["first"] == ref["decode_first"][0] == got["decode_first"][0],
-           "forward_s": {1: ref["forward_s"], args.pp: got["forward_s"]}}
-    for name, t in ref["pools"].items():
-        other = got["pools"][name]
-        row[name] = {"bytes": t.numel() * t.element_size(), "written": bool(t.abs().sum() > 0),
-                     "identical": bool(torch.equal(t.view(torch.uint8), other.view(torch.uint8)))}
+    row = compare(prefilled(args, model, draft, out), prefilled(args, model, draft, out, pp=args.pp), f"pp{args.pp}")
     print("kv:", json.dumps(row), flush=True)
+    return row
+
+
+def tp_phase(args, model: Path, draft: Path, out: Path) -> dict:
+    """Prefill tp = 2 into decode tp = 1 (issue 19): descriptors as planned, the same first token;
+    decode's pools against tp = 1 (TP's all-reduce sums in another order, so not bit-equal in general)."""
+    row = compare(prefilled(args, model, draft, out), prefilled(args, model, draft, out, tp=2), "tp2")
+    print("tp:", json.dumps(row), flush=True)
     return row
 
 
@@ -241,14 +166,15 @@ def main() -> None:
     args.kv_prompt = args.kv_prompt or (6000 if cuda else 300)
     args.serve_prompts = args.serve_prompts or ("7,100,300,2100,5000" if cuda else "7,100,300")
     args.lengths = args.lengths or ([4096, 16384, 65536] if cuda else [256, 512])
-    if cuda and torch.cuda.device_count() < args.pp + 1:
-        raise SystemExit(f"needs {args.pp + 1} GPUs, found {torch.cuda.device_count()}")
+    need = max(args.pp + 1 if {"kv", "serve"} & set(args.phases.split(",")) else 1, 2)
+    if cuda and torch.cuda.device_count() < need:
+        raise SystemExit(f"needs {need} GPUs, found {torch.cuda.device_count()}")
     torch.set_grad_enabled(False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, draft = models(args)
     report, phases = {"pp": args.pp, "device": args.device, "model": str(model)}, args.phases.split(",")
-    for name, fn in (("kv", kv_phase), ("serve", serve_phase)):
+    for name, fn in (("kv", kv_phase), ("tp", tp_phase), ("serve", serve_phase)):
         if name in phases:
             t0 = time.monotonic()
             try:

@@ -75,6 +75,7 @@ class HandleState:
     error: str = ""
     error_code: Optional[TransferErrorCode] = None
     row: Optional[MetadataRow] = None  # receivers, at SUCCESS
+    stats: Optional[dict] = None  # senders, once terminal: transfers, descriptors, bytes posted
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,10 @@ class RankRuntime:
         for key, h in list(self.handles.items()):
             state = h.poll()
             row = h.metadata() if state == KVPoll.SUCCESS and h.kind == "receiver" else None
-            out[key] = HandleState(state, h.error, h.error_code, row)
-            if state in (KVPoll.SUCCESS, KVPoll.FAILED):
+            terminal = state in (KVPoll.SUCCESS, KVPoll.FAILED)
+            stats = h.stats if terminal and h.kind == "sender" else None
+            out[key] = HandleState(state, h.error, h.error_code, row, stats)
+            if terminal:
                 del self.handles[key]  # terminal is final: reported once, then forgotten
         return out
 
@@ -173,6 +176,11 @@ class RemoteHandle:
     @property
     def error_code(self) -> Optional[TransferErrorCode]:
         return self._seen.error_code
+
+    @property
+    def stats(self) -> dict:
+        """A sender's transfers, descriptors and bytes, as the rank reported them when terminal."""
+        return dict(self._seen.stats or {})
 
     def metadata(self) -> MetadataRow:
         if self._seen.row is None:
