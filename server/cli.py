@@ -76,6 +76,8 @@ def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
     g.add_argument("--max-total-tokens", type=int)
     g.add_argument("--cuda-graph-max-bs", dest="cuda_graph_max_bs", type=int,
                    help="largest decode batch captured in a CUDA graph (default 64)")
+    g.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", dest="disable_radix_cache",
+                   action="store_true", default=None, help="prefill: no prefix cache")
     g.add_argument("--disable-cuda-graph", dest="disable_cuda_graph", action="store_true", default=None,
                    help="run every decode step eagerly")
     g.add_argument("--disable-overlap-schedule", dest="disable_overlap_schedule", action="store_true", default=None,
@@ -122,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("tp", "pp", "page_size", "max_running_requests", "chunked_prefill_size", "num_pages",
                  "max_total_tokens", "mem_fraction_static", "device", "dtype", "kv_cache_dtype", "cuda_graph_max_bs",
-                 "disable_cuda_graph", "disable_overlap_schedule")
+                 "disable_cuda_graph", "disable_overlap_schedule", "disable_radix_cache")
 
 
 def overrides_from_args(args: argparse.Namespace, role: str | None = None, index: int | None = None) -> dict[str, Any]:

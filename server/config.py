@@ -178,6 +178,10 @@ class EngineConfig:
     # tokens back (engine/overlap.py); disable_overlap_schedule runs every step synchronously
     # (SGLang's --disable-overlap-schedule).
     disable_overlap_schedule: bool = False
+    # Prefill instances keep the full KV pages of earlier prompts and reuse them for a prompt that
+    # starts with the same tokens (engine/prefix_cache.py); disable_radix_cache turns that off
+    # (SGLang's --disable-radix-cache; vLLM's --no-enable-prefix-caching).
+    disable_radix_cache: bool = False
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """Prefill scheduler: intake over ZMQ, chunked-prefill batching, first-token sampling, and KV
 transfer of each chunk's completed pages as soon as its forward pass is done.
 
-Per request: admit (allocate prompt pages, open the room's KV senders on every rank) -> prefill
-in chunks under a per-step token budget -> sample the first token of each of the request's n
+Per request: admit (the longest cached prefix's pages from the prefix cache, locked, and new
+pages for the rest; open the room's KV senders on every rank) -> prefill the rest in chunks under
+a per-step token budget -> sample the first token of each of the request's n
 choices -> `finish` with the metadata row (the commit record: the n first tokens and, when asked
 for, their logprobs) -> when the senders of every rank are terminal, free the pages (only in
-`_reap`). A failed transfer is reported to the router as an error event for the room. A request
+`_reap`, which also unlocks its cached prefix; the prompt's full pages, offered to the prefix
+cache when its forward is done, stay there if the cache took them). A failed transfer is reported to the router as an error event for the room. A request
 asking for prompt logprobs gets every position's logits, reduced chunk by chunk (logprobs.py),
 and sends them to the router before the commit.
 """
@@ -19,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm53.models import SeqChunk
+from glm53.models import OutOfPages, SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.constraints import Constraints
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
 from glm53.server.engine.logprobs import PromptLogprobs, pack_first, rows_logprobs
+from glm53.server.engine.prefix_cache import CacheLock, PrefixCache
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent
 from glm53.server.sampling import TokenHistory, sample, step_generator
 from glm53.transport import TERMINAL, BootstrapServer, KVPoll, MetadataRow, Room, RoomTransfer, TransferError
@@ -38,6 +41,9 @@ class PrefillRequest(TrackedRequest):
     done_tokens: int = 0  # prompt tokens already in the cache
     sent_pages: int = 0  # pages already handed to the sender
     prompt_lp: PromptLogprobs | None = field(default=None)  # asked for prompt logprobs
+    cached: int = 0  # leading pages of `pages` that are the prefix cache's (locked in `lock`)
+    lock: CacheLock | None = None
+    taken: set[int] = field(default_factory=set)  # own pages the prefix cache took
 
 
 class PrefillScheduler(Scheduler):
@@ -53,6 +59,7 @@ class PrefillScheduler(Scheduler):
         self.waiting: deque[PrefillRequest] = deque()
         self.running: list[PrefillRequest] = []  # prefilling, in arrival order
         self.sending: list[PrefillRequest] = []  # prefill done, transfer in flight
+        self.cache = None if inst.engine.disable_radix_cache else PrefixCache(self.workers.page_size)
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
@@ -91,10 +98,48 @@ class PrefillScheduler(Scheduler):
             try:
                 r.sender = self.workers.create_senders(Room(r.req.room, r.req.generation), r.req.decode.name)
             except TransferError as e:  # e.g. a duplicate room: this request only, never the loop
-                self.allocator.free(r.pages)
+                self._free(r)
                 self.send_error(r.req, f"cannot send KV: {e}", "overloaded")
                 continue
             self.running.append(r)
+
+    def allocate(self, r: PrefillRequest, tokens: int) -> list[int]:
+        """The cached prefix's pages (locked), then new pages for the rest of the prompt. At
+        least the last prompt token is computed: its logits give the first token. A request
+        asking for prompt logprobs needs every position's logits, so it matches nothing."""
+        need = self.workers.pages_needed(tokens)
+        if self.cache is None:
+            return self._alloc(need)
+        ids, ps = r.req.spec.input_ids, self.workers.page_size
+        cached, lock = self.cache.match(ids, 0 if r.prompt_lp is not None else (len(ids) - 1) // ps)
+        try:
+            own = self._alloc(need - len(cached))
+        except OutOfPages:
+            self.cache.release(lock)
+            raise
+        r.cached, r.lock, r.done_tokens = len(cached), lock, len(cached) * ps
+        if cached:  # the router reports it (usage.prompt_tokens_details.cached_tokens, meta_info)
+            self.channel.send(r.req.reply_to, TokenEvent(room=r.req.room, generation=r.req.generation,
+                                                         instance=self.inst.name, prompt_tokens=r.prompt_len,
+                                                         cached_tokens=r.done_tokens))
+        return cached + own
+
+    def _alloc(self, n: int) -> list[int]:
+        """n new pages, evicting unlocked cached pages when the free ones do not suffice."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.cache is not None and short <= self.cache.evictable:
+            self.allocator.free(self.cache.evict(short))
+        return self.allocator.alloc(n)
+
+    def _free(self, r: PrefillRequest) -> None:
+        """The one place a request's pages go back: its own, less what the cache took; its lock."""
+        if r.lock is not None:
+            self.cache.release(r.lock)
+            r.lock = None
+        self.allocator.free([p for p in r.pages[r.cached:] if p not in r.taken])
+
+    def free_pages(self) -> int:
+        return self.allocator.num_free + (self.cache.evictable if self.cache is not None else 0)
 
     def _plan(self) -> tuple[list[list[SeqChunk]], list[list[PrefillRequest]]]:
         """This step's micro-batches, each under the chunked-prefill token budget: one per
@@ -142,6 +187,9 @@ class PrefillScheduler(Scheduler):
                     r.sent_pages = full
                 if last:
                     finished.append((r, lg[-1]))
+                    if r.lock is not None:  # its full pages now hold the prompt's KV: offer them
+                        full_pages = r.prompt_len // self.workers.page_size
+                        r.taken = self.cache.insert(r.req.spec.input_ids, r.pages[:full_pages], r.lock)
         if finished:
             self._first_tokens(finished)
         return True
@@ -194,7 +242,7 @@ class PrefillScheduler(Scheduler):
                 continue
             did = True
             (self.sending if r in self.sending else self.running).remove(r)
-            self.allocator.free(r.pages)
+            self._free(r)
             if state == KVPoll.FAILED:
                 log.warning("room %d: transfer failed: %s", r.req.room, r.sender.error)
                 self.send_error(r.req, f"KV transfer failed: {r.sender.error}", protocol_error_code(r.sender.error_code))
@@ -217,6 +265,8 @@ class PrefillScheduler(Scheduler):
         self.waiting.clear()
         self.running.clear()
         self.sending.clear()
+        if self.cache is not None:  # the allocator starts over: no page is the cache's any more
+            self.cache = PrefixCache(self.workers.page_size)
 
     def close(self) -> None:
         super().close()

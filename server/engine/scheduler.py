@@ -154,7 +154,7 @@ class Scheduler(abc.ABC):
         while queue:
             r = queue[0]
             try:
-                r.pages = self.allocator.alloc(self.workers.pages_needed(tokens(r)))
+                r.pages = self.allocate(r, tokens(r))
             except OutOfPages:
                 if time.monotonic() - r.arrived <= self.admit_timeout:
                     return None
@@ -163,6 +163,14 @@ class Scheduler(abc.ABC):
                 continue
             return queue.popleft()
         return None
+
+    def allocate(self, r: TrackedRequest, tokens: int) -> list[int]:
+        """The pages of an admitted request holding `tokens` tokens; raises OutOfPages."""
+        return self.allocator.alloc(self.workers.pages_needed(tokens))
+
+    def free_pages(self) -> int:
+        """Pages a new request could get now."""
+        return self.allocator.num_free
 
     def send_error(self, req: GenerateRequest, message: str, code: str) -> None:
         self.channel.send(req.reply_to, TokenEvent(
@@ -173,7 +181,7 @@ class Scheduler(abc.ABC):
         running, waiting, transferring = self.queue_sizes()
         a = self.allocator
         return LoadStats(num_running=running, num_waiting=waiting, num_transferring=transferring,
-                         kv_pages_used=a.num_pages - a.num_free, kv_pages_total=a.num_pages,
+                         kv_pages_used=a.num_pages - self.free_pages(), kv_pages_total=a.num_pages,
                          page_size=self.workers.page_size, gen_throughput=self._throughput)
 
     def count_tokens(self, n: int) -> None:

@@ -296,16 +296,16 @@ class InstancePool:
         if room is None or room.generation != msg.generation:
             return  # finished, aborted or superseded: late events are expected
         if msg.instance == room.prefill.name and msg.instance != room.decode.name:
-            # Prefill reports only failures and prompt logprobs; after the first token the
-            # decode side owns the room.
+            # Prefill reports only failures, prompt logprobs and the prompt tokens its prefix
+            # cache held; after the first token the decode side owns the room.
             if msg.finish_reason == "error" and not room.got_first_token:
                 if self.metrics and msg.error_code in ("bootstrap_timeout", "transfer_timeout", "transfer_failed"):
                     self.metrics.transfer_failed.labels(self.metrics.model_name).inc()
                 room.queue.put_nowait(RoomFailed(
                     f"prefill instance {msg.instance} failed the request: {msg.error or 'unknown error'}",
                     msg.error_code or "internal", side="prefill"))
-            elif msg.prompt_logprobs is not None and msg.finish_reason is None:
-                room.queue.put_nowait(msg)  # the prompt logprobs the request asked for
+            elif (msg.prompt_logprobs is not None or msg.cached_tokens) and msg.finish_reason is None:
+                room.queue.put_nowait(msg)  # the prompt logprobs the request asked for, cached tokens
             return
         if msg.instance != room.decode.name:
             return

@@ -96,8 +96,16 @@ def test_greedy_matches_offline_generate(cluster, model_cache):
     """Token for token: the PD pipeline (chunked prefill of 64-token chunks, KV over UCX, decode)
     against the model core's one-process `glm53-serve generate`."""
     new = 24
-    assert served_greedy(cluster, GREEDY_PROMPTS, new) == offline_greedy(model_cache / EMBEDDED_DIRNAME,
-                                                                         GREEDY_PROMPTS, new)
+    want = offline_greedy(model_cache / EMBEDDED_DIRNAME, GREEDY_PROMPTS, new)
+    assert served_greedy(cluster, GREEDY_PROMPTS, new) == want
+    # Again, over prefill's prefix cache: each prompt's full pages are cached now (all but the
+    # last token are; 16-token pages), so only the tail is computed, and the output is the same.
+    for p, out in zip(GREEDY_PROMPTS, want):
+        r = httpx.post(f"{cluster.url}/generate", timeout=120, json={
+            "input_ids": p, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == out
+        assert r.json()["meta_info"]["cached_tokens"] == (len(p) - 1) // 16 * 16
 
 
 def test_32_concurrent_streaming_clients(cluster):
