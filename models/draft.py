@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm53.kernels.draft_attention import draft_attention
 from glm53.kernels.norm import rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.models.config import GlmConfig
@@ -54,6 +55,18 @@ class DraftBlock:
     page_table: list[int]
     ctx_start: int = 0
     block_size: int | None = None
+
+
+@dataclass
+class PagedContext:
+    """The draft K/V a batch of blocks attends to, read in place from the `draft_kv` pool (no
+    gathered copy): request r's context is the pages table[r, 0..W − 1] and `mask` says which of
+    their W·page_size slots, then of the B block positions, its queries see (the key mask of
+    kernels/draft_attention.py)."""
+
+    pool: torch.Tensor  # the `draft_kv` pool tensor [pages, 2·kv, L, page_size, hd]
+    table: torch.Tensor  # [R, W] page ids (entries of pages nothing visible lies in are never read)
+    mask: torch.Tensor  # [R, W·page_size + B] bool
 
 
 def project_features(
@@ -119,25 +132,23 @@ class DraftAttention(nn.Module):
         k = rms_norm(self.k_proj(x).view(n, self.n_kv, hd), self.k_norm.weight, eps)
         return apply_rope(k, cos, sin, interleave=False), self.v_proj(x).view(n, self.n_kv, hd)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        """x: block rows [R·B, H]; ctx_k/ctx_v [R, T, kv_local, head_dim]; mask [R, T + B], the
-        context and block positions each row's queries see, or None when they see all of them."""
-        r = ctx_k.shape[0]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedContext,
+                layer: int) -> torch.Tensor:
+        """x: block rows [R·B, H]; `ctx` the requests' paged context, of which this is draft layer
+        `layer` (its index in the pool)."""
+        r = ctx.table.shape[0]
         n, hd = x.shape[0], self.cfg.head_dim
         b = n // r
         q = rms_norm(self.q_proj(x).view(n, self.n_heads, hd), self.q_norm.weight, self.cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin, interleave=False)
         k, v = self.kv(x, cos, sin)
-        k = torch.cat([ctx_k, k.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)  # [R, kv, T+B, hd]
-        v = torch.cat([ctx_v, v.view(r, b, self.n_kv, hd)], dim=1).transpose(1, 2)
         # Query head h reads KV head h // group. The mask is the same for every query of a request
         # (the block attends non-causally), so a KV head's `group` query heads are simply more
-        # query rows of it: [R, kv, group·B, hd], and the K/V are never expanded to the query heads
-        # (at batch 64 on GLM-5 widths that expansion was most of the DFlash step).
+        # query rows of it: [R, kv, group·B, hd], and the K/V are never expanded to the query heads.
         group = self.n_heads // self.n_kv
         q = q.view(r, b, self.n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(r, self.n_kv, group * b, hd)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None, None, :],
-                                           scale=hd**-0.5)
+        o = draft_attention(q, ctx.pool, layer, ctx.table, k.view(r, b, self.n_kv, hd),
+                            v.view(r, b, self.n_kv, hd), ctx.mask)
         o = o.view(r, self.n_kv, group, b, hd).permute(0, 3, 1, 2, 4)  # [R, B, kv, group, hd]
         return self.o_proj(o.reshape(n, self.n_heads * hd))
 
@@ -151,8 +162,8 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg, dtype, tp)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, cos, sin, ctx: PagedContext, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, ctx, layer)
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
 
 
@@ -265,54 +276,34 @@ class DFlashDraft(nn.Module):
         ids[:, 0] = torch.tensor([blk.last_token for blk in blocks])
         starts = torch.tensor([blk.start_pos for blk in blocks])
         positions = (starts[:, None] + torch.arange(b)).reshape(-1).to(dev)
-        _, mask = self._context_slots(blocks, pools.page_size)
-        ctx = self._gather_context(blocks, pools)  # [R, T, 2·kv, L, hd]
-        # The same context for every request (one request, or all at one position): no mask needed.
-        full = len({(blk.ctx_start, blk.start_pos) for blk in blocks}) == 1
+        table, mask = self._context_pages(blocks, pools.page_size)
         # Every block query sees the request's valid context and all B block positions.
-        mask = None if full else torch.cat([mask, mask.new_ones(r, b)], dim=1).to(dev)
-        logits = self.block_logits(target, ids.to(dev), positions, ctx, mask)
+        mask = torch.cat([mask, mask.new_ones(r, b)], dim=1).to(dev)
+        ctx = self.paged_context(table.to(dev), mask, pools)
+        logits = self.block_logits(target, ids.to(dev), positions, ctx)
         tokens = logits.argmax(dim=-1)
         return (tokens, logits) if return_logits else tokens
 
-    def block_logits(self, target: nn.Module, ids: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor,
-                     mask: torch.Tensor | None) -> torch.Tensor:
+    def block_logits(self, target: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
+                     ctx: PagedContext) -> torch.Tensor:
         """The drafting forward on device tensors only (no host reads: CUDA graphs capture it,
-        models/spec_graph.py): blocks `ids` [R, B] at `positions` [R·B] over the context K/V `ctx`
-        [R, T, 2·kv, L, hd] with the key mask `mask` [R, T + B] (None: every query sees all);
-        fp32 logits [R, B − 1, vocab] of block positions 1 .. B − 1."""
+        models/spec_graph.py): blocks `ids` [R, B] at `positions` [R·B] over the paged context
+        `ctx` (its mask [R, W·page_size + B]); fp32 logits [R, B − 1, vocab] of block positions
+        1 .. B − 1."""
         r, b = ids.shape
         x = target.embed(ids.reshape(-1)).to(self.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx[..., 0::2, i, :], ctx[..., 1::2, i, :], mask)
+            x = layer(x, cos, sin, ctx, i)
         h = rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
         return target.lm_head(h.reshape(r * (b - 1), -1)).float().view(r, b - 1, -1)
 
-    def gather_pages(self, table: torch.Tensor, pools: KVPools) -> torch.Tensor:
-        """Every layer's draft K/V of the pages `table` [R, P] (long, valid page ids) as
-        [R, P·page_size, 2·kv, L, hd]: one contiguous copy per page."""
+    def paged_context(self, table: torch.Tensor, mask: torch.Tensor, pools: KVPools) -> PagedContext:
+        """The context of pages `table` [R, W] under `mask` [R, W·page_size + B], read in place
+        from this rank's `draft_kv` pool (whose layer i must be draft layer i)."""
         pool = pools[DRAFT_KV]
         self._all_layers(pool)  # checks the layer order
-        pages = pool.tensor[table]  # [R, P, 2·kv, L, ps, hd]
-        r, p, h2, nl, ps, hd = pages.shape
-        return pages.permute(0, 1, 4, 2, 3, 5).reshape(r, p * ps, h2, nl, hd)
-
-    def _gather_context(self, blocks: list[DraftBlock], pools: KVPools) -> torch.Tensor:
-        """Every layer's draft K/V [R, T, 2·kv, L, hd] of positions lo .. lo + T − 1 (as
-        `_context_slots`), read as whole pages; positions a request does not see hold arbitrary
-        values."""
-        ps = pools.page_size
-        lo = min(blk.ctx_start for blk in blocks)
-        t = max(blk.start_pos for blk in blocks) - lo
-        first, last = lo // ps, -(-(lo + t) // ps)
-        width = max(1, last - first)
-        table = torch.zeros(len(blocks), width, dtype=torch.long)
-        for i, blk in enumerate(blocks):
-            row = blk.page_table[first:last]
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        off = lo - first * ps
-        return self.gather_pages(table.to(pools[DRAFT_KV].tensor.device), pools)[:, off : off + t]
+        return PagedContext(pool.tensor, table, mask)
 
     def _block_size(self, blocks: list[DraftBlock]) -> int:
         sizes = {blk.block_size or self.cfg.block_size for blk in blocks}
@@ -324,9 +315,10 @@ class DFlashDraft(nn.Module):
         return b
 
     @staticmethod
-    def _context_slots(blocks: list[DraftBlock], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [R, T] of positions lo .. lo + T − 1 (lo = the smallest ctx_start, T reaching the
-        largest start_pos) through each request's page table, and which of them each request sees."""
+    def _context_pages(blocks: list[DraftBlock], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [R, W], mask [R, W·page_size]): each request's pages first .. first + W − 1 (the
+        pages of positions lo .. hi − 1, lo the smallest ctx_start and hi the largest start_pos;
+        page 0 past a request's table) and which of their slots it sees: [ctx_start, start_pos)."""
         for blk in blocks:
             if not 0 <= blk.ctx_start <= blk.start_pos:
                 raise ValueError(f"ctx_start {blk.ctx_start} must lie in [0, start_pos={blk.start_pos}]")
@@ -335,19 +327,16 @@ class DFlashDraft(nn.Module):
                     f"page table of {len(blk.page_table)} pages cannot hold {blk.start_pos} context tokens "
                     f"(page_size={page_size})"
                 )
-        lo = min(blk.ctx_start for blk in blocks)
-        t = max(blk.start_pos for blk in blocks) - lo
-        pos = lo + torch.arange(t)
-        width = max(1, max(len(blk.page_table) for blk in blocks))
+        first = min(blk.ctx_start for blk in blocks) // page_size
+        width = max(1, -(-max(blk.start_pos for blk in blocks) // page_size) - first)
         table = torch.zeros(len(blocks), width, dtype=torch.long)
         for i, blk in enumerate(blocks):
-            table[i, : len(blk.page_table)] = torch.tensor(blk.page_table, dtype=torch.long)
+            row = blk.page_table[first : first + width]
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        pos = first * page_size + torch.arange(width * page_size)
         ctx_start = torch.tensor([blk.ctx_start for blk in blocks])[:, None]
         start = torch.tensor([blk.start_pos for blk in blocks])[:, None]
-        mask = (pos[None] >= ctx_start) & (pos[None] < start)
-        page = table.gather(1, (pos // page_size).clamp(max=width - 1)[None].expand(len(blocks), -1))
-        slots = torch.where(mask, page * page_size + pos % page_size, torch.zeros_like(page))
-        return slots, mask
+        return table, (pos[None] >= ctx_start) & (pos[None] < start)
 
 
 def draft_kv_bytes_per_token(cfg: DFlashConfig, dtype: torch.dtype, tp_size: int = 1) -> int:

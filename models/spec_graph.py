@@ -45,8 +45,8 @@ def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.T
     context KV (padding tokens on the padding page)."""
     draft, model = runner.draft, runner.model
     d = state.draft_inputs(bs, width)
-    ctx = draft.gather_pages(d.table, runner.pools)
-    drafts = draft.block_logits(model, d.ids, d.positions, ctx, d.mask).argmax(dim=-1)
+    ctx = draft.paged_context(d.table, d.mask, runner.pools)  # read in place by the draft attention
+    drafts = draft.block_logits(model, d.ids, d.positions, ctx).argmax(dim=-1)
     out = runner.forward_batch(state.verify_batch(bs, width, drafts))
     logits = model.logits(out.hidden)
     return torch.cat([drafts, logits.argmax(dim=-1).view(bs, state.k)], dim=1), logits

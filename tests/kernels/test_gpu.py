@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 
-from . import cases
+from . import cases, draft_cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -150,3 +150,19 @@ def test_rope_glm5(N):
 @pytest.mark.parametrize("E", [16, 256])
 def test_route_glm5(N, E):
     cases.check_route(N, 6144, E, 8, device=DEV)
+
+
+# ---- paged DFlash draft attention at the slice's draft widths (48 query / 8 KV heads of 128) ---
+@pytest.mark.parametrize("R", [1, 64])
+@pytest.mark.parametrize("B", [4, 16])
+def test_draft_attention_slice_widths(R, B):
+    # 4K contexts on 64-token pages (plus a partly hidden last page and a fully hidden one, as a
+    # graph's width bucket has), one row with no context, one that starts late; batch 1 splits
+    g = torch.Generator().manual_seed(R * 100 + B)
+    ends = torch.randint(3968, 4096, (R,), generator=g).tolist()
+    spans = [(0, e) for e in ends]
+    if R > 1:
+        spans[1], spans[2] = (300, 300), (1000, ends[2])
+    ns = torch.randint(1, B + 1, (R,), generator=g).tolist()
+    draft_cases.check_draft_attention(spans, ns, kv=8, group=6, block=B, hd=128, page_size=64, width=65,
+                                      dtype=torch.bfloat16, device=DEV)

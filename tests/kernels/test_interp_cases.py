@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from glm53.kernels.dispatch import use_triton  # noqa: E402
 
-from . import cases  # noqa: E402
+from . import cases, draft_cases  # noqa: E402
 
 
 def setup_module():
@@ -335,3 +335,22 @@ def test_route_against_reference(N, E, k, norm):
 ], ids=lambda s: f"R{s['R']}")
 def test_sparse_mla_fp8(shape):
     cases.check_sparse_mla_fp8(3, **shape)
+
+
+# ---- paged DFlash draft attention (pages read in place; hidden slots NaN) -------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_draft_attention_against_reference(dtype, num_splits):
+    # GQA (3 query heads a KV head), out-of-order pages, fully hidden pages, an empty context, a
+    # one-slot context, block keys hidden past n; one split or three (partials + combine)
+    spans = [(0, 80), (20, 70), (40, 41), (50, 50), (33, 64)]
+    draft_cases.check_draft_attention(spans, [4, 2, 1, 3, 4], kv=2, group=3, block=4, hd=32, page_size=16,
+                                      width=5, dtype=dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("skip_hidden", [True, False])
+def test_draft_attention_odd_widths(skip_hidden):
+    # head dim, page size and block not powers of two; the default split plan (several splits);
+    # hidden pages skipped or run with their loads masked off
+    draft_cases.check_draft_attention([(0, 55), (12, 12), (30, 50)], [3, 2, 3], kv=1, group=2, block=3, hd=40,
+                                      page_size=12, width=5, dtype=torch.bfloat16, skip_hidden=skip_hidden)
