@@ -163,6 +163,9 @@ class RequestSpec:
     logprobs: int = -1
     # -1: no prompt logprobs; p >= 0: the logprobs of prompt positions p.. (prefill computes them).
     prompt_logprobs_start: int = -1
+    # Prefix-cache isolation (vLLM's cache_salt, SGLang's cache_salt / extra_key): a request reuses
+    # only KV cached by requests with the same salt.
+    cache_salt: str = ""
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -176,7 +179,8 @@ class RequestSpec:
             return cls(rid=d["rid"], input_ids=list(d["input_ids"]), params=SamplingParams.from_dict(d["params"]),
                        eos_token_ids=list(d["eos_token_ids"]), n=int(d.get("n", 1)),
                        logprobs=int(d.get("logprobs", -1)),
-                       prompt_logprobs_start=int(d.get("prompt_logprobs_start", -1)))
+                       prompt_logprobs_start=int(d.get("prompt_logprobs_start", -1)),
+                       cache_salt=str(d.get("cache_salt", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"generate: bad request spec: {e}") from None
 

@@ -111,7 +111,8 @@ class PrefillScheduler(Scheduler):
         if self.cache is None:
             return self._alloc(need)
         ids, ps = r.req.spec.input_ids, self.workers.page_size
-        cached, lock = self.cache.match(ids, 0 if r.prompt_lp is not None else (len(ids) - 1) // ps)
+        cached, lock = self.cache.match(ids, 0 if r.prompt_lp is not None else (len(ids) - 1) // ps,
+                                        r.req.spec.cache_salt)
         try:
             own = self._alloc(need - len(cached))
         except OutOfPages:
@@ -189,7 +190,8 @@ class PrefillScheduler(Scheduler):
                     finished.append((r, lg[-1]))
                     if r.lock is not None:  # its full pages now hold the prompt's KV: offer them
                         full_pages = r.prompt_len // self.workers.page_size
-                        r.taken = self.cache.insert(r.req.spec.input_ids, r.pages[:full_pages], r.lock)
+                        r.taken = self.cache.insert(r.req.spec.input_ids, r.pages[:full_pages], r.lock,
+                                                    r.req.spec.cache_salt)
         if finished:
             self._first_tokens(finished)
         return True

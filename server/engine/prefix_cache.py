@@ -39,7 +39,7 @@ class CacheLock:
 class PrefixCache:
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self._root = _Node((), -1, None)
+        self._roots: dict[str, _Node] = {}  # one tree per cache salt: requests share only within one
         self._nodes = 0
         self._unlocked = 0  # nodes with no lock: what eviction can free
         self._clock = itertools.count(1)
@@ -58,10 +58,18 @@ class PrefixCache:
         ps = self.page_size
         return (tuple(tokens[i * ps : (i + 1) * ps]) for i in range(n_pages))
 
-    def match(self, tokens: list[int], max_pages: int) -> tuple[list[int], CacheLock]:
-        """The pages of the longest cached prefix of `tokens` (at most `max_pages` full pages),
-        locked for the caller."""
-        node, pages, lock = self._root, [], CacheLock()
+    def _root(self, salt: str) -> _Node:
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = _Node((), -1, None)
+        return root
+
+    def match(self, tokens: list[int], max_pages: int, salt: str = "") -> tuple[list[int], CacheLock]:
+        """The pages of the longest prefix of `tokens` cached under `salt` (at most `max_pages`
+        full pages), locked for the caller."""
+        node, pages, lock = self._roots.get(salt), [], CacheLock()
+        if node is None:
+            return pages, lock
         t = next(self._clock)
         for key in self._keys(tokens, min(max_pages, len(tokens) // self.page_size)):
             node = node.children.get(key)
@@ -72,12 +80,12 @@ class PrefixCache:
             self._lock(node, lock)
         return pages, lock
 
-    def insert(self, tokens: list[int], pages: list[int], lock: CacheLock) -> set[int]:
+    def insert(self, tokens: list[int], pages: list[int], lock: CacheLock, salt: str = "") -> set[int]:
         """Offer the request's full pages `pages` (page i holds tokens[i·ps : (i + 1)·ps]); the
         path is locked in `lock` (the request still reads it). Returns the pages the cache took:
         a page whose prefix is already cached (another request inserted it meanwhile, or it was
         matched) stays the caller's."""
-        node, taken = self._root, set()
+        node, taken = self._root(salt), set()
         t = next(self._clock)
         held = {id(n) for n in lock.nodes}
         for key, page in zip(self._keys(tokens, len(pages)), pages):
@@ -122,7 +130,7 @@ class PrefixCache:
     def clear(self) -> list[int]:
         """Every page of the tree, which empties (nothing may be locked: the instance is idle)."""
         pages = [x.page for x in self._walk()]
-        self._root.children.clear()
+        self._roots.clear()
         self._nodes = self._unlocked = 0
         return pages
 
@@ -133,7 +141,7 @@ class PrefixCache:
         lock.nodes.append(node)
 
     def _walk(self):
-        stack = list(self._root.children.values())
+        stack = [x for root in self._roots.values() for x in root.children.values()]
         while stack:
             x = stack.pop()
             yield x

@@ -230,6 +230,7 @@ class Generation:
                     if first_t is not None and longest > 1:
                         m.tpot.labels(name).observe((now - first_t) / (longest - 1))
                     m.prompt_tokens.labels(name).inc(len(spec.input_ids))
+                    m.cached_tokens.labels(name).inc(cached)
                     m.generation_tokens.labels(name).inc(n_total)
                     return
         finally:

@@ -102,7 +102,7 @@ def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_toke
                  grammar: str | None = None, grammar_after: int | None = None,
                  penalties: Penalties | None = None, n: int = 1, logprobs: int = -1,
                  prompt_logprobs_start: int = -1, prompt_param: str = "messages",
-                 names: dict[str, str] | None = None) -> RequestSpec:
+                 names: dict[str, str] | None = None, cache_salt: str = "") -> RequestSpec:
     """The one request object both instances receive: validated params, context-capped
     max_new_tokens, the model's eos ids. `prompt_param` is the field the prompt came in (the
     context-length error names it); `names` maps SamplingParams names to the client's (e.g.
@@ -162,7 +162,7 @@ def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_toke
         raise APIError(400, f"logprob_start_len ({prompt_logprobs_start}) must be less than the prompt's "
                        f"{prompt_len} tokens", "logprob_start_len")
     return RequestSpec(rid, input_ids, params, list(state.tokenizer.eos_token_ids), n=n, logprobs=logprobs,
-                       prompt_logprobs_start=prompt_logprobs_start)
+                       prompt_logprobs_start=prompt_logprobs_start, cache_salt=cache_salt)
 
 
 def too_long(ctx: int, n: str, param: str) -> APIError:

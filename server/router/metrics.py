@@ -34,6 +34,9 @@ class RouterMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens processed.", m, registry=r)
         self.generation_tokens = Counter("sglang:generation_tokens", "Generated tokens.", m, registry=r)
+        # Prompt tokens whose KV a prefill instance's prefix cache held (cached / prompt = hit rate).
+        self.cached_tokens = Counter("sglang:cached_tokens", "Prompt tokens reused from the prefix cache.", m,
+                                     registry=r)
         self.requests = Counter("sglang:num_requests", "Requests finished, by finish reason.",
                                 [*m, "finished_reason"], registry=r)
         self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted (client disconnect, stop string).",
@@ -67,7 +70,7 @@ class RouterMetrics:
 
         # Create the model-labelled series now, so /metrics lists them before the first request.
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens, self.generation_tokens,
-                       self.aborted, self.router_running, self.transfer_latency, self.transfer_bootstrap,
+                       self.cached_tokens, self.aborted, self.router_running, self.transfer_latency, self.transfer_bootstrap,
                        self.transfer_mb, self.transfer_bytes, self.transfer_failed):
             metric.labels(model_name)
 

@@ -34,9 +34,9 @@ from glm53.server.router.sse import (SSE_DONE, SSE_HEADERS, Collected, collect_a
 
 router = APIRouter(route_class=BodyRoute)
 
-# GenerateReqInput fields that change nothing here whatever their value (metadata, routing and
-# cache hints: there is no prefix cache to isolate, no data-parallel rank to pick).
-_METADATA = {"session_id", "log_metrics", "routing_key", "conversation_id", "extra_key", "cache_salt", "no_logs",
+# GenerateReqInput fields that change nothing here whatever their value (metadata and routing
+# hints: there is no data-parallel rank to pick).
+_METADATA = {"session_id", "log_metrics", "routing_key", "conversation_id", "no_logs",
              "custom_labels", "external_trace_header", "received_time", "routed_dp_rank", "data_parallel_rank"}
 # The rest of GenerateReqInput: accepted only at null / false / 0 / empty; else 400 naming it.
 _NOT_IMPLEMENTED = {
@@ -124,6 +124,10 @@ async def generate_native(body: GenerateRequestBody, request: Request, state: St
             raise APIError(400, f"top_logprobs_num must be >= 0, got {top}", "top_logprobs_num")
         grammar = await structured.grammar(state, structured.from_sampling_params(sp))
         n = sp.n or 1
+        # SGLang keys its prefix cache on both: either isolates (cache_salt alone as vLLM's does).
+        salt = str(_per_item(body.cache_salt, i, count, "cache_salt") or "")
+        extra = _per_item(body.extra_key, i, count, "extra_key")
+        salt = f"{salt}\x00{extra}" if extra else salt
         if i and n != specs[0].n:
             raise APIError(400, "sampling_params.n must be the same for every prompt", "sampling_params.n")
         specs.append(request_spec(
@@ -140,7 +144,8 @@ async def generate_native(body: GenerateRequestBody, request: Request, state: St
                    "logit_bias": "sampling_params.logit_bias", "seed": "sampling_params.sampling_seed",
                    **{k: f"sampling_params.{k}" for k in ("temperature", "top_p", "top_k", "min_p",
                                                            "presence_penalty", "frequency_penalty",
-                                                           "repetition_penalty")}}))
+                                                           "repetition_penalty")}},
+            cache_salt=salt))
     is_list = not single or specs[0].n > 1
     t0 = time.monotonic()
     gens = start_all(state, specs)

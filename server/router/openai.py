@@ -96,7 +96,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
                         ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
                         grammar=grammar, grammar_after=after, penalties=_penalties(body), n=body.n,
                         logprobs=(body.top_logprobs or 0) if body.logprobs else -1, prompt_param="messages",
-                        names=names)
+                        names=names, cache_salt=body.cache_salt or "")
     _check_capacity(state, body.n, 1)
     gen = Generation(state, spec)
     created = int(time.time())
@@ -243,7 +243,7 @@ async def completions(body: CompletionRequest, request: Request, state: State):
             # best_of ranks the choices by their tokens' summed logprobs: it needs them.
             logprobs=max(lp_num, 0) if best_of > body.n else lp_num,
             prompt_logprobs_start=0 if body.echo and lp_num >= 0 else -1, prompt_param="prompt",
-            names={**_NAMES, "logprobs": "logprobs"}))
+            names={**_NAMES, "logprobs": "logprobs"}, cache_salt=body.cache_salt or ""))
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if body.stream:
         gen = Generation(state, specs[0])

@@ -119,6 +119,7 @@ class _Sampling(_Body):
     min_tokens: int | None = None
     logprobs: Union[bool, int, None] = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM: reuse only prefix-cache entries made with the same salt
 
 
 class ChatCompletionRequest(_Sampling):
@@ -194,6 +195,9 @@ class GenerateRequestBody(_Body):
     logprob_start_len: IntOrList = None
     top_logprobs_num: IntOrList = None
     return_text_in_logprobs: bool = False
+    # Prefix-cache isolation: requests reuse only KV cached under the same (cache_salt, extra_key).
+    cache_salt: Union[str, list[str], None] = None
+    extra_key: Union[str, list[str], None] = None
 
 
 class TokenizeRequest(_Body):

@@ -106,6 +106,22 @@ def test_greedy_matches_offline_generate(cluster, model_cache):
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == out
         assert r.json()["meta_info"]["cached_tokens"] == (len(p) - 1) // 16 * 16
+    # A cache salt (vLLM's cache_salt; SGLang's cache_salt / extra_key) sees only its own entries.
+    p = GREEDY_PROMPTS[-1]
+    for salted in ({"cache_salt": "tenant-a"}, {"extra_key": "tenant-b"}):
+        got = []
+        for _ in range(2):
+            r = httpx.post(f"{cluster.url}/generate", timeout=120, json={
+                "input_ids": p, **salted, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+            assert r.status_code == 200, r.text
+            got.append(r.json()["meta_info"]["cached_tokens"])
+        assert got == [0, (len(p) - 1) // 16 * 16], salted
+    r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": p, "max_tokens": 2, "temperature": 0, "cache_salt": "tenant-a"})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(p) - 1) // 16 * 16
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    cached = sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines() if ln.startswith("sglang:cached_tokens_total"))
+    assert cached >= sum((len(p) - 1) // 16 * 16 for p in GREEDY_PROMPTS)
 
 
 def test_32_concurrent_streaming_clients(cluster):

@@ -62,6 +62,22 @@ def test_insert_keeps_what_is_cached_and_locks_until_release():
     assert sorted(c.evict(10)) == [1, 2, 40] and c.pages == 0
 
 
+def test_salts_keep_separate_trees():
+    c = PrefixCache(PS)
+    t = list(range(12))
+    _, lock = c.match(t, 3, salt="a")
+    assert c.insert(t, [1, 2, 3], lock, salt="a") == {1, 2, 3}
+    c.release(lock)
+    assert c.match(t, 3)[0] == [] and c.match(t, 3, salt="b")[0] == []  # (empty locks: nothing to release)
+    pages, lock = c.match(t, 3, salt="a")
+    assert pages == [1, 2, 3]
+    c.release(lock)
+    _, lock = c.match(t, 3, salt="b")
+    assert c.insert(t, [4, 5, 6], lock, salt="b") == {4, 5, 6}  # the same tokens, its own pages
+    c.release(lock)
+    assert c.pages == c.evictable == 6 and sorted(c.evict(6)) == [1, 2, 3, 4, 5, 6]
+
+
 def test_eviction_is_leaves_first_least_recently_used_first():
     c = PrefixCache(PS)
     for i, pages in enumerate(([1, 2], [3, 4], [5, 6])):
