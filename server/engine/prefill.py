@@ -102,6 +102,10 @@ class PrefillScheduler(Scheduler):
                 self.send_error(r.req, f"cannot send KV: {e}", "overloaded")
                 continue
             self.running.append(r)
+            if r.cached:  # the router reports it (usage.prompt_tokens_details.cached_tokens, meta_info)
+                self.channel.send(r.req.reply_to, TokenEvent(room=r.req.room, generation=r.req.generation,
+                                                             instance=self.inst.name, prompt_tokens=r.prompt_len,
+                                                             cached_tokens=r.done_tokens))
 
     def allocate(self, r: PrefillRequest, tokens: int) -> list[int]:
         """The cached prefix's pages (locked), then new pages for the rest of the prompt. At
@@ -119,10 +123,6 @@ class PrefillScheduler(Scheduler):
             self.cache.release(lock)
             raise
         r.cached, r.lock, r.done_tokens = len(cached), lock, len(cached) * ps
-        if cached:  # the router reports it (usage.prompt_tokens_details.cached_tokens, meta_info)
-            self.channel.send(r.req.reply_to, TokenEvent(room=r.req.room, generation=r.req.generation,
-                                                         instance=self.inst.name, prompt_tokens=r.prompt_len,
-                                                         cached_tokens=r.done_tokens))
         return cached + own
 
     def _alloc(self, n: int) -> list[int]:
