@@ -129,18 +129,22 @@ def model_steps(model_dir: Path, sizes: list[int], ctx: int, iters: int) -> list
 
 
 # -- serving -----------------------------------------------------------------------------------
-def cluster_config(model: str, dtype: str, graphs: bool, ports: list[int], context: int) -> dict:
+def cluster_config(model: str, dtype: str, graphs: bool, ports: list[int], context: int, device: str = "cuda") -> dict:
+    """One prefill and one decode instance; on "cuda" both on GPU 0 (one-GPU PD, memory shares
+    set), on "cpu" (to check a GPU script here) 16-token pages."""
     http, result, p_port, p_boot, d_port = ports
-    eng = {"device": "cuda", "dtype": dtype, "page_size": 64, "devices": [0]}
+    cpu = device == "cpu"
+    eng = {"device": device, "dtype": dtype, "page_size": 16 if cpu else 64, **({} if cpu else {"devices": [0]})}
+    p_share, d_share = ({}, {}) if cpu else ({"mem_fraction_static": 0.4}, {"mem_fraction_static": 0.45})
     return {
         "name": "gpu-e2e",
         "model": {"path": model, "served_model_name": ["m"], "context_length": context},
         "router": {"host": "127.0.0.1", "port": http, "result_port": result, "startup_timeout_s": 900},
         "transfer": {"backend": "nixl", "bootstrap_timeout_s": 60, "transfer_timeout_s": 120},
-        "defaults": {"device": "cuda", "dtype": dtype, "page_size": 64},
+        "defaults": {"device": device, "dtype": dtype, "page_size": eng["page_size"]},
         "prefill": [{**eng, "name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot,
-                     "mem_fraction_static": 0.4, "max_running_requests": 16, "chunked_prefill_size": 16384}],
-        "decode": [{**eng, "name": "d0", "host": "127.0.0.1", "port": d_port, "mem_fraction_static": 0.45,
+                     **p_share, "max_running_requests": 16, "chunked_prefill_size": 16384}],
+        "decode": [{**eng, "name": "d0", "host": "127.0.0.1", "port": d_port, **d_share,
                     "max_running_requests": 64, "disable_cuda_graph": not graphs, "cuda_graph_max_bs": 64}],
     }
 

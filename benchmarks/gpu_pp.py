@@ -118,17 +118,13 @@ def serve_phase(args, model: Path, draft: Path, out: Path) -> dict:
     cuda = args.device == "cuda"
     outputs, report = {}, {}
     for pp in (1, args.pp):
-        cfg = cluster_config(str(model), "bfloat16" if cuda else "float32", True, [0] * 5, max(lengths) + args.new + 64)
+        cfg = cluster_config(str(model), "bfloat16" if cuda else "float32", True, [0] * 5, max(lengths) + args.new + 64,
+                             args.device)
         cfg["speculative"] = {"algorithm": "DFLASH", "draft_model_path": str(draft)}
         cfg["prefill"][0].update(pp=pp, chunked_prefill_size=args.chunk)
         if cuda:
             cfg["prefill"][0]["devices"] = list(range(pp))
             cfg["decode"][0]["devices"] = [torch.cuda.device_count() - 1]
-        else:
-            for e in (cfg["prefill"][0], cfg["decode"][0], cfg["defaults"]):
-                e.update(device="cpu", page_size=args.page_size)
-                e.pop("devices", None)
-                e.pop("mem_fraction_static", None)
         tag = f"serve-pp{pp}"
         with Server(cfg, out, tag) as s, httpx.Client(timeout=TIMEOUT_S) as http:
             outs, t0 = [], time.monotonic()

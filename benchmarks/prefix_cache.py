@@ -63,15 +63,10 @@ def main() -> None:
     report = {"prefix": a.prefix, "tail": a.tail, "requests": a.requests, "device": a.device, "model": str(model)}
     workdir = Path(a.out).parent if a.out else Path("/tmp")
     for cache in (False, True):
-        cfg = cluster_config(str(model), "bfloat16" if cuda else "float32", True, [0] * 5, a.prefix + a.tail + 64)
+        cfg = cluster_config(str(model), "bfloat16" if cuda else "float32", True, [0] * 5, a.prefix + a.tail + 64,
+                             a.device)
         for e in (cfg["prefill"][0], cfg["decode"][0]):
             e.update(chunked_prefill_size=a.chunk, disable_radix_cache=not cache)
-            if not cuda:
-                e.update(device="cpu", page_size=16)
-                e.pop("devices")
-                e.pop("mem_fraction_static")
-        if not cuda:
-            cfg["defaults"].update(device="cpu", page_size=16)
         tag = f"prefix-cache-{'on' if cache else 'off'}"
         with Server(cfg, workdir, tag) as s:
             lat, cached = run(s.url, prompts)

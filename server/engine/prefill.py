@@ -7,9 +7,10 @@ a per-step token budget -> sample the first token of each of the request's n
 choices -> `finish` with the metadata row (the commit record: the n first tokens and, when asked
 for, their logprobs) -> when the senders of every rank are terminal, free the pages (only in
 `_reap`, which also unlocks its cached prefix; the prompt's full pages, offered to the prefix
-cache when its forward is done, stay there if the cache took them). A failed transfer is reported to the router as an error event for the room. A request
-asking for prompt logprobs gets every position's logits, reduced chunk by chunk (logprobs.py),
-and sends them to the router before the commit.
+cache when its forward is done, stay there if the cache took them). A failed transfer is
+reported to the router as an error event for the room. A request asking for prompt logprobs
+gets every position's logits, reduced chunk by chunk (logprobs.py), and sends them to the router
+before the commit.
 """
 
 from __future__ import annotations
@@ -268,7 +269,7 @@ class PrefillScheduler(Scheduler):
         self.running.clear()
         self.sending.clear()
         if self.cache is not None:  # the allocator starts over: no page is the cache's any more
-            self.cache = PrefixCache(self.workers.page_size)
+            self.cache.clear()
 
     def close(self) -> None:
         super().close()

@@ -128,7 +128,8 @@ class PrefixCache:
         return freed
 
     def clear(self) -> list[int]:
-        """Every page of the tree, which empties (nothing may be locked: the instance is idle)."""
+        """Every page of the tree, which empties, locks and all: for an instance that holds no
+        request any more (its allocator starts over)."""
         pages = [x.page for x in self._walk()]
         self._roots.clear()
         self._nodes = self._unlocked = 0
