@@ -172,6 +172,75 @@ def beside_launched(args, model, dec: Decode, prefill_prio: int, decode_prio: in
     return summary(times[chunks:]), summary(spans[1:])
 
 
+def green_streams(prefill_sms: int, decode_sms: int | None) -> tuple[torch.cuda.Stream, torch.cuda.Stream, list]:
+    """(decode stream, prefill stream, the contexts to keep alive). Prefill's stream belongs to a
+    green context of `prefill_sms` SMs: its kernels run only there, so the other SMs stay free for
+    decode. Decode gets a green context of `decode_sms` SMs too, or (None) the whole GPU on a
+    high-priority stream. torch splits each green context off the whole device, so two of them
+    may share SMs: the numbers say whether they do."""
+    from torch.cuda.green_contexts import GreenContext
+
+    pre = GreenContext.create(num_sms=prefill_sms, device_id=0)
+    keep = [pre]
+    if decode_sms is None:
+        ds = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
+    else:
+        keep.append(GreenContext.create(num_sms=decode_sms, device_id=0))
+        ds = keep[-1].Stream()
+    return ds, pre.Stream(), keep
+
+
+def green_alone(args, model, dec: Decode, prefill_sms: int, decode_sms: int | None) -> tuple[dict, dict]:
+    """Each side alone on its share of the SMs: what the split itself costs."""
+    ds, ps, keep = green_streams(prefill_sms, decode_sms)
+    with torch.cuda.stream(ds):
+        times = dec.steps(args.steps)
+    p = Prefill(model, args.chunk, ps)
+    with torch.cuda.stream(ps):
+        p.chunk()
+        chunks = [p.chunk() for _ in range(5)]
+    del keep
+    return summary(times), summary(chunks)
+
+
+def beside_green_thread(args, model, dec: Decode, prefill_sms: int, decode_sms: int | None) -> tuple[dict, dict]:
+    ds, ps, keep = green_streams(prefill_sms, decode_sms)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    p = Prefill(model, args.chunk, ps)
+    th = threading.Thread(target=p.run, daemon=True)
+    th.start()
+    try:
+        if not p.started.wait(600):
+            raise RuntimeError("prefill thread did not start")
+        with torch.cuda.stream(ds):
+            times = dec.steps(args.steps)
+    finally:
+        p.stop.set()
+        th.join(120)
+        sys.setswitchinterval(old)
+    del keep
+    return summary(times), summary(p.times[1:])
+
+
+def beside_green_launched(args, model, dec: Decode, prefill_sms: int, decode_sms: int | None,
+                          chunks: int = 6) -> tuple[dict, dict]:
+    """One thread: a prefill chunk queued on its green stream, decode steps on the other until it ends."""
+    ds, ps, keep = green_streams(prefill_sms, decode_sms)
+    p = Prefill(model, args.chunk, ps)
+    times, spans = [], []
+    with torch.cuda.stream(ds):
+        for _ in range(chunks):
+            t = time.perf_counter()
+            with torch.cuda.stream(ps):
+                ev = p.launch()
+            while not ev.query():
+                times += dec.steps(1)
+            spans.append(time.perf_counter() - t)
+    del keep
+    return summary(times[chunks:]), summary(spans[1:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slice", required=True)
@@ -181,6 +250,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--green", nargs="*", default=[], metavar="PREFILL[:DECODE]",
+                    help="SM splits to try with green contexts: prefill's SMs, and decode's (else the whole GPU)")
+    ap.add_argument("--only-green", action="store_true", help="skip the stream-priority variants")
     args = ap.parse_args()
     if args.child:
         return child(args.slice, args.chunk)
@@ -208,6 +280,15 @@ def main() -> None:
         "one thread, prefill queued at low priority": lambda: beside_launched(args, model, dec, low, high),
         "one thread, prefill queued at equal priority": lambda: beside_launched(args, model, dec, 0, 0),
     }
+    if args.only_green:
+        variants = {"other process": variants["other process"]}
+    for split in args.green:
+        pre, _, d = split.partition(":")
+        pre, d = int(pre), (int(d) if d else None)
+        name = f"prefill {pre} SMs, decode {d or 'all'}"
+        variants[f"green alone: {name}"] = lambda pre=pre, d=d: green_alone(args, model, dec, pre, d)
+        variants[f"green, one thread: {name}"] = lambda pre=pre, d=d: beside_green_launched(args, model, dec, pre, d)
+        variants[f"green, two threads: {name}"] = lambda pre=pre, d=d: beside_green_thread(args, model, dec, pre, d)
     print(f"floor {floor_ms:.2f} ms (copy {bw / 1e9:.0f} GB/s); prefill alone {prefill_alone['p50_ms']:.1f} ms "
           f"per {args.chunk}-token chunk", flush=True)
     a = rows["decode_alone"]

@@ -170,6 +170,20 @@ class TransferEngine:
         self._pools[name] = Pool(spec, reg)
         return spec
 
+    def stream_marker(self) -> Any:
+        """For pools on a GPU, a CUDA event recorded on the caller's current stream of that GPU:
+        what it has queued so far (the forward that wrote a chunk's pages) is done once the event
+        is. None for host pools, whose writers are synchronous."""
+        gpus = {p.region.device for p in self._pools.values() if p.region.mem == "VRAM" and p.region.nbytes}
+        if not gpus:
+            return None
+        import torch  # only GPU pools get here, and they are torch tensors
+
+        (dev,) = gpus  # one rank, one GPU
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        return ev
+
     @property
     def table(self) -> BufferTable:
         return BufferTable(tuple(p.spec for p in self._pools.values()))

@@ -195,10 +195,13 @@ class KVSender(_RoomHandle):
         decode rank this rank writes to. ``start`` defaults to where the previous chunk
         ended. May be called before decode's destination info arrived (writes are posted when
         it does). A no-op once the room failed. Chunks must cover whole pages except the
-        request's last page; re-sending a page is allowed (it is overwritten)."""
+        request's last page; re-sending a page is allowed (it is overwritten). GPU pools: the
+        pages may still be being written by work queued on the caller's current CUDA stream;
+        their writes are posted only once that work has run."""
         src = np.asarray(src_pages, dtype=np.int64).reshape(-1).copy()
+        ready = self._e.stream_marker()
         with self._e._lock:
-            queued = self._e._tx.queue_chunk(self._st, src, start)
+            queued = self._e._tx.queue_chunk(self._st, src, start, ready)
         if queued:
             self._e._wake()
 

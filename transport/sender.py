@@ -6,7 +6,7 @@ both its sender (prefill admitted the request) and a decode rank's ROOM, that ra
 ACCEPTED, which starts its transfer clock; a ROOM whose sender is not created within the
 bootstrap timeout (prefill's queue) fails with BOOTSTRAP_TIMEOUT. A sender
 posts each queued chunk to every decode rank it writes to as soon as that rank's destination is
-known; after ``finish`` and once its data writes completed it writes the metadata row (the rank
+known and, on a GPU, the work that writes its pages has run; after ``finish`` and once its data writes completed it writes the metadata row (the rank
 that is the row's writer) or sends a completion notice, so the row is the commit record
 (docs/ARCHITECTURE.md, "Transfer lifecycle"). Runs on the engine's progress thread, under its
 lock.
@@ -18,7 +18,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -44,6 +44,14 @@ class Chunk:
     src: np.ndarray  # source page ids
     start: int  # index of the first page in the request's destination pages
     posted: set[int] = field(default_factory=set)  # decode ranks it was posted to
+    # GPU pools: an event recorded after the work that writes these pages was queued (None:
+    # ready). The writes copy on the transfer library's own streams, so they wait for it here.
+    ready: Any = None
+
+    def is_ready(self) -> bool:
+        if self.ready is not None and self.ready.query():
+            self.ready = None
+        return self.ready is None
 
 
 @dataclass
@@ -150,7 +158,7 @@ class SenderSide:
         e._wake()
         return h
 
-    def queue_chunk(self, st: SenderRoom, src: np.ndarray, start: Optional[int]) -> bool:
+    def queue_chunk(self, st: SenderRoom, src: np.ndarray, start: Optional[int], ready: Any = None) -> bool:
         """Under the lock. False: the room already failed (nothing to send)."""
         if st.failing or st.abort_req is not None or st.state == KVPoll.FAILED:
             return False
@@ -162,7 +170,7 @@ class SenderSide:
         if src.size and (src.min() < 0 or any(src.max() >= p.num_pages
                                               for p in self.e._pools.values() if p.spec.item_bytes)):
             raise ValueError("source page id out of range")
-        st.chunks.append(Chunk(src, s))
+        st.chunks.append(Chunk(src, s, ready=ready))
         st.next_start = s + src.size
         return True
 
@@ -420,6 +428,8 @@ class SenderSide:
             return
         recv = self._my_receivers(st)
         for c in st.chunks:
+            if not c.is_ready():
+                return  # its pages are still being computed; later chunks are queued after it
             for d in recv:
                 if d in c.posted:
                     continue

@@ -38,3 +38,38 @@ def test_cuda_pools_through_engine():
         p.close()
         srv.close()
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pages_sent_while_their_writes_are_queued():
+    """send_pages right after queuing (not running) the writes of those pages, as prefill does
+    after a forward: the transfer must carry the values the queued work writes, not the old ones."""
+    cfg = TransportConfig(bootstrap_timeout_s=20, transfer_timeout_s=30)
+    srv = BootstrapServer("p", 1, 1)
+    p = TransferEngine("prefill", "p", config=cfg)
+    src = torch.randint(0, 255, (32, 2, 64, 576), dtype=torch.uint8, device="cuda")
+    p.register_pool("latent", src, range(2))
+    p.start(srv.address)
+    d = TransferEngine("decode", "d", config=cfg)
+    dst = torch.zeros((32, 2, 64, 576), dtype=torch.uint8, device="cuda")
+    d.register_pool("latent", dst, range(2))
+    d.start()
+    try:
+        d.connect(srv.address, timeout=20)
+        rx = d.create_receiver(Room(2, 0), srv.address, list(range(16, 32)))
+        tx = p.create_sender(Room(2, 0))
+        new = torch.randint(0, 255, (16, 2, 64, 576), dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the write
+        src[:16].copy_(new)
+        tx.send_pages(list(range(16)))
+        tx.finish(MetadataRow((1,)))
+        assert rx.wait(30) == KVPoll.SUCCESS, rx.error
+        assert tx.wait(30) == KVPoll.SUCCESS, tx.error
+        torch.cuda.synchronize()
+        assert torch.equal(dst[16:], new)
+    finally:
+        d.close()
+        p.close()
+        srv.close()

@@ -72,6 +72,41 @@ def test_success_with_chunks_before_destination(pair):
     assert rx.error_code is None and tx.error_code is None
 
 
+class _Gate:
+    """Stands in for the CUDA event `send_pages` records on a GPU rank: not ready until opened."""
+
+    def __init__(self):
+        self.open = False
+
+    def query(self) -> bool:
+        return self.open
+
+
+def test_chunk_waits_for_the_work_that_writes_it(pair, monkeypatch):
+    """A chunk whose pages are still being computed is not posted, nor is any chunk queued after
+    it, nor the metadata row; once its work has run, all of it lands as written then."""
+    p, d, src, dst, addr = pair
+    gates = [_Gate(), _Gate()]
+    monkeypatch.setattr(p, "stream_marker", lambda: gates.pop(0) if gates else None)
+    first, second = gates
+    tx = p.create_sender(Room(11, 0))
+    rx = d.create_receiver(Room(11, 0), addr, [5, 6, 7])
+    tx.send_pages([0, 1])
+    tx.send_pages([2])
+    tx.finish(MetadataRow((3,)))
+    time.sleep(0.5)
+    assert rx.poll() not in (KVPoll.SUCCESS, KVPoll.FAILED) and tx.stats["xfers"] == 0
+    assert (dst[[5, 6, 7]] == 0xEE).all()
+    src[[0, 1, 2]] = 7  # the "forward" finishes writing the pages
+    second.open = True  # out of order: the first chunk still holds everything back
+    time.sleep(0.3)
+    assert tx.stats["xfers"] == 0 and rx.poll() != KVPoll.SUCCESS
+    first.open = True
+    assert rx.wait(10) == KVPoll.SUCCESS, rx.error
+    assert tx.wait(10) == KVPoll.SUCCESS, tx.error
+    assert (dst[[5, 6, 7]] == 7).all()
+
+
 def test_decode_abort_fails_sender(pair):
     p, d, src, dst, addr = pair
     tx = p.create_sender(Room(1, 0))
