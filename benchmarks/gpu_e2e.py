@@ -205,7 +205,7 @@ def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     placement = placement or {}
     where = "".join(f"-{role[0]}{'.'.join(map(str, p['devices']))}" + (f"-tp{p['tp']}" if p.get("tp", 1) > 1 else "")
-                    for role, p in placement.items())
+                    + (f"-colocated{p['colocate_sms']}" if p.get("colocate") else "") for role, p in placement.items())
     tag = f"serve-graphs-{'on' if graphs else 'off'}{where}"
     print(f"{tag}:", flush=True)
     context = in_len + max(out_len, long_out) + 64
@@ -260,7 +260,7 @@ async def served_greedy(url: str, prompts: list[list[int]], new: int) -> list[li
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def exact_check(out: Path, modes: tuple[bool, ...] = (True, False), new: int = 24) -> dict:
+def exact_check(out: Path, modes: tuple[bool, ...] = (True, False), new: int = 24, colocate_sms: int = 0) -> dict:
     from glm53.server.embedded_model import ensure_embedded_model
 
     model = ensure_embedded_model()
@@ -269,8 +269,10 @@ def exact_check(out: Path, modes: tuple[bool, ...] = (True, False), new: int = 2
 
     report = {}
     for graphs in modes:
-        tag = f"exact-graphs-{'on' if graphs else 'off'}"
+        tag = f"exact-graphs-{'on' if graphs else 'off'}" + (f"-colocated{colocate_sms}" if colocate_sms else "")
         cfg = cluster_config(str(model), "float32", graphs, [0] * 5, 1024)
+        if colocate_sms:
+            cfg["prefill"][0].update(colocate="d0", colocate_sms=colocate_sms)
         with Server(cfg, out, tag) as s:
             gpu = asyncio.run(served_greedy(s.url, prompts, new))
         same = sum(a == b for a, b in zip(cpu, gpu))
@@ -295,8 +297,12 @@ def main() -> None:
     ap.add_argument("--prefill-devices", type=int, nargs="+", default=[0], help="serve phase: prefill's GPUs")
     ap.add_argument("--decode-devices", type=int, nargs="+", default=[0], help="serve phase: decode's GPUs")
     ap.add_argument("--decode-tp", type=int, default=1, help="serve phase: decode's tp (= len(--decode-devices))")
+    ap.add_argument("--colocate", type=int, default=0, metavar="SMS",
+                    help="serve and exact phases: prefill in decode's process, on SMS SMs while decode runs")
     a = ap.parse_args()
     placement = {"prefill": {"devices": a.prefill_devices}, "decode": {"devices": a.decode_devices, "tp": a.decode_tp}}
+    if a.colocate:
+        placement["prefill"].update(colocate="d0", colocate_sms=a.colocate)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     phases = a.phases.split(",")
@@ -336,7 +342,8 @@ def main() -> None:
                       f"{r['itl_p50'] * 1e3:6.2f} ms, floor {f:5.2f} ms ({r['itl_p50'] * 1e3 / f:4.2f}x); after every "
                       f"prefill {r['itl_after_prefills_p50'] * 1e3:6.2f} ms ({r['itl_after_prefills_p50'] * 1e3 / f:4.2f}x)")
     if "exact" in phases:
-        report["exact"] = exact_check(out, {"both": (True, False), "on": (True,), "off": (False,)}[a.graphs])
+        report["exact"] = exact_check(out, {"both": (True, False), "on": (True,), "off": (False,)}[a.graphs],
+                                      colocate_sms=a.colocate)
         save()
     save()
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import yaml
 
-from glm53.server.config import ClusterConfig, ConfigError, load_config
+from glm53.server.config import ClusterConfig, ConfigError, InstanceConfig, load_config
 from glm53.server.model_fit import check_model_fit
 from glm53.server.supervisor import Event, RestartPolicy, RunDir, Supervisor
 
@@ -319,7 +319,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                             + yaml.safe_dump(resolved, sort_keys=False))
         exe = [sys.executable, "-m", "glm53.server.cli"]
         for inst in local:
-            sup.spawn(inst.name, [*exe, inst.role, "--config", str(cfg_file), "--instance", inst.name], env)
+            if inst.colocate is None:  # a colocated prefill runs in its decode instance's process
+                sup.spawn(inst.name, [*exe, inst.role, "--config", str(cfg_file), "--instance", inst.name], env)
         if run_router:
             sup.spawn("router", [*exe, "router", "--config", str(cfg_file)], env)
         ok = _wait_ready(cfg, local, run_router, sup, stop, cfg.router.startup_timeout_s)
@@ -344,6 +345,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         run_dir.remove()
 
 
+def process_name(inst: InstanceConfig) -> str:
+    """The supervised process an instance runs in: its own, or its colocated decode instance's."""
+    return inst.colocate or inst.name
+
+
 def _supervise(cfg: ClusterConfig, local, sup: Supervisor, events: list[Event]) -> int | None:
     """React to what the supervisor saw; an exit code when `up` must stop everything. A
     restarted instance needs nothing more: the router's health pings re-admit it once it
@@ -353,12 +359,11 @@ def _supervise(cfg: ClusterConfig, local, sup: Supervisor, events: list[Event]) 
             log.error("the router is gone (%s); stopping everything", ev.kind.replace("_", " "))
             return 0 if ev.kind == "stopped" else 1
         if ev.kind == "given_up":
-            inst = next(i for i in local if i.name == ev.name)
-            # Instances on other hosts may still serve; when none of the role is left, nothing can.
-            pool = cfg.pool(inst.role)
-            if all(i in local and not sup.alive(i.name) for i in pool):
-                log.error("no %s instance is left; stopping everything", inst.role)
-                return 1
+            # Instances on other hosts may still serve; when none of a role is left, nothing can.
+            for role in {i.role for i in local if process_name(i) == ev.name}:
+                if all(i in local and not sup.alive(process_name(i)) for i in cfg.pool(role)):
+                    log.error("no %s instance is left; stopping everything", role)
+                    return 1
             log.error("%s stays down; the router routes around it", ev.name)
     return None
 

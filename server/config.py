@@ -199,6 +199,12 @@ class InstanceConfig:
     devices: list[int] = field(default_factory=list)
     tp: int = 1
     pp: int = 1
+    # Prefill only: run in the named decode instance's process, on its GPU (one-GPU PD in one
+    # process, engine/colocate.py). While that decode instance has requests running, this
+    # instance's kernels run on `colocate_sms` SMs (a CUDA green context), so decode steps never
+    # wait behind a prefill chunk; otherwise on all of them. On CPU the pair shares the process only.
+    colocate: str | None = None
+    colocate_sms: int = 32
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property
@@ -244,6 +250,8 @@ class ClusterConfig:
             rows = []
             for inst in self.pool(role):
                 row = {k: v for k, v in dataclasses.asdict(inst).items() if k not in ("engine", "role")}
+                if inst.colocate is None:
+                    del row["colocate"], row["colocate_sms"]
                 row.update(dataclasses.asdict(inst.engine))
                 rows.append(row)
             out[role] = rows
@@ -254,7 +262,7 @@ class ClusterConfig:
 # Loading and validation
 # --------------------------------------------------------------------------------------------
 
-_INSTANCE_ONLY = ("name", "host", "port", "bootstrap_port")
+_INSTANCE_ONLY = ("name", "host", "port", "bootstrap_port", "colocate", "colocate_sms")
 _PLACEMENT = ("devices", "tp", "pp")
 _ALIASES = {"tp_size": "tp", "pp_size": "pp", "max_num_seqs": "max_running_requests", "max_model_len": "context_length"}
 _TOP_KEYS = ("name", "model", "router", "transfer", "speculative", "defaults", "prefill", "decode")
@@ -378,6 +386,10 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
     for k in ("host", "port", "bootstrap_port") if role == "prefill" else ("host", "port"):
         if k not in entry:
             raise ConfigError(source, f"{path}.{k}", "required key is missing")
+    for k in ("colocate", "colocate_sms"):
+        if role == "decode" and k in entry:
+            raise ConfigError(source, f"{path}.{k}", "set on the prefill instance that shares this decode "
+                              "instance's process (prefill[i].colocate: <this decode's name>)")
     if role == "decode" and entry.get("bootstrap_port") is not None:
         raise ConfigError(source, f"{path}.bootstrap_port", "decode instances run no bootstrap server "
                           "(they connect to each prefill instance's); remove this key")
@@ -390,6 +402,7 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
         "host": entry["host"],
         "port": entry["port"],
         "bootstrap_port": entry.get("bootstrap_port"),
+        **{k: entry[k] for k in ("colocate", "colocate_sms") if k in entry},
         **{k: v for k, v in placement.items() if v is not None},
     }
     inst = _build(InstanceConfig, fields, path, source, skip=("engine",))
@@ -523,6 +536,7 @@ def _check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froz
                                   f"and sum to at most {MAX_SHARED_MEM_FRACTION} "
                                   f"({' + '.join(f'{p}.mem_fraction_static {f:g}' for (p, _), f in zip(users, fractions))}"
                                   f" = {sum(fractions):g})")
+    _check_colocation(cfg)
     # Both sides of a transfer must agree on the page layout.
     first = cfg.prefill[0]
     for role in ROLES:
@@ -531,6 +545,36 @@ def _check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froz
                 if getattr(inst.engine, k) != getattr(first.engine, k):
                     raise err(f"{role}[{i}].{k}", f"must equal prefill[0].{k} ({getattr(first.engine, k)!r}) "
                               f"so KV pages can move between instances; got {getattr(inst.engine, k)!r}")
+
+
+def _check_colocation(cfg: ClusterConfig) -> None:
+    """A colocated pair is one process on one GPU: both single-rank CUDA instances on the same
+    host and GPU, the decode instance shared by one prefill instance at most."""
+    decodes = {d.name: d for d in cfg.decode}
+    taken: dict[str, str] = {}
+    for i, p in enumerate(cfg.prefill):
+        if p.colocate is None:
+            continue
+        key = f"prefill[{i}].colocate"
+        d = decodes.get(p.colocate)
+        if d is None:
+            raise ConfigError(cfg.source, key, f"no decode instance named {p.colocate!r} "
+                              f"(have: {', '.join(decodes) or 'none'})")
+        if p.colocate in taken:
+            raise ConfigError(cfg.source, key, f"decode instance {p.colocate!r} already shares its process "
+                              f"with {taken[p.colocate]}")
+        taken[p.colocate] = key.rsplit(".", 1)[0]
+        if p.engine.device != d.engine.device:
+            raise ConfigError(cfg.source, key, f"colocated instances share one process and device: prefill "
+                              f"device {p.engine.device!r}, decode {d.name} device {d.engine.device!r}")
+        if (p.tp, p.pp, d.tp) != (1, 1, 1):
+            raise ConfigError(cfg.source, key, f"colocated instances run one rank each (tp 1, pp 1); got "
+                              f"prefill tp {p.tp} pp {p.pp}, decode tp {d.tp}")
+        if _canonical_host(p.host) != _canonical_host(d.host) or p.devices != d.devices:
+            raise ConfigError(cfg.source, key, f"colocated instances share one process and GPU: prefill on "
+                              f"{p.host} GPU {p.devices}, decode {d.name} on {d.host} GPU {d.devices}")
+        if p.colocate_sms < 1:
+            raise ConfigError(cfg.source, f"prefill[{i}].colocate_sms", f"must be >= 1, got {p.colocate_sms}")
 
 
 def _check_engine(e: EngineConfig, path: str, src: str) -> None:

@@ -35,7 +35,8 @@ from glm53.models.draft import DraftBlock
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.constraints import Constraints, mask_block, masks
 from glm53.server.engine.group import WorkerGroup
-from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
+from glm53.server.engine.scheduler import (Scheduler, TrackedRequest, instance_by_index, protocol_error_code,
+                                           run_instance)
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.engine.logprobs import rows_logprobs, unpack_first
 from glm53.server.engine.overlap import InflightStep, overlappable
@@ -454,4 +455,10 @@ class DecodeScheduler(Scheduler):
 
 
 def main(cluster: ClusterConfig, instance_index: int = 0) -> int:
+    inst = instance_by_index(cluster, "decode", instance_index)
+    partner = next((p for p in cluster.prefill if p.colocate == inst.name), None)
+    if partner is not None:  # a prefill instance shares this process and GPU
+        from glm53.server.engine.colocate import run_colocated
+
+        return run_colocated(cluster, inst, partner)
     return run_instance(DecodeScheduler, cluster, "decode", instance_index)

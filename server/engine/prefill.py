@@ -26,7 +26,8 @@ from glm53.models import OutOfPages, SeqChunk
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.constraints import Constraints
 from glm53.server.engine.group import WorkerGroup
-from glm53.server.engine.scheduler import Scheduler, TrackedRequest, protocol_error_code, run_instance
+from glm53.server.engine.scheduler import (Scheduler, TrackedRequest, instance_by_index, protocol_error_code,
+                                           run_instance)
 from glm53.server.engine.logprobs import PromptLogprobs, pack_first, rows_logprobs
 from glm53.server.engine.prefix_cache import CacheLock, PrefixCache
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent
@@ -277,4 +278,8 @@ class PrefillScheduler(Scheduler):
 
 
 def main(cluster: ClusterConfig, instance_index: int = 0) -> int:
+    inst = instance_by_index(cluster, "prefill", instance_index)
+    if inst.colocate is not None:
+        raise SystemExit(f"prefill instance {inst.name} runs in decode instance {inst.colocate}'s process "
+                         f"(colocate): start that one")
     return run_instance(PrefillScheduler, cluster, "prefill", instance_index)

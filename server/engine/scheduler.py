@@ -108,6 +108,14 @@ class Scheduler(abc.ABC):
         self._throughput = 0.0
         self.broken = ""  # why this instance can no longer run (a rank was lost); "" while healthy
         self.channel = InstanceChannel(inst.address, inst.name, self.role, load_fn=lambda: self._load)
+        # Called before every step on the loop's thread: a colocated prefill picks its CUDA
+        # stream there (engine/colocate.py).
+        self.before_step: Callable[[], None] | None = None
+
+    @property
+    def last_load(self) -> LoadStats:
+        """The load as of the last step (a snapshot: safe to read from another thread)."""
+        return self._load
 
     @abc.abstractmethod
     def on_request(self, req: GenerateRequest) -> None: ...
@@ -228,6 +236,8 @@ class Scheduler(abc.ABC):
         self.poll_channel(timeout=0.0)
         try:
             self.workers.sync()
+            if self.before_step is not None:
+                self.before_step()
             return self.step()
         except RanksLost as e:
             self._break(str(e))

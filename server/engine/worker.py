@@ -139,18 +139,21 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
     return specs
 
 
-def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype, draft: DFlashDraft | None = None) -> int:
+def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype, draft: DFlashDraft | None = None,
+             reserved_before: int = 0) -> int:
     """KV capacity in pages: `num_pages`, else `max_total_tokens`, else (GPU) what fits in
-    `mem_fraction_static` of the device once the weights are loaded, else (CPU) 64K tokens."""
+    `mem_fraction_static` of the device once the weights are loaded, else (CPU) 64K tokens.
+    `reserved_before`: what this process's allocator held before the rank was built (another
+    instance in the same process, engine/colocate.py)."""
     if spec.num_pages is not None:
         return spec.num_pages
     tokens = spec.max_total_tokens
     device = torch.device(spec.device)
     if tokens is None and device.type == "cuda":
         # mem_fraction_static is this instance's share of the GPU (instances may share one): count
-        # only what this process holds, not what another instance on the same GPU took.
+        # only what this rank holds, not what another instance on the same GPU took.
         _, total = torch.cuda.mem_get_info(device)
-        used = torch.cuda.memory_reserved(device)
+        used = torch.cuda.memory_reserved(device) - reserved_before
         budget = total * spec.mem_fraction_static - used
         per_token = ModelRunner.kv_bytes_per_token(cfg, dtype, spec.layers, KV_DTYPES.get(spec.kv_cache_dtype))
         if draft is not None:
@@ -174,10 +177,12 @@ class RankWorker:
         """`tp_group`: the torch.distributed group of this rank's stage (None when tp = 1)."""
         self.spec = spec
         self.device = torch.device(spec.device)
+        self.reserved_before = 0
         if self.device.type == "cuda":
             # One GPU per rank process: make it the current one, so work that follows the current
             # device (cuBLAS handles, CUDA graph capture streams) runs on it, not on GPU 0.
             torch.cuda.set_device(self.device)
+            self.reserved_before = torch.cuda.memory_reserved(self.device)
         self.cfg = GlmConfig.from_dir(spec.model_path)
         name = self.cfg.torch_dtype if spec.dtype == "auto" else spec.dtype
         self.dtype = DTYPES.get(name, torch.bfloat16)
@@ -202,7 +207,7 @@ class RankWorker:
 
     def capacity(self) -> int:
         """KV pages this rank can hold once its weights are loaded."""
-        return kv_pages(self.spec, self.cfg, self.dtype, self.draft)
+        return kv_pages(self.spec, self.cfg, self.dtype, self.draft, self.reserved_before)
 
     def allocate(self, num_pages: int) -> None:
         spec = self.spec

@@ -195,6 +195,46 @@ def test_one_gpu_pd_refused_without_fractions_or_over_095(tmp_path):
     assert "lists a GPU twice" in str(error(tmp_path, d))
 
 
+def test_colocated_pair(tmp_path):
+    """prefill[i].colocate names the decode instance whose process and GPU it shares."""
+    fr = {"mem_fraction_static": 0.45}
+    cfg = load_config(write(tmp_path, _one_gpu({**fr, "colocate": "d0", "colocate_sms": 40}, fr)))
+    assert (cfg.prefill[0].colocate, cfg.prefill[0].colocate_sms, cfg.decode[0].colocate) == ("d0", 40, None)
+    assert parse_config(cfg.to_dict()).to_dict() == cfg.to_dict()
+    assert "colocate" not in cfg.to_dict()["decode"][0]
+    cases = [
+        (_one_gpu({**fr, "colocate": "d9"}, fr), "prefill[0].colocate", "no decode instance named 'd9' (have: d0)"),
+        (_one_gpu({**fr, "colocate": "d0", "colocate_sms": 0}, fr), "prefill[0].colocate_sms", "must be >= 1"),
+        (_one_gpu({**fr, "colocate": "d0", "devices": [1]}, fr), "prefill[0].colocate", "share one process and GPU"),
+        (_one_gpu({**fr, "colocate": "d0", "tp": 2, "devices": [0, 1]}, fr), "prefill[0].colocate", "tp 1, pp 1"),
+        (_one_gpu(fr, {**fr, "colocate": "p0"}), "decode[0].colocate", "set on the prefill instance"),
+        (_one_gpu({**fr, "colocate": "d0", "device": "cpu", "devices": []}, fr), "prefill[0].colocate",
+         "prefill device 'cpu', decode d0 device 'cuda'"),
+    ]
+    two = _one_gpu({"mem_fraction_static": 0.3, "colocate": "d0"}, {"mem_fraction_static": 0.3})
+    two["prefill"].append({"name": "p1", "host": "127.0.0.1", "port": 40110, "bootstrap_port": 40111,
+                           "devices": [0], "mem_fraction_static": 0.3, "colocate": "d0"})
+    cases.append((two, "prefill[1].colocate", "already shares its process with prefill[0]"))
+    for d, key, msg in cases:
+        e = error(tmp_path, d)
+        assert e.key == key and msg in str(e), (key, str(e))
+    # on CPU a pair shares the process only
+    load_config(write(tmp_path, {**base(), "prefill": [{**base()["prefill"][0], "colocate": "d0"}]}))
+    # the pair still states its memory shares, as any two instances on one GPU
+    e = error(tmp_path, _one_gpu({"colocate": "d0"}, {}))
+    assert e.key == "decode[0].devices"
+
+
+def test_colocated_prefill_runs_in_its_decode_process():
+    from glm53.server.cli import process_name
+    from glm53.server.engine.prefill import main as prefill_main
+
+    cfg = parse_config(_one_gpu({"mem_fraction_static": 0.4, "colocate": "d0"}, {"mem_fraction_static": 0.4}))
+    assert [process_name(i) for i in cfg.instances] == ["d0", "d0"]
+    with pytest.raises(SystemExit, match="runs in decode instance d0's process"):
+        prefill_main(cfg, 0)
+
+
 def test_yaml_syntax_and_missing_file(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model: [unclosed\n")
