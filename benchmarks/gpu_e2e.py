@@ -226,7 +226,7 @@ def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req
             print(f"  conc {c}, {n_out} out: {r['ok']}/{r['n']} ok, {r['out_tok_s']:.0f} tok/s, TTFT p50 "
                   f"{r['ttft_p50'] * 1e3:.0f} ms, ITL p50 {r['itl_p50'] * 1e3:.2f} ms, p99 {r['itl_p99'] * 1e3:.2f} ms; "
                   f"after every prefill: ITL p50 {r['itl_after_prefills_p50'] * 1e3:.2f} ms over "
-                  f"{r['itl_after_prefills_n']} intervals", flush=True)
+                  f"{r['itl_after_prefills_n']} intervals; ITL p90 {r.get('itl_p90', float('nan')) * 1e3:.2f} ms", flush=True)
     return rows
 
 
@@ -297,10 +297,12 @@ def main() -> None:
     ap.add_argument("--prefill-devices", type=int, nargs="+", default=[0], help="serve phase: prefill's GPUs")
     ap.add_argument("--decode-devices", type=int, nargs="+", default=[0], help="serve phase: decode's GPUs")
     ap.add_argument("--decode-tp", type=int, default=1, help="serve phase: decode's tp (= len(--decode-devices))")
+    ap.add_argument("--chunk", type=int, default=16384, help="serve phase: prefill's chunked_prefill_size")
     ap.add_argument("--colocate", type=int, default=0, metavar="SMS",
                     help="serve and exact phases: prefill in decode's process, on SMS SMs while decode runs")
     a = ap.parse_args()
-    placement = {"prefill": {"devices": a.prefill_devices}, "decode": {"devices": a.decode_devices, "tp": a.decode_tp}}
+    placement = {"prefill": {"devices": a.prefill_devices, "chunked_prefill_size": a.chunk},
+                 "decode": {"devices": a.decode_devices, "tp": a.decode_tp}}
     if a.colocate:
         placement["prefill"].update(colocate="d0", colocate_sms=a.colocate)
     out = Path(a.out)

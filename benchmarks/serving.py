@@ -69,7 +69,7 @@ async def sweep_point(url: str, model: str, concurrency: int, n_req: int, in_len
     quiet = [b - a for r in ok for a, b in zip(r["stamps"], r["stamps"][1:]) if a >= last_first]
     return {"concurrency": concurrency, "ok": len(ok), "n": n_req, "req_s": len(ok) / wall,
             "out_tok_s": sum(r["tokens"] for r in ok) / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-            "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99), "itl_after_prefills_p50": pct(quiet, 0.5),
+            "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9), "itl_p99": pct(itl, 0.99), "itl_after_prefills_p50": pct(quiet, 0.5),
             "itl_after_prefills_n": len(quiet)}
 
 

@@ -50,13 +50,15 @@ def test_decode_is_not_held_behind_a_narrow_prefill():
     """With prefill's long kernel on the green context, work on decode's stream still finishes
     at once (it would wait behind it on one stream of the whole GPU)."""
     share = GpuShare(torch.device("cuda:0"), 32, lambda: True)
+    with torch.cuda.stream(share.decode):  # load the kernels first: a first launch may wait for the GPU
+        y = torch.randn(4096, 4096, device="cuda")
+        (y @ y).sum().item()
     torch.cuda.synchronize()
     with torch.cuda.stream(share.narrow):
         torch.cuda._sleep(2_000_000_000)  # ~1 s on the prefill SMs
         done = torch.cuda.Event()
         done.record()
     with torch.cuda.stream(share.decode):
-        y = torch.randn(4096, 4096, device="cuda")
         t = time.perf_counter()
         (y @ y).sum().item()
         waited = time.perf_counter() - t
