@@ -55,12 +55,24 @@ class GpuShare:
         self.decode = torch.cuda.Stream(device, priority=torch.cuda.Stream.priority_range()[1])
         self.decode_busy = decode_busy
         self.current: torch.cuda.Stream | None = None
+        self._last: torch.cuda.Event | None = None  # the end of the step before the last one
         self.steps = {"narrow": 0, "full": 0}
 
     def prefill_step(self) -> None:
         """Before each prefill step, on prefill's thread: the green context's stream while decode
         runs requests, else the whole GPU. A switch orders the new stream after the old one, so a
-        prompt's chunks (and the transfer events recorded after them) stay in order."""
+        prompt's chunks (and the transfer events recorded after them) stay in order.
+
+        Prefill's host runs at most one step ahead of its GPU work: a stream's launch queue is
+        finite, and a launch into a full one blocks holding the GIL, which would stall the decode
+        loop for as long as the queued chunks take on their few SMs. Waiting on an event releases
+        the GIL."""
+        if self.current is not None:
+            end = torch.cuda.Event()
+            end.record(self.current)
+            if self._last is not None:
+                self._last.synchronize()
+            self._last = end
         narrow = self.decode_busy()
         s = self.narrow if narrow else self.full
         if s is not self.current:
@@ -136,7 +148,10 @@ def run_colocated(cluster: ClusterConfig, dec: InstanceConfig, pre: InstanceConf
             t.join(30)
         prefill.close()
         decode.close()
-        log.info("%s and %s stopped after %.1f s%s", dec.name, pre.name, time.monotonic() - t0,
-                 f" (prefill steps on {pre.colocate_sms} SMs: {share.steps['narrow']}, on all: {share.steps['full']})"
-                 if share else "")
+        how = ""
+        if share:
+            retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            how = (f" (prefill loop turns on {pre.colocate_sms} SMs: {share.steps['narrow']}, on all: "
+                   f"{share.steps['full']}; allocator retries: {retries})")
+        log.info("%s and %s stopped after %.1f s%s", dec.name, pre.name, time.monotonic() - t0, how)
     return 1 if failed else 0
