@@ -204,7 +204,7 @@ class InstanceConfig:
     # instance's kernels run on `colocate_sms` SMs (a CUDA green context), so decode steps never
     # wait behind a prefill chunk; otherwise on all of them. On CPU the pair shares the process only.
     colocate: str | None = None
-    colocate_sms: int = 32
+    colocate_sms: int = 48
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property
