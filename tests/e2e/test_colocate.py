@@ -4,8 +4,12 @@ also splits the SMs: tests/server/test_gpu_colocate.py and benchmarks/gpu_e2e.py
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import time
 
+import httpx
 import pytest
 import yaml
 
@@ -16,7 +20,7 @@ from tests.e2e.test_pd_serving import GREEDY_PROMPTS, offline_greedy, served_gre
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, model_cache):
-    c = Cluster(tmp_path_factory.mktemp("colocated"), model_cache)
+    c = Cluster(tmp_path_factory.mktemp("colocated"), model_cache, router={"restart_backoff_s": 0.5})
     c.cfg["prefill"][0]["colocate"] = "d0"
     c.config_path.write_text(yaml.safe_dump(c.cfg))
     c.start()
@@ -34,3 +38,22 @@ def test_one_process_serves_both_and_matches_offline(pair, model_cache):
     new = 16
     assert served_greedy(pair, GREEDY_PROMPTS, new) == offline_greedy(model_cache / EMBEDDED_DIRNAME, GREEDY_PROMPTS, new)
     assert "d0+p0" in pair.logs()  # one log prefix for the pair's process
+
+
+def test_killed_pair_is_restarted_as_one_process(pair):
+    """`up` supervises the pair as one process: SIGKILL brings back both instances together."""
+    (old,) = _children(pair, "decode")
+    os.kill(int(old), signal.SIGKILL)
+    deadline, status = time.monotonic() + 120, None
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.post(f"{pair.url}/generate", timeout=30, json={
+                "input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).status_code
+        except httpx.HTTPError:
+            status = None
+        if status == 200:
+            break
+        time.sleep(0.5)
+    assert status == 200, pair.logs()
+    new = _children(pair, "decode")
+    assert len(new) == 1 and new[0] != old and _children(pair, "prefill") == []
