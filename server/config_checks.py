@@ -1,0 +1,200 @@
+"""The config's semantic checks (`parse_config` runs them once every key has parsed): value
+ranges, the topology (names, ports and GPUs used once, or GPUs shared with memory shares that
+fit), colocated pairs, and what prefill and decode must agree on. Each failure is a
+`ConfigError` naming the file and the key."""
+
+from __future__ import annotations
+
+from glm53.server.config import (EMBEDDED_DRAFT, EMBEDDED_MODEL, EMBEDDED_RANDOM, ROLES, ClusterConfig,
+                                 EngineConfig, InstanceConfig, canonical_host)
+from glm53.server.config_values import ConfigError
+
+# Instances on one GPU (one-GPU PD: prefill and decode side by side) must each set
+# mem_fraction_static, and the fractions must leave the driver and the allocators some room.
+MAX_SHARED_MEM_FRACTION = 0.95
+
+
+def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = frozenset()) -> None:
+    """`sized`: the key paths ("decode[0]") of instances that set mem_fraction_static explicitly."""
+    src = cfg.source
+
+    def err(key: str, msg: str) -> ConfigError:
+        return ConfigError(src, key, msg)
+
+    # Value ranges.
+    for name, f in (("router.port", cfg.router.port), ("router.result_port", cfg.router.result_port)):
+        _check_port(f, name, src)
+    if cfg.router.health_check_interval_s <= 0:
+        raise err("router.health_check_interval_s", f"must be > 0, got {cfg.router.health_check_interval_s}")
+    if cfg.router.health_timeout_s <= cfg.router.health_check_interval_s:
+        raise err("router.health_timeout_s", "must be larger than router.health_check_interval_s "
+                  f"({cfg.router.health_timeout_s} <= {cfg.router.health_check_interval_s})")
+    if cfg.router.max_running_requests < 1:
+        raise err("router.max_running_requests", f"must be >= 1, got {cfg.router.max_running_requests}")
+    for k in ("first_token_timeout_s", "stream_idle_timeout_s"):
+        v = getattr(cfg.router, k)
+        if v is not None and v <= 0:
+            raise err(f"router.{k}", f"must be > 0, got {v}")
+    if cfg.router.max_retries < 0:
+        raise err("router.max_retries", f"must be >= 0, got {cfg.router.max_retries}")
+    if cfg.router.startup_timeout_s <= 0:
+        raise err("router.startup_timeout_s", f"must be > 0, got {cfg.router.startup_timeout_s}")
+    for k, low in (("max_request_bytes", 1024), ("tokenizer_pool_size", 1), ("max_restarts", 0)):
+        if getattr(cfg.router, k) < low:
+            raise err(f"router.{k}", f"must be >= {low}, got {getattr(cfg.router, k)}")
+    for k in ("restart_window_s", "restart_backoff_s"):
+        if getattr(cfg.router, k) <= 0:
+            raise err(f"router.{k}", f"must be > 0, got {getattr(cfg.router, k)}")
+    for k in ("bootstrap_timeout_s", "transfer_timeout_s"):
+        if getattr(cfg.transfer, k) <= 0:
+            raise err(f"transfer.{k}", f"must be > 0, got {getattr(cfg.transfer, k)}")
+    spec = cfg.speculative
+    if spec.enabled and not spec.draft_model_path:
+        raise err("speculative.draft_model_path", "DFLASH needs a draft model directory")
+    if spec.num_draft_tokens is not None and spec.num_draft_tokens < 2:
+        raise err("speculative.num_draft_tokens", f"must be >= 2 (the bonus slot and a draft), got "
+                  f"{spec.num_draft_tokens}")
+    if cfg.model.context_length is not None and cfg.model.context_length < 2:
+        raise err("model.context_length", f"must be >= 2, got {cfg.model.context_length}")
+    if not cfg.model.path:
+        raise err("model.path", "must name a model directory (or 'embedded:tiny-glm5')")
+    if cfg.model.path.startswith("embedded:") and cfg.model.path not in (EMBEDDED_MODEL, EMBEDDED_RANDOM):
+        raise err("model.path", f"unknown embedded model {cfg.model.path!r}; there are {EMBEDDED_MODEL!r} and "
+                  f"{EMBEDDED_RANDOM!r}")
+    draft = spec.draft_model_path or ""
+    if draft.startswith("embedded:") and draft != EMBEDDED_DRAFT:
+        raise err("speculative.draft_model_path", f"unknown embedded draft {draft!r}; the only one is {EMBEDDED_DRAFT!r}")
+    if draft == EMBEDDED_DRAFT and cfg.model.path != EMBEDDED_MODEL:
+        raise err("speculative.draft_model_path", f"{EMBEDDED_DRAFT!r} is the draft of {EMBEDDED_MODEL!r}, "
+                  f"not of {cfg.model.path!r}")
+    _check_engine(cfg.defaults, "defaults", src)
+
+    names: dict[str, str] = {}
+    ports: dict[tuple[str, int], str] = {}
+    router_host = canonical_host(cfg.router.host)
+    ports[(router_host, cfg.router.port)] = "router.port"
+    if (router_host, cfg.router.result_port) in ports:
+        raise err("router.result_port", f"port {cfg.router.result_port} is already used by router.port")
+    ports[(router_host, cfg.router.result_port)] = "router.result_port"
+    devices: dict[tuple[str, int], list[tuple[str, InstanceConfig]]] = {}
+    for role in ROLES:
+        for i, inst in enumerate(cfg.pool(role)):
+            path = f"{role}[{i}]"
+            if inst.name in names:
+                raise err(f"{path}.name", f"duplicate instance name {inst.name!r} (also {names[inst.name]})")
+            names[inst.name] = path
+            if not inst.host:
+                raise err(f"{path}.host", "must not be empty")
+            dist_port = inst.engine.dist_init_port
+            if dist_port is not None and inst.tp * inst.pp == 1:
+                raise err(f"{path}.dist_init_port", "only used by instances with several ranks (tp/pp > 1)")
+            for k in ("port", "bootstrap_port", "dist_init_port"):
+                port = getattr(inst.engine if k == "dist_init_port" else inst, k)
+                if port is None:  # decode: no bootstrap server; automatic rendezvous port
+                    continue
+                _check_port(port, f"{path}.{k}", src)
+                slot = (canonical_host(inst.host), port)
+                clash = ports.get(slot)
+                if clash:
+                    raise err(f"{path}.{k}", f"port {port} on host {inst.host} is already used by {clash}")
+                ports[slot] = f"{path}.{k}"
+            if inst.tp < 1:
+                raise err(f"{path}.tp", f"must be >= 1, got {inst.tp}")
+            if inst.pp < 1:
+                raise err(f"{path}.pp", f"must be >= 1, got {inst.pp}")
+            if inst.pp > 1 and role == "decode":
+                raise err(f"{path}.pp", f"decode instances run one pipeline stage (pp: 1); got {inst.pp}")
+            _check_engine(inst.engine, path, src)
+            if inst.engine.device == "cpu":
+                if inst.devices:
+                    raise err(f"{path}.devices", f"device is 'cpu', so devices must be empty; got {inst.devices}")
+            else:
+                need = inst.tp * inst.pp
+                if len(inst.devices) != need:
+                    raise err(f"{path}.devices", f"needs exactly tp * pp = {need} GPU ids, got {len(inst.devices)} "
+                              f"({inst.devices})")
+                if len(set(inst.devices)) != len(inst.devices):
+                    raise err(f"{path}.devices", f"lists a GPU twice: {inst.devices}")
+                for d in inst.devices:
+                    if d < 0:
+                        raise err(f"{path}.devices", f"GPU ids must be >= 0, got {d}")
+                    slot = (canonical_host(inst.host), d)
+                    users = devices.setdefault(slot, [])
+                    unsized = [p for p, _ in users + [(path, inst)] if p not in sized]
+                    if users and unsized:
+                        keys = " and ".join(f"{p}.mem_fraction_static" for p, _ in users + [(path, inst)])
+                        raise err(f"{path}.devices", f"GPU {d} on host {inst.host} is already used by "
+                                  f"{', '.join(p for p, _ in users)}; instances may share a GPU only when each "
+                                  f"sets mem_fraction_static (not set: {', '.join(unsized)}) and they sum to at "
+                                  f"most {MAX_SHARED_MEM_FRACTION}: set {keys}")
+                    users.append((path, inst))
+                    fractions = [u.engine.mem_fraction_static for _, u in users]
+                    if sum(fractions) > MAX_SHARED_MEM_FRACTION + 1e-9:
+                        raise err(f"{path}.devices", f"GPU {d} on host {inst.host} is shared with "
+                                  f"{', '.join(p for p, _ in users[:-1])}; their mem_fraction_static must be set "
+                                  f"and sum to at most {MAX_SHARED_MEM_FRACTION} "
+                                  f"({' + '.join(f'{p}.mem_fraction_static {f:g}' for (p, _), f in zip(users, fractions))}"
+                                  f" = {sum(fractions):g})")
+    _check_colocation(cfg)
+    # Both sides of a transfer must agree on the page layout.
+    first = cfg.prefill[0]
+    for role in ROLES:
+        for i, inst in enumerate(cfg.pool(role)):
+            for k in ("page_size", "kv_cache_dtype"):
+                if getattr(inst.engine, k) != getattr(first.engine, k):
+                    raise err(f"{role}[{i}].{k}", f"must equal prefill[0].{k} ({getattr(first.engine, k)!r}) "
+                              f"so KV pages can move between instances; got {getattr(inst.engine, k)!r}")
+
+
+def _check_colocation(cfg: ClusterConfig) -> None:
+    """A colocated pair is one process on one GPU: both single-rank CUDA instances on the same
+    host and GPU, the decode instance shared by one prefill instance at most."""
+    decodes = {d.name: d for d in cfg.decode}
+    taken: dict[str, str] = {}
+    for i, p in enumerate(cfg.prefill):
+        if p.colocate is None:
+            continue
+        key = f"prefill[{i}].colocate"
+        d = decodes.get(p.colocate)
+        if d is None:
+            raise ConfigError(cfg.source, key, f"no decode instance named {p.colocate!r} "
+                              f"(have: {', '.join(decodes) or 'none'})")
+        if p.colocate in taken:
+            raise ConfigError(cfg.source, key, f"decode instance {p.colocate!r} already shares its process "
+                              f"with {taken[p.colocate]}")
+        taken[p.colocate] = key.rsplit(".", 1)[0]
+        if p.engine.device != d.engine.device:
+            raise ConfigError(cfg.source, key, f"colocated instances share one process and device: prefill "
+                              f"device {p.engine.device!r}, decode {d.name} device {d.engine.device!r}")
+        if (p.tp, p.pp, d.tp) != (1, 1, 1):
+            raise ConfigError(cfg.source, key, f"colocated instances run one rank each (tp 1, pp 1); got "
+                              f"prefill tp {p.tp} pp {p.pp}, decode tp {d.tp}")
+        if canonical_host(p.host) != canonical_host(d.host) or p.devices != d.devices:
+            raise ConfigError(cfg.source, key, f"colocated instances share one process and GPU: prefill on "
+                              f"{p.host} GPU {p.devices}, decode {d.name} on {d.host} GPU {d.devices}")
+        if p.colocate_sms < 1:
+            raise ConfigError(cfg.source, f"prefill[{i}].colocate_sms", f"must be >= 1, got {p.colocate_sms}")
+
+
+def _check_engine(e: EngineConfig, path: str, src: str) -> None:
+    for k in ("page_size", "max_running_requests", "chunked_prefill_size", "stream_interval", "cuda_graph_max_bs"):
+        if getattr(e, k) < 1:
+            raise ConfigError(src, f"{path}.{k}", f"must be >= 1, got {getattr(e, k)}")
+    for k in ("num_pages", "max_total_tokens"):
+        v = getattr(e, k)
+        if v is not None and v < 1:
+            raise ConfigError(src, f"{path}.{k}", f"must be >= 1, got {v}")
+    if not 0 < e.mem_fraction_static <= 1:
+        raise ConfigError(src, f"{path}.mem_fraction_static", f"must be in (0, 1], got {e.mem_fraction_static}")
+    # The target KV cache holds the model dtype or the FP8 layouts (kernels/latent_cache_fp8,
+    # index_cache_fp8); a 16/32-bit cache in another dtype than the model's is not built.
+    if e.kv_cache_dtype not in ("auto", "fp8_e4m3", e.dtype):
+        raise ConfigError(src, f"{path}.kv_cache_dtype", f"must be 'auto', 'fp8_e4m3' or the model dtype "
+                          f"({e.dtype!r}); got {e.kv_cache_dtype!r}")
+    if e.log_interval_s <= 0:
+        raise ConfigError(src, f"{path}.log_interval_s", f"must be > 0, got {e.log_interval_s}")
+
+
+def _check_port(port: int, key: str, src: str) -> None:
+    if not 1 <= port <= 65535:
+        raise ConfigError(src, key, f"must be a TCP port in 1..65535, got {port}")
