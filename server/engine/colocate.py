@@ -103,10 +103,13 @@ def run_colocated(cluster: ClusterConfig, dec: InstanceConfig, pre: InstanceConf
     sys.setswitchinterval(GIL_SWITCH_S)
     decode = DecodeScheduler(cluster, dec)
     try:
-        prefill = PrefillScheduler(cluster, pre)
+        prefill = PrefillScheduler(cluster, pre, weights_from=decode.workers)
     except BaseException:
         decode.close()
         raise
+    shared = getattr(getattr(prefill.workers, "rank", None), "shares_weights", False)
+    log.info("%s shares %s's weights: %s", pre.name, dec.name, "yes" if shared else
+             "no (their model, dtype or draft differ): two copies")
     share = None
     if gpu:  # on a CPU the pair shares the process only: there are no SMs to split
         share = GpuShare(device, pre.colocate_sms, lambda: decode.last_load.num_running > 0)

@@ -79,10 +79,12 @@ class WorkerGroup(abc.ABC):
 class LocalWorkers(WorkerGroup):
     """The one rank of a tp = pp = 1 instance, in the scheduler's process."""
 
-    def __init__(self, specs: Sequence[RankSpec]):
+    def __init__(self, specs: Sequence[RankSpec], weights_from: "LocalWorkers | None" = None):
+        """`weights_from`: another instance's rank in this process whose weights this one shares
+        where they are the same (a colocated pair, engine/colocate.py)."""
         if len(specs) != 1:
             raise ValueError(f"LocalWorkers runs exactly one rank, got {len(specs)}")
-        self.rank = RankWorker(specs[0])
+        self.rank = RankWorker(specs[0], weights_from=weights_from.rank if weights_from is not None else None)
         self.num_pages = self.rank.capacity()
         self.rank.allocate(self.num_pages)
         self.cfg = self.rank.cfg

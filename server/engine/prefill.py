@@ -51,11 +51,12 @@ class PrefillRequest(TrackedRequest):
 class PrefillScheduler(Scheduler):
     role = "prefill"
 
-    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None):
+    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None,
+                 weights_from: WorkerGroup | None = None):
         # Up before the ranks: each registers with it while it starts.
         self.bootstrap = BootstrapServer(inst.name, pp_size=inst.pp, tp_size=inst.tp, host=inst.host,
                                          port=inst.bootstrap_port)
-        super().__init__(cluster, inst, workers)
+        super().__init__(cluster, inst, workers, weights_from)
         self.budget = inst.engine.chunked_prefill_size
         self.constraints = Constraints(cluster)  # structured output: the first token's mask
         self.waiting: deque[PrefillRequest] = deque()

@@ -50,15 +50,16 @@ def instance_by_index(cluster: ClusterConfig, role: str, index: int) -> Instance
     return pool[index]
 
 
-def build_workers(cluster: ClusterConfig, inst: InstanceConfig) -> WorkerGroup:
-    """The instance's ranks, built and started (a prefill rank needs its bootstrap server up)."""
+def build_workers(cluster: ClusterConfig, inst: InstanceConfig, weights_from: WorkerGroup | None = None) -> WorkerGroup:
+    """The instance's ranks, built and started (a prefill rank needs its bootstrap server up).
+    `weights_from`: a single-rank instance in this process whose weights a single rank shares."""
     from glm53.server.embedded_model import resolve_paths
 
     path, cluster = resolve_paths(cluster)
     check_model_fit(cluster, path)
     specs = rank_specs(cluster, inst, str(path), GlmConfig.from_dir(path).num_hidden_layers)
     if len(specs) == 1:
-        return LocalWorkers(specs)
+        return LocalWorkers(specs, weights_from if isinstance(weights_from, LocalWorkers) else None)
     # Long enough for the slowest rank to load its weights; a dead rank is seen at once anyway.
     timeout = max(120.0, cluster.transfer.transfer_timeout_s)
     return ProcessWorkers(specs, timeout_s=timeout, host=inst.host, port=inst.engine.dist_init_port)
@@ -92,9 +93,10 @@ class Scheduler(abc.ABC):
 
     role = ""
 
-    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None):
+    def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None,
+                 weights_from: WorkerGroup | None = None):
         self.cluster, self.inst = cluster, inst
-        self.workers = workers or build_workers(cluster, inst)
+        self.workers = workers or build_workers(cluster, inst, weights_from)
         self.cfg = self.workers.cfg
         self.allocator = PageAllocator(self.workers.num_pages)
         self.max_running = inst.engine.max_running_requests

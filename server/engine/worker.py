@@ -71,6 +71,12 @@ class RankSpec:
     context_length: int | None = None
     num_draft_tokens: int | None = None  # the verify width of a DFlash step (None: the draft's block)
 
+    def same_weights(self, other: "RankSpec") -> bool:
+        """Whether a rank built from `other` holds exactly this rank's weights (model, dtype,
+        device, layers, an unsharded tp, the draft): a colocated pair's ranks then share them."""
+        keys = ("model_path", "device", "dtype", "layers", "tp_size", "pp_size", "draft_path")
+        return self.tp_size == 1 and all(getattr(self, k) == getattr(other, k) for k in keys)
+
     @property
     def graphs(self) -> bool:
         """Whether this rank captures decode graphs: decode, CUDA, the whole model (and its draft,
@@ -173,8 +179,12 @@ class RankWorker:
     with this rank's transfer engine and starts it (a prefill rank registers with its bootstrap
     server)."""
 
-    def __init__(self, spec: RankSpec, tp_group: dist.ProcessGroup | None = None):
-        """`tp_group`: the torch.distributed group of this rank's stage (None when tp = 1)."""
+    def __init__(self, spec: RankSpec, tp_group: dist.ProcessGroup | None = None,
+                 weights_from: "RankWorker | None" = None):
+        """`tp_group`: the torch.distributed group of this rank's stage (None when tp = 1).
+        `weights_from`: a rank in this process whose weights this one shares when they are the
+        same (`RankSpec.same_weights`; a colocated pair): one copy on the GPU instead of two. The
+        modules are only read by a forward, so both ranks' loops may run them at once."""
         self.spec = spec
         self.device = torch.device(spec.device)
         self.reserved_before = 0
@@ -189,11 +199,20 @@ class RankWorker:
         self.tp = TPGroup.from_process_group(tp_group) if tp_group is not None else TPGroup.single()
         if self.tp.size != spec.tp_size:
             raise ValueError(f"{spec.instance}: rank built for tp={spec.tp_size} in a group of {self.tp.size}")
+        self.draft: DFlashDraft | None = None
+        self.projection: DraftProjection | None = None  # a non-last stage's share of the draft's fc
+        self.shares_weights = weights_from is not None and weights_from.spec.same_weights(spec)
+        if self.shares_weights:
+            self.model, self.draft, self.projection = weights_from.model, weights_from.draft, weights_from.projection
+        else:
+            self._load(spec)
+        self.runner: ModelRunner | None = None
+        self.transfer: TransferEngine | None = None
+
+    def _load(self, spec: RankSpec) -> None:
         self.model = GlmForCausalLM(self.cfg, dtype=self.dtype, layers=spec.layers, tp=self.tp)
         load_weights(self.model, spec.model_path, progress=False)
         self.model.to(self.device)
-        self.draft: DFlashDraft | None = None
-        self.projection: DraftProjection | None = None  # a non-last stage's share of the draft's fc
         if spec.draft_path and spec.last_stage:
             # A draft that does not fit the target is refused here, naming the field.
             self.draft = DFlashDraft(DFlashConfig.from_dir(spec.draft_path, self.cfg), self.cfg, dtype=self.dtype,
@@ -202,8 +221,6 @@ class RankWorker:
             self.draft.to(self.device)
         elif spec.draft_path:
             self.projection = load_draft_projection(spec.draft_path, self.cfg, spec.layers, self.dtype).to(self.device)
-        self.runner: ModelRunner | None = None
-        self.transfer: TransferEngine | None = None
 
     def capacity(self) -> int:
         """KV pages this rank can hold once its weights are loaded."""

@@ -1,0 +1,59 @@
+"""A colocated pair holds one copy of the weights: the prefill rank built beside a decode rank of
+the same model reuses its modules, and prefills exactly as a rank that loaded its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53.server.config import parse_config
+from glm53.server.engine.decode import DecodeScheduler
+from glm53.server.engine.prefill import PrefillScheduler
+from tests.net import free_ports
+from tests.server.test_prefix_cache import Sender, prefill
+
+
+def _cfg(model_dir, prefill_dtype: str = "float32"):
+    ports = free_ports(4)
+    return parse_config({
+        "model": {"path": str(model_dir)},
+        "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "num_pages": 40, "chunked_prefill_size": 64},
+        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1],
+                     "colocate": "d0", "dtype": prefill_dtype}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2]}],
+    })
+
+
+def _capture_senders(s: PrefillScheduler) -> PrefillScheduler:
+    s.senders, s.events = {}, []
+    s.workers.create_senders = lambda room, _name: s.senders.setdefault(room.id, Sender())
+    s.channel.send = lambda _to, ev: s.events.append(ev)
+    return s
+
+
+@pytest.mark.parametrize("prefill_dtype, shared", [("float32", True), ("bfloat16", False)])
+def test_prefill_shares_the_decode_ranks_weights(model_dir, prefill_dtype, shared):
+    cfg = _cfg(model_dir, prefill_dtype)
+    decode = DecodeScheduler(cfg, cfg.decode[0])
+    alone = None
+    try:
+        pre = _capture_senders(PrefillScheduler(cfg, cfg.prefill[0], weights_from=decode.workers))
+        try:
+            d, p = decode.workers.rank, pre.workers.rank
+            assert p.shares_weights is shared and (p.model is d.model) is shared
+            if not shared:  # another dtype is another copy
+                assert next(p.model.parameters()).dtype == torch.bfloat16
+                return
+            assert all(a.data_ptr() == b.data_ptr() for a, b in zip(p.model.parameters(), d.model.parameters()))
+            assert p.runner.pools is not d.runner.pools  # the KV stays each instance's own
+            prompt = torch.randint(10, 4000, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+            got = prefill(pre, 1, prompt)
+            own = _cfg(model_dir)
+            alone = _capture_senders(PrefillScheduler(own, own.prefill[0]))  # loads its own copy
+            assert prefill(alone, 1, prompt)[0] == got[0]
+        finally:
+            pre.close()
+    finally:
+        decode.close()
+        if alone is not None:
+            alone.close()
