@@ -116,6 +116,7 @@ class TransferEngine:
         self._backend: Optional[TransferBackend] = backend
         self._pools: dict[str, Pool] = {}
         self._slots: Optional[MetaSlots] = None  # allocated and registered by start()
+        self._gpu: Optional[int] = None  # the GPU of this rank's pools (start()); None: host pools
         self._lock = threading.RLock()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -174,14 +175,12 @@ class TransferEngine:
         """For pools on a GPU, a CUDA event recorded on the caller's current stream of that GPU:
         what it has queued so far (the forward that wrote a chunk's pages) is done once the event
         is. None for host pools, whose writers are synchronous."""
-        gpus = {p.region.device for p in self._pools.values() if p.region.mem == "VRAM" and p.region.nbytes}
-        if not gpus:
+        if self._gpu is None:
             return None
         import torch  # only GPU pools get here, and they are torch tensors
 
-        (dev,) = gpus  # one rank, one GPU
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
+        ev.record(torch.cuda.current_stream(self._gpu))
         return ev
 
     @property
@@ -201,6 +200,10 @@ class TransferEngine:
             self._backend = NixlBackend(self.name, self.cfg.num_threads, self.cfg.progress_thread)
         self._slots = MetaSlots(self.cfg.meta_slots, self.cfg.meta_slot_bytes)
         regions = [p.region for p in self._pools.values() if p.region.nbytes]
+        gpus = {r.device for r in regions if r.mem == "VRAM"}
+        if len(gpus) > 1:
+            raise TransferError(f"pools on GPUs {sorted(gpus)}: one rank's pools live on one GPU", Code.INVALID)
+        self._gpu = gpus.pop() if gpus else None
         self._backend.register(regions + [MemRegion.of(self._slots.arr)])
         self.started = True
         if self.role == "prefill":

@@ -6,10 +6,10 @@ both its sender (prefill admitted the request) and a decode rank's ROOM, that ra
 ACCEPTED, which starts its transfer clock; a ROOM whose sender is not created within the
 bootstrap timeout (prefill's queue) fails with BOOTSTRAP_TIMEOUT. A sender
 posts each queued chunk to every decode rank it writes to as soon as that rank's destination is
-known and, on a GPU, the work that writes its pages has run; after ``finish`` and once its data writes completed it writes the metadata row (the rank
-that is the row's writer) or sends a completion notice, so the row is the commit record
-(docs/ARCHITECTURE.md, "Transfer lifecycle"). Runs on the engine's progress thread, under its
-lock.
+known and, on a GPU, the work that writes its pages has run; after ``finish`` and once its data
+writes completed it writes the metadata row (the rank that is the row's writer) or sends a
+completion notice, so the row is the commit record (docs/ARCHITECTURE.md, "Transfer
+lifecycle"). Runs on the engine's progress thread, under its lock.
 """
 
 from __future__ import annotations
