@@ -135,16 +135,18 @@ def beside_process(args, dec: Decode) -> tuple[dict, dict]:
     return summary(times), summary(chunks)
 
 
-def beside_thread(args, model, dec: Decode, prefill_prio: int, decode_prio: int, switch: float) -> tuple[dict, dict]:
+def beside_thread(args, model, dec: Decode, ps: torch.cuda.Stream, ds: torch.cuda.Stream,
+                  switch: float) -> tuple[dict, dict]:
+    """Prefill chunks back to back in a thread on stream `ps`, decode steps on `ds` meanwhile."""
     old = sys.getswitchinterval()
     sys.setswitchinterval(switch)
-    p = Prefill(model, args.chunk, torch.cuda.Stream(priority=prefill_prio))
+    p = Prefill(model, args.chunk, ps)
     th = threading.Thread(target=p.run, daemon=True)
     th.start()
     try:
         if not p.started.wait(600):
             raise RuntimeError("prefill thread did not start")
-        with torch.cuda.stream(torch.cuda.Stream(priority=decode_prio)):
+        with torch.cuda.stream(ds):
             times = dec.steps(args.steps)
     finally:
         p.stop.set()
@@ -153,12 +155,13 @@ def beside_thread(args, model, dec: Decode, prefill_prio: int, decode_prio: int,
     return summary(times), summary(p.times[1:])
 
 
-def beside_launched(args, model, dec: Decode, prefill_prio: int, decode_prio: int, chunks: int = 8) -> tuple[dict, dict]:
-    """One thread: a prefill chunk is queued on its stream, then decode steps run until the GPU
+def beside_launched(args, model, dec: Decode, ps: torch.cuda.Stream, ds: torch.cuda.Stream,
+                    chunks: int = 8) -> tuple[dict, dict]:
+    """One thread: a prefill chunk is queued on `ps`, then decode steps run on `ds` until the GPU
     has finished it. No GIL to share: what the decode step costs here is the GPU's doing."""
-    p = Prefill(model, args.chunk, torch.cuda.Stream(priority=prefill_prio))
+    p = Prefill(model, args.chunk, ps)
     times, spans, launch = [], [], []
-    with torch.cuda.stream(torch.cuda.Stream(priority=decode_prio)):
+    with torch.cuda.stream(ds):
         for _ in range(chunks):
             t = time.perf_counter()
             with torch.cuda.stream(p.stream):
@@ -172,8 +175,20 @@ def beside_launched(args, model, dec: Decode, prefill_prio: int, decode_prio: in
     return summary(times[chunks:]), summary(spans[1:])
 
 
+def prefill_alone(model, chunk: int, stream: torch.cuda.Stream) -> dict:
+    """Prefill chunks alone on `stream` (after one to warm up)."""
+    p = Prefill(model, chunk, stream)
+    with torch.cuda.stream(stream):
+        p.chunk()
+        return summary([p.chunk() for _ in range(5)])
+
+
+def priority_streams(prefill_prio: int, decode_prio: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    return torch.cuda.Stream(priority=prefill_prio), torch.cuda.Stream(priority=decode_prio)
+
+
 def green_streams(prefill_sms: int, decode_sms: int | None) -> tuple[torch.cuda.Stream, torch.cuda.Stream, list]:
-    """(decode stream, prefill stream, the contexts to keep alive). Prefill's stream belongs to a
+    """(prefill stream, decode stream, the contexts to keep alive). Prefill's stream belongs to a
     green context of `prefill_sms` SMs: its kernels run only there, so the other SMs stay free for
     decode. Decode gets a green context of `decode_sms` SMs too, or (None) the whole GPU on a
     high-priority stream. torch splits each green context off the whole device, so two of them
@@ -187,58 +202,20 @@ def green_streams(prefill_sms: int, decode_sms: int | None) -> tuple[torch.cuda.
     else:
         keep.append(GreenContext.create(num_sms=decode_sms, device_id=0))
         ds = keep[-1].Stream()
-    return ds, pre.Stream(), keep
+    return pre.Stream(), ds, keep
 
 
-def green_alone(args, model, dec: Decode, prefill_sms: int, decode_sms: int | None) -> tuple[dict, dict]:
-    """Each side alone on its share of the SMs: what the split itself costs."""
-    ds, ps, keep = green_streams(prefill_sms, decode_sms)
+def green(variant: str, args, model, dec: Decode, prefill_sms: int, decode_sms: int | None) -> tuple[dict, dict]:
+    """A variant ("alone": each side alone on its share of the SMs, what the split itself costs;
+    "thread"; "launched") with prefill and decode on green-context streams."""
+    ps, ds, _contexts = green_streams(prefill_sms, decode_sms)  # the contexts live while this runs
+    if variant == "thread":
+        return beside_thread(args, model, dec, ps, ds, 5e-4)
+    if variant == "launched":
+        return beside_launched(args, model, dec, ps, ds, chunks=6)
     with torch.cuda.stream(ds):
         times = dec.steps(args.steps)
-    p = Prefill(model, args.chunk, ps)
-    with torch.cuda.stream(ps):
-        p.chunk()
-        chunks = [p.chunk() for _ in range(5)]
-    del keep
-    return summary(times), summary(chunks)
-
-
-def beside_green_thread(args, model, dec: Decode, prefill_sms: int, decode_sms: int | None) -> tuple[dict, dict]:
-    ds, ps, keep = green_streams(prefill_sms, decode_sms)
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    p = Prefill(model, args.chunk, ps)
-    th = threading.Thread(target=p.run, daemon=True)
-    th.start()
-    try:
-        if not p.started.wait(600):
-            raise RuntimeError("prefill thread did not start")
-        with torch.cuda.stream(ds):
-            times = dec.steps(args.steps)
-    finally:
-        p.stop.set()
-        th.join(120)
-        sys.setswitchinterval(old)
-    del keep
-    return summary(times), summary(p.times[1:])
-
-
-def beside_green_launched(args, model, dec: Decode, prefill_sms: int, decode_sms: int | None,
-                          chunks: int = 6) -> tuple[dict, dict]:
-    """One thread: a prefill chunk queued on its green stream, decode steps on the other until it ends."""
-    ds, ps, keep = green_streams(prefill_sms, decode_sms)
-    p = Prefill(model, args.chunk, ps)
-    times, spans = [], []
-    with torch.cuda.stream(ds):
-        for _ in range(chunks):
-            t = time.perf_counter()
-            with torch.cuda.stream(ps):
-                ev = p.launch()
-            while not ev.query():
-                times += dec.steps(1)
-            spans.append(time.perf_counter() - t)
-    del keep
-    return summary(times[chunks:]), summary(spans[1:])
+    return summary(times), prefill_alone(model, args.chunk, ps)
 
 
 def main() -> None:
@@ -265,20 +242,17 @@ def main() -> None:
     dec = Decode(model, args.bs, args.ctx, 4 * args.steps + 64)
     dec.steps(20)  # warm-up
     low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): numerically high = low priority
-    p_alone = Prefill(model, args.chunk, torch.cuda.Stream())
-    with torch.cuda.stream(p_alone.stream):
-        p_alone.chunk()
-        prefill_alone = summary([p_alone.chunk() for _ in range(5)])
-    del p_alone
-    rows = {"floor_ms": floor_ms, "copy_GBps": bw / 1e9, "prefill_alone": prefill_alone,
+    alone = prefill_alone(model, args.chunk, torch.cuda.Stream())
+    rows = {"floor_ms": floor_ms, "copy_GBps": bw / 1e9, "prefill_alone": alone,
             "decode_alone": summary(dec.steps(args.steps))}
     variants = {
         "other process": lambda: beside_process(args, dec),
-        "same process, prefill low priority": lambda: beside_thread(args, model, dec, low, high, 0.005),
-        "same process, prefill low priority, 0.5 ms GIL switch": lambda: beside_thread(args, model, dec, low, high, 5e-4),
-        "same process, equal priority": lambda: beside_thread(args, model, dec, 0, 0, 0.005),
-        "one thread, prefill queued at low priority": lambda: beside_launched(args, model, dec, low, high),
-        "one thread, prefill queued at equal priority": lambda: beside_launched(args, model, dec, 0, 0),
+        "same process, prefill low priority": lambda: beside_thread(args, model, dec, *priority_streams(low, high), 0.005),
+        "same process, prefill low priority, 0.5 ms GIL switch":
+            lambda: beside_thread(args, model, dec, *priority_streams(low, high), 5e-4),
+        "same process, equal priority": lambda: beside_thread(args, model, dec, *priority_streams(0, 0), 0.005),
+        "one thread, prefill queued at low priority": lambda: beside_launched(args, model, dec, *priority_streams(low, high)),
+        "one thread, prefill queued at equal priority": lambda: beside_launched(args, model, dec, *priority_streams(0, 0)),
     }
     if args.only_green:
         variants = {"other process": variants["other process"]}
@@ -286,10 +260,10 @@ def main() -> None:
         pre, _, d = split.partition(":")
         pre, d = int(pre), (int(d) if d else None)
         name = f"prefill {pre} SMs, decode {d or 'all'}"
-        variants[f"green alone: {name}"] = lambda pre=pre, d=d: green_alone(args, model, dec, pre, d)
-        variants[f"green, one thread: {name}"] = lambda pre=pre, d=d: beside_green_launched(args, model, dec, pre, d)
-        variants[f"green, two threads: {name}"] = lambda pre=pre, d=d: beside_green_thread(args, model, dec, pre, d)
-    print(f"floor {floor_ms:.2f} ms (copy {bw / 1e9:.0f} GB/s); prefill alone {prefill_alone['p50_ms']:.1f} ms "
+        for variant, label in (("alone", "green alone"), ("launched", "green, one thread"),
+                               ("thread", "green, two threads")):
+            variants[f"{label}: {name}"] = lambda v=variant, pre=pre, d=d: green(v, args, model, dec, pre, d)
+    print(f"floor {floor_ms:.2f} ms (copy {bw / 1e9:.0f} GB/s); prefill alone {alone['p50_ms']:.1f} ms "
           f"per {args.chunk}-token chunk", flush=True)
     a = rows["decode_alone"]
     print(f"{'decode alone':55s} p50 {a['p50_ms']:6.2f} ms ({a['p50_ms'] / floor_ms:.2f}x floor), "
@@ -299,7 +273,7 @@ def main() -> None:
         rows[name] = {"decode": d, "prefill": p}
         print(f"{name:55s} p50 {d['p50_ms']:6.2f} ms ({d['p50_ms'] / floor_ms:.2f}x floor), p90 {d['p90_ms']:6.2f} ms; "
               f"prefill {p['p50_ms']:6.1f} ms/chunk = {args.chunk / p['p50_ms'] * 1e3:,.0f} tok/s "
-              f"(alone {args.chunk / prefill_alone['p50_ms'] * 1e3:,.0f})", flush=True)
+              f"(alone {args.chunk / alone['p50_ms'] * 1e3:,.0f})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
