@@ -18,7 +18,6 @@ of its own, on its own CUDA streams.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
@@ -28,7 +27,7 @@ from typing import Callable
 import torch
 
 from glm53.server.config import ClusterConfig, InstanceConfig
-from glm53.server.engine.scheduler import Scheduler
+from glm53.server.engine.scheduler import Scheduler, setup_process
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +89,11 @@ def run_colocated(cluster: ClusterConfig, dec: InstanceConfig, pre: InstanceConf
     from glm53.server.engine.decode import DecodeScheduler
     from glm53.server.engine.prefill import PrefillScheduler
 
-    logging.basicConfig(
-        level=getattr(logging, cluster.router.log_level.upper(), logging.INFO), stream=sys.stderr,
-        format=f"%(asctime)s {dec.name}+{pre.name} %(levelname)s %(name)s: %(message)s", force=True)
-    torch.set_grad_enabled(False)
+    setup_process(cluster, dec, f"{dec.name}+{pre.name}")
     gpu = dec.engine.device == "cuda"
     device = torch.device(f"cuda:{dec.devices[0]}" if gpu else "cpu")
     if gpu:
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # as run_instance: instances share the host's cores
     sys.setswitchinterval(GIL_SWITCH_S)
     decode = DecodeScheduler(cluster, dec)
     try:
@@ -107,9 +101,8 @@ def run_colocated(cluster: ClusterConfig, dec: InstanceConfig, pre: InstanceConf
     except BaseException:
         decode.close()
         raise
-    shared = getattr(getattr(prefill.workers, "rank", None), "shares_weights", False)
-    log.info("%s shares %s's weights: %s", pre.name, dec.name, "yes" if shared else
-             "no (their model, dtype or draft differ): two copies")
+    log.info("%s shares %s's weights: %s", pre.name, dec.name, "yes" if prefill.workers.rank.shares_weights
+             else "no (their model, dtype or draft differ): two copies")
     share = None
     if gpu:  # on a CPU the pair shares the process only: there are no SMs to split
         share = GpuShare(device, pre.colocate_sms, lambda: decode.last_load.num_running > 0)

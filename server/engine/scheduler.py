@@ -277,12 +277,12 @@ class Scheduler(abc.ABC):
         self.workers.close()
 
 
-def run_instance(scheduler_cls: type[Scheduler], cluster: ClusterConfig, role: str, index: int) -> int:
-    """Process entry: logging, signals, build, serve until SIGTERM/SIGINT, clean shutdown."""
-    inst = instance_by_index(cluster, role, index)
+def setup_process(cluster: ClusterConfig, inst: InstanceConfig, label: str) -> None:
+    """What an instance process sets before it builds: logging lines tagged `label`, no autograd,
+    and on CPU one intra-op thread."""
     logging.basicConfig(
         level=getattr(logging, cluster.router.log_level.upper(), logging.INFO), stream=sys.stderr,
-        format=f"%(asctime)s {inst.name} %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s",
         force=True,  # the CLI configured logging before it knew which instance this is
     )
     torch.set_grad_enabled(False)
@@ -290,6 +290,12 @@ def run_instance(scheduler_cls: type[Scheduler], cluster: ClusterConfig, role: s
         # Several instances share the host's cores: one intra-op thread each avoids OpenMP
         # oversubscription, which measured 7x slower decode steps on a 2-core machine.
         torch.set_num_threads(1)
+
+
+def run_instance(scheduler_cls: type[Scheduler], cluster: ClusterConfig, role: str, index: int) -> int:
+    """Process entry: logging, signals, build, serve until SIGTERM/SIGINT, clean shutdown."""
+    inst = instance_by_index(cluster, role, index)
+    setup_process(cluster, inst, inst.name)
     sched = scheduler_cls(cluster, inst)
     signal.signal(signal.SIGTERM, sched.stop)
     signal.signal(signal.SIGINT, sched.stop)
