@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Profile the sparse MLA kernel (T=64, H=64, 2048 slots) with Nsight Compute and print its top
 # warp stall reasons and a few headline metrics. From the repo root on the GPU machine:
-#   source tools/device_env.sh && bash benchmarks/mla_ncu.sh [kwargs, e.g. kernel=tl,block_n=32,num_stages=5]
+#   PYTHONPATH=. bash benchmarks/mla_ncu.sh [kwargs, e.g. kernel=tl,block_n=32,num_stages=5]
 # The first kernel launches (compile, check) are skipped; one launch of the main kernel is profiled.
 set -euo pipefail
 CFG="${1:-}"

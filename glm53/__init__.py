@@ -1,3 +1,3 @@
-"""glm53-serve: the import namespace root. Subpackages map onto the repository's top-level folders."""
+"""glm53-serve: the import root. `server`, `models`, `kernels` and `transport` are its subpackages."""
 
 __version__ = "0.1.0"

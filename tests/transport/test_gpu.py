@@ -1,5 +1,5 @@
 """CUDA pools through the engine (VRAM registration, cuda_ipc / cuda_copy): skipped without a
-GPU. On the device machine: `source tools/device_env.sh` first."""
+GPU. On the device machine, from the repository root: `PYTHONPATH=. python -m pytest ...`."""
 
 import contextlib
 

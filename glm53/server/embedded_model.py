@@ -53,7 +53,7 @@ EMBEDDED_DRAFT_DIRNAME = f"tiny-glm5-dflash-v{EMBEDDED_VERSION}"
 # The random model (its own version: bump when write_embedded_model's output changes).
 RANDOM_VERSION = 1
 RANDOM_DIRNAME = f"tiny-glm5-random-v{RANDOM_VERSION}"
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"  # the repository root's assets/
 SEED = 0x61A5
 BPE_VOCAB = 4096
 TRAIN_TEXT_BYTES = 3_000_000
