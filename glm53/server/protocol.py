@@ -213,9 +213,6 @@ class Abort(_Message):
     room: int
     generation: int
     reason: str = "abort"
-    # None: the whole room; i: only choice i of an n > 1 room (decode; ended by a stop string
-    # while the other choices go on).
-    index: int | None = None
 
 
 @dataclass
@@ -242,10 +239,10 @@ class TokenEvent(_Message):
     generation: int
     instance: str  # the sender's name
     token_ids: list[int] = field(default_factory=list)
-    # None while running; "stop" (eos or stop token, see matched_stop), "length"
-    # (max_new_tokens), "abort", "error" (see error / error_code).
+    # None while running; "stop" (eos, stop token or stop string, see matched_stop), "length"
+    # (max_new_tokens), "abort", "error" (see error / error_code). Decode alone decides.
     finish_reason: str | None = None
-    matched_stop: int | None = None  # the stop/eos token id that ended the room
+    matched_stop: int | str | None = None  # the stop/eos token id or the stop string that ended it
     error: str | None = None
     error_code: str | None = None
     prompt_tokens: int = 0

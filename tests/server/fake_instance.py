@@ -2,7 +2,8 @@
 
 Loaded by `glm53-serve prefill|decode` when GLM53_INSTANCE_IMPL points at this file. No model:
 decode "generates" deterministic tokens from the prompt (so greedy requests are reproducible),
-one token per active room per tick, like a continuous batch. Behaviour knobs (environment):
+one token per active room per tick, like a continuous batch, and decides each finish as the real
+decode does (stop token, eos, stop string through engine/stops.py, length). Behaviour knobs (environment):
 
     FAKE_TOKEN_DELAY   seconds per decode step (default 0.002)
     FAKE_FIRST_TOKEN_DELAY  seconds decode waits before a room's first token (the "transfer")
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from glm53.server.config import ClusterConfig
+from glm53.server.engine.stops import StopStrings, StopText
 from glm53.server.protocol import (Abort, GenerateRequest, InstanceChannel, LoadStats, TokenEvent,
                                    TransferStats)
 
@@ -45,6 +47,7 @@ class _Room:
     req: GenerateRequest
     start_at: float = 0.0
     step: int = 0
+    stops: StopText | None = None
 
 
 def main(cfg: ClusterConfig, index: int) -> int:
@@ -71,6 +74,7 @@ def main(cfg: ClusterConfig, index: int) -> int:
             f.write(str(os.getpid()))
 
     rooms: dict[int, _Room] = {}
+    stop_strings = StopStrings(cfg)
     load = {"v": LoadStats(page_size=inst.engine.page_size, kv_pages_total=inst.engine.num_pages or 1024)}
     ch = InstanceChannel(f"tcp://{inst.host}:{inst.port}", inst.name, role, load_fn=lambda: load["v"])
     stopping = {"v": False}
@@ -90,7 +94,8 @@ def main(cfg: ClusterConfig, index: int) -> int:
                             ch.send(m.reply_to, TokenEvent(room=m.room, generation=m.generation, instance=inst.name,
                                                            transfer=TransferStats(0.001, transfer_bytes, 0.0005)))
                     else:
-                        rooms[m.room] = _Room(m, start_at=time.monotonic() + first_delay)
+                        rooms[m.room] = _Room(m, start_at=time.monotonic() + first_delay,
+                                              stops=stop_strings.new(m.spec.params))
                 elif isinstance(m, Abort):
                     rooms.pop(m.room, None)
             if role == "decode" and rooms:
@@ -110,6 +115,11 @@ def step_rooms(ch: InstanceChannel, rooms: dict[int, _Room], scripts: list, eos_
         q, spec = r.req, r.req.spec
         if time.monotonic() < r.start_at:
             continue
+        if spec.params.max_new_tokens == 0:  # nothing to generate: the room ends at once
+            ch.send(q.reply_to, TokenEvent(room=q.room, generation=q.generation, instance=name, finish_reason="length",
+                                           prompt_tokens=len(spec.input_ids)))
+            del rooms[rid]
+            continue
         script = (spec.params.seed or 0) - SCRIPT_SEED
         if 0 <= script < len(scripts):
             tok = scripts[script][r.step] if r.step < len(scripts[script]) else spec.eos_token_ids[0]
@@ -121,6 +131,8 @@ def step_rooms(ch: InstanceChannel, rooms: dict[int, _Room], scripts: list, eos_
         finish, matched = None, None
         if tok in spec.stop_ids:
             finish, matched = "stop", tok
+        elif r.stops is not None and r.stops.add(tok) is not None:
+            finish, matched = "stop", r.stops.matcher.matched
         elif r.step >= spec.params.max_new_tokens:
             finish = "length"
         ch.send(q.reply_to, TokenEvent(room=q.room, generation=q.generation, instance=name,

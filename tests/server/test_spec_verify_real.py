@@ -15,6 +15,7 @@ from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
 from glm53.server.offline import greedy_generate
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
+from glm53.server.tokenizer import Tokenizer
 from tests.net import free_ports
 
 MAX_NEW = 14
@@ -44,15 +45,8 @@ def scheduler(model_dir, draft) -> DecodeScheduler:
     return DecodeScheduler(cfg, cfg.decode[0])
 
 
-@pytest.mark.parametrize("right_every", [1, 3])
-def test_accepted_runs_on_the_real_model_equal_greedy(setup, model_dir, right_every):
-    """Proposals equal the greedy continuation except at every `right_every`-th draft slot
-    (1: always right). Two ragged requests decode in one batch."""
-    draft, prompts, want = setup
-    sched = scheduler(model_dir, draft)
-    runner = sched.workers.rank.runner
-    sent = []
-    sched.channel.send = lambda _to, ev: sent.append(ev)
+def known_proposals(prompts, want, right_every):
+    """A `propose` that drafts the greedy continuation, wrong at every `right_every`-th slot."""
     truth = {len(p): w for p, w in zip(prompts, want)}  # by prompt length: output position -> token
 
     def propose(blocks):
@@ -68,19 +62,35 @@ def test_accepted_runs_on_the_real_model_equal_greedy(setup, model_dir, right_ev
             rows.append(row)
         return torch.tensor(rows)
 
-    runner.propose = propose
+    return propose
+
+
+def adopt(sched: DecodeScheduler, room: int, prompt: list[int], params: SamplingParams) -> DecodeRequest:
+    """What prefill and the transfer would have done: the prompt's KV and draft context in the
+    request's pages, the first token committed."""
+    req = GenerateRequest(spec=RequestSpec(f"r{room}", prompt, params, []), room=room, generation=0,
+                          prefill=PeerInfo("p0", "prefill", "h", 1, 2),
+                          decode=PeerInfo("d0", "decode", "h", 3, None), reply_to="tcp://unused:1")
+    r = DecodeRequest(req, arrived=0.0,
+                      pages=sched.allocator.alloc(sched.workers.pages_needed(len(prompt) + params.max_new_tokens)))
+    first = sched.workers.forward([SeqChunk(prompt, 0, r.pages)])[0][-1].argmax()
+    r.stops = sched.stop_strings.new(params)
+    sched._commit(r, [int(first)], first=True)
+    return r
+
+
+@pytest.mark.parametrize("right_every", [1, 3])
+def test_accepted_runs_on_the_real_model_equal_greedy(setup, model_dir, right_every):
+    """Proposals equal the greedy continuation except at every `right_every`-th draft slot
+    (1: always right). Two ragged requests decode in one batch."""
+    draft, prompts, want = setup
+    sched = scheduler(model_dir, draft)
+    sent = []
+    sched.channel.send = lambda _to, ev: sent.append(ev)
+    sched.workers.rank.runner.propose = known_proposals(prompts, want, right_every)
     try:
-        reqs = []
         for room, p in enumerate(prompts):
-            params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
-            req = GenerateRequest(spec=RequestSpec(f"r{room}", p, params, []), room=room, generation=0,
-                                  prefill=PeerInfo("p0", "prefill", "h", 1, 2),
-                                  decode=PeerInfo("d0", "decode", "h", 3, None), reply_to="tcp://unused:1")
-            r = DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched.workers.pages_needed(len(p) + MAX_NEW)))
-            # What prefill would have done: the prompt's KV and draft context, the first token.
-            first = sched.workers.forward([SeqChunk(p, 0, r.pages)])[0][-1].argmax()
-            sched._commit(r, [int(first)], first=True)
-            reqs.append(r)
+            adopt(sched, room, p, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True))
         while sched.running:
             sched._decode()
         outs = {ev.room: [] for ev in sent}
@@ -94,6 +104,42 @@ def test_accepted_runs_on_the_real_model_equal_greedy(setup, model_dir, right_ev
         else:  # each verify commits the right drafts before the first wrong slot, plus one
             per = right_every
             assert all(v == -(-(MAX_NEW - 1) // per) for v in verify.values()), (verify, per)
+        assert sched.allocator.num_free == sched.allocator.num_pages
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("logprobs", [-1, 2])
+def test_stop_string_inside_an_accepted_run(setup, model_dir, logprobs):
+    """Every draft is right, so each verify accepts a run of B tokens; a stop string completed
+    by a token in the middle of a run ends the request at that token: nothing after it is
+    committed, streamed, counted (completion_tokens, the verify's accepted count) or given a
+    logprob, and the pages come back."""
+    draft, prompts, want = setup
+    tok = Tokenizer.from_dir(model_dir)
+    out = want[1]
+    # The first token comes from prefill, verify 1 commits out[1:5]: a stop string whose first
+    # occurrence ends at out[2] (mid-run) ends the request with 3 tokens.
+    k, stop = next((k, s) for k in range(3, len(out)) for s in [tok.decode(out[k - 1:k]).strip()]
+                   if s and s not in tok.decode(out[:k - 1]) and (k - 1) % B not in (0, B - 1))
+    assert k < MAX_NEW and stop in tok.decode(out[:k])
+    sched = scheduler(model_dir, draft)
+    sent = []
+    sched.channel.send = lambda _to, ev: sent.append(ev)
+    sched.workers.rank.runner.propose = known_proposals(prompts, want, 1)
+    try:
+        r = adopt(sched, 0, prompts[1], SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True,
+                                                       stop=[stop]))
+        r.req.spec.logprobs = logprobs
+        while sched.running:
+            sched._decode()
+        toks = [t for ev in sent for t in ev.token_ids]
+        assert toks == out[:k]
+        last = sent[-1]
+        assert last.finish_reason == "stop" and last.matched_stop == stop and last.completion_tokens == k
+        assert sum(n for ev in sent for n in ev.spec_accept) == k - 1  # committed, not accepted, counts
+        if logprobs >= 0:
+            assert sum(len(ev.logprobs) for ev in sent[1:]) == k - 1
         assert sched.allocator.num_free == sched.allocator.num_pages
     finally:
         sched.close()

@@ -4,7 +4,8 @@ streaming to the router.
 Per request: allocate pages for prompt + max_new_tokens (few contiguous runs) -> open the room's
 KV receivers on every rank, pointing prefill's ranks at the prompt pages -> when every rank
 succeeded, read the checked metadata row (first token), stream it, join the running batch ->
-one decode forward per step for the whole batch -> finish on a stop token / eos / length.
+one decode forward per step for the whole batch -> finish on a stop token / eos / stop string /
+length.
 
 A request with n > 1 choices shares the prompt's full pages among its choices (decode writes
 only from the prompt's end on, so nothing writes them) and gets, per choice, the pages from the
@@ -14,7 +15,9 @@ pages and the first choice's; on adoption each other choice gets a copy of the p
 decoding side by side, each finishing on its own (its events carry its `index`). The shared
 pages are freed with the last choice (`SharedPages`).
 
-One place decides a request is over (`_commit`) and one frees its pages (`_release`). A room
+One place decides a request is over (`_commit`: stop token, eos, stop string, length, and
+max_new_tokens == 0 too) and one frees its pages (`_release`). Nothing after the token that ends
+a request is committed, streamed or counted, however many tokens a speculative step accepted. A room
 whose transfer is in flight is released only from `_poll_transfers`, once every rank's receiver
 is terminal, so no write can land in reused pages.
 """
@@ -41,6 +44,7 @@ from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferSt
 from glm53.server.engine.logprobs import rows_logprobs, unpack_first
 from glm53.server.engine.overlap import InflightStep, overlappable
 from glm53.server.engine.spec import accept
+from glm53.server.engine.stops import StopStrings, StopText
 from glm53.server.sampling import TokenHistory, sample, step_generator
 from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer, TransferError
 
@@ -67,6 +71,7 @@ class DecodeRequest(TrackedRequest):
     transfer_started: float = 0.0  # receivers created
     bootstrapped: float = 0.0  # receivers left BOOTSTRAPPING: prefill reached, destination sent
     constraint: Any = None  # structured output: the grammar state (engine/constraints.py)
+    stops: StopText | None = None  # its stop strings' matcher (engine/stops.py); None: it has none
     index: int = 0  # the choice (0..n-1) of a request with n choices
     pending: int = 0  # overlapped steps launched for it and not read back (engine/overlap.py)
     finished: bool = False  # released: no more tokens are committed
@@ -106,6 +111,7 @@ class DecodeScheduler(Scheduler):
         self.receiving: list[DecodeRequest] = []  # pages held, KV in flight
         self.running: list[DecodeRequest] = []  # adopted, decoding
         self.constraints = Constraints(cluster)
+        self.stop_strings = StopStrings(cluster)
         # Overlapped plain decoding (engine/overlap.py): the step launched and not yet read back.
         self.overlap = self.workers.device_tokens and not self.block_size and not inst.engine.disable_overlap_schedule
         self.inflight: InflightStep | None = None
@@ -129,11 +135,6 @@ class DecodeScheduler(Scheduler):
 
     def on_abort(self, msg: Abort) -> None:
         key = (msg.room, msg.generation)
-        if msg.index is not None:  # one choice of a running n > 1 request; the others go on
-            for r in list(self.running):
-                if r.key == key and r.index == msg.index:
-                    self._release(r)
-            return
         for r in list(self.waiting):
             if r.key == key:
                 self.waiting.remove(r)
@@ -194,12 +195,6 @@ class DecodeScheduler(Scheduler):
             bytes=self.workers.pages_needed(r.prompt_len) * self.workers.bytes_per_page,
             bootstrap_seconds=r.bootstrapped - r.transfer_started,
         )
-        if r.params.max_new_tokens == 0:  # e.g. prompt logprobs only: every choice ends at once
-            for i in range(r.req.spec.n):
-                r.index = i
-                self._emit(r, [], "length", transfer=stats if i == 0 else None)
-            self._release(r)
-            return
         # The draft's context for the prompt came with the KV (counts[1] = positions sent), or
         # decode builds it from its own verify steps, starting after the prompt.
         if len(row.counts) < 2 or row.counts[1] < r.prompt_len:
@@ -225,6 +220,7 @@ class DecodeScheduler(Scheduler):
                 seqs.append(c)
         for c in seqs:
             c.constraint = self.constraints.new(c.params)
+            c.stops = self.stop_strings.new(c.params)
             tok = [int(row.first_token_ids[c.index])]
             if lps is None:
                 self._commit(c, tok, transfer=stats if c.index == 0 else None, first=True)
@@ -346,44 +342,59 @@ class DecodeScheduler(Scheduler):
             masked = mask_block(r.constraint, d, lg) if r.constraint is not None else lg
             toks = accept(d, masked, r.params, first_step=len(r.output), history=r.history(lg.device),
                           choice=r.index, argmax=am if r.constraint is None else None)
-            r.accepts.append(len(toks))
-            # The target's logprobs of the committed tokens: verify row i produced token i.
+            # The target's logprobs of the accepted tokens: verify row i produced token i.
             lp = self._logprobs([r], [lg], [toks])[0]
-            n_out += self._commit(r, toks, *(lp or (None, None)))
+            n_out += self._commit(r, toks, *(lp or (None, None)), verified=True)
         self.count_tokens(n_out)
         return True
 
     # -- the one place a request finishes, the one place it is released -------------------
     def _commit(self, r: DecodeRequest, toks: list[int], lps: list[float] | None = None,
-                tops: list[list] | None = None, transfer: TransferStats | None = None, first: bool = False) -> int:
-        """Commit generated tokens in order, stopping at the first that ends the request (a stop
-        token or eos, or max_new_tokens: nothing is emitted past them); stream them (token events
-        go out every `stream_interval` tokens, with the first token, and always with the last).
+                tops: list[list] | None = None, transfer: TransferStats | None = None, first: bool = False,
+                verified: bool = False) -> int:
+        """Commit generated tokens in order, stopping at the first that ends the request (nothing
+        past it is committed, streamed or counted); stream them (token events go out every
+        `stream_interval` tokens, with the first token, and always with the last). `verified`:
+        the tokens are one speculative step's accepted run (its committed count is reported).
         Returns how many were committed."""
-        reason, n = None, 0
-        for j, tok in enumerate(toks):
+        reason, matched, n = None, None, 0
+        if len(r.output) >= r.params.max_new_tokens:  # max_new_tokens == 0: prefill's token is not output
+            reason = "length"
+        for j, tok in enumerate(toks if reason is None else ()):
             r.output.append(tok)
             r.unsent.append(tok)
             if lps is not None:
                 r.unsent_lp.append(lps[j])
                 r.unsent_top.append(tops[j])
             n += 1
-            if tok in r.req.spec.stop_ids:
-                reason = "stop"
-            elif len(r.output) >= r.params.max_new_tokens:
-                reason = "length"
+            reason, matched = self._finish(r, tok)
             if reason is not None:
                 break
         if r.constraint is not None:
             r.constraint.advance(toks[:n])
+        if verified:
+            r.accepts.append(n)
         if first or reason is not None or len(r.unsent) >= self.stream_interval:
-            self._emit(r, r.unsent, reason, transfer=transfer)
+            self._emit(r, r.unsent, reason, matched, transfer=transfer)
             r.unsent, r.unsent_lp, r.unsent_top = [], [], []
         if reason is not None:
             self._release(r)
         elif first:
             self.running.append(r)
         return n
+
+    @staticmethod
+    def _finish(r: DecodeRequest, tok: int) -> tuple[str | None, int | str | None]:
+        """Whether the just-committed `tok` ends the request: (finish reason, what matched)."""
+        if tok in r.req.spec.stop_ids:  # a stop token or eos; its text is never shown, so never matched
+            return "stop", tok
+        if r.stops is not None and (s := r.stops.add(tok)) is not None:
+            return "stop", s
+        if len(r.output) >= r.params.max_new_tokens:
+            if r.stops is not None and (s := r.stops.end()) is not None:
+                return "stop", s
+            return "length", None
+        return None, None
 
     def _release(self, r: DecodeRequest, error: tuple[str, str] | None = None) -> None:
         """End a request whose pages no transfer can still write: out of the batch, pages freed,
@@ -414,8 +425,8 @@ class DecodeScheduler(Scheduler):
             r.aborted = True  # pages are freed once every rank's receiver is terminal
             r.receiver.abort(reason)
 
-    def _emit(self, r: DecodeRequest, toks: list[int], reason: str | None, transfer: TransferStats | None = None) -> None:
-        matched = toks[-1] if reason == "stop" and toks else None
+    def _emit(self, r: DecodeRequest, toks: list[int], reason: str | None, matched: int | str | None = None,
+              transfer: TransferStats | None = None) -> None:
         self.channel.send(r.req.reply_to, TokenEvent(
             room=r.req.room, generation=r.req.generation, instance=self.inst.name, token_ids=toks,
             finish_reason=reason, matched_stop=matched, prompt_tokens=r.prompt_len,

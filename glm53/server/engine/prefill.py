@@ -74,8 +74,6 @@ class PrefillScheduler(Scheduler):
             self.waiting.append(r)
 
     def on_abort(self, msg: Abort) -> None:
-        if msg.index is not None:
-            return  # one decode choice: nothing of it is here
         key = (msg.room, msg.generation)
         for r in list(self.waiting):
             if r.key == key:

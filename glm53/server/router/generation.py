@@ -1,16 +1,20 @@
 """One generation: a RequestSpec in, text deltas and one outcome out (no HTTP here).
 
 `Generation` submits the spec to an instance pair, retries on another prefill instance while no
-token has come back, turns decode's token events into text (incremental detokenization, stop
-strings applied router-side), records the request's metrics and aborts the room on both
-instances when it ends early. Failures surface as APIError with the status the client sees.
+token has come back, turns decode's token events into text (incremental detokenization; a
+matched stop string cut from the text, or kept with no_stop_trim), records the request's metrics
+and aborts the room on both instances when it ends early (the client went away, a failure).
+Failures surface as APIError with the status the client sees.
+
+Decode alone decides that a choice is over (stop token, eos, stop string, length): the router
+never ends one and never sees a token after the one that ended it. Its stop-string matcher,
+the same class decode matches with, only formats: it holds back text that may begin a stop
+string and cuts the text where the match begins.
 
 A spec with n > 1 is one room with n choices (one prefill, n decode sequences): each choice has
-its own detokenizer, stop matching, Deltas and Outcome (`index`), and the room ends when every
-choice has. A choice ended router-side (a stop string) while others run is aborted on decode
-alone; tokens of it already in flight are dropped here. Logprobs ride on the
-Deltas with the token ids they belong to; prompt logprobs (from prefill) are on the Generation
-before its first Delta is yielded.
+its own detokenizer, stop-string formatting, Deltas and Outcome (`index`), and the room ends when
+every choice has. Logprobs ride on the Deltas with the token ids they belong to; prompt logprobs
+(from prefill) are on the Generation before its first Delta is yielded.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, AsyncIterator
 
 from glm53.server.config import ClusterConfig
 from glm53.server.protocol import RequestSpec
-from glm53.server.router.instance_pool import InstancePool, Room, RoomFailed, Unavailable
+from glm53.server.router.instance_pool import InstancePool, Placement, RoomFailed, Unavailable
 from glm53.server.router.metrics import RouterMetrics
 from glm53.server.router.offload import Offload
 from glm53.server.router.schemas import APIError
@@ -103,14 +107,12 @@ class Generation:
     def __init__(self, state: RouterState, spec: RequestSpec):
         self.state, self.spec = state, spec
         self.t0 = time.monotonic()
-        self.room: Room | None = None
+        self.room: Placement | None = None
         self._open = False
         self.failed_prefills: set[str] = set()
         # Prompt logprobs (spec.prompt_logprobs_start >= 0), from prefill's event.
         self.prompt_logprobs: list[float | None] | None = None
         self.prompt_top_logprobs: list[list] | None = None
-        if spec.params.max_new_tokens == 0 and spec.prompt_logprobs_start < 0:
-            return
         try:
             self.room = state.pool.submit(spec)
         except Unavailable as e:
@@ -171,10 +173,6 @@ class Generation:
     async def events(self) -> AsyncIterator[Delta | Outcome]:
         spec, p, state = self.spec, self.spec.params, self.state
         m, name = state.metrics, state.metrics.model_name
-        if self.room is None:
-            for i in range(spec.n):
-                yield Outcome("length", None, len(spec.input_ids), 0, index=i)
-            return
         choices = [_Choice(i, IncrementalDetokenizer(state.tokenizer, p.skip_special_tokens),
                            StopStringMatcher(p.stop, include_stop=p.no_stop_trim)) for i in range(spec.n)]
         want_prompt = spec.prompt_logprobs_start >= 0
@@ -212,8 +210,6 @@ class Generation:
                 c = choices[ev.index]
                 if (ids or ev.finish_reason is not None) and not c.done:
                     pending.extend(c.feed(ev, want_lp, len(spec.input_ids)))
-                    if c.done and not c.ended_by_instance and not all(ch.done for ch in choices):
-                        self.state.pool.abort_choice(self.room, c.index)  # the others go on
                 if want_prompt and self.prompt_logprobs is None:
                     continue  # hold everything until the prompt logprobs are here
                 for item in pending:
@@ -223,8 +219,7 @@ class Generation:
                     yield item
                 pending = []
                 if all(ch.done for ch in choices):
-                    # The instances end eos/length choices themselves; a router-side end needs an abort.
-                    self._close(abort=not all(ch.ended_by_instance for ch in choices))
+                    self._close(abort=False)  # decode ended every choice itself
                     m.e2e.labels(name).observe(now - self.t0)
                     longest = max(ch.n_out for ch in choices)  # choices decode side by side
                     if first_t is not None and longest > 1:
@@ -240,40 +235,31 @@ class Generation:
 
 @dataclass
 class _Choice:
-    """The router's state of one choice: its text pipeline and how it ended."""
+    """The router's state of one choice: its text pipeline and whether decode ended it."""
 
     index: int
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
     n_out: int = 0
     done: bool = False
-    ended_by_instance: bool = False
 
     def feed(self, ev: Any, want_lp: bool, prompt_tokens: int) -> list[Delta | Outcome]:
         """This choice's Delta (and Outcome, at its end) for one of its token events."""
         ids = list(ev.token_ids)
         lps = list(ev.logprobs) if want_lp else None
         tops = list(ev.top_logprobs) if want_lp else None
-        # Decode decides "stop" (a stop/eos token) and "length"; a stop token is counted but not shown.
         finish, matched = ev.finish_reason, ev.matched_stop
+        # A stop token (or eos) is counted but not shown; a stop string is cut from the text.
         visible = ids[:-1] if finish == "stop" and ids and matched == ids[-1] else ids
         self.n_out += len(ids)
         text = self.stops.feed(self.detok.add(visible)) if visible else ""
-        if self.stops.matched is not None:
-            finish, matched = "stop", self.stops.matched
-        out: list[Delta | Outcome] = []
         if finish is None:
-            if text or ids:
-                out.append(Delta(text, ids, self.index, lps, tops))
-            return out
-        if self.stops.matched is None:
-            text += self.stops.feed(self.detok.flush())
-            if self.stops.matched is None:
-                text += self.stops.flush()
-            else:
-                finish, matched = "stop", self.stops.matched
+            return [Delta(text, ids, self.index, lps, tops)] if text or ids else []
+        # The end: what the detokenizer and the matcher still hold (decode matched the same text).
+        text += self.stops.feed(self.detok.flush())
+        text += self.stops.flush()
         self.done = True
-        self.ended_by_instance = ev.finish_reason is not None
+        out: list[Delta | Outcome] = []
         if text or ids:
             out.append(Delta(text, ids, self.index, lps, tops, shown=len(visible)))
         out.append(Outcome(finish, matched, prompt_tokens, self.n_out, index=self.index))

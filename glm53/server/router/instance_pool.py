@@ -61,7 +61,9 @@ class InstanceState:
 
 
 @dataclass
-class Room:
+class Placement:
+    """A request placed on a prefill/decode pair under one room (id, generation), and its token events."""
+
     room: int
     generation: int
     spec: RequestSpec
@@ -81,7 +83,7 @@ class InstancePool:
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self.instances: dict[str, list[InstanceState]] = {"prefill": [], "decode": []}
-        self.rooms: dict[int, Room] = {}
+        self.rooms: dict[int, Placement] = {}
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._ping_seq = itertools.count()
         self._tasks: list[asyncio.Task] = []
@@ -145,7 +147,7 @@ class InstancePool:
         }
 
     # ---- requests ----
-    def submit(self, spec: RequestSpec, exclude_prefill: frozenset[str] = frozenset(), generation: int = 0) -> Room:
+    def submit(self, spec: RequestSpec, exclude_prefill: frozenset[str] = frozenset(), generation: int = 0) -> Placement:
         """Send `spec` to a fresh (prefill, decode) pair. `exclude_prefill` and `generation` are
         for retries: a retried request gets a new room id (the transfer layer retires old ones)
         and the next generation number."""
@@ -161,7 +163,7 @@ class InstancePool:
                 continue
             pairs_tried.add((p.name, d.name))
             room_id = self._new_room_id()
-            room = Room(room=room_id, generation=generation, spec=spec, prefill=p, decode=d)
+            room = Placement(room=room_id, generation=generation, spec=spec, prefill=p, decode=d)
             req = GenerateRequest(spec=spec, room=room_id, generation=generation, prefill=p.peer, decode=d.peer,
                                   reply_to=self.cfg.router.result_address, sent_at=time.time())
             data = encode(req)
@@ -179,7 +181,7 @@ class InstancePool:
             return room
         raise Unavailable("no healthy prefill/decode instance pair is available")
 
-    async def next_event(self, room: Room) -> TokenEvent:
+    async def next_event(self, room: Placement) -> TokenEvent:
         """The room's next event; RoomFailed when an instance fails it, dies, or it times out."""
         t = self.cfg.transfer
         if not room.got_first_token:
@@ -203,7 +205,7 @@ class InstancePool:
             room.got_first_token = True
         return item
 
-    def release(self, room: Room, abort: bool) -> None:
+    def release(self, room: Placement, abort: bool) -> None:
         """Forget the room (idempotent); with abort, tell both instances to drop it."""
         if room.done:
             return
@@ -215,12 +217,6 @@ class InstancePool:
             msg = encode(Abort(room=room.room, generation=room.generation))
             self._send(room.decode, msg)
             self._send(room.prefill, msg)
-
-    def abort_choice(self, room: Room, index: int) -> None:
-        """Stop one choice of a live n > 1 room on its decode instance (the others go on)."""
-        if not room.done:
-            self._send(room.decode, encode(Abort(room=room.room, generation=room.generation, reason="stop string",
-                                                 index=index)))
 
     # ---- internals ----
     def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> InstanceState:
