@@ -253,6 +253,10 @@ def _instance_entry(role: str) -> Callable[[ClusterConfig, int], int | None]:
         else:
             mod = importlib.import_module(impl)
         return mod.main
+    return _run_decode if role == "decode" else _engine_main(role)
+
+
+def _engine_main(role: str) -> Callable[[ClusterConfig, int], int | None]:
     name = f"glm53.server.engine.{role}"
     try:
         return importlib.import_module(name).main
@@ -260,6 +264,19 @@ def _instance_entry(role: str) -> Callable[[ClusterConfig, int], int | None]:
         if e.name != name:
             raise
         raise SystemExit(f"glm53-serve {role}: the {role} instance ({name}) is not available yet")
+
+
+def _run_decode(cluster: ClusterConfig, index: int) -> int | None:
+    """`glm53-serve decode`: a decode instance that a prefill instance colocates with runs together
+    with it, one process on one GPU (engine/colocate.py); any other runs alone (engine/decode.py).
+    The choice is made here, above both: colocate.py builds a `DecodeScheduler`."""
+    dec = cluster.decode[index] if 0 <= index < len(cluster.decode) else None  # else decode.main says so
+    partner = cluster.colocated_prefill(dec) if dec is not None else None
+    if partner is None:
+        return _engine_main("decode")(cluster, index)
+    from glm53.server.engine.colocate import run_colocated
+
+    return run_colocated(cluster, dec, partner)
 
 
 # --------------------------------------------------------------------------------------------

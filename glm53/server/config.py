@@ -31,17 +31,15 @@ from typing import Any, Literal
 
 import yaml
 
-from glm53.server.config_values import ConfigError, check_keys, check_value, type_name
+from glm53.server.config_checks import check_semantics
+# The embedded model names and ROLES live in config_values, below this module and config_checks
+# (which this module imports to run the checks); they are still importable from here.
+from glm53.server.config_values import (EMBEDDED_DRAFT, EMBEDDED_MODEL, EMBEDDED_RANDOM, ROLES,  # noqa: F401
+                                        ConfigError, check_keys, check_value, is_local_host, type_name)
 
-# Names `up` materializes on first use (server/embedded_model.py): the trained tiny GLM-5, its
-# DFlash draft, and a random-weight tiny GLM-5 for tests.
-EMBEDDED_MODEL = "embedded:tiny-glm5"
-EMBEDDED_RANDOM = "embedded:tiny-glm5-random"
-EMBEDDED_DRAFT = "embedded:tiny-glm5-dflash"
 PAIRING_POLICIES = ("round_robin", "least_loaded", "random")
 # Backends the transport layer implements.
 TRANSFER_BACKENDS = ("nixl",)
-ROLES = ("prefill", "decode")
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,6 +225,10 @@ class ClusterConfig:
     def pool(self, role: str) -> list[InstanceConfig]:
         return self.prefill if role == "prefill" else self.decode
 
+    def colocated_prefill(self, decode: InstanceConfig) -> InstanceConfig | None:
+        """The prefill instance that runs in `decode`'s process and GPU (`colocate: <its name>`), if any."""
+        return next((p for p in self.prefill if p.colocate == decode.name), None)
+
     @property
     def instances(self) -> list[InstanceConfig]:
         return [*self.prefill, *self.decode]
@@ -234,7 +236,7 @@ class ClusterConfig:
     @property
     def single_host(self) -> bool:
         hosts = {self.router.host, *(i.host for i in self.instances)}
-        return all(_is_local_host(h) for h in hosts) or len(hosts) == 1
+        return all(is_local_host(h) for h in hosts) or len(hosts) == 1
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form (round-trips through `parse_config`)."""
@@ -323,8 +325,6 @@ def parse_config(raw: Any, source: str = "<config>", overrides: dict[str, Any] |
     # share a GPU. The dataclass keeps just the value, so this is read off the raw entries.
     sized = {f"{role}[{i}]" for role in ROLES for i, e in enumerate(raw[role])
              if "mem_fraction_static" in e or "mem_fraction_static" in defaults_raw}
-    from glm53.server.config_checks import check_semantics  # it imports this module's types
-
     check_semantics(cfg, sized)
     return cfg
 
@@ -410,15 +410,6 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
     inst = _build(InstanceConfig, fields, path, source, skip=("engine",))
     inst.engine = engine
     return inst
-
-
-def _is_local_host(h: str) -> bool:
-    return h in ("127.0.0.1", "localhost", "0.0.0.0", "::1", "::", "")
-
-
-def canonical_host(h: str) -> str:
-    # Loopback names and the wildcard address share one port space on a single host.
-    return "*" if _is_local_host(h) else h
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,9 +5,13 @@ fit), colocated pairs, and what prefill and decode must agree on. Each failure i
 
 from __future__ import annotations
 
-from glm53.server.config import (EMBEDDED_DRAFT, EMBEDDED_MODEL, EMBEDDED_RANDOM, ROLES, ClusterConfig,
-                                 EngineConfig, InstanceConfig, canonical_host)
-from glm53.server.config_values import ConfigError
+from typing import TYPE_CHECKING
+
+from glm53.server.config_values import (EMBEDDED_DRAFT, EMBEDDED_MODEL, EMBEDDED_RANDOM, ROLES, ConfigError,
+                                        canonical_host)
+
+if TYPE_CHECKING:  # annotations only: config.py imports this module to run the checks
+    from glm53.server.config import ClusterConfig, EngineConfig, InstanceConfig
 
 # Instances on one GPU (one-GPU PD: prefill and decode side by side) must each set
 # mem_fraction_static, and the fractions must leave the driver and the allocators some room.

@@ -1,6 +1,8 @@
 """Reading typed values out of parsed YAML, with errors that name the file and the key path:
 unknown keys (with the closest allowed name), and values checked against a dataclass field's
-annotation (unions, literals, lists, bool/int/float/str)."""
+annotation (unions, literals, lists, bool/int/float/str). Also the names and host rules that the
+parser (config.py) and the checks across keys (config_checks.py) both use: they live here, below
+both, so that config.py can import config_checks.py and not the other way round."""
 
 from __future__ import annotations
 
@@ -8,6 +10,22 @@ import difflib
 import types
 import typing
 from typing import Any, Literal
+
+# Names `up` materializes on first use (server/embedded_model.py): the trained tiny GLM-5, its
+# DFlash draft, and a random-weight tiny GLM-5 for tests.
+EMBEDDED_MODEL = "embedded:tiny-glm5"
+EMBEDDED_RANDOM = "embedded:tiny-glm5-random"
+EMBEDDED_DRAFT = "embedded:tiny-glm5-dflash"
+ROLES = ("prefill", "decode")
+
+
+def is_local_host(h: str) -> bool:
+    return h in ("127.0.0.1", "localhost", "0.0.0.0", "::1", "::", "")
+
+
+def canonical_host(h: str) -> str:
+    # Loopback names and the wildcard address share one port space on a single host.
+    return "*" if is_local_host(h) else h
 
 
 class ConfigError(ValueError):

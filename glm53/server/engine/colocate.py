@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 
 from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server.engine.decode import DecodeScheduler
+from glm53.server.engine.prefill import PrefillScheduler
 from glm53.server.engine.scheduler import Scheduler, setup_process
 
 log = logging.getLogger(__name__)
@@ -85,10 +87,8 @@ class GpuShare:
 
 def run_colocated(cluster: ClusterConfig, dec: InstanceConfig, pre: InstanceConfig) -> int:
     """Process entry of a colocated pair: build both instances, run each loop in its thread until
-    SIGTERM/SIGINT or until either loop dies (then both stop and the exit code says so)."""
-    from glm53.server.engine.decode import DecodeScheduler
-    from glm53.server.engine.prefill import PrefillScheduler
-
+    SIGTERM/SIGINT or until either loop dies (then both stop and the exit code says so).
+    `glm53-serve decode` (cli.py) runs it for a decode instance a prefill instance colocates with."""
     setup_process(cluster, dec, f"{dec.name}+{pre.name}")
     gpu = dec.engine.device == "cuda"
     device = torch.device(f"cuda:{dec.devices[0]}" if gpu else "cpu")

@@ -466,10 +466,11 @@ class DecodeScheduler(Scheduler):
 
 
 def main(cluster: ClusterConfig, instance_index: int = 0) -> int:
+    """A decode instance alone in its process. `glm53-serve decode` (cli.py) runs one that a prefill
+    instance colocates with as the pair instead (engine/colocate.py, which imports this module)."""
     inst = instance_by_index(cluster, "decode", instance_index)
-    partner = next((p for p in cluster.prefill if p.colocate == inst.name), None)
-    if partner is not None:  # a prefill instance shares this process and GPU
-        from glm53.server.engine.colocate import run_colocated
-
-        return run_colocated(cluster, inst, partner)
+    partner = cluster.colocated_prefill(inst)
+    if partner is not None:
+        raise SystemExit(f"decode instance {inst.name} shares its process with prefill instance {partner.name} "
+                         f"(colocate): start the pair with run_colocated (engine/colocate.py)")
     return run_instance(DecodeScheduler, cluster, "decode", instance_index)
