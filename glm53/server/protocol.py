@@ -151,8 +151,8 @@ class PeerInfo:
 class RequestSpec:
     """What to generate, built once by the router and carried whole to both instances: the
     prompt, the validated `SamplingParams` (max_new_tokens, stop ids, ignore_eos, seed, ...) and
-    the model's eos ids. Decode alone decides a "stop"-token or "length" finish from it; the
-    router only applies what needs text (stop strings, display trimming)."""
+    the model's eos ids. Decode alone decides every finish from it (stop token, eos, stop
+    string, length); the router only formats the text."""
 
     rid: str  # the client-visible request id (logs, x-request-id)
     input_ids: list[int]
@@ -166,6 +166,10 @@ class RequestSpec:
     # Prefix-cache isolation (vLLM's cache_salt, SGLang's cache_salt / extra_key): a request reuses
     # only KV cached by requests with the same salt.
     cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.params.max_new_tokens is None:
+            raise ValueError("a RequestSpec's max_new_tokens is resolved (router/intake.request_spec)")
 
     @property
     def stop_ids(self) -> frozenset[int]:

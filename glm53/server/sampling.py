@@ -41,7 +41,9 @@ class SamplingParams:
     top_k: int = -1  # -1 = no top-k
     min_p: float = 0.0
     seed: int | None = None
-    max_new_tokens: int = 128
+    # None only on the router before the prompt is known: "the rest of the context"
+    # (router/intake.request_spec resolves it; instances always receive a number).
+    max_new_tokens: int | None = 128
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -90,8 +92,7 @@ class SamplingParams:
             integer("seed", self.seed)
             if not -(2**63) <= self.seed < 2**64:
                 raise SamplingError("seed", f"seed must fit in 64 bits, got {self.seed}")
-        integer("max_new_tokens", self.max_new_tokens)
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and integer("max_new_tokens", self.max_new_tokens) < 0:
             raise SamplingError("max_new_tokens", f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise SamplingError("stop", "stop must be a list of strings")

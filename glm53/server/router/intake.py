@@ -1,6 +1,7 @@
 """What every handler does with a request before it generates: check the model name and the
 fields clients may not send or that are not supported yet, render chat messages, turn prompts
-into checked token ids, name the request, and build the one RequestSpec both instances receive.
+into checked token ids, name the request, and build the one RequestSpec both instances receive
+(each API family maps its body to SamplingParams + RequestFields in one function and passes them on).
 
 Each check raises APIError with the status, message and param the client sees. The prompt
 functions (`chat_prompt_ids`, `text_prompt_ids`, `ids_prompt`) do the heavy work and run in the
@@ -10,7 +11,7 @@ router's worker threads (offload.py), never on the event loop.
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -82,87 +83,87 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 @dataclass
-class Penalties:
-    """The history-dependent sampling fields of a request (SamplingParams names)."""
+class RequestFields:
+    """What a request asks for beside its SamplingParams (protocol.RequestSpec's other fields),
+    and the names its client knows the fields by (SamplingParams / RequestSpec name -> the
+    client's, e.g. min_new_tokens -> min_tokens) for error params."""
 
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_new_tokens: int | None = None
+    n: int = 1
+    logprobs: int = -1  # top logprobs per output token; -1: none
+    prompt_logprobs_start: int = -1
+    cache_salt: str = ""
+    default_max: int | None = None  # max_new_tokens when the client set none (None: the rest of the context)
+    prompt_param: str = "messages"  # the field the prompt came in (the context-length error names it)
+    names: dict[str, str] = field(default_factory=dict)
 
-    def params(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+    def name(self, key: str) -> str:
+        return self.names.get(key, key)
 
 
-def request_spec(state: RouterState, rid: str, input_ids: list[int], *, max_tokens: int | None,
-                 default_max: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
-                 min_p: float | None, seed: int | None, stop: list[str], stop_token_ids: list[int] | None,
-                 ignore_eos: bool, skip_special_tokens: bool = True, no_stop_trim: bool = False,
-                 grammar: str | None = None, grammar_after: int | None = None,
-                 penalties: Penalties | None = None, n: int = 1, logprobs: int = -1,
-                 prompt_logprobs_start: int = -1, prompt_param: str = "messages",
-                 names: dict[str, str] | None = None, cache_salt: str = "") -> RequestSpec:
-    """The one request object both instances receive: validated params, context-capped
-    max_new_tokens, the model's eos ids. `prompt_param` is the field the prompt came in (the
-    context-length error names it); `names` maps SamplingParams names to the client's (e.g.
-    min_new_tokens -> min_tokens) for error params."""
-    names = names or {}
+def sampling_params(state: RouterState, names: dict[str, str], **given: Any) -> SamplingParams:
+    """SamplingParams from the fields a client set (None: not set; the model's generation config
+    supplies temperature, top_p, top_k and min_p, SamplingParams the rest; max_new_tokens stays
+    None until request_spec knows the prompt). A bad value is a 400 naming the client's field."""
+    d = state.tokenizer.defaults
+    defaults = {"temperature": d.temperature if d.temperature is not None else 1.0,
+                "top_p": d.top_p if d.top_p is not None else 1.0,
+                "top_k": d.top_k if d.top_k not in (None, 0) else -1,
+                "min_p": d.min_p or 0.0, "max_new_tokens": None}
+    try:
+        return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
+    except SamplingError as e:
+        raise APIError(400, str(e), names.get(e.param, e.param)) from None
+
+
+def request_spec(state: RouterState, rid: str, input_ids: list[int], params: SamplingParams,
+                 fields: RequestFields) -> RequestSpec:
+    """The one request object both instances receive: the checks that need the prompt and the
+    model (context length, vocabulary), max_new_tokens resolved and capped by the context, the
+    model's eos ids."""
     prompt_len = len(input_ids)
     ctx = state.context_length
     if prompt_len == 0:
-        raise APIError(400, "The prompt is empty (it has no tokens).", prompt_param)
+        raise APIError(400, "The prompt is empty (it has no tokens).", fields.prompt_param)
     if prompt_len >= ctx:
-        raise too_long(ctx, str(prompt_len), prompt_param)
+        raise too_long(ctx, str(prompt_len), fields.prompt_param)
     room = ctx - prompt_len
-    max_param = names.get("max_new_tokens", "max_tokens")
+    max_tokens = params.max_new_tokens
     if max_tokens is None:
-        max_tokens = room if default_max is None else min(default_max, room)
+        max_tokens = room if fields.default_max is None else min(fields.default_max, room)
     elif prompt_len + max_tokens > ctx:
         raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
                        f"{prompt_len + max_tokens} tokens ({prompt_len} in the input, {max_tokens} in the "
-                       "completion). Please reduce the length of the input or the completion.", max_param)
-    d = state.tokenizer.defaults
+                       "completion). Please reduce the length of the input or the completion.",
+                       fields.name("max_new_tokens"))
+    params = replace(params, max_new_tokens=max_tokens)
     vocab = state.tokenizer.vocab_size
-    if len(stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
-        raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported; got {len(stop_token_ids)}",
-                       "stop_token_ids")
-    for t in stop_token_ids or []:
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported; got "
+                       f"{len(params.stop_token_ids)}", "stop_token_ids")
+    for t in params.stop_token_ids:
         if not 0 <= t < vocab:
             raise APIError(400, f"stop_token_ids: token id {t} is outside the vocabulary (0..{vocab - 1})",
                            "stop_token_ids")
-    if not 1 <= n <= MAX_CHOICES:
-        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {n}", names.get("n", "n"))
-    if logprobs > MAX_TOP_LOGPROBS:
-        raise APIError(400, f"at most {MAX_TOP_LOGPROBS} top logprobs are supported, got {logprobs}",
-                       names.get("logprobs", "top_logprobs"))
-    extra = (penalties or Penalties()).params()
-    if len(extra.get("logit_bias") or {}) > vocab:
-        raise APIError(400, "logit_bias has more entries than the vocabulary", names.get("logit_bias", "logit_bias"))
-    try:
-        params = SamplingParams(
-            temperature=temperature if temperature is not None else (d.temperature if d.temperature is not None else 1.0),
-            top_p=top_p if top_p is not None else (d.top_p if d.top_p is not None else 1.0),
-            top_k=top_k if top_k is not None else (d.top_k if d.top_k not in (None, 0) else -1),
-            min_p=min_p if min_p is not None else (d.min_p or 0.0),
-            seed=seed, max_new_tokens=max_tokens, stop=stop, stop_token_ids=list(stop_token_ids or []),
-            ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens, no_stop_trim=no_stop_trim,
-            grammar=grammar, grammar_after=grammar_after, **extra,
-        )
-    except SamplingError as e:
-        raise APIError(400, str(e), names.get(e.param, e.param)) from None
+    if not 1 <= fields.n <= MAX_CHOICES:
+        raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {fields.n}", fields.name("n"))
+    if fields.logprobs > MAX_TOP_LOGPROBS:
+        raise APIError(400, f"at most {MAX_TOP_LOGPROBS} top logprobs are supported, got {fields.logprobs}",
+                       fields.names.get("logprobs", "top_logprobs"))
+    if len(params.logit_bias) > vocab:
+        raise APIError(400, "logit_bias has more entries than the vocabulary", fields.name("logit_bias"))
     for t in params.logit_bias:
         if t >= vocab:
             raise APIError(400, f"logit_bias: token id {t} is outside the vocabulary (0..{vocab - 1})",
-                           names.get("logit_bias", "logit_bias"))
+                           fields.name("logit_bias"))
     if params.min_new_tokens > params.max_new_tokens:
         raise APIError(400, f"min_new_tokens ({params.min_new_tokens}) is more than the {params.max_new_tokens} "
-                       "tokens this request may generate", names.get("min_new_tokens", "min_new_tokens"))
-    if prompt_logprobs_start >= prompt_len:
-        raise APIError(400, f"logprob_start_len ({prompt_logprobs_start}) must be less than the prompt's "
+                       "tokens this request may generate", fields.name("min_new_tokens"))
+    if fields.prompt_logprobs_start >= prompt_len:
+        raise APIError(400, f"logprob_start_len ({fields.prompt_logprobs_start}) must be less than the prompt's "
                        f"{prompt_len} tokens", "logprob_start_len")
-    return RequestSpec(rid, input_ids, params, list(state.tokenizer.eos_token_ids), n=n, logprobs=logprobs,
-                       prompt_logprobs_start=prompt_logprobs_start, cache_salt=cache_salt)
+    return RequestSpec(rid, input_ids, params, list(state.tokenizer.eos_token_ids), n=fields.n,
+                       logprobs=fields.logprobs, prompt_logprobs_start=fields.prompt_logprobs_start,
+                       cache_salt=fields.cache_salt)
 
 
 def too_long(ctx: int, n: str, param: str) -> APIError:

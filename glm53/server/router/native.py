@@ -25,14 +25,33 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from glm53.server.router import structured
 from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import Delta, Generation, Outcome, RouterState, start_all
-from glm53.server.router.intake import (Penalties, State, check_internal, ids_prompt, request_id, request_spec,
-                                        stop_list, text_prompt_ids)
+from glm53.server.sampling import SamplingParams
+from glm53.server.router.intake import (RequestFields, State, check_internal, ids_prompt, request_id,
+                                        request_spec, sampling_params, stop_list, text_prompt_ids)
 from glm53.server.router.logprobs import Texts, sglang_tokens, sglang_tops
 from glm53.server.router.schemas import APIError, GenerateRequestBody, GenerateSamplingParams
 from glm53.server.router.sse import (SSE_DONE, SSE_HEADERS, Collected, collect_all, event_stream, sse,
                                      until_disconnect)
 
 router = APIRouter(route_class=BodyRoute)
+
+# SGLang's names for SamplingParams / RequestSpec fields, for error params.
+_NAMES = {"max_new_tokens": "sampling_params.max_new_tokens", "logprobs": "top_logprobs_num",
+          "min_new_tokens": "sampling_params.min_new_tokens", "n": "sampling_params.n",
+          "logit_bias": "sampling_params.logit_bias", "seed": "sampling_params.sampling_seed",
+          **{k: f"sampling_params.{k}" for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                  "frequency_penalty", "repetition_penalty")}}
+
+
+def generate_params(state: RouterState, sp: GenerateSamplingParams, grammar: str | None) -> SamplingParams:
+    """SGLang's `sampling_params` (one prompt's) as SamplingParams."""
+    return sampling_params(
+        state, _NAMES, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+        seed=sp.sampling_seed, max_new_tokens=sp.max_new_tokens, stop=stop_list(sp.stop),
+        stop_token_ids=sp.stop_token_ids, ignore_eos=bool(sp.ignore_eos), grammar=grammar,
+        skip_special_tokens=sp.skip_special_tokens is not False, no_stop_trim=bool(sp.no_stop_trim),
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias, min_new_tokens=sp.min_new_tokens)
 
 # GenerateReqInput fields that change nothing here whatever their value (metadata and routing
 # hints: there is no data-parallel rank to pick).
@@ -130,22 +149,10 @@ async def generate_native(body: GenerateRequestBody, request: Request, state: St
         salt = f"{salt}\x00{extra}" if extra else salt
         if i and n != specs[0].n:
             raise APIError(400, "sampling_params.n must be the same for every prompt", "sampling_params.n")
-        specs.append(request_spec(
-            state, rid, ids, max_tokens=sp.max_new_tokens, default_max=128, temperature=sp.temperature,
-            top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=sp.sampling_seed, stop=stop_list(sp.stop),
-            stop_token_ids=sp.stop_token_ids, ignore_eos=bool(sp.ignore_eos), grammar=grammar,
-            skip_special_tokens=sp.skip_special_tokens is not False, no_stop_trim=bool(sp.no_stop_trim),
-            penalties=Penalties(presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-                                repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias,
-                                min_new_tokens=sp.min_new_tokens),
-            n=n, logprobs=top if want else -1, prompt_logprobs_start=start if want else -1, prompt_param=field,
-            names={"max_new_tokens": "sampling_params.max_new_tokens", "logprobs": "top_logprobs_num",
-                   "min_new_tokens": "sampling_params.min_new_tokens", "n": "sampling_params.n",
-                   "logit_bias": "sampling_params.logit_bias", "seed": "sampling_params.sampling_seed",
-                   **{k: f"sampling_params.{k}" for k in ("temperature", "top_p", "top_k", "min_p",
-                                                           "presence_penalty", "frequency_penalty",
-                                                           "repetition_penalty")}},
-            cache_salt=salt))
+        params = generate_params(state, sp, grammar)
+        specs.append(request_spec(state, rid, ids, params, RequestFields(
+            n=n, logprobs=top if want else -1, prompt_logprobs_start=start if want else -1, cache_salt=salt,
+            default_max=128, prompt_param=field, names=_NAMES)))
     is_list = not single or specs[0].n > 1
     t0 = time.monotonic()
     gens = start_all(state, specs)

@@ -18,13 +18,14 @@ from glm53.server.protocol import MAX_CHOICES
 from glm53.server.router import structured
 from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import Delta, Generation, Outcome, RouterState, start_all, total_usage
-from glm53.server.router.intake import (Penalties, State, chat_prompt_ids, check_internal, check_model,
-                                        check_unsupported, ids_prompt, request_id, request_spec, stop_list,
-                                        text_prompt_ids)
+from glm53.server.router.intake import (RequestFields, State, chat_prompt_ids, check_internal, check_model,
+                                        check_unsupported, ids_prompt, request_id, request_spec, sampling_params,
+                                        stop_list, text_prompt_ids)
 from glm53.server.router.logprobs import Texts, chat_content, completion_logprobs, merge_completion
 from glm53.server.router.parsers.chat import ChatParsing, check_tool_choice
 from glm53.server.router.parsers.reasoning import THINK_END
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, CompletionRequest, StreamOptions, _Sampling
+from glm53.server.sampling import SamplingParams
 from glm53.server.router.sse import (SSE_HEADERS, Collected, collect, collect_all, event_stream, sse,
                                      until_disconnect)
 
@@ -54,10 +55,38 @@ def _model_card(state: RouterState, name: str) -> dict:
 _NAMES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens", "seed": "seed"}
 
 
-def _penalties(body: _Sampling) -> Penalties:
-    return Penalties(presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                     repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias,
-                     min_new_tokens=body.min_tokens)
+def openai_params(state: RouterState, body: _Sampling, names: dict[str, str], max_tokens: int | None,
+                  grammar: str | None, grammar_after: int | None = None) -> SamplingParams:
+    """The SamplingParams of a chat or completions body (their shared fields)."""
+    return sampling_params(
+        state, names, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        seed=body.seed, max_new_tokens=max_tokens, stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, grammar=grammar,
+        grammar_after=grammar_after, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        logit_bias=body.logit_bias, min_new_tokens=body.min_tokens)
+
+
+def chat_request(state: RouterState, body: ChatCompletionRequest, grammar: str | None,
+                 grammar_after: int | None) -> tuple[SamplingParams, RequestFields]:
+    """A chat body in engine terms."""
+    max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    names = {**_NAMES, "logprobs": "top_logprobs", "max_new_tokens": max_field}
+    params = openai_params(state, body, names, getattr(body, max_field), grammar, grammar_after)
+    return params, RequestFields(n=body.n, logprobs=(body.top_logprobs or 0) if body.logprobs else -1,
+                                 cache_salt=body.cache_salt or "", prompt_param="messages", names=names)
+
+
+def completion_request(state: RouterState, body: CompletionRequest, grammar: str | None, best_of: int,
+                       lp_num: int) -> tuple[SamplingParams, RequestFields]:
+    """A completions body in engine terms (the same for each of its prompts)."""
+    names = {**_NAMES, "logprobs": "logprobs"}
+    params = openai_params(state, body, names, body.max_tokens, grammar)
+    # best_of ranks the choices by their tokens' summed logprobs: it needs them.
+    return params, RequestFields(n=best_of, logprobs=max(lp_num, 0) if best_of > body.n else lp_num,
+                                 prompt_logprobs_start=0 if body.echo and lp_num >= 0 else -1,
+                                 cache_salt=body.cache_salt or "", default_max=16, prompt_param="prompt",
+                                 names=names)
 
 
 # ---- chat ----
@@ -86,17 +115,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     grammar = await structured.grammar(state, ask)
     # A thinking model thinks freely; the grammar holds for the answer after </think>.
     after = state.tokenizer.token_to_id(THINK_END) if grammar and parsing.in_reasoning else None
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    names = {**_NAMES, "logprobs": "top_logprobs",
-             "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"}
     rid = request_id(request, "chatcmpl")
-    spec = request_spec(state, rid, ids, max_tokens=max_tokens, default_max=None, temperature=body.temperature,
-                        top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-                        stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids,
-                        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
-                        grammar=grammar, grammar_after=after, penalties=_penalties(body), n=body.n,
-                        logprobs=(body.top_logprobs or 0) if body.logprobs else -1, prompt_param="messages",
-                        names=names, cache_salt=body.cache_salt or "")
+    spec = request_spec(state, rid, ids, *chat_request(state, body, grammar, after))
     _check_capacity(state, body.n, 1)
     gen = Generation(state, spec)
     created = int(time.time())
@@ -233,17 +253,9 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     rid = request_id(request, "cmpl")
     created = int(time.time())
     # Every prompt is checked (and echoed text decoded) before any is submitted.
-    specs = []
-    for i, ids in enumerate(prompts):
-        specs.append(request_spec(
-            state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, max_tokens=body.max_tokens, default_max=16,
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-            stop=stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens, grammar=grammar, penalties=_penalties(body), n=best_of,
-            # best_of ranks the choices by their tokens' summed logprobs: it needs them.
-            logprobs=max(lp_num, 0) if best_of > body.n else lp_num,
-            prompt_logprobs_start=0 if body.echo and lp_num >= 0 else -1, prompt_param="prompt",
-            names={**_NAMES, "logprobs": "logprobs"}, cache_salt=body.cache_salt or ""))
+    params, fields = completion_request(state, body, grammar, best_of, lp_num)
+    specs = [request_spec(state, f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params, fields)
+             for i, ids in enumerate(prompts)]
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if body.stream:
         gen = Generation(state, specs[0])
