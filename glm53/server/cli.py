@@ -91,7 +91,7 @@ def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
 def _add_router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="router bind address")
     p.add_argument("--port", type=int, help="router HTTP port (default 30000)")
-    p.add_argument("--policy", "--pd-policy", dest="policy", choices=["round_robin", "least_loaded", "random"])
+    p.add_argument("--policy", "--pd-policy", dest="policy", choices=["round_robin", "least_loaded", "random", "cache_aware"])
     p.add_argument("--reasoning-parser", help="split <think> text into reasoning_content (glm45)")
     p.add_argument("--tool-call-parser", help="parse <tool_call> markup into OpenAI tool_calls (glm47)")
 

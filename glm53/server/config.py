@@ -68,7 +68,15 @@ class RouterConfig:
     result_port: int = 30001
     # Host instances use to reach result_port; None = `host`, or 127.0.0.1 when host is 0.0.0.0.
     advertise_host: str | None = None
-    policy: Literal["round_robin", "least_loaded", "random"] = "least_loaded"
+    policy: Literal["round_robin", "least_loaded", "random", "cache_aware"] = "least_loaded"
+    # cache_aware (router/prefix_routing.py, SGLang's gateway defaults): a prefill instance that
+    # likely holds at least this fraction of the prompt as cached prefix gets it, unless the
+    # in-flight counts differ by more than balance_abs_threshold and balance_rel_threshold times;
+    # the router remembers at most cache_max_pages pages per instance.
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    cache_max_pages: int = 65536
     # Requests in flight across the cluster beyond which the router answers 503.
     max_running_requests: int = 1024
     health_check_interval_s: float = 2.0

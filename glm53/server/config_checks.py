@@ -41,6 +41,14 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
             raise err(f"router.{k}", f"must be > 0, got {v}")
     if cfg.router.max_retries < 0:
         raise err("router.max_retries", f"must be >= 0, got {cfg.router.max_retries}")
+    if not 0 <= cfg.router.cache_threshold <= 1:
+        raise err("router.cache_threshold", f"must be in [0, 1], got {cfg.router.cache_threshold}")
+    if cfg.router.balance_abs_threshold < 0:
+        raise err("router.balance_abs_threshold", f"must be >= 0, got {cfg.router.balance_abs_threshold}")
+    if cfg.router.balance_rel_threshold < 1:
+        raise err("router.balance_rel_threshold", f"must be >= 1, got {cfg.router.balance_rel_threshold}")
+    if cfg.router.cache_max_pages < 1:
+        raise err("router.cache_max_pages", f"must be >= 1, got {cfg.router.cache_max_pages}")
     if cfg.router.startup_timeout_s <= 0:
         raise err("router.startup_timeout_s", f"must be > 0, got {cfg.router.startup_timeout_s}")
     for k, low in (("max_request_bytes", 1024), ("tokenizer_pool_size", 1), ("max_restarts", 0)):

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.router.metrics import RouterMetrics
+from glm53.server.router.prefix_routing import PrefixTree, pick_cache_aware
 from glm53.server.protocol import (Abort, GenerateRequest, HealthPing, HealthPong, LoadStats, Message, PeerInfo,
                                    ProtocolError, RequestSpec, TokenEvent, decode_all, encode)
 
@@ -49,6 +50,7 @@ class InstanceState:
     load: LoadStats = field(default_factory=LoadStats)
     in_flight: int = 0  # rooms this router has on the instance
     healthy: bool = False
+    cached: PrefixTree | None = None  # prefill, cache_aware policy: what its prefix cache likely holds
 
     @property
     def name(self) -> str:
@@ -103,7 +105,9 @@ class InstancePool:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 10_000)
             s.connect(inst.address)
-            self.instances[inst.role].append(InstanceState(cfg=inst, sock=s))
+            cached = (PrefixTree(inst.engine.page_size, self.cfg.router.cache_max_pages)
+                      if inst.role == "prefill" and self.cfg.router.policy == "cache_aware" else None)
+            self.instances[inst.role].append(InstanceState(cfg=inst, sock=s, cached=cached))
         self._tasks = [asyncio.create_task(self._receive_loop(), name="router-recv"),
                        asyncio.create_task(self._health_loop(), name="router-health")]
 
@@ -158,7 +162,7 @@ class InstancePool:
         pairs_tried: set[tuple[str, str]] = set()
         # A send that fails means the instance vanished since its last pong: try another pair.
         for _ in range(len(self.instances["prefill"]) * len(self.instances["decode"])):
-            p, d = self._pick("prefill", exclude_prefill), self._pick("decode")
+            p, d = self._pick("prefill", exclude_prefill, spec), self._pick("decode")
             if (p.name, d.name) in pairs_tried:
                 continue
             pairs_tried.add((p.name, d.name))
@@ -219,7 +223,7 @@ class InstancePool:
             self._send(room.prefill, msg)
 
     # ---- internals ----
-    def _pick(self, role: str, exclude: frozenset[str] = frozenset()) -> InstanceState:
+    def _pick(self, role: str, exclude: frozenset[str] = frozenset(), spec: RequestSpec | None = None) -> InstanceState:
         cands = [i for i in self.healthy(role) if i.name not in exclude]
         if not cands:
             raise Unavailable(f"no healthy {role} instance (configured: "
@@ -229,11 +233,29 @@ class InstancePool:
             return self._rng.choice(cands)
         if policy == "round_robin":
             return cands[next(self._rr[role]) % len(cands)]
-        # least_loaded: the router's own in-flight count is exact and fresh; the instance's
-        # queue from its last pong breaks ties; round robin among equals spreads bursts.
+        if policy == "cache_aware" and spec is not None and role == "prefill":
+            return self._pick_cached(cands, spec)
+        return self._least_loaded(role, cands)
+
+    def _least_loaded(self, role: str, cands: list[InstanceState]) -> InstanceState:
+        # The router's own in-flight count is exact and fresh; the instance's queue from its last
+        # pong breaks ties; round robin among equals spreads bursts.
         start = next(self._rr[role])
         order = cands[start % len(cands):] + cands[:start % len(cands)]
         return min(order, key=lambda i: (i.in_flight, i.load.num_waiting))
+
+    def _pick_cached(self, cands: list[InstanceState], spec: RequestSpec) -> InstanceState:
+        """cache_aware (router/prefix_routing.py): the instance likely to hold the prompt's
+        longest prefix while the load is balanced, else the least loaded; the prompt's full
+        pages are then recorded as cached there."""
+        r, ids = self.cfg.router, spec.input_ids
+        best = pick_cache_aware([i.in_flight for i in cands], [i.cached.match(ids, spec.cache_salt) for i in cands],
+                                len(ids), r.cache_threshold, r.balance_abs_threshold, r.balance_rel_threshold)
+        inst = self._least_loaded("prefill", cands) if best is None else cands[best]
+        inst.cached.insert(ids, spec.cache_salt)
+        if self.metrics:
+            self.metrics.routed_by_cache(best is not None)
+        return inst
 
     def _new_room_id(self) -> int:
         while True:
@@ -328,6 +350,8 @@ class InstancePool:
                 inst.name, "healthy" if healthy else "UNHEALTHY")
         if self.metrics:
             self.metrics.set_health(inst.cfg.role, inst.name, healthy)
+        if not healthy and inst.cached is not None:
+            inst.cached.clear()  # a restarted instance's cache starts empty
         if not healthy:
             # Fail its rooms now (bounded by health_timeout_s) rather than at their own timeouts.
             for room in list(self.rooms.values()):

@@ -67,6 +67,9 @@ class RouterMetrics:
         self.transfer_bytes = Counter("glm53:kv_transfer_bytes", "KV bytes moved.", m, registry=r)
         self.transfer_failed = Counter("sglang:num_transfer_failed_reqs", "Requests failed in bootstrap/transfer.",
                                        m, registry=r)
+        # cache_aware routing: prefill picks made for a cached prefix ("cache") or by load ("load").
+        self.cache_routed = Counter("glm53:cache_aware_routed", "Prefill picks by the cache_aware policy.",
+                                    [*m, "by"], registry=r)
 
         # Create the model-labelled series now, so /metrics lists them before the first request.
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens, self.generation_tokens,
@@ -85,6 +88,9 @@ class RouterMetrics:
         self.max_tokens.labels(*lab).set(total * load.page_size)
         self.gen_throughput.labels(*lab).set(load.gen_throughput)
         self.healthy.labels(*lab).set(1 if healthy else 0)
+
+    def routed_by_cache(self, hit: bool) -> None:
+        self.cache_routed.labels(self.model_name, "cache" if hit else "load").inc()
 
     def set_health(self, role: str, name: str, healthy: bool) -> None:
         self.healthy.labels(self.model_name, role, name).set(1 if healthy else 0)
