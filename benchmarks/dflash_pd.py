@@ -8,7 +8,7 @@ embedded trained pair: held-out Python prompts, greedy, one request at a time an
 moves pages within the GPU).
 
 Prompts: the first 200 tokens of held-out standard-library files (tools/eval_dflash.py's, from
-`tools.distill_data.held_file_prompts`). One at a time, each prompt runs twice, with
+`glm53.support.corpus.held_file_prompts`). One at a time, each prompt runs twice, with
 max_new_tokens 1 (prefill + transfer + first token) and N; the decode rate is
 (N − 1) / (t_N − t_1), so it leaves out the prefill and transfer, which DFlash does not change.
 All at once: `--concurrent` requests together, output tokens / wall time. τ = tokens after the
@@ -19,7 +19,6 @@ with DFlash off.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +27,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.e2e.cluster import Cluster  # noqa: E402
-from tools.distill_data import held_file_prompts  # noqa: E402
+from glm53.support.cluster import Cluster
+from glm53.support.corpus import held_file_prompts
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 

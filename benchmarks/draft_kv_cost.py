@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.cluster import Cluster
+from glm53.support.cluster import Cluster
 
 
 def main() -> None:

@@ -11,7 +11,7 @@
 3. `steps`: the decode step (`ModelRunner.forward` + argmax + the token copy back, CUDA graphs
    on) at batch 1 and 64 with 4K-token contexts, bf16 KV vs FP8 KV.
 
-    python3 benchmarks/fp8_kv.py --out DIR [--phases kernel,accuracy,steps]
+    PYTHONPATH=. python3 benchmarks/fp8_kv.py --out DIR [--phases kernel,accuracy,steps]
 
 A JSON report goes to DIR/fp8_kv.json.
 """
@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def bench(fn, calls: int = 20, reps: int = 10) -> float:
@@ -110,7 +108,7 @@ def kernel_phase() -> list[dict]:
 def slice_model(layers: int = 4, experts: int = 16, seed: int = 0):
     from glm53.models import GlmConfig
     from glm53.models.model import GlmForCausalLM
-    from tools.make_slice import slice_config
+    from glm53.support.glm5_slice import slice_config
 
     vocab = json.loads((ROOT / "assets" / "tiny-glm5" / "config.json").read_text())["vocab_size"]
     cfg = GlmConfig.from_dict(slice_config(layers, experts, vocab, dense_layers=1))

@@ -1,14 +1,14 @@
 """GPU correctness checks of the served embedded model (made for the device tool; CI has no GPU).
 
-    python3 benchmarks/gpu_checks.py api --out DIR   # one GPU: one-GPU PD, plain (CUDA graphs) and DFlash
-    python3 benchmarks/gpu_checks.py x2 --out DIR    # two GPUs: PD across GPUs, decode tp=2, prefill tp=2
+    PYTHONPATH=. python3 benchmarks/gpu_checks.py api --out DIR   # one GPU: one-GPU PD, plain (CUDA graphs) and DFlash
+    PYTHONPATH=. python3 benchmarks/gpu_checks.py x2 --out DIR    # two GPUs: PD across GPUs, decode tp=2, prefill tp=2
 
 Every topology serves the trained embedded model in fp32 and must give the CPU reference's greedy
 output (`glm53-serve generate` on the CPU) for a concurrent batch of prompts. `api` also checks the
 API features on the GPU path: chat logprobs, seeded n = 3 (deterministic), penalties with
 logit_bias and min_tokens, a JSON-schema answer, and a /generate batch with a regex and logprobs.
-A JSON report goes to DIR/gpu_checks.json; servers' logs beside it (benchmarks/gpu_e2e.py's
-`Server`, so the router's wheels must travel with the run, as there).
+A JSON report goes to DIR/gpu_checks.json; servers' logs beside it (glm53.support.gpu_server's
+`Server`, as benchmarks/gpu_e2e.py's, so the router's wheels must travel with the run, as there).
 """
 
 from __future__ import annotations
@@ -17,17 +17,13 @@ import argparse
 import asyncio
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from gpu_e2e import PROMPT_LENS, Server, cluster_config, cpu_reference, served_greedy  # noqa: E402
+from glm53.support.gpu_server import Server, cluster_config
+from glm53.support.greedy import PROMPT_LENS, cpu_reference, served_greedy
 
 NEW = 24
 PROMPTS = [[(i * 37 + 11 * n) % 4000 + 10 for i in range(n)] for n in PROMPT_LENS]

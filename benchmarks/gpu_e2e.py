@@ -10,7 +10,7 @@
 4. `exact`: the embedded tiny model served the same way in fp32, greedy outputs of a concurrent
    batch of prompts against the CPU reference (`glm53-serve generate` on CPU).
 
-    python3 benchmarks/gpu_e2e.py --out DIR [--phases floor,model,serve,exact] [--slice DIR]
+    PYTHONPATH=. python3 benchmarks/gpu_e2e.py --out DIR [--phases floor,model,serve,exact] [--slice DIR]
 
 The router needs fastapi, starlette, pydantic (+ pydantic_core, annotated-types,
 typing-inspection) and uvicorn, which the device image lacks: carry them as wheels.
@@ -24,73 +24,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-
-def ensure_slice(slice_dir: Path) -> Path:
-    """Issue 16's GLM-5-shaped slice (4 layers, 16 experts, 1 dense), written unless it exists."""
-    if not (slice_dir / "config.json").exists():
-        t0 = time.monotonic()
-        subprocess.run([sys.executable, str(ROOT / "tools" / "make_slice.py"), str(slice_dir), "--layers", "4",
-                        "--experts", "16", "--dense-layers", "1"], check=True)
-        print(f"slice written in {time.monotonic() - t0:.0f} s", flush=True)
-    return slice_dir
-
-
-# -- the floor ---------------------------------------------------------------------------------
-def copy_bandwidth(nbytes: int = 1 << 31, reps: int = 10) -> float:
-    """Device copy bandwidth, bytes read + written per second (a 2 GiB copy)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * reps / (s.elapsed_time(e) / 1e3)
-
-
-def step_bytes(model_dir: Path, bs: int, ctx: int) -> dict:
-    """Bytes a decode step of `bs` requests at context `ctx` must read: every weight except the
-    routed experts and the embedding, the routed experts a batch hits (expected distinct experts
-    under uniform routing, which random weights give), `bs` embedding rows; per request and layer
-    the top-k latent rows sparse MLA reads, and on full layers every indexer key."""
-    from glm53.models import GlmConfig
-    from glm53.models.model import GlmForCausalLM
-
-    cfg = GlmConfig.from_dir(model_dir)
-    with torch.device("meta"):
-        m = GlmForCausalLM(cfg, dtype=torch.bfloat16)
-    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    hit = e * (1 - (1 - k / e) ** bs) if e else 0
-    w = 0.0
-    for name, p in m.named_parameters():
-        n = p.numel() * p.element_size()
-        if ".experts." in name:
-            w += n * hit / e
-        elif "embed_tokens" in name:
-            w += bs * p.shape[1] * p.element_size()
-        else:
-            w += n
-    per_req = cfg.num_hidden_layers * min(ctx, cfg.index_topk) * cfg.latent_dim * 2
-    per_req += len(cfg.full_layers) * ctx * cfg.index_head_dim * 2
-    return {"weights": w, "kv": bs * per_req, "total": w + bs * per_req}
+from glm53.support.glm5_slice import ensure_slice
+from glm53.support.gpu_server import Server, cluster_config
+from glm53.support.greedy import PROMPT_LENS, cpu_reference, served_greedy
+from glm53.support.hbm_floor import copy_bandwidth, step_bytes
+from glm53.support.serving_sweep import sweep_point
 
 
 # -- the model's step alone --------------------------------------------------------------------
@@ -128,80 +72,12 @@ def model_steps(model_dir: Path, sizes: list[int], ctx: int, iters: int) -> list
     return [{"capture_s": capture_s, "graphs": len(graphs.graphs)}] + rows
 
 
-# -- serving -----------------------------------------------------------------------------------
-def cluster_config(model: str, dtype: str, graphs: bool, ports: list[int], context: int, device: str = "cuda") -> dict:
-    """One prefill and one decode instance; on "cuda" both on GPU 0 (one-GPU PD, memory shares
-    set), on "cpu" (to check a GPU script here) 16-token pages."""
-    http, result, p_port, p_boot, d_port = ports
-    cpu = device == "cpu"
-    eng = {"device": device, "dtype": dtype, "page_size": 16 if cpu else 64, **({} if cpu else {"devices": [0]})}
-    p_share, d_share = ({}, {}) if cpu else ({"mem_fraction_static": 0.4}, {"mem_fraction_static": 0.45})
-    return {
-        "name": "gpu-e2e",
-        "model": {"path": model, "served_model_name": ["m"], "context_length": context},
-        "router": {"host": "127.0.0.1", "port": http, "result_port": result, "startup_timeout_s": 900},
-        "transfer": {"backend": "nixl", "bootstrap_timeout_s": 60, "transfer_timeout_s": 120},
-        "defaults": {"device": device, "dtype": dtype, "page_size": eng["page_size"]},
-        "prefill": [{**eng, "name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot,
-                     **p_share, "max_running_requests": 16, "chunked_prefill_size": 16384}],
-        "decode": [{**eng, "name": "d0", "host": "127.0.0.1", "port": d_port, **d_share,
-                    "max_running_requests": 64, "disable_cuda_graph": not graphs, "cuda_graph_max_bs": 64}],
-    }
-
-
-class Server:
-    def __init__(self, cfg: dict, workdir: Path, tag: str):
-        from tests.net import free_ports
-
-        self.cfg = cfg
-        http, result, p_port, p_boot, d_port = free_ports(5)
-        cfg["router"].update(port=http, result_port=result)
-        cfg["prefill"][0].update(port=p_port, bootstrap_port=p_boot)
-        cfg["decode"][0].update(port=d_port)
-        self.path = workdir / f"{tag}.yaml"
-        self.path.write_text(yaml.safe_dump(cfg))
-        self.url = f"http://127.0.0.1:{http}"
-        self.log = open(workdir / f"{tag}.log", "w+")
-        self.proc = None
-
-    def __enter__(self) -> "Server":
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "glm53.server.cli", "up", "--config", str(self.path)],
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
-                                     start_new_session=True)
-        while time.monotonic() - t0 < 900:
-            line = self.proc.stdout.readline()
-            if "ready" in line:
-                self.startup_s = time.monotonic() - t0
-                print(f"  up in {self.startup_s:.0f} s", flush=True)
-                return self
-            if not line and self.proc.poll() is not None:
-                break
-        self.log.flush()
-        self.log.seek(0)
-        tail = self.log.read()[-6000:]
-        self.__exit__()
-        raise RuntimeError(f"server did not become ready:\n{tail}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self.log.close()
-
-
+# -- serving (the deployment: glm53.support.gpu_server) ----------------------------------------
 def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req: int, in_len: int,
                 out_len: int, long_out: int = 0, placement: dict | None = None) -> list[dict]:
     """The sweep; with `long_out`, one more point at the highest concurrency with that many
     output tokens, so that most of its decode steps run after every prefill is done. `placement`:
     per role the instance keys that place it (devices, tp); default both on GPU 0."""
-    from serving import sweep_point
-
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     placement = placement or {}
     where = "".join(f"-{role[0]}{'.'.join(map(str, p['devices']))}" + (f"-tp{p['tp']}" if p.get("tp", 1) > 1 else "")
@@ -230,36 +106,7 @@ def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req
     return rows
 
 
-# -- exactness ---------------------------------------------------------------------------------
-PROMPT_LENS = (7, 100, 300, 41, 180, 65)
-
-
-def cpu_reference(model: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """Greedy outputs of `glm53-serve generate` on the CPU (the reference path)."""
-    cmd = [sys.executable, "-m", "glm53.server.cli", "generate", "--model", str(model), "--max-new-tokens", str(new),
-           "--page-size", "16", "--ignore-eos"]
-    for p in prompts:
-        cmd += ["--input-ids", ",".join(map(str, p))]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    if res.returncode:
-        raise RuntimeError(res.stderr[-3000:])
-    return [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
-
-
-async def served_greedy(url: str, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """Greedy outputs of a served model for `prompts`, sent at once."""
-    import httpx
-
-    async with httpx.AsyncClient(timeout=300) as http:
-        async def one(p):
-            r = await http.post(f"{url}/generate", json={"input_ids": p, "sampling_params": {
-                "max_new_tokens": new, "temperature": 0, "ignore_eos": True}})
-            r.raise_for_status()
-            return r.json()["output_ids"]
-        return await asyncio.gather(*(one(p) for p in prompts))
-
-
+# -- exactness (the outputs compared: glm53.support.greedy) ------------------------------------
 def exact_check(out: Path, modes: tuple[bool, ...] = (True, False), new: int = 24, colocate_sms: int = 0) -> dict:
     from glm53.server.embedded_model import ensure_embedded_model
 

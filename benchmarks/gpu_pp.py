@@ -15,7 +15,7 @@ four-GPU kind, and runnable on the CPU with the embedded model to check the scri
    chunks pipelined), the speed-up over pp = 1 beside the ideal pp×, and the bytes each stage
    boundary carries per token (hidden + residual + the draft's fp32 accumulator), measured.
 
-    python3 benchmarks/gpu_pp.py --out DIR [--phases kv,tp,serve,ttft] [--pp 3] [--slice DIR]
+    PYTHONPATH=. python3 benchmarks/gpu_pp.py --out DIR [--phases kv,tp,serve,ttft] [--pp 3] [--slice DIR]
     PYTHONPATH=. python benchmarks/gpu_pp.py --out DIR --device cpu   # the embedded model, CPU
 
 On CUDA the model is a GLM-5-shaped slice of 8 layers (tools/make_slice.py; written to --slice
@@ -36,8 +36,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 TIMEOUT_S = 300.0
 
@@ -65,10 +63,10 @@ def models(args) -> tuple[Path, Path]:
     return model, draft
 
 
-# -- kv: decode's pools after pp = 1 and pp = P (tests/pd_harness.py) ---------------------------
+# -- kv: decode's pools after pp = 1 and pp = P (glm53/support/pd_harness.py) ------------------
 def prefilled(args, model: Path, draft: Path, out: Path, **parallel):
     from glm53.models import GlmConfig
-    from tests.pd_harness import prefill_into_decode
+    from glm53.support.pd_harness import prefill_into_decode
 
     g = torch.Generator().manual_seed(12)
     vocab = GlmConfig.from_dir(model).vocab_size
@@ -110,7 +108,7 @@ def tp_phase(args, model: Path, draft: Path, out: Path) -> dict:
 def serve_phase(args, model: Path, draft: Path, out: Path) -> dict:
     import httpx
 
-    from gpu_e2e import Server, cluster_config
+    from glm53.support.gpu_server import Server, cluster_config
 
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     lengths = [int(x) for x in args.serve_prompts.split(",")]
@@ -180,7 +178,7 @@ def main() -> None:
                 print(name, "failed:", repr(e)[:600], flush=True)
             print(f"({name}: {time.monotonic() - t0:.0f} s)", flush=True)
     if "ttft" in phases:
-        from pp_cpu import ttft_table
+        from glm53.support.pp_ttft import ttft_table
 
         report["ttft"] = ttft_table(model, draft, args.lengths, args.ttft_pp, args.chunk, args.repeat, args.device,
                                     "bfloat16" if cuda else "float32", args.page_size)

@@ -8,9 +8,10 @@
    over the causal context) and the bf16 matmul throughput measured in the same run on the
    prefill's own large GEMM shapes; prints the fraction of it the prefill reaches, and its kernels.
 
-    python3 benchmarks/gpu_profile.py --out DIR [--phases decode,prefill] [--slice DIR] [--sizes 1 64]
+    PYTHONPATH=. python3 benchmarks/gpu_profile.py --out DIR [--phases decode,prefill] [--slice DIR] [--sizes 1 64]
 
-The slice is written as benchmarks/gpu_e2e.py writes it. A JSON report goes to DIR/gpu_profile.json.
+The slice is written as benchmarks/gpu_e2e.py writes it (`glm53.support.glm5_slice.ensure_slice`).
+A JSON report goes to DIR/gpu_profile.json.
 """
 
 from __future__ import annotations
@@ -18,45 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-
-def kernel_table(prof, steps: int, top: int) -> tuple[float, list[dict]]:
-    """(GPU kernel µs per step, [{name, us_per_step, calls_per_step}] largest first)."""
-    rows = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
-        if us <= 0 or ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        rows.append({"name": ev.key[:110], "us_per_step": us / steps, "calls_per_step": ev.count / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    return sum(r["us_per_step"] for r in rows), rows[:top]
-
-
-def print_table(title: str, total_us: float, rows: list[dict]) -> None:
-    print(f"{title}: GPU kernels {total_us:8.1f} us/step", flush=True)
-    for r in rows:
-        print(f"   {r['us_per_step']:8.1f} us {r['calls_per_step']:5.1f}x  {r['name']}", flush=True)
-
-
-def profile(fn, steps: int):
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
-
-    torch.cuda.synchronize()
-    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    return prof
+from glm53.support.glm5_slice import ensure_slice
+from glm53.support.kernel_profile import kernel_table, print_table, profile
 
 
 # -- decode ------------------------------------------------------------------------------------
@@ -191,8 +160,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
-    from gpu_e2e import ensure_slice
-
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     slice_dir = ensure_slice(Path(a.slice))

@@ -2,7 +2,7 @@
 the paged cache (torch reference path). Compares decode at batch B with B x batch-1 in the same
 run, so the printed ratio is the batching gain.
 
-    python benchmarks/model_cpu.py [--model DIR]   (default: the oracle-sized tiny config)
+    PYTHONPATH=. python benchmarks/model_cpu.py [--model DIR]   (default: the oracle-sized tiny config)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from glm53.models import ModelRunner, PageAllocator, SeqChunk
 
 
 def oracle_checkpoint(path: str) -> None:
-    from tests.models.oracle import make_checkpoint  # transformers: test-only dependency
+    from glm53.support.oracle import make_checkpoint  # transformers: test-only dependency
 
     make_checkpoint(path, seed=0)
 

@@ -2,7 +2,7 @@
 line that caused it) and its wall time against its GPU time, for a short chunk over a long cached
 context (the prefix-cache case) and a long chunk.
 
-    python3 benchmarks/prefill_host.py --slice DIR [--ctx 8192] [--chunks 64 4096]
+    PYTHONPATH=. python3 benchmarks/prefill_host.py --slice DIR [--ctx 8192] [--chunks 64 4096]
 
 Syncs are found with `torch.cuda.set_sync_debug_mode("warn")`: each warning is printed once per
 call site, with the innermost frames of this repository. Needs a GPU.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -22,7 +21,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 turns), served with prefill's prefix cache off and on, in one run.
 
     PYTHONPATH=. python benchmarks/prefix_cache.py [--prefix 2048] [--tail 32] [--requests 8]
-    python3 benchmarks/prefix_cache.py --device cuda --model DIR   # e.g. the GLM-5 slice on a GPU
+    PYTHONPATH=. python3 benchmarks/prefix_cache.py --device cuda --model DIR   # e.g. the GLM-5 slice on a GPU
 
 Each request is the shared prefix plus its own random tail, sent one at a time, with one new
 token (the latency is prefill, the KV transfer and the first token: TTFT). Printed per setting:
@@ -15,16 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def run(url: str, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
@@ -41,9 +36,9 @@ def run(url: str, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
 
 
 def main() -> None:
-    from gpu_e2e import Server, cluster_config
     from glm53.models import GlmConfig
     from glm53.server.embedded_model import ensure_embedded_model
+    from glm53.support.gpu_server import Server, cluster_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")

@@ -2,10 +2,10 @@
 
 `glm53-serve up` with test-double instances (tests/server/fake_instance.py: a decode "step" every
 `--step-ms`, one token for every running request, sent as one frame per step like the real
-engine), and `benchmarks/serving.py`'s client at each concurrency. The offered rate is
-concurrency / step: where the delivered rate falls short of it, the router (or, on a small
-machine, the client beside it) is what limits a fast decode, and the client's inter-token
-intervals show bursts instead of the step time.
+engine), and `benchmarks/serving.py`'s client (glm53.support.serving_sweep) at each concurrency.
+The offered rate is concurrency / step: where the delivered rate falls short of it, the router
+(or, on a small machine, the client beside it) is what limits a fast decode, and the client's
+inter-token intervals show bursts instead of the step time.
 
     PYTHONPATH=. python benchmarks/router_stream.py [--concurrency 1 16 64] [--output-len 256] [--step-ms 2]
 """
@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def main() -> None:
@@ -32,9 +29,8 @@ def main() -> None:
     a = ap.parse_args()
     os.environ["GLM53_INSTANCE_IMPL"] = str(ROOT / "tests" / "server" / "fake_instance.py")
     os.environ["FAKE_TOKEN_DELAY"] = str(a.step_ms / 1e3)
-    from serving import sweep_point
-
-    from tests.e2e.cluster import Cluster
+    from glm53.support.cluster import Cluster
+    from glm53.support.serving_sweep import sweep_point
 
     with tempfile.TemporaryDirectory() as wd:
         cluster = Cluster(Path(wd), Path(os.environ.get("GLM53_CACHE", Path(wd) / "cache"))).start()

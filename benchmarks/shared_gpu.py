@@ -2,12 +2,12 @@
 with prefill in another process (the GPU time-slices between the two contexts) or in the same
 process on a lower-priority CUDA stream (the block scheduler serves decode's kernels first).
 
-    python3 benchmarks/shared_gpu.py --slice DIR [--bs 64] [--ctx 4096] [--chunk 4096] [--out FILE]
+    PYTHONPATH=. python3 benchmarks/shared_gpu.py --slice DIR [--bs 64] [--ctx 4096] [--chunk 4096] [--out FILE]
 
 Decode is the slice's graphed step at batch `bs` over `ctx`-token contexts, timed as the serving
 loop runs it (forward, argmax, the tokens back to the host); prefill is `chunk`-token forwards
 back to back. Printed per variant: the decode step's median and p90, its ratio to the HBM floor
-measured in the same run (gpu_e2e.step_bytes at the device copy bandwidth), and prefill's chunk
+measured in the same run (hbm_floor.step_bytes at the device copy bandwidth), and prefill's chunk
 time and tokens/s. Needs a GPU.
 """
 
@@ -23,10 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def load(slice_dir: str):
@@ -233,7 +229,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args.slice, args.chunk)
-    from gpu_e2e import copy_bandwidth, step_bytes
+    from glm53.support.hbm_floor import copy_bandwidth, step_bytes
 
     torch.set_grad_enabled(False)
     bw = copy_bandwidth()

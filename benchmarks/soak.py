@@ -1,4 +1,5 @@
-"""Soak under faults: the driver of tests/e2e/test_chaos.py, run for minutes instead of seconds.
+"""Soak under faults: the driver of tests/e2e/test_chaos.py (glm53.support.chaos), run for minutes
+instead of seconds.
 
 Starts a 1P1D `glm53-serve up` deployment of the embedded model, sends a random mix of short and
 long, streamed and whole, chat and completion requests from several clients (some abandoned
@@ -7,8 +8,8 @@ part-way) while prefill and decode are killed (SIGKILL; `up` restarts them) or f
 outcome, faults injected, errors by cause, latencies, the settle time, the router's RSS and the
 KV tokens still in use. Exit code 1 if a request broke or hung, or the cluster did not heal.
 
-    python benchmarks/soak.py                         # 5 minutes, 6 clients
-    python benchmarks/soak.py --duration 900 --clients 8 --seed 3 --json soak.json
+    PYTHONPATH=. python benchmarks/soak.py            # 5 minutes, 6 clients
+    PYTHONPATH=. python benchmarks/soak.py --duration 900 --clients 8 --seed 3 --json soak.json
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.e2e import chaos  # noqa: E402
+from glm53.support import chaos
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -41,7 +41,7 @@ def timed(fn, iters: int, sync) -> float:
 def kernels(title: str, step, steps: int, positions: int) -> float:
     """Profiles `steps` steps (at positions cycling through the first `positions` the timing
     used); prints the GPU kernel time per step and its largest kernels."""
-    from gpu_profile import kernel_table, print_table, profile  # benchmarks/ is the script's dir
+    from glm53.support.kernel_profile import kernel_table, print_table, profile
 
     it = itertools.count()
     prof = profile(lambda: step(next(it) % positions), steps)

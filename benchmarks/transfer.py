@@ -18,8 +18,8 @@ the same run: ``numpy.copyto`` between two host arrays, or a device-to-device ``
 A sweep of fixed descriptor sizes (64 KiB, 1 MiB, 16 MiB; non-adjacent so nothing merges) gives
 the per-descriptor cost.
 
-  python benchmarks/transfer.py                      # host memory, UCX_TLS=cma,tcp, 8 layers
-  python benchmarks/transfer.py --device cuda --layers 78 --json out.json   # H200, one GPU
+  PYTHONPATH=. python benchmarks/transfer.py         # host memory, UCX_TLS=cma,tcp, 8 layers
+  PYTHONPATH=. python benchmarks/transfer.py --device cuda --layers 78 --json out.json   # H200, one GPU
 """
 
 from __future__ import annotations
@@ -29,22 +29,17 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = 64
 INDEX_BPT = 132
 
 
 def _tr():
-    try:
-        from glm53.transport import backend as B, mapping as M
-    except ImportError:  # a plain checkout (device machine): import the folder directly
-        sys.path.insert(0, ROOT)
-        from transport import backend as B, mapping as M  # type: ignore
+    from glm53.transport import backend as B, mapping as M
+
     return B, M
 
 

@@ -8,16 +8,16 @@ needs is the target's own next B − 1 tokens. Greedy decoding is deterministic,
 [prompt, greedy continuation] the B − 1 tokens after any position of the continuation are exactly
 what the target would emit from there: such sequences are exact DFlash training targets.
 
-1. Data (tools/distill_data.py): rounds of `--gen-batch` prompts (random windows of the held-in
-   standard-library corpus, the split of tools/train_tiny.py) continued in lockstep to `--seq`
-   tokens by the serving model in float32, which also captures the draft's feature layers, so
-   training reads stored features (bf16) and runs no target forward.
-2. Training: the DFlash recipe of tools/train_tiny.py (random anchors from the first position
-   whose labels are the target's own, block [anchor token, MASK × (B − 1)], loss weights
-   exp(−(k − 1)/γ)); block sizes cycle through `--blocks` (serving verifies `num_draft_tokens`
-   ≤ B positions: 4 on the CPU config). Each `--layers` value is a draft trained on the same
-   batches (a deeper one gets extra layers whose output projections start at zero, so every draft
-   starts as `--init-draft`'s function).
+1. Data (glm53/support/distill_data.py): rounds of `--gen-batch` prompts (random windows of the
+   held-in standard-library corpus, glm53/support/corpus.py's split) continued in lockstep to
+   `--seq` tokens by the serving model in float32, which also captures the draft's feature layers,
+   so training reads stored features (bf16) and runs no target forward.
+2. Training: the DFlash recipe of tools/train_tiny.py (glm53/support/draft_trainer.py: random
+   anchors from the first position whose labels are the target's own, block [anchor token,
+   MASK × (B − 1)], loss weights exp(−(k − 1)/γ)); block sizes cycle through `--blocks` (serving
+   verifies `num_draft_tokens` ≤ B positions: 4 on the CPU config). Each `--layers` value is a
+   draft trained on the same batches (a deeper one gets extra layers whose output projections
+   start at zero, so every draft starts as `--init-draft`'s function).
 3. Held-out: greedy continuations of held-out-file prompts of `--held-prompt` tokens. Two numbers:
    "accepted", the mean matching prefix of the draft's block against the target's tokens over
    random anchors (teacher-forced; every position counts once), and τ, the decode loop replayed
@@ -25,7 +25,8 @@ what the target would emit from there: such sequences are exact DFlash training 
    committed position, the matching prefix plus the target's token are committed, and the next
    block starts there, for `--held-new` tokens. The continuation is the target's greedy output, so
    this is the τ the server's greedy loop gets, up to feature rounding (bf16 features here,
-   float32 in serving); tools/eval_dflash.py measures it through the real scheduler.
+   float32 in serving); tools/eval_dflash.py measures it through the real scheduler. (The
+   anchors, the growing of a deeper draft and both numbers: glm53/support/draft_distill.py.)
 
 Deterministic seeds; the generation rounds and draft steps follow the time budgets (printed), and
 `--gen-rounds/--draft-steps` set to the printed counts repeat the run.
@@ -36,95 +37,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.distill_data import Data, build, corpus_streams, held_file_prompts, label_agreement  # noqa: E402
-from tools.train_tiny import (  # noqa: E402
-    DRAFT_DIMS, DraftTrainer, StepBudget, draft_config, draft_loss, log, lr_at, save_draft,
-)
+from glm53.support.corpus import corpus_streams, held_file_prompts
+from glm53.support.distill_data import Data, build, label_agreement
+from glm53.support.draft_distill import draft_feats, held_accept, init_from, replay_tau, sample_anchors
+from glm53.support.draft_trainer import DRAFT_DIMS, DraftTrainer, draft_config, draft_loss, save_draft
+from glm53.support.training import StepBudget, log, lr_at
 
 KINDS = ("greedy", "sampled head", "greedy", "sampled head", "sampled")
 PROMPT_LENS = (32, 64, 128, 200, 256)
-
-
-def init_from(draft: DraftTrainer, init_dir: Path | None) -> None:
-    """Copy the init draft's tensors (same names, same shapes); layers it lacks keep their init
-    but with o_proj and down_proj zeroed, so they start as identities on the residual stream."""
-    if init_dir is None:
-        return
-    from safetensors.torch import load_file
-
-    sd = load_file(str(init_dir / "model.safetensors"))
-    own = draft.state_dict()
-    with torch.no_grad():
-        for n, t in own.items():
-            if n in sd and sd[n].shape == t.shape:
-                t.copy_(sd[n].float())
-            elif n.endswith(("o_proj.weight", "down_proj.weight")):
-                t.zero_()
-    log(f"draft init from {init_dir}: {sum(n in sd for n in own)}/{len(own)} tensors")
-
-
-def sample_anchors(starts: torch.Tensor, n: int, S: int, B: int, g: torch.Generator) -> torch.Tensor:
-    """[R, n] sorted anchors, row r's drawn without replacement from [starts[r], S − B]."""
-    pos = torch.arange(S, device=starts.device)
-    ok = (pos[None] >= starts[:, None]) & (pos[None] <= S - B)
-    score = torch.rand(len(starts), S, generator=g, device=starts.device).masked_fill(~ok, -1.0)
-    return score.topk(n, -1).indices.sort(-1).values
-
-
-def _feats(f: torch.Tensor, device) -> torch.Tensor:
-    return f if device.type == "cuda" else f.float()  # CPU: no autocast, the draft is fp32
-
-
-@torch.no_grad()
-def held_accept(draft, held: Data, w, a, device, B: int) -> tuple[float, float]:
-    """(γ-weighted loss, mean accepted drafts per block) over the held-out sequences."""
-    g = torch.Generator(device=device).manual_seed(97)
-    tl = ta = k = 0
-    trained_b, draft.B = draft.B, B
-    for s in range(0, held.m, a.batch):
-        x = held.tokens[s: s + a.batch]
-        anchors = sample_anchors(held.starts[s: s + a.batch].to(device), a.anchors, x.shape[1], B, g)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, acc = draft_loss(draft(x, _feats(held.feats[s: s + a.batch], device), anchors, *w), x, anchors, B)
-        tl, ta, k = tl + loss.item(), ta + acc.item(), k + 1
-    draft.B = trained_b
-    return tl / k, ta / k
-
-
-@torch.no_grad()
-def replay_tau(draft, held: Data, w, device, B: int, new: int, rows: int = 256) -> float:
-    """τ of the greedy decode loop replayed on the held-out greedy continuations (see the module
-    doc): tokens committed per verify step over `new` − 1 tokens after the first."""
-    trained_b, draft.B = draft.B, B
-    steps = toks = 0
-    ar = torch.arange(1, B, device=device)
-    for s in range(0, held.m, rows):
-        x, f = held.tokens[s: s + rows], _feats(held.feats[s: s + rows], device)
-        p = held.plen[s: s + rows].to(device).clone()  # the first generated token: the first bonus
-        end = p + new - 1
-        if (end + B - 1 >= x.shape[1]).any():
-            raise ValueError(f"held-out sequences of {x.shape[1]} tokens are too short for {new} new tokens at block {B}")
-        live = torch.ones(len(x), dtype=torch.bool, device=device)
-        while live.any():
-            idx = live.nonzero().squeeze(1)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits = draft(x[idx], f[idx], p[idx, None], *w)
-            prop = logits[:, 0].argmax(-1)
-            lab = x[idx].gather(1, p[idx, None] + ar)
-            acc = torch.cumprod((prop == lab).long(), -1).sum(-1)
-            adv = torch.minimum(acc + 1, end[idx] - p[idx])
-            p[idx] += adv
-            steps, toks = steps + len(idx), toks + adv.sum().item()
-            live = p < end
-    draft.B = trained_b
-    return toks / steps
 
 
 def evaluate(drafts, held, w, a, device, blocks, tag: str, final: bool = False) -> dict:
@@ -156,7 +81,7 @@ def train(drafts: dict, data: Data, held: Data, w, a, device, save) -> None:
             marks = {budget.total // 3, 2 * budget.total // 3}
         lr = lr_at(step, budget.total, a.draft_lr, 30)
         idx = torch.randint(0, data.m, (a.batch,), generator=g, device=device)
-        x, f = data.tokens[idx], _feats(data.feats[idx], device)
+        x, f = data.tokens[idx], draft_feats(data.feats[idx], device)
         B = a.blocks[step % len(a.blocks)]
         anchors = sample_anchors(starts[idx], a.anchors, S, B, g)
         msg = []

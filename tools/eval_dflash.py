@@ -5,7 +5,7 @@ decode scheduler's real loop (DFlash off vs on, greedy; the outputs must be iden
         [--block 4 8 16] [--repeat 1] [--singles 1] [--clock wall|cpu] [--graphs on|off|both] [--context N]
 
 Prompts: the first `--prompt` tokens of held-out standard-library files (the split of
-tools/train_tiny.py: sha1 of the path relative to the stdlib < 5 %), longer than index_topk so
+glm53/support/corpus.py: sha1 of the path relative to the stdlib < 5 %), longer than index_topk so
 decoding runs the sparse path. τ = tokens committed per verify step (≤ block size). With
 `--repeat N` the off and DFlash runs alternate N times (on a shared, noisy CPU the ratio of
 neighbouring runs is steadier than either rate); the table shows the median rate of each.
@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.dflash import decode_run, scheduler  # noqa: E402
-from tools.distill_data import held_file_prompts  # noqa: E402
+from glm53.support.corpus import held_file_prompts
+from glm53.support.decode_loop import decode_run, scheduler
 
 
 def main() -> None:
@@ -102,7 +100,7 @@ def main() -> None:
 def profile_steps(a, prompt: list[int]) -> None:
     """Per mode, one batch-1 decode of `prompt` under torch.profiler: wall and GPU kernel time per
     decode step (a plain step or a DFlash step), and the largest kernels."""
-    from benchmarks.gpu_profile import kernel_table, print_table, profile
+    from glm53.support.kernel_profile import kernel_table, print_table, profile
 
     for block in [None] + a.block:
         sched = scheduler(a.model, None if block is None else a.draft, "cuda", block, max_running=max(a.batch),

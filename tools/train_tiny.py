@@ -35,18 +35,18 @@ the Python 3.11.7 standard library (`--corpus`), benchmarks/RESULTS.md "The trai
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from glm53.support.corpus import held_out, stdlib_files
+from glm53.support.draft_trainer import DraftTrainer, draft_config, draft_loss, save_draft
+from glm53.support.training import StepBudget, log, lr_at
 
 # The shipped dimensions: ~20 MB of bf16 for target + draft + tokenizer.
 TARGET_DIMS = {
@@ -74,36 +74,10 @@ TARGET_DIMS = {
     "first_k_dense_replace": 1,
     "max_position_embeddings": 8192,
 }
-DRAFT_DIMS = dict(n_layers=2, block_size=16, num_heads=4, num_kv_heads=4, head_dim=64, intermediate_size=768)
-DRAFT_GAMMA = 7.0
-HOLDOUT_PCT = 5
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 # ---------------------------------------------------------------- corpus and tokenizer
-
-def stdlib_files(root: Path | None = None) -> list[tuple[str, str]]:
-    """(path relative to the stdlib, text) of every `*.py` under `root` (default: this Python's
-    standard library), sorted; site-packages excluded."""
-    root = Path(root or os.environ.get("GLM53_CORPUS") or sysconfig.get_paths()["stdlib"])
-    out = []
-    for f in sorted(root.rglob("*.py")):
-        rel = f.relative_to(root).as_posix()
-        if rel.startswith(("site-packages/", "dist-packages/")):
-            continue
-        try:
-            out.append((rel, f.read_text(encoding="utf-8")))
-        except (OSError, UnicodeDecodeError):
-            continue
-    return out
-
-
-def held_out(rel: str) -> bool:
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 100 < HOLDOUT_PCT
-
+# (the corpus files and their held-out split: glm53.support.corpus)
 
 def write_target_files(out: Path):
     """Tokenizer, config and the other small files of the embedded layout (random weights are
@@ -127,37 +101,6 @@ def tokenize(tok, files: list[tuple[str, str]], eos: int) -> torch.Tensor:
 def batch_from(stream: torch.Tensor, n: int, seq: int, g: torch.Generator, device) -> torch.Tensor:
     starts = torch.randint(0, len(stream) - seq - 1, (n,), generator=g)
     return torch.stack([stream[s : s + seq] for s in starts.tolist()]).long().to(device)
-
-
-class StepBudget:
-    """How many steps a training run takes: `steps` when given, else as many as fit `seconds`,
-    from the rate of steps 10..40 (after the warm-up). `total` is the step count so far."""
-
-    def __init__(self, steps: int, seconds: float, name: str):
-        self.steps, self.seconds, self.name = steps, seconds, name
-        self.total = steps or 10**9
-        self.t0 = time.time()
-        self.t10 = 0.0
-
-    def tick(self, step: int) -> None:
-        if self.steps:
-            return
-        if step == 10:
-            self.t10 = time.time()
-        elif step == 40:
-            rate = 30 / (time.time() - self.t10)
-            self.total = max(60, int((self.seconds - (self.t10 - self.t0)) * rate) + 10)
-            log(f"{self.name}: {rate:.2f} steps/s -> {self.total} steps")
-
-    def elapsed(self) -> float:
-        return time.time() - self.t0
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    p = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 # ---------------------------------------------------------------- target
@@ -350,133 +293,7 @@ def train_target(model, train, held, a, device) -> None:
 
 
 # ---------------------------------------------------------------- draft
-
-def _rms(x, w, eps):
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rope(x, cos, sin):
-    """Half-split (NeoX) RoPE, as `apply_rope(..., interleave=False)`; x [..., T, h, d], cos/sin [T, d/2]."""
-    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-class _Norm(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-
-
-class _Attn(nn.Module):
-    def __init__(self, h, heads, kv, hd):
-        super().__init__()
-        self.heads, self.kv_heads, self.hd = heads, kv, hd
-        self.q_proj = nn.Linear(h, heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, kv * hd, bias=False)
-        self.v_proj = nn.Linear(h, kv * hd, bias=False)
-        self.o_proj = nn.Linear(heads * hd, h, bias=False)
-        self.q_norm, self.k_norm = _Norm(hd), _Norm(hd)
-
-
-class _MLP(nn.Module):
-    def __init__(self, h, i):
-        super().__init__()
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class _Layer(nn.Module):
-    def __init__(self, h, heads, kv, hd, inter):
-        super().__init__()
-        self.input_layernorm, self.post_attention_layernorm = _Norm(h), _Norm(h)
-        self.self_attn = _Attn(h, heads, kv, hd)
-        self.mlp = _MLP(h, inter)
-
-
-class DraftTrainer(nn.Module):
-    """The DFlash draft's training forward; parameter names are the checkpoint's."""
-
-    def __init__(self, dcfg: dict):
-        super().__init__()
-        h = dcfg["hidden_size"]
-        self.h, self.eps, self.B = h, dcfg["rms_norm_eps"], dcfg["block_size"]
-        self.heads, self.kv, self.hd = dcfg["num_attention_heads"], dcfg["num_key_value_heads"], dcfg["head_dim"]
-        self.mask_id = dcfg["dflash_config"]["mask_token_id"]
-        self.ids = dcfg["dflash_config"]["target_layer_ids"]
-        self.layers = nn.ModuleList(
-            _Layer(h, self.heads, self.kv, self.hd, dcfg["intermediate_size"]) for _ in range(dcfg["num_hidden_layers"])
-        )
-        self.fc = nn.Linear(len(self.ids) * h, h, bias=False)
-        self.hidden_norm, self.norm = _Norm(h), _Norm(h)
-        inv = 1.0 / (dcfg["rope_theta"] ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def cos_sin(self, pos):
-        f = pos.float()[..., None] * self.inv_freq
-        return f.cos(), f.sin()
-
-    def forward(self, ids, feats, anchors, embed, lm_head):
-        """ids [R, S] tokens, feats [R, S, K·H] the target's features, anchors [R, N] (each
-        in [0, S − B]). Returns logits [R, N, B − 1, V] of block positions 1 .. B − 1."""
-        R, S = ids.shape
-        N, B, H = anchors.shape[1], self.B, self.h
-        dev = ids.device
-        c = _rms(self.fc(feats), self.hidden_norm.weight, self.eps)  # [R, S, H]
-        blk = torch.full((R, N, B), self.mask_id, dtype=torch.long, device=dev)
-        blk[:, :, 0] = ids.gather(1, anchors)
-        bpos = (anchors[:, :, None] + torch.arange(B, device=dev)).reshape(R, N * B)
-        x = F.embedding(blk.reshape(R, N * B), embed)
-        ccos, csin = self.cos_sin(torch.arange(S, device=dev))
-        bcos, bsin = self.cos_sin(bpos)  # [R, N·B, d/2]
-        # Block j's queries see context positions < anchor_j and their own block (non-causal).
-        ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors.repeat_interleave(B, 1)[:, :, None]
-        jb = torch.arange(N * B, device=dev) // B
-        blk_ok = (jb[:, None] == jb[None, :]).expand(R, -1, -1)
-        mask = torch.cat([ctx_ok, blk_ok], dim=2)[:, None]  # [R, 1, N·B, S + N·B]
-        for layer in self.layers:
-            at = layer.self_attn
-            xn = _rms(x, layer.input_layernorm.weight, self.eps)
-            q = _rms(at.q_proj(xn).view(R, N * B, self.heads, self.hd), at.q_norm.weight, self.eps)
-            q = _rope_b(q, bcos, bsin)
-            kb = _rope_b(_rms(at.k_proj(xn).view(R, N * B, self.kv, self.hd), at.k_norm.weight, self.eps), bcos, bsin)
-            vb = at.v_proj(xn).view(R, N * B, self.kv, self.hd)
-            kc = _rope(_rms(at.k_proj(c).view(R, S, self.kv, self.hd), at.k_norm.weight, self.eps), ccos, csin)
-            vc = at.v_proj(c).view(R, S, self.kv, self.hd)
-            k = torch.cat([kc, kb.to(kc.dtype)], 1).transpose(1, 2)
-            v = torch.cat([vc, vb.to(vc.dtype)], 1).transpose(1, 2)
-            grp = self.heads // self.kv
-            k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=self.hd**-0.5)
-            x = x + at.o_proj(o.transpose(1, 2).reshape(R, N * B, self.heads * self.hd))
-            x = x + layer.mlp(_rms(x, layer.post_attention_layernorm.weight, self.eps))
-        hN = _rms(x, self.norm.weight, self.eps).view(R, N, B, H)[:, :, 1:]
-        return F.linear(hN, lm_head)
-
-
-def _rope_b(x, cos, sin):
-    """RoPE with per-row positions: x [R, T, h, d], cos/sin [R, T, d/2]."""
-    c, s = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-def draft_loss(logits, ids, anchors, B, gamma=DRAFT_GAMMA):
-    R, N = anchors.shape
-    labels = ids.gather(1, (anchors[:, :, None] + torch.arange(1, B, device=ids.device)).reshape(R, -1)).view(R, N, B - 1)
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view(R, N, B - 1)
-    w = torch.exp(-torch.arange(B - 1, device=ids.device, dtype=torch.float32) / gamma)
-    acc = (logits.argmax(-1) == labels).float()
-    # accepted length per block under teacher forcing (cumprod of matches), for the curve only
-    return (ce * w).sum(-1).mean() / w.sum(), torch.cumprod(acc, -1).sum(-1).mean()
-
+# (its training forward, loss, config and checkpoint writer: glm53.support.draft_trainer)
 
 def sample_anchors(R, N, S, B, g, device):
     return torch.stack([torch.randperm(S - B, generator=g)[:N] + 1 for _ in range(R)]).clamp(max=S - B).sort(-1).values.to(device)
@@ -531,25 +348,6 @@ def eval_draft(draft, model, held, a, device) -> dict:
     return {"draft_heldout_loss": loss.item(), "draft_heldout_accept_teacher_forced": acc_gt.item()}
 
 
-def draft_config(target_dir: Path):
-    from glm53.models.config import GlmConfig
-    from glm53.models.draft_checkpoint import draft_config_dict
-
-    t = GlmConfig.from_dir(target_dir)
-    L = t.num_hidden_layers
-    return draft_config_dict(t, target_layer_ids=[1, L // 2, L - 2], dtype=torch.bfloat16, **DRAFT_DIMS)
-
-
-def save_draft(draft: DraftTrainer, dcfg: dict, out: Path, dtype=torch.bfloat16) -> None:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    dcfg = {**dcfg, "torch_dtype": str(dtype).removeprefix("torch.")}
-    (out / "config.json").write_text(json.dumps(dcfg, indent=2) + "\n")
-    sd = {k: v.detach().to(dtype).cpu().contiguous() for k, v in draft.state_dict().items()}
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
 # ---------------------------------------------------------------- CPU check
 
 def check(tmp: Path) -> None:
@@ -559,11 +357,11 @@ def check(tmp: Path) -> None:
     from glm53.models import DFlashConfig, DFlashDraft, DraftBlock, GlmConfig, GlmForCausalLM, KVPools, load_draft_weights, load_weights
     from glm53.models.draft import add_draft_pools
 
-    global TARGET_DIMS, DRAFT_DIMS
+    global TARGET_DIMS
     TARGET_DIMS = {**TARGET_DIMS, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
                    "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
                    "v_head_dim": 16, "index_topk": 8, "index_head_dim": 32}
-    DRAFT_DIMS = dict(n_layers=2, block_size=6, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=48)
+    draft_dims = dict(n_layers=2, block_size=6, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=48)
     tdir = tmp / "target"
     tok, cfg = write_target_files(tdir)
     dev = torch.device("cpu")
@@ -591,7 +389,7 @@ def check(tmp: Path) -> None:
     log(f"check: our model vs transformers on the saved weights, max |last-position logit diff| {err:.2e}")
     assert err < 1e-3, err
 
-    dcfg = draft_config(tdir)
+    dcfg = draft_config(tdir, draft_dims)
     torch.manual_seed(5)
     draft = DraftTrainer(dcfg)
     with torch.no_grad():

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.e2e.cluster import Cluster
+from glm53.support.cluster import Cluster
 
 
 @pytest.fixture(scope="session")

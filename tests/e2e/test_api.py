@@ -12,17 +12,15 @@ import json
 import httpx
 import openai
 import pytest
-import torch
 
-from glm53.models import ModelRunner, PageAllocator, SeqChunk
+from glm53.models import ModelRunner
 from glm53.server.embedded_model import ensure_embedded_model
-from glm53.server.sampling import SamplingParams, TokenHistory
-from tests.e2e.test_pd_serving import wait_pages_free
-from tests.server.test_penalties import reference_adjust
+from glm53.server.sampling import SamplingParams
+from tests.e2e.reference import TOL, ref_logsoftmax, reference_greedy
+from tests.e2e.served import wait_pages_free
 
 MODEL = "glm-5-tiny"
 PROMPT = [11, 42, 7, 99, 3, 250, 17, 64, 5, 8, 120, 33]
-TOL = 2e-3  # float32 on both sides; chunked prefill vs one forward
 
 
 def client(cluster) -> openai.OpenAI:
@@ -32,14 +30,6 @@ def client(cluster) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def runner(model_cache):
     return ModelRunner.from_dir(ensure_embedded_model(model_cache), num_pages=64, progress=False)
-
-
-def ref_logsoftmax(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """log_softmax of the reference model's logits at every position of `ids` ([T, V])."""
-    pages = PageAllocator(64).alloc(runner.pages_needed(len(ids)))
-    with torch.no_grad():
-        lg = runner.forward([SeqChunk(ids, 0, pages, all_logits=True)])[0]
-    return torch.log_softmax(lg.double(), -1)
 
 
 def generate(cluster, body: dict, status: int = 200):
@@ -206,23 +196,6 @@ def test_n_choices_share_one_prefill(cluster):
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=MODEL, prompt="x", n=1, best_of=2, stream=True)
     wait_pages_free(cluster)
-
-
-def reference_greedy(runner: ModelRunner, prompt: list[int], p: SamplingParams, stop_ids: list[int],
-                     new: int) -> list[int]:
-    """Greedy decoding with the reference model and the per-token reference adjustment."""
-    out: list[int] = []
-    pages = PageAllocator(64).alloc(runner.pages_needed(len(prompt) + new))
-    chunk = SeqChunk(prompt, 0, pages)
-    for _ in range(new):
-        # Penalties act on the raw logits (a division by the repetition penalty does not commute
-        # with log_softmax's per-row shift), so the reference adjusts the raw logits too.
-        with torch.no_grad():
-            raw = runner.forward([chunk])[0][-1]
-        adj = reference_adjust(raw.tolist(), p, TokenHistory(prompt, out, stop_ids))
-        out.append(max(range(len(adj)), key=lambda t: (adj[t], -t)))
-        chunk = SeqChunk([out[-1]], len(prompt) + len(out) - 1, pages)  # the cache holds the rest
-    return out
 
 
 def test_penalties_logit_bias_min_tokens_equal_reference(cluster, runner):

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.e2e import chaos
+from glm53.support import chaos
 
 
 def test_random_faults_and_aborts(tmp_path_factory, model_cache):

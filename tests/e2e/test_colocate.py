@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from glm53.server.embedded_model import EMBEDDED_DIRNAME
-from tests.e2e.cluster import Cluster
-from tests.e2e.test_pd_serving import GREEDY_PROMPTS, offline_greedy, served_greedy
+from glm53.support.cluster import Cluster
+from tests.e2e.served import GREEDY_PROMPTS, offline_greedy, served_greedy
 
 
 @pytest.fixture(scope="module")

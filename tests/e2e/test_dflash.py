@@ -14,11 +14,11 @@ import concurrent.futures as cf
 import httpx
 import pytest
 
-from glm53.server.embedded_model import ensure_embedded_model
-from tests.e2e import structured_checks
-from tests.e2e.cluster import Cluster
-from tests.e2e.test_pd_serving import GREEDY_PROMPTS, offline_greedy, served_greedy, wait_pages_free
 from glm53.models import write_random_draft
+from glm53.server.embedded_model import ensure_embedded_model
+from glm53.support.cluster import Cluster
+from tests.e2e import structured_checks
+from tests.e2e.served import GREEDY_PROMPTS, offline_greedy, served_greedy, wait_pages_free
 
 NEW_TOKENS = 20
 
@@ -116,7 +116,7 @@ def test_logprobs_penalties_and_n_under_speculation(cluster, target_dir):
     (the draft context KV copied with the prompt's) each equal the n = 1 answer when greedy."""
     from glm53.models import ModelRunner
     from glm53.server.sampling import SamplingParams
-    from tests.e2e.test_api import TOL, ref_logsoftmax, reference_greedy
+    from tests.e2e.reference import TOL, ref_logsoftmax, reference_greedy
 
     runner = ModelRunner.from_dir(target_dir, num_pages=64, progress=False)
     prompt = GREEDY_PROMPTS[1]

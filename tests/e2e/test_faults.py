@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster
-from tests.e2e.test_pd_serving import MODEL, wait_pages_free
+from glm53.support.cluster import Cluster
+from tests.e2e.served import MODEL, wait_pages_free
 
 TRANSFER_TIMEOUT = 8.0
 

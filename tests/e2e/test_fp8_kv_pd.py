@@ -14,7 +14,7 @@ import yaml
 from glm53.models import ModelRunner, PageAllocator
 from glm53.server import offline
 from glm53.server.embedded_model import EMBEDDED_DIRNAME
-from tests.e2e.cluster import Cluster
+from glm53.support.cluster import Cluster
 
 # Longer than the embedded model's index_topk (64); with 300 tokens the FP8 and fp32 greedy
 # outputs differ from the first token (measured), with 100 they agree.

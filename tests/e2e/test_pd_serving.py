@@ -4,10 +4,6 @@ decode, on the embedded tiny model, checked with the `openai` client and raw HTT
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
@@ -15,24 +11,11 @@ import pytest
 
 from glm53.server.embedded_model import EMBEDDED_DIRNAME
 from tests.e2e import structured_checks
-from tests.e2e.cluster import ROOT
-
-MODEL = "glm-5-tiny"
+from tests.e2e.served import GREEDY_PROMPTS, MODEL, offline_greedy, served_greedy, wait_pages_free
 
 
 def client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", timeout=120)
-
-
-def wait_pages_free(cluster, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    used = {}
-    while time.monotonic() < deadline:
-        used = cluster.kv_tokens_in_use()
-        if used and all(v == 0 for v in used.values()):
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"KV pages still in use: {used}")
 
 
 def test_chat_and_completions_stream_and_non_stream(cluster):
@@ -64,32 +47,6 @@ def test_chat_and_completions_stream_and_non_stream(cluster):
     models = c.models.list()
     assert [m.id for m in models.data] == [MODEL]
     wait_pages_free(cluster)
-
-
-def served_greedy(cluster, prompts: list[list[int]], new: int) -> list[list[int]]:
-    outs = []
-    for p in prompts:
-        r = httpx.post(f"{cluster.url}/generate", timeout=120, json={
-            "input_ids": p, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}})
-        assert r.status_code == 200, r.text
-        outs.append(r.json()["output_ids"])
-    return outs
-
-
-def offline_greedy(model_dir, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """The model core's one-process `glm53-serve generate`."""
-    cmd = [sys.executable, "-m", "glm53.server.cli", "generate", "--model", str(model_dir),
-           "--max-new-tokens", str(new), "--page-size", "16", "--ignore-eos"]
-    for p in prompts:
-        cmd += ["--input-ids", ",".join(map(str, p))]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
-
-
-# Prompts longer than the embedded model's index_topk (64) exercise sparse attention on both
-# sides of the transfer.
-GREEDY_PROMPTS = [[(i * 37 + 11) % 4000 + 10 for i in range(n)] for n in (7, 100, 300)]
 
 
 def test_greedy_matches_offline_generate(cluster, model_cache):

@@ -16,9 +16,9 @@ import pytest
 
 from glm53.models import write_random_draft
 from glm53.server.embedded_model import ensure_embedded_model
-from tests.e2e.cluster import Cluster
-from tests.e2e.test_api import TOL, ref_logsoftmax
-from tests.e2e.test_pd_serving import GREEDY_PROMPTS, offline_greedy, served_greedy, wait_pages_free
+from glm53.support.cluster import Cluster
+from tests.e2e.reference import TOL, ref_logsoftmax
+from tests.e2e.served import GREEDY_PROMPTS, offline_greedy, served_greedy, wait_pages_free
 
 NEW_TOKENS = 12
 

@@ -13,8 +13,8 @@ import pytest
 
 from glm53.server.embedded_model import ensure_embedded_model
 from glm53.server.tokenizer import Tokenizer
-from tests.e2e.cluster import Cluster
-from tests.e2e.test_pd_serving import offline_greedy, wait_pages_free
+from glm53.support.cluster import Cluster
+from tests.e2e.served import offline_greedy, wait_pages_free
 
 # The prompt an issue reported this with (default config, DFlash on): 8 tokens were charged
 # and returned for text that ended before "sys".

@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster
-from tests.e2e.test_pd_serving import GREEDY_PROMPTS, MODEL, offline_greedy, served_greedy, wait_pages_free
+from glm53.support.cluster import Cluster
+from tests.e2e.served import GREEDY_PROMPTS, MODEL, offline_greedy, served_greedy, wait_pages_free
 
 NEW_TOKENS = 16
 TRANSFER_TIMEOUT = 10.0

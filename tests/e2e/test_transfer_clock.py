@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.e2e import chaos
+from glm53.support import chaos
 
 TRANSFER_TIMEOUT = 3.0
 

@@ -8,52 +8,10 @@ import random
 import pytest
 import torch
 
-import glm53.models.model as model_mod
-from glm53.kernels.indexer_logits import gather_paged
 from glm53.models import ModelRunner, PageAllocator, SeqChunk
 from glm53.server.offline import greedy_generate
-from tests.models.oracle import make_checkpoint
-
-TOPK = 8
-
-
-class IndexGapProbe:
-    """Wraps the indexer-logits op and checks, on every row longer than k, that the gap between
-    the k-th and (k+1)-th scores is far above that row's fp32 rounding error (measured against
-    the same scores in float64). Otherwise two fp32 implementations could break a near-tie
-    differently and the oracle comparison would be ill-posed."""
-
-    def __init__(self, monkeypatch, k: int):
-        self.k, self.min_ratio, self.rows = k, float("inf"), 0
-        inner = model_mod.indexer_logits
-
-        def probe(q, w, cache, table, lengths, max_len):
-            out = inner(q, w, cache, table, lengths, max_len)
-            rows = lengths > self.k
-            if rows.any():
-                keys = gather_paged(cache, table[rows], max_len).double()
-                dots = torch.einsum("thd,tsd->ths", q[rows].double(), keys).relu()
-                exact = torch.einsum("th,ths->ts", w[rows].double(), dots)
-                got = out[rows].double()
-                valid = torch.isfinite(got)
-                err = torch.where(valid, got - exact, torch.zeros_like(exact)).abs().amax(-1)
-                s = got.sort(dim=-1, descending=True).values
-                gap = s[:, self.k - 1] - s[:, self.k]
-                self.min_ratio = min(self.min_ratio, float((gap / err.clamp_min(1e-300)).min()))
-                self.rows += int(rows.sum())
-            return out
-
-        monkeypatch.setattr(model_mod, "indexer_logits", probe)
-
-    def assert_well_posed(self) -> None:
-        assert self.rows > 0 and self.min_ratio > 20, (
-            f"index-score near-tie: k-th/(k+1)-th gap only {self.min_ratio:.1f}x the rounding error"
-        )
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
+from glm53.support.oracle import make_checkpoint
+from tests.models.oracle_compare import TOPK, IndexGapProbe, rel_err
 
 SCHEDULES = [
     dict(index_topk_freq=1, index_skip_topk_offset=2, first_k_dense_replace=1, n_group=2, topk_group=1),

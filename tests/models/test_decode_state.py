@@ -13,7 +13,7 @@ import torch
 from glm53.models import ModelRunner, PageAllocator, SeqChunk
 from glm53.models.decode_state import DecodeState
 from glm53.models.graph import batch_buckets, pick, width_buckets
-from tests.models.oracle import make_checkpoint
+from glm53.support.oracle import make_checkpoint
 
 PS = 4
 

@@ -18,9 +18,9 @@ from glm53.models import (
 )
 from glm53.models.draft_checkpoint import draft_config_dict
 from glm53.models.weights import load_weights
+from glm53.support.oracle import BASE, make_checkpoint
 from glm53.transport.buffers import BufferSpec, Heads, Replicated
 from tests.models.draft_oracle import RefDraft, make_draft_checkpoint
-from tests.models.oracle import BASE, make_checkpoint
 
 SCHEDULE = dict(index_topk_freq=2, index_skip_topk_offset=2)  # F F S F S
 IDS = [1, 2, 4]  # 4 is the target's last layer: its feature is taken after the final norm

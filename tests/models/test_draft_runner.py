@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from glm53.models import DRAFT_KV, DraftBlock, DraftProjection, ModelRunner, PageAllocator, SeqChunk, StageInput
+from glm53.support.oracle import make_checkpoint
 from glm53.transport.buffers import BufferSpec, BufferTable
 from glm53.transport.mapping import plan_transfers
 from tests.models.draft_oracle import make_draft_checkpoint
-from tests.models.oracle import make_checkpoint
 from tests.models.tp_harness import greedy_from_rank0, run_ranks
 
 SCHEDULE = dict(index_topk_freq=2, index_skip_topk_offset=2)  # F F S F S

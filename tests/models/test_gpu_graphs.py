@@ -9,7 +9,7 @@ import torch
 from glm53.models import ModelRunner, PageAllocator, SeqChunk
 from glm53.models.graph import GraphConfig
 from glm53.server.offline import greedy_generate
-from tests.models.oracle import make_checkpoint
+from glm53.support.oracle import make_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

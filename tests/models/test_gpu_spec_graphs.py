@@ -14,8 +14,8 @@ import torch
 from glm53.models import DraftBlock, ModelRunner, PageAllocator, SeqChunk
 from glm53.models.graph import GraphConfig
 from glm53.models.spec_graph import split_output
+from glm53.support.oracle import make_checkpoint
 from tests.models.draft_oracle import make_draft_checkpoint
-from tests.models.oracle import make_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,9 +100,9 @@ def test_spec_graph_replay_equals_eager_and_syncs_nothing(ckpts, dtype):
 
 def test_greedy_dflash_with_graphs_equals_off_and_cpu():
     """The embedded trained pair through the decode scheduler's real loop (fp32, greedy)."""
-    from benchmarks.dflash import decode_run, scheduler
     from glm53.server.embedded_model import ensure_embedded_draft, ensure_embedded_model
     from glm53.server.offline import greedy_generate
+    from glm53.support.decode_loop import decode_run, scheduler
 
     root = Path(tempfile.mkdtemp(prefix="spec-graphs-"))
     model, draft = ensure_embedded_model(root), ensure_embedded_draft(root)

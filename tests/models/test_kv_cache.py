@@ -112,7 +112,7 @@ def test_target_pools_follow_the_indexer_schedule_and_register_by_name():
 def test_fp8_target_pools_are_bytes_and_the_buffer_table_sees_the_real_row():
     from glm53.models.kv_cache import FP8
     from glm53.transport.buffers import BufferSpec
-    from tests.models.test_config import GLM5
+    from tests.models.glm5_config import GLM5
 
     cfg = GlmConfig.from_dict({**GLM5, "num_hidden_layers": 4, "index_topk_freq": 4, "index_skip_topk_offset": 3})
     pools = target_pools(cfg, range(4), num_pages=3, page_size=64, dtype=torch.bfloat16, device="meta", kv_dtype=FP8)

@@ -16,8 +16,8 @@ from glm53.models import DraftBlock, ModelRunner, PageAllocator, SeqChunk
 from glm53.models.graph import batch_buckets, pick
 from glm53.models.spec_graph import spec_forward, split_output, step_rows
 from glm53.models.spec_state import SpecState, StepRow
+from glm53.support.oracle import make_checkpoint
 from tests.models.draft_oracle import make_draft_checkpoint
-from tests.models.oracle import make_checkpoint
 
 PS, PAGES, K = 4, 96, 4  # the runner holds PAGES + 1 pages: page PAGES is the padding page
 

@@ -11,8 +11,8 @@ import torch
 import glm53.models.model as model_mod
 from glm53.models import DFlashConfig, DFlashDraft, ModelRunner, PageAllocator, SeqChunk, StageInput
 from glm53.models.draft_checkpoint import draft_config_dict
-from tests.models.oracle import make_checkpoint
-from tests.models.test_against_transformers import TOPK, IndexGapProbe, rel_err
+from glm53.support.oracle import make_checkpoint
+from tests.models.oracle_compare import TOPK, IndexGapProbe, rel_err
 
 PAGES, PAGE = 64, 4
 

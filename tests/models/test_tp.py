@@ -12,7 +12,7 @@ import torch
 
 from glm53.models import ConfigError, GlmConfig, GlmForCausalLM, ModelRunner, check_tp
 from glm53.models.weights import checkpoint_tensors, load_weights
-from tests.models.oracle import BASE, make_checkpoint, quantise_fp8_
+from glm53.support.oracle import BASE, make_checkpoint, quantise_fp8_
 from tests.models.tp_harness import (
     DECODE_STEPS, PAGE, PAGES, ReadRecorder, checkpoint_rules, greedy, greedy_from_rank0, run_ranks, scenario,
 )

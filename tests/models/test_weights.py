@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from glm53.models import GlmConfig, GlmForCausalLM, ModelRunner, PageAllocator, SeqChunk, WeightError
 from glm53.models.weights import checkpoint_tensors, load_weights
-from tests.models.oracle import make_checkpoint, quantise_fp8_
+from glm53.support.oracle import make_checkpoint, quantise_fp8_
 
 
 def _forward(runner, ids):

@@ -17,7 +17,7 @@ import glm53.models.model as model_mod
 import glm53.models.weights as weights_mod
 from glm53.models import ModelRunner, PageAllocator, SeqChunk, TPGroup
 from glm53.models.sharding import Shard, shard_of
-from tests.net import free_ports
+from glm53.support.ports import free_ports
 
 TOPK = 8  # the oracle's index_topk
 PAGE, PAGES = 4, 96

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from glm53.server.embedded_model import ensure_embedded_model
-from tests.net import free_ports
+from glm53.support.ports import free_ports
 
 FAKE_INSTANCE = str(Path(__file__).with_name("fake_instance.py"))
 

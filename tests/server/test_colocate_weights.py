@@ -9,8 +9,8 @@ import torch
 from glm53.server.config import parse_config
 from glm53.server.engine.decode import DecodeScheduler
 from glm53.server.engine.prefill import PrefillScheduler
-from tests.net import free_ports
-from tests.server.test_prefix_cache import Sender, prefill
+from glm53.support.ports import free_ports
+from tests.server.prefill_rooms import Sender, prefill
 
 
 def _cfg(model_dir, prefill_dtype: str = "float32"):

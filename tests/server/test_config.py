@@ -329,7 +329,7 @@ def test_kv_capacity_from_num_pages_or_tokens(tmp_path):
 
     from glm53.models import GlmConfig
     from glm53.server.engine.worker import kv_pages, rank_specs
-    from tests.models.test_config import GLM5
+    from tests.models.glm5_config import GLM5
 
     cfg = GlmConfig.from_dict(GLM5)
 

@@ -1,7 +1,7 @@
 """n > 1 choices in the decode scheduler: the prompt's full pages are held once for all choices,
 each choice gets its own pages from the prompt's partial last page on (a copy of that page), and
 the shared pages are freed with the last choice, whichever order the choices end in. Through the
-worker double of test_overlap_decode (its steps assert they never write a free page); the real
+worker double of decode_double.py (its steps assert they never write a free page); the real
 model's n > 1 outputs are checked end to end in tests/e2e/test_api.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from glm53.server.engine.decode import DecodeRequest
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
-from tests.server.test_overlap_decode import next_token, reference_tokens, scheduler
+from tests.server.decode_double import next_token, reference_tokens, scheduler
 
 PS = 16  # the double's page size
 

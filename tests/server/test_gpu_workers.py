@@ -13,8 +13,8 @@ from glm53.server.embedded_model import ensure_embedded_model
 from glm53.server.engine.group import LocalWorkers
 from glm53.server.engine.processes import ProcessWorkers
 from glm53.server.engine.worker import RankSpec
+from glm53.support.ports import free_ports
 from glm53.transport import TransportConfig
-from tests.net import free_ports
 
 pytestmark = [
     pytest.mark.gpu,

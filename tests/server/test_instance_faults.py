@@ -13,7 +13,7 @@ from glm53.server.config import parse_config
 from glm53.server.engine.decode import DecodeScheduler
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec, TokenEvent, decode, encode
 from glm53.server.sampling import SamplingParams
-from tests.net import free_ports
+from glm53.support.ports import free_ports
 
 
 def _request(room: int, ids: list[int], reply_to: str, ports: list[int]) -> GenerateRequest:

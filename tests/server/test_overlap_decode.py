@@ -5,94 +5,14 @@ outputs and events equal to the synchronous loop for a batch with different leng
 tokens and joins; nothing committed past a stop; pages of a row still in an in-flight step never
 free; an abort while in flight; a non-plain row (logprobs) draining the pipeline; all pages back.
 The real model's device-side inputs (eager and CUDA graphs) are tested in tests/models and on
-the GPU, and every e2e test decodes through this loop."""
+the GPU, and every e2e test decodes through this loop. (The double: decode_double.py.)"""
 
 from __future__ import annotations
 
-import torch
-
-from glm53.server.config import parse_config
 from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
-from glm53.server.engine.group import WorkerGroup
 from glm53.server.protocol import Abort, GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
-from tests.net import free_ports
-
-V = 64
-
-
-def next_token(pos: int, tok: int) -> int:
-    """The double's greedy token after input `tok` at position `pos`."""
-    return 10 + (tok * 7 + pos * 3) % 47
-
-
-class Workers(WorkerGroup):
-    device_tokens = True
-
-    def __init__(self):
-        self.cfg = type("Cfg", (), {"vocab_size": V, "max_position_embeddings": 4096})()
-        self.num_pages, self.page_size, self.bytes_per_page = 64, 16, 1
-        self.block_size, self.sends_draft_kv = None, False
-        self.steps: list[list[tuple[int, int, tuple[int, ...]]]] = []  # per step: (pos, input, pages)
-        self.sched: DecodeScheduler | None = None
-        self.routed = 0  # inputs taken from the device-side tokens
-
-    def _rows(self, chunks, ids):
-        free = self.sched.allocator._used
-        step = []
-        for c, t in zip(chunks, ids):
-            assert all(free[p] for p in c.page_table), "a step writes pages that are free"
-            step.append((c.start_pos, t, tuple(c.page_table)))
-        self.steps.append(step)
-        rows = []
-        for c, t in zip(chunks, ids):
-            row = torch.full((1, V), -5.0)
-            row[0, next_token(c.start_pos, t)] = 5.0
-            rows.append(row)
-        return rows
-
-    def forward_microbatches(self, microbatches):
-        return [self._rows(chunks, [c.token_ids[-1] for c in chunks]) for chunks in microbatches]
-
-    def forward_decode(self, chunks, tokens):
-        ids = [c.token_ids[0] for c in chunks]
-        if tokens is not None:
-            for s, d in zip(tokens.src, tokens.dst):
-                ids[d] = int(tokens.values[s])
-                self.routed += 1
-        return self._rows(chunks, ids)
-
-    def spec_step(self, blocks):
-        raise AssertionError("no draft here")
-
-    def create_senders(self, room, decode_instance):
-        raise AssertionError("no transfers in these tests")
-
-    def create_receivers(self, room, bootstrap_address, dst_pages):
-        raise AssertionError("no transfers in these tests")
-
-    def copy_pages(self, src, dst):
-        raise AssertionError("one choice per request here")
-
-    def close(self):
-        pass
-
-
-def scheduler(overlap: bool) -> tuple[DecodeScheduler, list]:
-    ports = free_ports(4)
-    cfg = parse_config({
-        "model": {"path": "/unused"},
-        "defaults": {"device": "cpu", "page_size": 16, "num_pages": 64, "disable_overlap_schedule": not overlap},
-        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
-        "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2]}],
-    })
-    workers = Workers()
-    sched = DecodeScheduler(cfg, cfg.decode[0], workers=workers)
-    workers.sched = sched
-    assert sched.overlap == overlap
-    sent = []
-    sched.channel.send = lambda _to, ev: sent.append(ev)
-    return sched, sent
+from tests.server.decode_double import next_token, reference_tokens, scheduler
 
 
 def adopt(sched: DecodeScheduler, room: int, prompt_len: int, max_new: int, stop=(), logprobs: int = -1,
@@ -145,14 +65,6 @@ def run_script(overlap: bool, abort_room: int | None = None):
         return outputs(sent), [ev.finish_reason for ev in sent if ev.finish_reason], sched.workers.routed
     finally:
         sched.close()
-
-
-def reference_tokens(prompt_len: int, n: int) -> list[int]:
-    """What greedy decoding of the double gives: the first token, then each from the last."""
-    toks = [next_token(prompt_len - 1, 3 + prompt_len - 1)]
-    while len(toks) < n:
-        toks.append(next_token(prompt_len + len(toks) - 1, toks[-1]))
-    return toks
 
 
 def test_overlapped_equals_synchronous():

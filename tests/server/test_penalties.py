@@ -3,9 +3,7 @@ speculative acceptance, against a straightforward per-row, per-token reference; 
 instances (raw log_softmax, chunked prompt logprobs, the first tokens' payload) and in the
 router's response shapes."""
 
-import math
 import random
-from collections import Counter
 
 import pytest
 import torch
@@ -14,26 +12,9 @@ from glm53.server.engine.logprobs import PromptLogprobs, pack_first, unpack_firs
 from glm53.server.engine.spec import accept
 from glm53.server.sampling import (SamplingError, SamplingParams, TokenHistory, adjust_logits, sample,
                                    step_generator, token_logprobs)
+from tests.server.reference_sampling import reference_adjust
 
 V = 50
-
-
-def reference_adjust(row: list[float], p: SamplingParams, h: TokenHistory) -> list[float]:
-    """One row, one token at a time, in the documented order."""
-    x = list(row)
-    for t, b in p.logit_bias.items():
-        x[t] += b
-    if len(h.output) < p.min_new_tokens:
-        for t in h.stop_ids:
-            x[t] = -math.inf
-    seen = set(h.prompt) | set(h.output)
-    counts = Counter(h.output)
-    for t in range(len(x)):
-        if t in seen and p.repetition_penalty != 1:
-            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
-        c = counts[t]
-        x[t] -= p.frequency_penalty * c + p.presence_penalty * (1 if c else 0)
-    return x
 
 
 def random_case(rng: random.Random) -> tuple[SamplingParams, TokenHistory]:

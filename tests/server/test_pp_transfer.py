@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from glm53.models import write_random_draft
-from tests.pd_harness import prefill_into_decode
+from glm53.support.pd_harness import prefill_into_decode
 
 CHUNK = 24
 

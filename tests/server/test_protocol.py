@@ -2,11 +2,11 @@ import msgpack
 import pytest
 import zmq
 
-from tests.net import free_ports
 from glm53.server.protocol import (PROTOCOL_VERSION, Abort, GenerateRequest, HealthPing, HealthPong,
                                    InstanceChannel, LoadStats, PeerInfo, ProtocolError, RequestSpec, TokenEvent,
                                    TransferStats, decode, decode_all, encode, encode_batch, probe)
 from glm53.server.sampling import SamplingParams
+from glm53.support.ports import free_ports
 
 
 def _req(**kw) -> GenerateRequest:

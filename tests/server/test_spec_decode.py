@@ -14,7 +14,7 @@ from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
-from tests.net import free_ports
+from glm53.support.ports import free_ports
 
 V = 50
 PROMPT = [3, 4, 5, 6, 7]

@@ -16,7 +16,7 @@ from glm53.server.offline import greedy_generate
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
 from glm53.server.tokenizer import Tokenizer
-from tests.net import free_ports
+from glm53.support.ports import free_ports
 
 MAX_NEW = 14
 B = 4

@@ -1,8 +1,8 @@
-"""tools/distill_draft.py's pieces that decide what the draft learns and how it is judged: anchors
-only where the labels are the target's own tokens; a deeper draft that starts as the function of
-the draft it grows from; the lockstep generation (the serving model's greedy tokens and the
-features its forward captures); the replay of the greedy decode loop that gives τ. Tiny shapes,
-CPU."""
+"""tools/distill_draft.py's pieces (glm53/support/draft_distill.py, distill_data.py) that decide
+what the draft learns and how it is judged: anchors only where the labels are the target's own
+tokens; a deeper draft that starts as the function of the draft it grows from; the lockstep
+generation (the serving model's greedy tokens and the features its forward captures); the replay
+of the greedy decode loop that gives τ. Tiny shapes, CPU."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from tools.distill_data import Data, anchor_start, generate
-from tools.distill_draft import init_from, replay_tau, sample_anchors
-from tools.train_tiny import DraftTrainer
+from glm53.support.distill_data import Data, anchor_start, generate
+from glm53.support.draft_distill import init_from, replay_tau, sample_anchors
+from glm53.support.draft_trainer import DraftTrainer
 
 
 def _cfg(layers: int) -> dict:
@@ -60,7 +60,7 @@ def test_a_deeper_draft_starts_as_the_draft_it_grows_from(tmp_path):
 
 def test_lockstep_generation_is_the_serving_models_greedy_decode_and_its_features(tmp_path):
     from glm53.models import ModelRunner, PageAllocator, SeqChunk
-    from tests.models.oracle import make_checkpoint
+    from glm53.support.oracle import make_checkpoint
 
     make_checkpoint(tmp_path, seed=3, index_topk_freq=2, index_skip_topk_offset=2)
     ids, n, plen, total = [0, 2], 3, 7, 19

@@ -1,23 +1,17 @@
-"""tools/make_slice.py: the GLM-5-shaped slice writer. Full widths are checked on the config and
-on the meta-device model (no weights: one full-width layer is ~0.3 B parameters); the writer
-itself runs end to end at tiny widths (`--width` overrides), and the loader must accept what it
-wrote (no missing or unexpected tensors)."""
+"""tools/make_slice.py (glm53/support/glm5_slice.py): the GLM-5-shaped slice writer. Full widths
+are checked on the config and on the meta-device model (no weights: one full-width layer is
+~0.3 B parameters); the writer itself runs end to end at tiny widths (`--width` overrides), and
+the loader must accept what it wrote (no missing or unexpected tensors)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
 from glm53.models import GlmConfig, GlmForCausalLM, load_weights
-from tests.models.test_config import GLM5
-
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("make_slice", ROOT / "tools" / "make_slice.py")
-make_slice = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_slice)
+from glm53.support import glm5_slice as make_slice
+from tests.models.glm5_config import GLM5
 
 ATTENTION_AND_INDEXER = ("hidden_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
                          "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",

@@ -1,10 +1,11 @@
-"""tools/train_tiny.py's StepBudget: the step count of a training run, fixed or fitted to a time
-budget from the rate after the warm-up (the training loops of train_tiny and distill_draft)."""
+"""glm53/support/training.py's StepBudget: the step count of a training run, fixed or fitted to a
+time budget from the rate after the warm-up (the training loops of tools/train_tiny.py and
+tools/distill_draft.py)."""
 
 from __future__ import annotations
 
-import tools.train_tiny as train_tiny
-from tools.train_tiny import StepBudget
+import glm53.support.training as training
+from glm53.support.training import StepBudget
 
 
 def test_fixed_steps_are_kept():
@@ -16,7 +17,7 @@ def test_fixed_steps_are_kept():
 
 def test_steps_fit_the_seconds_from_the_rate_after_warm_up(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(train_tiny.time, "time", lambda: now[0])
+    monkeypatch.setattr(training.time, "time", lambda: now[0])
     b = StepBudget(0, 60.0, "x")
     assert b.total == 10**9
     now[0] = 104.0  # 10 warm-up steps took 4 s

@@ -2,7 +2,6 @@
 table mismatch at bootstrap, aborts from either side, room generations, early chunks, and the
 error code each failure reports."""
 
-import contextlib
 import time
 
 import numpy as np
@@ -11,10 +10,9 @@ import pytest
 from glm53.transport import (BootstrapServer, KVPoll, MetadataRow, Room, TableMismatch,
                              TransferEngine, TransferErrorCode, TransportConfig)
 
-Code = TransferErrorCode
+from .engine_pair import CFG, engine_pair, pool
 
-CFG = dict(bootstrap_timeout_s=5.0, transfer_timeout_s=5.0, heartbeat_interval_s=0.2,
-           peer_timeout_s=2.0, quiesce_timeout_s=2.0)
+Code = TransferErrorCode
 
 
 @pytest.fixture(autouse=True)
@@ -23,35 +21,10 @@ def _ucx_env(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")
 
 
-def _pool(n_pages, layers=2, page=4, bpt=64, fill=0):
-    return np.full((n_pages, layers, page, bpt), fill, dtype=np.uint8)
-
-
 @pytest.fixture
 def pair():
-    with _pair(CFG) as engines:
+    with engine_pair(CFG) as engines:
         yield engines
-
-
-@contextlib.contextmanager
-def _pair(cfg):
-    srv = BootstrapServer("p", 1, 1)
-    p = TransferEngine("prefill", "p", config=TransportConfig(**cfg))
-    src = _pool(32)
-    src[:] = np.arange(src.size, dtype=np.uint64).reshape(src.shape) % 251
-    p.register_pool("latent", src, (0, 1))
-    p.start(srv.address)
-    d = TransferEngine("decode", "d", config=TransportConfig(**cfg))
-    dst = _pool(32, fill=0xEE)
-    d.register_pool("latent", dst, (0, 1))
-    d.start()
-    d.connect(srv.address, timeout=10)
-    try:
-        yield p, d, src, dst, srv.address
-    finally:
-        d.close()
-        p.close()
-        srv.close()
 
 
 def test_success_with_chunks_before_destination(pair):
@@ -165,10 +138,10 @@ def test_last_stage_must_send_row(pair):
 def test_bootstrap_rejects_mismatch_naming_field():
     srv = BootstrapServer("p", 1, 1)
     p = TransferEngine("prefill", "p", config=TransportConfig(**CFG))
-    p.register_pool("latent", _pool(8, page=4), (0, 1))
+    p.register_pool("latent", pool(8, page=4), (0, 1))
     p.start(srv.address)
     d = TransferEngine("decode", "d", config=TransportConfig(**CFG))
-    d.register_pool("latent", _pool(8, page=8), (0, 1))
+    d.register_pool("latent", pool(8, page=8), (0, 1))
     d.start()
     try:
         with pytest.raises(TableMismatch) as e:
@@ -186,7 +159,7 @@ def test_bootstrap_rejects_mismatch_naming_field():
 
 def test_unreachable_bootstrap_times_out():
     d = TransferEngine("decode", "d", config=TransportConfig(**dict(CFG, bootstrap_timeout_s=1)))
-    d.register_pool("latent", _pool(8), (0, 1))
+    d.register_pool("latent", pool(8), (0, 1))
     d.start()
     try:
         rx = d.create_receiver(Room(1, 0), "tcp://127.0.0.1:1", [0])
@@ -197,14 +170,14 @@ def test_unreachable_bootstrap_times_out():
 
 
 def test_sender_without_destination_times_out():
-    with _pair(dict(CFG, bootstrap_timeout_s=1.0)) as (p, d, src, dst, addr):
+    with engine_pair(dict(CFG, bootstrap_timeout_s=1.0)) as (p, d, src, dst, addr):
         tx = p.create_sender(Room(3, 0))  # no decode rank ever sends ROOM for it
         tx.send_pages([0])
         assert tx.wait(5) == KVPoll.FAILED and tx.error_code == Code.BOOTSTRAP_TIMEOUT
 
 
 def test_transfer_timeout_code():
-    with _pair(dict(CFG, transfer_timeout_s=1.0)) as (p, d, src, dst, addr):
+    with engine_pair(dict(CFG, transfer_timeout_s=1.0)) as (p, d, src, dst, addr):
         tx = p.create_sender(Room(4, 0))
         rx = d.create_receiver(Room(4, 0), addr, [1, 2])
         tx.send_pages([0, 1])  # never finished: no commit arrives

@@ -10,7 +10,7 @@ import pytest
 
 from glm53.transport import KVPoll, MetadataRow, Room, TransferErrorCode
 
-from .test_lifecycle import CFG, _pair
+from .engine_pair import CFG, engine_pair
 
 Code = TransferErrorCode
 
@@ -22,7 +22,7 @@ def _ucx_env(monkeypatch):
 
 
 def test_queue_wait_longer_than_transfer_timeout_succeeds():
-    with _pair(dict(CFG, bootstrap_timeout_s=8.0, transfer_timeout_s=1.0)) as (p, d, src, dst, addr):
+    with engine_pair(dict(CFG, bootstrap_timeout_s=8.0, transfer_timeout_s=1.0)) as (p, d, src, dst, addr):
         rx = d.create_receiver(Room(21, 0), addr, [5, 6])
         deadline = time.monotonic() + 5
         while rx.poll() == KVPoll.BOOTSTRAPPING and time.monotonic() < deadline:
@@ -39,7 +39,7 @@ def test_queue_wait_longer_than_transfer_timeout_succeeds():
 
 
 def test_never_admitted_fails_as_queued_bootstrap_timeout():
-    with _pair(dict(CFG, bootstrap_timeout_s=1.5, transfer_timeout_s=0.5)) as (p, d, src, dst, addr):
+    with engine_pair(dict(CFG, bootstrap_timeout_s=1.5, transfer_timeout_s=0.5)) as (p, d, src, dst, addr):
         t0 = time.monotonic()
         rx = d.create_receiver(Room(22, 0), addr, [1])
         assert rx.wait(10) == KVPoll.FAILED
@@ -48,7 +48,7 @@ def test_never_admitted_fails_as_queued_bootstrap_timeout():
 
 
 def test_transfer_clock_runs_from_admission():
-    with _pair(dict(CFG, bootstrap_timeout_s=8.0, transfer_timeout_s=1.0)) as (p, d, src, dst, addr):
+    with engine_pair(dict(CFG, bootstrap_timeout_s=8.0, transfer_timeout_s=1.0)) as (p, d, src, dst, addr):
         rx = d.create_receiver(Room(23, 0), addr, [1, 2])
         time.sleep(1.5)  # queued longer than the transfer timeout: still fine
         t_admit = time.monotonic()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import httpx
 import yaml
 
-from tests.e2e.cluster import Cluster
+from glm53.support.cluster import Cluster
 
 MODEL = "glm-5-tiny"
 

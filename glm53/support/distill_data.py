@@ -1,5 +1,5 @@
-"""Training data for the self-distilled DFlash draft: the frozen target's own continuations and its
-features, generated with the serving model (`glm53.models`, float32).
+"""Training data for the self-distilled DFlash draft of tools/distill_draft.py: the frozen target's
+own continuations and its features, generated with the serving model (`glm53.models`, float32).
 
 A round continues `n` prompts of one length in lockstep: every sequence is at the same position, so
 a decode step is one `ForwardBatch` built on the device (no per-sequence Python, no host sync
@@ -20,45 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tools.train_tiny import held_out, log, stdlib_files
+from glm53.support.training import log
 
 SAMPLED_HEAD = 24
 TEMPERATURE = {"greedy": lambda step: 0.0, "sampled head": lambda step: 1.0 if step < SAMPLED_HEAD else 0.0,
                "sampled": lambda step: 0.8}
-
-
-def corpus_streams(tdir) -> tuple[torch.Tensor, torch.Tensor]:
-    """(held-in, held-out) token streams of the standard library (tools/train_tiny.py's split)."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
-    eos = tok.token_to_id("<|endoftext|>")
-    files = stdlib_files()
-    out = []
-    for part in ([f for f in files if not held_out(f[0])], [f for f in files if held_out(f[0])]):
-        ids: list[int] = []
-        for enc in tok.encode_batch([t for _, t in part]):
-            ids.extend(enc.ids)
-            ids.append(eos)
-        out.append(torch.tensor(ids, dtype=torch.long))
-    return out[0], out[1]
-
-
-def held_file_prompts(tdir, n: int, length: int) -> list[list[int]]:
-    """The first `length` tokens of the first `n` held-out files that have that many (in
-    `stdlib_files` order): tools/eval_dflash.py's prompts."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
-    out = []
-    for rel, text in stdlib_files():
-        if held_out(rel):
-            ids = tok.encode(text).ids
-            if len(ids) >= length:
-                out.append(ids[:length])
-        if len(out) == n:
-            break
-    return out
 
 
 def anchor_start(plen: int, kind: str) -> int:

@@ -1,4 +1,4 @@
-"""Network helpers for tests that start real servers on loopback."""
+"""Free TCP ports on loopback, for tests, benchmarks and tools that start real servers."""
 
 import socket
 

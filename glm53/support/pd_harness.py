@@ -1,7 +1,8 @@
 """One prompt prefilled by a real prefill instance's ranks (pp stages × tp ranks: `LocalWorkers`,
 or `ProcessWorkers` with gloo/NCCL rank processes) into one real decode rank in its own process
 (as in serving, so each side has its own CUDA context and NIXL agent), through real transfers.
-Used by tests (CPU) and by the GPU benchmarks (benchmarks/gpu_pp.py), which is why it lives here.
+Used by tests (CPU) and by the GPU benchmarks (benchmarks/gpu_pp.py), which is why it lives in
+glm53.support.
 
 `prefill_into_decode` returns the first token as prefill sampled it and as decode's commit record
 carried it, decode's pages of every pool (on the host), and per prefill rank the descriptors it
@@ -34,7 +35,7 @@ def cluster(model: Path, draft: Path | None, pp: int, tp: int, pages: int, devic
             timeout_s: float) -> dict:
     """The raw config of prefill (pp × tp ranks; GPUs 0 .. pp·tp − 1) and decode (one rank; the
     last GPU) instances."""
-    from tests.net import free_ports
+    from glm53.support.ports import free_ports
 
     ports = free_ports(4)
     cuda = device == "cuda"

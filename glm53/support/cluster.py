@@ -1,5 +1,5 @@
 """Start a real `glm53-serve up` deployment (router + prefill + decode processes, NIXL over
-loopback) for end-to-end tests, on free ports, with the embedded tiny model."""
+loopback) for end-to-end tests and benchmarks, on free ports, with the embedded tiny model."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.net import free_ports
+from glm53.support.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 

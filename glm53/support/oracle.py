@@ -1,5 +1,6 @@
 """Tiny random GLM-5 checkpoints written by transformers (the oracle), every parameter
-perturbed away from its init so that norms, biases and the router correction all matter."""
+perturbed away from its init so that norms, biases and the router correction all matter.
+`transformers` is a test-only dependency: `make_checkpoint` imports it when called."""
 
 from __future__ import annotations
 

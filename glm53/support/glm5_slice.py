@@ -1,9 +1,10 @@
 """Write a GLM-5-shaped slice checkpoint: GLM-5's full attention and indexer widths, few layers and
 experts, random weights, in the Hugging Face layout `glm53.models.load_weights` reads.
 
-    .venv/bin/python tools/make_slice.py OUT_DIR [--layers 4] [--experts 16] [--vocab V] ...
+    PYTHONPATH=. python tools/make_slice.py OUT_DIR [--layers 4] [--experts 16] [--vocab V] ...
+    PYTHONPATH=. python -m glm53.support.glm5_slice OUT_DIR ...   # the same (this module's `main`)
 
-Widths are GLM-5's (`tests/models/test_config.py`, GLM5): hidden 6144, 64 heads, q_lora 2048,
+Widths are GLM-5's (`tests/models/glm5_config.py`, GLM5): hidden 6144, 64 heads, q_lora 2048,
 kv_lora 512, qk_nope 192 + qk_rope 64, v_head 256, indexer 32 heads x 128 with index_topk 2048,
 index sharing every 4th layer from offset 3 (GLM-5.2's schedule: layers 0-2 full, then one full
 layer in four), routed experts of width 2048 with top-8 and one shared expert. Layers, routed
@@ -18,7 +19,9 @@ layer and written one safetensors shard per layer (+ one for embeddings/head), s
 holds more than one layer in memory.
 
 `widths` (Python API) or `--width KEY=VALUE` override any config field; the unit test uses it to
-write a tiny-width slice through the same code.
+write a tiny-width slice through the same code. `ensure_slice` writes issue 16's slice unless it
+exists (the GPU benchmarks); benchmarks/fp8_kv.py draws the same slice on the GPU from
+`slice_config`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +192,16 @@ def write_slice(out: str | Path, layers: int = 4, experts: int = 16, vocab: int 
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     return out
+
+
+def ensure_slice(slice_dir: Path) -> Path:
+    """Issue 16's GLM-5-shaped slice (4 layers, 16 experts, 1 dense), written unless it exists."""
+    if not (slice_dir / "config.json").exists():
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-m", "glm53.support.glm5_slice", str(slice_dir), "--layers", "4",
+                        "--experts", "16", "--dense-layers", "1"], check=True)
+        print(f"slice written in {time.monotonic() - t0:.0f} s", flush=True)
+    return slice_dir
 
 
 def parameter_count(cfg: dict[str, Any]) -> int:

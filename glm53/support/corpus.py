@@ -1,0 +1,71 @@
+"""The corpus of the embedded pair: the running Python's standard library source (`*.py`,
+recursively; `GLM53_CORPUS` names another tree), split by path: a file whose path relative to the
+stdlib hashes (sha1) to < 5 % is held out. tools/train_tiny.py trains on it, tools/distill_draft.py
+distils on its held-in part, and tools/eval_dflash.py and benchmarks/dflash_pd.py prompt with the
+starts of held-out files (`held_file_prompts`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+HOLDOUT_PCT = 5
+
+
+def stdlib_files(root: Path | None = None) -> list[tuple[str, str]]:
+    """(path relative to the stdlib, text) of every `*.py` under `root` (default: this Python's
+    standard library), sorted; site-packages excluded."""
+    root = Path(root or os.environ.get("GLM53_CORPUS") or sysconfig.get_paths()["stdlib"])
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).as_posix()
+        if rel.startswith(("site-packages/", "dist-packages/")):
+            continue
+        try:
+            out.append((rel, f.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return out
+
+
+def held_out(rel: str) -> bool:
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 100 < HOLDOUT_PCT
+
+
+def corpus_streams(tdir) -> tuple[torch.Tensor, torch.Tensor]:
+    """(held-in, held-out) token streams of the standard library (`held_out`'s split)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    files = stdlib_files()
+    out = []
+    for part in ([f for f in files if not held_out(f[0])], [f for f in files if held_out(f[0])]):
+        ids: list[int] = []
+        for enc in tok.encode_batch([t for _, t in part]):
+            ids.extend(enc.ids)
+            ids.append(eos)
+        out.append(torch.tensor(ids, dtype=torch.long))
+    return out[0], out[1]
+
+
+def held_file_prompts(tdir, n: int, length: int) -> list[list[int]]:
+    """The first `length` tokens of the first `n` held-out files that have that many (in
+    `stdlib_files` order): tools/eval_dflash.py's prompts."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tdir / "tokenizer.json"))
+    out = []
+    for rel, text in stdlib_files():
+        if held_out(rel):
+            ids = tok.encode(text).ids
+            if len(ids) >= length:
+                out.append(ids[:length])
+        if len(out) == n:
+            break
+    return out

@@ -1,0 +1,72 @@
+"""The decode scheduler's real loop on one in-process rank (no prefill instance is started): a
+`DecodeScheduler` built from a raw config (`scheduler`), and greedy requests adopted as if
+prefill had sent their first token, decoded to the end (`decode_run`), timed. Used by
+benchmarks/dflash.py, tools/eval_dflash.py and tests/models/test_gpu_spec_graphs.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from glm53.models import SeqChunk
+from glm53.server.config import parse_config
+from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
+from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
+from glm53.server.sampling import SamplingParams
+from glm53.support.ports import free_ports
+
+
+def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | None, graphs: bool = True,
+              max_running: int = 64, dtype: str = "float32", context: int | None = None) -> DecodeScheduler:
+    """A decode scheduler on one in-process rank (no prefill instance is started). On CUDA it
+    captures its decode graphs (with a draft: of the DFlash step) for batches up to
+    `max_running` and requests up to `context` tokens (None: the model's) unless `graphs` is False."""
+    ports = free_ports(4)
+    raw = {
+        "model": {"path": str(model_dir), **({"context_length": context} if context else {})},
+        "defaults": {"device": device, "dtype": dtype, "page_size": 16, "num_pages": 2048,
+                     "stream_interval": 1000, "max_running_requests": max_running,
+                     "disable_cuda_graph": not graphs},
+        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2], **({"devices": [0]} if device == "cuda" else {})}],
+    }
+    if device == "cuda":
+        raw["prefill"][0]["devices"] = [1]  # never started here; the config wants distinct GPUs
+    if draft is not None:
+        raw["speculative"] = {"algorithm": "DFLASH", "draft_model_path": str(draft), "num_draft_tokens": block}
+    cfg = parse_config(raw)
+    return DecodeScheduler(cfg, cfg.decode[0])
+
+
+def decode_run(sched: DecodeScheduler, prompts: list[list[int]], new: int,
+               clock=time.perf_counter) -> tuple[float, int, int, list]:
+    """(seconds of decode steps, tokens committed after the first, verify steps, outputs).
+    `clock=time.thread_time` counts only this thread's CPU time (on a CPU shared with other
+    jobs, wall time also counts the time the scheduler gave to them)."""
+    sent = []
+    sched.channel.send = lambda _to, ev: sent.append(ev)
+    for room, p in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+        req = GenerateRequest(spec=RequestSpec(f"r{room}", p, params, []), room=room, generation=0,
+                              prefill=PeerInfo("p0", "prefill", "h", 1, 2), decode=PeerInfo("d0", "decode", "h", 3, None),
+                              reply_to="tcp://unused:1")
+        r = DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched.workers.pages_needed(len(p) + new)))
+        first = sched.workers.forward([SeqChunk(p, 0, r.pages)])[0][-1].argmax()
+        sched._commit(r, [int(first)], first=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = clock()
+    while sched.running:
+        sched._decode()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = clock() - t0
+    outs: dict[int, list[int]] = {}
+    verify = 0
+    for ev in sent:
+        outs.setdefault(ev.room, []).extend(ev.token_ids)
+        verify += len(ev.spec_accept)
+    return dt, len(prompts) * (new - 1), verify, [outs[i] for i in range(len(prompts))]
