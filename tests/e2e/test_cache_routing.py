@@ -10,9 +10,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.cluster import Cluster
-from tests.e2e.test_pd_serving import wait_pages_free
-from tests.net import free_ports
+from glm53.support.cluster import Cluster
+from glm53.support.ports import free_ports
+from tests.e2e.served import wait_pages_free
 
 PAGE = 16
 
