@@ -52,6 +52,13 @@ class Cluster:
         self.log = open(workdir / "cluster.log", "w+")
         self.proc: subprocess.Popen | None = None
 
+    def add_prefill(self, name: str) -> "Cluster":
+        """One more prefill instance like the first (call before start)."""
+        port, boot = free_ports(2)
+        self.cfg["prefill"].append({**self.cfg["prefill"][0], "name": name, "port": port, "bootstrap_port": boot})
+        self.config_path.write_text(yaml.safe_dump(self.cfg))
+        return self
+
     def start(self, timeout: float = 240.0) -> "Cluster":
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "glm53.server.cli", "up", "--config", str(self.config_path)],

@@ -8,10 +8,8 @@ import concurrent.futures as cf
 
 import httpx
 import pytest
-import yaml
 
 from glm53.support.cluster import Cluster
-from glm53.support.ports import free_ports
 from tests.e2e.served import wait_pages_free
 
 PAGE = 16
@@ -20,10 +18,7 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_cache):
     c = Cluster(tmp_path_factory.mktemp("cache-routing"), model_cache, router={"policy": "cache_aware"})
-    port, boot = free_ports(2)
-    c.cfg["prefill"].append({**c.cfg["prefill"][0], "name": "p1", "port": port, "bootstrap_port": boot})
-    c.config_path.write_text(yaml.safe_dump(c.cfg))
-    c.start()
+    c.add_prefill("p1").start()
     yield c
     c.stop()
 
