@@ -116,6 +116,38 @@ def test_completions(cluster):
     assert c.completions.create(model=MODEL, prompt="a").usage.completion_tokens == 16
 
 
+def test_completions_continuous_usage_stats(cluster):
+    # vLLM's stream_options.continuous_usage_stats, as chat has it: every chunk carries the
+    # running usage; without it (include_usage alone) the chunks say "usage": null.
+    ids = [400, 401, 402]
+    body = {"prompt": ids, "max_tokens": 6, "stream": True, "echo": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    ev = sse_events(httpx.post(cluster.url + "/v1/completions", json=body, timeout=30).text)[:-1]
+    usage = [e["usage"] for e in ev]
+    assert all(u["prompt_tokens"] == 3 and u["total_tokens"] == 3 + u["completion_tokens"] for u in usage)
+    counts = [u["completion_tokens"] for u in usage]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6 and len(set(counts)) > 2, counts
+    assert ev[-1]["choices"] == [] and ev[-2]["choices"][0]["finish_reason"] == "length"
+    body["stream_options"] = {"include_usage": True}
+    ev = sse_events(httpx.post(cluster.url + "/v1/completions", json=body, timeout=30).text)[:-1]
+    assert all(e["usage"] is None for e in ev[:-1]) and ev[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_sglang_info_endpoints(cluster):
+    info = httpx.get(cluster.url + "/get_model_info").json()
+    assert info["model_path"] and info["tokenizer_path"] and info["is_generation"] is True
+    assert info["model_type"] == "glm_moe_dsa" and info["architectures"] == ["GlmMoeDsaForCausalLM"]
+    assert {"preferred_sampling_params", "weight_version"} <= set(info)
+    assert httpx.get(cluster.url + "/model_info").json() == info
+    server = httpx.get(cluster.url + "/get_server_info").json()
+    assert server["served_model_name"] == MODEL and server["context_length"] == 512 and server["tp_size"] == 1
+    assert server["disaggregation_mode"] == "pd" and server["speculative_algorithm"] is None
+    assert server["max_total_num_tokens"] > 0 and server["max_req_input_len"] == 511
+    assert isinstance(server["internal_states"], list) and server["version"] == "0.1.0"
+    assert [i["name"] for i in server["prefill"]] == ["p0"] and server["router"]["running_requests"] == 0
+    assert httpx.get(cluster.url + "/version").json() == {"version": "0.1.0"}
+
+
 def test_sglang_generate(cluster):
     r = httpx.post(cluster.url + "/generate", json={"input_ids": [400, 401, 402],
                                                     "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
@@ -157,6 +189,9 @@ def err(r, status):
     body = r.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["code"] == status and body["error"]["message"]
+    # vLLM's error type names (router/schemas.py ERROR_TYPES), not HTTP reason phrases
+    assert body["error"]["type"] == {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                                     503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}[status], body
     return body["error"]
 
 
@@ -185,6 +220,7 @@ def test_error_bodies(cluster):
     err(httpx.post(cluster.url + "/v1/completions", json={"prompt": ""}), 400)
     err(httpx.get(cluster.url + "/v1/nope"), 404)
     err(httpx.get(cluster.url + "/v1/models/nope"), 404)
+    err(httpx.delete(cluster.url + "/v1/models"), 405)
     # the openai client maps them to its exception classes
     c = client(cluster)
     with pytest.raises(openai.BadRequestError):

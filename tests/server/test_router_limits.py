@@ -36,6 +36,8 @@ def error(r: httpx.Response, status: int) -> dict:
     body = r.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["code"] == status
+    # vLLM's error type names (router/schemas.py ERROR_TYPES), not HTTP reason phrases
+    assert body["error"]["type"] == {400: "BadRequestError", 413: "RequestEntityTooLargeError"}[status], body
     return body["error"]
 
 

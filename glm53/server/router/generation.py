@@ -51,6 +51,9 @@ class Delta:
     logprobs: list[float] | None = None
     top_logprobs: list[list] | None = None
     shown: int | None = None  # None: all of token_ids
+    # The request's running counts when this Delta went out (SGLang's streamed meta_info).
+    cached_tokens: int = 0
+    spec_verify_ct: int = 0
 
     @property
     def shown_ids(self) -> list[int]:
@@ -213,8 +216,8 @@ class Generation:
                 if want_prompt and self.prompt_logprobs is None:
                     continue  # hold everything until the prompt logprobs are here
                 for item in pending:
+                    item.cached_tokens, item.spec_verify_ct = cached, verify_ct
                     if isinstance(item, Outcome):
-                        item.cached_tokens, item.spec_verify_ct = cached, verify_ct
                         m.requests.labels(name, item.finish_reason).inc()
                     yield item
                 pending = []

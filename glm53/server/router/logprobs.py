@@ -3,7 +3,9 @@ instances computed (server/engine/logprobs.py: log_softmax of the raw logits).
 
 - OpenAI chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
 - OpenAI completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`;
-  with `echo`, the prompt's tokens come first (the first has no logprob: null).
+  with `echo`, the prompt's tokens come first (the first has no logprob: null). Each position's
+  `top_logprobs` holds the N most likely tokens and always the position's own token (as OpenAI
+  and vLLM: N + 1 entries when it is not among them; with `logprobs: 0`, just that token).
 - SGLang meta_info: `[logprob, token_id, text or null]` per token, and per position a list of
   such triples for the top logprobs.
 
@@ -56,7 +58,13 @@ def completion_logprobs(texts: Texts, ids: Sequence[int], lps: Sequence[float | 
         offsets.append(offset)
         offset += len(s)
         t = tops[i] if i < len(tops) else None
-        top.append(None if t is None else {texts(a): _finite(v) for a, v in t})
+        if t is None:
+            top.append(None)
+            continue
+        d = {texts(a): _finite(v) for a, v in t}
+        if i < len(lps) and lps[i] is not None and s not in d:
+            d[s] = _finite(lps[i])  # the sampled (or prompt) token, also when not among the top N
+        top.append(d)
     return {"tokens": tokens, "token_logprobs": [_finite(v) for v in lps], "top_logprobs": top,
             "text_offset": offsets}
 

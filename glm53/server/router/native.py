@@ -6,7 +6,9 @@ prompt) answers a list. `sampling_params.n > 1` answers n items per prompt, orde
 orders them (choice-major: all prompts' choice 0, then choice 1, ...), each prompt prefilled once.
 
 Streamed, every event carries the whole text and ids so far (SGLang's cumulative shape), not a
-delta; `meta_info.finish_reason` is null until the last one; a batch's events carry `index`.
+delta; `meta_info.finish_reason` is null until the last one, while `completion_tokens`,
+`cached_tokens` and `spec_verify_ct` are the running counts on every event; a batch's events
+carry `index`.
 
 Every field of SGLang's GenerateReqInput and SamplingParams is accepted. The ones implemented
 here work; the rest are accepted at their "nothing asked" values (null, false, empty) and are a
@@ -182,9 +184,10 @@ def _prompt_ids(state: RouterState, prompts: list[Any], field: str) -> list[list
 
 
 def _item(gen: Generation, text: str, ids: list[int], lp: Collected | None, o: Outcome | None,
-          texts: Texts | None, t0: float, choice: int) -> dict:
+          texts: Texts | None, t0: float, choice: int, running: Delta | None = None) -> dict:
     spec = gen.spec
-    meta = _meta_info(spec.rid if spec.n == 1 else f"{spec.rid}_{choice}", len(spec.input_ids), t0, o, len(ids))
+    meta = _meta_info(spec.rid if spec.n == 1 else f"{spec.rid}_{choice}", len(spec.input_ids), t0, o, len(ids),
+                      running)
     if spec.logprobs >= 0:
         start = spec.prompt_logprobs_start
         meta["input_token_logprobs"] = (sglang_tokens(texts, spec.input_ids[start:], gen.prompt_logprobs or [])
@@ -196,8 +199,10 @@ def _item(gen: Generation, text: str, ids: list[int], lp: Collected | None, o: O
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
-def _meta_info(rid: str, prompt_tokens: int, t0: float, o: Outcome | None, n: int) -> dict:
-    """SGLang's meta_info; `o` is None before the end (n: completion tokens so far)."""
+def _meta_info(rid: str, prompt_tokens: int, t0: float, o: Outcome | None, n: int,
+               running: Delta | None = None) -> dict:
+    """SGLang's meta_info; `o` is None before the end (n: completion tokens so far, `running`:
+    the last Delta, with the request's running cached-token and verify counts)."""
     fr = None
     if o is not None:
         fr = {"type": o.finish_reason}
@@ -207,7 +212,8 @@ def _meta_info(rid: str, prompt_tokens: int, t0: float, o: Outcome | None, n: in
             fr["length"] = o.completion_tokens
     return {"id": rid, "finish_reason": fr, "prompt_tokens": prompt_tokens,
             "completion_tokens": o.completion_tokens if o else n,
-            "cached_tokens": o.cached_tokens if o else 0, "spec_verify_ct": o.spec_verify_ct if o else 0,
+            "cached_tokens": o.cached_tokens if o else running.cached_tokens if running else 0,
+            "spec_verify_ct": o.spec_verify_ct if o else running.spec_verify_ct if running else 0,
             "e2e_latency": time.monotonic() - t0}
 
 
@@ -216,16 +222,18 @@ def _events(gen: Generation, texts: Texts | None, t0: float, indexed: bool, prom
     """Cumulative events per choice: each holds all of that choice's text, ids (and logprobs) so
     far; with several items, `index` says which (choice-major, as the non-streamed list)."""
     state = [Collected() for _ in range(gen.spec.n)]
+    last: list[Delta | None] = [None] * gen.spec.n  # each choice's latest Delta (running counts)
 
     def event(i: int, o: Outcome | None) -> str:
         c = state[i]
-        obj = _item(gen, c.text, c.ids, c, o, texts, t0, i)
+        obj = _item(gen, c.text, c.ids, c, o, texts, t0, i, last[i])
         if indexed:
             obj["index"] = i * count + prompt_i
         return sse(obj)
 
     def chunk(d: Delta) -> str:
         c = state[d.index]
+        last[d.index] = d
         c.text += d.text
         c.ids.extend(d.token_ids)
         if d.logprobs is not None:

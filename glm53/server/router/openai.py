@@ -323,9 +323,11 @@ def _completion_events(state: RouterState, gen: Generation, base: dict, opts: St
                        echo: str) -> AsyncIterator[str]:
     """text_completion events: the echoed prompt per choice (if any, with the prompt's logprobs),
     a chunk per piece of text (with its tokens' logprobs when asked for), each choice's finish
-    chunk, then (include_usage) a usage-only chunk; with include_usage the others carry
-    `"usage": null`."""
+    chunk, then (include_usage) a usage-only chunk. With continuous_usage_stats every chunk
+    carries the running usage (as chat's); with include_usage alone, `"usage": null`."""
     include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
+    counted = 0  # completion tokens so far (all choices), stop tokens included
     want_lp = gen.spec.logprobs >= 0
     texts = Texts(state.tokenizer)
     offsets = [len(echo)] * gen.spec.n
@@ -336,7 +338,8 @@ def _completion_events(state: RouterState, gen: Generation, base: dict, opts: St
         obj = {**base, "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                                     **extra}]}
         if include_usage:
-            obj["usage"] = None
+            obj["usage"] = ({"prompt_tokens": plen, "completion_tokens": counted, "total_tokens": plen + counted}
+                            if continuous else None)
         return sse(obj)
 
     def echo_head(i: int) -> str:
@@ -345,7 +348,9 @@ def _completion_events(state: RouterState, gen: Generation, base: dict, opts: St
         return tc(i, echo, None, _prompt_lp(texts, gen) if want_lp else None)
 
     def chunk(d: Delta) -> str | None:
+        nonlocal counted
         pre = echo_head(d.index) if echo and not echoed[d.index] else ""
+        counted += len(d.token_ids)
         shown = d.shown_ids
         if not d.text and not (want_lp and shown):
             return pre or None

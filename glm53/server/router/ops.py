@@ -1,9 +1,21 @@
 """Operations endpoints: /health (also as /ready), /health_generate, /server_info (also as
-/get_server_info) and the Prometheus /metrics."""
+/get_server_info), /get_model_info (also as /model_info), /version and the Prometheus /metrics.
+
+The SGLang ones answer in SGLang's shapes: /get_model_info its model fields (`model_path`,
+`tokenizer_path`, `is_generation`, `preferred_sampling_params`, `weight_version`, `model_type`,
+`architectures`, ...); /get_server_info its ServerArgs names for this deployment (`model_path`,
+`served_model_name`, `tp_size`, `page_size`, `disaggregation_mode`, `speculative_algorithm`, ...),
+the scheduler's `max_total_num_tokens` and `max_req_input_len`, `internal_states` (one entry, with
+`avg_spec_accept_length` once speculative steps were seen) and `version`, plus this router's own
+view (`router`, `prefill`, `decode`: every instance and its load); /version `{"version"}`.
+"""
 
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
@@ -46,17 +58,91 @@ async def health_generate(state: State):
     return {"status": "ok", "output_ids": out_ids}
 
 
+VERSION = "0.1.0"
+
+
+def _hf_config(model_root: str) -> dict[str, Any]:
+    try:
+        cfg = json.loads((Path(model_root) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+# SGLang's /get_model_info (also /model_info).
+@router.get("/get_model_info")
+async def get_model_info(state: State) -> dict:
+    hf = _hf_config(state.model_root)
+    return {"model_path": state.model_root, "tokenizer_path": state.model_root, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": hf.get("model_type"),
+            "architectures": hf.get("architectures")}
+
+
+router.get("/model_info")(get_model_info)
+
+
+def _avg_accept(state: Any) -> float | None:
+    """Mean tokens committed per speculative verify step so far (SGLang's avg_spec_accept_length)."""
+    total = count = 0.0
+    for metric in state.metrics.spec_accept.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_count"):
+                count += sample.value
+    return total / count if count else None
+
+
+# SGLang's /get_server_info (also /server_info): its ServerArgs names for this deployment, the
+# scheduler's limits, internal_states and version, plus the router's view of every instance.
 @router.get("/server_info")
 async def server_info(state: State) -> dict:
     cfg, pool = state.cfg, state.pool
-    return {"model_path": state.model_root, "served_model_name": state.served_names,
-            "context_length": state.context_length,
-            "router": {"host": cfg.router.host, "port": cfg.router.port, "policy": cfg.router.policy,
-                       "running_requests": len(pool.rooms)},
-            **pool.status(), "internal_states": [{}], "version": "0.1.0"}
+    d = cfg.decode[0] if cfg.decode else None
+    eng = d.engine if d is not None else cfg.defaults
+    spec = cfg.speculative
+    spec_on = spec.algorithm != "none"
+    accept = _avg_accept(state)
+    decodes = pool.instances["decode"]
+    tokens = [i.load.kv_pages_total * i.load.page_size for i in decodes]
+    internal: dict[str, Any] = {"last_gen_throughput": sum(i.load.gen_throughput for i in decodes)}
+    if accept is not None:
+        internal["avg_spec_accept_length"] = accept
+    return {
+        # SGLang's ServerArgs fields
+        "model_path": state.model_root, "tokenizer_path": state.model_root,
+        "served_model_name": state.served_names[0], "context_length": state.context_length,
+        "host": cfg.router.host, "port": cfg.router.port, "device": eng.device, "dtype": eng.dtype,
+        "kv_cache_dtype": eng.kv_cache_dtype, "tp_size": d.tp if d is not None else 1,
+        "pp_size": d.pp if d is not None else 1, "page_size": eng.page_size,
+        "max_running_requests": cfg.router.max_running_requests, "chunked_prefill_size": eng.chunked_prefill_size,
+        "mem_fraction_static": eng.mem_fraction_static, "disable_radix_cache": eng.disable_radix_cache,
+        "disable_cuda_graph": eng.disable_cuda_graph, "cuda_graph_max_bs": eng.cuda_graph_max_bs,
+        "stream_interval": eng.stream_interval, "disaggregation_mode": "pd",
+        "disaggregation_transfer_backend": cfg.transfer.backend,
+        "speculative_algorithm": "DFLASH" if spec_on else None,
+        "speculative_draft_model_path": spec.draft_model_path if spec_on else None,
+        "speculative_num_draft_tokens": spec.num_draft_tokens if spec_on else None,
+        "reasoning_parser": cfg.router.reasoning_parser, "tool_call_parser": cfg.router.tool_call_parser,
+        "load_balance_method": cfg.router.policy, "weight_version": "default",
+        # the scheduler's limits (the largest decode instance's KV tokens, the longest prompt)
+        "max_total_num_tokens": max(tokens, default=0), "max_req_input_len": state.context_length - 1,
+        "internal_states": [internal], "version": VERSION,
+        # the router's own view
+        "router": {"host": cfg.router.host, "port": cfg.router.port, "policy": cfg.router.policy,
+                   "running_requests": len(pool.rooms)},
+        **pool.status(),
+    }
 
 
 router.get("/get_server_info")(server_info)
+
+
+# SGLang's /version.
+@router.get("/version")
+async def version() -> dict:
+    return {"version": VERSION}
 
 
 @router.get("/metrics")

@@ -2,9 +2,9 @@
 
 Field names follow OpenAI, with vLLM/SGLang extensions (top_k, min_p, ignore_eos,
 stop_token_ids, skip_special_tokens, chat_template_kwargs). Errors are vLLM's nested OpenAI
-shape: {"error": {"message", "type", "param", "code"}} with `type` the HTTP reason phrase and
-`code` the status. Unknown fields are ignored (as vLLM does), except the router's internal PD
-fields, which clients may not set.
+shape: {"error": {"message", "type", "param", "code"}} with `type` vLLM's name for the status
+(`BadRequestError`, `NotFoundError`, ...: ERROR_TYPES) and `code` the status. Unknown fields are
+ignored (as vLLM does), except the router's internal PD fields, which clients may not set.
 """
 
 from __future__ import annotations
@@ -24,8 +24,31 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+# vLLM's error `type` per status (its create_error_response: BadRequestError, NotFoundError,
+# UnprocessableEntityError, InternalServerError, NotImplementedError); the other statuses this
+# server answers follow the same pattern, with the OpenAI SDK's class names where it has one.
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+               409: "ConflictError", 413: "RequestEntityTooLargeError", 415: "UnsupportedMediaTypeError",
+               422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
+               501: "NotImplementedError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+               504: "GatewayTimeoutError"}
+
+
+def error_type(status: int) -> str:
+    """vLLM's `type` for an error status (a status not listed: its reason phrase in CamelCase + Error)."""
+    known = ERROR_TYPES.get(status)
+    if known is not None:
+        return known
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return "BadRequestError" if status < 500 else "InternalServerError"
+    return "".join(w[:1].upper() + w[1:] for w in phrase.replace("-", " ").split()) + "Error"
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": _text(message), "type": HTTPStatus(status).phrase,
+    return {"error": {"message": _text(message), "type": error_type(status),
                       "param": None if param is None else _text(param), "code": status}}
 
 
