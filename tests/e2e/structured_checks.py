@@ -100,28 +100,102 @@ def check_bad_grammars_are_400_naming_the_field(cluster):
     assert post("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}) == "sampling_params.ebnf"
 
 
+def validates(instance, schema: dict) -> bool:
+    """Whether `instance` validates against the JSON `schema`: jsonschema-rs (schemathesis brings
+    it) or jsonschema where installed, else a small checker of the keywords the tests use."""
+    try:
+        import jsonschema_rs
+        return jsonschema_rs.validator_for(schema).is_valid(instance)
+    except ImportError:
+        pass
+    try:
+        import jsonschema
+        return jsonschema.Draft202012Validator(schema).is_valid(instance)
+    except ImportError:
+        return _small_check(instance, schema, schema)
+
+
+def _small_check(x, s, root) -> bool:
+    if s is True or s == {}:
+        return True
+    if s is False:
+        return False
+    if "$ref" in s:
+        target = root
+        for part in s["$ref"].lstrip("#/").split("/"):
+            target = target[part]
+        return _small_check(x, target, root)
+    kinds = {"string": str, "boolean": bool, "object": dict, "array": list, "null": type(None)}
+    t = s.get("type")
+    if t is not None:
+        def is_type(k):
+            if k in ("integer", "number"):
+                return isinstance(x, (int, float)) and not isinstance(x, bool) and (k == "number" or x == int(x))
+            return isinstance(x, kinds[k])
+        if not any(is_type(k) for k in ([t] if isinstance(t, str) else t)):
+            return False
+    if "enum" in s and x not in s["enum"] or "const" in s and x != s["const"]:
+        return False
+    if "anyOf" in s and not any(_small_check(x, b, root) for b in s["anyOf"]):
+        return False
+    if isinstance(x, str):
+        if len(x) < s.get("minLength", 0) or len(x) > s.get("maxLength", len(x)):
+            return False
+        if "pattern" in s and not re.search(s["pattern"], x):
+            return False
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        if x < s.get("minimum", x) or x > s.get("maximum", x):
+            return False
+    if isinstance(x, list):
+        if len(x) > s.get("maxItems", len(x)) or not all(_small_check(v, s.get("items", {}), root) for v in x):
+            return False
+    if isinstance(x, dict):
+        if any(k not in x for k in s.get("required", [])):
+            return False
+        props = s.get("properties", {})
+        if s.get("additionalProperties") is False and set(x) - set(props):
+            return False
+        return all(_small_check(v, props.get(k, {}), root) for k, v in x.items())
+    return True
+
+
+# get_weather requires city and days (issue 32: "{}" used to come back); its values end by
+# themselves (bounded string, bounded integer, an enum), so a call completes within max_tokens.
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "unit": {"enum": ["c", "f"]}, "alerts": {"type": "boolean"}}, "required": ["city", "days"]}
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
-         {"type": "function", "function": {"name": "get_weather", "parameters": {
-             "type": "object", "properties": {"city": {"type": "string"}}}}}]
+         {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def check_call(call, names=tuple(SCHEMAS)) -> dict:
+    """A returned tool call: one of `names`, arguments that validate against its schema."""
+    args = json.loads(call.function.arguments)
+    assert call.function.name in names and validates(args, SCHEMAS[call.function.name]), call
+    return args
 
 
 def check_forced_tool_calls(cluster):
-    """tool_choice "required" / a named function, enforced by the call grammar (needs the
-    cluster's router.tool_call_parser)."""
+    """tool_choice "required" / a named function, enforced by the call grammar with each call's
+    arguments constrained by the tool's parameter schema (needs the cluster's
+    router.tool_call_parser): greedy and sampled, streamed and not, every call validates."""
     c = client(cluster)
-    msgs = [{"role": "user", "content": "What time is it?"}]
-    for kw in SAMPLING[:1]:
-        r = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=48,
-                                      parallel_tool_calls=False, extra_body=NOTHINK, **kw)
-        m = r.choices[0].message
-        assert m.content is None and len(m.tool_calls) == 1 and m.tool_calls[0].function.name in ("get_time", "get_weather")
-        if m.tool_calls[0].function.name == "get_time":
-            assert m.tool_calls[0].function.arguments == "{}" and r.choices[0].finish_reason == "tool_calls"
+    msgs = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=named, max_tokens=24,
-                                  extra_body=NOTHINK, temperature=1.0, seed=3)
-    m = r.choices[0].message
-    # The model writes the city until it closes the value: complete or cut off by max_tokens.
-    assert m.content is None and [t.function.name for t in m.tool_calls] == ["get_weather"], m
-    args = m.tool_calls[0].function.arguments
-    assert args == "{}" or args.startswith('{"city": "'), args
+    for choice, names in (("required", ("get_time", "get_weather")), (named, ("get_weather",))):
+        for kw in ({"temperature": 0}, *({"temperature": 1.0, "seed": s} for s in range(4))):
+            r = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=64,
+                                          parallel_tool_calls=False, extra_body=NOTHINK, **kw)
+            m = r.choices[0].message
+            assert r.choices[0].finish_reason == "tool_calls" and m.content is None and len(m.tool_calls) == 1, r
+            args = check_call(m.tool_calls[0], names)
+            if m.tool_calls[0].function.name == "get_weather":
+                assert {"city", "days"} <= set(args), args
+    # streamed: the pieces assemble to a call that validates
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice=named, max_tokens=64,
+                                            extra_body=NOTHINK, temperature=1.0, seed=11, stream=True))
+    pieces = [t for ch in chunks if ch.choices for t in (ch.choices[0].delta.tool_calls or [])]
+    assert pieces and pieces[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    args = json.loads("".join(p.function.arguments or "" for p in pieces))
+    assert validates(args, WEATHER) and {"city", "days"} <= set(args), args

@@ -16,6 +16,7 @@ import pytest
 from glm53.models import ModelRunner
 from glm53.server.embedded_model import ensure_embedded_model
 from glm53.server.sampling import SamplingParams
+from tests.e2e import structured_checks
 from tests.e2e.reference import TOL, ref_logsoftmax, reference_greedy
 from tests.e2e.served import wait_pages_free
 
@@ -105,7 +106,8 @@ def test_openai_logprobs_shapes_and_values(cluster, runner):
     ref = ref_logsoftmax(runner, ids)
     for q in range(1, len(ids)):
         assert abs(lp.token_logprobs[q] - ref[q - 1, ids[q]].item()) < TOL
-        assert len(lp.top_logprobs[q]) == 2
+        # the top 2, and the token itself when it is not among them
+        assert lp.tokens[q] in lp.top_logprobs[q] and 2 <= len(lp.top_logprobs[q]) <= 3
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     # echo + max_tokens 0: prompt scoring
     score = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=0, echo=True)
@@ -140,6 +142,57 @@ def test_openai_logprobs_shapes_and_values(cluster, runner):
         c.chat.completions.create(model=MODEL, messages=msgs, top_logprobs=3)  # needs logprobs
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=MODEL, prompt="x", logprobs=6)
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(cluster):
+    """OpenAI and vLLM: `top_logprobs` always holds the sampled token, also when it is not among
+    the top N (N + 1 entries), and `logprobs: 0` gives just that token. logit_bias forces a token
+    the raw logits (which logprobs report) do not rank first."""
+    c = client(cluster)
+    forced = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1)
+    top1 = forced.choices[0].logprobs.tokens[0]
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={"77": 100.0})
+    for k in (0, 1, 3):
+        for streamed in (False, True):
+            if streamed:
+                lps = [x.choices[0].logprobs for x in c.completions.create(logprobs=k, stream=True, **kw)
+                       if x.choices and x.choices[0].logprobs]
+                tokens = [t for lp in lps for t in lp.tokens]
+                values = [v for lp in lps for v in lp.token_logprobs]
+                tops = [t for lp in lps for t in lp.top_logprobs]
+            else:
+                lp = c.completions.create(logprobs=k, **kw).choices[0].logprobs
+                tokens, values, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+            assert len(tokens) == len(tops) == 4
+            for tok, v, top in zip(tokens, values, tops):
+                assert top[tok] == pytest.approx(v) and len(top) <= k + 1, (k, top)
+                if k == 0:
+                    assert top == {tok: v}
+            # the first token is the biased one, not the model's top-1: it is there beside the top N
+            if k:
+                assert tokens[0] != top1 and top1 in tops[0] and len(tops[0]) == k + 1, (tokens[0], top1, tops[0])
+
+
+def test_forced_tool_call_cut_off_by_max_tokens_stays_content(cluster):
+    """A call cut off before its </tool_call> is not a call: its markup stays content with
+    finish_reason "length" (as vLLM's parser leaves it); streamed, the pieces that went out stay
+    out and finish_reason "length" marks the last call incomplete."""
+    c = client(cluster)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=MODEL, messages=msgs, tools=structured_checks.TOOLS, tool_choice=named, temperature=0,
+              extra_body=structured_checks.NOTHINK)
+    for max_tokens in (3, 14):  # in the name; in the arguments (the case that came back as a call)
+        r = c.chat.completions.create(max_tokens=max_tokens, **kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "length" and not ch.message.tool_calls, r
+        assert ch.message.content.startswith("<tool_call>get_"), ch.message.content
+    assert "<arg_value>" in ch.message.content, ch.message.content
+    chunks = list(c.chat.completions.create(max_tokens=14, stream=True, **kw))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    full = c.chat.completions.create(max_tokens=64, **kw).choices[0]
+    assert full.finish_reason == "tool_calls"
+    structured_checks.check_call(full.message.tool_calls[0], ("get_weather",))
 
 
 def test_n_choices_share_one_prefill(cluster):

@@ -10,6 +10,7 @@ plumbing; acceptance is the trained pair's to show."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 
 import httpx
 import pytest
@@ -70,6 +71,19 @@ def test_verify_count_and_accept_metric(cluster):
     text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     count = [ln for ln in text.splitlines() if ln.startswith("sglang:spec_accept_length_count")]
     assert count and float(count[0].rsplit(" ", 1)[1]) >= meta["spec_verify_ct"]
+
+
+def test_streamed_verify_count_is_cumulative(cluster):
+    # SGLang's streamed /generate: meta_info.spec_verify_ct counts the verify steps so far on every
+    # event (not 0 until the last), and ends at the non-streamed count.
+    body = {"input_ids": GREEDY_PROMPTS[1], "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                                "ignore_eos": True}}
+    whole = httpx.post(f"{cluster.url}/generate", timeout=120, json=body).json()["meta_info"]["spec_verify_ct"]
+    with httpx.stream("POST", f"{cluster.url}/generate", json={**body, "stream": True}, timeout=120) as r:
+        metas = [json.loads(ln[6:])["meta_info"] for ln in r.iter_lines() if ln.startswith("data: {")]
+    counts = [m["spec_verify_ct"] for m in metas]
+    assert counts == sorted(counts) and counts[-1] == whole, counts
+    assert any(m["finish_reason"] is None and m["spec_verify_ct"] > 0 for m in metas), counts
 
 
 def test_structured_output_at_every_block_position(cluster):

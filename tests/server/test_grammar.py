@@ -160,3 +160,30 @@ def test_tool_choice_grammar(grammars, tok):
                 if x.name != "free":
                     assert set(json.loads(x.arguments)) <= set(tools[x.name]["properties"])
     assert tool_call_lark(lambda t: None, tools, None, True) is None
+
+
+def test_installed_llguidance_has_the_api_the_server_uses(model_dir):
+    """pyproject's llguidance bound is the first release with every call the server makes:
+    before 1.7, LLTokenizer takes a single eos id and `eos_token=[...]` (as Grammars builds it)
+    raises TypeError, so structured output crashed every request."""
+    import tomllib
+    from importlib.metadata import version
+    from pathlib import Path
+
+    deps = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    bound = next(d for d in deps["dependencies"] if d.startswith("llguidance"))
+    low = re.search(r">=\s*([0-9.]+)", bound).group(1)
+    parse = lambda v: tuple((int(x) for x in (re.findall(r"\d+", v) + ["0", "0"])[:3]))  # noqa: E731
+    assert parse(version("llguidance")) >= parse(low) >= (1, 7, 0), (version("llguidance"), bound)
+    tok = Tokenizer.from_dir(model_dir)
+    g = Grammars(tok.tok.to_str(), tok.vocab_size, tok.eos_token_ids)  # as the router and the instances do
+    # what the tool-call grammar uses: %json inside Lark, & and ~ on terminals, special tokens
+    lark = 'start: <[%d]> v T\nv: %%json {"type": "integer", "x-guidance": {"whitespace_flexible": false}}\n' \
+           'T: /[a-c]{0,3}/ & ~/(.|\\n)*bb(.|\\n)*/\n' % tok.token_to_id("<tool_call>")
+    for kind, value in (("json_object", None), ("json_schema", {"type": "object"}), ("regex", "a+"),
+                        ("ebnf", 'root ::= "a"'), ("lark", lark)):
+        grammar = grammar_for(kind, value, kind)
+        g.check(grammar, kind)
+        c = Constraint(g.matcher(grammar), g.vocab_size)
+        assert c.allowed().any()
+        c.block_masks([tok.token_to_id("<tool_call>")])  # try_consume_tokens, rollback

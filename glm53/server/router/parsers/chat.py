@@ -3,15 +3,16 @@
 `ChatParsing.for_request` reads the router's parsers (router.reasoning_parser,
 router.tool_call_parser), the request's `tools` / `tool_choice` / `parallel_tool_calls` and the
 prompt (does it open a thinking block?), and checks `tool_choice` (a 400 naming it). Then:
-- `message(text)`: the non-streamed `message` and whether a call was completed;
+- `message(text)`: the non-streamed `message` and whether a call was completed (a call cut off
+  before its `</tool_call>`, by max_tokens, stays content: its markup as generated);
 - `stream()`: a `ChatStream` that turns text deltas into OpenAI delta objects
   (`reasoning_content` + `reasoning`, `content`, `tool_calls` pieces: index, id, type and name
   first, then `function.arguments` fragments).
 
 `tool_choice`: "none" renders no tools and parses no calls; "auto", "required" and a named
 function render the tools and parse calls. "required" and a named function are enforced while
-generating by a grammar of the call markup (`forced_calls`, tool_grammar.py; after `</think>`
-when the model thinks first). With `parallel_tool_calls: false` only the first call is
+generating by a grammar of the call markup whose arguments follow each function's parameter
+schema (`forced_calls`, tool_grammar.py; after `</think>` when the model thinks first). With `parallel_tool_calls: false` only the first call is
 returned (and a "required" grammar allows one).
 """
 
@@ -120,6 +121,13 @@ class ChatParsing:
         content: str | None = answer
         if self.tools is not None:
             content, parsed = parse_tool_calls(answer, self.tools)
+            if parsed and not parsed[-1].complete:
+                # Cut off (max_tokens) before its </tool_call>: not a call. Its markup stays
+                # content, as vLLM's parser leaves it (a stream has sent its pieces already; its
+                # finish_reason "length" says the last call is incomplete).
+                cut = parsed[-1].start
+                content, parsed = parse_tool_calls(answer[:cut], self.tools)
+                content += answer[cut:]
             if not self.parallel:
                 parsed = parsed[:1]
             calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

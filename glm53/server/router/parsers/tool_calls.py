@@ -49,6 +49,7 @@ class ParsedCall:
     name: str
     arguments: str
     complete: bool  # closed by </tool_call>
+    start: int = -1  # where its <tool_call> begins in the text parse_tool_calls was given
 
 
 def _esc(s: str) -> str:
@@ -249,17 +250,20 @@ def parse_tool_calls(text: str, tools: dict[str, Any]) -> tuple[str, list[Parsed
     asm = _Assembler()
     call: _Call | None = None
     n = 0
+    pos = call_at = 0  # where the piece / the current call begins
     for i, piece in enumerate(_SPLIT.split(text)):
         is_tag = i % 2 == 1
+        pos += len(piece)
         if call is None:
             if is_tag and piece == CALL_START:
-                call = _Call(n, tools)
+                call, call_at = _Call(n, tools), pos - len(piece)
             else:
                 asm.content.append(piece)
             continue
         deltas = call.tag(piece) if is_tag and piece != CALL_START else call.text(piece)
         asm.add(ToolDelta(calls=deltas))
         if call.started and n == call.index:
+            asm.calls[call.index].start = call_at
             n += 1
         if call.phase == "closed":
             asm.calls[call.index].complete = True
