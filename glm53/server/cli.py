@@ -5,16 +5,24 @@
     glm53-serve prefill --config FILE --instance NAME     one prefill instance
     glm53-serve decode --config FILE --instance NAME      one decode instance
     glm53-serve generate --model DIR --input-ids 1,2,3 --max-new-tokens N   offline greedy
-    glm53-serve config --config FILE    validate and print the resolved config
+    glm53-serve config --config FILE    validate and print the resolved config (what `up` runs)
 
 Flags override the YAML and follow SGLang's names, with the usual vLLM aliases. Under `up` and
 `router`, --host/--port are the router's; under `prefill`/`decode`, the instance's. --model
-applies to every process.
+applies to every process. Overrides are applied first; `up` and `config` then validate the same
+resolved config, and errors name the user's file and key.
+
+Ports: `up` binds the HTTP port itself (a port in use is refused in one line, before anything
+starts) and hands the listening socket to the router it starts, so its "ready" line is about its
+own processes; every other endpoint is pinned in the YAML or an ipc name each process binds
+itself (config.server_namespace).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
 import importlib
 import importlib.util
 import json
@@ -29,8 +37,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import yaml
+import zmq
 
-from glm53.server.config import ClusterConfig, ConfigError, InstanceConfig, load_config
+from glm53.server.config import ClusterConfig, ConfigError, InstanceConfig, load_config, parse_config
 from glm53.server.model_fit import check_model_fit
 from glm53.server.supervisor import Event, RestartPolicy, RunDir, Supervisor
 
@@ -48,6 +57,8 @@ INSTANCE_IMPL_ENV = "GLM53_INSTANCE_IMPL"
 
 def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--config", "-c", help="YAML cluster config")
+    # `up` runs its processes on a resolved copy of the user's file; errors name the user's file.
+    p.add_argument("--config-source", dest="config_source", help=argparse.SUPPRESS)
     p.add_argument("--model", "--model-path", dest="model", help="model directory (every process)")
     p.add_argument("--served-model-name", nargs="+", help="names clients may use for the model")
     p.add_argument("--context-length", "--max-model-len", dest="context_length", type=int)
@@ -107,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="start the HTTP router")
     _add_common(r, engine=False)
     _add_router_flags(r)
+    # `up` binds the HTTP port and hands the listening socket over (kept across router restarts).
+    r.add_argument("--listen-fd", dest="listen_fd", type=int, help=argparse.SUPPRESS)
     for role in ("prefill", "decode"):
         s = sub.add_parser(role, help=f"start one {role} instance")
         _add_common(s)
@@ -188,7 +201,35 @@ def _load(args: argparse.Namespace, role: str | None = None) -> tuple[ClusterCon
     if not args.config:
         raise ConfigError("<command line>", "--config", "a YAML cluster config is required (e.g. configs/local.yaml)")
     index = _instance_index(args.config, role, getattr(args, "instance", None)) if role else 0
-    return load_config(args.config, overrides_from_args(args, role, index)), index
+    return load_config(args.config, overrides_from_args(args, role, index), getattr(args, "config_source", None)), index
+
+
+@dataclasses.dataclass
+class Resolved:
+    cfg: ClusterConfig  # validated as a whole (model fit included); errors name the user's file
+    model_dir: Path
+    raw: dict[str, Any]  # its YAML form: what `up` hands its processes and `config` prints
+
+
+def resolve(args: argparse.Namespace) -> Resolved:
+    """The config `up` runs and `config` prints: the user's file with the command line's
+    overrides applied, then validated; the model's (and, with speculation on, the draft's) name
+    made a directory, and that resolved form validated again with the model's and the draft's
+    config.json — exactly what each process `up` starts loads and checks again. With
+    speculation off the draft is neither checked nor installed."""
+    from glm53.server.embedded_model import resolve_paths
+
+    cfg, _ = _load(args)
+    model_dir, cfg = resolve_paths(cfg)
+    raw = cfg.to_dict()
+    raw["model"]["path"] = str(model_dir)
+    cfg = parse_config(raw, source=cfg.source)
+    check_model_fit(cfg, model_dir)
+    return Resolved(cfg, model_dir, raw)
+
+
+class StartupRefused(Exception):
+    """`up` cannot start here (a port it must bind is taken); one line, nothing started."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,20 +249,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             return cmd_up(args)
         if args.command == "config":
-            cfg, _ = _load(args)
-            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            print(yaml.safe_dump(resolve(args).raw, sort_keys=False), end="")
             return 0
         if args.command == "router":
             cfg, _ = _load(args)
             from glm53.server.router.app import main as router_main
 
-            return router_main(cfg)
+            return router_main(cfg, listen_fd=args.listen_fd)
         if args.command in ("prefill", "decode"):
             cfg, index = _load(args, args.command)
+            if 0 <= index < len(cfg.pool(args.command)):
+                check_devices(cfg, [cfg.pool(args.command)[index]])
             return _instance_entry(args.command)(cfg, index) or 0
     except ConfigError as e:
         print(f"glm53-serve: config error: {e}", file=sys.stderr)
         return 2
+    except StartupRefused as e:
+        print(f"glm53-serve: cannot start: {e}", file=sys.stderr)
+        return 1
+    except zmq.ZMQError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        # A pinned port (or this server's ipc name) that another process holds: one line, and
+        # under `up` an exit it reports rather than a traceback per restart.
+        print(f"glm53-serve {args.command}: cannot bind: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 2
@@ -299,9 +351,8 @@ def local_addresses() -> set[str]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from glm53.server.embedded_model import resolve_paths
-
-    cfg, _ = _load(args)
+    res = resolve(args)
+    cfg, model_dir = res.cfg, res.model_dir
     here = local_addresses()
     local = [i for i in cfg.instances if i.host in here]
     # A wildcard router host says nothing about which machine runs it; advertise_host does.
@@ -309,12 +360,27 @@ def cmd_up(args: argparse.Namespace) -> int:
     run_router = (r.advertise_host in here) if r.advertise_host else (r.host in here)
     if not local and not run_router:
         raise ConfigError(cfg.source, "", f"no process of this config runs on this host ({socket.gethostname()})")
+    check_devices(cfg, local, getattr(args, "device", None))
 
-    model_dir, cfg = resolve_paths(cfg)
-    check_model_fit(cfg, model_dir)
-    resolved = cfg.to_dict()
-    resolved["model"]["path"] = str(model_dir)
+    # The ports this `up` must bind, before anything starts: the HTTP port it binds itself and
+    # keeps (the router it starts serves on that socket, so the readiness check can only reach
+    # its own router), then the pinned ones its processes will bind.
+    listener = listen_http(cfg) if run_router else None
+    try:
+        if listener is not None and r.port == 0:  # `--port 0`: the processes get the bound port
+            res.raw["router"]["port"] = listener.getsockname()[1]
+            cfg = parse_config(res.raw, source=cfg.source)
+            local = [i for i in cfg.instances if i.host in here]
+        check_pinned_ports(cfg, local, run_router)
+        return _run(cfg, res.raw, model_dir, local, run_router, listener)
+    finally:
+        if listener is not None:
+            listener.close()
 
+
+def _run(cfg: ClusterConfig, resolved: dict[str, Any], model_dir: Path, local: list[InstanceConfig],
+         run_router: bool, listener: socket.socket | None) -> int:
+    r = cfg.router
     env = dict(os.environ)
     if cfg.single_host and "UCX_NET_DEVICES" not in env:
         env["UCX_NET_DEVICES"] = "lo"  # one host: keep UCX on loopback, away from absent NICs
@@ -335,18 +401,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         cfg_file.write_text(f"# resolved from {cfg.source} by glm53-serve up\n"
                             + yaml.safe_dump(resolved, sort_keys=False))
         exe = [sys.executable, "-m", "glm53.server.cli"]
+        common = ["--config", str(cfg_file), "--config-source", cfg.source]
         for inst in local:
             if inst.colocate is None:  # a colocated prefill runs in its decode instance's process
-                sup.spawn(inst.name, [*exe, inst.role, "--config", str(cfg_file), "--instance", inst.name], env)
+                sup.spawn(inst.name, [*exe, inst.role, *common, "--instance", inst.name], env)
         if run_router:
-            sup.spawn("router", [*exe, "router", "--config", str(cfg_file)], env)
+            fd = listener.fileno()
+            sup.spawn("router", [*exe, "router", *common, "--listen-fd", str(fd)], env, pass_fds=(fd,))
         ok = _wait_ready(cfg, local, run_router, sup, stop, cfg.router.startup_timeout_s)
         if not ok:
             return 130 if stop["sig"] is not None else 1
-        url = f"http://{cfg.router.result_host if cfg.router.host in ('0.0.0.0', '::') else cfg.router.host}:{cfg.router.port}"
         pools = "; ".join(f"{r} {', '.join(i.name for i in cfg.pool(r))}" for r in ("prefill", "decode"))
-        what = f"{url} (model {(cfg.model.served_model_name or [model_dir.name])[0]}; {pools})" if run_router \
-            else f"instances {', '.join(i.name for i in local)} (router at {cfg.router.host}:{cfg.router.port})"
+        what = f"{_http_url(cfg)} (model {(cfg.model.served_model_name or [model_dir.name])[0]}; {pools})" \
+            if run_router else f"instances {', '.join(i.name for i in local)} (router at {r.host}:{r.port})"
         print(f"glm53-serve ready: {what}", flush=True)
         while stop["sig"] is None:
             rc = _supervise(cfg, local, sup, sup.poll())
@@ -360,6 +427,82 @@ def cmd_up(args: argparse.Namespace) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         run_dir.remove()
+
+
+def _http_url(cfg: ClusterConfig) -> str:
+    host = cfg.router.result_host if cfg.router.host in ("0.0.0.0", "::", "") else cfg.router.host
+    return f"http://{host}:{cfg.router.port}"
+
+
+def listen_http(cfg: ClusterConfig) -> socket.socket:
+    """The router's HTTP socket, bound and listening (inheritable: the router gets it). A port
+    in use is refused in one line: another server holds it."""
+    host, port = cfg.router.host, cfg.router.port
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=2048)
+    except OSError as e:
+        what = "is already in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise StartupRefused(f"{cfg.source}: router.port: {host}:{port} {what}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def check_pinned_ports(cfg: ClusterConfig, local: list[InstanceConfig], run_router: bool) -> None:
+    """Refuse (one line, before anything starts) a port the YAML pins for a process of this host
+    that another process holds. Unpinned endpoints need no check: each process binds its own."""
+    pinned = [("router.result_port", cfg.router.host, cfg.router.result_port)] if run_router else []
+    for inst in local:
+        key = f"{inst.role}[{cfg.pool(inst.role).index(inst)}]"
+        pinned += [(f"{key}.port", inst.host, inst.port), (f"{key}.bootstrap_port", inst.host, inst.bootstrap_port),
+                   (f"{key}.dist_init_port", inst.host, inst.engine.dist_init_port)]
+    for key, host, port in pinned:
+        if port is not None and _in_use(host, port):
+            raise StartupRefused(f"{cfg.source}: {key}: {host}:{port} is already in use (another server?)")
+
+
+def _in_use(host: str, port: int) -> bool:
+    # SO_REUSEADDR as ZMQ and uvicorn bind: a port in TIME_WAIT is free to them.
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def check_devices(cfg: ClusterConfig, insts: list[InstanceConfig], flag: str | None = None) -> None:
+    """Instances of this host on `device: cuda` need CUDA here, and the GPUs they list: a config
+    error naming the key, not a traceback from deep inside torch."""
+    cuda = [i for i in insts if i.engine.device == "cuda"]
+    if not cuda:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for inst in cuda:
+        key = f"{inst.role}[{cfg.pool(inst.role).index(inst)}]"
+        if count == 0:
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ConfigError(cfg.source, "--device" if flag else _device_key(cfg, key),
+                              f"'cuda', but {why} on this host ({socket.gethostname()}); use device: cpu")
+        for d in inst.devices:
+            if d >= count:
+                raise ConfigError(cfg.source, f"{key}.devices", f"GPU {d} does not exist on this host "
+                                  f"({count} visible: 0..{count - 1})")
+
+
+def _device_key(cfg: ClusterConfig, key: str) -> str:
+    """Where the user's file sets an instance's device: its entry, else `defaults`."""
+    try:
+        raw = yaml.safe_load(Path(cfg.source).read_text()) or {}
+        role, index = key[:-1].split("[")
+        if "device" not in raw[role][int(index)] and "device" in (raw.get("defaults") or {}):
+            return "defaults.device"
+    except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError, ValueError, AttributeError):
+        pass
+    return f"{key}.device"
 
 
 def process_name(inst: InstanceConfig) -> str:
@@ -413,9 +556,9 @@ def _wait_ready(cfg: ClusterConfig, local, run_router: bool, sup: Supervisor, st
 
 
 def _router_healthy(cfg: ClusterConfig) -> bool:
-    host = cfg.router.result_host if cfg.router.host in ("0.0.0.0", "::") else cfg.router.host
+    # The HTTP socket is `up`'s own (listen_http): only the router it started answers here.
     try:
-        with urllib.request.urlopen(f"http://{host}:{cfg.router.port}/health", timeout=2) as r:
+        with urllib.request.urlopen(f"{_http_url(cfg)}/health", timeout=2) as r:
             return r.status == 200 and json.loads(r.read()).get("status") == "ok"
     except (OSError, ValueError):
         return False

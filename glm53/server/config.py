@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +36,8 @@ from glm53.server.config_checks import check_semantics
 # The embedded model names and ROLES live in config_values, below this module and config_checks
 # (which this module imports to run the checks); they are still importable from here.
 from glm53.server.config_values import (EMBEDDED_DRAFT, EMBEDDED_MODEL, EMBEDDED_RANDOM, ROLES,  # noqa: F401
-                                        ConfigError, check_keys, check_value, is_local_host, type_name)
+                                        ConfigError, canonical_host, check_keys, check_value, is_local_host,
+                                        type_name)
 
 PAIRING_POLICIES = ("round_robin", "least_loaded", "random")
 # Backends the transport layer implements.
@@ -63,9 +65,12 @@ class ModelConfig:
 @dataclass
 class RouterConfig:
     host: str = "127.0.0.1"
+    # The HTTP port: the one port every deployment pins. `up --port 0` binds any free one and
+    # prints it (the processes it starts get the bound port).
     port: int = 30000
-    # ZMQ PULL socket the router binds for events from instances (protocol.py).
-    result_port: int = 30001
+    # ZMQ PULL socket the router binds for events from instances (protocol.py). None (unpinned):
+    # an ipc socket named after the HTTP address (`server_namespace`), on one host only.
+    result_port: int | None = None
     # Host instances use to reach result_port; None = `host`, or 127.0.0.1 when host is 0.0.0.0.
     advertise_host: str | None = None
     policy: Literal["round_robin", "least_loaded", "random", "cache_aware"] = "least_loaded"
@@ -120,7 +125,26 @@ class RouterConfig:
 
     @property
     def result_address(self) -> str:
+        """Where instances push their events (the router binds `result_bind_address`)."""
+        if self.result_port is None:
+            return f"{server_namespace(self)}/router"
         return f"tcp://{self.result_host}:{self.result_port}"
+
+    @property
+    def result_bind_address(self) -> str:
+        if self.result_port is None:
+            return self.result_address
+        return f"tcp://{self.host}:{self.result_port}"
+
+
+def server_namespace(router: RouterConfig) -> str:
+    """The prefix of a server's unpinned endpoints: Linux abstract ipc sockets named after the
+    router's HTTP address, which only one server on a host can hold. Every process of the server
+    derives the same names from the same config; nothing is probed or handed over, a name is
+    bound by the process that owns it and kept (a second bind of a held name fails), and a
+    restarted process binds its name again, so its peers reconnect as to a pinned port."""
+    host = canonical_host(router.host)
+    return f"ipc://@glm53-{'local' if host == '*' else host}-{router.port}"
 
 
 @dataclass
@@ -197,9 +221,11 @@ class InstanceConfig:
     name: str
     role: Literal["prefill", "decode"]
     host: str
-    # ZMQ PULL socket the instance binds for router messages (protocol.py).
-    port: int
-    # Prefill only: where its transfer bootstrap server listens (decode instances reach it there).
+    # ZMQ PULL socket the instance binds for router messages (protocol.py). None (unpinned): an
+    # ipc socket in the server's namespace (`address`), on one host only.
+    port: int | None = None
+    # Prefill only: where its transfer bootstrap server listens (decode instances reach it
+    # there). None: an ipc socket in the server's namespace (`bootstrap_address`).
     bootstrap_port: int | None = None
     # GPU ids (device "cuda": exactly tp * pp of them); empty on CPU.
     devices: list[int] = field(default_factory=list)
@@ -212,10 +238,26 @@ class InstanceConfig:
     colocate: str | None = None
     colocate_sms: int = 48
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # Not a YAML key: the server's `server_namespace`, set by parse_config, for unpinned endpoints.
+    namespace: str = field(default="", repr=False, compare=False)
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        """The instance's control endpoint (it binds it; the router and `up` connect)."""
+        return f"tcp://{self.host}:{self.port}" if self.port is not None else self._ipc("control")
+
+    @property
+    def bootstrap_address(self) -> str | None:
+        """Prefill: its transfer bootstrap server (its ranks register there, decode queries it)."""
+        if self.role != "prefill":
+            return None
+        return f"tcp://{self.host}:{self.bootstrap_port}" if self.bootstrap_port is not None else self._ipc("bootstrap")
+
+    def _ipc(self, what: str) -> str:
+        if not self.namespace:
+            raise ValueError(f"{self.role} instance {self.name}: no {what} port is set and no server namespace is "
+                             "known (an InstanceConfig not made by parse_config)")
+        return f"{self.namespace}/{self.role}/{urllib.parse.quote(self.name, safe='')}/{what}"
 
 
 @dataclass
@@ -232,6 +274,12 @@ class ClusterConfig:
 
     def pool(self, role: str) -> list[InstanceConfig]:
         return self.prefill if role == "prefill" else self.decode
+
+    def bootstrap_address_of(self, peer: Any) -> str:
+        """The bootstrap address of the prefill instance a request names (`protocol.PeerInfo`):
+        this config's, which knows unpinned endpoints too; else the peer's host and port."""
+        inst = next((p for p in self.prefill if p.name == peer.name), None)
+        return inst.bootstrap_address if inst is not None else f"tcp://{peer.host}:{peer.bootstrap_port}"
 
     def colocated_prefill(self, decode: InstanceConfig) -> InstanceConfig | None:
         """The prefill instance that runs in `decode`'s process and GPU (`colocate: <its name>`), if any."""
@@ -259,7 +307,7 @@ class ClusterConfig:
         for role in ROLES:
             rows = []
             for inst in self.pool(role):
-                row = {k: v for k, v in dataclasses.asdict(inst).items() if k not in ("engine", "role")}
+                row = {k: v for k, v in dataclasses.asdict(inst).items() if k not in ("engine", "role", "namespace")}
                 if inst.colocate is None:
                     del row["colocate"], row["colocate_sms"]
                 row.update(dataclasses.asdict(inst.engine))
@@ -278,10 +326,11 @@ _ALIASES = {"tp_size": "tp", "pp_size": "pp", "max_num_seqs": "max_running_reque
 _TOP_KEYS = ("name", "model", "router", "transfer", "speculative", "defaults", "prefill", "decode")
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None, source: str | None = None) -> ClusterConfig:
     """Read and validate a YAML cluster config. `overrides` are command-line values (see
-    `apply_overrides`); they win over the file."""
-    source = str(path)
+    `apply_overrides`); they win over the file. `source`: the file errors name (default `path`;
+    `up`'s processes read a resolved copy but name the user's file)."""
+    source = source or str(path)
     try:
         text = Path(path).read_text()
     except OSError as e:
@@ -329,6 +378,8 @@ def parse_config(raw: Any, source: str = "<config>", overrides: dict[str, Any] |
         source=source, name=name, model=model, router=router, transfer=transfer, speculative=speculative,
         defaults=defaults, prefill=pools["prefill"], decode=pools["decode"],
     )
+    for inst in cfg.instances:
+        inst.namespace = server_namespace(router)
     # Instances that state their memory share (in their entry or in `defaults`): only those may
     # share a GPU. The dataclass keeps just the value, so this is read off the raw entries.
     sized = {f"{role}[{i}]" for role in ROLES for i, e in enumerate(raw[role])
@@ -393,9 +444,8 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
     entry = _resolve_aliases(entry, path, source)
     engine_keys = [f.name for f in dataclasses.fields(EngineConfig)]
     check_keys(entry, (*_INSTANCE_ONLY, *_PLACEMENT, *engine_keys), path, source)
-    for k in ("host", "port", "bootstrap_port") if role == "prefill" else ("host", "port"):
-        if k not in entry:
-            raise ConfigError(source, f"{path}.{k}", "required key is missing")
+    if "host" not in entry:
+        raise ConfigError(source, f"{path}.host", "required key is missing")
     for k in ("colocate", "colocate_sms"):
         if role == "decode" and k in entry:
             raise ConfigError(source, f"{path}.{k}", "set on the prefill instance that shares this decode "
@@ -410,12 +460,12 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
         "name": entry.get("name", f"{role[0]}{index}"),
         "role": role,
         "host": entry["host"],
-        "port": entry["port"],
+        "port": entry.get("port"),
         "bootstrap_port": entry.get("bootstrap_port"),
         **{k: entry[k] for k in ("colocate", "colocate_sms") if k in entry},
         **{k: v for k, v in placement.items() if v is not None},
     }
-    inst = _build(InstanceConfig, fields, path, source, skip=("engine",))
+    inst = _build(InstanceConfig, fields, path, source, skip=("engine", "namespace"))
     inst.engine = engine
     return inst
 

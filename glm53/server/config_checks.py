@@ -25,9 +25,11 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
     def err(key: str, msg: str) -> ConfigError:
         return ConfigError(src, key, msg)
 
-    # Value ranges.
-    for name, f in (("router.port", cfg.router.port), ("router.result_port", cfg.router.result_port)):
-        _check_port(f, name, src)
+    # Value ranges. The HTTP port may be 0: `up` binds a free one and hands it on.
+    if cfg.router.port != 0:
+        _check_port(cfg.router.port, "router.port", src)
+    if cfg.router.result_port is not None:
+        _check_port(cfg.router.result_port, "router.result_port", src)
     if cfg.router.health_check_interval_s <= 0:
         raise err("router.health_check_interval_s", f"must be > 0, got {cfg.router.health_check_interval_s}")
     if cfg.router.health_timeout_s <= cfg.router.health_check_interval_s:
@@ -73,21 +75,25 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
     if cfg.model.path.startswith("embedded:") and cfg.model.path not in (EMBEDDED_MODEL, EMBEDDED_RANDOM):
         raise err("model.path", f"unknown embedded model {cfg.model.path!r}; there are {EMBEDDED_MODEL!r} and "
                   f"{EMBEDDED_RANDOM!r}")
-    draft = spec.draft_model_path or ""
+    # With speculation off the draft is neither checked nor loaded (`--speculative-algorithm none`
+    # on a config that names one).
+    draft = (spec.draft_model_path or "") if spec.enabled else ""
     if draft.startswith("embedded:") and draft != EMBEDDED_DRAFT:
         raise err("speculative.draft_model_path", f"unknown embedded draft {draft!r}; the only one is {EMBEDDED_DRAFT!r}")
     if draft == EMBEDDED_DRAFT and cfg.model.path != EMBEDDED_MODEL:
         raise err("speculative.draft_model_path", f"{EMBEDDED_DRAFT!r} is the draft of {EMBEDDED_MODEL!r}, "
-                  f"not of {cfg.model.path!r}")
+                  f"not of {cfg.model.path!r} (--speculative-algorithm none turns speculation off)")
     _check_engine(cfg.defaults, "defaults", src)
 
     names: dict[str, str] = {}
     ports: dict[tuple[str, int], str] = {}
     router_host = canonical_host(cfg.router.host)
     ports[(router_host, cfg.router.port)] = "router.port"
-    if (router_host, cfg.router.result_port) in ports:
-        raise err("router.result_port", f"port {cfg.router.result_port} is already used by router.port")
-    ports[(router_host, cfg.router.result_port)] = "router.result_port"
+    if cfg.router.result_port is not None:
+        if (router_host, cfg.router.result_port) in ports:
+            raise err("router.result_port", f"port {cfg.router.result_port} is already used by router.port")
+        ports[(router_host, cfg.router.result_port)] = "router.result_port"
+    _check_pinned_across_hosts(cfg)
     devices: dict[tuple[str, int], list[tuple[str, InstanceConfig]]] = {}
     for role in ROLES:
         for i, inst in enumerate(cfg.pool(role)):
@@ -156,6 +162,24 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
                 if getattr(inst.engine, k) != getattr(first.engine, k):
                     raise err(f"{role}[{i}].{k}", f"must equal prefill[0].{k} ({getattr(first.engine, k)!r}) "
                               f"so KV pages can move between instances; got {getattr(inst.engine, k)!r}")
+
+
+def _check_pinned_across_hosts(cfg: ClusterConfig) -> None:
+    """An unpinned endpoint is an ipc socket (config.server_namespace), which only processes on
+    the same host reach: a config that spans hosts pins every internal port."""
+    if cfg.single_host:
+        return
+    keys = [("router.result_port", cfg.router.result_port)]
+    for role in ROLES:
+        for i, inst in enumerate(cfg.pool(role)):
+            keys.append((f"{role}[{i}].port", inst.port))
+            if role == "prefill":
+                keys.append((f"{role}[{i}].bootstrap_port", inst.bootstrap_port))
+    for key, port in keys:
+        if port is None:
+            hosts = sorted({cfg.router.host, *(i.host for i in cfg.instances)})
+            raise ConfigError(cfg.source, key, f"required: this config spans several hosts ({', '.join(hosts)}), and "
+                              "an unset port is a local ipc socket that other hosts cannot reach")
 
 
 def _check_colocation(cfg: ClusterConfig) -> None:

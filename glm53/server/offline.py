@@ -1,7 +1,9 @@
 """`glm53-serve generate`: offline greedy generation for token-id prompts, as one batch.
 
 Prints one JSON line per prompt, in prompt order: {"index", "input_ids", "output_ids"} where
-`output_ids` are the generated tokens only. Logs go to stderr; no tokenizer is needed.
+`output_ids` are the generated tokens only. Logs go to stderr; no tokenizer is needed. `--model`
+takes what `up` takes: a model directory or an embedded name (`embedded:tiny-glm5`, installed on
+first use); one that is neither is a one-line error.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import sys
 import torch
 
 from glm53.models import GlmConfig, ModelRunner, PageAllocator, SeqChunk
+from glm53.models.config import ConfigError as ModelConfigError
+from glm53.models.weights import WeightError
+from glm53.server.embedded_model import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +34,8 @@ def parse_ids(text: str) -> list[int]:
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "--model-path", dest="model", required=True, help="model directory (HF layout)")
+    p.add_argument("--model", "--model-path", dest="model", required=True,
+                   help="model directory (HF layout) or an embedded name (embedded:tiny-glm5)")
     p.add_argument("--input-ids", dest="input_ids", type=parse_ids, action="append", required=True,
                    help="comma-separated prompt token ids; repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, required=True)
@@ -89,16 +95,29 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.page_size < 1:
         print("error: --page-size must be >= 1", file=sys.stderr)
         return 2
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {args.device}: no CUDA device on this host", file=sys.stderr)
+        return 2
     # Check lengths against config.json before loading any weights.
+    try:
+        model_dir = resolve_model_path(args.model)
+        max_len = GlmConfig.from_dir(model_dir).max_position_embeddings
+    except (FileNotFoundError, ModelConfigError) as e:
+        print(f"error: --model {args.model}: {e}", file=sys.stderr)
+        return 2
     longest = max(len(p) for p in args.input_ids) + args.max_new_tokens
-    if longest > GlmConfig.from_dir(args.model).max_position_embeddings:
+    if longest > max_len:
         print(f"error: prompt + max_new_tokens ({longest}) exceeds max_position_embeddings", file=sys.stderr)
         return 2
     num_pages = sum(-(-(len(p) + args.max_new_tokens) // args.page_size) for p in args.input_ids)
     num_pages = max(1, num_pages)
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else None
-    runner = ModelRunner.from_dir(args.model, page_size=args.page_size, num_pages=num_pages, device=args.device,
-                                  kv_dtype=kv_dtype)
+    try:
+        runner = ModelRunner.from_dir(model_dir, page_size=args.page_size, num_pages=num_pages, device=args.device,
+                                      kv_dtype=kv_dtype)
+    except (FileNotFoundError, ModelConfigError, WeightError) as e:  # e.g. a directory without weights
+        print(f"error: --model {args.model}: {e}", file=sys.stderr)
+        return 2
     try:
         outs = greedy_generate(runner, PageAllocator(num_pages), args.input_ids, args.max_new_tokens, args.ignore_eos)
     except ValueError as e:

@@ -1,10 +1,12 @@
 """The control-plane contract between the router and the prefill/decode instances (ZMQ + msgpack).
 
-Sockets (all TCP, one msgpack map per single-frame message, key "type" selects the message):
+Sockets (one msgpack map per single-frame message, key "type" selects the message); an address
+is TCP where the YAML pins the port, else an ipc name in the server's namespace
+(config.server_namespace, one host):
 
-    router   binds   PULL  tcp://{router.host}:{router.result_port}      <- every instance's events
-    router   connects PUSH tcp://{inst.host}:{inst.port}  (one per instance, IMMEDIATE, LINGER 0)
-    instance binds   PULL  tcp://{inst.host}:{inst.port}                 <- router messages
+    router   binds   PULL  router.result_bind_address                  <- every instance's events
+    router   connects PUSH inst.address  (one per instance, IMMEDIATE, LINGER 0)
+    instance binds   PULL  inst.address                                <- router messages
     instance connects PUSH to each message's `reply_to` (the router's result address)
 
 No socket ever blocks without a bound: the router sends with NOBLOCK (a full or unconnected pipe

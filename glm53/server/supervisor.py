@@ -45,6 +45,7 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     proc: subprocess.Popen
+    pass_fds: tuple[int, ...] = ()  # inherited by every start (the router's HTTP socket)
     restarts: deque = field(default_factory=deque)  # monotonic times of restarts in the window
     restart_at: float | None = None  # a crash was seen; start it again then
     state: str = "running"  # running | restarting | stopped (clean exit) | given_up
@@ -94,12 +95,13 @@ class Supervisor:
         self.policy = policy
         self.children: dict[str, Child] = {}
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.children[name] = Child(name, argv, env, self._start(argv, env))
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> None:
+        """Start a child; `pass_fds` stay open in it, and in every restart of it."""
+        self.children[name] = Child(name, argv, env, self._start(argv, env, pass_fds), pass_fds)
 
     @staticmethod
-    def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_set_pdeathsig)
+    def _start(argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+        return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_set_pdeathsig, pass_fds=pass_fds)
 
     def exited(self) -> list[tuple[str, int]]:
         """Children that have exited (startup uses this: any exit there is fatal)."""
@@ -116,7 +118,7 @@ class Supervisor:
             if c.state == "running" and c.proc.poll() is not None:
                 events.append(self._on_exit(c, now))
             elif c.state == "restarting" and c.restart_at is not None and now >= c.restart_at:
-                c.proc = self._start(c.argv, c.env)
+                c.proc = self._start(c.argv, c.env, c.pass_fds)
                 c.state, c.restart_at = "running", None
                 log.warning("%s restarted (pid %d)", c.name, c.proc.pid)
                 events.append(Event(c.name, "restarted"))

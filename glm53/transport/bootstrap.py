@@ -6,7 +6,8 @@ prefill ranks directly (HELLO once per peer, ROOM per request, ABORT / FAIL / QU
 PING / PONG). The server carries addresses and tables only, never data.
 
 Run one ``BootstrapServer`` per prefill instance (in the process of its pp0/tp0 rank or in the
-launcher); its address (``tcp://host:port``) is what the router hands to decode with each room.
+launcher). It binds its address and keeps it: ``tcp://host:port`` (a pinned port), an ``ipc://``
+name (one host), or with neither a port the kernel picks on ``host`` (``address`` says which).
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ class BootstrapServer:
     it within one poll interval."""
 
     def __init__(self, instance: str, pp_size: int, tp_size: int, host: str = "127.0.0.1",
-                 port: int | None = None, ctx: zmq.Context | None = None):
+                 port: int | None = None, ctx: zmq.Context | None = None, address: str | None = None):
         self.instance, self.pp_size, self.tp_size = instance, pp_size, tp_size
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        if address:
+            self._sock.bind(address)
+        elif port:
+            self._sock.bind(address := f"tcp://{host}:{port}")
+        else:  # a port the kernel picks, bound here and kept (never probed and released)
+            address = f"tcp://{host}:{self._sock.bind_to_random_port(f'tcp://{host}')}"
+        self.address = address
         self._ranks: dict[tuple[int, int], RankInfo] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"bootstrap-{instance}",

@@ -76,7 +76,7 @@ def main(cfg: ClusterConfig, index: int) -> int:
     rooms: dict[int, _Room] = {}
     stop_strings = StopStrings(cfg)
     load = {"v": LoadStats(page_size=inst.engine.page_size, kv_pages_total=inst.engine.num_pages or 1024)}
-    ch = InstanceChannel(f"tcp://{inst.host}:{inst.port}", inst.name, role, load_fn=lambda: load["v"])
+    ch = InstanceChannel(inst.address, inst.name, role, load_fn=lambda: load["v"])
     stopping = {"v": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.__setitem__("v", True))
     ch.ready = True

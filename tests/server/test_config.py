@@ -135,8 +135,38 @@ def test_topology(tmp_path):
     d["decode"] = []
     assert error(tmp_path, d).key == "decode"
     d = base()
-    del d["prefill"][0]["port"]
-    assert error(tmp_path, d).key == "prefill[0].port"
+    del d["prefill"][0]["host"]
+    assert error(tmp_path, d).key == "prefill[0].host"
+
+
+def test_internal_ports_are_optional_on_one_host(tmp_path):
+    """Unpinned endpoints are ipc names derived from the HTTP address: every process of one
+    server derives the same ones, two servers (two HTTP ports) never share one."""
+    d = base()
+    del d["prefill"][0]["port"], d["prefill"][0]["bootstrap_port"], d["decode"][0]["port"]
+    cfg = load_config(write(tmp_path, d))
+    p, dec = cfg.prefill[0], cfg.decode[0]
+    assert cfg.router.result_port is None and p.port is None and p.bootstrap_port is None
+    addrs = {cfg.router.result_address, p.address, p.bootstrap_address, dec.address}
+    assert len(addrs) == 4 and all(a.startswith("ipc://@glm53-local-30000/") for a in addrs)
+    assert cfg.router.result_bind_address == cfg.router.result_address and dec.bootstrap_address is None
+    # the resolved form `up` writes for its processes derives the same names
+    again = parse_config(cfg.to_dict())
+    assert (again.prefill[0].bootstrap_address, again.decode[0].address) == (p.bootstrap_address, dec.address)
+    other = load_config(write(tmp_path, {**d, "router": {"port": 31000}}))
+    assert not addrs & {other.router.result_address, other.prefill[0].address, other.decode[0].address}
+    # pinned ports are TCP as before
+    cfg = load_config(write(tmp_path, base()))
+    assert (cfg.prefill[0].address, cfg.prefill[0].bootstrap_address) == ("tcp://127.0.0.1:40100",
+                                                                         "tcp://127.0.0.1:40101")
+    # across hosts an ipc name reaches nobody: every internal port is required
+    d = base()
+    d["decode"][0]["host"] = "10.0.0.2"
+    e = error(tmp_path, d)
+    assert e.key == "router.result_port" and "several hosts" in str(e)
+    d["router"] = {"result_port": 40001}
+    del d["prefill"][0]["bootstrap_port"]
+    assert error(tmp_path, d).key == "prefill[0].bootstrap_port"
 
 
 def _one_gpu(prefill: dict, decode: dict, defaults: dict | None = None) -> dict:
@@ -166,6 +196,7 @@ def test_one_gpu_pd_with_explicit_memory_fractions(tmp_path):
     load_config(write(tmp_path, d))
     # another host's GPU 0 is another GPU
     d = _one_gpu({}, {"host": "10.0.0.2"})
+    d["router"] = {"result_port": 40001}  # two hosts: the internal ports are pinned
     load_config(write(tmp_path, d))
 
 

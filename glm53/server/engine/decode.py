@@ -159,7 +159,7 @@ class DecodeScheduler(Scheduler):
             r = self.admit_next(self.waiting, lambda r: self._request_pages(r.req) * self.workers.page_size)
             if r is None:
                 return
-            boot = f"tcp://{r.req.prefill.host}:{r.req.prefill.bootstrap_port}"
+            boot = self.cluster.bootstrap_address_of(r.req.prefill)
             r.transfer_started = time.monotonic()
             try:
                 r.receiver = self.workers.create_receivers(

@@ -54,8 +54,7 @@ class PrefillScheduler(Scheduler):
     def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None,
                  weights_from: WorkerGroup | None = None):
         # Up before the ranks: each registers with it while it starts.
-        self.bootstrap = BootstrapServer(inst.name, pp_size=inst.pp, tp_size=inst.tp, host=inst.host,
-                                         port=inst.bootstrap_port)
+        self.bootstrap = BootstrapServer(inst.name, pp_size=inst.pp, tp_size=inst.tp, address=inst.bootstrap_address)
         super().__init__(cluster, inst, workers, weights_from)
         self.budget = inst.engine.chunked_prefill_size
         self.constraints = Constraints(cluster)  # structured output: the first token's mask

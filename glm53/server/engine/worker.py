@@ -123,7 +123,7 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
     """The instance's ranks, pp-major (stage s holds ranks s*tp .. s*tp + tp - 1), each with its
     stage's layers and, on CUDA, its GPU from `devices` in that order."""
     eng = inst.engine
-    boot = f"tcp://{inst.host}:{inst.bootstrap_port}" if inst.role == "prefill" else None
+    boot = inst.bootstrap_address
     stages = stage_layers(num_layers, inst.pp)
     cfg = transport_config(cluster, inst)
     spec = cluster.speculative

@@ -115,14 +115,19 @@ def _validation_response(errs: list) -> JSONResponse:
     return JSONResponse(error_body(400, msg, param), status_code=400)
 
 
-def main(cfg: ClusterConfig, model_dir: Path | None = None) -> int:
-    """Run the router in this process until SIGINT/SIGTERM (uvicorn handles both)."""
+def main(cfg: ClusterConfig, model_dir: Path | None = None, listen_fd: int | None = None) -> int:
+    """Run the router in this process until SIGINT/SIGTERM (uvicorn handles both). `listen_fd`:
+    a listening HTTP socket to serve on (`up` binds the port and keeps it); else uvicorn binds
+    router.host:router.port."""
+    import socket
+
     import uvicorn
 
     from glm53.server.embedded_model import resolve_model_path
 
     model_dir = model_dir or resolve_model_path(cfg.model.path)
     app = create_app(cfg, model_dir)
-    uvicorn.run(app, host=cfg.router.host, port=cfg.router.port, log_level=cfg.router.log_level,
-                timeout_graceful_shutdown=5)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.host, port=cfg.router.port,
+                                           log_level=cfg.router.log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=None if listen_fd is None else [socket.socket(fileno=listen_fd)])
+    return 0 if server.started else 3  # uvicorn's start-up failure code

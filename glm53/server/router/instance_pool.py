@@ -96,7 +96,7 @@ class InstancePool:
         r = self.cfg.router
         self._pull = self._async_ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(f"tcp://{r.host}:{r.result_port}")
+        self._pull.bind(r.result_bind_address)
         for inst in self.cfg.instances:
             s = self._sync_ctx.socket(zmq.PUSH)
             # IMMEDIATE: queue only to a live connection, so a send to a dead or not yet started
