@@ -84,6 +84,13 @@ class RouterConfig:
     cache_max_pages: int = 65536
     # Requests in flight across the cluster beyond which the router answers 503.
     max_running_requests: int = 1024
+    # The admission queue (router/admission.py): a request waits, first in line at the router
+    # while every decode instance holds max_running_requests rooms, then in the instances'
+    # queues, at most max_queue_wait_s until both instances admitted it (SGLang waits up to 600 s
+    # in its prefill queue); at most max_queued_requests wait at the router. Beyond either bound:
+    # 503 with Retry-After. Queueing is never a transfer fault.
+    max_queue_wait_s: float = 600.0
+    max_queued_requests: int = 1024
     health_check_interval_s: float = 2.0
     # An instance that has not answered a ping for this long is unhealthy; its rooms fail.
     health_timeout_s: float = 10.0

@@ -43,6 +43,11 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
             raise err(f"router.{k}", f"must be > 0, got {v}")
     if cfg.router.max_retries < 0:
         raise err("router.max_retries", f"must be >= 0, got {cfg.router.max_retries}")
+    if cfg.router.max_queue_wait_s <= 0:
+        raise err("router.max_queue_wait_s", f"must be > 0, got {cfg.router.max_queue_wait_s}")
+    if cfg.router.max_queued_requests < 0:
+        raise err("router.max_queued_requests", f"must be >= 0 (0: no queue at the router), got "
+                  f"{cfg.router.max_queued_requests}")
     if not 0 <= cfg.router.cache_threshold <= 1:
         raise err("router.cache_threshold", f"must be in [0, 1], got {cfg.router.cache_threshold}")
     if cfg.router.balance_abs_threshold < 0:

@@ -27,7 +27,10 @@ Instance -> router
                      the room's transfer stats (measured by decode).
                      prefill: on failure (finish_reason "error"), and, when the request asks for
                      prompt logprobs, one event with them (no tokens) before the KV is committed.
-    HealthPong       reply to each ping, with load numbers for pairing and /metrics.
+    HealthPong       reply to each ping, with load numbers for pairing and /metrics, and the
+                     process's incarnation (a restarted instance is a new one: its old rooms are lost).
+                     Both instances also send a TokenEvent with `admitted` when they admit a room
+                     (the end of its queue wait; the router's transfer clock starts there).
 
 A room is (room: u64, generation: u32). Events whose (room, generation) the router does not know
 (finished, aborted, retried) are dropped, so an instance may send late events safely.
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -203,6 +207,10 @@ class GenerateRequest(_Message):
     decode: PeerInfo
     reply_to: str  # the router's result address (tcp://host:port)
     sent_at: float = 0.0  # router's time.time() when sent (queue-time metrics)
+    # Seconds the request may still wait on the instance to be admitted (what is left of
+    # router.max_queue_wait_s after the router's queue); past it the instance fails it as
+    # "overloaded". 0: router.max_queue_wait_s.
+    queue_budget_s: float = 0.0
 
     def _from_wire(self) -> None:
         if isinstance(self.spec, dict):
@@ -266,6 +274,9 @@ class TokenEvent(_Message):
     # spec.prompt_logprobs_start (None for position 0, which has no context).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[list]] | None = None
+    # The instance admitted the room (prefill: pages and senders, it computes next; decode: pages
+    # and receivers): its queue wait is over, the transfer clock runs from here.
+    admitted: bool = False
 
     def _from_wire(self) -> None:
         if isinstance(self.transfer, dict):
@@ -296,6 +307,9 @@ class HealthPong(_Message):
     ready: bool  # False while loading weights / warming up
     load: LoadStats = field(default_factory=LoadStats)
     sent_at: float = 0.0  # echoed from the ping (round-trip time)
+    # Random per instance process: a new value is a restart, whose rooms the old process held
+    # are lost (the router fails them at once, even if it never saw the instance go silent).
+    incarnation: int = 0
 
     def _from_wire(self) -> None:
         if isinstance(self.load, dict):
@@ -377,6 +391,8 @@ class InstanceChannel:
                  load_fn: Callable[[], LoadStats] | None = None, ctx: zmq.Context | None = None):
         self.name, self.role = name, role
         self.ready = False
+        # This process's identity in its pongs (HealthPong.incarnation): never 0, new on a restart.
+        self.incarnation = random.getrandbits(63) | 1
         self._load_fn = load_fn or LoadStats
         self._ctx = ctx or zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -480,7 +496,8 @@ class InstanceChannel:
                     log.exception("%s: load_fn failed", self.name)
                     load = LoadStats()
                 self.send(msg.reply_to, HealthPong(seq=msg.seq, instance=self.name, role=self.role,
-                                                   ready=self.ready, load=load, sent_at=msg.sent_at))
+                                                   ready=self.ready, load=load, sent_at=msg.sent_at,
+                                                   incarnation=self.incarnation))
             else:
                 self._inbox.put(msg)
 

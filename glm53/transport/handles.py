@@ -42,6 +42,9 @@ class TransferErrorCode(str, enum.Enum):
     ABORT and HELLO_ACK messages), so a room failed by its peer reports the peer's cause."""
 
     BOOTSTRAP_TIMEOUT = "bootstrap_timeout"  # peer instance or destination info not in time
+    # The room waited out the queue bound (queue_timeout_s): prefill did not admit it, or decode
+    # did not send its destination. Queueing, not a transfer fault.
+    QUEUE_TIMEOUT = "queue_timeout"
     TRANSFER_TIMEOUT = "transfer_timeout"  # the commit did not arrive in time
     PEER_DEAD = "peer_dead"  # a peer sent nothing, not even a heartbeat, for peer_timeout_s
     ABORTED = "aborted"  # abort() on either side
@@ -111,12 +114,16 @@ class TransportConfig:
     moment prefill admitted the room: for a sender, once it has every decode rank's destination
     (it is created at admission); for a receiver, from prefill's ACCEPTED (or its first data
     notice), so it covers prefill compute and the KV move but not prefill's queue.
-    ``bootstrap_timeout_s`` bounds reaching the prefill instance and then, separately, the queue
-    wait before admission (a receiver whose room is not accepted that long after it sent its
-    destination fails with BOOTSTRAP_TIMEOUT). ``peer_timeout_s`` fails rooms whose peer sent
-    nothing (not even a heartbeat) for that long."""
+    ``bootstrap_timeout_s`` bounds reaching the prefill instance. ``queue_timeout_s`` (None:
+    ``bootstrap_timeout_s``) bounds the queue waits on either side, which are not transfer
+    faults: a receiver whose room prefill has not accepted that long after it sent its
+    destination, a ROOM prefill holds with no sender, and a sender that no decode rank sent its
+    destination fail with QUEUE_TIMEOUT. Servers set it past their schedulers' own queue bound
+    (router.max_queue_wait_s), so it is a backstop. ``peer_timeout_s`` fails rooms whose peer
+    sent nothing (not even a heartbeat) for that long."""
 
     bootstrap_timeout_s: float = 60.0
+    queue_timeout_s: Optional[float] = None
     transfer_timeout_s: float = 300.0
     heartbeat_interval_s: float = 1.0
     peer_timeout_s: float = 10.0
@@ -130,6 +137,11 @@ class TransportConfig:
     # progresses UCX (it polls notifications every 1 ms while a room is live), which is what a
     # host shared by several instances wants; on, for dedicated hosts chasing tcp throughput.
     progress_thread: bool = False
+
+    @property
+    def queue_s(self) -> float:
+        """The queue-wait bound in force (``queue_timeout_s``, else ``bootstrap_timeout_s``)."""
+        return self.bootstrap_timeout_s if self.queue_timeout_s is None else self.queue_timeout_s
 
 
 # ------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ done check and failures.
 Per prefill instance (by bootstrap address): QUERY the bootstrap server until the topology is
 complete, check the ranks' tables against ours, plan the byte routes and say HELLO to every
 rank. Per room: once connected and given pages, send ROOM to every prefill rank and wait for
-prefill to admit the room (ACCEPTED, or its first data notice; the queue wait is bounded by the
-bootstrap timeout), then, within the transfer timeout from that moment, count the data notices
+prefill to admit the room (ACCEPTED, or its first data notice; the queue wait is bounded by
+``TransportConfig.queue_s`` and fails as QUEUE_TIMEOUT), then, within the transfer timeout from that moment, count the data notices
 of each expected sender; the room succeeds when every sender's completion arrived,
 its announced transfer count matches, and the metadata row written last checks (room id,
 generation, crc). A failed room reports FAILED only once no prefill rank can still write into
@@ -302,6 +302,7 @@ class ReceiverSide:
         inst.instance, inst.pp_size, inst.tp_size, inst.plan = msg.instance, pp, tp, plan
         inst.ranks = {k: PrefillRank(k[0], k[1], r.ep, r.agent) for k, r in ranks.items()}
         inst.state = "ready"
+        self._fail_restarted(inst)
         regions = {n: RemoteRegion(p.region.addr, p.spec.item_bytes, p.num_pages, p.region.mem,
                                    p.region.device) for n, p in e._pools.items()}
         meta = e._slots.region()
@@ -311,6 +312,20 @@ class ReceiverSide:
                                 e._backend.name, e._backend.metadata(), e.table.to_wire(),
                                 regions, meta, plan.segments(s, t, e.tp_rank),
                                 plan.meta_writer[e.tp_rank] == (s, t)))
+
+    def _fail_restarted(self, inst: PrefillInstance) -> None:
+        """A fresh topology whose ranks are not those a room sent its ROOM to: the instance
+        restarted, and those ranks' process is gone (nothing of theirs can land any more). Fail
+        such rooms now, quiesced, rather than at peer liveness or the quiesce timeout."""
+        live = {r.ep for r in inst.ranks.values()}
+        for rt in list(self.rooms.values()):
+            if rt.addr != inst.addr or rt.failing or rt.state in TERMINAL:
+                continue
+            gone = [k for k, ep in rt.room_sent.items() if ep not in live]
+            if gone:
+                rt.quiesced.update(gone)
+                self._fail(rt, Code.PEER_DEAD, f"prefill instance at {inst.addr} restarted; the ranks this "
+                           "room was sent to are gone")
 
     def _on_hello_ack(self, m: HelloAck) -> None:
         inst = self.instances.get(m.addr)
@@ -361,14 +376,15 @@ class ReceiverSide:
                 e._send(r.ep, msg)
                 rt.room_sent[k] = r.ep
             rt.state = KVPoll.WAITING_FOR_INPUT
-            # Prefill's queue: it fails a ROOM it has no sender for after the same bound.
-            rt.deadline = now + e.cfg.bootstrap_timeout_s
+            # Prefill's queue: it fails a ROOM it has no sender for after the same bound. A
+            # queue wait, never a transfer fault (queue_s: the servers' queue bound and more).
+            rt.deadline = now + e.cfg.queue_s
             return
         if now > rt.deadline:
             if not rt.accepted:
-                self._fail(rt, Code.BOOTSTRAP_TIMEOUT, f"bootstrap timeout: prefill instance at "
+                self._fail(rt, Code.QUEUE_TIMEOUT, f"queue timeout: prefill instance at "
                            f"{rt.addr} did not admit the room within "
-                           f"{e.cfg.bootstrap_timeout_s:g}s (queued)")
+                           f"{e.cfg.queue_s:g}s (queued)")
             else:
                 self._fail(rt, Code.TRANSFER_TIMEOUT, "transfer timeout: completion not received "
                            f"from {sorted(set(rt.expected) - set(rt.fin))}")

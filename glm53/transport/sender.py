@@ -4,7 +4,8 @@ A decode rank says HELLO once (its table, pool regions, metadata slots and the b
 rank writes to it), then ROOM per request (destination pages and metadata slot). Once a room has
 both its sender (prefill admitted the request) and a decode rank's ROOM, that rank is told
 ACCEPTED, which starts its transfer clock; a ROOM whose sender is not created within the
-bootstrap timeout (prefill's queue) fails with BOOTSTRAP_TIMEOUT. A sender
+queue bound (prefill's queue; ``TransportConfig.queue_s``) fails with QUEUE_TIMEOUT, as does a
+sender no decode rank sent its destination in that time (decode's queue). A sender
 posts each queued chunk to every decode rank it writes to as soon as that rank's destination is
 known and, on a GPU, the work that writes its pages has run; after ``finish`` and once its data
 writes completed it writes the metadata row (the rank that is the row's writer) or sends a
@@ -148,7 +149,8 @@ class SenderSide:
         e = self.e
         with e._lock:
             now = time.monotonic()
-            st = SenderRoom(room, decode_instance, now, deadline=now + e.cfg.bootstrap_timeout_s)
+            # Decode sends its destination once it admitted the room: a queue wait (queue_s).
+            st = SenderRoom(room, decode_instance, now, deadline=now + e.cfg.queue_s)
             h = KVSender(e, st)
             if room.key in self.rooms or room.key in self.done:
                 st.state = KVPoll.FAILED
@@ -209,7 +211,7 @@ class SenderSide:
     def step(self, now: float) -> None:
         for st in list(self.rooms.values()):
             self._step_room(st, now)
-        timeout = self.e.cfg.bootstrap_timeout_s
+        timeout = self.e.cfg.queue_s  # a ROOM with no sender yet: the request is in prefill's queue
         for key, ab in list(self.early_aborts.items()):
             if now - ab.t > timeout:
                 del self.early_aborts[key]
@@ -218,8 +220,8 @@ class SenderSide:
                 del self.pending[key]
                 for dest in p.dst.values():
                     self.e._send(dest.ep, self._fail_msg(
-                        Room(*key), Code.BOOTSTRAP_TIMEOUT,
-                        "no sender created before the bootstrap timeout", True))
+                        Room(*key), Code.QUEUE_TIMEOUT,
+                        f"not admitted by prefill within {timeout:g}s (queued)", True))
 
     def watched(self) -> dict[str, list]:
         out: dict[str, list] = {}
@@ -418,8 +420,12 @@ class SenderSide:
                 st.state = KVPoll.WAITING_FOR_INPUT
                 st.deadline = now + e.cfg.transfer_timeout_s
             elif now > st.deadline:
-                self._fail(st, Code.BOOTSTRAP_TIMEOUT, f"bootstrap timeout: destination info "
-                           f"from {len(st.dst)}/{st.dtp or '?'} decode ranks")
+                if st.dst:
+                    self._fail(st, Code.BOOTSTRAP_TIMEOUT, f"bootstrap timeout: destination info "
+                               f"from {len(st.dst)}/{st.dtp or '?'} decode ranks")
+                else:  # decode has not admitted the room (its queue) or never will
+                    self._fail(st, Code.QUEUE_TIMEOUT, f"no decode rank sent its destination within "
+                               f"{e.cfg.queue_s:g}s (queued on decode)")
                 return
             else:
                 return

@@ -28,6 +28,7 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
     ports = free_ports(4)
     cfg = parse_config({
         "model": {"path": str(model_dir)},
+        "router": {"max_queue_wait_s": 2},
         "transfer": {"bootstrap_timeout_s": 2, "transfer_timeout_s": 5},
         "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "num_pages": 64},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
@@ -59,14 +60,24 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
         ev = decode(pull.recv())
         assert ev.room == 2 and ev.error_code == "bad_request" and str(vocab) in ev.error
 
-        # A request that cannot get pages within the admission bound fails as overloaded.
+        # A request that cannot get pages within the queue bound (router.max_queue_wait_s, or
+        # what the router says is left of it) fails as overloaded, never as a transfer fault.
         held = sched.allocator.alloc(64)
         t0 = time.monotonic()
         push.send(encode(_request(3, [5, 6, 7], reply_to, ports)))
         assert pull.poll(20_000)
         ev = decode(pull.recv())
-        assert ev.room == 3 and ev.error_code == "overloaded"
-        assert cfg.transfer.bootstrap_timeout_s <= time.monotonic() - t0 < cfg.transfer.bootstrap_timeout_s + 5
+        assert ev.room == 3 and ev.error_code == "overloaded" and "max_queue_wait_s" in ev.error
+        bound = cfg.router.max_queue_wait_s
+        assert bound <= time.monotonic() - t0 < bound + 5
+        req = _request(4, [5, 6, 7], reply_to, ports)
+        req.queue_budget_s = 0.5  # the router's queue took the rest
+        t0 = time.monotonic()
+        push.send(encode(req))
+        assert pull.poll(20_000)
+        ev = decode(pull.recv())
+        assert ev.room == 4 and ev.error_code == "overloaded"
+        assert 0.5 <= time.monotonic() - t0 < 1.5
         sched.allocator.free(held)
         assert thread.is_alive() and sched.allocator.num_free == 64
     finally:

@@ -1,6 +1,7 @@
 """Decode's two clocks (docs/ARCHITECTURE.md, "Transfer lifecycle"): prefill's queue is bounded by
-the bootstrap timeout, and the transfer timeout starts only when prefill admits the room
-(ACCEPTED), so a room that waits long in prefill's queue is not a transfer failure. Two engines,
+the queue timeout (queue_timeout_s, else the bootstrap timeout) and fails as QUEUE_TIMEOUT, and
+the transfer timeout starts only when prefill admits the room (ACCEPTED), so a room that waits
+long in prefill's queue is not a transfer failure. Two engines,
 each with its own NIXL agent, over UCX tcp loopback."""
 
 import time
@@ -38,13 +39,28 @@ def test_queue_wait_longer_than_transfer_timeout_succeeds():
         np.testing.assert_array_equal(dst[[5, 6]], src[[3, 4]])
 
 
-def test_never_admitted_fails_as_queued_bootstrap_timeout():
+def test_never_admitted_fails_as_queue_timeout():
     with engine_pair(dict(CFG, bootstrap_timeout_s=1.5, transfer_timeout_s=0.5)) as (p, d, src, dst, addr):
         t0 = time.monotonic()
         rx = d.create_receiver(Room(22, 0), addr, [1])
         assert rx.wait(10) == KVPoll.FAILED
-        assert rx.error_code == Code.BOOTSTRAP_TIMEOUT, rx.error
+        assert rx.error_code == Code.QUEUE_TIMEOUT, rx.error
         assert time.monotonic() - t0 >= 1.4  # not the 0.5 s transfer timeout
+
+
+def test_queue_wait_longer_than_bootstrap_timeout_succeeds():
+    """Servers bound the queue by router.max_queue_wait_s, not the bootstrap timeout: a room
+    queued on prefill past the bootstrap timeout (but within queue_timeout_s) still succeeds."""
+    cfg = dict(CFG, bootstrap_timeout_s=1.0, queue_timeout_s=8.0, transfer_timeout_s=1.0)
+    with engine_pair(cfg) as (p, d, src, dst, addr):
+        rx = d.create_receiver(Room(24, 0), addr, [5, 6])
+        time.sleep(2.5)  # queued: 2.5x the bootstrap timeout
+        assert rx.poll() == KVPoll.WAITING_FOR_INPUT, rx.error
+        tx = p.create_sender(Room(24, 0))
+        tx.send_pages([3, 4])
+        tx.finish(MetadataRow((11,), (2,)))
+        assert rx.wait(10) == KVPoll.SUCCESS, rx.error
+        assert tx.wait(10) == KVPoll.SUCCESS, tx.error
 
 
 def test_transfer_clock_runs_from_admission():

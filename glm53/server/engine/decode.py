@@ -119,7 +119,7 @@ class DecodeScheduler(Scheduler):
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
         if self.accept(req, len(req.spec.input_ids) + req.spec.params.max_new_tokens, pages=self._request_pages(req)):
-            self.waiting.append(DecodeRequest(req, time.monotonic()))
+            self.waiting.append(self.track(DecodeRequest(req, time.monotonic())))
 
     def _page_split(self, req: GenerateRequest) -> tuple[int, int]:
         """(the prompt's full pages, shared by the choices; each choice's own pages, from the
@@ -153,6 +153,7 @@ class DecodeScheduler(Scheduler):
         return adopted or decoded
 
     def _admit(self) -> None:
+        self.expire_queued(self.waiting, "decode's batch or KV pool is full")
         while len(self.receiving) + len(self.running) < self.max_running:
             # Every choice's pages, allocated together: the prompt's full pages, then each choice's
             # own (the first choice's own pages receive the prompt's partial last page).
@@ -168,6 +169,7 @@ class DecodeScheduler(Scheduler):
                 self._release(r, error=(f"cannot receive KV: {e}", "overloaded"))
                 continue
             self.receiving.append(r)
+            self.admitted(r)
 
     def _poll_transfers(self) -> bool:
         did = False

@@ -66,7 +66,7 @@ class PrefillScheduler(Scheduler):
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
         if self.accept(req, len(req.spec.input_ids)):
-            r = PrefillRequest(req, time.monotonic())
+            r = self.track(PrefillRequest(req, time.monotonic()))
             spec = req.spec
             if spec.prompt_logprobs_start >= 0:
                 r.prompt_lp = PromptLogprobs(spec.input_ids, spec.prompt_logprobs_start, max(0, spec.logprobs))
@@ -91,7 +91,11 @@ class PrefillScheduler(Scheduler):
         return self._reap() or busy
 
     def _admit(self) -> None:
-        while len(self.running) < self.max_running:
+        """Admit queued requests (pages, senders) only as far as the next step's micro-batches
+        will start computing them: an admitted request's transfer clock runs (decode's, from
+        ACCEPTED), so waiting behind other prompts must happen here, in the queue, not there."""
+        self.expire_queued(self.waiting, "prefill is busy with the requests ahead of it")
+        while len(self.running) < self.max_running and self._unstarted() < self.budget * self.workers.pp:
             r = self.admit_next(self.waiting, lambda r: r.prompt_len)
             if r is None:
                 return
@@ -102,10 +106,13 @@ class PrefillScheduler(Scheduler):
                 self.send_error(r.req, f"cannot send KV: {e}", "overloaded")
                 continue
             self.running.append(r)
-            if r.cached:  # the router reports it (usage.prompt_tokens_details.cached_tokens, meta_info)
-                self.channel.send(r.req.reply_to, TokenEvent(room=r.req.room, generation=r.req.generation,
-                                                             instance=self.inst.name, prompt_tokens=r.prompt_len,
-                                                             cached_tokens=r.done_tokens))
+            # The router's transfer clock starts here; it also reports the cached prompt tokens
+            # (usage.prompt_tokens_details.cached_tokens, meta_info).
+            self.admitted(r, cached_tokens=r.done_tokens if r.cached else 0)
+
+    def _unstarted(self) -> int:
+        """Prompt tokens of the running requests not computed yet."""
+        return sum(r.prompt_len - r.done_tokens for r in self.running)
 
     def allocate(self, r: PrefillRequest, tokens: int) -> list[int]:
         """The cached prefix's pages (locked), then new pages for the rest of the prompt. At

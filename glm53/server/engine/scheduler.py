@@ -34,8 +34,11 @@ from glm53.transport import TransferErrorCode
 log = logging.getLogger(__name__)
 
 # Transport failure causes the router tells apart (protocol.ERROR_CODES); the rest are "transfer_failed".
+# A room that waited out the queue bound (transport's backstop: prefill never admitted it, or
+# decode never sent its destination) is "overloaded", like one the scheduler's queue expired.
 _TIMEOUT_CODES = {TransferErrorCode.BOOTSTRAP_TIMEOUT: "bootstrap_timeout",
-                  TransferErrorCode.TRANSFER_TIMEOUT: "transfer_timeout"}
+                  TransferErrorCode.TRANSFER_TIMEOUT: "transfer_timeout",
+                  TransferErrorCode.QUEUE_TIMEOUT: "overloaded"}
 
 
 def protocol_error_code(code: TransferErrorCode | None) -> str:
@@ -67,11 +70,13 @@ def build_workers(cluster: ClusterConfig, inst: InstanceConfig, weights_from: Wo
 
 @dataclass
 class TrackedRequest:
-    """A router request as an instance holds it: the request spec and its KV pages."""
+    """A router request as an instance holds it: the request spec and its KV pages. `deadline`
+    (monotonic): when it must have been admitted (its queue budget); 0 until `on_request` sets it."""
 
     req: GenerateRequest
     arrived: float
     pages: list[int] = field(default_factory=list)
+    deadline: float = 0.0
 
     @property
     def key(self) -> tuple[int, int]:
@@ -100,8 +105,11 @@ class Scheduler(abc.ABC):
         self.cfg = self.workers.cfg
         self.allocator = PageAllocator(self.workers.num_pages)
         self.max_running = inst.engine.max_running_requests
-        # A request that cannot get pages for this long fails as "overloaded" rather than waiting forever.
-        self.admit_timeout = cluster.transfer.bootstrap_timeout_s
+        # How long a request may wait to be admitted when the router does not say
+        # (GenerateRequest.queue_budget_s); past its deadline it fails as "overloaded" (a 503 with
+        # Retry-After at the router), never as a transfer fault.
+        self.max_queue_wait = cluster.router.max_queue_wait_s
+        self._expire_t = 0.0
         self._stop = threading.Event()
         self._load = LoadStats()
         self._log_every = inst.engine.log_interval_s
@@ -157,22 +165,41 @@ class Scheduler(abc.ABC):
             return False
         return True
 
+    def track(self, r: TrackedRequest) -> TrackedRequest:
+        """Set a new request's admission deadline: its queue budget from the router, else
+        router.max_queue_wait_s."""
+        r.deadline = r.arrived + (r.req.queue_budget_s or self.max_queue_wait)
+        return r
+
     def admit_next(self, queue: deque, tokens: Callable[[TrackedRequest], int]) -> TrackedRequest | None:
         """Pop the head of `queue` with pages for `tokens(r)` tokens allocated, or None while it
-        must wait for pages. One that waited longer than admit_timeout fails as "overloaded"
-        and the next is tried."""
-        while queue:
-            r = queue[0]
-            try:
-                r.pages = self.allocate(r, tokens(r))
-            except OutOfPages:
-                if time.monotonic() - r.arrived <= self.admit_timeout:
-                    return None
-                queue.popleft()
-                self.send_error(r.req, f"{self.role} KV pool exhausted", "overloaded")
-                continue
-            return queue.popleft()
-        return None
+        must wait for pages (FIFO: the head waits, nobody overtakes it). The caller reports the
+        admission (`admitted`)."""
+        if not queue:
+            return None
+        try:
+            queue[0].pages = self.allocate(queue[0], tokens(queue[0]))
+        except OutOfPages:
+            return None
+        return queue.popleft()
+
+    def expire_queued(self, queue: deque, why: str) -> None:
+        """Fail the queued requests whose admission deadline passed, as "overloaded" (checked at
+        most every 50 ms: a queue may be long)."""
+        now = time.monotonic()
+        if now - self._expire_t < 0.05 or not queue:
+            return
+        self._expire_t = now
+        for r in [r for r in queue if r.deadline and now > r.deadline]:
+            queue.remove(r)
+            self.send_error(r.req, f"not admitted within the queue bound (router.max_queue_wait_s; waited "
+                            f"{now - r.arrived:.1f} s on this instance): {why}", "overloaded")
+
+    def admitted(self, r: TrackedRequest, cached_tokens: int = 0) -> None:
+        """Tell the router that the room left this instance's queue (its transfer clock starts)."""
+        self.channel.send(r.req.reply_to, TokenEvent(room=r.req.room, generation=r.req.generation,
+                                                     instance=self.inst.name, prompt_tokens=r.prompt_len,
+                                                     cached_tokens=cached_tokens, admitted=True))
 
     def allocate(self, r: TrackedRequest, tokens: int) -> list[int]:
         """The pages of an admitted request holding `tokens` tokens; raises OutOfPages."""

@@ -109,6 +109,9 @@ def transport_config(cluster: ClusterConfig, inst: InstanceConfig) -> TransportC
         raise SystemExit(f"{cluster.source}: transfer.backend {t.backend!r} is not available; use 'nixl'")
     return TransportConfig(
         bootstrap_timeout_s=t.bootstrap_timeout_s,
+        # Queue waits are the schedulers' (router.max_queue_wait_s; they fail a request as
+        # "overloaded" at its deadline and the router aborts the room): the transport's is a backstop.
+        queue_timeout_s=cluster.router.max_queue_wait_s + t.bootstrap_timeout_s,
         transfer_timeout_s=t.transfer_timeout_s,
         peer_timeout_s=min(10.0, t.transfer_timeout_s),
         host=inst.host,

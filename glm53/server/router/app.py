@@ -25,11 +25,12 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glm53.server.config import ClusterConfig
 from glm53.server.router import native, openai, ops, tokens
+from glm53.server.router.admission import ClientGone
 from glm53.server.router.bodies import BodyInvalid
 from glm53.server.router.generation import RouterState
 from glm53.server.router.instance_pool import InstancePool
@@ -78,7 +79,12 @@ _TYPE_NAMES = {"int", "str", "float", "bool", "list", "dict", "function-after", 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
-        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status,
+                            headers=getattr(e, "headers", None))  # a queue's 503: Retry-After
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, e: ClientGone):
+        return Response(status_code=499)  # left while queued: for the access log only
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError):
@@ -124,10 +130,14 @@ def main(cfg: ClusterConfig, model_dir: Path | None = None, listen_fd: int | Non
     import uvicorn
 
     from glm53.server.embedded_model import resolve_model_path
+    from glm53.server.router import stopping
 
     model_dir = model_dir or resolve_model_path(cfg.model.path)
     app = create_app(cfg, model_dir)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.router.host, port=cfg.router.port,
-                                           log_level=cfg.router.log_level, timeout_graceful_shutdown=5))
+    # On SIGTERM/SIGINT the router's requests fail at once (error event + [DONE] for streams), so
+    # the graceful timeout is a backstop, not a wait (router/stopping.py).
+    server = stopping.Server(uvicorn.Config(app, host=cfg.router.host, port=cfg.router.port,
+                                            log_level=cfg.router.log_level, timeout_graceful_shutdown=5),
+                             on_stop=app.state.router.shutdown)
     server.run(sockets=None if listen_fd is None else [socket.socket(fileno=listen_fd)])
     return 0 if server.started else 3  # uvicorn's start-up failure code

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator
 
 from glm53.server.config import ClusterConfig
 from glm53.server.protocol import RequestSpec
+from glm53.server.router.admission import AdmissionQueue, QueueRefused
 from glm53.server.router.instance_pool import InstancePool, Placement, RoomFailed, Unavailable
 from glm53.server.router.metrics import RouterMetrics
 from glm53.server.router.offload import Offload
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 # Error codes from instances / the pool -> HTTP status of the error body.
 _STATUS_FOR_CODE = {"context_length": 400, "bad_request": 400, "timeout": 504, "bootstrap_timeout": 504,
                     "transfer_timeout": 504}
+# Failures a retry on another prefill instance cannot help: the queue bound is spent, or the
+# router is stopping.
+_NO_RETRY = ("overloaded", "shutdown")
 
 
 @dataclass
@@ -99,15 +103,26 @@ class RouterState:
     offload: Offload  # worker threads for parsing, templating and (de)tokenizing
     grammars: Any = None  # structured output: the compiled-grammar cache, built on first use (structured.py)
     created: int = field(default_factory=lambda: int(time.time()))
+    admission: AdmissionQueue = field(init=False)  # the admission queue in front of the pool
+
+    def __post_init__(self) -> None:
+        self.admission = AdmissionQueue(self.pool, self.cfg.router, self.metrics)
+
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Stop serving at once (SIGTERM/SIGINT): queued requests get a 503, every room in flight
+        fails, so streams end with an error event and [DONE] instead of being cut."""
+        self.admission.close(reason)
+        self.pool.shutdown(reason)
 
 
 class Generation:
-    """One request in flight. Construction submits it (APIError 503 if no instance pair can take
-    it); `events()` yields Deltas then one Outcome, or raises APIError mid-way. `cancel()` (also
-    run when `events()` is closed early, e.g. the client went away) aborts the room on both
-    instances; it is idempotent."""
+    """One request in flight, on `room` (placed by the admission queue: `admit`); without one,
+    construction submits it at once, past the queue (health checks; APIError 503 if no instance
+    pair can take it). `events()` yields Deltas then one Outcome, or raises APIError mid-way.
+    `cancel()` (also run when `events()` is closed early, e.g. the client went away) aborts the
+    room on both instances; it is idempotent."""
 
-    def __init__(self, state: RouterState, spec: RequestSpec):
+    def __init__(self, state: RouterState, spec: RequestSpec, room: Placement | None = None):
         self.state, self.spec = state, spec
         self.t0 = time.monotonic()
         self.room: Placement | None = None
@@ -116,10 +131,13 @@ class Generation:
         # Prompt logprobs (spec.prompt_logprobs_start >= 0), from prefill's event.
         self.prompt_logprobs: list[float | None] | None = None
         self.prompt_top_logprobs: list[list] | None = None
-        try:
-            self.room = state.pool.submit(spec)
-        except Unavailable as e:
-            raise APIError(503, str(e)) from None
+        if room is not None:
+            self.room = room
+        else:
+            try:
+                self.room = state.pool.submit(spec)
+            except Unavailable as e:
+                raise APIError(503, str(e)) from None
         self._open = True
         state.metrics.router_running.labels(state.metrics.model_name).inc()
 
@@ -132,10 +150,11 @@ class Generation:
                 return await self.state.pool.next_event(self.room)
             except RoomFailed as e:
                 room = self.room
-                if (e.side != "prefill" or room.got_first_token
+                if (e.side != "prefill" or room.got_first_token or e.code in _NO_RETRY
                         or room.generation >= self.state.cfg.router.max_retries):
                     raise
-                self.failed_prefills.add(room.prefill.name)
+                if e.code != "instance_restarted":  # a restarted one is a new process: it may take it
+                    self.failed_prefills.add(room.prefill.name)
                 try:
                     new = self.state.pool.submit(self.spec, frozenset(self.failed_prefills), room.generation + 1)
                 except Unavailable:
@@ -188,6 +207,8 @@ class Generation:
                 try:
                     ev = await self._next_event()
                 except RoomFailed as e:
+                    if e.code == "overloaded":  # queued past the bound on an instance: 503 + Retry-After
+                        raise QueueRefused(str(e), state.admission.retry_after()) from None
                     raise APIError(_STATUS_FOR_CODE.get(e.code, 503), str(e)) from None
                 now = time.monotonic()
                 if ev.prompt_logprobs is not None:
@@ -269,13 +290,24 @@ class _Choice:
         return out
 
 
-def start_all(state: RouterState, specs: list[RequestSpec]) -> list[Generation]:
-    """Submit every request, or none: if one cannot be placed, those already submitted are aborted."""
+async def admit(state: RouterState, spec: RequestSpec, request: Any = None) -> Generation:
+    """A Generation for `spec` once the admission queue placed it (router/admission.py): raises
+    APIError 503 (with Retry-After when queued past the bounds), or ClientGone when `request`'s
+    client goes away while it waits."""
+    try:
+        room = await state.admission.place(spec, request.is_disconnected if request is not None else None)
+    except Unavailable as e:
+        raise APIError(503, str(e)) from None
+    return Generation(state, spec, room)
+
+
+async def start_all(state: RouterState, specs: list[RequestSpec], request: Any = None) -> list[Generation]:
+    """Admit every request, or none: if one cannot be placed, those already placed are aborted."""
     started: list[Generation] = []
     try:
         for spec in specs:
-            started.append(Generation(state, spec))
-    except APIError:
+            started.append(await admit(state, spec, request))
+    except BaseException:
         for g in started:
             g.cancel()
         raise

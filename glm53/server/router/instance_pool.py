@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -26,6 +27,13 @@ from glm53.server.protocol import (Abort, GenerateRequest, HealthPing, HealthPon
                                    ProtocolError, RequestSpec, TokenEvent, decode_all, encode)
 
 log = logging.getLogger(__name__)
+
+
+# The router waits this much past a room's queue deadline for the instance that expires it to
+# say so, before it fails the room itself.
+QUEUE_SLACK_S = 5.0
+# Put into a room's event queue when both instances admitted it: next_event re-arms its timer.
+_WAKE = object()
 
 
 class Unavailable(Exception):
@@ -51,6 +59,7 @@ class InstanceState:
     in_flight: int = 0  # rooms this router has on the instance
     healthy: bool = False
     cached: PrefixTree | None = None  # prefill, cache_aware policy: what its prefix cache likely holds
+    incarnation: int = 0  # its process's id from its pongs (HealthPong.incarnation); 0: none seen
 
     @property
     def name(self) -> str:
@@ -75,6 +84,14 @@ class Placement:
     submitted_at: float = field(default_factory=time.monotonic)
     got_first_token: bool = False
     done: bool = False
+    # The admission queue (router/admission.py): by when both instances must have admitted it
+    # (monotonic), which of them did (TokenEvent.admitted), and when both had.
+    queue_deadline: float = 0.0
+    admitted: set[str] = field(default_factory=set)
+    admitted_at: float = 0.0
+    # The instances' incarnations it was sent to: a restart loses it (InstancePool._restarted).
+    incarnations: tuple[int, int] = (0, 0)
+    arrived: float = 0.0  # monotonic: the request's arrival at the router (queue-time metric)
 
 
 class InstancePool:
@@ -90,6 +107,9 @@ class InstancePool:
         self._ping_seq = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._pull: zmq.asyncio.Socket | None = None
+        # Called when capacity may have freed (a room released, an instance back): the admission
+        # queue dispatches what waits (router/admission.py).
+        self.on_capacity: Callable[[], None] | None = None
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -139,6 +159,34 @@ class InstancePool:
     def has_capacity(self) -> bool:
         return len(self.rooms) < self.cfg.router.max_running_requests
 
+    @staticmethod
+    def has_room(inst: InstanceState) -> bool:
+        """Whether the admission queue may send `inst` another room: a decode instance holds at
+        most its max_running_requests (each room's KV pages and batch slot are reserved there
+        from dispatch on); a prefill instance queues what it gets and admits by its token budget."""
+        return inst.cfg.role != "decode" or inst.in_flight < inst.cfg.engine.max_running_requests
+
+    def has_pair(self) -> bool:
+        """A healthy prefill and a healthy decode instance exist (full or not)."""
+        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+
+    def can_place(self) -> bool:
+        """Whether a new request can be dispatched now (admission queue): room at the router and
+        a healthy prefill with a healthy decode instance that has room."""
+        return (self.has_capacity() and bool(self.healthy("prefill"))
+                and any(self.has_room(d) for d in self.healthy("decode")))
+
+    def unavailable(self) -> str:
+        """Why no pair can be placed on at all (for the 503)."""
+        missing = [r for r in ("prefill", "decode") if not self.healthy(r)]
+        return f"no healthy {' or '.join(missing)} instance" if missing else "no instance pair has room"
+
+    def shutdown(self, reason: str) -> None:
+        """Fail every room in flight at once (the router is stopping): each stream ends with an
+        error event and [DONE], each whole request with a 503."""
+        for room in list(self.rooms.values()):
+            room.queue.put_nowait(RoomFailed(reason, "shutdown"))
+
     def status(self) -> dict:
         now = time.monotonic()
         return {
@@ -151,10 +199,13 @@ class InstancePool:
         }
 
     # ---- requests ----
-    def submit(self, spec: RequestSpec, exclude_prefill: frozenset[str] = frozenset(), generation: int = 0) -> Placement:
+    def submit(self, spec: RequestSpec, exclude_prefill: frozenset[str] = frozenset(), generation: int = 0,
+               queue_deadline: float = 0.0, gated: bool = False) -> Placement:
         """Send `spec` to a fresh (prefill, decode) pair. `exclude_prefill` and `generation` are
         for retries: a retried request gets a new room id (the transfer layer retires old ones)
-        and the next generation number."""
+        and the next generation number. `queue_deadline` (monotonic; 0: now + max_queue_wait_s):
+        by when both instances must have admitted it. `gated` (the admission queue): only decode
+        instances with room (`has_room`)."""
         # A retry (generation > 0) replaces a room that still counts until it is released.
         if generation == 0 and not self.has_capacity():
             raise Unavailable(f"the server is at capacity ({self.cfg.router.max_running_requests} requests in "
@@ -162,14 +213,19 @@ class InstancePool:
         pairs_tried: set[tuple[str, str]] = set()
         # A send that fails means the instance vanished since its last pong: try another pair.
         for _ in range(len(self.instances["prefill"]) * len(self.instances["decode"])):
-            p, d = self._pick("prefill", exclude_prefill, spec), self._pick("decode")
+            p, d = self._pick("prefill", exclude_prefill, spec), self._pick("decode", gated=gated)
             if (p.name, d.name) in pairs_tried:
                 continue
             pairs_tried.add((p.name, d.name))
             room_id = self._new_room_id()
-            room = Placement(room=room_id, generation=generation, spec=spec, prefill=p, decode=d)
+            now = time.monotonic()
+            deadline = queue_deadline or now + self.cfg.router.max_queue_wait_s
+            room = Placement(room=room_id, generation=generation, spec=spec, prefill=p, decode=d,
+                             queue_deadline=deadline, incarnations=(p.incarnation, d.incarnation),
+                             arrived=deadline - self.cfg.router.max_queue_wait_s)
             req = GenerateRequest(spec=spec, room=room_id, generation=generation, prefill=p.peer, decode=d.peer,
-                                  reply_to=self.cfg.router.result_address, sent_at=time.time())
+                                  reply_to=self.cfg.router.result_address, sent_at=time.time(),
+                                  queue_budget_s=max(0.001, deadline - now))
             data = encode(req)
             # Decode first: it must preallocate pages before prefill's writes can land.
             if not self._send(d, data):
@@ -185,29 +241,48 @@ class InstancePool:
             return room
         raise Unavailable("no healthy prefill/decode instance pair is available")
 
+    def _event_timeout(self, room: Placement) -> tuple[float, bool]:
+        """How long to wait for the room's next event, and whether it is still queued. Until
+        both instances admitted it, the wait is the queue's (to its deadline, plus a moment for
+        the instance that expires it to say so); from admission on, the transfer clocks'."""
+        t, r = self.cfg.transfer, self.cfg.router
+        if room.got_first_token:
+            return r.stream_idle_timeout_s or t.transfer_timeout_s, False
+        if len(room.admitted) < 2 and room.queue_deadline:
+            return max(0.0, room.queue_deadline + QUEUE_SLACK_S - time.monotonic()), True
+        return r.first_token_timeout_s or (t.bootstrap_timeout_s + t.transfer_timeout_s), False
+
     async def next_event(self, room: Placement) -> TokenEvent:
-        """The room's next event; RoomFailed when an instance fails it, dies, or it times out."""
-        t = self.cfg.transfer
-        if not room.got_first_token:
-            timeout = self.cfg.router.first_token_timeout_s or (t.bootstrap_timeout_s + t.transfer_timeout_s)
-        else:
-            timeout = self.cfg.router.stream_idle_timeout_s or t.transfer_timeout_s
-        try:
-            if not room.queue.empty():  # already here: no timer (wait_for costs a task per call, per token)
-                item = room.queue.get_nowait()
-            else:
-                item = await asyncio.wait_for(room.queue.get(), timeout)
-        except asyncio.TimeoutError:
-            what = "the first token" if not room.got_first_token else "the next token"
-            if self.metrics:
-                self.metrics.transfer_failed.labels(self.metrics.model_name).inc()
-            raise RoomFailed(f"timed out after {timeout:g} s waiting for {what} from decode instance "
-                             f"{room.decode.name} (prefill {room.prefill.name})", "timeout") from None
-        if isinstance(item, RoomFailed):
-            raise item
-        if item.token_ids:
-            room.got_first_token = True
-        return item
+        """The room's next event; RoomFailed when an instance fails it, dies, restarts, or it
+        waits too long (queued: "overloaded"; admitted: "timeout")."""
+        while True:
+            timeout, queued = self._event_timeout(room)
+            try:
+                if not room.queue.empty():  # already here: no timer (wait_for costs a task per call, per token)
+                    item = room.queue.get_nowait()
+                else:
+                    item = await asyncio.wait_for(room.queue.get(), timeout)
+            except asyncio.TimeoutError:
+                if queued:
+                    if self.metrics:
+                        m = self.metrics
+                        m.queue_rejected.labels(m.model_name, "timeout").inc()
+                    raise RoomFailed(f"not admitted within router.max_queue_wait_s ({self.cfg.router.max_queue_wait_s:g} "
+                                     f"s): queued on prefill instance {room.prefill.name} / decode instance "
+                                     f"{room.decode.name}; retry later", "overloaded") from None
+                what = "the first token" if not room.got_first_token else "the next token"
+                if self.metrics:
+                    self.metrics.transfer_failed.labels(self.metrics.model_name).inc()
+                raise RoomFailed(f"timed out after {timeout:g} s waiting for {what} from decode instance "
+                                 f"{room.decode.name} (prefill {room.prefill.name})", "timeout") from None
+            if item is _WAKE:
+                continue  # admitted: wait again, on the transfer clock
+            if isinstance(item, RoomFailed):
+                raise item
+            if item.token_ids and not room.got_first_token:
+                room.got_first_token = True
+                self._queue_time(room)  # instances that do not report admission: it ended by now
+            return item
 
     def release(self, room: Placement, abort: bool) -> None:
         """Forget the room (idempotent); with abort, tell both instances to drop it."""
@@ -221,10 +296,19 @@ class InstancePool:
             msg = encode(Abort(room=room.room, generation=room.generation))
             self._send(room.decode, msg)
             self._send(room.prefill, msg)
+        self._capacity_freed()
+
+    def _capacity_freed(self) -> None:
+        if self.on_capacity is not None:
+            try:
+                self.on_capacity()
+            except Exception:  # the queue's problem must not break a release
+                log.exception("router: admission queue")
 
     # ---- internals ----
-    def _pick(self, role: str, exclude: frozenset[str] = frozenset(), spec: RequestSpec | None = None) -> InstanceState:
-        cands = [i for i in self.healthy(role) if i.name not in exclude]
+    def _pick(self, role: str, exclude: frozenset[str] = frozenset(), spec: RequestSpec | None = None,
+              gated: bool = False) -> InstanceState:
+        cands = [i for i in self.healthy(role) if i.name not in exclude and (not gated or self.has_room(i))]
         if not cands:
             raise Unavailable(f"no healthy {role} instance (configured: "
                               f"{', '.join(i.name for i in self.instances[role])})")
@@ -302,6 +386,10 @@ class InstancePool:
             inst.last_pong = time.monotonic()
             inst.ready = msg.ready
             inst.load = msg.load
+            if msg.incarnation and msg.incarnation != inst.incarnation:
+                if inst.incarnation:
+                    self._restarted(inst, inst.incarnation)
+                inst.incarnation = msg.incarnation
             self._set_healthy(inst, msg.ready)
             if self.metrics:
                 self.metrics.observe_load(inst.cfg.role, inst.name, msg.load, inst.healthy)
@@ -313,6 +401,10 @@ class InstancePool:
         room = self.rooms.get(msg.room)
         if room is None or room.generation != msg.generation:
             return  # finished, aborted or superseded: late events are expected
+        if msg.admitted:
+            self._admitted(room, msg.instance)
+            if not msg.cached_tokens:
+                return
         if msg.instance == room.prefill.name and msg.instance != room.decode.name:
             # Prefill reports only failures, prompt logprobs and the prompt tokens its prefix
             # cache held; after the first token the decode side owns the room.
@@ -336,6 +428,45 @@ class InstancePool:
             return
         room.queue.put_nowait(msg)
 
+    def _admitted(self, room: Placement, instance: str) -> None:
+        """An instance admitted the room (left its queue). Once both have, its queue wait is
+        over: the wait for its events runs on the transfer clock from here."""
+        role = "prefill" if instance == room.prefill.name else "decode" if instance == room.decode.name else ""
+        if not role or role in room.admitted:
+            return
+        room.admitted.add(role)
+        if len(room.admitted) == 2:
+            self._queue_time(room)
+            room.queue.put_nowait(_WAKE)  # next_event waits again, with the transfer clock's bound
+
+    def _queue_time(self, room: Placement) -> None:
+        """Record the room's queue wait once: arrival until both instances admitted it (or, with
+        instances that do not report admission, its first token)."""
+        if room.admitted_at:
+            return
+        room.admitted_at = time.monotonic()
+        if self.metrics and room.generation == 0 and room.arrived:
+            m = self.metrics
+            m.queue_time.labels(m.model_name).observe(room.admitted_at - room.arrived)
+
+    def _restarted(self, inst: InstanceState, old: int) -> None:
+        """`inst` answers as a new process (its incarnation changed): the rooms sent to the old one
+        are lost with it, even when the restart was quicker than health_timeout_s. Fail them now
+        (a prefill-side failure before the first token is retried, on this instance too)."""
+        lost = [room for room in self.rooms.values()
+                if (inst is room.prefill and room.incarnations[0] == old and not room.got_first_token)
+                or (inst is room.decode and room.incarnations[1] == old)]
+        log.warning("router: %s instance %s restarted (a new process); failing the %d request(s) the old one held",
+                    inst.cfg.role, inst.name, len(lost))
+        if self.metrics:
+            self.metrics.restarts.labels(self.metrics.model_name, inst.cfg.role, inst.name).inc()
+        if inst.cached is not None:
+            inst.cached.clear()  # the new process's prefix cache starts empty
+        for room in lost:
+            room.queue.put_nowait(RoomFailed(
+                f"{inst.cfg.role} instance {inst.name} restarted; the request was lost with its old process",
+                "instance_restarted", side=inst.cfg.role))
+
     def _by_name(self, name: str) -> InstanceState | None:
         for i in self.all_instances():
             if i.name == name:
@@ -352,6 +483,8 @@ class InstancePool:
             self.metrics.set_health(inst.cfg.role, inst.name, healthy)
         if not healthy and inst.cached is not None:
             inst.cached.clear()  # a restarted instance's cache starts empty
+        if healthy:
+            self._capacity_freed()  # the admission queue may dispatch to it
         if not healthy:
             # Fail its rooms now (bounded by health_timeout_s) rather than at their own timeouts.
             for room in list(self.rooms.values()):

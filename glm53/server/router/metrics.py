@@ -67,6 +67,17 @@ class RouterMetrics:
         self.transfer_bytes = Counter("glm53:kv_transfer_bytes", "KV bytes moved.", m, registry=r)
         self.transfer_failed = Counter("sglang:num_transfer_failed_reqs", "Requests failed in bootstrap/transfer.",
                                        m, registry=r)
+        # The admission queue (router/admission.py): its depth is sglang:num_queue_reqs with
+        # engine_type "router"; the wait from arrival until both instances admitted the request
+        # (router queue + instance queues) is SGLang's queue-time histogram.
+        self.queue_time = Histogram("sglang:queue_time_seconds", "Time from arrival until both instances "
+                                    "admitted the request (router and instance queues).", m,
+                                    buckets=_LATENCY_BUCKETS + (600.0, 1200.0), registry=r)
+        self.queue_rejected = Counter("glm53:queue_rejected_requests", "Requests refused by the admission queue "
+                                      "(503 with Retry-After), by reason: full, timeout, overloaded.",
+                                      [*m, "reason"], registry=r)
+        self.restarts = Counter("glm53:instance_restarts", "Instance restarts the router saw (a new incarnation).",
+                                inst, registry=r)
         # cache_aware routing: prefill picks made for a cached prefix ("cache") or by load ("load").
         self.cache_routed = Counter("glm53:cache_aware_routed", "Prefill picks by the cache_aware policy.",
                                     [*m, "by"], registry=r)
@@ -74,8 +85,9 @@ class RouterMetrics:
         # Create the model-labelled series now, so /metrics lists them before the first request.
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens, self.generation_tokens,
                        self.cached_tokens, self.aborted, self.router_running, self.transfer_latency, self.transfer_bootstrap,
-                       self.transfer_mb, self.transfer_bytes, self.transfer_failed):
+                       self.transfer_mb, self.transfer_bytes, self.transfer_failed, self.queue_time):
             metric.labels(model_name)
+        self.set_router_queue(0)
 
     def observe_load(self, role: str, name: str, load: LoadStats, healthy: bool) -> None:
         lab = (self.model_name, role, name)
@@ -91,6 +103,10 @@ class RouterMetrics:
 
     def routed_by_cache(self, hit: bool) -> None:
         self.cache_routed.labels(self.model_name, "cache" if hit else "load").inc()
+
+    def set_router_queue(self, depth: int) -> None:
+        """The admission queue's depth (requests waiting at the router for an instance pair)."""
+        self.waiting.labels(self.model_name, "router", "router").set(depth)
 
     def set_health(self, role: str, name: str, healthy: bool) -> None:
         self.healthy.labels(self.model_name, role, name).set(1 if healthy else 0)

@@ -157,7 +157,7 @@ async def generate_native(body: GenerateRequestBody, request: Request, state: St
             default_max=128, prompt_param=field, names=_NAMES)))
     is_list = not single or specs[0].n > 1
     t0 = time.monotonic()
-    gens = start_all(state, specs)
+    gens = await start_all(state, specs, request)
     texts = Texts(state.tokenizer) if with_text else None
     if body.stream:
         if len(gens) == 1:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from glm53.server.protocol import MAX_CHOICES
 from glm53.server.router import structured
 from glm53.server.router.bodies import BodyRoute
-from glm53.server.router.generation import Delta, Generation, Outcome, RouterState, start_all, total_usage
+from glm53.server.router.generation import Delta, Generation, Outcome, RouterState, admit, start_all, total_usage
 from glm53.server.router.intake import (RequestFields, State, chat_prompt_ids, check_internal, check_model,
                                         check_unsupported, ids_prompt, request_id, request_spec, sampling_params,
                                         stop_list, text_prompt_ids)
@@ -118,7 +118,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     rid = request_id(request, "chatcmpl")
     spec = request_spec(state, rid, ids, *chat_request(state, body, grammar, after))
     _check_capacity(state, body.n, 1)
-    gen = Generation(state, spec)
+    gen = await admit(state, spec, request)
     created = int(time.time())
     if body.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -258,10 +258,10 @@ async def completions(body: CompletionRequest, request: Request, state: State):
              for i, ids in enumerate(prompts)]
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if body.stream:
-        gen = Generation(state, specs[0])
+        gen = await admit(state, specs[0], request)
         return StreamingResponse(_completion_events(state, gen, base, body.stream_options, echoes[0]),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
-    gens = start_all(state, specs)
+    gens = await start_all(state, specs, request)
 
     res = await until_disconnect(request, collect_all(gens))
     if res is None:
