@@ -34,11 +34,10 @@ import json
 import re
 from typing import Any, Callable
 
+from glm53.server.grammar import JSON_OPTIONS
 from glm53.server.router.parsers.arguments import _resolve, argument_types, schema_types
 from glm53.server.router.parsers.tool_calls import CALL_END, CALL_START, KEY_END, KEY_START, VAL_END, VAL_START
 
-# structured output's compact JSON (server/grammar.py JSON_OPTIONS), inside each value's %json
-X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY = r"(.|\n)"
 # Text a raw value may not contain: the parser would end the value (or the call) there.
 NO_END = r"~/" + ANY + r"*<\/(arg_value|tool_call)>" + ANY + "*/"
@@ -86,7 +85,7 @@ class _Grammar:
         for k in ("$defs", "definitions"):  # local $refs resolve against the embedded document
             if k in self.root and k not in doc:
                 doc[k] = self.root[k]
-        doc["x-guidance"] = X_GUIDANCE
+        doc["x-guidance"] = JSON_OPTIONS  # structured output's compact JSON
         name = self._name("json_")
         self.lines.append(f"{name}: %json {json.dumps(doc, ensure_ascii=False)}")
         return name
