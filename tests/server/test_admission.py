@@ -146,3 +146,23 @@ def test_config_errors_name_the_key(key, value):
 def test_config_defaults():
     r = RouterConfig()
     assert r.max_queue_wait_s == 600.0 and r.max_queued_requests == 1024
+
+
+def test_a_batch_larger_than_decode_holds_moves_through(tmp_path, model_dir, glm53_cache):
+    """70 prompts in one request, with decode holding 64 rooms at most (its default
+    max_running_requests): the first are placed at once, the rest as rooms free, and every one
+    completes (the batch never waits for its own unconsumed rooms). Test-double instances."""
+    import httpx
+
+    from tests.server.conftest import start_cluster
+
+    c = start_cluster(tmp_path, model_dir, glm53_cache)
+    try:
+        prompts = [[300 + i, 301 + i, 302 + i] for i in range(70)]
+        r = httpx.post(c.url + "/v1/completions", timeout=60,
+                       json={"model": "glm-5-tiny", "prompt": prompts, "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert len(body["choices"]) == 70 and body["usage"]["completion_tokens"] == 210
+    finally:
+        c.stop()

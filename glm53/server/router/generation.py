@@ -116,13 +116,15 @@ class RouterState:
 
 
 class Generation:
-    """One request in flight, on `room` (placed by the admission queue: `admit`); without one,
+    """One request in flight, on `room` (placed by the admission queue: `admit`); `deferred`, the
+    queue places it when `events()` starts (the rest of a batch: `start_all`); with neither,
     construction submits it at once, past the queue (health checks; APIError 503 if no instance
     pair can take it). `events()` yields Deltas then one Outcome, or raises APIError mid-way.
     `cancel()` (also run when `events()` is closed early, e.g. the client went away) aborts the
     room on both instances; it is idempotent."""
 
-    def __init__(self, state: RouterState, spec: RequestSpec, room: Placement | None = None):
+    def __init__(self, state: RouterState, spec: RequestSpec, room: Placement | None = None,
+                 deferred: bool = False):
         self.state, self.spec = state, spec
         self.t0 = time.monotonic()
         self.room: Placement | None = None
@@ -131,8 +133,11 @@ class Generation:
         # Prompt logprobs (spec.prompt_logprobs_start >= 0), from prefill's event.
         self.prompt_logprobs: list[float | None] | None = None
         self.prompt_top_logprobs: list[list] | None = None
-        if room is not None:
+        self._deferred = deferred  # placed by the admission queue when `events()` starts
+        if room is not None or deferred:
             self.room = room
+            if room is None:
+                return
         else:
             try:
                 self.room = state.pool.submit(spec)
@@ -192,7 +197,18 @@ class Generation:
         except Exception:
             pass
 
+    async def _place(self) -> None:
+        """A deferred generation waits for its room in the admission queue."""
+        try:
+            room = await self.state.admission.place(self.spec)
+        except Unavailable as e:
+            raise APIError(503, str(e)) from None
+        self.room, self._open = room, True
+        self.state.metrics.router_running.labels(self.state.metrics.model_name).inc()
+
     async def events(self) -> AsyncIterator[Delta | Outcome]:
+        if self.room is None and self._deferred:
+            await self._place()
         spec, p, state = self.spec, self.spec.params, self.state
         m, name = state.metrics, state.metrics.model_name
         choices = [_Choice(i, IncrementalDetokenizer(state.tokenizer, p.skip_special_tokens),
@@ -302,13 +318,10 @@ async def admit(state: RouterState, spec: RequestSpec, request: Any = None) -> G
 
 
 async def start_all(state: RouterState, specs: list[RequestSpec], request: Any = None) -> list[Generation]:
-    """Admit every request, or none: if one cannot be placed, those already placed are aborted."""
-    started: list[Generation] = []
-    try:
-        for spec in specs:
-            started.append(await admit(state, spec, request))
-    except BaseException:
-        for g in started:
-            g.cancel()
-        raise
-    return started
+    """The generations of a batch: the first admitted now (a 503 or the wait in line comes before
+    any response), the others placed by the admission queue as they are consumed (side by side:
+    sse.collect_all, a merged stream), so a batch larger than what the instances hold at once
+    moves through as rooms free instead of waiting for itself. A refusal on the way fails the
+    whole batch (its consumer cancels the rest)."""
+    first = await admit(state, specs[0], request)
+    return [first, *(Generation(state, spec, deferred=True) for spec in specs[1:])]
