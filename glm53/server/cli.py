@@ -439,8 +439,10 @@ def listen_http(cfg: ClusterConfig) -> socket.socket:
     in use is refused in one line: another server holds it."""
     host, port = cfg.router.host, cfg.router.port
     try:
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=2048)
+        v6 = ":" in host
+        # "::" serves IPv4 too, as uvicorn's own bind does (and the readiness probe uses 127.0.0.1).
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if v6 else socket.AF_INET, backlog=2048,
+                                    dualstack_ipv6=v6 and host == "::" and socket.has_dualstack_ipv6())
     except OSError as e:
         what = "is already in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
         raise StartupRefused(f"{cfg.source}: router.port: {host}:{port} {what}") from None
