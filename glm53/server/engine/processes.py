@@ -21,7 +21,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -85,7 +84,8 @@ class Launch:
     spec: RankSpec
     rank: int
     world_size: int
-    init_method: str
+    store_host: str  # rank 0's rendezvous store, already listening (`rendezvous_store`)
+    store_port: int
     backend: str
     timeout_s: float
     parent_pid: int
@@ -197,13 +197,16 @@ class RemoteHandle:
         self._group.queue(Op("finish", self.room.key, (row,), self.rank))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def rendezvous_store(host: str, port: int | None, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening before any follower starts: on the pinned port, or
+    on one the store binds itself (port 0) and keeps, so no probed port is released for someone
+    else (a UCX listener, another server) to take before the group forms."""
+    return dist.TCPStore(host, port or 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _join(launch: Launch) -> tuple[dist.ProcessGroup, dist.ProcessGroup, Optional[tuple]]:
+def _join(launch: Launch, store: Optional[dist.Store] = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup,
+                                                                        Optional[tuple]]:
     """Join the instance's process group. Returns this rank's stage TP group, the gloo group
     commands travel on (the world group itself on CPU) and its neighbours' ranks (previous,
     next stage; None with one stage). Ranks are pp-major: stage s holds ranks s*tp .. s*tp+tp-1."""
@@ -211,8 +214,11 @@ def _join(launch: Launch) -> tuple[dist.ProcessGroup, dist.ProcessGroup, Optiona
     timeout = datetime.timedelta(seconds=launch.timeout_s)
     if launch.backend == "nccl":
         torch.cuda.set_device(torch.device(spec.device))
-    dist.init_process_group(launch.backend, init_method=launch.init_method, rank=launch.rank,
-                            world_size=launch.world_size, timeout=timeout)
+    if store is None:  # a follower: a client of rank 0's store
+        store = dist.TCPStore(launch.store_host, launch.store_port, launch.world_size, is_master=False,
+                              timeout=timeout)
+    dist.init_process_group(launch.backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                            timeout=timeout)
     world = dist.group.WORLD
     control = world if launch.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     tp, pp = spec.tp_size, spec.pp_size
@@ -302,11 +308,12 @@ class ProcessWorkers(WorkerGroup):
         # The first rank of the last stage answers a step (logits, proposals).
         self._answer_rank = next(r for r, sp in enumerate(specs) if sp.last_stage and sp.tp_rank == 0)
         backend = "gloo" if specs[0].device == "cpu" else "nccl"
-        init = f"tcp://{host}:{port or free_port(host)}"
+        store = rendezvous_store(host, port, world, timeout_s)
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=follower_main, daemon=True,
                                   name=f"{specs[r].instance}-pp{specs[r].pp_rank}-tp{specs[r].tp_rank}",
-                                  args=(Launch(specs[r], r, world, init, backend, timeout_s, os.getpid()),))
+                                  args=(Launch(specs[r], r, world, host, store.port, backend, timeout_s,
+                                               os.getpid()),))
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
@@ -317,7 +324,8 @@ class ProcessWorkers(WorkerGroup):
         self._remote: dict[RoomKey, list[RemoteHandle]] = {}
         self.stage_stats: list[Optional[StageStats]] = []  # per rank, as of the last step
         try:
-            tp, self._control, links = _join(Launch(specs[0], 0, world, init, backend, timeout_s, os.getpid()))
+            tp, self._control, links = _join(Launch(specs[0], 0, world, host, store.port, backend, timeout_s,
+                                                    os.getpid()), store)
             self.rank = RankWorker(specs[0], tp_group=tp)
             self.num_pages = _agree_pages(self.rank, self._control)
             self.rank.allocate(self.num_pages)
