@@ -96,7 +96,8 @@ class RouterConfig:
     health_timeout_s: float = 10.0
     # A room with no event for this long fails with an error event (then [DONE]) and is
     # aborted on both instances. None: transfer.bootstrap_timeout_s + transfer_timeout_s before
-    # the first token, transfer.transfer_timeout_s between later events.
+    # the first token, transfer.transfer_timeout_s between later events. Before the first token
+    # this counts from both instances' admission: the queue wait before it is max_queue_wait_s's.
     first_token_timeout_s: float | None = None
     # Before the first token, a room whose prefill fails (error event or dead instance) is
     # resubmitted on another prefill instance this many times.

@@ -4,7 +4,10 @@ One asyncio task receives every instance event on the router's PULL socket and r
 room it belongs to; another pings every instance and fails the rooms of one that stops
 answering. `submit()` picks a (prefill, decode) pair, registers a room and sends the same
 GenerateRequest to both; `next_event()` waits, bounded, for the room's next event; `release()`
-forgets the room and, when asked, sends Abort to both instances.
+forgets the room and, when asked, sends Abort to both instances. What decides *when* a request is
+submitted is the admission queue (admission.py): `can_place` / `has_room`, and `on_capacity`,
+called when a room is released or an instance comes back. Each instance's pongs carry its
+process's incarnation; a new one means a restart, and the rooms the old process held fail at once.
 """
 
 from __future__ import annotations
