@@ -10,8 +10,10 @@ Layout, all of it computed on the device (no host sync, so the op can sit in a C
   the launch belongs to the expert whose cumulative block count first exceeds b. One tiny
   program writes those cumulative counts (`_plan_kernel`); each GEMM program finds its expert
   with one comparison over the E counts, so there is no padded index array to build (and no
-  nested jit helpers, which the interpreter makes slow). The grid is sized by the bound
+  nested jit helpers beyond `block_tile`, once per program). The grid is sized by the bound
   Σ_e ⌈c_e / BM⌉ ≤ ⌈N·k / BM⌉ + min(E, N·k); programs past the real count return at once.
+  `plan_routing` builds this plan (`RoutingPlan`) and `block_tile` reads it inside a kernel: the
+  block-FP8 kernels (`moe_fp8_triton.py`) run on the same two.
 - Kernel 1 (gate+up): a program computes a [BM, BN] tile of gate·x and of up·x over the same
   gathered x rows (one A tile feeds two products), applies silu(g)·u in fp32 and stores it in
   the input dtype at the pairs' sorted positions: h [N·k, I].
@@ -81,6 +83,33 @@ def _plan_kernel(seg_ptr, cum_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr, BM: t
 
 
 @triton.jit
+def block_tile(pid, n_blocks, n_cols, seg_ptr, cum_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr,
+               BM: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program `pid` of a grouped GEMM over the plan's row blocks -> (e, nt, pos, valid): its
+    expert (E for a program past the last block: the caller returns), its column tile, the sorted
+    positions of its BM rows and which of them lie inside the expert's segment.
+
+    Grouped order: GROUP_M row blocks walk one column tile, then the next tile, ... so that
+    programs running together share the weight tiles they read. Row block b belongs to the first
+    expert whose cumulative block count exceeds it."""
+    width = GROUP_M * n_cols
+    first_b = pid // width * GROUP_M
+    local = pid % width
+    rows_here = tl.minimum(n_blocks - first_b, GROUP_M)
+    b = first_b + local % rows_here
+    nt = local // rows_here
+    ev = tl.arange(0, BLOCK_E)
+    cum = tl.load(cum_ptr + ev, mask=ev < E, other=2147483647)
+    e = tl.sum((cum <= b).to(tl.int32), 0)
+    ec = tl.minimum(e, E - 1)  # in bounds for a program past the last block (it returns)
+    seg_lo = tl.load(seg_ptr + ec)
+    seg_hi = tl.load(seg_ptr + ec + 1)
+    first = tl.load(cum_ptr + ec) - (seg_hi - seg_lo + BM - 1) // BM
+    pos = seg_lo + (b - first) * BM + tl.arange(0, BM)  # sorted positions of the block's rows
+    return e, nt, pos, pos < seg_hi
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, wg_ptr, wu_ptr, h_ptr, order_ptr, seg_ptr, cum_ptr,
     n_blocks, H, I, TOPK,
@@ -89,26 +118,10 @@ def _gate_up_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # grouped order: GROUP_M row blocks walk one column tile, then the next tile, ... so that
-    # programs running together share the weight tiles they read
-    pid = tl.program_id(0)
-    width = GROUP_M * ((I + BN - 1) // BN)
-    first_b = pid // width * GROUP_M
-    local = pid % width
-    rows_here = tl.minimum(n_blocks - first_b, GROUP_M)
-    b = first_b + local % rows_here
-    nt = local // rows_here
-    # row block b belongs to the first expert whose cumulative block count exceeds it
-    ev = tl.arange(0, BLOCK_E)
-    cum = tl.load(cum_ptr + ev, mask=ev < E, other=2147483647)
-    e = tl.sum((cum <= b).to(tl.int32), 0)
+    e, nt, pos, valid = block_tile(tl.program_id(0), n_blocks, (I + BN - 1) // BN, seg_ptr, cum_ptr,
+                                   E, BLOCK_E, BM, GROUP_M)
     if e >= E:  # past the last block (the grid is an upper bound)
         return
-    seg_lo = tl.load(seg_ptr + e)
-    seg_hi = tl.load(seg_ptr + e + 1)
-    first = tl.load(cum_ptr + e) - (seg_hi - seg_lo + BM - 1) // BM
-    pos = seg_lo + (b - first) * BM + tl.arange(0, BM)  # sorted positions of the block's rows
-    valid = pos < seg_hi
     # rows past the expert's segment read pair 0's token (in bounds) and are never stored
     pair = tl.load(order_ptr + pos, mask=valid, other=0)
     tok = (pair // TOPK).to(tl.int64)
@@ -154,26 +167,10 @@ def _down_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # grouped order: GROUP_M row blocks walk one column tile, then the next tile, ... so that
-    # programs running together share the weight tiles they read
-    pid = tl.program_id(0)
-    width = GROUP_M * ((H + BN - 1) // BN)
-    first_b = pid // width * GROUP_M
-    local = pid % width
-    rows_here = tl.minimum(n_blocks - first_b, GROUP_M)
-    b = first_b + local % rows_here
-    nt = local // rows_here
-    # row block b belongs to the first expert whose cumulative block count exceeds it
-    ev = tl.arange(0, BLOCK_E)
-    cum = tl.load(cum_ptr + ev, mask=ev < E, other=2147483647)
-    e = tl.sum((cum <= b).to(tl.int32), 0)
+    e, nt, pos, valid = block_tile(tl.program_id(0), n_blocks, (H + BN - 1) // BN, seg_ptr, cum_ptr,
+                                   E, BLOCK_E, BM, GROUP_M)
     if e >= E:  # past the last block (the grid is an upper bound)
         return
-    seg_lo = tl.load(seg_ptr + e)
-    seg_hi = tl.load(seg_ptr + e + 1)
-    first = tl.load(cum_ptr + e) - (seg_hi - seg_lo + BM - 1) // BM
-    pos = seg_lo + (b - first) * BM + tl.arange(0, BM)  # sorted positions of the block's rows
-    valid = pos < seg_hi
     n = nt * BN + tl.arange(0, BN)
     n_in = n % H
     k = tl.arange(0, BK)
@@ -213,6 +210,35 @@ def sort_pairs(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.T
     return order.to(torch.int32), seg
 
 
+@dataclass(frozen=True)
+class RoutingPlan:
+    """The device-side routing plan every fused MoE kernel runs on (bf16 here, block-FP8 in
+    `moe_fp8_triton`): `order`/`seg` from `sort_pairs`, `cum` the cumulative row blocks of BM
+    pairs per expert (`_plan_kernel`), `n_blocks` the grid's bound on Σ_e ⌈c_e / BM⌉."""
+
+    order: torch.Tensor  # [N·k] int32
+    seg: torch.Tensor  # [E + 1] int32
+    cum: torch.Tensor  # [E] int32
+    n_blocks: int
+    n_experts: int
+    BM: int
+
+    @property
+    def block_e(self) -> int:
+        return triton.next_power_of_2(self.n_experts)
+
+
+def plan_routing(ids: torch.Tensor, n_experts: int, BM: int) -> RoutingPlan:
+    """Sort the (token, slot) pairs of `ids` [N, k] by expert and count BM-row blocks, on the
+    device (a sort, a searchsorted and one tiny launch; no host sync)."""
+    order, seg = sort_pairs(ids, n_experts)
+    cum = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
+    _plan_kernel[(1,)](seg, cum, E=n_experts, BLOCK_E=triton.next_power_of_2(n_experts), BM=BM)
+    M = ids.numel()
+    n_blocks = triton.cdiv(M, BM) + min(n_experts, M)  # bound on Σ_e ⌈c_e / BM⌉ (module docstring)
+    return RoutingPlan(order, seg, cum, n_blocks, n_experts, BM)
+
+
 def moe_experts_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -240,16 +266,13 @@ def moe_experts_triton(
         x = x.contiguous()
     M = N * k
     cfg = config or default_config(M, E, x.dtype)
-    order, seg = sort_pairs(ids, E)
+    plan = plan_routing(ids, E, cfg.BM)
+    order, seg, cum, n_blocks = plan.order, plan.seg, plan.cum, plan.n_blocks
     rw = weights.reshape(-1).to(torch.float32).contiguous()
-    n_blocks = triton.cdiv(M, cfg.BM) + min(E, M)  # bound on Σ_e ⌈c_e / BM⌉ (module docstring)
     h = torch.empty((M, I), dtype=x.dtype, device=x.device)
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     interp = triton_interpreting()
-    BLOCK_E = triton.next_power_of_2(E)
-    cum = torch.empty(E, dtype=torch.int32, device=x.device)
-    _plan_kernel[(1,)](seg, cum, E=E, BLOCK_E=BLOCK_E, BM=cfg.BM)
-    common = dict(E=E, BLOCK_E=BLOCK_E, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+    common = dict(E=E, BLOCK_E=plan.block_e, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
                   DOT_F32=interp, PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     _gate_up_kernel[(n_blocks * triton.cdiv(I, cfg.BN1),)](

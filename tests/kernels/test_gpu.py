@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 
-from . import cases, draft_cases
+from . import cases, draft_cases, fp8_cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -166,3 +166,56 @@ def test_draft_attention_slice_widths(R, B):
     ns = torch.randint(1, B + 1, (R,), generator=g).tolist()
     draft_cases.check_draft_attention(spans, ns, kv=8, group=6, block=B, hd=128, page_size=64, width=65,
                                       dtype=torch.bfloat16, device=DEV)
+
+
+# ---- block-FP8 (GLM-5-FP8) at GLM-5's tp = 8 per-rank shapes -----------------------------------
+@pytest.mark.parametrize("M", [1, 64, 4096])
+def test_fp8_quant_groups_glm5(M):
+    # bit-identical to the torch reference (IEEE divisions, RNE cast) at the hidden and q_lora widths
+    fp8_cases.check_quant(M, 6144, torch.bfloat16, device=DEV)
+    fp8_cases.check_quant(M, 2048, torch.float32, device=DEV, kind="normal")
+
+
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8", "dispatch"])
+@pytest.mark.parametrize("M", [1, 17, 64, 4096])
+@pytest.mark.parametrize("name", list(fp8_cases.GLM5_TP8_LINEARS))
+def test_fp8_gemm_glm5(name, M, variant):
+    N, K = fp8_cases.GLM5_TP8_LINEARS[name]
+    fp8_cases.check_gemm(M, N, K, torch.bfloat16, variant, device=DEV)
+
+
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("M", [3, 130])
+@pytest.mark.parametrize("w_kind,x_kind", [("tiny", "ranges"), ("large", "ranges"), ("mixed", "normal")])
+def test_fp8_gemm_scales_and_ragged(variant, M, w_kind, x_kind):
+    # kv_a's partial row block, a K with a partial block, fp32 activations (IEEE products)
+    fp8_cases.check_gemm(M, 576, 6144, torch.bfloat16, variant, w_kind, x_kind, device=DEV)
+    fp8_cases.check_gemm(M, 200, 300, torch.float32, variant, w_kind, x_kind, device=DEV)
+
+
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+def test_fp8_gemm_tilings_glm5(variant):
+    # the benchmark's sweep candidates: split-K, narrow and wide tiles, K steps of 64
+    from glm53.kernels.fp8_gemm_triton import GemmConfig
+
+    for cfg in (GemmConfig(16, 32, 128, SPLIT_K=8, num_stages=4), GemmConfig(16, 128, 128, SPLIT_K=2, num_stages=4),
+                GemmConfig(64, 64, 128, SPLIT_K=4, num_stages=4), GemmConfig(128, 256, 128, num_warps=8, num_stages=3),
+                GemmConfig(128, 128, 64, num_warps=8, num_stages=4)):
+        fp8_cases.check_gemm(64 if cfg.BM < 128 else 1000, 576, 6144, torch.bfloat16, variant, device=DEV, config=cfg)
+
+
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8", "dispatch"])
+@pytest.mark.parametrize("N", [1, 16, 64, 4096])
+def test_moe_fp8_glm5(N, variant):
+    # GLM-5's routed experts per rank at tp = 8 (E 256, H 6144, I 256, top-8); fused gate_up at 64
+    c = fp8_cases.GLM5_TP8_EXPERTS
+    fp8_cases.check_moe_fp8(N, c["H"], c["I"], c["E"], c["k"], torch.bfloat16, variant, device=DEV,
+                            n_empty=8 if N > 1 else 0, fused=N == 64)
+
+
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+def test_moe_fp8_odd_shapes(variant):
+    # I not a multiple of 128 in the fused layout, partial K blocks, fp32, mixed scales, int32 ids
+    fp8_cases.check_moe_fp8(200, 320, 160, 12, 6, torch.float32, variant, device=DEV, n_empty=3, fused=True,
+                            kind="mixed", ids_dtype=torch.int32)
+    fp8_cases.check_moe_fp8(33, 6144, 256, 16, 8, torch.bfloat16, variant, device=DEV, kind="tiny")

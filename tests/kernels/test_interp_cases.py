@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from glm53.kernels.dispatch import use_triton  # noqa: E402
 
-from . import cases, draft_cases  # noqa: E402
+from . import cases, draft_cases, fp8_cases  # noqa: E402
 
 
 def setup_module():
@@ -354,3 +354,126 @@ def test_draft_attention_odd_widths(skip_hidden):
     # hidden pages skipped or run with their loads masked off
     draft_cases.check_draft_attention([(0, 55), (12, 12), (30, 50)], [3, 2, 3], kv=1, group=2, block=3, hd=40,
                                       page_size=12, width=5, dtype=torch.bfloat16, skip_hidden=skip_hidden)
+
+
+# ---- block-FP8: activation quantizer, GEMM (w8a16 / w8a8), fused MoE (kernels/fp8_*, moe_fp8*) ----
+# Small shapes (the interpreter pays per program and per multiply-add): ragged M, partial 128-blocks
+# in N and K (576 = 4.5 blocks), weight scales ~1e-6, ~1e3 and log-uniform over [1e-6, 1e3] per
+# block, activation groups from 1e-6 to 1e3 with a zero group. Tolerances in fp8_cases.
+@pytest.mark.parametrize("M,K,dtype", [(1, 256, torch.bfloat16), (3, 300, torch.float32), (17, 576, torch.bfloat16),
+                                       (130, 200, torch.float32)])
+def test_fp8_quant_groups(M, K, dtype):
+    fp8_cases.check_quant(M, K, dtype)
+
+
+def test_fp8_quant_groups_e4m3_rounding():
+    # every rounding boundary of e4m3's binades, subnormals included: bit-identical to torch's cast
+    fp8_cases.check_quant(64, 256, torch.float32, kind="normal")
+    from glm53.kernels.fp8_quant import quantize_fp8_groups, quantize_fp8_groups_reference
+
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # the codes 0 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2  # ties: round to even
+    vals = torch.cat([grid, mids, mids * (1 + 2**-20), mids * (1 - 2**-20)])
+    vals = torch.cat([vals, -vals])
+    x = torch.nn.functional.pad(vals, (0, -vals.numel() % 127)).view(-1, 127)
+    x = torch.cat([x, torch.full((x.shape[0], 1), 448.0)], dim=1)  # scale exactly 1 in every row
+    q, s = quantize_fp8_groups(x)
+    qr, sr = quantize_fp8_groups_reference(x)
+    assert torch.all(s == 1.0) and torch.equal(s, sr)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
+GEMM_SHAPES = [  # M, N, K, dtype, weight scales, activations
+    (1, 576, 256, torch.bfloat16, "normal", "normal"),
+    (3, 200, 300, torch.float32, "tiny", "ranges"),
+    (17, 96, 200, torch.bfloat16, "large", "ranges"),
+    (130, 200, 136, torch.float32, "mixed", "normal"),
+]
+
+
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("M,N,K,dtype,w_kind,x_kind", GEMM_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
+def test_fp8_gemm(variant, M, N, K, dtype, w_kind, x_kind):
+    fp8_cases.check_gemm(M, N, K, dtype, variant, w_kind, x_kind)
+
+
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+def test_fp8_gemm_tilings(variant):
+    # 256-wide tiles (a scale per column), 32-wide tiles and K steps of 32/64 (several steps per
+    # scale block), split-K over 2 and 3 slices (one of them partial), GROUP_M not dividing the
+    # row tiles, fp32 output from bf16 activations
+    from glm53.kernels.fp8_gemm_triton import GemmConfig
+
+    fp8_cases.check_gemm(40, 300, 300, torch.float32, variant, "mixed",
+                         config=GemmConfig(16, 256, 64, GROUP_M=3, SPLIT_K=2, num_warps=1, num_stages=1))
+    fp8_cases.check_gemm(17, 100, 400, torch.bfloat16, variant, "normal", out_dtype=torch.float32,
+                         config=GemmConfig(32, 32, 32, GROUP_M=2, SPLIT_K=3, num_warps=1, num_stages=1))
+
+
+def test_fp8_gemm_dispatch_threshold(monkeypatch):
+    # the one rule: rows <= W8A16_MAX_M -> w8a16, else w8a8 (bit-identical to calling that
+    # variant); x with leading dims; the variant functions never rely on the module default
+    from glm53.kernels import fp8_gemm as mod
+    from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8, fp8_gemm_w8a16
+
+    q, s = fp8_cases.block_weight(72, 136)
+    x = torch.randn(2, 3, 136, dtype=torch.bfloat16)
+    for limit, variant in ((6, fp8_gemm_w8a16), (5, fp8_gemm_w8a8)):
+        monkeypatch.setattr(mod, "W8A16_MAX_M", limit)
+        y = mod.fp8_gemm(x, q, s)
+        assert y.shape == (2, 3, 72) and torch.equal(y, variant(x, q, s))
+    fp8_cases.check_gemm(3, 72, 136, torch.float32, "dispatch")
+
+
+MOE_SHAPES = [  # N, H, I, E, k, dtype, fused gate_up, weight scales, experts left without a token
+    (1, 64, 128, 8, 2, torch.bfloat16, True, "normal", 0),  # fused, I = 128: up's rows block-aligned
+    (5, 200, 96, 8, 3, torch.float32, True, "mixed", 2),  # fused: a scale block holds gate and up rows
+    (21, 136, 160, 7, 3, torch.bfloat16, False, "normal", 2),  # I = 160: h's second group partial
+]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu of large negative pre-activations
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("N,H,I,E,k,dtype,fused,kind,n_empty", MOE_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
+def test_moe_fp8(variant, N, H, I, E, k, dtype, fused, kind, n_empty):
+    fp8_cases.check_moe_fp8(N, H, I, E, k, dtype, variant, n_empty=n_empty, fused=fused, kind=kind)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+def test_moe_fp8_small_tiles(variant):
+    # 16-row blocks (several per expert), 256-wide down tiles (a scale per column), K steps of 64,
+    # GROUP_M not dividing the block count, fused layout with I = 160 (not a multiple of 128), int32 ids
+    from glm53.kernels.moe_triton import MoEConfig
+
+    cfg = MoEConfig(BM=16, BN1=32 if variant == "w8a16" else 128, BN2=256, BK=64, GROUP_M=3, num_warps=1, num_stages=1)
+    fp8_cases.check_moe_fp8(24, 200, 160, 4, 2, torch.float32, variant, n_empty=1, fused=True, kind="mixed", config=cfg,
+                            ids_dtype=torch.int32)
+
+
+def test_moe_fp8_dispatch_threshold(monkeypatch):
+    from glm53.kernels import moe_fp8 as mod
+    from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
+
+    inputs = fp8_cases.moe_fp8_inputs(3, 64, 32, 6, 2, torch.bfloat16)
+    for limit, variant in ((3, "w8a16"), (2, "w8a8")):
+        monkeypatch.setattr(mod, "MOE_W8A16_MAX_TOKENS", limit)
+        assert torch.equal(mod.moe_experts_fp8(*inputs), moe_experts_fp8_triton(*inputs, variant=variant))
+    fp8_cases.check_moe_fp8(3, 64, 32, 6, 2, torch.float32, "dispatch")
+
+
+def test_fp8_benchmark_smoke(monkeypatch, capsys):
+    # benchmarks/fp8_gemm.py --smoke: every section's code path on tiny shapes (its GPU run is the
+    # lead's); it sets the dispatch thresholds it measures, restored here after
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from glm53.kernels import fp8_gemm, moe_fp8
+
+    monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", fp8_gemm.W8A16_MAX_M)
+    monkeypatch.setattr(moe_fp8, "MOE_W8A16_MAX_TOKENS", moe_fp8.MOE_W8A16_MAX_TOKENS)
+    monkeypatch.setattr(sys, "argv", ["fp8_gemm.py", "--smoke"])
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gemm.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "decode crossover" in out and "all shapes, M=3" in out and "| N | experts hit |" in out, out[-2000:]

@@ -1,0 +1,55 @@
+"""Block-FP8 linear layer: y = x @ dequant(W)^T, W [N, K] e4m3 with fp32 scales per 128×128 block
+(DESIGN §4.8; the format in `fp8_quant`).
+
+`fp8_gemm` dispatches by `dispatch.use_triton`: on CPU the torch reference (`fp8_gemm_reference`:
+W dequantized in fp32, an fp32 matmul; exact up to fp32 rounding, and what CPU serving runs); on a
+GPU one of the two Triton variants of `fp8_gemm_triton.py`, by one rule on the rows M = x.numel()
+/ K:
+
+    M <= W8A16_MAX_M  ->  w8a16: the FP8 weights dequantized in the kernel against x as is
+    M >  W8A16_MAX_M  ->  w8a8: x quantized per 1×128 group, then the block-scaled FP8 GEMM
+
+Decode reads the weights and little else, so the variant that wastes no launch and no rounding
+on the activations should win there, and the FP8 tensor cores (twice the bf16 rate) win once the
+product is compute-bound. `W8A16_MAX_M` is that crossover: module state read at every call, so
+`benchmarks/fp8_gemm.py` can set it and prints the value it measured (both variants at M = 1..64,
+per GLM-5 tp = 8 shape); the default below is a guess until that run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm53.kernels.dispatch import use_triton
+from glm53.kernels.fp8_quant import dequantize_fp8_blocks
+
+# Rows up to which the w8a16 (dequantize-in-kernel) variant runs; above it, w8a8. Set from
+# benchmarks/fp8_gemm.py's crossover on the H200 (not yet measured: a guess).
+W8A16_MAX_M = 64
+
+
+def fp8_gemm_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] float; w [N, K] e4m3; w_scale [ceil(N/128), ceil(K/128)] fp32 -> [..., N] in
+    out_dtype (default x's dtype): x in fp32 times W dequantized in fp32."""
+    y = torch.matmul(x.float(), dequantize_fp8_blocks(w, w_scale).t())
+    return y.to(out_dtype or x.dtype)
+
+
+def fp8_variant(m: int) -> str:
+    """The dispatcher's rule: "w8a16" for m <= W8A16_MAX_M rows, else "w8a8"."""
+    return "w8a16" if m <= W8A16_MAX_M else "w8a8"
+
+
+def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ dequant(w, w_scale)^T; shapes as `fp8_gemm_reference`. Triton where
+    `dispatch.use_triton` says so (variant by `fp8_variant`), else the reference."""
+    if not use_triton(x):
+        return fp8_gemm_reference(x, w, w_scale, out_dtype)
+    from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8, fp8_gemm_w8a16
+
+    m = x.numel() // max(1, x.shape[-1])
+    if fp8_variant(m) == "w8a16":
+        return fp8_gemm_w8a16(x, w, w_scale, out_dtype)
+    return fp8_gemm_w8a8(x, w, w_scale, out_dtype)

@@ -1,0 +1,226 @@
+"""Triton block-FP8 GEMM: y = x @ dequant(W)^T with W [N, K] e4m3 and fp32 scales per 128×128 block.
+
+One kernel, two operand modes (a constexpr), so the two decode candidates differ in nothing else:
+
+- w8a8 (`fp8_gemm_w8a8`, prefill): x is quantized per 1×128 group first (`fp8_quant`, one launch;
+  or handed in already quantized), then an FP8 × FP8 product per K step; each 128-wide K block's
+  partial product (fp32) is scaled by a_scale[m, kb] · w_scale[nb, kb] and added to an fp32
+  accumulator (DeepSeek-V3's promotion: Hopper's FP8 MMA accumulates with reduced precision, so
+  no partial sum spans more than one scale block);
+- w8a16 (`fp8_gemm_w8a16`, dequantize in the kernel): x stays in its dtype (bf16), the e4m3
+  weight tile is widened to it in registers (exact) and each block's partial product is scaled by
+  w_scale[nb, kb]; no activation rounding, no extra launch.
+
+Tiles: BM × BN outputs per program, K steps of BK (BK divides 128, so a step never straddles a
+scale block); grouped program order (GROUP_M row tiles sweep a column stripe) for L2 reuse of the
+weight tiles. Rows past M and columns past N are read modulo M / N (in bounds, never stored), so
+only K needs a mask (when K is not a multiple of BK: partial last blocks). BN <= 128 puts a tile in
+one scale row block (one scalar scale per K step); wider tiles load a scale per column.
+SPLIT_K > 1 (decode: few output tiles for 132 SMs) cuts K at scale-block boundaries over a second
+grid axis; the splits' fp32 partials [SPLIT_K, M, N] are summed in a fixed order (deterministic).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton
+
+SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """BM × BN output tile, BK the K step (divides 128), GROUP_M row tiles per column sweep,
+    SPLIT_K slices of K (whole scale blocks each)."""
+
+    BM: int
+    BN: int
+    BK: int = 128
+    GROUP_M: int = 8
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _split_k(tiles: int, k_blocks: int, device: torch.device, cap: int = 16) -> int:
+    """Splits so that ~2 programs per SM run when the output has fewer tiles than SMs."""
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if tiles >= sms:
+        return 1
+    return max(1, min(k_blocks, cap, triton.cdiv(2 * sms, tiles)))
+
+
+def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | None = None) -> GemmConfig:
+    """Tiles by M: decode (M <= 64) -> short row tiles, 64 columns, split-K to fill the SMs (the
+    weights are what is read); prefill -> 128×128 tiles (FP8 products compute-bound). Guesses until
+    `benchmarks/fp8_gemm.py --sweep` has run on the H200."""
+    if triton_interpreting():  # the interpreter's cost is per program and per K step
+        return GemmConfig(BM=min(128, max(16, triton.next_power_of_2(M))), BN=128 if N > 64 else 64, BK=128,
+                          GROUP_M=4, num_warps=1, num_stages=1)
+    device = device or torch.device("cuda")
+    kb = triton.cdiv(K, SB)
+    if M <= 64:
+        bm = max(16, triton.next_power_of_2(M))
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, 64)
+        return GemmConfig(BM=bm, BN=64, BK=128, GROUP_M=8, SPLIT_K=_split_k(tiles, kb, device),
+                          num_warps=4, num_stages=4)
+    if a_fp8:  # 32 KB a stage
+        return GemmConfig(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
+    return GemmConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)  # 24 KB a stage
+
+
+@triton.jit
+def _block_fp8_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr,
+    M, N, K, k_per_split,
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_ym, stride_ysplit,
+    A_FP8: tl.constexpr, SB: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    sk = tl.program_id(1)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    width = GROUP_M * num_n
+    first_m = pid // width * GROUP_M
+    local = pid % width
+    rows_here = tl.minimum(num_m - first_m, GROUP_M)
+    pm = first_m + local % rows_here
+    pn = local // rows_here
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rm_in = (rm % M).to(tl.int64)
+    rn_in = (rn % N).to(tl.int64)
+    rk = tl.arange(0, BK)
+    k_lo = sk * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    a_ptrs = a_ptr + rm_in[:, None] * stride_am + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn_in[None, :] * stride_wn + (k_lo + rk)[:, None]
+    if BN <= SB:  # the tile lies in one scale row block: one scalar per K step
+        ws_row = ws_ptr + (pn * BN // SB).to(tl.int64) * stride_wsn
+    else:
+        ws_row = ws_ptr + (rn_in // SB) * stride_wsn
+    as_row = as_ptr + rm_in * stride_asm
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            kin = (k0 + rk) < K
+            a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
+        if DOT_F32:  # the interpreter: widen both (exact) and multiply in fp32
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
+            w = w.to(a_ptr.dtype.element_ty)
+        part = tl.dot(a, w, input_precision=PRECISION)
+        kb = k0 // SB
+        ws = tl.load(ws_row + kb)
+        if A_FP8:
+            xs = tl.load(as_row + kb)
+            if BN <= SB:
+                acc += part * (xs * ws)[:, None]
+            else:
+                acc += part * xs[:, None] * ws[None, :]
+        else:
+            if BN <= SB:
+                acc += part * ws
+            else:
+                acc += part * ws[None, :]
+        a_ptrs += BK
+        w_ptrs += BK
+    y_ptrs = y_ptr + sk.to(tl.int64) * stride_ysplit + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, K: int) -> int:
+    N, Kw = w.shape
+    assert Kw == K, f"x has K={K}, the weight {tuple(w.shape)}"
+    assert w.dtype == FP8 and w.stride(1) == 1, (w.dtype, w.stride())
+    assert w_scale.shape == (triton.cdiv(N, SB), triton.cdiv(K, SB)) and w_scale.dtype == torch.float32, \
+        (tuple(w_scale.shape), w_scale.dtype, "scales must be fp32 [ceil(N/128), ceil(K/128)]")
+    assert w_scale.stride(1) == 1, w_scale.stride()
+    return N
+
+
+def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: bool) -> torch.Tensor:
+    assert SB % cfg.BK == 0 and cfg.BN & (cfg.BN - 1) == 0, cfg
+    k_blocks = triton.cdiv(K, SB)
+    split = max(1, min(cfg.SPLIT_K, k_blocks))
+    k_per_split = triton.cdiv(k_blocks, split) * SB
+    split = triton.cdiv(K, k_per_split)  # no empty split
+    if split == 1:
+        y = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    else:
+        y = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
+    interp = triton_interpreting()
+    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), split)
+    _block_fp8_gemm_kernel[grid](
+        a, a_scale, w, w_scale, y, M, N, K, k_per_split,
+        a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), y.stride(-2),
+        y.stride(0) if split > 1 else 0,
+        A_FP8=a_fp8, SB=SB, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        EVEN_K=K % cfg.BK == 0, DOT_F32=interp,
+        PRECISION=dot_precision(torch.float32 if interp else a.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:  # the splits in a fixed order: deterministic
+        y = y.sum(0).to(out_dtype)
+    return y
+
+
+def fp8_gemm_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                   out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """Dequantize-in-kernel: x [..., K] (bf16/fp16/fp32, kept as is), w [N, K] e4m3, w_scale
+    [ceil(N/128), ceil(K/128)] fp32 -> [..., N] in out_dtype (default x's dtype)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    N = _check_weight(w, w_scale, K)
+    out_dtype = out_dtype or x.dtype
+    if M == 0:
+        return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
+    cfg = config or default_config(M, N, K, a_fp8=False, device=x.device)
+    y = _launch(x2, w_scale, w, w_scale, M, N, K, out_dtype, cfg, a_fp8=False)  # a_scale unused
+    return y.view(*lead, N)
+
+
+def fp8_gemm_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                  out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
+                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Activations quantized per 1×128 group (`quantize_fp8_groups`), then the block-scaled FP8
+    GEMM. x [..., K] any float dtype; `x_fp8` = (q [M, K] e4m3, scale [M, ceil(K/128)] fp32) when
+    the caller already holds x quantized (then x only gives the shape and default out dtype)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    N = _check_weight(w, w_scale, K)
+    out_dtype = out_dtype or x.dtype
+    if x_fp8 is None:
+        q, s = quantize_fp8_groups_triton(x.reshape(-1, K), SB)
+    else:
+        q, s = x_fp8
+        assert q.dtype == FP8 and q.shape == (x.numel() // K, K) and q.stride(1) == 1, (q.dtype, q.shape)
+        assert s.shape == (q.shape[0], triton.cdiv(K, SB)) and s.dtype == torch.float32 and s.stride(1) == 1
+    M = q.shape[0]
+    if M == 0:
+        return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
+    cfg = config or default_config(M, N, K, a_fp8=True, device=x.device)
+    return _launch(q, s, w, w_scale, M, N, K, out_dtype, cfg, a_fp8=True).view(*lead, N)

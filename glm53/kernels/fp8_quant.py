@@ -1,0 +1,160 @@
+"""Block-FP8 formats (DESIGN §4.8) and per-token-group dynamic activation quantization.
+
+Weights (GLM-5-FP8, DeepSeek-V3 style): `w` [..., N, K] float8_e4m3fn with an fp32
+`weight_scale_inv` [..., ceil(N/128), ceil(K/128)], one scale per 128×128 block (edge blocks
+partial, e.g. kv_a's 576 rows: 4 full row blocks and one of 64); dequantized
+`w[n, k] = q[n, k] · s[n // 128, k // 128]` (`dequantize_fp8_blocks`). `quantize_fp8_blocks` writes
+that format from a float tensor (tests, benchmarks, tiny checkpoints).
+
+Activations (`quantize_fp8_groups`, the op; torch reference and Triton kernel): x [M, K] is cut
+into 1×G groups along K (G = 128; the last group of a row may be partial) and each group gets
+
+    scale = max(amax, 1e-10) / 448          (fp32, one IEEE division, round to nearest)
+    q     = rne(clamp(x / scale, -448, 448)) (fp32 IEEE division, then e4m3 round to nearest even)
+
+so the group's largest value lands on ±448 (up to the rounding of the two divisions) and
+`x ≈ q · scale` with a relative error of at most 2^-4 per element (e4m3 keeps 3 mantissa bits)
+for elements in e4m3's normal range (|x / scale| ≥ 2^-6); smaller ones are subnormal, with an
+absolute error of at most 2^-10 · scale. A group of zeros gets scale 1e-10 / 448 and q = 0 (no
+NaN or inf); the clamp keeps the result finite whatever the rounding of the divisions. Scales
+are [M, ceil(K/G)] fp32, row-major.
+
+The Triton kernel computes the same two divisions with IEEE rounding (`tl.math.div_rn`) and the
+same e4m3 conversion, so its q and scales are bit-identical to the reference. (Under
+TRITON_INTERPRET=1 the interpreter's fp32 → e4m3 cast mis-rounds a value whose rounding carries
+into the next binade (125.75 → 64); there the kernel rounds in fp32 first, exactly, so only
+representable values are cast.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm53.kernels.dispatch import triton_interpreting, use_triton
+
+FP8_MAX = 448.0
+GROUP = 128  # activation group width and weight block edge (quantization_config.weight_block_size)
+AMAX_EPS = 1e-10
+FP8 = torch.float8_e4m3fn
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- the weight format (torch; what the checkpoint holds) ------------------------------------
+def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = GROUP,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [..., N, K] e4m3, scale [..., ceil(N/block), ceil(K/block)] fp32 -> q · s[block] in fp32
+    (then `dtype`). Leading dims (experts) are batch dims."""
+    N, K = q.shape[-2:]
+    assert scale.shape[-2:] == (_cdiv(N, block), _cdiv(K, block)), (q.shape, scale.shape)
+    s = scale.float().repeat_interleave(block, dim=-2)[..., :N, :].repeat_interleave(block, dim=-1)[..., :K]
+    return (q.float() * s).to(dtype)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] float -> (q e4m3 [..., N, K], scale fp32 [..., ceil(N/block), ceil(K/block)]),
+    scale = max(amax, 1e-10) / 448 per block (the checkpoint's `weight_scale_inv`)."""
+    *lead, N, K = w.shape
+    nb, kb = _cdiv(N, block), _cdiv(K, block)
+    wp = torch.nn.functional.pad(w.float(), (0, kb * block - K, 0, nb * block - N))
+    tiles = wp.reshape(*lead, nb, block, kb, block)
+    amax = tiles.abs().amax(dim=(-3, -1))  # [..., nb, kb]
+    scale = amax.clamp_min(AMAX_EPS) / FP8_MAX
+    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(*lead, nb * block, kb * block)
+    return q[..., :N, :K].to(FP8).contiguous(), scale
+
+
+# ---- activations: 1×G groups (the op) ---------------------------------------------------------
+def quantize_fp8_groups_reference(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (q [M, K] e4m3, scale [M, ceil(K/group)] fp32); the rule in the
+    module docstring."""
+    M, K = x.shape
+    kb = _cdiv(K, group)
+    xp = torch.nn.functional.pad(x.float(), (0, kb * group - K)).view(M, kb, group)
+    scale = xp.abs().amax(dim=-1).clamp_min(AMAX_EPS) / FP8_MAX
+    q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(M, kb * group)[:, :K].to(FP8)
+    return q.contiguous(), scale
+
+
+def dequantize_fp8_groups(q: torch.Tensor, scale: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """(q [M, K] e4m3, scale [M, ceil(K/group)]) -> fp32 [M, K]."""
+    K = q.shape[-1]
+    return q.float() * scale.float().repeat_interleave(group, dim=-1)[..., :K]
+
+
+@triton.jit
+def _to_e4m3(v, EXACT_RNE: tl.constexpr):
+    """v (fp32, |v| <= 448) -> e4m3, rounded to nearest even. EXACT_RNE (the interpreter) rounds
+    in fp32 first: adding and subtracting c = 1.5·2^23·ulp rounds |v| to a multiple of ulp, e4m3's
+    spacing at v's binade (2^(E-3); 2^-9 below the smallest normal 2^-6), so the cast that
+    follows only sees representable values."""
+    if EXACT_RNE:
+        bits = v.to(tl.int32, bitcast=True)
+        e = tl.maximum((bits >> 23) & 0xFF, 121)  # biased exponent, at least 2^-6's
+        c = (((e + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        r = (tl.abs(v) + c) - c
+        v = tl.where(bits < 0, -r, r)  # the sign bit kept (-0.0 and values that round to zero)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_groups_kernel(
+    x_ptr, q_ptr, s_ptr, M, K,
+    stride_xm, stride_qm, stride_sm,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, EXACT_RNE: tl.constexpr,
+):
+    """One program: BLOCK_M rows × one group of G columns (BLOCK_G = next_pow2(G))."""
+    pm = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = g * G + tl.arange(0, BLOCK_G)
+    rm = rows < M
+    cm = (tl.arange(0, BLOCK_G) < G) & (cols < K)
+    m = rm[:, None] & cm[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
+    v = tl.math.div_rn(x, scale[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], _to_e4m3(v, EXACT_RNE), mask=m)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=rm)
+
+
+def quantize_fp8_groups_triton(
+    x: torch.Tensor, group: int = GROUP, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel: same contract and bits as `quantize_fp8_groups_reference`. `out` = (q, scale)
+    preallocated (q [M, K] e4m3 with unit column stride, scale [M, ceil(K/group)] fp32)."""
+    M, K = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    kb = _cdiv(K, group)
+    if out is None:
+        q = torch.empty((M, K), dtype=FP8, device=x.device)
+        s = torch.empty((M, kb), dtype=torch.float32, device=x.device)
+    else:
+        q, s = out
+        assert q.shape == (M, K) and q.dtype == FP8 and q.stride(1) == 1, (q.shape, q.dtype, q.stride())
+        assert s.shape == (M, kb) and s.dtype == torch.float32 and s.stride(1) == 1, (s.shape, s.dtype)
+    if M == 0 or K == 0:
+        return q, s
+    block_g = triton.next_power_of_2(group)
+    # the interpreter pays per program: one row tile of up to 256 rows there
+    block_m = max(1, min(256 if triton_interpreting() else 4096 // block_g, triton.next_power_of_2(M)))
+    _quant_groups_kernel[(triton.cdiv(M, block_m), kb)](
+        x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
+        G=group, BLOCK_M=block_m, BLOCK_G=block_g, EXACT_RNE=triton_interpreting(), num_warps=4,
+    )
+    return q, s
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, scale [M, ceil(K/group)] fp32), 1×group dynamic quantization
+    (module docstring); Triton where `dispatch.use_triton` says so, else the torch reference."""
+    if use_triton(x):
+        return quantize_fp8_groups_triton(x, group)
+    return quantize_fp8_groups_reference(x, group)

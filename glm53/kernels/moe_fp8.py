@@ -1,0 +1,81 @@
+"""Routed experts over block-FP8 weights (GLM-5-FP8: e4m3 with fp32 scales per 128×128 block).
+
+`moe_experts_fp8` dispatches by `dispatch.use_triton`: on CPU the torch reference
+(`moe_experts_fp8_reference`: the experts a batch hits dequantized in fp32, then `moe.py`'s
+per-expert loop in fp32; what CPU serving runs), on a GPU the fused kernels of `moe_fp8_triton.py`
+on the bf16 kernel's routing plan, in one of two variants by one rule on the token count N:
+
+    N <= MOE_W8A16_MAX_TOKENS  ->  "w8a16": weights dequantized in the kernel against x as is
+    N >  MOE_W8A16_MAX_TOKENS  ->  "w8a8": x and h quantized per 1×128 group, FP8 × FP8 products
+
+The threshold is module state read at every call (benchmarks/fp8_gemm.py measures both variants
+at decode sizes, prints the crossover, and can set it); the default is a guess until that run.
+Weight layouts (separate gate/up, or one fused gate_up with `up=None`) as in `moe_fp8_triton`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm53.kernels.dispatch import use_triton
+from glm53.kernels.fp8_quant import dequantize_fp8_blocks
+from glm53.kernels.moe import moe_experts_reference
+
+# Tokens up to which the w8a16 variant runs; above it, w8a8. Set from benchmarks/fp8_gemm.py's
+# crossover on the H200 (not yet measured: a guess).
+MOE_W8A16_MAX_TOKENS = 64
+
+
+def moe_fp8_variant(n_tokens: int) -> str:
+    """The dispatcher's rule: "w8a16" for n_tokens <= MOE_W8A16_MAX_TOKENS, else "w8a8"."""
+    return "w8a16" if n_tokens <= MOE_W8A16_MAX_TOKENS else "w8a8"
+
+
+def moe_experts_fp8_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up: torch.Tensor | None,
+    up_scale: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+) -> torch.Tensor:
+    """The experts hit dequantized in fp32 (only those: a host sync, as the loop has anyway), then
+    `moe_experts_reference` in fp32 on x in fp32; returns [N, H] in x's dtype."""
+    hit = torch.unique(ids)
+    remap = torch.full((gate.shape[0],), -1, dtype=torch.long, device=ids.device)
+    remap[hit] = torch.arange(hit.numel(), device=ids.device)
+    g = dequantize_fp8_blocks(gate[hit], gate_scale[hit])
+    if up is None:  # fused [E, 2I, H]: dequantized whole (the scale grid spans both halves)
+        I = gate.shape[1] // 2
+        g, u = g[:, :I], g[:, I:]
+    else:
+        u = dequantize_fp8_blocks(up[hit], up_scale[hit])
+    d = dequantize_fp8_blocks(down[hit], down_scale[hit])
+    out = moe_experts_reference(x.float(), weights.float(), remap[ids.long()], g, u, d)
+    return out.to(x.dtype)
+
+
+def moe_experts_fp8(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up: torch.Tensor | None,
+    up_scale: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts over block-FP8 weights, summed over each token's k experts with its routing
+    weights: x [N, H]; weights/ids [N, k]; gate/up [E, I, H] e4m3 + scales [E, ceil(I/128),
+    ceil(H/128)] (or gate = fused [E, 2I, H] with up = up_scale = None); down [E, H, I] + scales
+    [E, ceil(H/128), ceil(I/128)]. Returns [N, H] in x's dtype."""
+    args = (x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
+    if use_triton(x):
+        from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
+
+        return moe_experts_fp8_triton(*args, variant=moe_fp8_variant(x.shape[0]))
+    return moe_experts_fp8_reference(*args)

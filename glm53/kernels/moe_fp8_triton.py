@@ -1,0 +1,281 @@
+"""Triton fused MoE over block-FP8 experts: the grouped GEMMs of `moe_triton.py` with e4m3 weights
+and fp32 scales per 128×128 block, on the same routing plan (`plan_routing`, `block_tile`: the
+pairs sorted by expert on the device, no host sync).
+
+    out[t] = Σ_j w[t, j] · down[e] · (silu(gate[e] · x[t]) ⊙ (up[e] · x[t])),   e = ids[t, j]
+
+with every weight dequantized blockwise (`fp8_quant.dequantize_fp8_blocks`). Two operand modes,
+as `fp8_gemm_triton` (the choice at decode sizes is measured by benchmarks/fp8_gemm.py):
+
+- "w8a16" (dequantize in the kernel): x and h = silu(g)·u stay in x's dtype; each e4m3 weight
+  tile is widened to it in registers (exact) and each 128-wide K block's partial product is
+  scaled by the weight's block scale before it joins the fp32 accumulator.
+- "w8a8": x is quantized per 1×128 group once per token (`quantize_fp8_groups`, before the
+  gather); the gate+up kernel quantizes h in its epilogue (its column tile is one 128-wide group,
+  so BN1 = 128) and writes h as e4m3 plus [N·k, ceil(I/128)] scales; both GEMMs multiply FP8 by FP8
+  and scale each K block's partial by a_scale[row, kb] · w_scale[nb, kb].
+
+Weight layouts: gate and up [E, I, H] with scales [E, ceil(I/128), ceil(H/128)] each (the model's
+`Experts`), or one fused gate_up [E, 2I, H] (gate rows, then up rows) with scales
+[E, ceil(2I/128), ceil(H/128)], passed as `gate` with `up=None`: up row n is fused row I + n and
+reads scale row (I + n) // 128, so an I that is not a multiple of 128 (a scale block holding gate
+and up rows) is handled too. down [E, H, I] with scales [E, ceil(H/128), ceil(I/128)].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.fp8_quant import FP8, GROUP, _to_e4m3, quantize_fp8_groups_triton
+from glm53.kernels.moe_triton import MoEConfig, block_tile, plan_routing
+
+SB = GROUP
+VARIANTS = ("w8a16", "w8a8")
+
+
+def default_fp8_config(n_pairs: int, n_experts: int, variant: str) -> MoEConfig:
+    """Tiles by expected rows per expert, as `moe_triton.default_config`; K steps of one scale
+    block (128; 64 for bf16 activations past decode); w8a8 fixes BN1 = 128 (the epilogue quantizes
+    one 128-wide group of h per row). Each K step keeps a partial product beside each accumulator
+    (scaled, then added), so the gate+up kernel holds four [BM, BN1] fp32 tiles: BM·BN1 / (32 ·
+    warps) registers each, at most 32 here. Guesses until benchmarks/fp8_gemm.py has run on the
+    H200."""
+    bn1 = 128 if variant == "w8a8" else None
+    rows = n_pairs / max(1, n_experts)
+    if triton_interpreting():  # the interpreter pays per program and per multiply-add of padding
+        bm = min(64, max(16, triton.next_power_of_2(int(rows))))
+        return MoEConfig(BM=bm, BN1=bn1 or 64, BN2=64, BK=128, GROUP_M=4, num_warps=1, num_stages=1)
+    if rows <= 16:  # decode: 16-row blocks, the weight stream is the cost
+        return MoEConfig(BM=16, BN1=bn1 or 64, BN2=64, BK=128, num_warps=4, num_stages=4)
+    # 40 KB a stage (w8a8: an fp8 x tile and two fp8 weight tiles), 24 KB for bf16 x with K steps of 64
+    return MoEConfig(BM=64, BN1=128, BN2=128, BK=128 if variant == "w8a8" else 64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _gate_up_fp8_kernel(
+    x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, hs_ptr, order_ptr, seg_ptr, cum_ptr,
+    n_blocks, H, I, TOPK, UP_ROW0,
+    stride_xn, stride_xsn, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_hsm,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    A_FP8: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr,
+):
+    e, nt, pos, valid = block_tile(tl.program_id(0), n_blocks, (I + BN - 1) // BN, seg_ptr, cum_ptr,
+                                   E, BLOCK_E, BM, GROUP_M)
+    if e >= E:  # past the last block (the grid is an upper bound)
+        return
+    # rows past the expert's segment read pair 0's token (in bounds) and are never stored
+    pair = tl.load(order_ptr + pos, mask=valid, other=0)
+    tok = (pair // TOPK).to(tl.int64)
+    n = nt * BN + tl.arange(0, BN)
+    n_in = n % I  # columns past I re-read real rows (no mask); they are not stored
+    k = tl.arange(0, BK)
+    e64 = e.to(tl.int64)
+    a_ptrs = x_ptr + tok[:, None] * stride_xn + k[None, :]
+    w_off = e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wi + k[:, None]
+    g_ptrs = wg_ptr + w_off
+    u_ptrs = wu_ptr + w_off
+    if SCALAR_S:  # BN <= 128 and up's rows aligned to scale blocks: one scale per tile and K step
+        sg_row = sg_ptr + e64 * stride_se + (nt * BN // SB) * stride_si
+        su_row = su_ptr + e64 * stride_se + ((UP_ROW0 + nt * BN) // SB) * stride_si
+    else:
+        sg_row = sg_ptr + e64 * stride_se + (n_in // SB) * stride_si
+        su_row = su_ptr + e64 * stride_se + ((UP_ROW0 + n_in) // SB) * stride_si
+    xs_row = xs_ptr + tok * stride_xsn
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+        else:
+            kin = (k0 + k) < H
+            a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=kin[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=kin[:, None], other=0.0)
+        if DOT_F32:  # the interpreter: widen (exact), multiply in fp32
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
+            wg = wg.to(x_ptr.dtype.element_ty)
+            wu = wu.to(x_ptr.dtype.element_ty)
+        pg = tl.dot(a, wg, input_precision=PRECISION)
+        pu = tl.dot(a, wu, input_precision=PRECISION)
+        kb = k0 // SB
+        if SCALAR_S:
+            gs = tl.load(sg_row + kb)
+            us = tl.load(su_row + kb)
+        else:
+            gs = tl.load(sg_row + kb)[None, :]
+            us = tl.load(su_row + kb)[None, :]
+        if A_FP8:
+            xs = tl.load(xs_row + kb)[:, None]
+            acc_g += pg * (xs * gs)
+            acc_u += pu * (xs * us)
+        else:
+            acc_g += pg * gs
+            acc_u += pu * us
+        a_ptrs += BK
+        g_ptrs += BK
+        u_ptrs += BK
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    keep = valid[:, None] & (n < I)[None, :]
+    h_ptrs = h_ptr + pos[:, None].to(tl.int64) * stride_hm + n[None, :]
+    if A_FP8:  # quantize h: this tile (BN = 128) is group nt of each of its rows
+        h = tl.where((n < I)[None, :], h, 0.0)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
+        v = tl.math.div_rn(h, scale[:, None])
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        tl.store(h_ptrs, _to_e4m3(v, EXACT_RNE), mask=keep)
+        tl.store(hs_ptr + pos.to(tl.int64) * stride_hsm + nt, scale, mask=valid)
+    else:
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _down_fp8_kernel(
+    h_ptr, hs_ptr, wd_ptr, sd_ptr, y_ptr, rw_ptr, order_ptr, seg_ptr, cum_ptr,
+    n_blocks, H, I,
+    stride_hm, stride_hsm, stride_we, stride_wh, stride_se, stride_sh, stride_ym,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    A_FP8: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    e, nt, pos, valid = block_tile(tl.program_id(0), n_blocks, (H + BN - 1) // BN, seg_ptr, cum_ptr,
+                                   E, BLOCK_E, BM, GROUP_M)
+    if e >= E:  # past the last block (the grid is an upper bound)
+        return
+    n = nt * BN + tl.arange(0, BN)
+    n_in = n % H
+    k = tl.arange(0, BK)
+    e64 = e.to(tl.int64)
+    pos64 = pos.to(tl.int64)
+    # a last block's rows past the segment (and past N·k) are masked: never read, never stored
+    a_ptrs = h_ptr + pos64[:, None] * stride_hm + k[None, :]
+    w_ptrs = wd_ptr + e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wh + k[:, None]
+    if BN <= SB:
+        sd_row = sd_ptr + e64 * stride_se + (nt * BN // SB) * stride_sh
+    else:
+        sd_row = sd_ptr + e64 * stride_se + (n_in // SB) * stride_sh
+    hs_row = hs_ptr + pos64 * stride_hsm
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            kin = (k0 + k) < I
+            a = tl.load(a_ptrs, mask=valid[:, None] & kin[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        elif not A_FP8:
+            w = w.to(h_ptr.dtype.element_ty)
+        part = tl.dot(a, w, input_precision=PRECISION)
+        kb = k0 // SB
+        if BN <= SB:
+            ws = tl.load(sd_row + kb)
+        else:
+            ws = tl.load(sd_row + kb)[None, :]
+        if A_FP8:
+            acc += part * (tl.load(hs_row + kb, mask=valid, other=0.0)[:, None] * ws)
+        else:
+            acc += part * ws
+        a_ptrs += BK
+        w_ptrs += BK
+    pair = tl.load(order_ptr + pos, mask=valid, other=0)
+    rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
+    y = acc * rw[:, None]
+    y_ptrs = y_ptr + pair[:, None].to(tl.int64) * stride_ym + n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (n < H)[None, :])
+
+
+def _check_expert(w: torch.Tensor, s: torch.Tensor, name: str) -> None:
+    E, R, C = w.shape
+    assert w.dtype == FP8 and w.stride(2) == 1 and w.stride(1) == C, f"{name}: e4m3, contiguous per expert"
+    assert s.shape == (E, triton.cdiv(R, SB), triton.cdiv(C, SB)) and s.dtype == torch.float32, \
+        f"{name} scales: fp32 [E, ceil({R}/128), ceil({C}/128)], got {s.dtype} {tuple(s.shape)}"
+    assert s.stride(2) == 1, f"{name} scales: unit stride on the K blocks"
+
+
+def moe_experts_fp8_triton(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate: torch.Tensor,
+    gate_scale: torch.Tensor,
+    up: torch.Tensor | None,
+    up_scale: torch.Tensor | None,
+    down: torch.Tensor,
+    down_scale: torch.Tensor,
+    variant: str = "w8a16",
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """x [N, H] (bf16/fp16/fp32); weights [N, k] fp32; ids [N, k] in [0, E) (not checked: that
+    would need a host sync); experts in the module docstring's layouts; variant "w8a16" or
+    "w8a8". Returns [N, H] in x's dtype."""
+    assert variant in VARIANTS, variant
+    N, H = x.shape
+    k = ids.shape[1]
+    _check_expert(gate, gate_scale, "gate")
+    E = gate.shape[0]
+    if up is None:  # fused [E, 2I, H]
+        assert up_scale is None and gate.shape[1] % 2 == 0
+        I = gate.shape[1] // 2
+        up, up_scale, up_row0 = gate[:, I:], gate_scale, I
+        gate = gate[:, :I]
+    else:
+        _check_expert(up, up_scale, "up")
+        I, up_row0 = gate.shape[1], 0
+        assert up.shape == gate.shape and up.stride() == gate.stride() and up_scale.stride() == gate_scale.stride()
+    _check_expert(down, down_scale, "down")
+    assert gate.shape[2] == H and down.shape == (E, H, I), (x.shape, gate.shape, down.shape)
+    assert weights.shape == ids.shape == (N, k)
+    if N == 0:
+        return torch.zeros_like(x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    M = N * k
+    cfg = config or default_fp8_config(M, E, variant)
+    a_fp8 = variant == "w8a8"
+    assert SB % cfg.BK == 0, f"BK must divide {SB}: {cfg}"
+    assert not a_fp8 or cfg.BN1 == SB, f"w8a8 quantizes h in 128-wide column tiles: BN1 must be {SB}"
+    plan = plan_routing(ids, E, cfg.BM)
+    rw = weights.reshape(-1).to(torch.float32).contiguous()
+    interp = triton_interpreting()
+    if a_fp8:
+        xa, xs = quantize_fp8_groups_triton(x, SB)
+        h = torch.empty((M, I), dtype=FP8, device=x.device)
+        hs = torch.empty((M, triton.cdiv(I, SB)), dtype=torch.float32, device=x.device)
+    else:
+        xa, xs = x, x  # xs unused
+        h = torch.empty((M, I), dtype=x.dtype, device=x.device)
+        hs = h  # unused
+    y = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    common = dict(E=E, BLOCK_E=plan.block_e, SB=SB, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M, A_FP8=a_fp8,
+                  DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gate_up_fp8_kernel[(plan.n_blocks * triton.cdiv(I, cfg.BN1),)](
+        xa, xs, gate, up, gate_scale, up_scale, h, hs, plan.order, plan.seg, plan.cum,
+        plan.n_blocks, H, I, k, up_row0,
+        xa.stride(0), xs.stride(0), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1),
+        h.stride(0), hs.stride(0),
+        BN=cfg.BN1, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
+        EXACT_RNE=interp, **common,
+    )
+    _down_fp8_kernel[(plan.n_blocks * triton.cdiv(H, cfg.BN2),)](
+        h, hs, down, down_scale, y, rw, plan.order, plan.seg, plan.cum,
+        plan.n_blocks, H, I,
+        h.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
+        y.stride(0),
+        BN=cfg.BN2, EVEN_K=I % cfg.BK == 0, **common,
+    )
+    # the k contributions of each token, summed in fp32 in a fixed order (deterministic)
+    return y.view(N, k, H).sum(1, dtype=torch.float32).to(x.dtype)

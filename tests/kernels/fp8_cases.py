@@ -1,0 +1,239 @@
+"""Checks for the block-FP8 kernels (activation quantizer, FP8 GEMM, FP8 fused MoE), run on CPU
+under TRITON_INTERPRET=1 (small shapes) and on a CUDA device (GLM-5 tp = 8 shapes). Every check
+draws fresh random inputs (never zeros, except the zero groups a case asks for) and compares the
+Triton kernel with a torch reference in float64 (float32 on a GPU, no tf32), ‖out − ref‖ / ‖ref‖
+per 128-column output block (so a block with tiny scales is checked as closely as one with
+large ones), and runs each kernel twice (the results must be bit-identical).
+
+Tolerances. fp32 activations: 1e-5 (fp32 accumulation; measured ~3e-7). bf16 outputs: 8e-3 (one
+bf16 rounding of the output, ~1.6e-3 rms; the interpreter truncates fp32 -> bf16, which doubles
+it). w8a8 rounds the activations to e4m3 on purpose, so it is checked against the reference run
+on the same quantized activations (`quantize_fp8_groups_reference`, bit-identical to the kernel's
+quantizer) at the tolerances above, and against the exact reference at 6e-2 (3 mantissa bits:
+measured ~2.5e-2)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from glm53.kernels.fp8_quant import (
+    AMAX_EPS,
+    FP8_MAX,
+    dequantize_fp8_blocks,
+    dequantize_fp8_groups,
+    quantize_fp8_blocks,
+    quantize_fp8_groups,
+    quantize_fp8_groups_reference,
+)
+
+# GLM-5 linear layers per tensor-parallel rank at tp = 8, (N, K) of W [N, K] (widths from
+# tools/make_slice.py: hidden 6144, q_lora 2048, kv_lora 512 + rope 64, 64 heads of qk 192 + 64 and
+# v 256, indexer 32 heads x 128, dense intermediate 12288, expert intermediate 2048, one shared
+# expert). Heads and intermediate widths split by 8; the latent projections and indexer are
+# replicated.
+GLM5_TP8_LINEARS = {
+    "q_a_proj": (2048, 6144),
+    "kv_a_proj_with_mqa": (576, 6144),  # 4.5 blocks: a partial row block
+    "q_b_proj": (8 * 256, 2048),
+    "kv_b_proj": (8 * (192 + 256), 512),
+    "o_proj": (6144, 8 * 256),
+    "indexer.wq_b": (32 * 128, 2048),
+    "indexer.wk": (128, 6144),
+    "mlp.gate_up (dense)": (2 * 12288 // 8, 6144),
+    "mlp.down (dense)": (6144, 12288 // 8),
+    "shared_experts.gate_up": (2 * 2048 // 8, 6144),
+    "shared_experts.down": (6144, 2048 // 8),
+}
+GLM5_TP8_EXPERTS = dict(E=256, H=6144, I=2048 // 8, k=8)
+
+
+def _ref_dtype(device) -> torch.dtype:
+    return torch.float32 if torch.device(device).type == "cuda" else torch.float64
+
+
+def block_rel_errs(out: torch.Tensor, ref: torch.Tensor, block: int = 128) -> list[float]:
+    """‖out − ref‖ / ‖ref‖ of every 128-column block of the output (finite, no NaN)."""
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "non-finite output"
+    o, r = out.to(ref.dtype), ref
+    errs = []
+    for c in range(0, ref.shape[-1], block):
+        rb = r[..., c : c + block]
+        errs.append(((o[..., c : c + block] - rb).norm() / rb.norm().clamp_min(1e-300)).item())
+    return errs
+
+
+def scale_factors(shape, kind: str, device) -> torch.Tensor:
+    """Multipliers for a weight's block scales: "normal" 1; "tiny" ~1e-6 and "large" ~1e3 (times
+    U(0.5, 2)); "mixed" log-uniform over [1e-6, 1e3] per block."""
+    if kind == "normal":
+        return torch.ones(shape, device=device)
+    if kind == "mixed":
+        return torch.exp(torch.empty(shape, device=device).uniform_(math.log(1e-6), math.log(1e3)))
+    base = {"tiny": 1e-6, "large": 1e3}[kind]
+    return base * torch.exp(torch.empty(shape, device=device).uniform_(math.log(0.5), math.log(2.0)))
+
+
+def block_weight(N: int, K: int, kind: str = "normal", device="cpu", lead: tuple = ()):
+    """Random block-FP8 weight (q [*lead, N, K] e4m3, scale [*lead, ceil(N/128), ceil(K/128)] fp32):
+    a fan-in-scaled Gaussian quantized, its scales multiplied by `scale_factors(kind)`."""
+    q, s = quantize_fp8_blocks(torch.randn(*lead, N, K, device=device) * K**-0.5)
+    return q, (s * scale_factors(s.shape, kind, device)).contiguous()
+
+
+def activations(M: int, K: int, dtype, kind: str = "normal", device="cpu") -> torch.Tensor:
+    """x [M, K]: Gaussian ("normal"), or ("ranges") every 1×128 group at its own magnitude,
+    log-uniform over [1e-6, 1e3], with one group of zeros (of several)."""
+    x = torch.randn(M, K, device=device)
+    if kind == "ranges":
+        g = -(-K // 128)
+        mag = torch.exp(torch.empty(M, g, device=device).uniform_(math.log(1e-6), math.log(1e3)))
+        x = x * mag.repeat_interleave(128, dim=1)[:, :K]
+        assert M * g > 1, "one group only: it would be all zeros"
+        x[M // 2, 128 * (g // 2) : 128 * (g // 2 + 1)] = 0.0
+    return x.to(dtype)
+
+
+# ---- activation quantization ------------------------------------------------------------------
+def check_quant(M: int, K: int, dtype, device="cpu", kind="ranges", group=128) -> None:
+    """The dispatched quantizer (Triton here) bit-identical to the reference; the round-trip bound
+    of fp8_quant's docstring; each nonzero group's largest element at ±448; zero groups -> q = 0
+    with the floor scale, nothing NaN."""
+    x = activations(M, K, dtype, kind, device)
+    q, s = quantize_fp8_groups(x, group)
+    qr, sr = quantize_fp8_groups_reference(x, group)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (M, K) and s.shape == (M, -(-K // group))
+    assert torch.equal(s, sr), "scales differ from the reference"
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), \
+        f"{(q.view(torch.uint8) != qr.view(torch.uint8)).sum().item()} e4m3 codes differ from the reference"
+    xf = x.float()
+    deq = dequantize_fp8_groups(q, s, group)
+    s_el = s.repeat_interleave(group, dim=1)[:, :K]
+    bound = xf.abs() * 2.0**-4 + s_el * 2.0**-10 + xf.abs() * 1e-6
+    assert torch.all((deq - xf).abs() <= bound), (deq - xf).abs().max()
+    amax = torch.nn.functional.pad(q.float().abs(), (0, s.shape[1] * group - K)).view(M, -1, group).amax(-1)
+    zero = torch.nn.functional.pad(xf.abs(), (0, s.shape[1] * group - K)).view(M, -1, group).amax(-1) == 0
+    assert torch.all(amax[~zero] == FP8_MAX), "a group's largest element must map to ±448"
+    assert torch.all(amax[zero] == 0) and torch.all(s[zero] == torch.tensor(AMAX_EPS) / FP8_MAX)
+    if kind == "ranges":
+        assert zero.any(), "the case must hold a zero group"
+    assert not torch.isnan(deq).any()
+
+
+# ---- GEMM -------------------------------------------------------------------------------------
+def check_gemm(M, N, K, dtype, variant, w_kind="normal", x_kind="normal", device="cpu", config=None,
+               out_dtype=None) -> float:
+    """The Triton variant ("w8a16" / "w8a8", or "dispatch": the public `fp8_gemm`) against the
+    dequantized reference; returns the largest per-block error."""
+    from glm53.kernels.fp8_gemm import fp8_gemm, fp8_variant
+    from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8, fp8_gemm_w8a16
+
+    q, s = block_weight(N, K, w_kind, device)
+    x = activations(M, K, dtype, x_kind, device)
+    out_dtype = out_dtype or dtype
+    if variant == "dispatch":
+        run = lambda: fp8_gemm(x, q, s, out_dtype)  # noqa: E731
+        variant = fp8_variant(M)
+    else:
+        f = fp8_gemm_w8a16 if variant == "w8a16" else fp8_gemm_w8a8
+        run = lambda: f(x, q, s, out_dtype, config=config)  # noqa: E731
+    y = run()
+    assert y.shape == (M, N) and y.dtype == out_dtype
+    rd = _ref_dtype(device)
+    w = dequantize_fp8_blocks(q, s, dtype=rd)
+    exact = x.to(rd) @ w.t()
+    tol = 1e-5 if out_dtype == torch.float32 and dtype == torch.float32 else 8e-3
+    if variant == "w8a8":
+        xq, xs = quantize_fp8_groups_reference(x)
+        emulated = dequantize_fp8_groups(xq, xs).to(rd) @ w.t()
+        errs = block_rel_errs(y, emulated)
+        assert max(errs) <= tol, f"w8a8 against the same quantized activations: {errs}"
+        if x_kind == "normal":  # the price of e4m3 activations (with "ranges", group-dependent)
+            loose = block_rel_errs(y, exact)
+            assert max(loose) <= 6e-2, loose
+    else:
+        errs = block_rel_errs(y, exact)
+        assert max(errs) <= tol, f"{variant}: {errs}"
+    if torch.device(device).type == "cuda":  # (the interpreter runs programs one by one)
+        assert torch.equal(run(), y), "two runs differ: the result must be deterministic"
+    return max(errs)
+
+
+# ---- fused MoE --------------------------------------------------------------------------------
+def moe_fp8_inputs(N, H, I, E, k, dtype, device="cpu", n_empty=0, fused=False, kind="normal", ids_dtype=torch.int64):
+    """Fresh random routed-expert inputs with block-FP8 experts: (x, weights, ids, gate, gate_scale,
+    up, up_scale, down, down_scale); fused -> gate is [E, 2I, H] and up/up_scale are None."""
+    from .cases import moe_inputs
+
+    x, weights, ids, _, _, _ = moe_inputs(N, 8, 8, E, k, torch.float32, device, n_empty, ids_dtype)
+    x = torch.randn(N, H, device=device).to(dtype)
+    if fused:
+        gate, gs = block_weight(2 * I, H, kind, device, lead=(E,))
+        up = us = None
+    else:
+        gate, gs = block_weight(I, H, kind, device, lead=(E,))
+        up, us = block_weight(I, H, kind, device, lead=(E,))
+    down, ds = block_weight(H, I, kind, device, lead=(E,))
+    return x, weights, ids, gate, gs, up, us, down, ds
+
+
+def _moe_emulated(inputs, quant: bool, rd) -> torch.Tensor:
+    """Per-expert loop in `rd`: the exact dequantized reference (quant=False), or with x and h
+    rounded per 1×128 group as the w8a8 kernels round them (quant=True)."""
+    x, weights, ids, gate, gs, up, us, down, ds = inputs
+    if up is None:
+        I = gate.shape[1] // 2
+        gu = dequantize_fp8_blocks(gate, gs, dtype=rd)
+        g, u = gu[:, :I], gu[:, I:]
+    else:
+        g, u = dequantize_fp8_blocks(gate, gs, dtype=rd), dequantize_fp8_blocks(up, us, dtype=rd)
+    d = dequantize_fp8_blocks(down, ds, dtype=rd)
+
+    def q(t):
+        return dequantize_fp8_groups(*quantize_fp8_groups_reference(t.float())).to(rd) if quant else t.to(rd)
+
+    xr = q(x)
+    out = torch.zeros(x.shape, dtype=rd, device=x.device)
+    for e in torch.unique(ids).tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        h = torch.nn.functional.silu(xr[tok] @ g[e].t()) * (xr[tok] @ u[e].t())
+        out.index_add_(0, tok, weights[tok, j, None].to(rd) * (q(h) @ d[e].t()))
+    return out
+
+
+def check_moe_fp8(N, H, I, E, k, dtype, variant, device="cpu", n_empty=0, fused=False, kind="normal",
+                  config=None, ids_dtype=torch.int64) -> float:
+    """The fused FP8 MoE (variant "w8a16" / "w8a8", or "dispatch": the public `moe_experts_fp8`)
+    against the dequantized reference (w8a8: against the same rounding of x and h, and loosely
+    against the exact one); the public reference against the same loop; bit-identical reruns."""
+    from glm53.kernels.moe_fp8 import moe_experts_fp8, moe_experts_fp8_reference, moe_fp8_variant
+    from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
+
+    inputs = moe_fp8_inputs(N, H, I, E, k, dtype, device, n_empty, fused, kind, ids_dtype)
+    if variant == "dispatch":
+        run = lambda: moe_experts_fp8(*inputs)  # noqa: E731
+        variant = moe_fp8_variant(N)
+    else:
+        run = lambda: moe_experts_fp8_triton(*inputs, variant=variant, config=config)  # noqa: E731
+    out = run()
+    assert out.shape == (N, H) and out.dtype == dtype
+    rd = _ref_dtype(device)
+    exact = _moe_emulated(inputs, False, rd)
+    ref32 = moe_experts_fp8_reference(*(t.float() if t is inputs[0] else t for t in inputs))
+    assert max(block_rel_errs(ref32, exact)) <= 1e-5, "the public reference disagrees with the loop"
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    if variant == "w8a8":
+        errs = block_rel_errs(out, _moe_emulated(inputs, True, rd))
+        # an h element at an e4m3 rounding tie may round the other way after fp32 sums in another order
+        assert max(errs) <= max(tol, 1e-4), f"w8a8 against the same rounding of x and h: {errs}"
+        if kind == "normal":
+            loose = block_rel_errs(out, exact)
+            assert max(loose) <= 8e-2, loose
+    else:
+        errs = block_rel_errs(out, exact)
+        assert max(errs) <= tol, f"{variant}: {errs}"
+    if torch.device(device).type == "cuda":  # (the interpreter runs programs one by one)
+        assert torch.equal(run(), out), "two runs differ: the result must be deterministic"
+    return max(errs)

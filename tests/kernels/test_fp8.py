@@ -1,0 +1,89 @@
+"""Block-FP8 on CPU (no Triton kernel runs here): the weight format's round trip, the activation
+quantizer's rule, the CPU dispatch to the torch references, and the dispatchers' one rule.
+The Triton kernels are checked in test_interp_cases.py (interpreter) and test_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from glm53.kernels import fp8_gemm, fp8_quant, moe_fp8
+
+from . import fp8_cases
+
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(29)
+
+
+def test_block_weight_format_roundtrip():
+    # kv_a's 576 rows (a partial row block) and a partial K block; every block at its own scale
+    w = torch.randn(576, 300) * torch.logspace(-6, 3, 576)[:, None]
+    q, s = fp8_quant.quantize_fp8_blocks(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (576, 300) and s.shape == (5, 3)
+    deq = fp8_quant.dequantize_fp8_blocks(q, s)
+    s_el = s.repeat_interleave(128, 0)[:576].repeat_interleave(128, 1)[:, :300]
+    assert torch.all((deq - w).abs() <= w.abs() * 2.0**-4 + s_el * 2.0**-10 + w.abs() * 1e-6)
+    # each block's largest element lands on ±448; experts are batch dims
+    blocks = torch.nn.functional.pad(q.float().abs(), (0, 84, 0, 64)).view(5, 128, 3, 128).amax(dim=(1, 3))
+    assert torch.all(blocks == 448)
+    qe, se = fp8_quant.quantize_fp8_blocks(torch.stack([w[:256], 2 * w[:256]]))
+    assert se.shape == (2, 2, 3) and torch.equal(se[0], s[:2]) and torch.equal(se[1], 2 * s[:2])
+    assert torch.equal(fp8_quant.dequantize_fp8_blocks(qe, se)[0], fp8_quant.dequantize_fp8_blocks(q[:256], s[:2]))
+
+
+def test_activation_quantizer_rule_and_zero_groups():
+    x = fp8_cases.activations(9, 300, torch.float32, "ranges")
+    q, s = fp8_quant.quantize_fp8_groups_reference(x)
+    g = torch.nn.functional.pad(x.abs(), (0, 84)).view(9, 3, 128).amax(-1)
+    assert torch.equal(s, g.clamp_min(fp8_quant.AMAX_EPS) / 448)
+    zero = g == 0
+    assert zero.any() and torch.all(s[zero] > 0)
+    deq = fp8_quant.dequantize_fp8_groups(q, s)
+    assert torch.isfinite(deq).all() and torch.all(deq.view(-1)[x.view(-1) == 0] == 0)
+    err = (deq - x).abs()
+    assert torch.all(err <= x.abs() * 2.0**-4 + s.repeat_interleave(128, 1)[:, :300] * 2.0**-10 + 1e-30)
+    # the bound is tight enough to fail: a one-step mis-rounding breaks it somewhere
+    assert (err / x.abs().clamp_min(1e-30))[x.abs() * 2**6 > s.repeat_interleave(128, 1)[:, :300]].max() > 2.0**-6
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="interpreter process")
+def test_cpu_tensors_take_the_references():
+    q, s = fp8_cases.block_weight(200, 300, "mixed")
+    x = torch.randn(3, 5, 300, dtype=torch.bfloat16)
+    y = fp8_gemm.fp8_gemm(x, q, s)
+    assert y.shape == (3, 5, 200) and y.dtype == torch.bfloat16
+    assert torch.equal(y, fp8_gemm.fp8_gemm_reference(x, q, s))
+    assert torch.equal(y, (x.float() @ fp8_quant.dequantize_fp8_blocks(q, s).t()).to(torch.bfloat16))
+    xq = fp8_quant.quantize_fp8_groups(x[0])
+    xr = fp8_quant.quantize_fp8_groups_reference(x[0])
+    assert torch.equal(xq[0].view(torch.uint8), xr[0].view(torch.uint8)) and torch.equal(xq[1], xr[1])
+    for fused in (False, True):
+        inputs = fp8_cases.moe_fp8_inputs(9, 136, 160, 6, 3, torch.bfloat16, n_empty=1, fused=fused)
+        out = moe_fp8.moe_experts_fp8(*inputs)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, moe_fp8.moe_experts_fp8_reference(*inputs))
+        exact = fp8_cases._moe_emulated(inputs, False, torch.float64)
+        assert max(fp8_cases.block_rel_errs(out, exact)) < 8e-3
+
+
+def test_dispatch_rules_are_one_threshold(monkeypatch):
+    m = fp8_gemm.W8A16_MAX_M
+    assert fp8_gemm.fp8_variant(1) == fp8_gemm.fp8_variant(m) == "w8a16"
+    assert fp8_gemm.fp8_variant(m + 1) == "w8a8"
+    monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", 0)
+    assert fp8_gemm.fp8_variant(1) == "w8a8"
+    n = moe_fp8.MOE_W8A16_MAX_TOKENS
+    assert moe_fp8.moe_fp8_variant(n) == "w8a16" and moe_fp8.moe_fp8_variant(n + 1) == "w8a8"
+
+
+def test_glm5_tp8_shapes():
+    # the per-rank widths the GPU tests and the benchmark use (GLM-5 at tp = 8)
+    sh = fp8_cases.GLM5_TP8_LINEARS
+    assert sh["kv_a_proj_with_mqa"] == (576, 6144) and sh["q_b_proj"] == (2048, 2048)
+    assert sh["kv_b_proj"] == (3584, 512) and sh["o_proj"] == (6144, 2048)
+    assert fp8_cases.GLM5_TP8_EXPERTS == dict(E=256, H=6144, I=256, k=8)
