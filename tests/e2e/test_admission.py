@@ -86,7 +86,6 @@ def test_burst_queues_and_refuses_only_past_the_bounds(tmp_path_factory, model_c
         summary = [(kind, round(t, 1), msg[:70]) for kind, msg, t in results]
         ok = [t for kind, _, t in results if kind == "ok"]
         refused = [(msg, t) for kind, msg, t in results if kind == "503"]
-        print("\n", summary)
         assert len(ok) + len(refused) == N, summary
         assert ok and refused, summary
         # More than the router's queue holds arrived at once: the excess is refused at once.
@@ -97,6 +96,7 @@ def test_burst_queues_and_refuses_only_past_the_bounds(tmp_path_factory, model_c
         for m, _ in refused:  # queueing, never a transfer fault
             assert "transfer" not in m and "timed out" not in m, m
         wait_pages_free(c)
+        assert httpx.get(c.url + "/server_info", timeout=10).json()["router"]["queued_requests"] == 0
         text = httpx.get(c.url + "/metrics", timeout=10).text
         assert _metric(text, "sglang:queue_time_seconds_count") >= len(ok), text
         assert _metric(text, "sglang:num_transfer_failed_reqs_total") == 0

@@ -131,7 +131,7 @@ async def server_info(state: State) -> dict:
         "internal_states": [internal], "version": VERSION,
         # the router's own view
         "router": {"host": cfg.router.host, "port": cfg.router.port, "policy": cfg.router.policy,
-                   "running_requests": len(pool.rooms)},
+                   "running_requests": len(pool.rooms), "queued_requests": state.admission.depth},
         **pool.status(),
     }
 
