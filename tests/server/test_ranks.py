@@ -29,6 +29,7 @@ def test_stage_layers_rejects_impossible_splits():
 def test_rank_specs_are_pp_major_with_their_stage_and_gpu():
     cluster = parse_config({
         "model": {"path": "/m"},
+        "router": {"result_port": 5},  # the config spans hosts: every internal port is pinned
         "defaults": {"device": "cuda", "page_size": 32, "num_pages": 100},
         "prefill": [{"name": "p0", "host": "10.0.0.1", "port": 1, "bootstrap_port": 2, "devices": [4]}],
         "decode": [{"name": "d0", "host": "10.0.0.2", "port": 3, "devices": [0]}],
