@@ -13,14 +13,14 @@ from glm53.models.kv_cache import KVPools, OutOfPages, PageAllocator, Pool, kv_b
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import CommStats, TPGroup, check_tp
 from glm53.models.runner import ModelRunner, SeqChunk
-from glm53.models.weights import WeightError, checkpoint_tensors, load_weights
+from glm53.models.weights import WeightError, checkpoint_tensors, fp8_param_names, load_model, load_weights
 
 __all__ = [
     "ConfigError", "GlmConfig", "indexer_schedule",
     "KVPools", "OutOfPages", "PageAllocator", "Pool", "kv_bytes_per_token", "target_pools",
     "ForwardBatch", "GlmForCausalLM", "StageInput", "StageOutput",
     "CommStats", "TPGroup", "check_tp",
-    "ModelRunner", "SeqChunk", "WeightError", "checkpoint_tensors", "load_weights",
+    "ModelRunner", "SeqChunk", "WeightError", "checkpoint_tensors", "fp8_param_names", "load_model", "load_weights",
     "DRAFT_KV", "DFlashConfig", "DFlashDraft", "DraftBlock", "DraftProjection", "add_draft_pools", "draft_kv_bytes_per_token",
     "build_target_layer_ids", "check_draft_tp", "load_draft_projection", "load_draft_weights", "write_random_draft",
 ]

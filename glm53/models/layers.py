@@ -4,6 +4,13 @@ tensor-parallel linears, vocab-parallel embedding and lm_head, norms, the SwiGLU
 Column-parallel layers split the output features and leave their output split (the consumer is
 per-head attention or a row-parallel layer); row-parallel layers split the input features and
 sum partial outputs with one all-reduce, unless the caller folds that sum into a later one.
+
+Block-FP8 (DESIGN §4.8): a linear whose checkpoint tensor is block-FP8 can hold it as is
+(`Linear.to_fp8`): `weight` float8_e4m3fn and `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)],
+each parameter with its own shard rule (the scale's cuts the same dimension into the blocks of
+the weight's part, so a part must span whole blocks: a `ConfigError` names the layer and tp
+otherwise), and its product runs `kernels.fp8_gemm.fp8_gemm` (CPU: the exact dequantized
+reference). `materialize_` allocates a model built on the meta device on its target device.
 """
 
 from __future__ import annotations
@@ -12,16 +19,58 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm53.kernels.fp8_gemm import fp8_gemm
 from glm53.kernels.moe import swiglu_mlp
+from glm53.models.config import ConfigError
 from glm53.models.parallel import TPGroup
-from glm53.models.sharding import REPLICATED, Shard
+from glm53.models.sharding import REPLICATED, Shard, shard_of
+
+FP8 = torch.float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"  # checkpoint: `<name>.weight` (e4m3) + `<name>.weight_scale_inv` (fp32)
 
 
-def param(*shape: int, dtype: torch.dtype, shard: Shard = REPLICATED) -> nn.Parameter:
+def param(*shape: int, dtype: torch.dtype, shard: Shard = REPLICATED,
+          device: torch.device | str | None = None) -> nn.Parameter:
     """A parameter of the local `shape`, tagged with the rule that maps it to its checkpoint tensor."""
-    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
     p.shard = shard
     return p
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fp8_pair(w: nn.Parameter, name: str, block: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """The block-FP8 form of the (meta or empty) weight `w` [..., N, K] (leading dims: stacked
+    experts; its rule describes one expert's tensor): an e4m3 parameter of the same shape and rule
+    and its scales [..., ceil(N/block), ceil(K/block)] fp32, split by the same rule. Under tensor
+    parallelism the scales split equally only if each rank's part of the split dimension is whole
+    blocks (then block row r of the part is block row r + rank·part/block of the tensor); else this
+    is a `ConfigError` naming the parameter and tp."""
+    rule = shard_of(w)
+    *lead, n, k = w.shape
+    if not rule.replicated:
+        local = (n, k)[rule.dim]
+        if local % block:
+            full = rule.full_shape((n, k))
+            raise ConfigError(
+                f"{name}: tensor_parallel_size={rule.size} splits dimension {rule.dim} of this block-FP8 weight "
+                f"{full} into parts of {local}, which is not a multiple of the {block}-wide weight blocks (each "
+                f"rank must hold whole blocks); use a tp that does, or dtype bfloat16 to dequantize at load")
+    q = param(*w.shape, dtype=FP8, shard=rule, device=w.device)
+    s = param(*lead, _cdiv(n, block), _cdiv(k, block), dtype=torch.float32, shard=rule, device=w.device)
+    return q, s
+
+
+def materialize_(module: nn.Module, device: torch.device | str) -> None:
+    """Allocates every parameter of `module` (built on the meta device) on `device`, uninitialised
+    (the loader fills them), keeping each one's shard rule. (`Module.to_empty` would drop the
+    rule.) Non-persistent buffers are the owner's to recompute."""
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = param(*p.shape, dtype=p.dtype, shard=shard_of(p), device=device)
 
 
 def split(n: int, tp: TPGroup, what: str) -> int:
@@ -31,14 +80,43 @@ def split(n: int, tp: TPGroup, what: str) -> int:
 
 
 class Linear(nn.Module):
-    """Replicated: every rank holds the whole weight."""
+    """Replicated: every rank holds the whole weight. `dtype` is the weight's and the output's;
+    after `to_fp8` the weight is e4m3 with block scales and the output stays in `dtype`."""
+
+    # Whether this layer may hold its weight block-FP8 (a consumer that reads the weight itself,
+    # as the absorbed attention reads kv_b_proj's, sets it False: the loader then dequantizes).
+    fp8_ok = True
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
-        self.weight = param(out_features, in_features, dtype=dtype)
+        self._init(dtype, param(out_features, in_features, dtype=dtype))
+
+    def _init(self, dtype: torch.dtype, weight: nn.Parameter) -> None:
+        self.dtype = dtype
+        self.weight = weight
+        self.register_parameter("weight_scale_inv", None)
+
+    @property
+    def fp8(self) -> bool:
+        return self.weight_scale_inv is not None
+
+    def to_fp8(self, prefix: str, names: frozenset[str], block: int) -> set[str]:
+        """Holds the weight block-FP8 if the checkpoint stores `<prefix>.weight` so (`names`) and
+        this layer may; returns the parameter names converted."""
+        name = f"{prefix}.weight"
+        if name not in names or not self.fp8_ok:
+            return set()
+        self.weight, self.weight_scale_inv = fp8_pair(self.weight, name, block)
+        return {name}
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product x @ W^T (no communication)."""
+        if self.weight_scale_inv is not None:
+            return fp8_gemm(x.to(self.dtype), self.weight, self.weight_scale_inv, self.dtype)
+        return F.linear(x.to(self.weight.dtype), self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return self.matmul(x)
 
 
 class ColumnParallelLinear(Linear):
@@ -48,7 +126,7 @@ class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, tp: TPGroup):
         nn.Module.__init__(self)
         n = split(out_features, tp, "output features")
-        self.weight = param(n, in_features, dtype=dtype, shard=Shard(0, tp.rank, tp.size))
+        self._init(dtype, param(n, in_features, dtype=dtype, shard=Shard(0, tp.rank, tp.size)))
 
 
 class RowParallelLinear(Linear):
@@ -58,10 +136,10 @@ class RowParallelLinear(Linear):
         nn.Module.__init__(self)
         self.tp = tp
         n = split(in_features, tp, "input features")
-        self.weight = param(out_features, n, dtype=dtype, shard=Shard(1, tp.rank, tp.size))
+        self._init(dtype, param(out_features, n, dtype=dtype, shard=Shard(1, tp.rank, tp.size)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+        return self.tp.all_reduce(self.matmul(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -118,5 +196,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if g.fp8 or u.fp8 or d.fp8:  # block-FP8 products (each layer's own form)
+            out = d.matmul(F.silu(g.matmul(x)) * u.matmul(x))
+        else:
+            out = swiglu_mlp(x, g.weight, u.weight, d.weight)
         return self.tp.all_reduce(out) if self.reduce else out

@@ -7,6 +7,13 @@ the absorbed (MQA) form over the latent cache, so prefill and decode share one p
 
 Parameter names follow the Hugging Face checkpoint (`model.layers.N.self_attn.q_a_proj.weight`);
 routed experts are stacked per layer ([E, ...]) and the loader maps `mlp.experts.E.*` into them.
+
+Block-FP8 (GLM-5-FP8): the model is told which parameters the checkpoint stores block-FP8 (`fp8`,
+read from the checkpoint by `weights.fp8_param_names`, never assumed by layer type) and holds
+those it can as e4m3 + `weight_scale_inv` (the linears, `layers.Linear.to_fp8`; the routed
+experts' stacks, `Experts.to_fp8`); the rest of the model stays in `dtype`. kv_b_proj is the one
+exception: the absorbed attention reads its W_UK / W_UV slices directly, so it is held in `dtype`
+(the loader dequantizes it once); `fp8_dequantized` lists such parameters.
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ from torch import nn
 from glm53.kernels import index_cache_fp8, latent_cache_fp8
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
 from glm53.kernels.moe import moe_experts, route
+from glm53.kernels.moe_fp8 import moe_experts_fp8
 from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.sparse_mla import sparse_mla
 from glm53.kernels.topk import dsa_topk_paged
-from glm53.models.config import FULL, SHARED, GlmConfig
+from glm53.models.config import FULL, SHARED, ConfigError, GlmConfig
 from glm53.models.kv_cache import INDEX_K, LATENT, KVPools
 from glm53.models.layers import (
-    MLP, ColumnParallelLinear, Linear, Norm, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, param, split,
+    MLP, SCALE_SUFFIX, ColumnParallelLinear, Linear, Norm, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+    fp8_pair, param, split,
 )
 from glm53.models.parallel import TPGroup, check_tp
 from glm53.models.sharding import Shard
@@ -97,9 +106,17 @@ class Indexer(nn.Module):
         # With FP8 keys, queries and keys are rotated first (DESIGN "DSA": the rotation is
         # orthonormal, so it only matters where keys are quantized); a width that is not a power of
         # two (no Hadamard matrix) quantizes unrotated keys.
-        d = cfg.index_head_dim
-        rot = index_cache_fp8.hadamard(d) if d & (d - 1) == 0 else None
-        self.register_buffer("hadamard", rot, persistent=False)
+        self.register_buffer("hadamard", self._hadamard(), persistent=False)
+
+    def _hadamard(self) -> torch.Tensor | None:
+        d = self.cfg.index_head_dim
+        return index_cache_fp8.hadamard(d) if d & (d - 1) == 0 else None
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Recomputes the rotation (on the host, as at construction) onto `device`."""
+        with torch.device("cpu"):
+            rot = self._hadamard()
+        self.hadamard = rot.to(device) if rot is not None else None
 
     def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPools, layer: int) -> torch.Tensor:
         cfg = self.cfg
@@ -143,6 +160,9 @@ class Attention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim, dtype)
         self.kv_a_layernorm = Norm(cfg.kv_lora_rank, dtype)
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype, tp)
+        # The absorbed form below reads W_UK / W_UV (slices of this weight) per head, so it stays
+        # in the model dtype: a block-FP8 checkpoint's kv_b_proj is dequantized once at load.
+        self.kv_b_proj.fp8_ok = False
         self.o_proj = RowParallelLinear(h * cfg.v_head_dim, cfg.hidden_size, dtype, tp)
         self.indexer = Indexer(cfg, dtype) if cfg.indexer_types[layer] == FULL else None
         self.latent_fp8 = latent_cache_fp8.LatentLayout.for_config(cfg) if cfg.kv_lora_rank % 4 == 0 else None
@@ -191,7 +211,12 @@ class Gate(nn.Module):
 class Experts(nn.Module):
     """Routed experts stacked [E, ...], each tensor-parallel on its intermediate width: gate/up
     split on their output rows, down on its input columns (the shard rules describe one
-    expert's checkpoint tensor)."""
+    expert's checkpoint tensor).
+
+    Block-FP8 (`to_fp8`): the three stacks e4m3, each with its scales `<proj>_scale_inv`
+    [E, ceil(rows/128), ceil(cols/128)] (checkpoint `experts.<e>.<proj>.weight_scale_inv`)."""
+
+    PROJS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, cfg: GlmConfig, dtype: torch.dtype, tp: TPGroup):
         super().__init__()
@@ -201,6 +226,25 @@ class Experts(nn.Module):
         self.gate_proj = param(e, i, h, dtype=dtype, shard=rows)
         self.up_proj = param(e, i, h, dtype=dtype, shard=rows)
         self.down_proj = param(e, h, i, dtype=dtype, shard=cols)
+        for proj in self.PROJS:
+            self.register_parameter(proj + SCALE_SUFFIX, None)
+
+    @property
+    def fp8(self) -> bool:
+        return self.gate_proj_scale_inv is not None
+
+    def to_fp8(self, prefix: str, names: frozenset[str], block: int) -> set[str]:
+        """Holds the stacks block-FP8 when the checkpoint stores every expert's three projections
+        so (`names` holds the stacked names `<prefix>.<proj>`); otherwise none (the fused kernel
+        takes one form for all three: the loader dequantizes any FP8 ones)."""
+        stacked = {f"{prefix}.{proj}" for proj in self.PROJS}
+        if not stacked <= names:
+            return set()
+        for proj in self.PROJS:
+            q, s = fp8_pair(getattr(self, proj), f"{prefix}.<e>.{proj}.weight", block)
+            setattr(self, proj, q)
+            setattr(self, proj + SCALE_SUFFIX, s)
+        return stacked
 
 
 class MoE(nn.Module):
@@ -226,7 +270,11 @@ class MoE(nn.Module):
             cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         e = self.experts
-        out = moe_experts(x, weights, ids, e.gate_proj, e.up_proj, e.down_proj)
+        if e.fp8:
+            out = moe_experts_fp8(x, weights, ids, e.gate_proj, e.gate_proj_scale_inv, e.up_proj, e.up_proj_scale_inv,
+                                  e.down_proj, e.down_proj_scale_inv)
+        else:
+            out = moe_experts(x, weights, ids, e.gate_proj, e.up_proj, e.down_proj)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
@@ -263,6 +311,17 @@ class Backbone(nn.Module):
             self.norm = Norm(cfg.hidden_size, dtype)
 
 
+def fp8_block(cfg: GlmConfig) -> int:
+    """The block edge of a checkpoint whose FP8 weights are kept FP8 (128: the FP8 kernels')."""
+    if cfg.quant_method != "fp8":
+        raise ConfigError("quantization_config.quant_method: block-FP8 weights need 'fp8'")
+    if tuple(cfg.weight_block_size) != (128, 128):
+        raise ConfigError(f"quantization_config.weight_block_size: FP8 weights are kept FP8 only with [128, 128] "
+                          f"blocks (the FP8 kernels'), got {list(cfg.weight_block_size)}; load with dtype bfloat16 "
+                          f"to dequantize them at load")
+    return 128
+
+
 class GlmForCausalLM(nn.Module):
     """The target model, or one pipeline stage of it: decoder layers `layers` (global ids), with
     the embeddings on the first stage and the final norm + lm_head on the last.
@@ -270,7 +329,14 @@ class GlmForCausalLM(nn.Module):
     `tp` is this rank's tensor-parallel group (a trivial single-rank group by default); the
     module then holds this rank's shard of every split parameter, and each rank's forward
     returns the same full logits. `check_tp` runs first, so a tp that does not divide a split
-    dimension is a `ConfigError` naming it."""
+    dimension is a `ConfigError` naming it.
+
+    `fp8`: the parameter names (this model's naming: a routed-expert stack is
+    `...mlp.experts.<proj>`) that the checkpoint stores block-FP8, from `weights.fp8_param_names`;
+    those with an FP8 form are held e4m3 + scales (`fp8_params`), the others in `dtype`
+    (`fp8_dequantized`: the loader dequantizes them). Names of other stages are ignored. Empty
+    (the default): every weight in `dtype`, FP8 ones dequantized at load. Kept-FP8 weights need
+    the checkpoint's `weight_block_size` to be [128, 128] (the FP8 kernels')."""
 
     def __init__(
         self,
@@ -278,10 +344,12 @@ class GlmForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         layers: range | None = None,
         tp: TPGroup | None = None,
+        fp8: frozenset[str] | set[str] = frozenset(),
     ):
         super().__init__()
         self.tp = tp if tp is not None else TPGroup.single()
-        check_tp(cfg, self.tp.size)
+        fp8 = frozenset(fp8)
+        check_tp(cfg, self.tp.size, fp8)
         self.cfg = cfg
         self.dtype = dtype
         self.layer_range = layers if layers is not None else range(cfg.num_hidden_layers)
@@ -295,6 +363,31 @@ class GlmForCausalLM(nn.Module):
         # nearest preceding full layer's selection).
         self.hands_on_topk = not self.model.last and cfg.indexer_types[r.stop] == SHARED
         self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
+        self.fp8_params: frozenset[str] = frozenset()
+        self.fp8_dequantized: frozenset[str] = frozenset()
+        if fp8:
+            self._to_fp8(fp8)
+
+    def _to_fp8(self, fp8: frozenset[str]) -> None:
+        block = fp8_block(self.cfg)
+        held: set[str] = set()
+        for prefix, module in self.named_modules():
+            convert = getattr(module, "to_fp8", None)
+            if convert is not None:
+                held |= convert(prefix, fp8, block)
+        own = set(dict(self.named_parameters()))
+        self.fp8_params = frozenset(held)
+        self.fp8_dequantized = frozenset(n for n in fp8 if n in own and n not in held)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recomputes the non-persistent buffers (RoPE frequencies, the indexer rotations) on the
+        host, as construction does, and puts them on `device`: what a model built on the meta
+        device and materialized there (`layers.materialize_`) needs."""
+        device = torch.device(device)
+        self.inv_freq = rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta).to(device)
+        for m in self.modules():
+            if isinstance(m, Indexer):
+                m.init_buffers(device)
 
     @property
     def is_first(self) -> bool:

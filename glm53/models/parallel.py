@@ -9,6 +9,8 @@ program on every rank).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +83,7 @@ class TPGroup:
         return torch.cat(parts, dim=dim)
 
 
-def check_tp(cfg: GlmConfig, tp: int) -> None:
+def check_tp(cfg: GlmConfig, tp: int, fp8: Collection[str] = ()) -> None:
     """Raises `ConfigError` naming the first dimension that `tp` ranks cannot split evenly.
 
     Split: attention heads (q_b_proj / kv_b_proj / o_proj), the routed experts' intermediate
@@ -89,6 +91,9 @@ def check_tp(cfg: GlmConfig, tp: int) -> None:
     n_shared_experts, then divides too), the dense layers' intermediate width (when it has dense
     layers), and the vocabulary (embedding and lm_head). The DSA indexer, the router and the MLA
     latent projections are replicated, so nothing about them needs to divide.
+
+    `fp8`: the parameters kept block-FP8 (`GlmForCausalLM`'s `fp8`, from the checkpoint). Each
+    rank's part of a split FP8 weight must then be whole weight blocks (`check_fp8_tp`).
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
@@ -101,3 +106,45 @@ def check_tp(cfg: GlmConfig, tp: int) -> None:
     for name, value in dims:
         if value % tp:
             raise ConfigError(f"{name}: {value} is not divisible by tensor_parallel_size={tp}")
+    if fp8:
+        check_fp8_tp(cfg, tp, fp8)
+
+
+# Split block-FP8 weights by parameter name: (pattern, what is split, its width from the config).
+# kv_b_proj is absent: the model holds it dequantized (the absorbed attention reads it per head).
+_FP8_SPLITS = (
+    (r"\.self_attn\.q_b_proj\.weight$", "q_b_proj rows (num_attention_heads × qk_head_dim)",
+     lambda c: c.num_attention_heads * c.qk_head_dim, 0),
+    (r"\.self_attn\.o_proj\.weight$", "o_proj columns (num_attention_heads × v_head_dim)",
+     lambda c: c.num_attention_heads * c.v_head_dim, 1),
+    (r"\.mlp\.experts\.(gate_proj|up_proj|down_proj)$", "moe_intermediate_size",
+     lambda c: c.moe_intermediate_size, None),
+    (r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$",
+     "shared experts' width (moe_intermediate_size × n_shared_experts)",
+     lambda c: c.moe_intermediate_size * c.n_shared_experts, None),
+    (r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$", "intermediate_size", lambda c: c.intermediate_size, None),
+)
+
+
+def check_fp8_tp(cfg: GlmConfig, tp: int, fp8: Collection[str]) -> None:
+    """Raises `ConfigError` naming the first block-FP8 parameter in `fp8` whose tensor-parallel
+    part is not whole `weight_block_size` blocks of the split dimension: its scales could not be
+    split with it. (GLM-5-FP8, 128-blocks: tp 1, 2, 4, 8 and 16; at 32 an expert's 2048-wide
+    intermediate gives parts of 64.)"""
+    if tp == 1:
+        return
+    block = cfg.weight_block_size or (128, 128)
+    for name in sorted(fp8):
+        for pattern, what, width, dim in _FP8_SPLITS:
+            m = re.search(pattern, name)
+            if m is None:
+                continue
+            if dim is None:  # gate/up split their rows, down its columns
+                dim = 1 if m.group(1) == "down_proj" else 0
+            part = width(cfg) // tp
+            if part % block[dim]:
+                raise ConfigError(
+                    f"{name}: tensor_parallel_size={tp} splits its {what}, {width(cfg)}, into parts of {part}, "
+                    f"not whole {block[dim]}-wide FP8 weight blocks; use a tp that does, or dtype bfloat16 to "
+                    f"dequantize the weights at load")
+            break

@@ -45,7 +45,7 @@ from glm53.models.spec_state import SpecOutput
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import TPGroup
-from glm53.models.weights import load_weights
+from glm53.models.weights import load_model
 
 log = logging.getLogger(__name__)
 
@@ -158,17 +158,18 @@ class ModelRunner:
         tp: TPGroup | None = None,
         draft_dir: str | Path | None = None,
         kv_dtype: torch.dtype | None = None,
+        fp8: bool = False,
     ) -> "ModelRunner":
-        """Loads the stage holding `layers` (the whole model by default) from a checkpoint; with
-        `tp`, this rank's shard of it (reading only its slices of the split tensors). With
+        """Loads the stage holding `layers` (the whole model by default) from a checkpoint, straight
+        onto `device` (`weights.load_model`); with `tp`, this rank's shard of it (reading only its
+        slices of the split tensors). `fp8`: keep a block-FP8 checkpoint's FP8 weights e4m3 with
+        their scales (the rest in `dtype`); by default they are dequantised to `dtype`. With
         `draft_dir`, also the DFlash draft there (its config checked against the target's; same
         dtype and `tp`), on the last stage; a non-last stage gets its `DraftProjection`."""
         cfg = GlmConfig.from_dir(model_dir)
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-        model = GlmForCausalLM(cfg, dtype=dtype, layers=layers, tp=tp)
-        load_weights(model, model_dir, progress=progress)
-        model.to(device)
+        model = load_model(model_dir, dtype=dtype, device=device, layers=layers, tp=tp, fp8=fp8, progress=progress)
         draft = projection = None
         if draft_dir is not None and model.is_last:
             draft = DFlashDraft(DFlashConfig.from_dir(draft_dir, cfg), cfg, dtype=dtype, tp=model.tp)

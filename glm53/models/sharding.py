@@ -5,6 +5,11 @@ Every parameter carries its rule as the attribute `shard` (set by `layers.param`
 rank holds it whole) or cuts one checkpoint dimension into `size` equal parts, of which this rank
 holds part `rank`. For a stacked routed-expert parameter [E, ...] the rule describes one expert's
 checkpoint tensor, i.e. the parameter's row `[e]`.
+
+A block-FP8 weight's `weight_scale_inv` [ceil(N/128), ceil(K/128)] carries its own rule, the
+weight's (same dimension, rank and size) applied to the scale tensor: when each rank's part of
+the weight is whole 128-blocks (checked when the layer takes its FP8 form, `layers.fp8_pair`),
+the equal parts of the scale tensor are exactly the blocks of the weight's parts.
 """
 
 from __future__ import annotations

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from glm53.models import GlmConfig, ModelRunner, SeqChunk, load_weights
-from glm53.models.model import GlmForCausalLM
+from glm53.models import GlmConfig, ModelRunner, SeqChunk
 from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.draft_config import DFlashConfig
 from glm53.models.draft_weights import load_draft_projection, load_draft_weights
 from glm53.models.graph import GraphConfig
 from glm53.models.kv_cache import FP8
 from glm53.models.spec_state import SpecOutput
+from glm53.models.weights import load_model
 from glm53.models.parallel import TPGroup
 from glm53.models.runner import DeviceTokens
 from glm53.server.config import ClusterConfig, InstanceConfig
@@ -73,7 +73,9 @@ class RankSpec:
 
     def same_weights(self, other: "RankSpec") -> bool:
         """Whether a rank built from `other` holds exactly this rank's weights (model, dtype,
-        device, layers, an unsharded tp, the draft): a colocated pair's ranks then share them."""
+        device, layers, an unsharded tp, the draft): a colocated pair's ranks then share them.
+        (`dtype` decides the FP8 form too: "auto" keeps a block-FP8 checkpoint's weights FP8, an
+        explicit dtype dequantizes them, so the two never share.)"""
         keys = ("model_path", "device", "dtype", "layers", "tp_size", "pp_size", "draft_path")
         return self.tp_size == 1 and all(getattr(self, k) == getattr(other, k) for k in keys)
 
@@ -213,9 +215,10 @@ class RankWorker:
         self.transfer: TransferEngine | None = None
 
     def _load(self, spec: RankSpec) -> None:
-        self.model = GlmForCausalLM(self.cfg, dtype=self.dtype, layers=spec.layers, tp=self.tp)
-        load_weights(self.model, spec.model_path, progress=False)
-        self.model.to(self.device)
+        # Streamed straight onto the device (models/weights.load_model: no host copy of the stage);
+        # dtype "auto" keeps a block-FP8 checkpoint's FP8 weights FP8, an explicit dtype dequantizes.
+        self.model = load_model(spec.model_path, dtype=self.dtype, device=self.device, layers=spec.layers, tp=self.tp,
+                                fp8=spec.dtype == "auto", progress=False)
         if spec.draft_path and spec.last_stage:
             # A draft that does not fit the target is refused here, naming the field.
             self.draft = DFlashDraft(DFlashConfig.from_dir(spec.draft_path, self.cfg), self.cfg, dtype=self.dtype,
