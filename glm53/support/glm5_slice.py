@@ -1,7 +1,7 @@
 """Write a GLM-5-shaped slice checkpoint: GLM-5's full attention and indexer widths, few layers and
 experts, random weights, in the Hugging Face layout `glm53.models.load_weights` reads.
 
-    PYTHONPATH=. python tools/make_slice.py OUT_DIR [--layers 4] [--experts 16] [--vocab V] ...
+    PYTHONPATH=. python tools/make_slice.py OUT_DIR [--layers 4] [--experts 16] [--vocab V] [--fp8] ...
     PYTHONPATH=. python -m glm53.support.glm5_slice OUT_DIR ...   # the same (this module's `main`)
 
 Widths are GLM-5's (`tests/models/glm5_config.py`, GLM5): hidden 6144, 64 heads, q_lora 2048,
@@ -17,6 +17,12 @@ first use, nothing downloaded), so the slice serves through `glm53-serve` like a
 the vocabulary must cover that tokenizer. The weights are fan-in-scaled Gaussians drawn layer by
 layer and written one safetensors shard per layer (+ one for embeddings/head), so writing never
 holds more than one layer in memory.
+
+`--fp8` writes the GLM-5-FP8 layout: block-FP8 (e4m3 `<name>.weight` + fp32
+`<name>.weight_scale_inv` [ceil(N/128), ceil(K/128)], `kernels.fp8_quant.quantize_fp8_blocks`)
+exactly where the released GLM-5-FP8 checkpoint has it (`fp8_in_glm5`), the rest in `--dtype`,
+and config.json's `quantization_config` as the release has it (`FP8_QUANTIZATION_CONFIG`). The
+weights are the same draws as the plain slice's of the same seed, quantized.
 
 `widths` (Python API) or `--width KEY=VALUE` override any config field; the unit test uses it to
 write a tiny-width slice through the same code. `ensure_slice` writes issue 16's slice unless it
@@ -65,18 +71,37 @@ GLM5_WIDTHS: dict[str, Any] = {
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# GLM-5-FP8's `quantization_config` (the DeepSeek-V3 block-FP8 format).
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+# The tensors GLM-5-FP8 stores block-FP8 (each with a `.weight_scale_inv`): the five MLA projections,
+# the indexer's wq_b and wk, and gate/up/down of the dense MLPs, the shared experts and every routed
+# expert. Not: embed_tokens, lm_head, the norms (indexer k_norm included), the router (mlp.gate,
+# e_score_correction_bias), the indexer's weights_proj. (docs: /work/shared/reference/dsa.md §1.2,
+# the FP8 build's names and shapes; DeepSeek-V3's FP8 release has the same rule for the same layers.)
+_FP8_TENSOR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|indexer\.wq_b|indexer\.wk)"
+    r"|mlp\.((experts\.\d+|shared_experts)\.)?(gate_proj|up_proj|down_proj))\.weight$")
+
+
+def fp8_in_glm5(name: str) -> bool:
+    """Whether GLM-5-FP8 stores checkpoint tensor `name` block-FP8."""
+    return _FP8_TENSOR.match(name) is not None
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def slice_config(layers: int, experts: int, vocab: int, dense_layers: int = 1,
                  eos_token_id: list[int] | None = None, pad_token_id: int | None = None,
-                 widths: dict[str, Any] | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
-    """The slice's config.json. top-k is GLM-5's 8, or every expert when there are fewer."""
+                 widths: dict[str, Any] | None = None, dtype: str = "bfloat16", fp8: bool = False) -> dict[str, Any]:
+    """The slice's config.json. top-k is GLM-5's 8, or every expert when there are fewer. `fp8`:
+    with GLM-5-FP8's `quantization_config`."""
     w = {**GLM5_WIDTHS, **(widths or {})}
     if "num_experts_per_tok" not in (widths or {}):
         w["num_experts_per_tok"] = min(w["num_experts_per_tok"], experts)
     freq, offset = w["index_topk_freq"], w["index_skip_topk_offset"]
+    quant = {"quantization_config": dict(FP8_QUANTIZATION_CONFIG)} if fp8 else {}
     return {
         "architectures": ["GlmMoeDsaForCausalLM"],
         "model_type": "glm_moe_dsa",
@@ -101,6 +126,7 @@ def slice_config(layers: int, experts: int, vocab: int, dense_layers: int = 1,
         "tie_word_embeddings": False,
         "topk_method": "noaux_tc",
         "vocab_size": vocab,
+        **quant,
         **w,
     }
 
@@ -142,9 +168,11 @@ def tensor_specs(cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, tuple[tup
 def write_slice(out: str | Path, layers: int = 4, experts: int = 16, vocab: int | None = None,
                 dense_layers: int = 1, seed: int = 0, dtype: str = "bfloat16",
                 widths: dict[str, Any] | None = None, tokenizer_dir: str | Path | None = None,
-                log=None) -> Path:
-    """Write the slice into `out` (created) and return it."""
+                log=None, fp8: bool = False) -> Path:
+    """Write the slice into `out` (created) and return it; `fp8`: in the GLM-5-FP8 layout."""
     from safetensors.torch import save_file
+
+    from glm53.kernels.fp8_quant import quantize_fp8_blocks
 
     out = Path(out)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else default_tokenizer_dir()
@@ -157,7 +185,7 @@ def write_slice(out: str | Path, layers: int = 4, experts: int = 16, vocab: int 
         raise ValueError(f"dense_layers must be in [0, layers={layers}], got {dense_layers}")
     eos = tok_cfg.get("eos_token_id")
     cfg = slice_config(layers, experts, vocab, dense_layers, eos if isinstance(eos, list) else [eos],
-                       tok_cfg.get("pad_token_id"), widths, dtype)
+                       tok_cfg.get("pad_token_id"), widths, dtype, fp8)
     specs = tensor_specs(cfg, DTYPES[dtype])
 
     out.mkdir(parents=True, exist_ok=True)
@@ -182,7 +210,14 @@ def write_slice(out: str | Path, layers: int = 4, experts: int = 16, vocab: int 
         tensors = {}
         for name in groups[key]:
             shape, dt = specs[name]
-            tensors[name] = _init(name, shape, g).to(dt).contiguous()
+            w = _init(name, shape, g)
+            if fp8 and fp8_in_glm5(name):
+                tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(w)
+                weight_map[name + "_scale_inv"] = fname
+                total += tensors[name + "_scale_inv"].numel() * 4
+            else:
+                tensors[name] = w.to(dt).contiguous()
+            del w
             weight_map[name] = fname
             total += tensors[name].numel() * tensors[name].element_size()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
@@ -194,12 +229,13 @@ def write_slice(out: str | Path, layers: int = 4, experts: int = 16, vocab: int 
     return out
 
 
-def ensure_slice(slice_dir: Path) -> Path:
-    """Issue 16's GLM-5-shaped slice (4 layers, 16 experts, 1 dense), written unless it exists."""
+def ensure_slice(slice_dir: Path, fp8: bool = False) -> Path:
+    """Issue 16's GLM-5-shaped slice (4 layers, 16 experts, 1 dense), written unless it exists;
+    `fp8`: in the GLM-5-FP8 layout (issue 29's FP8 slice)."""
     if not (slice_dir / "config.json").exists():
         t0 = time.monotonic()
         subprocess.run([sys.executable, "-m", "glm53.support.glm5_slice", str(slice_dir), "--layers", "4",
-                        "--experts", "16", "--dense-layers", "1"], check=True)
+                        "--experts", "16", "--dense-layers", "1", *(["--fp8"] if fp8 else [])], check=True)
         print(f"slice written in {time.monotonic() - t0:.0f} s", flush=True)
     return slice_dir
 
@@ -232,14 +268,16 @@ def main(argv: list[str] | None = None) -> None:
                     "ids from (default: the embedded tiny model)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp8", action="store_true", help="the GLM-5-FP8 layout: block-FP8 weights (e4m3 + "
+                    "weight_scale_inv per 128x128 block) where the released checkpoint has them")
     ap.add_argument("--width", type=_width, action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field (JSON value), e.g. --width hidden_size=1024")
     a = ap.parse_args(argv)
     out = write_slice(a.out_dir, a.layers, a.experts, a.vocab, a.dense_layers, a.seed, a.dtype,
-                      dict(a.width), a.tokenizer_from, log=lambda s: print(s, file=sys.stderr))
+                      dict(a.width), a.tokenizer_from, log=lambda s: print(s, file=sys.stderr), fp8=a.fp8)
     cfg = json.loads((out / "config.json").read_text())
     print(f"{out}: {a.layers} layers, {a.experts} experts, vocab {cfg['vocab_size']}, "
-          f"{parameter_count(cfg) / 1e9:.2f} B parameters")
+          f"{parameter_count(cfg) / 1e9:.2f} B parameters{', block-FP8' if a.fp8 else ''}")
 
 
 if __name__ == "__main__":

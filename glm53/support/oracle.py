@@ -36,6 +36,15 @@ BASE = dict(
     max_position_embeddings=4096,
 )
 
+# Overrides of BASE for block-FP8 tests with GLM-5-FP8's 128×128 blocks: every weight tensor
+# parallelism splits gives each of tp = 2 ranks whole 128-blocks (q_b_proj rows 4 × 128, o_proj
+# columns 4 × 64, expert and MLP widths 256), hidden 192 leaves partial edge blocks (128 + 64),
+# and the index sharing schedule F F S F S.
+FP8_WIDTHS = dict(
+    hidden_size=192, num_attention_heads=4, num_key_value_heads=4, qk_nope_head_dim=112, qk_rope_head_dim=16,
+    v_head_dim=64, moe_intermediate_size=256, intermediate_size=256, index_topk_freq=2, index_skip_topk_offset=2,
+)
+
 
 def perturb_(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
@@ -63,26 +72,23 @@ def make_checkpoint(path: Path, seed: int = 0, sharded: bool = False, **override
     return model
 
 
-def quantise_fp8_(path: Path, block: int) -> None:
-    """Rewrites the single-file checkpoint at `path` as block-FP8 (e4m3 weights with
-    `weight_scale_inv` per block × block tile) for every 2-D `*proj.weight` except the fp32
-    indexer head gates, and adds the matching `quantization_config` to config.json."""
+def quantise_fp8_(path: Path, block: int = 128) -> None:
+    """Rewrites the single-file checkpoint at `path` as block-FP8 in the GLM-5-FP8 layout
+    (`glm5_slice.fp8_in_glm5`: the MLA projections, the indexer's wq_b and wk, every MLP and
+    expert projection; e4m3 weights with fp32 `weight_scale_inv` per block × block tile, from
+    `kernels.fp8_quant.quantize_fp8_blocks`), and adds the matching `quantization_config` to
+    config.json. Returns nothing; the quantised names are the `*_scale_inv` tensors' weights."""
     import json
 
     from safetensors.torch import load_file, save_file
 
+    from glm53.kernels.fp8_quant import quantize_fp8_blocks
+    from glm53.support.glm5_slice import FP8_QUANTIZATION_CONFIG, fp8_in_glm5
+
     sd = load_file(str(path / "model.safetensors"))
-    for name in [n for n in sd if n.endswith("proj.weight") and "weights_proj" not in n and sd[n].dim() == 2]:
-        w = sd[name]
-        r, c = -(-w.shape[0] // block), -(-w.shape[1] // block)
-        padded = torch.zeros(r * block, c * block)
-        padded[: w.shape[0], : w.shape[1]] = w
-        tiles = padded.view(r, block, c, block)
-        scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
-        q = (tiles / scale[:, None, :, None]).view(r * block, c * block)[: w.shape[0], : w.shape[1]]
-        sd[name] = q.to(torch.float8_e4m3fn)
-        sd[name + "_scale_inv"] = scale.float()
+    for name in [n for n in sd if fp8_in_glm5(n)]:
+        sd[name], sd[name + "_scale_inv"] = quantize_fp8_blocks(sd[name], block)
     save_file(sd, str(path / "model.safetensors"))
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block], "fmt": "e4m3"}
+    cfg["quantization_config"] = {**FP8_QUANTIZATION_CONFIG, "weight_block_size": [block, block]}
     (path / "config.json").write_text(json.dumps(cfg))
