@@ -23,9 +23,10 @@ import torch
 from glm53.kernels.dispatch import use_triton
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 
-# Rows up to which the w8a16 (dequantize-in-kernel) variant runs; above it, w8a8. Set from
-# benchmarks/fp8_gemm.py's crossover on the H200 (not yet measured: a guess).
-W8A16_MAX_M = 64
+# Rows up to which the w8a16 (dequantize-in-kernel) variant runs; above it, w8a8. Measured on
+# the H200 (benchmarks/fp8_gemm.py, 2026-12-02, GLM-5 tp = 8 shapes summed): within 5% of each
+# other up to M = 16, w8a16 10% faster at M = 32, w8a8 7% faster at M = 64.
+W8A16_MAX_M = 32
 
 
 def fp8_gemm_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

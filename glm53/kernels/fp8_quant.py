@@ -63,7 +63,7 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int = GROUP) -> tuple[torch.Tens
     wp = torch.nn.functional.pad(w.float(), (0, kb * block - K, 0, nb * block - N))
     tiles = wp.reshape(*lead, nb, block, kb, block)
     amax = tiles.abs().amax(dim=(-3, -1))  # [..., nb, kb]
-    scale = amax.clamp_min(AMAX_EPS) / FP8_MAX
+    scale = amax.clamp_min(AMAX_EPS) / torch.full_like(amax, FP8_MAX)  # IEEE division on CUDA too
     q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(*lead, nb * block, kb * block)
     return q[..., :N, :K].to(FP8).contiguous(), scale
 
@@ -75,7 +75,10 @@ def quantize_fp8_groups_reference(x: torch.Tensor, group: int = GROUP) -> tuple[
     M, K = x.shape
     kb = _cdiv(K, group)
     xp = torch.nn.functional.pad(x.float(), (0, kb * group - K)).view(M, kb, group)
-    scale = xp.abs().amax(dim=-1).clamp_min(AMAX_EPS) / FP8_MAX
+    amax = xp.abs().amax(dim=-1).clamp_min(AMAX_EPS)
+    # A tensor divisor: CUDA divides a tensor by a Python scalar as a multiplication by its
+    # reciprocal (1 ulp off the IEEE quotient the kernel computes); by a tensor it divides.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(M, kb * group)[:, :K].to(FP8)
     return q.contiguous(), scale
 

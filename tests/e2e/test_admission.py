@@ -90,8 +90,10 @@ def test_burst_queues_and_refuses_only_past_the_bounds(tmp_path_factory, model_c
         assert ok and refused, summary
         # More than the router's queue holds arrived at once: the excess is refused at once.
         assert any("max_queued_requests" in m and t < 2.0 for m, t in refused), summary
-        # The queued ones that could not be admitted in time are refused at the bound, not later.
-        assert any("max_queue_wait_s" in m for m, _ in refused), summary
+        # Every refusal is one of the two bounds (whether a queued request outwaits
+        # max_queue_wait_s depends on this machine's speed; tests/server/test_admission.py
+        # refuses one at that bound deterministically), and none comes after the bound.
+        assert all("max_queued_requests" in m or "max_queue_wait_s" in m for m, _ in refused), refused
         assert all(t < QUEUE_WAIT + 3.0 for _, t in refused), summary
         for m, _ in refused:  # queueing, never a transfer fault
             assert "transfer" not in m and "timed out" not in m, m
