@@ -55,6 +55,10 @@ def test_completions_cut_at_the_stop_string(cluster, expected):
     two = httpx.post(f"{cluster.url}/v1/completions", json={**body, "n": 2}, timeout=120).json()
     assert [c["text"] for c in two["choices"]] == [text, text]
     assert two["usage"]["completion_tokens"] == 2 * len(ids)
+    # A stop-string finish is decode's, not an abort.
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    aborted = [ln for ln in metrics.splitlines() if ln.startswith("sglang:num_aborted_requests_total")]
+    assert aborted and all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in aborted), aborted
     wait_pages_free(cluster)
 
 

@@ -39,7 +39,7 @@ class RouterMetrics:
                                      registry=r)
         self.requests = Counter("sglang:num_requests", "Requests finished, by finish reason.",
                                 [*m, "finished_reason"], registry=r)
-        self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted (client disconnect, stop string).",
+        self.aborted = Counter("sglang:num_aborted_requests", "Requests aborted (client disconnect, failure, shutdown).",
                                m, registry=r)
         # Speculative decoding: tokens each verify step committed (accepted drafts + 1); the
         # mean is SGLang's sglang:spec_accept_length.
