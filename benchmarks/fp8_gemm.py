@@ -46,6 +46,7 @@ from glm53.kernels.fp8_gemm_triton import GemmConfig, fp8_gemm_w8a8, fp8_gemm_w8
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks, quantize_fp8_blocks, quantize_fp8_groups_triton
 from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 from glm53.kernels.moe_triton import MoEConfig, moe_experts_triton
+from glm53.support.cuda_timing import graph_ms
 
 L2_BYTES = 60 << 20
 # GLM-5 per-rank linears at tp = 8, (N, K) of W [N, K]: hidden 6144, q_lora 2048, kv_lora 512 +
@@ -89,32 +90,8 @@ class Timer:
             for f in fns:
                 f()
             return (time.perf_counter() - t0) * 1e3 / len(fns)
-        seq = [fns[i % len(fns)] for i in range(max(self.min_calls, len(fns)))]
-        for f in fns:
-            f()
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in seq:
-                f()
-        g.replay()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = []
-        for _ in range(self.reps):
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) / len(seq))
-        del g
-        return statistics.median(ts)
+        # the calls in turn, at least min_calls of them
+        return graph_ms([fns[i % len(fns)] for i in range(max(self.min_calls, len(fns)))], self.reps, warm_replays=1)
 
 
 def copy_bandwidth(dev: str) -> float:
@@ -242,7 +219,7 @@ def moe_weights(cfg: dict, dev: str):
 
 
 def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: float, smoke: bool, log) -> int:
-    E, H, I, k = cfg["E"], cfg["H"], cfg["I"], cfg["k"]
+    H, I = cfg["H"], cfg["I"]
     fp8, gb, db = weights
     g, gs, _, _, d, ds = fp8
     per_expert = 3 * I * H + (gs[0].numel() + ds[0].numel()) * 4
@@ -355,8 +332,8 @@ def print_tables(bw: float) -> None:
                   f"speedup x{r['speedup']:.2f}")
     m = [r for r in ROWS if r["section"] == "moe"]
     if m:
-        print(f"\n| N | experts hit | w8a16 us | w8a8 us | bf16 us | FP8 floor us | floor / best FP8 | bf16 floor us | "
-              f"err w8a16 | err w8a8 |\n|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| N | experts hit | w8a16 us | w8a8 us | bf16 us | FP8 floor us | floor / best FP8 | bf16 floor us | "
+              "err w8a16 | err w8a8 |\n|---|---|---|---|---|---|---|---|---|---|")
         for r in m:
             print(f"| {r['N']} | {r['experts_hit']:.1f} | {r['w8a16_ms'] * 1e3:.1f} | {r['w8a8_ms'] * 1e3:.1f} | "
                   f"{r['bf16_ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | {r['floor_share']:.0%} | "

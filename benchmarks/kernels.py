@@ -30,6 +30,7 @@ from glm53.kernels.sparse_mla import sparse_mla_reference
 from glm53.kernels.sparse_mla_triton import sparse_mla_triton
 from glm53.kernels.topk import dsa_topk, dsa_topk_reference
 from glm53.kernels.topk_triton import topk_triton
+from glm53.support.cuda_timing import graph_ms
 
 L2_BYTES = 60 << 20
 ROWS: list[dict] = []
@@ -37,33 +38,7 @@ ROWS: list[dict] = []
 
 def _graph_time(fns, reps: int = 30) -> float:
     """Median µs per call of a CUDA graph that runs every fn in `fns` once."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / len(fns))
-    del g
-    return statistics.median(ts)
+    return graph_ms(fns, reps) * 1e3
 
 
 def _eager_time(fn, reps: int = 30) -> float:
