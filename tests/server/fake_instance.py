@@ -131,8 +131,8 @@ def step_rooms(ch: InstanceChannel, rooms: dict[int, _Room], scripts: list, eos_
         finish, matched = None, None
         if tok in spec.stop_ids:
             finish, matched = "stop", tok
-        elif r.stops is not None and r.stops.add(tok) is not None:
-            finish, matched = "stop", r.stops.matcher.matched
+        elif r.stops is not None and (s := r.stops.add(tok)) is not None:
+            finish, matched = "stop", s
         elif r.step >= spec.params.max_new_tokens:
             finish = "length"
         ch.send(q.reply_to, TokenEvent(room=q.room, generation=q.generation, instance=name,
