@@ -43,16 +43,28 @@ class TPGroup:
     size: int
     process_group: dist.ProcessGroup | None = None
     stats: CommStats = field(default_factory=CommStats)
+    # A group for building one rank's shard to count its shapes (`glm53-serve plan`, on the meta
+    # device): no process group, and a collective is an error.
+    shapes_only: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"TPGroup: rank {self.rank} is not in [0, {self.size})")
-        if self.size > 1 and self.process_group is None:
+        if self.size > 1 and self.process_group is None and not self.shapes_only:
             raise ValueError("TPGroup: a group of more than one rank needs a torch.distributed process group")
 
     @classmethod
     def single(cls) -> "TPGroup":
         return cls(rank=0, size=1)
+
+    @classmethod
+    def for_shapes(cls, size: int, rank: int = 0) -> "TPGroup":
+        """Rank `rank` of a group of `size`, for building its shard's parameters only."""
+        return cls(rank=rank, size=size, shapes_only=True)
+
+    def _check_runs(self) -> None:
+        if self.shapes_only:
+            raise RuntimeError("TPGroup.for_shapes: a group for counting shapes runs no collective")
 
     @classmethod
     def from_process_group(cls, pg: dist.ProcessGroup | None = None) -> "TPGroup":
@@ -66,6 +78,7 @@ class TPGroup:
         identical on all ranks."""
         if self.size == 1:
             return t
+        self._check_runs()
         self.stats.all_reduce_calls += 1
         self.stats.all_reduce_bytes += t.numel() * t.element_size()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
@@ -75,6 +88,7 @@ class TPGroup:
         """Every rank's `t` concatenated along `dim`, in rank order."""
         if self.size == 1:
             return t
+        self._check_runs()
         t = t.contiguous()
         self.stats.all_gather_calls += 1
         self.stats.all_gather_bytes += t.numel() * t.element_size()

@@ -56,6 +56,22 @@ _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoint o
 _SCALE_SUFFIX = SCALE_SUFFIX
 
 
+# The tensors GLM-5-FP8 stores block-FP8 (each with a `.weight_scale_inv`): the five MLA projections,
+# the indexer's wq_b and wk, and gate/up/down of the dense MLPs, the shared experts and every routed
+# expert. Not: embed_tokens, lm_head, the norms (indexer k_norm included), the router (mlp.gate,
+# e_score_correction_bias), the indexer's weights_proj. (../shared/reference/dsa.md §1.2, the FP8
+# build's names and shapes; DeepSeek-V3's FP8 release has the same rule for the same layers.) Used
+# only where there is no checkpoint to read the names from: `plan` and the slice tools.
+_GLM5_FP8_TENSOR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|indexer\.wq_b|indexer\.wk)"
+    r"|mlp\.((experts\.\d+|shared_experts)\.)?(gate_proj|up_proj|down_proj))\.weight$")
+
+
+def fp8_in_glm5(name: str) -> bool:
+    """Whether GLM-5-FP8 stores checkpoint tensor `name` block-FP8."""
+    return _GLM5_FP8_TENSOR.match(name) is not None
+
+
 class WeightError(ValueError):
     """The checkpoint does not match the model config; the message names the tensors/layers."""
 
@@ -109,6 +125,16 @@ def fp8_param_names(cfg: GlmConfig, names) -> frozenset[str]:
         else:
             experts[p] = experts.get(p, 0) + 1
     return frozenset(out | {p for p, k in experts.items() if k == cfg.n_routed_experts})
+
+
+def glm5_fp8_param_names(cfg: GlmConfig, model: nn.Module) -> frozenset[str]:
+    """`fp8_param_names` for a block-FP8 config.json without its checkpoint (planning): the
+    GLM-5-FP8 layout (`fp8_in_glm5`) applied to the tensors `model` (built without FP8, on the
+    meta device) would load. Empty unless `quantization_config.quant_method` is fp8."""
+    if cfg.quant_method != "fp8":
+        return frozenset()
+    names = [n for n in checkpoint_tensors(model) if fp8_in_glm5(n)]
+    return fp8_param_names(cfg, names + [n + _SCALE_SUFFIX for n in names])
 
 
 def check_indexer_schedule(cfg: GlmConfig, names: list[str]) -> None:

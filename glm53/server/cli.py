@@ -6,6 +6,7 @@
     glm53-serve decode --config FILE --instance NAME      one decode instance
     glm53-serve generate --model DIR --input-ids 1,2,3 --max-new-tokens N   offline greedy
     glm53-serve config --config FILE    validate and print the resolved config (what `up` runs)
+    glm53-serve plan --model DIR --tp 8 [--config FILE]   whether the model fits its GPUs (no weights read)
 
 Flags override the YAML and follow SGLang's names, with the usual vLLM aliases. Under `up` and
 `router`, --host/--port are the router's; under `prefill`/`decode`, the instance's. --model
@@ -41,6 +42,7 @@ import zmq
 
 from glm53.server.config import ClusterConfig, ConfigError, InstanceConfig, load_config, parse_config
 from glm53.server.model_fit import check_model_fit
+from glm53.server.plan import GB, Layout, check_cluster_fits, plan_cluster, plan_instance, render
 from glm53.server.supervisor import Event, RestartPolicy, RunDir, Supervisor
 
 log = logging.getLogger("glm53.serve")
@@ -109,7 +111,7 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="glm53-serve", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{up,router,prefill,decode,generate,config}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{up,router,prefill,decode,generate,config,plan}")
     up = sub.add_parser("up", help="start every process the config places on this host")
     _add_common(up)
     _add_router_flags(up)
@@ -132,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="validate a config and print it resolved")
     _add_common(c)
     _add_router_flags(c)
+    pl = sub.add_parser("plan", help="whether the model fits each GPU of a layout (reads config.json only)")
+    _add_common(pl)
+    pl.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=float,
+                    help="memory of one GPU in GB (1e9 bytes); default this host's GPU 0, else an H200's")
     return ap
 
 
@@ -211,12 +217,13 @@ class Resolved:
     raw: dict[str, Any]  # its YAML form: what `up` hands its processes and `config` prints
 
 
-def resolve(args: argparse.Namespace) -> Resolved:
+def resolve(args: argparse.Namespace, check_fit: bool = True) -> Resolved:
     """The config `up` runs and `config` prints: the user's file with the command line's
     overrides applied, then validated; the model's (and, with speculation on, the draft's) name
     made a directory, and that resolved form validated again with the model's and the draft's
-    config.json — exactly what each process `up` starts loads and checks again. With
-    speculation off the draft is neither checked nor installed."""
+    config.json — exactly what each process `up` starts loads and checks again; then (unless
+    `check_fit` is False) every GPU instance's memory plan (server/plan.py). With speculation off
+    the draft is neither checked nor installed."""
     from glm53.server.embedded_model import resolve_paths
 
     cfg, _ = _load(args)
@@ -225,6 +232,8 @@ def resolve(args: argparse.Namespace) -> Resolved:
     raw["model"]["path"] = str(model_dir)
     cfg = parse_config(raw, source=cfg.source)
     check_model_fit(cfg, model_dir)
+    if check_fit:
+        check_cluster_fits(cfg, model_dir)
     return Resolved(cfg, model_dir, raw)
 
 
@@ -251,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(yaml.safe_dump(resolve(args).raw, sort_keys=False), end="")
             return 0
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "router":
             cfg, _ = _load(args)
             from glm53.server.router.app import main as router_main
@@ -277,6 +288,52 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 2
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`plan`: with --config, every GPU instance of the YAML (flags override it as for `up`);
+    else one instance of the --model with the flags' layout. The last line is one JSON object;
+    exit 0 when everything fits, 1 otherwise (after one sentence naming the numbers)."""
+    gpu = int(args.gpu_memory_gb * GB) if args.gpu_memory_gb else None
+    if args.config:
+        res = resolve(args, check_fit=False)
+        plans = plan_cluster(res.cfg, res.model_dir, gpu)
+        if not plans:
+            raise ConfigError(res.cfg.source, "defaults.device", "no instance runs on a GPU: nothing to plan")
+        for key, plan in plans.items():
+            print(f"{key}:")
+            print("\n".join("  " + line for line in plan.lines()))
+        summary = {"fits": all(p.fits for p in plans.values()),
+                   "weight_bytes_per_gpu": max(p.weight_bytes_per_gpu for p in plans.values()),
+                   "kv_bytes_per_token": max(p.kv_bytes_per_token for p in plans.values()),
+                   "max_kv_tokens": min(p.max_kv_tokens for p in plans.values()),
+                   "instances": {k: p.summary() for k, p in plans.items()}}
+        bad = [f"{k}: {p.reason()}" for k, p in plans.items() if not p.fits]
+        if bad:
+            print(f"glm53-serve plan: does not fit: {'; '.join(bad)}", file=sys.stderr)
+        print(json.dumps(summary))
+        return 0 if summary["fits"] else 1
+    if not args.model:
+        raise ConfigError("<command line>", "--model", "plan needs --model DIR (a directory with config.json) or --config")
+    from glm53.server.plan import H200_BYTES, gpu_bytes_here
+
+    get = lambda k, d: getattr(args, k, None) if getattr(args, k, None) is not None else d  # noqa: E731
+    lay = Layout(tp=get("tp", 1), pp=get("pp", 1), dtype=get("dtype", "auto"), kv_cache_dtype=get("kv_cache_dtype", "auto"),
+                 gpu_bytes=gpu or gpu_bytes_here() or H200_BYTES, mem_fraction_static=get("mem_fraction_static", 0.85),
+                 context_length=get("context_length", None), chunked_prefill_size=get("chunked_prefill_size", 8192),
+                 max_running_requests=get("max_running_requests", 64),
+                 draft_path=get("speculative_draft_model_path", None))
+    from glm53.models.config import ConfigError as ModelConfigError
+
+    try:
+        plan = plan_instance(Path(args.model).expanduser(), lay)
+    except ModelConfigError as e:  # a tp that does not split the model, a missing config.json
+        key = "--tp" if "tensor_parallel_size" in str(e) else "--model"
+        raise ConfigError("<command line>", key, f"{args.model}: {e}") from None
+    print(render(plan))
+    if not plan.fits:
+        print(f"glm53-serve plan: does not fit: {plan.reason()}", file=sys.stderr)
+    return 0 if plan.fits else 1
 
 
 def _generate(argv: list[str]) -> int:

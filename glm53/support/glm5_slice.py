@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from glm53.models.weights import fp8_in_glm5
+
 # GLM-5's attention, indexer and expert widths (config.json field names, models/config.py)
 GLM5_WIDTHS: dict[str, Any] = {
     "hidden_size": 6144,
@@ -75,19 +77,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # GLM-5-FP8's `quantization_config` (the DeepSeek-V3 block-FP8 format).
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                            "weight_block_size": [128, 128]}
-# The tensors GLM-5-FP8 stores block-FP8 (each with a `.weight_scale_inv`): the five MLA projections,
-# the indexer's wq_b and wk, and gate/up/down of the dense MLPs, the shared experts and every routed
-# expert. Not: embed_tokens, lm_head, the norms (indexer k_norm included), the router (mlp.gate,
-# e_score_correction_bias), the indexer's weights_proj. (docs: /work/shared/reference/dsa.md §1.2,
-# the FP8 build's names and shapes; DeepSeek-V3's FP8 release has the same rule for the same layers.)
-_FP8_TENSOR = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|indexer\.wq_b|indexer\.wk)"
-    r"|mlp\.((experts\.\d+|shared_experts)\.)?(gate_proj|up_proj|down_proj))\.weight$")
-
-
-def fp8_in_glm5(name: str) -> bool:
-    """Whether GLM-5-FP8 stores checkpoint tensor `name` block-FP8."""
-    return _FP8_TENSOR.match(name) is not None
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

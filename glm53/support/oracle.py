@@ -74,7 +74,7 @@ def make_checkpoint(path: Path, seed: int = 0, sharded: bool = False, **override
 
 def quantise_fp8_(path: Path, block: int = 128) -> None:
     """Rewrites the single-file checkpoint at `path` as block-FP8 in the GLM-5-FP8 layout
-    (`glm5_slice.fp8_in_glm5`: the MLA projections, the indexer's wq_b and wk, every MLP and
+    (`weights.fp8_in_glm5`: the MLA projections, the indexer's wq_b and wk, every MLP and
     expert projection; e4m3 weights with fp32 `weight_scale_inv` per block × block tile, from
     `kernels.fp8_quant.quantize_fp8_blocks`), and adds the matching `quantization_config` to
     config.json. Returns nothing; the quantised names are the `*_scale_inv` tensors' weights."""
@@ -83,7 +83,8 @@ def quantise_fp8_(path: Path, block: int = 128) -> None:
     from safetensors.torch import load_file, save_file
 
     from glm53.kernels.fp8_quant import quantize_fp8_blocks
-    from glm53.support.glm5_slice import FP8_QUANTIZATION_CONFIG, fp8_in_glm5
+    from glm53.models.weights import fp8_in_glm5
+    from glm53.support.glm5_slice import FP8_QUANTIZATION_CONFIG
 
     sd = load_file(str(path / "model.safetensors"))
     for name in [n for n in sd if fp8_in_glm5(n)]:

@@ -1,0 +1,157 @@
+"""`glm53-serve plan` and `up`'s refusal of a layout that cannot fit (issue 29, item 3): weight
+bytes counted from the instantiated shard (equal to what the loader really holds), the FP8 layout
+read from config.json alone, GLM-5-FP8 at tp 8, the shipped H200 configs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from glm53.models.config import GlmConfig
+from glm53.models.kv_cache import FP8, kv_bytes_per_token
+from glm53.models.model import GlmForCausalLM
+from glm53.models.parallel import TPGroup
+from glm53.models.weights import checkpoint_files, fp8_param_names, glm5_fp8_param_names, load_model
+from glm53.server.cli import main
+from glm53.server.engine.worker import DTYPES, stage_layers
+from glm53.server.plan import GB, Layout, plan_instance
+from glm53.support.glm5_slice import FP8_QUANTIZATION_CONFIG, slice_config
+from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
+from tests.models.glm5_config import GLM5
+
+ROOT = Path(__file__).resolve().parents[2]
+H200_GB = "150.75"  # 143,771 MiB, as CUDA reports an H200
+
+
+def _config_dir(path: Path, cfg: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def glm5_fp8(tmp_path_factory) -> Path:
+    """GLM-5-FP8's config.json alone: no weights, as `plan` needs."""
+    cfg = dict(GLM5, architectures=["GlmMoeDsaForCausalLM"], torch_dtype="bfloat16",
+               quantization_config=dict(FP8_QUANTIZATION_CONFIG))
+    return _config_dir(tmp_path_factory.mktemp("glm5-fp8"), cfg)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("oracle-fp8")
+    make_checkpoint(path, seed=int(torch.randint(0, 2**31, ()).item()), **FP8_WIDTHS)
+    quantise_fp8_(path, block=128)
+    return path
+
+
+def _plan_cli(capsys, *args: str) -> tuple[int, dict, str]:
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out.strip().splitlines()[-1]), err
+
+
+def test_glm5_fp8_fits_tp8_with_200k_fp8_kv_tokens(capsys, glm5_fp8):
+    rc, summary, _ = _plan_cli(capsys, "--model", str(glm5_fp8), "--tp", "8", "--kv-cache-dtype", "fp8_e4m3",
+                               "--gpu-memory-gb", H200_GB)
+    assert rc == 0 and summary["fits"]
+    assert summary["max_kv_tokens"] >= 200_000
+    # 656 B latent + 132 B index keys on each of 78 layers (../shared/reference/dsa.md §4)
+    assert summary["kv_bytes_per_token"] == 78 * (656 + 132)
+    # ~0.75 TB over 8 GPUs plus the replicated latent projections, indexers and routers
+    assert 90 * GB < summary["weight_bytes_per_gpu"] < 100 * GB
+
+
+def test_dequantized_glm5_does_not_fit_and_names_the_numbers(capsys, glm5_fp8):
+    rc, summary, err = _plan_cli(capsys, "--model", str(glm5_fp8), "--tp", "8", "--dtype", "bfloat16",
+                                 "--gpu-memory-gb", H200_GB)
+    assert rc == 1 and not summary["fits"] and summary["max_kv_tokens"] == 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "GiB" in lines[0] and "weights" in lines[0] and "0.85" in lines[0], err
+    assert summary["weight_bytes_per_gpu"] > 2 * 0.75e12 / 8 * 0.95  # twice the FP8 bytes, dequantized
+
+
+def test_a_reserve_too_small_for_a_step_is_refused(capsys, glm5_fp8):
+    rc, summary, err = _plan_cli(capsys, "--model", str(glm5_fp8), "--tp", "8", "--gpu-memory-gb", H200_GB,
+                                 "--mem-fraction-static", "0.97", "--chunked-prefill-size", "16384")
+    assert rc == 1 and not summary["fits"]
+    assert "reserve outside mem_fraction_static" in err
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_weight_and_kv_bytes_are_what_a_loaded_rank_holds(fp8_checkpoint, tp, pp):
+    """The plan's per-stage figures equal the rank-0 shard the streaming loader really builds."""
+    cfg = GlmConfig.from_dir(fp8_checkpoint)
+    dtype = DTYPES[cfg.torch_dtype]  # what dtype "auto" runs
+    plan = plan_instance(fp8_checkpoint, Layout(tp=tp, pp=pp, dtype="auto", gpu_bytes=10 * GB))
+    assert plan.fp8_weights > 0
+    for stage, layers in zip(plan.stages, stage_layers(cfg.num_hidden_layers, pp)):
+        model = load_model(fp8_checkpoint, dtype=dtype, layers=layers, tp=TPGroup.for_shapes(tp), progress=False)
+        held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        assert stage.weight_bytes == held
+        assert any(p.dtype == FP8 for p in model.parameters())
+        assert stage.kv_bytes_per_token == kv_bytes_per_token(cfg, dtype, layers)
+
+
+def test_fp8_layout_from_config_alone_matches_the_checkpoint(fp8_checkpoint, tmp_path):
+    cfg = GlmConfig.from_dir(fp8_checkpoint)
+    with torch.device("meta"):
+        model = GlmForCausalLM(cfg, dtype=torch.bfloat16)
+    assert glm5_fp8_param_names(cfg, model) == fp8_param_names(cfg, checkpoint_files(fp8_checkpoint))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(fp8_checkpoint / "config.json", bare / "config.json")
+    with_ckpt = plan_instance(fp8_checkpoint, Layout(tp=2, gpu_bytes=10 * GB))
+    without = plan_instance(bare, Layout(tp=2, gpu_bytes=10 * GB))
+    assert with_ckpt.summary() == without.summary()
+
+
+def _model_dir_for(config: Path, root: Path) -> Path:
+    """A config.json for the model a shipped config names (the GLM-5-FP8 release or the slice)."""
+    path = yaml.safe_load(config.read_text())["model"]["path"]
+    name = Path(path).name
+    if name == "GLM-5-FP8":
+        cfg = dict(GLM5, architectures=["GlmMoeDsaForCausalLM"], torch_dtype="bfloat16",
+                   quantization_config=dict(FP8_QUANTIZATION_CONFIG))
+    else:
+        assert "slice" in name, f"{config}: plan this model in the test ({path})"
+        cfg = slice_config(4, 16, GLM5["vocab_size"], fp8="fp8" in name)
+    return _config_dir(root / name, cfg)
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("h200-*.yaml")), ids=lambda p: p.name)
+def test_shipped_gpu_configs_pass_plan(capsys, tmp_path, config):
+    model = _model_dir_for(config, tmp_path)
+    rc, summary, err = _plan_cli(capsys, "--config", str(config), "--model", str(model), "--gpu-memory-gb", H200_GB)
+    assert rc == 0 and summary["fits"], err
+    if "glm5-fp8" in config.name:
+        assert summary["max_kv_tokens"] >= 200_000
+    for key, inst in summary["instances"].items():
+        assert inst["fits"], key
+
+
+def test_colocated_instances_share_weights_and_the_reserve(capsys, tmp_path):
+    config = ROOT / "configs" / "h200-one-gpu.yaml"
+    model = _model_dir_for(config, tmp_path)
+    rc, summary, _ = _plan_cli(capsys, "--config", str(config), "--model", str(model), "--gpu-memory-gb", H200_GB)
+    assert rc == 0
+    assert summary["instances"]["prefill[0]"]["weight_bytes_per_gpu"] == 0  # the decode rank's copy
+    assert summary["instances"]["decode[0]"]["weight_bytes_per_gpu"] > 0
+
+
+def test_up_refuses_a_layout_that_cannot_fit_before_starting_anything(capsys, tmp_path, glm5_fp8):
+    cfg = tmp_path / "too-small.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"path": str(glm5_fp8)}, "router": {"port": 0},
+        "defaults": {"device": "cuda"},
+        "prefill": [{"name": "p0", "host": "127.0.0.1", "devices": [0]}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "devices": [1]}]}))
+    assert main(["up", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "prefill[0]" in err and "does not fit its GPUs" in err and "GiB" in err
+    assert "ready" not in err
