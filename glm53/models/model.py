@@ -33,6 +33,8 @@ from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.sparse_mla import sparse_mla
 from glm53.kernels.topk import dsa_topk_paged
 from glm53.models.config import FULL, SHARED, ConfigError, GlmConfig
+from glm53.models.ep_dispatch import ep_moe
+from glm53.models.expert_parallel import expert_placement
 from glm53.models.kv_cache import INDEX_K, LATENT, KVPools
 from glm53.models.layers import (
     MLP, SCALE_SUFFIX, ColumnParallelLinear, Linear, Norm, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
@@ -209,25 +211,36 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked [E, ...], each tensor-parallel on its intermediate width: gate/up
-    split on their output rows, down on its input columns (the shard rules describe one
-    expert's checkpoint tensor).
+    """This rank's routed experts (`expert_parallel.expert_placement`: with ep = 1 all E, else
+    its group's contiguous range), stacked [E_local, ...], each cut on its intermediate width
+    among the tp / ep ranks that share the range: gate/up split on their output rows, down on
+    its input columns. The shard rules describe one expert's checkpoint tensor and carry the
+    expert range, so the loader reads only these experts.
 
     Block-FP8 (`to_fp8`): the three stacks e4m3, each with its scales `<proj>_scale_inv`
-    [E, ceil(rows/128), ceil(cols/128)] (checkpoint `experts.<e>.<proj>.weight_scale_inv`)."""
+    [E_local, ceil(rows/128), ceil(cols/128)] (checkpoint `experts.<e>.<proj>.weight_scale_inv`)."""
 
     PROJS = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, cfg: GlmConfig, dtype: torch.dtype, tp: TPGroup):
+    def __init__(self, cfg: GlmConfig, dtype: torch.dtype, tp: TPGroup, ep: int = 1):
         super().__init__()
-        e, h = cfg.n_routed_experts, cfg.hidden_size
-        i = split(cfg.moe_intermediate_size, tp, "moe_intermediate_size")
-        rows, cols = Shard(0, tp.rank, tp.size), Shard(1, tp.rank, tp.size)
-        self.gate_proj = param(e, i, h, dtype=dtype, shard=rows)
-        self.up_proj = param(e, i, h, dtype=dtype, shard=rows)
-        self.down_proj = param(e, h, i, dtype=dtype, shard=cols)
+        pl = self.placement = expert_placement(cfg, tp.size, ep, tp.rank)
+        span = dict(experts=pl.experts, n_experts=pl.n_experts)
+        rows = Shard(0, pl.width_part, pl.width_parts, **span)
+        cols = Shard(1, pl.width_part, pl.width_parts, **span)
+        self.gate_proj = param(*pl.gate_up_shape, dtype=dtype, shard=rows)
+        self.up_proj = param(*pl.gate_up_shape, dtype=dtype, shard=rows)
+        self.down_proj = param(*pl.down_shape, dtype=dtype, shard=cols)
         for proj in self.PROJS:
             self.register_parameter(proj + SCALE_SUFFIX, None)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Σ over each row's slots of weight · expert(x) for this rank's experts and width part;
+        `ids` [N, k] index the local stacks."""
+        if self.fp8:
+            return moe_experts_fp8(x, weights, ids, self.gate_proj, self.gate_proj_scale_inv, self.up_proj,
+                                   self.up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv)
+        return moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
 
     @property
     def fp8(self) -> bool:
@@ -248,15 +261,16 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Replicated routing, tensor-parallel experts; the routed and shared partial outputs are
-    added first so the layer needs one all-reduce."""
+    """Replicated routing, tensor-parallel experts, or with ep > 1 expert-parallel ones whose
+    tokens travel by all-to-all (`ep_dispatch`); the routed and shared partial outputs are added
+    first so the layer needs one all-reduce either way."""
 
-    def __init__(self, cfg: GlmConfig, dtype: torch.dtype, tp: TPGroup):
+    def __init__(self, cfg: GlmConfig, dtype: torch.dtype, tp: TPGroup, ep: int = 1):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         # Registered in checkpoint order (experts, router, shared experts): `checkpoint_tensors`
         # lists tensors in parameter order, and the embedded model draws its values in that order.
-        self.experts = Experts(cfg, dtype, tp)
+        self.experts = Experts(cfg, dtype, tp, ep)
         self.gate = Gate(cfg)
         self.shared_experts = None
         if cfg.n_shared_experts:
@@ -270,24 +284,20 @@ class MoE(nn.Module):
             cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         e = self.experts
-        if e.fp8:
-            out = moe_experts_fp8(x, weights, ids, e.gate_proj, e.gate_proj_scale_inv, e.up_proj, e.up_proj_scale_inv,
-                                  e.down_proj, e.down_proj_scale_inv)
-        else:
-            out = moe_experts(x, weights, ids, e.gate_proj, e.up_proj, e.down_proj)
+        out = ep_moe(x, weights, ids, e.placement, self.tp, e) if e.placement.ep > 1 else e(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GlmConfig, layer: int, dtype: torch.dtype, tp: TPGroup):
+    def __init__(self, cfg: GlmConfig, layer: int, dtype: torch.dtype, tp: TPGroup, ep: int = 1):
         super().__init__()
         self.layer = layer
         self.input_layernorm = Norm(cfg.hidden_size, dtype)
         self.post_attention_layernorm = Norm(cfg.hidden_size, dtype)
         self.self_attn = Attention(cfg, layer, dtype, tp)
-        self.mlp = MoE(cfg, dtype, tp) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
+        self.mlp = MoE(cfg, dtype, tp, ep) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x, cos, sin, batch, kv, topk_slots):
@@ -300,13 +310,13 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """`model.*`: embeddings (first stage), decoder layers [start, end), final norm (last stage)."""
 
-    def __init__(self, cfg: GlmConfig, layers: range, dtype: torch.dtype, tp: TPGroup):
+    def __init__(self, cfg: GlmConfig, layers: range, dtype: torch.dtype, tp: TPGroup, ep: int = 1):
         super().__init__()
         self.first, self.last = layers.start == 0, layers.stop == cfg.num_hidden_layers
         if self.first:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         # Keyed by the global layer id so parameter names match the checkpoint under PP too.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, dtype, tp) for i in layers})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, dtype, tp, ep) for i in layers})
         if self.last:
             self.norm = Norm(cfg.hidden_size, dtype)
 
@@ -328,8 +338,10 @@ class GlmForCausalLM(nn.Module):
 
     `tp` is this rank's tensor-parallel group (a trivial single-rank group by default); the
     module then holds this rank's shard of every split parameter, and each rank's forward
-    returns the same full logits. `check_tp` runs first, so a tp that does not divide a split
-    dimension is a `ConfigError` naming it.
+    returns the same full logits. `ep` (dividing tp) partitions the routed experts over ep
+    groups of the tp ranks (`expert_parallel`; tokens reach them by all-to-all, `ep_dispatch`).
+    `check_tp` runs first, so a tp or ep that does not divide a split dimension is a
+    `ConfigError` naming it.
 
     `fp8`: the parameter names (this model's naming: a routed-expert stack is
     `...mlp.experts.<proj>`) that the checkpoint stores block-FP8, from `weights.fp8_param_names`;
@@ -345,18 +357,20 @@ class GlmForCausalLM(nn.Module):
         layers: range | None = None,
         tp: TPGroup | None = None,
         fp8: frozenset[str] | set[str] = frozenset(),
+        ep: int = 1,
     ):
         super().__init__()
         self.tp = tp if tp is not None else TPGroup.single()
+        self.ep = ep
         fp8 = frozenset(fp8)
-        check_tp(cfg, self.tp.size, fp8)
+        check_tp(cfg, self.tp.size, fp8, ep)
         self.cfg = cfg
         self.dtype = dtype
         self.layer_range = layers if layers is not None else range(cfg.num_hidden_layers)
         r, n = self.layer_range, cfg.num_hidden_layers
         if r.step != 1 or not 0 <= r.start < r.stop <= n:
             raise ValueError(f"layers must be a non-empty range [a, b) within [0, {n}), got {r}")
-        self.model = Backbone(cfg, self.layer_range, dtype, self.tp)
+        self.model = Backbone(cfg, self.layer_range, dtype, self.tp, ep)
         if self.model.last:
             self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype, self.tp)
         # The next stage needs our top-k only when its first layer is shared (it reuses the

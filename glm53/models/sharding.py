@@ -3,8 +3,10 @@
 Every parameter carries its rule as the attribute `shard` (set by `layers.param`); the loader and
 `checkpoint_tensors` read the rule and stay generic. A rule either replicates the tensor (every
 rank holds it whole) or cuts one checkpoint dimension into `size` equal parts, of which this rank
-holds part `rank`. For a stacked routed-expert parameter [E, ...] the rule describes one expert's
-checkpoint tensor, i.e. the parameter's row `[e]`.
+holds part `rank`. For a stacked routed-expert parameter [E_local, ...] the rule describes one
+expert's checkpoint tensor, i.e. the parameter's row `[i]`, and `experts` says which checkpoint
+experts the rows are (expert parallelism: a contiguous range of the `n_experts`; row i is expert
+`experts.start + i`): the loader reads only those experts' tensors.
 
 A block-FP8 weight's `weight_scale_inv` [ceil(N/128), ceil(K/128)] carries its own rule, the
 weight's (same dimension, rank and size) applied to the scale tensor: when each rank's part of
@@ -24,6 +26,18 @@ class Shard:
     dim: int | None = None  # checkpoint dimension that is split; None: replicated
     rank: int = 0
     size: int = 1
+    # Stacked routed experts only: the checkpoint expert ids of the parameter's rows, out of
+    # `n_experts` in the checkpoint. None for every other parameter.
+    experts: range | None = None
+    n_experts: int = 0
+
+    def holds_expert(self, e: int) -> bool:
+        """Whether this rank's stacked parameter has a row for checkpoint expert `e`."""
+        return self.experts is None or e in self.experts
+
+    def expert_row(self, e: int) -> int:
+        """The parameter row of checkpoint expert `e` (which this rank holds)."""
+        return e if self.experts is None else e - self.experts.start
 
     @property
     def replicated(self) -> bool:

@@ -15,6 +15,9 @@ The loader is generic over tensor parallelism: each parameter's shard rule (`sha
 says which part of its checkpoint tensor this rank holds, and only that part is read
 (`safe_open(...).get_slice(name)[...]`): a kept-FP8 weight's scales are a parameter with their
 own rule; a dequantised part reads the scale blocks covering it. Replicated tensors are read whole.
+Under expert parallelism a rank's routed-expert stacks hold a range of the experts (the rule's
+`experts`): the other experts' tensors (and their scales) are never read, nor their files opened
+when they hold nothing else this rank needs.
 
 `load_model` is the streaming loader: the stage is built on the meta device, allocated on the
 target device (`layers.materialize_`), and each tensor goes from its file straight into its
@@ -160,7 +163,8 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tor
     (full checkpoint shape, also on a tensor-parallel shard; dtype as the model holds it), in
     parameter order. The inverse of the loader's mapping:
     a stacked routed-expert parameter [E, ...] becomes E per-expert tensors, listed expert-major
-    (expert e's gate, up, down before expert e + 1's), as Hugging Face checkpoints list them.
+    (expert e's gate, up, down before expert e + 1's), as Hugging Face checkpoints list them;
+    all E of the checkpoint also on an expert-parallel rank that holds a range of them.
     A block-FP8 weight (e4m3) is followed by its `.weight_scale_inv` (fp32).
     Works on a model built on the meta device."""
     params = dict(model.named_parameters())
@@ -175,7 +179,7 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tor
             stacks = [(f"{proj}.weight{suffix}", params[f"{m.group(1)}.{proj}{suffix}"])
                       for proj in _EXPERT_PROJS for suffix in ("", _SCALE_SUFFIX)
                       if f"{m.group(1)}.{proj}{suffix}" in params]
-            for e in range(p.shape[0]):
+            for e in range(shard_of(p).n_experts or p.shape[0]):
                 for tensor, q in stacks:
                     out[f"{m.group(1)}.{e}.{tensor}"] = (shard_of(q).full_shape(q.shape[1:]), q.dtype)
     return out
@@ -272,6 +276,7 @@ def load_weights(model: GlmForCausalLM, model_dir: str | Path, progress: bool = 
     missing = expected - set(todo)
     if missing:
         raise WeightError(f"{model_dir}: tensors missing from the checkpoint: {_names(list(missing))}")
+    todo = [n for n in todo if _held(n, params)]  # another expert-parallel rank's experts: not read
     if mtp_layers:
         log.info("skipping MTP layer(s) %s (num_nextn_predict_layers=%d)", sorted(mtp_layers), cfg.num_nextn_predict_layers)
 
@@ -289,8 +294,8 @@ def load_weights(model: GlmForCausalLM, model_dir: str | Path, progress: bool = 
                     current = files[name]
                 pname, e = param_of(name)
                 p = params[pname]
-                dst = p if e is None else p[e]
                 rule = shard_of(p)
+                dst = p if e is None else p[rule.expert_row(e)]
                 have, want = reader.shape(name), rule.full_shape(dst.shape)
                 if have != want:
                     raise WeightError(f"{name}: shape {have} in the checkpoint, model expects {want}")
@@ -306,6 +311,13 @@ def load_weights(model: GlmForCausalLM, model_dir: str | Path, progress: bool = 
             params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
 
 
+def _held(name: str, params: dict[str, nn.Parameter]) -> bool:
+    """Whether this rank holds (a part of) checkpoint tensor `name`: false only for a routed
+    expert outside its parameter's expert range."""
+    pname, e = param_of(name)
+    return e is None or shard_of(params[pname]).holds_expert(e)
+
+
 def load_model(
     model_dir: str | Path,
     *,
@@ -315,16 +327,18 @@ def load_model(
     tp: TPGroup | None = None,
     fp8: bool = True,
     progress: bool = True,
+    ep: int = 1,
 ) -> GlmForCausalLM:
     """The streaming loader: the stage holding `layers` (all by default; this rank's shard under
-    `tp`) built on the meta device, allocated on `device` and filled tensor by tensor from
-    `model_dir` (module docstring). `fp8`: keep the checkpoint's block-FP8 weights e4m3 with their
-    scales (the rest in `dtype`); False dequantises them to `dtype` at load."""
+    `tp`, and its experts' range under `ep`) built on the meta device, allocated on `device` and
+    filled tensor by tensor from `model_dir` (module docstring). `fp8`: keep the checkpoint's
+    block-FP8 weights e4m3 with their scales (the rest in `dtype`); False dequantises them to
+    `dtype` at load."""
     model_dir = Path(model_dir)
     cfg = GlmConfig.from_dir(model_dir)
     names = fp8_param_names(cfg, checkpoint_files(model_dir)) if fp8 else frozenset()
     with torch.device("meta"):
-        model = GlmForCausalLM(cfg, dtype=dtype, layers=layers, tp=tp, fp8=names)
+        model = GlmForCausalLM(cfg, dtype=dtype, layers=layers, tp=tp, fp8=names, ep=ep)
     materialize_(model, device)
     model.init_buffers(device)
     load_weights(model, model_dir, progress=progress)

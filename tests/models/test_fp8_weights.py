@@ -236,7 +236,19 @@ def _rank_fp8(tp, ckpt: str, out: str, tokens: list[list[int]]) -> None:
 
     it = iter(tokens)
     res = scenario(runner, lambda rows: next(it))  # the reference's tokens (teacher forcing)
-    torch.save(res, Path(out) / f"rank{tp.rank}.pt")
+
+    # Expert parallelism (ep = tp = 2): each rank reads only its half of the experts, FP8 as stored,
+    # with their scales, and runs them through the all-to-all.
+    with ReadRecorder() as rec:
+        ep_model = load_model(ckpt, dtype=torch.float32, tp=tp, ep=2, fp8=True, progress=False)
+    experts = ep_model.model.layers["1"].mlp.experts
+    assert experts.fp8 and experts.gate_proj.shape[0] == model.cfg.n_routed_experts // 2
+    read = {n for n, _, _ in rec.reads if ".mlp.experts." in n}
+    assert read and all(int(n.split(".")[5]) in experts.placement.experts for n in read)
+    assert any(n.endswith(SCALE) for n in read)
+    it = iter(tokens)
+    ep_res = scenario(ModelRunner(ep_model, num_pages=PAGES, page_size=PAGE), lambda rows: next(it))
+    torch.save({**res, "ep_logits": ep_res["logits"]}, Path(out) / f"rank{tp.rank}.pt")
 
 
 def test_tp2_fp8_shards_equal_tp1(tmp_path):
@@ -254,6 +266,8 @@ def test_tp2_fp8_shards_equal_tp1(tmp_path):
         for a, b in zip(r["logits"], ref["logits"]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert all(torch.equal(a, b) for a, b in zip(r["logits"], ranks[0]["logits"]))
+        for a, b in zip(r["ep_logits"], ref["logits"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def _glm5_fp8_names(cfg: GlmConfig) -> frozenset[str]:

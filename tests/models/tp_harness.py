@@ -4,7 +4,6 @@ top-k selections and of what the loader reads from safetensors files."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -17,6 +16,7 @@ import glm53.models.model as model_mod
 import glm53.models.weights as weights_mod
 from glm53.models import ModelRunner, PageAllocator, SeqChunk, TPGroup
 from glm53.models.sharding import Shard, shard_of
+from glm53.models.weights import checkpoint_tensors, param_of
 from glm53.support.ports import free_ports
 
 TOPK = 8  # the oracle's index_topk
@@ -156,14 +156,29 @@ class ReadRecorder:
         weights_mod.safe_open = self._inner
 
 
-_STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
 def checkpoint_rules(model: torch.nn.Module, names) -> dict[str, Shard]:
     """The shard rule that applies to each checkpoint tensor name."""
     params = dict(model.named_parameters())
-    out = {}
-    for n in names:
-        m = _STACKED_EXPERT.match(n)
-        out[n] = shard_of(params[f"{m.group(1)}.{m.group(2)}"] if m else params[n])
-    return out
+    return {n: shard_of(params[param_of(n)[0]]) for n in names}
+
+
+def check_reads(model: torch.nn.Module, reads: list[tuple[str, tuple[int, ...], bool]]) -> None:
+    """Every checkpoint tensor this rank holds is read once: split ones as this rank's slice only,
+    replicated ones whole, so the bytes read are the replicated bytes plus 1/size of the split
+    ones; another expert-parallel rank's experts are never read."""
+    tensors = checkpoint_tensors(model)
+    rules = checkpoint_rules(model, tensors)
+    held = {n for n in tensors if param_of(n)[1] is None or rules[n].holds_expert(param_of(n)[1])}
+    by_name = {}
+    for name, shape, whole in reads:
+        assert name not in by_name, f"{name} read twice"
+        by_name[name] = (shape, whole)
+    assert set(by_name) == held, sorted(set(by_name) ^ held)[:8]
+    for name in held:
+        full, _ = tensors[name]
+        shape, whole = by_name[name]
+        rule = rules[name]
+        if rule.replicated:
+            assert whole and shape == full, name
+        else:
+            assert not whole and shape == rule.local_shape(full) != full, f"{name}: read {shape} of {full}"
