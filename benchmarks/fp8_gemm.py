@@ -42,6 +42,8 @@ import triton
 from glm53.kernels import fp8_gemm as gemm_mod
 from glm53.kernels import moe_fp8 as moe_mod
 from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels import fp8_gemm_cublas as fp8_gemm_cublas_mod
+from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
 from glm53.kernels.fp8_gemm_triton import GemmConfig, fp8_gemm_w8a8, fp8_gemm_w8a16
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks, quantize_fp8_blocks, quantize_fp8_groups_triton
 from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
@@ -133,14 +135,20 @@ class Shape:
         return self.N * self.K + nb * kb * 4 + M * self.K * 2 + M * self.N * 2
 
 
-def time_variant(sh: Shape, x: torch.Tensor, variant: str, timer: Timer, config=None) -> float:
+def _variant_fn(variant: str, config=None):
+    if variant == "cublas":
+        return lambda x, q, s: fp8_gemm_cublas(x, q, s)
     f = {"w8a16": fp8_gemm_w8a16, "w8a8": fp8_gemm_w8a8}[variant]
-    return timer.ms([lambda i=i: f(x, sh.q[i], sh.s[i], config=config) for i in range(len(sh.q))])
+    return lambda x, q, s: f(x, q, s, config=config)
+
+
+def time_variant(sh: Shape, x: torch.Tensor, variant: str, timer: Timer, config=None) -> float:
+    f = _variant_fn(variant, config)
+    return timer.ms([lambda i=i: f(x, sh.q[i], sh.s[i]) for i in range(len(sh.q))])
 
 
 def check_variant(sh: Shape, x: torch.Tensor, variant: str, config=None) -> float:
-    f = {"w8a16": fp8_gemm_w8a16, "w8a8": fp8_gemm_w8a8}[variant]
-    return rel(f(x, sh.q[0], sh.s[0], config=config), x.float() @ sh.w32.t())
+    return rel(_variant_fn(variant, config)(x, sh.q[0], sh.s[0]), x.float() @ sh.w32.t())
 
 
 def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, log) -> int:
@@ -173,15 +181,25 @@ def bench_gemm(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: f
         for sh in shapes:
             x = torch.randn(m, sh.K, device=dev).to(torch.bfloat16)
             flops = 2 * m * sh.N * sh.K
-            row = dict(section="gemm", shape=sh.name, N=sh.N, K=sh.K, M=m, variant=gemm_mod.fp8_variant(m))
+            variant = gemm_mod.fp8_variant(m, sh.N, sh.K, torch.device(dev))
+            row = dict(section="gemm", shape=sh.name, N=sh.N, K=sh.K, M=m, variant=variant)
             row["bf16_ms"] = timer.ms([lambda i=i: x @ sh.wb[i].t() for i in range(len(sh.wb))])
-            for v in ("w8a16", "w8a8"):
+            cublas = fp8_gemm_cublas_mod.supports(sh.N, sh.K) and fp8_gemm_cublas_mod.available(0)
+            for v in ("w8a16", "w8a8", "cublas"):
+                if v == "cublas" and not cublas:
+                    continue
                 row[f"{v}_err"] = check_variant(sh, x, v)
                 row[f"{v}_ms"] = time_variant(sh, x, v, timer)
             if m >= 1024:  # the GEMM alone: x quantized outside the timed region
                 xq = quantize_fp8_groups_triton(x)
                 row["w8a8_gemm_only_ms"] = timer.ms([lambda i=i: fp8_gemm_w8a8(x, sh.q[i], sh.s[i], x_fp8=xq)
                                                      for i in range(len(sh.q))])
+                if cublas:
+                    qs = fp8_gemm_cublas_mod.quantize_rows(x)
+                    row["cublas_gemm_only_ms"] = timer.ms([
+                        lambda i=i: fp8_gemm_cublas_mod.scaled_mm(*qs, sh.q[i], sh.s[i], torch.bfloat16)
+                        for i in range(len(sh.q))])
+                    row["cublas_gemm_only_speedup"] = row["bf16_ms"] / row["cublas_gemm_only_ms"]
             fp8 = row[f"{row['variant']}_ms"]
             row["fp8_tflops"] = flops / (fp8 * 1e-3) / 1e12
             row["bf16_tflops"] = flops / (row["bf16_ms"] * 1e-3) / 1e12
@@ -191,8 +209,10 @@ def bench_gemm(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: f
             tot["fp8"] += fp8
             tot["flops"] += flops
             ROWS.append(row)
+            extra = (f"  cublas {row['cublas_ms'] * 1e3:9.1f}" if "cublas_ms" in row else "") + \
+                (f" (GEMM alone x{row['cublas_gemm_only_speedup']:.2f} bf16)" if "cublas_gemm_only_ms" in row else "")
             log(f"gemm {sh.name:>20} M={m:<5} bf16 {row['bf16_ms'] * 1e3:9.1f} us  w8a16 {row['w8a16_ms'] * 1e3:9.1f}  "
-                f"w8a8 {row['w8a8_ms'] * 1e3:9.1f}  -> {row['variant']} {row['fp8_tflops']:7.1f} TFLOP/s "
+                f"w8a8 {row['w8a8_ms'] * 1e3:9.1f}{extra}  -> {row['variant']} {row['fp8_tflops']:7.1f} TFLOP/s "
                 f"(bf16 {row['bf16_tflops']:6.1f}), x{row['speedup']:.2f}")
         ROWS.append(dict(section="gemm_sum", M=m, bf16_ms=tot["bf16"], fp8_ms=tot["fp8"],
                          speedup=tot["bf16"] / tot["fp8"], fp8_tflops=tot["flops"] / (tot["fp8"] * 1e-3) / 1e12,

@@ -3,11 +3,12 @@
 
 `fp8_gemm` dispatches by `dispatch.use_triton`: on CPU the torch reference (`fp8_gemm_reference`:
 W dequantized in fp32, an fp32 matmul; exact up to fp32 rounding, and what CPU serving runs); on a
-GPU one of the two Triton variants of `fp8_gemm_triton.py`, by one rule on the rows M = x.numel()
-/ K:
+GPU by the rows M = x.numel() / K (`fp8_variant`):
 
-    M <= W8A16_MAX_M  ->  w8a16: the FP8 weights dequantized in the kernel against x as is
-    M >  W8A16_MAX_M  ->  w8a8: x quantized per 1×128 group, then the block-scaled FP8 GEMM
+    M <= W8A16_MAX_M   ->  w8a16: the FP8 weights dequantized in the kernel against x as is
+    M >= CUBLAS_MIN_M  ->  cublas: x quantized per 1×128 group, cuBLAS's blockwise-scaled FP8
+                           GEMM (`fp8_gemm_cublas.py`), where the GPU and the shape allow it
+    otherwise          ->  w8a8: x quantized per 1×128 group, the block-scaled Triton FP8 GEMM
 
 Decode reads the weights and little else, so the variant that wastes no launch and no rounding
 on the activations should win there, and the FP8 tensor cores (twice the bf16 rate) win once the
@@ -27,6 +28,10 @@ from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 # the H200 (benchmarks/fp8_gemm.py, 2026-12-02, GLM-5 tp = 8 shapes summed): within 5% of each
 # other up to M = 16, w8a16 10% faster at M = 32, w8a8 7% faster at M = 64.
 W8A16_MAX_M = 32
+# Rows from which cuBLAS's blockwise FP8 GEMM runs (quantization included), where it can. Measured
+# on the H200 (2026-12-02, GLM-5 tp = 8 shapes summed): 216 µs against the Triton w8a8's 267 at
+# M = 128, 215 against 187 at M = 64.
+CUBLAS_MIN_M = 128
 
 
 def fp8_gemm_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -37,9 +42,18 @@ def fp8_gemm_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     return y.to(out_dtype or x.dtype)
 
 
-def fp8_variant(m: int) -> str:
-    """The dispatcher's rule: "w8a16" for m <= W8A16_MAX_M rows, else "w8a8"."""
-    return "w8a16" if m <= W8A16_MAX_M else "w8a8"
+def fp8_variant(m: int, n: int | None = None, k: int | None = None, device: torch.device | None = None) -> str:
+    """The dispatcher's rule: "w8a16" for m <= W8A16_MAX_M rows; "cublas" from CUBLAS_MIN_M rows
+    when the weight [n, k] and the GPU `device` allow it; else "w8a8"."""
+    if m <= W8A16_MAX_M:
+        return "w8a16"
+    if m >= CUBLAS_MIN_M and n is not None and k is not None and device is not None and device.type == "cuda":
+        from glm53.kernels import fp8_gemm_cublas
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if fp8_gemm_cublas.supports(n, k) and fp8_gemm_cublas.available(index):
+            return "cublas"
+    return "w8a8"
 
 
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -51,6 +65,11 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8, fp8_gemm_w8a16
 
     m = x.numel() // max(1, x.shape[-1])
-    if fp8_variant(m) == "w8a16":
+    variant = fp8_variant(m, w.shape[0], w.shape[1], x.device)
+    if variant == "w8a16":
         return fp8_gemm_w8a16(x, w, w_scale, out_dtype)
+    if variant == "cublas":
+        from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
+
+        return fp8_gemm_cublas(x, w, w_scale, out_dtype)
     return fp8_gemm_w8a8(x, w, w_scale, out_dtype)

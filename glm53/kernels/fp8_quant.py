@@ -107,7 +107,7 @@ def _to_e4m3(v, EXACT_RNE: tl.constexpr):
 @triton.jit
 def _quant_groups_kernel(
     x_ptr, q_ptr, s_ptr, M, K,
-    stride_xm, stride_qm, stride_sm,
+    stride_xm, stride_qm, stride_sm, stride_sg,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, EXACT_RNE: tl.constexpr,
 ):
     """One program: BLOCK_M rows × one group of G columns (BLOCK_G = next_pow2(G))."""
@@ -124,14 +124,15 @@ def _quant_groups_kernel(
     v = tl.math.div_rn(x, scale[:, None])
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], _to_e4m3(v, EXACT_RNE), mask=m)
-    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=rm)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g * stride_sg, scale, mask=rm)
 
 
 def quantize_fp8_groups_triton(
     x: torch.Tensor, group: int = GROUP, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel: same contract and bits as `quantize_fp8_groups_reference`. `out` = (q, scale)
-    preallocated (q [M, K] e4m3 with unit column stride, scale [M, ceil(K/group)] fp32)."""
+    preallocated (q [M, K] e4m3 with unit column stride, scale [M, ceil(K/group)] fp32, any strides:
+    cuBLAS's blockwise FP8 GEMM wants the scales column-major, `fp8_gemm_cublas`)."""
     M, K = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -142,14 +143,14 @@ def quantize_fp8_groups_triton(
     else:
         q, s = out
         assert q.shape == (M, K) and q.dtype == FP8 and q.stride(1) == 1, (q.shape, q.dtype, q.stride())
-        assert s.shape == (M, kb) and s.dtype == torch.float32 and s.stride(1) == 1, (s.shape, s.dtype)
+        assert s.shape == (M, kb) and s.dtype == torch.float32, (s.shape, s.dtype)
     if M == 0 or K == 0:
         return q, s
     block_g = triton.next_power_of_2(group)
     # the interpreter pays per program: one row tile of up to 256 rows there
     block_m = max(1, min(256 if triton_interpreting() else 4096 // block_g, triton.next_power_of_2(M)))
     _quant_groups_kernel[(triton.cdiv(M, block_m), kb)](
-        x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0),
+        x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
         G=group, BLOCK_M=block_m, BLOCK_G=block_g, EXACT_RNE=triton_interpreting(), num_warps=4,
     )
     return q, s

@@ -10,7 +10,15 @@ bf16 rounding of the output, ~1.6e-3 rms; the interpreter truncates fp32 -> bf16
 it). w8a8 rounds the activations to e4m3 on purpose, so it is checked against the reference run
 on the same quantized activations (`quantize_fp8_groups_reference`, bit-identical to the kernel's
 quantizer) at the tolerances above, and against the exact reference at 6e-2 (3 mantissa bits:
-measured ~2.5e-2)."""
+measured ~2.5e-2).
+
+On a GPU the FP8 tensor cores accumulate a product's partial sums with fewer bits than fp32 (about
+14: DeepSeek-V3 §3.3.2, why each 128-wide K block is promoted to fp32 CUDA-core sums). Measured
+on the H200: fp32-output w8a8 differs from the same-rounding fp32 emulation by 1.27-1.30e-4 on
+every shape and activation kind, for our Triton kernel and cuBLAS's blockwise GEMM alike, so
+`FP8_MMA_TOL` (2.5e-4) replaces 1e-5 there. In the MoE, those differences move some h elements
+across an e4m3 rounding boundary before the down projection (one e4m3 step is 6-12% of the
+element), so the GPU's w8a8 MoE is held to the bf16 tolerance against its emulation."""
 
 from __future__ import annotations
 
@@ -27,6 +35,8 @@ from glm53.kernels.fp8_quant import (
     quantize_fp8_groups,
     quantize_fp8_groups_reference,
 )
+
+FP8_MMA_TOL = 2.5e-4  # fp32-output w8a8 on a GPU against its fp32 emulation (docstring)
 
 # GLM-5 linear layers per tensor-parallel rank at tp = 8, (N, K) of W [N, K] (widths from
 # tools/make_slice.py: hidden 6144, q_lora 2048, kv_lora 512 + rope 64, 64 heads of qk 192 + 64 and
@@ -128,6 +138,7 @@ def check_gemm(M, N, K, dtype, variant, w_kind="normal", x_kind="normal", device
     """The Triton variant ("w8a16" / "w8a8", or "dispatch": the public `fp8_gemm`) against the
     dequantized reference; returns the largest per-block error."""
     from glm53.kernels.fp8_gemm import fp8_gemm, fp8_variant
+    from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
     from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8, fp8_gemm_w8a16
 
     q, s = block_weight(N, K, w_kind, device)
@@ -135,7 +146,9 @@ def check_gemm(M, N, K, dtype, variant, w_kind="normal", x_kind="normal", device
     out_dtype = out_dtype or dtype
     if variant == "dispatch":
         run = lambda: fp8_gemm(x, q, s, out_dtype)  # noqa: E731
-        variant = fp8_variant(M)
+        variant = fp8_variant(M, N, K, x.device)
+    elif variant == "cublas":
+        run = lambda: fp8_gemm_cublas(x, q, s, out_dtype)  # noqa: E731
     else:
         f = fp8_gemm_w8a16 if variant == "w8a16" else fp8_gemm_w8a8
         run = lambda: f(x, q, s, out_dtype, config=config)  # noqa: E731
@@ -145,11 +158,13 @@ def check_gemm(M, N, K, dtype, variant, w_kind="normal", x_kind="normal", device
     w = dequantize_fp8_blocks(q, s, dtype=rd)
     exact = x.to(rd) @ w.t()
     tol = 1e-5 if out_dtype == torch.float32 and dtype == torch.float32 else 8e-3
-    if variant == "w8a8":
+    if variant in ("w8a8", "cublas"):
         xq, xs = quantize_fp8_groups_reference(x)
         emulated = dequantize_fp8_groups(xq, xs).to(rd) @ w.t()
         errs = block_rel_errs(y, emulated)
-        assert max(errs) <= tol, f"w8a8 against the same quantized activations: {errs}"
+        if torch.device(device).type == "cuda":  # the FP8 tensor cores' accumulation (docstring)
+            tol = max(tol, FP8_MMA_TOL)
+        assert max(errs) <= tol, f"{variant} against the same quantized activations: {errs}"
         if x_kind == "normal":  # the price of e4m3 activations (with "ranges", group-dependent)
             loose = block_rel_errs(y, exact)
             assert max(loose) <= 6e-2, loose
@@ -226,8 +241,10 @@ def check_moe_fp8(N, H, I, E, k, dtype, variant, device="cpu", n_empty=0, fused=
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     if variant == "w8a8":
         errs = block_rel_errs(out, _moe_emulated(inputs, True, rd))
-        # an h element at an e4m3 rounding tie may round the other way after fp32 sums in another order
-        assert max(errs) <= max(tol, 1e-4), f"w8a8 against the same rounding of x and h: {errs}"
+        # an h element at an e4m3 rounding tie may round the other way after fp32 sums in another
+        # order; on a GPU the tensor cores' accumulation moves more of them (docstring)
+        bound = 1e-2 if torch.device(device).type == "cuda" else max(tol, 1e-4)
+        assert max(errs) <= bound, f"w8a8 against the same rounding of x and h: {errs}"
         if kind == "normal":
             loose = block_rel_errs(out, exact)
             assert max(loose) <= 8e-2, loose

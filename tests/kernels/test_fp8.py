@@ -81,6 +81,25 @@ def test_dispatch_rules_are_one_threshold(monkeypatch):
     assert moe_fp8.moe_fp8_variant(n) == "w8a16" and moe_fp8.moe_fp8_variant(n + 1) == "w8a8"
 
 
+def test_cublas_route_needs_rows_a_gpu_and_a_shape_it_takes(monkeypatch):
+    from glm53.kernels import fp8_gemm_cublas
+
+    monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", 32)
+    m = fp8_gemm.CUBLAS_MIN_M
+    # the measured rule (fp8_gemm_cublas docstring): N % 16, ceil(K/128) % 4
+    assert fp8_gemm_cublas.supports(576, 6144) and fp8_gemm_cublas.supports(3584, 512)
+    assert not fp8_gemm_cublas.supports(6144, 256) and not fp8_gemm_cublas.supports(200, 512)
+    assert not fp8_gemm_cublas.supports(512, 640) and not fp8_gemm_cublas.supports(512, 1000)
+    # never on CPU; with a GPU that has it, from CUBLAS_MIN_M rows on shapes it takes
+    assert fp8_gemm.fp8_variant(4096, 576, 6144, torch.device("cpu")) == "w8a8"
+    monkeypatch.setattr(fp8_gemm_cublas, "available", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    assert fp8_gemm.fp8_variant(m, 576, 6144, cuda) == "cublas"
+    assert fp8_gemm.fp8_variant(m - 1, 576, 6144, cuda) == "w8a8"
+    assert fp8_gemm.fp8_variant(m, 6144, 256, cuda) == "w8a8"
+    assert fp8_gemm.fp8_variant(32, 576, 6144, cuda) == "w8a16"
+
+
 def test_glm5_tp8_shapes():
     # the per-rank widths the GPU tests and the benchmark use (GLM-5 at tp = 8)
     sh = fp8_cases.GLM5_TP8_LINEARS

@@ -176,12 +176,27 @@ def test_fp8_quant_groups_glm5(M):
     fp8_cases.check_quant(M, 2048, torch.float32, device=DEV, kind="normal")
 
 
-@pytest.mark.parametrize("variant", ["w8a16", "w8a8", "dispatch"])
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8", "cublas", "dispatch"])
 @pytest.mark.parametrize("M", [1, 17, 64, 4096])
 @pytest.mark.parametrize("name", list(fp8_cases.GLM5_TP8_LINEARS))
 def test_fp8_gemm_glm5(name, M, variant):
+    from glm53.kernels import fp8_gemm_cublas
+
     N, K = fp8_cases.GLM5_TP8_LINEARS[name]
+    if variant == "cublas" and not (fp8_gemm_cublas.supports(N, K) and fp8_gemm_cublas.available(0)):
+        pytest.skip(f"cuBLAS blockwise FP8 does not take ({N}, {K}) or this GPU")
     fp8_cases.check_gemm(M, N, K, torch.bfloat16, variant, device=DEV)
+
+
+@pytest.mark.parametrize("M", [128, 130, 1000, 4103])
+def test_fp8_gemm_cublas_ragged_rows_and_fp32(M):
+    # rows padded to 16 inside (cuBLAS refuses M = 130); fp32 activations and outputs
+    from glm53.kernels import fp8_gemm_cublas
+
+    if not fp8_gemm_cublas.available(0):
+        pytest.skip("no cuBLAS blockwise FP8 scaling on this GPU / CUDA")
+    fp8_cases.check_gemm(M, 576, 6144, torch.bfloat16, "cublas", "mixed", "ranges", device=DEV)
+    fp8_cases.check_gemm(M, 512, 1024, torch.float32, "cublas", "tiny", "normal", device=DEV)
 
 
 @pytest.mark.parametrize("variant", ["w8a16", "w8a8"])

@@ -366,6 +366,19 @@ def test_fp8_quant_groups(M, K, dtype):
     fp8_cases.check_quant(M, K, dtype)
 
 
+def test_fp8_quant_groups_into_padded_column_major_scales():
+    # what fp8_gemm_cublas hands cuBLAS: the real rows of a 16-padded buffer, scales column-major
+    from glm53.kernels.fp8_quant import FP8, quantize_fp8_groups_reference, quantize_fp8_groups_triton
+
+    x = fp8_cases.activations(13, 384, torch.bfloat16, "ranges")
+    q = torch.empty((16, 384), dtype=FP8)
+    s = torch.empty((3, 16), dtype=torch.float32).t()
+    quantize_fp8_groups_triton(x, out=(q[:13], s[:13]))
+    qr, sr = quantize_fp8_groups_reference(x)
+    assert s.stride() == (1, 16)
+    assert torch.equal(q[:13].view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s[:13], sr)
+
+
 def test_fp8_quant_groups_e4m3_rounding():
     # every rounding boundary of e4m3's binades, subnormals included: bit-identical to torch's cast
     fp8_cases.check_quant(64, 256, torch.float32, kind="normal")
