@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from glm53.models import ModelRunner, PageAllocator, write_random_draft
+from glm53.models.dspark import BlockChoice
 from glm53.server.embedded_model import ensure_embedded_model
 from glm53.server.engine.decode import DecodeScheduler
 from glm53.server.offline import greedy_generate
@@ -35,9 +36,10 @@ def oracle(sched: DecodeScheduler, prompts: list[list[int]], want: list[list[int
             out = truth[plen]
             rows.append([out[j] if (j := b.start_pos + 1 + i - plen) < len(out) else 0
                          for i in range(b.block_size - 1)])
-        return torch.tensor(rows)
+        tokens = torch.tensor(rows)
+        return BlockChoice(tokens, torch.full((len(rows),), tokens.shape[1]))
 
-    sched.workers.rank.runner.propose = propose
+    sched.workers.rank.runner.draft_block = propose
 
 
 def main() -> None:

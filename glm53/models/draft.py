@@ -35,6 +35,7 @@ from glm53.kernels.norm import rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.models.config import GlmConfig
 from glm53.models.draft_config import DFlashConfig, check_draft_tp
+from glm53.models.dspark import BlockChoice, BlockSampling, ConfidenceHead, MarkovHead, choose_block
 from glm53.models.kv_cache import KVPools, Pool
 from glm53.models.layers import MLP, ColumnParallelLinear, Linear, Norm, RowParallelLinear, split
 from glm53.models.parallel import TPGroup
@@ -55,6 +56,20 @@ class DraftBlock:
     page_table: list[int]
     ctx_start: int = 0
     block_size: int | None = None
+    sampling: DraftSampling | None = None  # None: propose the draft's argmax
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """A sampled request's drafting: the request's temperature (> 0), top-k (0: none), top-p and
+    min-p, applied to the draft's logits as the target's sampler applies them to its own; `seed`
+    seeds the step's uniforms (the scheduler derives it, so every rank draws the same)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
 
 
 @dataclass
@@ -173,9 +188,12 @@ class DFlashDraft(nn.Module):
     `check_draft_tp` runs first, so a tp that cannot split it is a `ConfigError` naming the field."""
 
     def __init__(
-        self, cfg: DFlashConfig, target_cfg: GlmConfig, dtype: torch.dtype = torch.float32, tp: TPGroup | None = None
+        self, cfg: DFlashConfig, target_cfg: GlmConfig, dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
+        confidence_threshold: float = 0.0,
     ):
         super().__init__()
+        if not 0 <= confidence_threshold < 1:
+            raise ValueError(f"confidence_threshold must lie in [0, 1), got {confidence_threshold}")
         self.tp = tp if tp is not None else TPGroup.single()
         check_draft_tp(cfg, self.tp.size)
         if cfg.hidden_size != target_cfg.hidden_size:
@@ -186,6 +204,13 @@ class DFlashDraft(nn.Module):
         self.fc = Linear(cfg.num_features * h, h, dtype)
         self.hidden_norm = Norm(h, dtype)
         self.norm = Norm(h, dtype)
+        # DSpark (models/dspark.py): replicated heads, so every rank picks the same tokens.
+        r = cfg.markov_rank
+        self.markov_head = MarkovHead(target_cfg.vocab_size, r, dtype) if r else None
+        self.confidence_head = ConfidenceHead(h, r, dtype) if r and cfg.confidence_head else None
+        if cfg.confidence_head and not r:
+            raise ValueError("a confidence head needs a Markov head (its input is [h, markov_w1[token]])")
+        self.confidence_threshold = confidence_threshold
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
     # --- the draft KV pool ---
@@ -261,10 +286,20 @@ class DFlashDraft(nn.Module):
     def propose(
         self, target: nn.Module, blocks: list[DraftBlock], pools: KVPools, return_logits: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Proposals [R, B − 1] (long) for the requests `blocks` in one batch: argmax of the
-        target's logits at block positions 1 .. B − 1 (a proposal equal to mask_token_id is
-        kept). With `return_logits`, also those fp32 logits [R, B − 1, vocab]. `target` is the
-        whole target model (its embedding and lm_head); every TP rank returns the same values."""
+        """Proposals [R, B − 1] (long) for the requests `blocks` in one batch (`draft_block`'s
+        tokens, before any confidence cut). With `return_logits`, also the draft's fp32 logits
+        [R, B − 1, vocab] (DSpark: before the Markov bias)."""
+        choice, logits = self.draft_block(target, blocks, pools)
+        return (choice.tokens, logits) if return_logits else choice.tokens
+
+    @torch.inference_mode()
+    def draft_block(self, target: nn.Module, blocks: list[DraftBlock], pools: KVPools) -> tuple[BlockChoice, torch.Tensor]:
+        """The blocks' proposals (`BlockChoice`: tokens [R, B − 1], the confidence cut's `keep`,
+        and q of the sampled rows) and the draft's fp32 logits [R, B − 1, vocab]. Block position
+        i's proposal: DFlash, the argmax of its logits (a proposal equal to mask_token_id is
+        kept); DSpark, of its logits plus the Markov bias of the token chosen before it. A block
+        with `sampling` samples from q instead. `target` is the whole target model (its
+        embedding and lm_head); every TP rank returns the same values."""
         if not blocks:
             raise ValueError("propose needs at least one block")
         if not (getattr(target, "is_first", False) and getattr(target, "is_last", False)):
@@ -280,23 +315,63 @@ class DFlashDraft(nn.Module):
         # Every block query sees the request's valid context and all B block positions.
         mask = torch.cat([mask, mask.new_ones(r, b)], dim=1).to(dev)
         ctx = self.paged_context(table.to(dev), mask, pools)
-        logits = self.block_logits(target, ids.to(dev), positions, ctx)
-        tokens = logits.argmax(dim=-1)
-        return (tokens, logits) if return_logits else tokens
+        ids = ids.to(dev)
+        h = self.block_hidden(target, ids, positions, ctx)
+        logits = self.logits_of(target, h)
+        return self.choose(logits, ids[:, 0], h, self.block_sampling(blocks, b - 1, dev)), logits
 
-    def block_logits(self, target: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
+    def choose(self, logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tensor,
+               sampling: BlockSampling | None = None) -> BlockChoice:
+        """The proposals of blocks with draft `logits` [R, B − 1, V] (models/dspark.choose_block)."""
+        return choose_block(logits, anchor, hidden, self.markov_head, self.confidence_head,
+                            self.confidence_threshold, sampling)
+
+    @staticmethod
+    def block_sampling(blocks: list[DraftBlock], n: int, device: torch.device) -> BlockSampling | None:
+        """The sampled blocks' `BlockSampling` (n uniforms each, from its seed), or None when
+        every block proposes its argmax."""
+        if all(blk.sampling is None for blk in blocks):
+            return None
+        rows, t, k, p, m, u = [], [], [], [], [], []
+        for blk in blocks:
+            s = blk.sampling
+            rows.append(s is not None)
+            t.append(s.temperature if s else 1.0)
+            k.append(s.top_k if s and s.top_k > 0 else 1 << 62)
+            p.append(s.top_p if s else 1.0)
+            m.append(s.min_p if s else 0.0)
+            g = torch.Generator().manual_seed(s.seed) if s else None
+            u.append(torch.rand(n, dtype=torch.float64, generator=g) if s else torch.zeros(n, dtype=torch.float64))
+        on = lambda v, dt=None: torch.tensor(v, dtype=dt).to(device)  # noqa: E731
+        sampled = [blk.sampling for blk in blocks if blk.sampling is not None]
+        return BlockSampling(
+            rows=on(rows), temperature=on(t, torch.float32), top_k=on(k, torch.long), top_p=on(p, torch.float32),
+            min_p=on(m, torch.float32), uniforms=torch.stack(u).to(device),
+            sort=any(s.top_k > 0 or s.top_p < 1 for s in sampled), use_min_p=any(s.min_p > 0 for s in sampled))
+
+    def block_hidden(self, target: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
                      ctx: PagedContext) -> torch.Tensor:
         """The drafting forward on device tensors only (no host reads: CUDA graphs capture it,
         models/spec_graph.py): blocks `ids` [R, B] at `positions` [R·B] over the paged context
-        `ctx` (its mask [R, W·page_size + B]); fp32 logits [R, B − 1, vocab] of block positions
-        1 .. B − 1."""
+        `ctx` (its mask [R, W·page_size + B]); the final-normed hidden [R, B − 1, H] of block
+        positions 1 .. B − 1."""
         r, b = ids.shape
         x = target.embed(ids.reshape(-1)).to(self.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, ctx, i)
-        h = rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
-        return target.lm_head(h.reshape(r * (b - 1), -1)).float().view(r, b - 1, -1)
+        return rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
+
+    @staticmethod
+    def logits_of(target: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """The target's lm_head on the block hidden [R, B − 1, H]: fp32 [R, B − 1, vocab]."""
+        r, n, _ = h.shape
+        return target.lm_head(h.reshape(r * n, -1)).float().view(r, n, -1)
+
+    def block_logits(self, target: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
+                     ctx: PagedContext) -> torch.Tensor:
+        """fp32 logits [R, B − 1, vocab] of block positions 1 .. B − 1 (`block_hidden`)."""
+        return self.logits_of(target, self.block_hidden(target, ids, positions, ctx))
 
     def paged_context(self, table: torch.Tensor, mask: torch.Tensor, pools: KVPools) -> PagedContext:
         """The context of pages `table` [R, W] under `mask` [R, W·page_size + B], read in place

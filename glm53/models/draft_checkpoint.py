@@ -5,6 +5,7 @@ before a trained draft exists. Deterministic for a seed; its proposals are rando
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ def draft_config_dict(
     mask_token_id: int | None = None,
     rope_theta: float | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    dspark: bool = False,
 ) -> dict:
     """A draft `config.json` for `target`. Defaults: the target's head count (and as many KV
     heads, so any tp the target takes splits the draft too), head_dim = hidden / heads, the
@@ -59,7 +61,9 @@ def draft_config_dict(
         "torch_dtype": str(dtype).removeprefix("torch."),
         "block_size": block_size,
         "num_target_layers": target.num_hidden_layers,
-        "dflash_config": {
+        # DSpark drafts name their section `dspark_config` (same fields; the heads' shapes are
+        # the tensors').
+        "dspark_config" if dspark else "dflash_config": {
             "target_layer_ids": ids,
             "mask_token_id": mask_token_id if mask_token_id is not None else target.vocab_size - 1,
         },
@@ -69,6 +73,11 @@ def draft_config_dict(
 def _init(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     # Norm gains near 1 but not 1, so every norm matters; matrices scaled by fan-in so
     # activations keep unit scale through the layers.
+    if name.startswith("markov_head."):
+        # [V, r] each: r^-1/4 per factor gives a Markov bias w2 · w1[t] of unit scale, like the logits.
+        return torch.randn(shape, generator=g) * shape[-1] ** -0.25
+    if name == "confidence_head.proj.bias":
+        return 0.5 * torch.randn(shape, generator=g)
     if len(shape) == 1:
         return 1.0 + 0.2 * torch.randn(shape, generator=g)
     return torch.randn(shape, generator=g) * shape[-1] ** -0.5
@@ -80,16 +89,21 @@ def write_random_draft(
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
+    markov_rank: int = 0,
+    confidence_head: bool = False,
     **dims,
 ) -> Path:
     """Writes `config.json` and `model.safetensors` of a random draft fitting the target at
-    `target_dir` into `out_dir` (created) and returns `out_dir`. `dims` as `draft_config_dict`."""
+    `target_dir` into `out_dir` (created) and returns `out_dir`. `dims` as `draft_config_dict`.
+    `markov_rank` > 0: a DSpark draft with a Markov head of that rank (and a confidence head
+    with `confidence_head`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = GlmConfig.from_dir(target_dir)
-    config = draft_config_dict(target, dtype=dtype, **dims)
+    config = draft_config_dict(target, dtype=dtype, dspark=markov_rank > 0, **dims)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     cfg = DFlashConfig.from_dir(out, target)  # the config must load back against its target
+    cfg = dataclasses.replace(cfg, markov_rank=markov_rank, confidence_head=confidence_head)
     with torch.device("meta"):
         draft = DFlashDraft(cfg, target, dtype=dtype)
     g = torch.Generator().manual_seed(seed)

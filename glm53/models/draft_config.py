@@ -1,5 +1,6 @@
 """The DFlash draft's `config.json` (z-lab `DFlashDraftModel` layout: Qwen3-style decoder dims
-plus a `dflash_config` object), validated against the target it drafts for.
+plus a `dflash_config` object, or a DSpark draft's `dspark_config`), validated against the
+target it drafts for.
 
 Every invalid or ill-fitting value raises `ConfigError` naming the field. The draft has no
 embeddings or LM head; it reads the target's layers `target_layer_ids` (feature k = output of
@@ -42,6 +43,16 @@ class DFlashConfig:
     mask_token_id: int
     torch_dtype: str = "bfloat16"
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # DSpark heads (models/dspark.py), known from the checkpoint's tensors, not its config.json
+    # (draft_weights.draft_config): the Markov head's rank r (0: a plain DFlash draft) and
+    # whether a confidence head is there.
+    markov_rank: int = 0
+    confidence_head: bool = False
+
+    @property
+    def algorithm(self) -> str:
+        """"DSPARK" for a draft with a Markov head, else "DFLASH"."""
+        return "DSPARK" if self.markov_rank else "DFLASH"
 
     @property
     def num_features(self) -> int:
@@ -59,12 +70,19 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], target: GlmConfig) -> "DFlashConfig":
-        dd = d.get("dflash_config") or {}
-        if not isinstance(dd, dict):
-            raise ConfigError(f"dflash_config: expected an object, got {dd!r}")
+        # A DSpark checkpoint may carry a `dspark_config` section (same fields; it wins over
+        # `dflash_config` where both name one).
+        dd: dict[str, Any] = {}
+        sec = "dflash_config"
+        for name in ("dflash_config", "dspark_config"):
+            part = d.get(name) or {}
+            if not isinstance(part, dict):
+                raise ConfigError(f"{name}: expected an object, got {part!r}")
+            if part:
+                dd, sec = {**dd, **part}, name
 
         def get(name: str, typ: type, default: Any = ..., minimum: float | None = None, src: dict = d) -> Any:
-            where = name if src is d else f"dflash_config.{name}"
+            where = name if src is d else f"{sec}.{name}"
             if name not in src or src[name] is None:
                 if default is ...:
                     raise ConfigError(f"{where}: required field is missing")
@@ -108,7 +126,7 @@ class DFlashConfig:
         if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
             raise ConfigError(f"rope_theta: must be a positive number, got {theta!r}")
 
-        # block_size: top level or in dflash_config (the latter wins when both are set).
+        # block_size: top level or in the draft's section (the latter wins when both are set).
         block = get("block_size", int, None, minimum=2, src=dd)
         if block is None:
             block = get("block_size", int, DEFAULT_BLOCK_SIZE, minimum=2)
@@ -121,19 +139,19 @@ class DFlashConfig:
         if ids is None:
             ids = build_target_layer_ids(L, n_layers)
         elif not isinstance(ids, list) or not ids or any(not isinstance(i, int) or isinstance(i, bool) for i in ids):
-            raise ConfigError(f"dflash_config.target_layer_ids: expected a non-empty list of integers, got {ids!r}")
+            raise ConfigError(f"{sec}.target_layer_ids: expected a non-empty list of integers, got {ids!r}")
         bad = [i for i in ids if not 0 <= i < L]
         if bad:
-            raise ConfigError(f"dflash_config.target_layer_ids: {bad} outside the target's layers [0, {L})")
+            raise ConfigError(f"{sec}.target_layer_ids: {bad} outside the target's layers [0, {L})")
         if any(b <= a for a, b in zip(ids, ids[1:])):
-            raise ConfigError(f"dflash_config.target_layer_ids: must be strictly increasing, got {ids}")
+            raise ConfigError(f"{sec}.target_layer_ids: must be strictly increasing, got {ids}")
 
         mask = dd.get("mask_token_id", d.get("mask_token_id"))
         if mask is None:
-            raise ConfigError("dflash_config.mask_token_id: required field is missing")
+            raise ConfigError(f"{sec}.mask_token_id: required field is missing")
         if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < target.vocab_size:
             raise ConfigError(
-                f"dflash_config.mask_token_id: must be an id in the target's vocabulary [0, {target.vocab_size}), got {mask!r}"
+                f"{sec}.mask_token_id: must be an id in the target's vocabulary [0, {target.vocab_size}), got {mask!r}"
             )
 
         return cls(

@@ -1,7 +1,9 @@
 """Load a DFlash draft checkpoint (`model.safetensors` or an index + shards, tensor names as the
 published drafts have them: `layers.{i}.…`, `fc.weight`, `hidden_norm.weight`, `norm.weight`,
 optionally under a `model.` prefix) into `DFlashDraft`, or only the `fc` column blocks a
-pipeline stage needs into a `DraftProjection`.
+pipeline stage needs into a `DraftProjection`. A DSpark draft is the same layout plus
+`markov_head.markov_w{1,2}.weight` [V, r] and optionally `confidence_head.proj.{weight,bias}`
+([1, H + r], [1]); `draft_config` reads r and the confidence head's presence from the tensors.
 
 Like the target's loader: missing or unexpected tensors are `WeightError`s naming them, shapes
 are checked against the parameter's shard rule, and a tensor-parallel rank reads only its slice.
@@ -12,12 +14,15 @@ from __future__ import annotations
 from contextlib import ExitStack
 from pathlib import Path
 
+import dataclasses
+
 import torch
 from safetensors import safe_open
 
 from glm53.models.config import GlmConfig
 from glm53.models.draft import DFlashDraft, DraftProjection
 from glm53.models.draft_config import DFlashConfig
+from glm53.models.parallel import TPGroup
 from glm53.models.sharding import shard_of
 from glm53.models.weights import WeightError, _names, checkpoint_files
 
@@ -50,6 +55,51 @@ class _Reader:
         if path not in self.handles:
             self.handles[path] = self.stack.enter_context(safe_open(str(path), framework="pt"))
         return self.handles[path].get_slice(name)
+
+
+_MARKOV = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
+_CONFIDENCE = ("confidence_head.proj.weight", "confidence_head.proj.bias")
+
+
+def draft_config(draft_dir: str | Path, target: GlmConfig) -> DFlashConfig:
+    """The draft's config (config.json, checked against `target`) with its DSpark heads as the
+    checkpoint's tensors give them: the Markov rank r (0: none) and the confidence head."""
+    draft_dir = Path(draft_dir)
+    cfg = DFlashConfig.from_dir(draft_dir, target)
+    files = _checkpoint_names(draft_dir)
+    have = [k for k in _MARKOV if k in files]
+    if not have:
+        extra = [files[k][0] for k in _CONFIDENCE if k in files]
+        if extra:
+            raise WeightError(f"{draft_dir}: {_names(extra)} without a Markov head (markov_head.*): not a DSpark draft")
+        return cfg
+    if len(have) == 1:
+        missing = [k for k in _MARKOV if k not in files]
+        raise WeightError(f"{draft_dir}: tensors missing from the draft checkpoint: {_names(missing)}")
+    shapes = {}
+    with ExitStack() as stack:
+        reader = _Reader(stack)
+        for k in _MARKOV:
+            shapes[k] = tuple(reader.slice(*files[k]).get_shape())
+    w1 = shapes[_MARKOV[0]]
+    if len(w1) != 2 or w1[0] != target.vocab_size or shapes[_MARKOV[1]] != w1 or w1[1] < 1:
+        raise WeightError(f"{files[_MARKOV[0]][0]}, {files[_MARKOV[1]][0]}: shapes {w1}, {shapes[_MARKOV[1]]}; a "
+                          f"Markov head needs both [vocab={target.vocab_size}, r] with r >= 1")
+    conf = [k in files for k in _CONFIDENCE]
+    if any(conf) and not all(conf):
+        missing = [k for k, c in zip(_CONFIDENCE, conf) if not c]
+        raise WeightError(f"{draft_dir}: tensors missing from the draft checkpoint: {_names(missing)}")
+    return dataclasses.replace(cfg, markov_rank=w1[1], confidence_head=all(conf))
+
+
+def build_draft(draft_dir: str | Path, target: GlmConfig, dtype: torch.dtype = torch.float32,
+                tp: TPGroup | None = None, confidence_threshold: float = 0.0) -> DFlashDraft:
+    """The draft at `draft_dir` (DFlash or DSpark, this rank's shard under `tp`), loaded. A
+    DSpark draft cuts its blocks at `confidence_threshold` (0: never)."""
+    draft = DFlashDraft(draft_config(draft_dir, target), target, dtype=dtype, tp=tp,
+                        confidence_threshold=confidence_threshold)
+    load_draft_weights(draft, draft_dir)
+    return draft
 
 
 def load_draft_weights(draft: DFlashDraft, draft_dir: str | Path) -> None:

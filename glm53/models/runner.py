@@ -37,8 +37,8 @@ import torch
 
 from glm53.models.config import GlmConfig
 from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
-from glm53.models.draft_config import DFlashConfig
-from glm53.models.draft_weights import load_draft_projection, load_draft_weights
+from glm53.models.draft_weights import build_draft, load_draft_projection
+from glm53.models.dspark import BlockChoice
 from glm53.models.graph import DecodeGraphs, GraphConfig
 from glm53.models.spec_graph import SpecGraphs
 from glm53.models.spec_state import SpecOutput
@@ -159,21 +159,22 @@ class ModelRunner:
         draft_dir: str | Path | None = None,
         kv_dtype: torch.dtype | None = None,
         fp8: bool = False,
+        confidence_threshold: float = 0.0,
     ) -> "ModelRunner":
         """Loads the stage holding `layers` (the whole model by default) from a checkpoint, straight
         onto `device` (`weights.load_model`); with `tp`, this rank's shard of it (reading only its
         slices of the split tensors). `fp8`: keep a block-FP8 checkpoint's FP8 weights e4m3 with
         their scales (the rest in `dtype`); by default they are dequantised to `dtype`. With
-        `draft_dir`, also the DFlash draft there (its config checked against the target's; same
-        dtype and `tp`), on the last stage; a non-last stage gets its `DraftProjection`."""
+        `draft_dir`, also the DFlash or DSpark draft there (its config checked against the target's;
+        same dtype and `tp`; a DSpark draft cuts at `confidence_threshold`), on the last stage;
+        a non-last stage gets its `DraftProjection`."""
         cfg = GlmConfig.from_dir(model_dir)
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
         model = load_model(model_dir, dtype=dtype, device=device, layers=layers, tp=tp, fp8=fp8, progress=progress)
         draft = projection = None
         if draft_dir is not None and model.is_last:
-            draft = DFlashDraft(DFlashConfig.from_dir(draft_dir, cfg), cfg, dtype=dtype, tp=model.tp)
-            load_draft_weights(draft, draft_dir)
+            draft = build_draft(draft_dir, cfg, dtype=dtype, tp=model.tp, confidence_threshold=confidence_threshold)
             draft.to(device)
         elif draft_dir is not None:
             projection = load_draft_projection(draft_dir, cfg, model.layer_range, dtype).to(device)
@@ -282,21 +283,33 @@ class ModelRunner:
             raise ValueError("this runner holds no draft model")
         return self.draft.propose(self.model, blocks, self.pools, return_logits=return_logits)
 
+    def draft_block(self, blocks: list[DraftBlock]) -> BlockChoice:
+        """The draft's proposals for `blocks` of one block size, as `DFlashDraft.draft_block`
+        chooses them (argmax or sampled, DSpark's confidence cut in `keep`)."""
+        if self.draft is None:
+            raise ValueError("this runner holds no draft model")
+        return self.draft.draft_block(self.model, blocks, self.pools)[0]
+
     def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
-        """One DFlash step for a batch: the draft proposes `block_size − 1` tokens per request
-        (none for a block of 1), then one target forward verifies `[last token, drafts...]` and
-        writes the draft context of every verified position. A captured graph runs it when one
-        holds the batch (`SpecGraphs.bucket` decides), else it runs eagerly. Every TP rank
-        computes the same proposals, so every rank builds the same verify batch."""
+        """One speculative step for a batch: the draft proposes up to `block_size − 1` tokens per
+        request (none for a block of 1; DSpark's confidence cut may keep fewer), then one target
+        forward verifies `[last token, drafts...]` and writes the draft context of every verified
+        position. A captured graph runs it when one holds the batch (`SpecGraphs.bucket`
+        decides), else it runs eagerly. Every TP rank computes the same proposals (sampled ones
+        from the blocks' seeds), so every rank builds the same verify batch."""
         if self.spec_graphs is not None:
             hit = self.spec_graphs.bucket(blocks)
             if hit is not None:
                 return self.spec_graphs.step(*hit)
         drafts: list[list[int]] = [[] for _ in blocks]
+        probs: list[torch.Tensor | None] = [None] * len(blocks)
         for size in {b.block_size for b in blocks} - {1}:  # one propose call per block size
             idx = [i for i, b in enumerate(blocks) if b.block_size == size]
-            for i, row in zip(idx, self.propose([blocks[i] for i in idx]).tolist()):
-                drafts[i] = row
+            choice = self.draft_block([blocks[i] for i in idx])
+            for j, (i, row, keep) in enumerate(zip(idx, choice.tokens.tolist(), choice.keep.tolist())):
+                drafts[i] = row[:keep]
+                if blocks[i].sampling is not None:
+                    probs[i] = choice.probs[j, :keep]
         chunks = [SeqChunk([b.last_token, *d], b.start_pos, b.page_table, all_logits=True)
                   for b, d in zip(blocks, drafts)]
         logits = self.forward(chunks)
@@ -306,7 +319,7 @@ class ModelRunner:
         for lg in logits:
             greedy.append(flat[r : r + len(lg)])
             r += len(lg)
-        return SpecOutput(drafts, logits, greedy)
+        return SpecOutput(drafts, logits, greedy, probs if any(p is not None for p in probs) else None)
 
     def forward(self, chunks: list[SeqChunk], inputs: StageInput | None = None,
                 tokens: DeviceTokens | None = None) -> list[torch.Tensor]:

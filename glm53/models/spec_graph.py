@@ -40,25 +40,31 @@ def step_rows(blocks: Sequence[DraftBlock], draft_block: int) -> list[StepRow]:
 
 def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The step the graphs hold, on the state's first `bs` rows at `width` pages, device ops only:
-    (tokens [bs, 2K − 1] long: the K − 1 drafts, then the target's argmax of each of the K verify
-    rows; the verify logits [bs·K, vocab] fp32). Writes the verify tokens' target KV and draft
-    context KV (padding tokens on the padding page)."""
+    (tokens [bs, 2K] long: the K − 1 drafts, the target's argmax of each of the K verify rows,
+    then the tokens each row verified — its n, or fewer when DSpark's confidence cut ended the
+    block early, which only masks more verify positions, so one graph serves every cut; the
+    verify logits [bs·K, vocab] fp32). Writes the verify tokens' target KV and draft context KV
+    (padding tokens on the padding page)."""
     draft, model = runner.draft, runner.model
     d = state.draft_inputs(bs, width)
     ctx = draft.paged_context(d.table, d.mask, runner.pools)  # read in place by the draft attention
-    drafts = draft.block_logits(model, d.ids, d.positions, ctx).argmax(dim=-1)
-    out = runner.forward_batch(state.verify_batch(bs, width, drafts))
+    h = draft.block_hidden(model, d.ids, d.positions, ctx)
+    choice = draft.choose(draft.logits_of(model, h), d.ids[:, 0], h)
+    n = state.verify_n(bs, choice.keep + 1)
+    out = runner.forward_batch(state.verify_batch(bs, width, choice.tokens, n))
     logits = model.logits(out.hidden)
-    return torch.cat([drafts, logits.argmax(dim=-1).view(bs, state.k)], dim=1), logits
+    return torch.cat([choice.tokens, logits.argmax(dim=-1).view(bs, state.k), n[:, None]], dim=1), logits
 
 
 def split_output(rows: Sequence[StepRow], k: int, tokens: list[list[int]], logits: torch.Tensor) -> SpecOutput:
-    """Per request, its n − 1 drafts, n verify logits rows and their argmaxes, out of the padded
-    step's host tokens [≥ len(rows)][2K − 1] and device logits [≥ len(rows)·K, vocab]."""
+    """Per request, its n − 1 drafts, n verify logits rows and their argmaxes (n as the step
+    verified it, the last column), out of the padded step's host tokens [≥ len(rows)][2K] and
+    device logits [≥ len(rows)·K, vocab]."""
+    ns = [t[-1] for t in tokens[: len(rows)]]
     return SpecOutput(
-        drafts=[t[: r.n - 1] for r, t in zip(rows, tokens)],
-        logits=[logits[i * k : i * k + r.n] for i, r in enumerate(rows)],
-        greedy=[t[k - 1 : k - 1 + r.n] for r, t in zip(rows, tokens)],
+        drafts=[t[: n - 1] for n, t in zip(ns, tokens)],
+        logits=[logits[i * k : i * k + n] for i, n in enumerate(ns)],
+        greedy=[t[k - 1 : k - 1 + n] for n, t in zip(ns, tokens)],
     )
 
 
@@ -101,6 +107,8 @@ class SpecGraphs:
         run the step eagerly (which also raises the clear error for a block nothing can hold)."""
         if not blocks:
             return None
+        if any(b.sampling is not None for b in blocks):
+            return None  # sampled drafting (host-seeded uniforms, per-request filters) runs eagerly
         rows = step_rows(blocks, self.runner.draft.cfg.block_size)
         try:
             self.state.check(rows)
@@ -123,7 +131,7 @@ class SpecGraphs:
 
     def step(self, rows: list[StepRow], key: tuple[int, int]) -> SpecOutput:
         """`launch`, a copy of the logits (the next replay overwrites the graph's), then the step's
-        one device→host copy: the drafts and the verify argmaxes."""
+        one device→host copy: the drafts, the verify argmaxes and the verified counts."""
         tokens, logits = self.launch(rows, key)
         m = len(rows)
         lg = logits[: m * self.k].clone()

@@ -150,9 +150,17 @@ class SpecState:
         ctx_mask = (pos >= ctx0[:, None]) & (pos < start[:, None])
         return DraftInputs(ids, positions, table, torch.cat([ctx_mask, j < n[:, None]], dim=1))
 
-    def verify_batch(self, bs: int, width: int, drafts: torch.Tensor) -> ForwardBatch:
-        """The verify forward's batch: bs·K tokens, [last, drafts] per row (`drafts` [bs, K − 1])."""
-        last, start, _, n = self._fields(bs, width)
+    def verify_n(self, bs: int, cut: torch.Tensor) -> torch.Tensor:
+        """[bs] long: the tokens each row verifies, its n capped at `cut` (the draft's cut block:
+        the bonus slot plus the proposals it kept)."""
+        return torch.minimum(self.rows[:bs, 3], cut)
+
+    def verify_batch(self, bs: int, width: int, drafts: torch.Tensor, n: torch.Tensor | None = None) -> ForwardBatch:
+        """The verify forward's batch: bs·K tokens, [last, drafts] per row (`drafts` [bs, K − 1]).
+        `n` [bs]: the tokens each row verifies when the draft cut its block (≤ the row's n; a
+        device tensor, so a cut block replays the same graph)."""
+        last, start, _, rows_n = self._fields(bs, width)
+        n = rows_n if n is None else torch.minimum(n, rows_n)
         k, ps = self.k, self.page_size
         valid = self._j < n[:, None]  # [bs, K]
         pos = torch.where(valid, start[:, None] + self._j, 0).reshape(-1)
@@ -171,10 +179,14 @@ class SpecState:
 
 @dataclass
 class SpecOutput:
-    """One DFlash step's result per request: its drafts (n − 1 of them), the verify logits
+    """One DFlash step's result per request: its drafts (n − 1 of them, n the tokens verified:
+    fewer than the block when DSpark's confidence cut ended it early), the verify logits
     [n, vocab] fp32, and the argmax of each of those rows when the step computed it on the
-    device with the drafts (one device→host copy for both; None: accept derives it)."""
+    device with the drafts (one device→host copy for both; None: accept derives it). `probs`:
+    per request, the draft's q [n − 1, vocab] its drafts were sampled from (None for a request
+    whose drafts are the draft's argmax; None overall when no request sampled)."""
 
     drafts: list[list[int]]
     logits: list[torch.Tensor]
     greedy: list[list[int]] | None = None
+    probs: list[torch.Tensor | None] | None = None

@@ -316,30 +316,17 @@ def sample(
 
 
 def filter_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) the logits that top-k, top-p or min-p exclude; x is temperature-scaled."""
-    import torch
+    """Mask (to -inf) the logits that top-k, top-p or min-p exclude; x is temperature-scaled.
+    (kernels/sampling_filter.py, which the draft's own distribution uses too.)"""
+    from glm53.kernels.sampling_filter import filter_logits as filter_rows
 
     V = x.shape[-1]
     # Which filters run is decided from the params on the host: nothing here waits for the GPU.
+    sort = any(0 < p.top_k < V or p.top_p < 1 for p in params)
+    use_min_p = any(p.min_p > 0 for p in params)
+    if not (sort or use_min_p):
+        return x
     top_k = on_device([min(p.top_k, V) if p.top_k > 0 else V for p in params], x.device)
     top_p = on_device([p.top_p for p in params], x.device)
     min_p = on_device([p.min_p for p in params], x.device)
-    need_sort = any(0 < p.top_k < V or p.top_p < 1 for p in params)
-    if need_sort:
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        rank = torch.arange(V, device=x.device).unsqueeze(0)
-        drop = rank >= top_k.unsqueeze(1)
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(sorted_x, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass
-        # strictly before it already reaches top_p. The top token is always kept.
-        before = probs.cumsum(dim=-1) - probs
-        drop = drop | ((before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1))
-        drop[:, 0] = False
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
-    if any(p.min_p > 0 for p in params):
-        probs = torch.softmax(x, dim=-1)
-        thresh = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-        x = x.masked_fill(probs < thresh, float("-inf"))
-    return x
+    return filter_rows(x, top_k, top_p, min_p, sort=sort, use_min_p=use_min_p)

@@ -7,11 +7,12 @@ V = W_v · of the context c and of the block; block queries attend to [context ;
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from glm53.models.draft_checkpoint import write_random_draft
 
@@ -49,8 +50,9 @@ class RefDraft:
         self.embed = target["model.embed_tokens.weight"].float()
         self.lm_head = target["lm_head.weight"].float()
         c = self.cfg
-        self.ids = c["dflash_config"]["target_layer_ids"]
-        self.mask_id = c["dflash_config"]["mask_token_id"]
+        section = c.get("dspark_config") or c["dflash_config"]
+        self.ids = section["target_layer_ids"]
+        self.mask_id = section["mask_token_id"]
         self.eps, self.theta = c["rms_norm_eps"], c["rope_theta"]
         self.nh, self.nkv, self.hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
 
@@ -92,5 +94,82 @@ class RefDraft:
             h = _rms(x, self.w[p + "post_attention_layernorm.weight"], self.eps)
             m = F.silu(h @ self.w[p + "mlp.gate_proj.weight"].T) * (h @ self.w[p + "mlp.up_proj.weight"].T)
             x = x + m @ self.w[p + "mlp.down_proj.weight"].T
-        logits = _rms(x, self.w["norm.weight"], self.eps)[1:] @ self.lm_head.T
+        self.hidden = _rms(x, self.w["norm.weight"], self.eps)[1:]  # what DSpark's confidence head reads
+        logits = self.hidden @ self.lm_head.T
         return logits.argmax(-1), logits
+
+    def dspark(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: int,
+               threshold: float) -> tuple[list[int], int]:
+        """DSpark's greedy block from the formulas (the draft's Markov and confidence tensors):
+        token_i = argmax(logits_i + markov_w2 · markov_w1[token_{i−1}]) from token_0 = anchor;
+        the block ends before the first i with sigmoid(proj([h_i, markov_w1[token_{i−1}]])) <
+        threshold. (tokens [B − 1], how many the cut keeps)."""
+        w1, w2 = self.w["markov_head.markov_w1.weight"], self.w["markov_head.markov_w2.weight"]
+        tokens, keep, prev, cut = [], len(logits), anchor, False
+        self.confidences = []
+        for i in range(len(logits)):
+            e = w1[prev]
+            tok = int(torch.argmax(logits[i] + w2 @ e))
+            if "confidence_head.proj.weight" in self.w:
+                z = torch.cat([hidden[i], e]) @ self.w["confidence_head.proj.weight"][0] + self.w["confidence_head.proj.bias"][0]
+                self.confidences.append(1 / (1 + math.exp(-float(z))))
+                if threshold > 0 and not cut and self.confidences[-1] < threshold:
+                    keep, cut = i, True
+            tokens.append(tok)
+            prev = tok
+        return tokens, keep
+
+
+def write_successor_heads(draft_dir: Path, succ: dict[int, int], confident: dict[int, bool], vocab: int,
+                          scale: float = 30.0) -> None:
+    """Turn the DFlash draft at `draft_dir` into a DSpark draft whose Markov head makes every
+    token t of `succ` propose succ[t] next (a bias of scale² on it, far above any draft logit),
+    and whose confidence head rates position i by the token before it only: high (sigmoid 6)
+    after a token `confident` marks True, low (sigmoid −6) after one marked False. Rank: the
+    number of distinct tokens in `succ` (one coordinate each). Proposal chains and cuts are
+    then computable from `succ` and `confident` alone (`chain_block`)."""
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    cfg["dspark_config"] = cfg.pop("dflash_config")
+    (draft_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tensors = load_file(str(draft_dir / "model.safetensors"))
+    dtype = tensors["fc.weight"].dtype
+    keys = sorted(succ)
+    r, h = len(keys), cfg["hidden_size"]
+    w1, w2, proj = torch.zeros(vocab, r), torch.zeros(vocab, r), torch.zeros(1, h + r)
+    for j, t in enumerate(keys):
+        w1[t, j] = scale
+        w2[succ[t], j] = scale
+        proj[0, h + j] = (6.0 if confident.get(t, True) else -6.0) / scale
+    tensors.update({"markov_head.markov_w1.weight": w1.to(dtype), "markov_head.markov_w2.weight": w2.to(dtype),
+                    "confidence_head.proj.weight": proj.to(dtype),
+                    "confidence_head.proj.bias": torch.zeros(1, dtype=dtype)})
+    save_file(tensors, str(draft_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def chain_block(anchor: int, n: int, succ: dict[int, int], confident: dict[int, bool]) -> list[int]:
+    """The drafts of a block of n verified tokens from `write_successor_heads`' heads with the
+    confidence cut on: succ applied from the anchor, ending before a position whose predecessor
+    is not confident."""
+    out, prev = [], anchor
+    for _ in range(n - 1):
+        if not confident.get(prev, True):
+            break
+        prev = succ[prev]
+        out.append(prev)
+    return out
+
+
+def chain_verify_steps(first: int, greedy: list[int], block: int, succ: dict[int, int],
+                       confident: dict[int, bool]) -> list[int]:
+    """Tokens committed per verify step of a greedy decode whose target emits `greedy` (its first
+    token `first` from prefill) and whose drafts are `chain_block`'s, to len(greedy) tokens."""
+    out, steps = [first], []
+    while len(out) < len(greedy):
+        n = min(block, len(greedy) - len(out))
+        drafts = chain_block(out[-1], n, succ, confident)
+        a = 0
+        while a < len(drafts) and drafts[a] == greedy[len(out) + a]:
+            a += 1
+        steps.append(a + 1)
+        out = greedy[: len(out) + a + 1]
+    return steps

@@ -25,17 +25,20 @@ pytestmark = [
 PS, PAGES, K = 16, 96, 4
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
+@pytest.fixture(scope="module", params=["DFLASH", "DSPARK"])
+def ckpts(tmp_path_factory, request):
+    """DSPARK: the draft with random Markov and confidence heads, cutting at 0.5, so blocks end
+    early at random places: the same graphs must replay them (no recapture)."""
     root = tmp_path_factory.mktemp("spec_graphs")
     make_checkpoint(root / "target", seed=11, index_topk_freq=2, index_skip_topk_offset=2)
-    make_draft_checkpoint(root / "draft", root / "target", seed=12, target_layer_ids=[1, 2, 4], block_size=K)
-    return root / "target", root / "draft"
+    heads = dict(markov_rank=8, confidence_head=True) if request.param == "DSPARK" else {}
+    make_draft_checkpoint(root / "draft", root / "target", seed=12, target_layer_ids=[1, 2, 4], block_size=K, **heads)
+    return root / "target", root / "draft", 0.5 if heads else 0.0
 
 
 def _runner(ckpts, dtype, graphs):
     r = ModelRunner.from_dir(ckpts[0], page_size=PS, num_pages=1, device="cuda", dtype=dtype, progress=False,
-                             draft_dir=ckpts[1])
+                             draft_dir=ckpts[1], confidence_threshold=ckpts[2])
     return ModelRunner(r.model, num_pages=PAGES, page_size=PS, device="cuda", draft=r.draft, graphs=graphs)
 
 
@@ -49,6 +52,7 @@ def test_spec_graph_replay_equals_eager_and_syncs_nothing(ckpts, dtype):
     g = torch.Generator().manual_seed(1)
     alloc = PageAllocator(PAGES)
     reqs = []  # [pages, start (the last token's position), last token, ctx_start]
+    cut = False
     for n in [17, 230, 64, 5, 131, 300]:  # several past index_topk (8): sparse attention
         pages = alloc.alloc(runner.pages_needed(n + 60))
         prompt = torch.randint(0, runner.cfg.vocab_size, (n,), generator=g).tolist()
@@ -73,9 +77,12 @@ def test_spec_graph_replay_equals_eager_and_syncs_nothing(ckpts, dtype):
         # requests' tokens (a row's padding tokens all write one slot of the padding page, in no
         # fixed order, so their own outputs are not compared)
         same_t, same_l = graphs.run_eager(*key)
-        real = torch.tensor([i * K + j for i, r in enumerate(rows) for j in range(r.n)], device="cuda")
-        assert torch.equal(tokens[:n, : K - 1], same_t[:n, : K - 1])
-        assert torch.equal(tokens[:n, K - 1 :].reshape(-1)[real], same_t[:n, K - 1 :].reshape(-1)[real])
+        verified = tokens[:n, -1].tolist()  # each row's n, or fewer where the confidence cut ended it
+        cut |= any(v < r.n for v, r in zip(verified, rows))
+        real = torch.tensor([i * K + j for i, v in enumerate(verified) for j in range(v)], device="cuda")
+        assert torch.equal(tokens[:n, : K - 1], same_t[:n, : K - 1]) and torch.equal(tokens[:n, -1], same_t[:n, -1])
+        assert torch.equal(tokens[:n, K - 1 : 2 * K - 1].reshape(-1)[real],
+                           same_t[:n, K - 1 : 2 * K - 1].reshape(-1)[real])
         assert torch.equal(lg[real], same_l[real]), float((lg[real] - same_l[real]).abs().max())
         # and the eager DFlash step (own widths, no padding, drafts through the host)
         runner.spec_graphs = None
@@ -96,6 +103,7 @@ def test_spec_graph_replay_equals_eager_and_syncs_nothing(ckpts, dtype):
             r[1] += a  # the committed d_1 .. d_{a-1} sit before the new last token, the target's
             r[2] = am[a - 1]
     assert graphs.replays == 7
+    assert cut == (ckpts[2] > 0)  # cut blocks replayed the graphs captured at start-up
 
 
 def test_greedy_dflash_with_graphs_equals_off_and_cpu():

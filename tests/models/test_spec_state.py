@@ -74,7 +74,7 @@ def test_static_step_equals_the_eager_step(runner):
         width = state.width_needed(rows) + step % 3  # wider than needed: fixed widths are free
 
         tokens, logits = spec_forward(runner, state, bs, width)
-        assert tokens.shape == (bs, 2 * K - 1) and logits.shape == (bs * K, vocab)
+        assert tokens.shape == (bs, 2 * K) and logits.shape == (bs * K, vocab)
         got = split_output(rows, K, tokens[:n].tolist(), logits)
 
         # The static verify batch's real tokens are build_batch's for the eager chunks.

@@ -45,6 +45,8 @@ def chi_square_p(counts: list[int], probs: list[float]) -> float:
     cells = [(c, n * q) for c, q in zip(counts, probs) if q > 0]
     stat = sum((c - e) ** 2 / e for c, e in cells)
     k = len(cells) - 1
+    if k == 0:  # one possible outcome: everything must be it
+        return 1.0 if cells[0][0] == n else 0.0
     z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
     return 0.5 * math.erfc(z / math.sqrt(2))
 
@@ -71,3 +73,46 @@ def test_sampled_verification_is_lossless(kw):
     assert chi_square_p(second, target[1].tolist()) > 1e-3, (second, target[1])
     # Filtered-out tokens are never committed.
     assert all(c == 0 for c, q in zip(first, target[0].tolist()) if q == 0)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=1.0, top_p=0.8),
+                                dict(temperature=1.5, top_k=4, top_p=0.9, min_p=0.05)])
+def test_sampled_drafting_is_lossless(kw):
+    """The whole sampled path: DSpark's drafter (models/dspark.choose_block, its Markov bias on
+    the *sampled* predecessor) samples two-token blocks from its own q under the request's
+    filters, and accept keeps d with min(1, p/q), else resamples from norm(max(0, p − q)). The
+    committed tokens follow p at both positions, and the first draft is accepted Σ min(p, q) of
+    the time — more than the p(argmax q) of an argmax proposal."""
+    from glm53.models.dspark import BlockSampling, MarkovHead, choose_block
+
+    n = 2000
+    g = torch.Generator().manual_seed(2)
+    target_logits = torch.randn(3, V, generator=g) * 1.5
+    draft_logits = target_logits[:2] + torch.randn(2, V, generator=g)  # a draft that is close, not equal
+    markov = MarkovHead(V, 3, torch.float32)
+    markov.markov_w1.weight.copy_(torch.randn(V, 3, generator=g) * 0.7)
+    markov.markov_w2.weight.copy_(torch.randn(V, 3, generator=g) * 0.7)
+    p0 = SamplingParams(**kw)
+    s = BlockSampling(rows=torch.ones(n, dtype=torch.bool), temperature=torch.full((n,), p0.temperature),
+                      top_k=torch.full((n,), p0.top_k if p0.top_k > 0 else V), top_p=torch.full((n,), p0.top_p),
+                      min_p=torch.full((n,), p0.min_p), uniforms=torch.rand(n, 2, dtype=torch.float64, generator=g))
+    anchor = torch.full((n,), 1)
+    choice = choose_block(draft_logits.expand(n, 2, V), anchor, markov=markov, sampling=s)
+    target = torch.softmax(filter_logits(target_logits / p0.temperature, [p0] * 3), -1)
+    first, second, accepted = [0] * V, [0] * V, 0
+    for i in range(n):
+        d = choice.tokens[i].tolist()
+        toks = accept(d, target_logits, SamplingParams(seed=i, **kw), first_step=0, q=choice.probs[i])
+        first[toks[0]] += 1
+        if len(toks) > 1:  # the first draft was accepted: the second token must follow p_1
+            accepted += 1
+            second[toks[1]] += 1
+    assert chi_square_p(first, target[0].tolist()) > 1e-3, (first, target[0])
+    assert chi_square_p(second, target[1].tolist()) > 1e-3, (second, target[1])
+    for counts, row in ((first, target[0]), (second, target[1])):  # filtered-out tokens never committed
+        assert all(c == 0 for c, q in zip(counts, row.tolist()) if q == 0)
+    # q of the first position (the anchor is fixed, so it is one distribution for every row)
+    q0 = choice.probs[0, 0]
+    want = float(torch.minimum(target[0], q0).sum())
+    assert abs(accepted / n - want) < 4 * math.sqrt(want * (1 - want) / n), (accepted / n, want)
+    assert want > float(target[0, int(q0.argmax())])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from glm53.models import ModelRunner, PageAllocator, SeqChunk, write_random_draft
+from glm53.models.dspark import BlockChoice
 from glm53.server.config import parse_config
 from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
 from glm53.server.offline import greedy_generate
@@ -46,7 +47,7 @@ def scheduler(model_dir, draft) -> DecodeScheduler:
 
 
 def known_proposals(prompts, want, right_every):
-    """A `propose` that drafts the greedy continuation, wrong at every `right_every`-th slot."""
+    """A `draft_block` that drafts the greedy continuation, wrong at every `right_every`-th slot."""
     truth = {len(p): w for p, w in zip(prompts, want)}  # by prompt length: output position -> token
 
     def propose(blocks):
@@ -60,7 +61,8 @@ def known_proposals(prompts, want, right_every):
                 ok = right_every == 1 or (i + 1) % right_every != 0
                 row.append(out[j] if ok and j < len(out) else 0)
             rows.append(row)
-        return torch.tensor(rows)
+        tokens = torch.tensor(rows)
+        return BlockChoice(tokens, torch.full((len(rows),), tokens.shape[1]))
 
     return propose
 
@@ -87,7 +89,7 @@ def test_accepted_runs_on_the_real_model_equal_greedy(setup, model_dir, right_ev
     sched = scheduler(model_dir, draft)
     sent = []
     sched.channel.send = lambda _to, ev: sent.append(ev)
-    sched.workers.rank.runner.propose = known_proposals(prompts, want, right_every)
+    sched.workers.rank.runner.draft_block = known_proposals(prompts, want, right_every)
     try:
         for room, p in enumerate(prompts):
             adopt(sched, room, p, SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True))
@@ -126,7 +128,7 @@ def test_stop_string_inside_an_accepted_run(setup, model_dir, logprobs):
     sched = scheduler(model_dir, draft)
     sent = []
     sched.channel.send = lambda _to, ev: sent.append(ev)
-    sched.workers.rank.runner.propose = known_proposals(prompts, want, 1)
+    sched.workers.rank.runner.draft_block = known_proposals(prompts, want, 1)
     try:
         r = adopt(sched, 0, prompts[1], SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True,
                                                        stop=[stop]))
