@@ -9,6 +9,11 @@
    and off; ITL p50 printed beside the floor.
 4. `exact`: the embedded tiny model served the same way in fp32, greedy outputs of a concurrent
    batch of prompts against the CPU reference (`glm53-serve generate` on CPU).
+5. `fp8` (with --fp8: the slice in the GLM-5-FP8 layout, served with its FP8 weights kept FP8, the
+   floor counting their real bytes): GPU memory after loading it FP8 and dequantized to bf16; a
+   4K-token prefill chunk FP8 against bf16; greedy top-1 agreement of the FP8 kernels with the
+   dequantized (bf16) reference, teacher-forced over every prompt position (prefill kernels) and
+   over decode steps that follow the reference's greedy tokens (decode kernels).
 
     PYTHONPATH=. python3 benchmarks/gpu_e2e.py --out DIR [--phases floor,model,serve,exact] [--slice DIR]
 
@@ -38,11 +43,11 @@ from glm53.support.serving_sweep import sweep_point
 
 
 # -- the model's step alone --------------------------------------------------------------------
-def model_steps(model_dir: Path, sizes: list[int], ctx: int, iters: int) -> list[dict]:
+def model_steps(model_dir: Path, sizes: list[int], ctx: int, iters: int, fp8: bool = False) -> list[dict]:
     from glm53.models import ModelRunner, SeqChunk
     from glm53.models.graph import GraphConfig
 
-    base = ModelRunner.from_dir(model_dir, page_size=64, num_pages=1, device="cuda", progress=False)
+    base = ModelRunner.from_dir(model_dir, page_size=64, num_pages=1, device="cuda", progress=False, fp8=fp8)
     need = -(-(ctx + iters + 64) // 64)
     pages = need * max(sizes)
     t0 = time.perf_counter()
@@ -74,7 +79,7 @@ def model_steps(model_dir: Path, sizes: list[int], ctx: int, iters: int) -> list
 
 # -- serving (the deployment: glm53.support.gpu_server) ----------------------------------------
 def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req: int, in_len: int,
-                out_len: int, long_out: int = 0, placement: dict | None = None) -> list[dict]:
+                out_len: int, long_out: int = 0, placement: dict | None = None, dtype: str = "bfloat16") -> list[dict]:
     """The sweep; with `long_out`, one more point at the highest concurrency with that many
     output tokens, so that most of its decode steps run after every prefill is done. `placement`:
     per role the instance keys that place it (devices, tp); default both on GPU 0."""
@@ -85,7 +90,7 @@ def serve_sweep(model_dir: Path, out: Path, graphs: bool, conc: list[int], n_req
     tag = f"serve-graphs-{'on' if graphs else 'off'}{where}"
     print(f"{tag}:", flush=True)
     context = in_len + max(out_len, long_out) + 64
-    cfg = cluster_config(str(model_dir), "bfloat16", graphs, [0] * 5, context)
+    cfg = cluster_config(str(model_dir), dtype, graphs, [0] * 5, context)
     for role, p in placement.items():
         cfg[role][0].update(p)
     with Server(cfg, out, tag) as s:
@@ -128,11 +133,142 @@ def exact_check(out: Path, modes: tuple[bool, ...] = (True, False), new: int = 2
     return report
 
 
+# -- FP8 weights against their dequantized reference -------------------------------------------
+def third_party_prompts(tokenizer_dir: Path, n: int, length: int) -> list[list[int]]:
+    """The first `length` tokens of `n` source files of the `transformers` package (third-party code
+    the tiny model never trained on: it trained on the standard library)."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    out = []
+    for f in sorted(Path(transformers.__file__).parent.rglob("*.py")):
+        ids = tok.encode(f.read_text(errors="replace")).ids
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"fewer than {n} files of {length} tokens")
+
+
+def quantized_tiny(dst: Path) -> Path:
+    """The embedded trained tiny model, rewritten block-FP8 in the GLM-5-FP8 layout (oracle.quantise_fp8_)."""
+    import shutil
+
+    from glm53.server.embedded_model import ensure_embedded_model
+    from glm53.support.oracle import quantise_fp8_
+
+    if not (dst / "config.json").exists():
+        shutil.copytree(ensure_embedded_model(), dst)
+        quantise_fp8_(dst)
+    return dst
+
+
+def fp8_checks(model_dir: Path, prompts: list[list[int]], steps: int, prefill_len: int = 4096,
+               ref_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Memory, a `prefill_len`-token prefill and greedy top-1 agreement with the same checkpoint
+    dequantized at load to `ref_dtype` (fp32 where the kernels take it; at GLM-5's latent width the
+    sparse-MLA kernel's fp32 tiles do not fit shared memory, so the slice's reference is bf16) of:
+    the checkpoint dequantized to bf16, the FP8 kernels as dispatched, and the FP8 kernels with
+    every GEMM and MoE in the weight-only (w8a16) variant (what quantizing activations costs).
+    Agreement: every prompt position teacher-forced, then `steps` decode steps fed the reference's
+    greedy tokens; also by quartile of the reference's top-1 margin (in logit standard deviations)."""
+    from glm53.kernels import fp8_gemm, moe_fp8
+    from glm53.models import ModelRunner, SeqChunk
+
+    n_seq, prompt_len = len(prompts), len(prompts[0])
+    report: dict = {"model": str(model_dir)}
+    pages_per = -(-(max(prompt_len + steps, prefill_len) + 1) // 64)
+    pages = [list(range(i * pages_per, (i + 1) * pages_per)) for i in range(n_seq)]
+
+    def load(fp8: bool, dtype: torch.dtype):
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        r = ModelRunner.from_dir(model_dir, page_size=64, num_pages=pages_per * n_seq, device="cuda",
+                                 dtype=dtype, fp8=fp8, progress=False)
+        weights = sum(t.numel() * t.element_size() for t in [*r.model.parameters(), *r.model.buffers()])
+        return r, weights, torch.cuda.memory_allocated() - before
+
+    def prefill_ms(r) -> float:
+        toks = torch.randint(10, r.model.cfg.vocab_size, (prefill_len,)).tolist()
+        chunk = [SeqChunk(toks, 0, list(range(pages_per)))]
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            r.forward(chunk)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:]) * 1e3
+
+    def run(r, follow):
+        """(logits rows [positions, V] of the prompts then of the decode steps, the tokens fed per sequence)."""
+        out = r.forward([SeqChunk(p, 0, pg, all_logits=True) for p, pg in zip(prompts, pages)])
+        rows = [torch.cat(out).float()]
+        toks = [o[-1].argmax(-1).item() for o in out]
+        fed = []
+        for t in range(steps):
+            feed = [f[t] for f in follow] if follow is not None else toks
+            fed.append(feed)
+            logits = r.forward([SeqChunk([feed[i]], prompt_len + t, pages[i]) for i in range(n_seq)])
+            rows.append(torch.cat(logits).float())
+            toks = rows[-1].argmax(-1).tolist()
+        return torch.cat(rows), [[fed[t][i] for t in range(steps)] for i in range(n_seq)]
+
+    ref_rows = follow = None
+    limits = (fp8_gemm.W8A16_MAX_M, moe_fp8.MOE_W8A16_MAX_TOKENS)
+    variants = (("reference", False, ref_dtype), ("bf16_dequantized", False, torch.bfloat16),
+                ("fp8", True, torch.bfloat16), ("fp8_weight_only", True, torch.bfloat16))
+    for name, fp8, dtype in variants:
+        if name == "bf16_dequantized" and ref_dtype == torch.bfloat16:
+            continue
+        weight_only = name == "fp8_weight_only"
+        fp8_gemm.W8A16_MAX_M, moe_fp8.MOE_W8A16_MAX_TOKENS = (1 << 30, 1 << 30) if weight_only else limits
+        r, weights, mem = load(fp8, dtype)
+        rows, fed = run(r, follow)
+        report[name] = {"weight_bytes": weights, "allocated_after_load": mem,
+                        "prefill_ms": prefill_ms(r) if not weight_only else None}
+        fp8_gemm.W8A16_MAX_M, moe_fp8.MOE_W8A16_MAX_TOKENS = limits
+        if follow is None:
+            ref_rows = rows
+            follow = fed  # the FP8 run is fed the reference's greedy tokens
+        else:
+            top2 = ref_rows.topk(2, dim=-1).values
+            margin = (top2[:, 0] - top2[:, 1]) / ref_rows.std(dim=-1)
+            same = rows.argmax(-1) == ref_rows.argmax(-1)
+            n_pre = n_seq * prompt_len
+            q = torch.quantile(margin, torch.tensor([0.25, 0.5, 0.75], device=margin.device))
+            bands = [same[margin <= q[0]], same[(margin > q[0]) & (margin <= q[1])],
+                     same[(margin > q[1]) & (margin <= q[2])], same[margin > q[2]]]
+            report[name].update(top1_prefill=same[:n_pre].float().mean().item(),
+                                top1_decode=same[n_pre:].float().mean().item(), positions=int(same.numel()),
+                                top1_by_margin_quartile=[b.float().mean().item() for b in bands],
+                                margin_quartiles=[v.item() for v in q])
+        rr = report[name]
+        timing = (f"; prefill of {prefill_len} tokens {rr['prefill_ms']:.1f} ms "
+                  f"({prefill_len / rr['prefill_ms'] * 1e3:.0f} tok/s)" if rr["prefill_ms"] else "")
+        agree = (f"; top-1 = reference ({ref_dtype}): prompt positions {rr['top1_prefill']:.4f}, decode steps "
+                 f"{rr['top1_decode']:.4f} over {rr['positions']} positions; by the reference's margin quartile "
+                 f"{[round(x, 4) for x in rr['top1_by_margin_quartile']]}" if name != "reference" else "")
+        print(f"{name} ({dtype}): weights {weights / 2**30:.3f} GiB, allocated after load {mem / 2**30:.3f} GiB"
+              f"{timing}{agree}", flush=True)
+        del r
+    bf16 = report.get("bf16_dequantized") or report["reference"]
+    report["memory_ratio"] = report["fp8"]["weight_bytes"] / bf16["weight_bytes"]
+    report["prefill_speedup"] = bf16["prefill_ms"] / report["fp8"]["prefill_ms"]
+    print(f"fp8 / bf16 weight memory {report['memory_ratio']:.3f}; {prefill_len}-token prefill "
+          f"x{report['prefill_speedup']:.2f}", flush=True)
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--phases", default="floor,model,serve,exact")
-    ap.add_argument("--slice", default="/tmp/glm5-slice")
+    ap.add_argument("--slice", default=None, help="default /tmp/glm5-slice, with --fp8 /tmp/glm5-slice-fp8")
+    ap.add_argument("--fp8", action="store_true", help="the slice in the GLM-5-FP8 layout, its FP8 weights kept FP8")
+    ap.add_argument("--agree-seqs", type=int, default=16, help="fp8 phase: sequences")
+    ap.add_argument("--agree-steps", type=int, default=64, help="fp8 phase: decode steps per sequence")
     ap.add_argument("--input-len", type=int, default=4096)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
@@ -155,10 +291,10 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     phases = a.phases.split(",")
-    slice_dir = Path(a.slice)
+    slice_dir = Path(a.slice or ("/tmp/glm5-slice-fp8" if a.fp8 else "/tmp/glm5-slice"))
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(a)}
-    if any(p in phases for p in ("floor", "model", "serve")):
-        ensure_slice(slice_dir)
+    if any(p in phases for p in ("floor", "model", "serve", "fp8")):
+        ensure_slice(slice_dir, fp8=a.fp8)
 
     def save():
         (out / "gpu_e2e.json").write_text(json.dumps(report, indent=1))
@@ -169,20 +305,30 @@ def main() -> None:
         report["copy_bw"] = bw
         report["floor"] = {}
         for bs in sorted(set(a.concurrency) | {1, 64}):
-            b = step_bytes(slice_dir, bs, ctx)
+            b = step_bytes(slice_dir, bs, ctx, fp8=a.fp8)
             report["floor"][bs] = {**b, "ms": b["total"] / bw * 1e3}
             print(f"floor bs {bs}: {b['weights'] / 1e9:.2f} GB weights + {b['kv'] / 1e9:.3f} GB KV -> "
                   f"{b['total'] / bw * 1e3:.2f} ms at {bw / 1e12:.2f} TB/s (copy, read + write)", flush=True)
         save()
     if "model" in phases:
-        report["model"] = model_steps(slice_dir, [1, 64], a.input_len, a.iters)
+        report["model"] = model_steps(slice_dir, [1, 64], a.input_len, a.iters, fp8=a.fp8)
+        torch.cuda.empty_cache()
+        save()
+    if "fp8" in phases:
+        g = torch.Generator().manual_seed(29)
+        rand = [torch.randint(10, 4000, (64,), generator=g).tolist() for _ in range(a.agree_seqs)]
+        report["fp8"] = {"slice": fp8_checks(slice_dir, rand, a.agree_steps)}
+        save()
+        tiny = quantized_tiny(Path("/tmp/tiny-glm5-fp8"))
+        report["fp8"]["tiny"] = fp8_checks(tiny, third_party_prompts(tiny, a.agree_seqs, 192), a.agree_steps,
+                                           ref_dtype=torch.float32)
         torch.cuda.empty_cache()
         save()
     if "serve" in phases:
         report["serve"] = []
         for graphs in {"both": (True, False), "on": (True,), "off": (False,)}[a.graphs]:
             report["serve"] += serve_sweep(slice_dir, out, graphs, a.concurrency, a.requests, a.input_len,
-                                           a.output_len, a.long_output, placement)
+                                           a.output_len, a.long_output, placement, "auto" if a.fp8 else "bfloat16")
             save()
         if "floor" in report:
             for r in report["serve"]:

@@ -25,17 +25,20 @@ def copy_bandwidth(nbytes: int = 1 << 31, reps: int = 10) -> float:
     return 2 * nbytes * reps / (s.elapsed_time(e) / 1e3)
 
 
-def step_bytes(model_dir: Path, bs: int, ctx: int) -> dict:
+def step_bytes(model_dir: Path, bs: int, ctx: int, fp8: bool = False) -> dict:
     """Bytes a decode step of `bs` requests at context `ctx` must read: every weight except the
     routed experts and the embedding, the routed experts a batch hits (expected distinct experts
     under uniform routing, which random weights give), `bs` embedding rows; per request and layer
-    the top-k latent rows sparse MLA reads, and on full layers every indexer key."""
+    the top-k latent rows sparse MLA reads, and on full layers every indexer key. `fp8`: the
+    checkpoint's block-FP8 weights counted as held, one byte each plus their fp32 scales."""
     from glm53.models import GlmConfig
     from glm53.models.model import GlmForCausalLM
+    from glm53.models.weights import checkpoint_files, fp8_param_names
 
     cfg = GlmConfig.from_dir(model_dir)
+    names = fp8_param_names(cfg, checkpoint_files(Path(model_dir))) if fp8 else frozenset()
     with torch.device("meta"):
-        m = GlmForCausalLM(cfg, dtype=torch.bfloat16)
+        m = GlmForCausalLM(cfg, dtype=torch.bfloat16, fp8=names)
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     hit = e * (1 - (1 - k / e) ** bs) if e else 0
     w = 0.0
