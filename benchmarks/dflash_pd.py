@@ -11,6 +11,9 @@ Prompts: the first 200 tokens of held-out standard-library files (tools/eval_dfl
 `glm53.support.corpus.held_file_prompts`). One at a time, each prompt runs twice, with
 max_new_tokens 1 (prefill + transfer + first token) and N; the decode rate is
 (N − 1) / (t_N − t_1), so it leaves out the prefill and transfer, which DFlash does not change.
+The prefill instance runs without its prefix cache: with it, the second run of a prompt skips the
+prefill the first one paid, t_N − t_1 loses that prefill's time and the rate can come out
+negative (on the H200, where a prefill outweighs 128 decode steps of the tiny pair).
 All at once: `--concurrent` requests together, output tokens / wall time. τ = tokens after the
 first per verify step (the router's `spec_verify_ct`). Every DFlash output must equal the output
 with DFlash off.
@@ -68,6 +71,8 @@ def main() -> None:
         spec = None if block is None else {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash",
                                            "num_draft_tokens": block}
         c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec)
+        c.cfg["defaults"]["disable_radix_cache"] = True  # every run of a prompt prefills it (docstring)
+        c.config_path.write_text(yaml.safe_dump(c.cfg))
         if a.device == "cuda":
             on_one_gpu(c)
         c.start()
