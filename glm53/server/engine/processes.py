@@ -2,21 +2,25 @@
 
 Rank 0 lives in the scheduler's process; ranks 1..N-1 are processes it spawns. All join one
 process group (gloo on CPU; NCCL for the model's collectives on CUDA plus a gloo group for the
-commands). Every scheduler step is one `Command`, broadcast from rank 0: the transfer operations
-queued since the last one (open a room's sender/receiver, send pages, finish, abort), then
-optionally a forward over the step's chunks. Every rank runs it on its own `RankWorker` — the
-forward's collectives pair up because every rank runs the same batch — and rank 0 gathers each
-rank's transfer states. A follower's handles are represented on rank 0 by `RemoteHandle`s that
-queue operations and report the states last gathered, so a room is still one `RoomTransfer`
-whose pages are freed only when every rank is terminal.
+commands). Every scheduler step is one `Command` from rank 0: the transfer operations queued
+since the last one (open a room's sender/receiver, send pages, finish, abort), then optionally a
+forward over the step's chunks. It travels through the step channel (step_channel.py: shared
+memory between ranks of one node, and of the batch only what changed since the last step,
+step_delta.py). Every rank runs it on its own `RankWorker` — the forward's collectives pair up
+because every rank runs the same batch — and rank 0 collects each rank's transfer states. A
+follower's handles are represented on rank 0 by `RemoteHandle`s that queue operations and report
+the states last collected, so a room is still one `RoomTransfer` whose pages are freed only when
+every rank is terminal.
 
-A rank that dies breaks the group: the next collective raises, the group reports `RanksLost`
-and the scheduler fails what it holds (it never waits longer than the group timeout).
+A rank that dies breaks the group: the next collective raises (or the step channel sees the
+process gone), the group reports `RanksLost` and the scheduler fails what it holds (it never
+waits longer than the group timeout).
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -35,6 +39,7 @@ from glm53.models.draft import DraftBlock
 from glm53.models.spec_state import SpecOutput
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.pipeline import StagePipe, StageStats
+from glm53.server.engine.step_channel import open_follower, open_leader
 from glm53.server.engine.worker import RankSpec, RankWorker
 from glm53.transport import KVPoll, MetadataRow, Room, RoomTransfer, TransferError, TransferErrorCode
 
@@ -89,6 +94,14 @@ class Launch:
     backend: str
     timeout_s: float
     parent_pid: int
+    # An instance across nodes forms each group under its own generation of one long-lived store
+    # (`generation_store`); GENERATION_FROM_STORE: the current one, as rank 0 published it.
+    # None: a group of one host, alone on its store.
+    generation: Optional[int] = None
+
+
+GENERATION_KEY = "glm53/generation"
+GENERATION_FROM_STORE = -1
 
 
 class RankRuntime:
@@ -205,6 +218,17 @@ def rendezvous_store(host: str, port: int | None, world_size: int, timeout_s: fl
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def generation_store(store: dist.Store, generation: int, rank: int) -> dist.Store:
+    """This rank's view of one group generation of a long-lived rendezvous store (an instance
+    across nodes: node 0's store is bound once, and a group rebuilt after a lost node must not
+    meet the keys of the one before). Marks the rank arrived there, which rank 0 waits for."""
+    if generation == GENERATION_FROM_STORE:
+        generation = int(store.get(GENERATION_KEY))  # waits, bounded by the store's timeout
+    view = dist.PrefixStore(f"glm53/g{generation}/", store)
+    view.set(f"arrived/{rank}", "1")
+    return view
+
+
 def _join(launch: Launch, store: Optional[dist.Store] = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup,
                                                                         Optional[tuple]]:
     """Join the instance's process group. Returns this rank's stage TP group, the gloo group
@@ -217,6 +241,8 @@ def _join(launch: Launch, store: Optional[dist.Store] = None) -> tuple[dist.Proc
     if store is None:  # a follower: a client of rank 0's store
         store = dist.TCPStore(launch.store_host, launch.store_port, launch.world_size, is_master=False,
                               timeout=timeout)
+        if launch.generation is not None:
+            store = generation_store(store, launch.generation, launch.rank)
     dist.init_process_group(launch.backend, store=store, rank=launch.rank, world_size=launch.world_size,
                             timeout=timeout)
     world = dist.group.WORLD
@@ -242,9 +268,11 @@ def _agree_pages(worker: RankWorker, control: dist.ProcessGroup) -> int:
     return int(cap.item())
 
 
-def follower_main(launch: Launch) -> None:
+def follower_main(launch: Launch, joined: Any = None) -> None:
     """Entry of rank 1..N-1: join, load, allocate, then run commands until told to stop or the
-    group breaks."""
+    group breaks. `joined` (a multiprocessing Event, for ranks another node starts): set once
+    this rank is in the group with its pools allocated (engine/node_ranks.py reports the node
+    ready then)."""
     spec = launch.spec
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {spec.instance}-pp{spec.pp_rank}-tp{spec.tp_rank} %(levelname)s %(name)s: %(message)s")
@@ -257,22 +285,26 @@ def follower_main(launch: Launch) -> None:
     worker = RankWorker(spec, tp_group=tp)
     worker.allocate(_agree_pages(worker, control))
     dist.barrier(group=control)
+    if joined is not None:
+        joined.set()
     runtime = RankRuntime(worker, launch.rank, _pipe(links, worker))
     # The first rank of the last stage returns the step's results (rank 0 has them itself at pp 1).
     answers = spec.last_stage and spec.tp_rank == 0
+    channel = None
     try:
+        channel = open_follower(control, launch.rank, launch.world_size, launch.timeout_s,
+                                alive=lambda: os.getppid() == launch.parent_pid)
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=control)
-            cmd: Command = box[0]
-            if cmd.stop:
+            (ops, copies, stop), microbatches, blocks = channel.recv()
+            if stop:
                 break
-            out, report = runtime.apply(cmd)
-            dist.gather_object((report, _to_cpu(out) if answers else None, runtime.stage_stats), None, dst=0,
-                               group=control)
+            out, report = runtime.apply(Command(ops, microbatches, blocks, copies=copies))
+            channel.answer((report, _to_cpu(out) if answers else None, runtime.stage_stats))
     except Exception as e:  # the group broke (rank 0 gone): nothing left to serve
         log.warning("rank %d leaves: %s", launch.rank, e)
     finally:
+        if channel is not None:
+            channel.close()
         worker.close()
 
 
@@ -301,20 +333,30 @@ class ProcessWorkers(WorkerGroup):
     """An instance's ranks as processes: rank 0 here, the followers spawned and joined."""
 
     def __init__(self, specs: Sequence[RankSpec], timeout_s: float = 60.0, host: str = "127.0.0.1",
-                 port: int | None = None):
+                 port: int | None = None, remote: Optional[dict[int, str]] = None,
+                 store: Optional[dist.Store] = None, generation: Optional[int] = None):
+        """`host`, `port`: where rank 0's rendezvous store listens (port None: one it binds).
+        `remote`: ranks that other nodes start and that join through that store (an instance
+        across nodes, engine/node_ranks.py), each with a label naming its node for errors; the
+        rest are spawned here. `store`, `generation`: a group of an instance across nodes, on
+        this generation's view of node 0's long-lived store (engine/node_ranks.NodeRendezvous)
+        listening on `host`:`port`; without them the group gets a store of its own."""
         self.specs = list(specs)
         world = len(specs)
+        self.remote = dict(remote or {})
         self.pp = specs[0].pp_size
         # The first rank of the last stage answers a step (logits, proposals).
         self._answer_rank = next(r for r, sp in enumerate(specs) if sp.last_stage and sp.tp_rank == 0)
         backend = "gloo" if specs[0].device == "cpu" else "nccl"
-        store = rendezvous_store(host, port, world, timeout_s)
+        if store is None:
+            store = rendezvous_store(host, port, world, timeout_s)
+            port = store.port
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=follower_main, daemon=True,
                                   name=f"{specs[r].instance}-pp{specs[r].pp_rank}-tp{specs[r].tp_rank}",
-                                  args=(Launch(specs[r], r, world, host, store.port, backend, timeout_s,
-                                               os.getpid()),))
-                      for r in range(1, world)]
+                                  args=(Launch(specs[r], r, world, host, port, backend, timeout_s,
+                                               os.getpid(), generation),))
+                      for r in range(1, world) if r not in self.remote]
         for p in self.procs:
             p.start()
         self._closed = False
@@ -324,12 +366,16 @@ class ProcessWorkers(WorkerGroup):
         self._remote: dict[RoomKey, list[RemoteHandle]] = {}
         self.stage_stats: list[Optional[StageStats]] = []  # per rank, as of the last step
         try:
-            tp, self._control, links = _join(Launch(specs[0], 0, world, host, store.port, backend, timeout_s,
+            tp, self._control, links = _join(Launch(specs[0], 0, world, host, port, backend, timeout_s,
                                                     os.getpid()), store)
             self.rank = RankWorker(specs[0], tp_group=tp)
             self.num_pages = _agree_pages(self.rank, self._control)
             self.rank.allocate(self.num_pages)
             dist.barrier(group=self._control)
+            # The per-step control round (engine/step_channel.py): shared memory when every rank
+            # is a process of this node, else the control group's collectives.
+            self.channel = open_leader(self._control, world, "gloo" if self.remote else "shm", timeout_s,
+                                       alive=lambda: all(p.is_alive() for p in self.procs))
         except Exception:
             self._kill()
             raise
@@ -354,13 +400,13 @@ class ProcessWorkers(WorkerGroup):
         cmd, self._queue = Command(self._queue, microbatches, spec, copies=self._copies), []
         self._copies = []
         try:
-            dist.broadcast_object_list([cmd], src=0, group=self._control)
+            # Only what changed of the batch travels (engine/step_delta.py); every rank answers.
+            self.channel.send((cmd.ops, cmd.copies, False), cmd.microbatches, cmd.spec)
             out, mine = self.runtime.apply(cmd)
-            replies: list[Any] = [None] * len(self.specs)
-            dist.gather_object((mine, None, self.runtime.stage_stats), replies, dst=0, group=self._control)
+            replies = self.channel.collect()
+            replies[0] = (mine, None, self.runtime.stage_stats)
         except RuntimeError as e:
-            dead = [p.name for p in self.procs if not p.is_alive()]
-            self._lost = f"rank process {', '.join(dead) or '?'} lost: {e}"
+            self._lost = f"{self._who_is_lost()} lost: {e}"
             raise RanksLost(self._lost) from None
         if self._answer_rank:
             out = replies[self._answer_rank][1]
@@ -401,23 +447,46 @@ class ProcessWorkers(WorkerGroup):
     def lost(self) -> str:
         return self._lost
 
+    @property
+    def spans_nodes(self) -> bool:
+        """Some ranks run on other nodes: when the group breaks, their node's ranks can join a
+        new one (the scheduler rebuilds the group, engine/node_ranks.Rejoin)."""
+        return bool(self.remote)
+
+    def _who_is_lost(self) -> str:
+        """The rank processes that died here, else (nothing died here) the other nodes' ranks:
+        a collective that fails with every local rank alive lost a peer on another node."""
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            return f"rank process {', '.join(dead)}"
+        if self.remote:
+            return "a rank on another node (" + ", ".join(sorted(set(self.remote.values()))) + ")"
+        return "rank process ?"
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         if not self._lost:
             try:
-                dist.broadcast_object_list([Command(stop=True)], src=0, group=self._control)
+                self.channel.send(([], [], True))
             except RuntimeError:
                 pass
-        for p in self.procs:
-            p.join(timeout=10)
+        self.channel.close()
+        if not self._lost:  # a broken group's ranks here would only wait out its timeout: killed at once
+            for p in self.procs:
+                p.join(timeout=10)
         self._kill()
         self.rank.close()
         try:
             dist.destroy_process_group()
         except Exception:  # a broken group may refuse a clean teardown; the process is ending
             pass
+        # Nothing of the group outlives it: rank 0's model and pools are freed before a group
+        # rebuilt in this process (engine/node_ranks.Rejoin) loads and allocates its own.
+        self.rank = self.runtime = self._control = self.channel = None
+        self._remote.clear()
+        gc.collect()
 
     def _kill(self) -> None:
         for p in self.procs:
