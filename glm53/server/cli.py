@@ -6,6 +6,7 @@
     glm53-serve decode --config FILE --instance NAME      one decode instance
     glm53-serve generate --model DIR --input-ids 1,2,3 --max-new-tokens N   offline greedy
     glm53-serve config --config FILE    validate and print the resolved config (what `up` runs)
+    glm53-serve up --config FILE --node-rank K   node K's part of instances that span nodes (cli_nodes.py)
     glm53-serve plan --model DIR --tp 8 [--config FILE]   whether the model fits its GPUs (no weights read)
 
 Flags override the YAML and follow SGLang's names, with the usual vLLM aliases. Under `up` and
@@ -40,6 +41,8 @@ from typing import Any, Callable
 import yaml
 import zmq
 
+from glm53.server.cli_nodes import (NodePart, add_instance_flags, add_up_flags, check_instance_flags,
+                                    instance_overrides, node_role)
 from glm53.server.config import ClusterConfig, ConfigError, InstanceConfig, load_config, parse_config
 from glm53.server.model_fit import check_model_fit
 from glm53.server.plan import GB, Layout, check_cluster_fits, plan_cluster, plan_instance, render
@@ -74,14 +77,21 @@ def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
                    help="prefill sends the DFlash draft's context KV with the target KV (default on)")
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-algorithm", dest="speculative_algorithm", type=str.upper,
-                    choices=["NONE", "DFLASH"])
+                    choices=["NONE", "DFLASH", "DSPARK"])
     sp.add_argument("--speculative-draft-model-path", dest="speculative_draft_model_path")
     sp.add_argument("--speculative-num-draft-tokens", dest="speculative_num_draft_tokens", type=int)
+    sp.add_argument("--speculative-dspark-block-size", dest="speculative_dspark_block_size", type=int,
+                    help="DSPARK: tokens a verify checks, the bonus slot included (default the draft's block)")
+    sp.add_argument("--speculative-dspark-confidence-threshold", dest="speculative_dspark_confidence_threshold",
+                    type=float, help="DSPARK: cut a block before the first position the confidence head rates "
+                    "below this (default 0: never)")
     if not engine:  # the router starts no instance: engine flags would do nothing there
         return
     g = p.add_argument_group("engine (applies to every instance this command starts)")
     g.add_argument("--tp-size", "--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int)
     g.add_argument("--pp-size", "--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int)
+    g.add_argument("--ep-size", "--ep", "-ep", "--expert-parallel-size", dest="ep", type=int,
+                   help="expert-parallel groups inside each stage's tp ranks (must divide tp; default 1)")
     g.add_argument("--page-size", type=int)
     g.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int)
     g.add_argument("--chunked-prefill-size", "--max-num-batched-tokens", dest="chunked_prefill_size", type=int)
@@ -117,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_flags(up)
     up.add_argument("--startup-timeout", dest="startup_timeout_s", type=float,
                     help="seconds to wait for readiness (default router.startup_timeout_s)")
+    add_up_flags(up)
     r = sub.add_parser("router", help="start the HTTP router")
     _add_common(r, engine=False)
     _add_router_flags(r)
@@ -129,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--host", help="the instance's bind address")
         s.add_argument("--port", type=int, help="the instance's ZMQ request port")
         s.add_argument("--disaggregation-bootstrap-port", "--bootstrap-port", dest="bootstrap_port", type=int)
+        add_instance_flags(s)
     sub.add_parser("generate", help="offline greedy generation with the model core (see generate --help)",
                    add_help=False)
     c = sub.add_parser("config", help="validate a config and print it resolved")
@@ -141,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-_ENGINE_FLAGS = ("tp", "pp", "page_size", "max_running_requests", "chunked_prefill_size", "num_pages",
+_ENGINE_FLAGS = ("tp", "pp", "ep", "page_size", "max_running_requests", "chunked_prefill_size", "num_pages",
                  "max_total_tokens", "mem_fraction_static", "device", "dtype", "kv_cache_dtype", "cuda_graph_max_bs",
                  "disable_cuda_graph", "disable_overlap_schedule", "disable_radix_cache")
 
@@ -167,6 +179,8 @@ def overrides_from_args(args: argparse.Namespace, role: str | None = None, index
     o["speculative.draft_model_path"] = (path if not path or path.startswith("embedded:")
                                          else str(Path(path).expanduser().resolve()))
     o["speculative.num_draft_tokens"] = get("speculative_num_draft_tokens")
+    o["speculative.dspark_block_size"] = get("speculative_dspark_block_size")
+    o["speculative.dspark_confidence_threshold"] = get("speculative_dspark_confidence_threshold")
     kv = get("draft_kv_transfer")
     o["speculative.draft_kv_transfer"] = None if kv is None else kv == "on"
     o["router.log_level"] = get("log_level")
@@ -178,7 +192,7 @@ def overrides_from_args(args: argparse.Namespace, role: str | None = None, index
         o["router.host"] = get("host")
         o["router.port"] = get("port")
     else:
-        o[f"instance.{role}.{index}.host"] = get("host")
+        o.update(instance_overrides(args, role, index))  # --host, --nnodes, --node-rank, --dist-init-addr
         o[f"instance.{role}.{index}.port"] = get("port")
         o[f"instance.{role}.{index}.bootstrap_port"] = get("bootstrap_port")
     return {k: v for k, v in o.items() if v is not None}
@@ -270,7 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("prefill", "decode"):
             cfg, index = _load(args, args.command)
             if 0 <= index < len(cfg.pool(args.command)):
-                check_devices(cfg, [cfg.pool(args.command)[index]])
+                inst = cfg.pool(args.command)[index]
+                node = check_instance_flags(cfg, inst, args)
+                check_devices(cfg, [inst], node=node)
+                if node > 0:  # this node's ranks of an instance whose scheduler runs on node 0
+                    from glm53.server.engine.node_ranks import run_node
+
+                    return run_node(cfg, inst, node, Path(args.ready_file) if args.ready_file else None)
             return _instance_entry(args.command)(cfg, index) or 0
     except ConfigError as e:
         print(f"glm53-serve: config error: {e}", file=sys.stderr)
@@ -318,7 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from glm53.server.plan import H200_BYTES, gpu_bytes_here
 
     get = lambda k, d: getattr(args, k, None) if getattr(args, k, None) is not None else d  # noqa: E731
-    lay = Layout(tp=get("tp", 1), pp=get("pp", 1), dtype=get("dtype", "auto"), kv_cache_dtype=get("kv_cache_dtype", "auto"),
+    lay = Layout(tp=get("tp", 1), pp=get("pp", 1), ep=get("ep", 1), dtype=get("dtype", "auto"), kv_cache_dtype=get("kv_cache_dtype", "auto"),
                  gpu_bytes=gpu or gpu_bytes_here() or H200_BYTES, mem_fraction_static=get("mem_fraction_static", 0.85),
                  context_length=get("context_length", None), chunked_prefill_size=get("chunked_prefill_size", 8192),
                  max_running_requests=get("max_running_requests", 64),
@@ -411,13 +431,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     res = resolve(args)
     cfg, model_dir = res.cfg, res.model_dir
     here = local_addresses()
-    local = [i for i in cfg.instances if i.host in here]
-    # A wildcard router host says nothing about which machine runs it; advertise_host does.
+    node = getattr(args, "node_rank", None)
     r = cfg.router
-    run_router = (r.advertise_host in here) if r.advertise_host else (r.host in here)
-    if not local and not run_router:
+    parts: list[NodePart] = []
+    if node is None:
+        local = [i for i in cfg.instances if i.host in here]
+        # A wildcard router host says nothing about which machine runs it; advertise_host does.
+        run_router = (r.advertise_host in here) if r.advertise_host else (r.host in here)
+    else:  # the operator names the node (cli_nodes.py); hosts are not matched
+        role = node_role(cfg, node)
+        local, parts, run_router = role.local, role.parts, role.run_router
+    if not local and not run_router and not parts:
         raise ConfigError(cfg.source, "", f"no process of this config runs on this host ({socket.gethostname()})")
     check_devices(cfg, local, getattr(args, "device", None))
+    for part in parts:
+        check_devices(cfg, [part.inst], getattr(args, "device", None), node=part.node)
 
     # The ports this `up` must bind, before anything starts: the HTTP port it binds itself and
     # keeps (the router it starts serves on that socket, so the readiness check can only reach
@@ -427,16 +455,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         if listener is not None and r.port == 0:  # `--port 0`: the processes get the bound port
             res.raw["router"]["port"] = listener.getsockname()[1]
             cfg = parse_config(res.raw, source=cfg.source)
-            local = [i for i in cfg.instances if i.host in here]
+            local = [i for i in cfg.instances if any(i.name == j.name for j in local)]
         check_pinned_ports(cfg, local, run_router)
-        return _run(cfg, res.raw, model_dir, local, run_router, listener)
+        return _run(cfg, res.raw, model_dir, local, run_router, listener, parts)
     finally:
         if listener is not None:
             listener.close()
 
 
 def _run(cfg: ClusterConfig, resolved: dict[str, Any], model_dir: Path, local: list[InstanceConfig],
-         run_router: bool, listener: socket.socket | None) -> int:
+         run_router: bool, listener: socket.socket | None, parts: list[NodePart] = ()) -> int:
     r = cfg.router
     env = dict(os.environ)
     if cfg.single_host and "UCX_NET_DEVICES" not in env:
@@ -465,12 +493,18 @@ def _run(cfg: ClusterConfig, resolved: dict[str, Any], model_dir: Path, local: l
         if run_router:
             fd = listener.fileno()
             sup.spawn("router", [*exe, "router", *common, "--listen-fd", str(fd)], env, pass_fds=(fd,))
-        ok = _wait_ready(cfg, local, run_router, sup, stop, cfg.router.startup_timeout_s)
+        for part in parts:  # another node's ranks of an instance across nodes (engine/node_ranks.py)
+            sup.spawn(part.name, [*exe, part.inst.role, *common, "--instance", part.inst.name, "--node-rank",
+                                  str(part.node), "--ready-file", str(part.ready_file(run_dir.path))], env)
+        ready_files = {p.name: p.ready_file(run_dir.path) for p in parts}
+        ok = _wait_ready(cfg, local, run_router, sup, stop, cfg.router.startup_timeout_s, ready_files)
         if not ok:
             return 130 if stop["sig"] is not None else 1
         pools = "; ".join(f"{r} {', '.join(i.name for i in cfg.pool(r))}" for r in ("prefill", "decode"))
         what = f"{_http_url(cfg)} (model {(cfg.model.served_model_name or [model_dir.name])[0]}; {pools})" \
-            if run_router else f"instances {', '.join(i.name for i in local)} (router at {r.host}:{r.port})"
+            if run_router else ", ".join([*(f"instances {i.name}" for i in local),
+                                          *(f"node {p.node} of {p.inst.name}" for p in parts)]) \
+            + f" (router at {r.host}:{r.port})"
         print(f"glm53-serve ready: {what}", flush=True)
         while stop["sig"] is None:
             rc = _supervise(cfg, local, sup, sup.poll())
@@ -515,6 +549,8 @@ def check_pinned_ports(cfg: ClusterConfig, local: list[InstanceConfig], run_rout
         key = f"{inst.role}[{cfg.pool(inst.role).index(inst)}]"
         pinned += [(f"{key}.port", inst.host, inst.port), (f"{key}.bootstrap_port", inst.host, inst.bootstrap_port),
                    (f"{key}.dist_init_port", inst.host, inst.engine.dist_init_port)]
+        if inst.dist_init_addr:  # rank 0's rendezvous store listens there
+            pinned.append((f"{key}.dist_init_addr", *inst.rendezvous))
     for key, host, port in pinned:
         if port is not None and _in_use(host, port):
             raise StartupRefused(f"{cfg.source}: {key}: {host}:{port} is already in use (another server?)")
@@ -531,9 +567,10 @@ def _in_use(host: str, port: int) -> bool:
     return False
 
 
-def check_devices(cfg: ClusterConfig, insts: list[InstanceConfig], flag: str | None = None) -> None:
-    """Instances of this host on `device: cuda` need CUDA here, and the GPUs they list: a config
-    error naming the key, not a traceback from deep inside torch."""
+def check_devices(cfg: ClusterConfig, insts: list[InstanceConfig], flag: str | None = None, node: int = 0) -> None:
+    """Instances of this host on `device: cuda` need CUDA here, and the GPUs they list (`node`:
+    which of their nodes this host is): a config error naming the key, not a traceback from deep
+    inside torch."""
     cuda = [i for i in insts if i.engine.device == "cuda"]
     if not cuda:
         return
@@ -546,9 +583,10 @@ def check_devices(cfg: ClusterConfig, insts: list[InstanceConfig], flag: str | N
             why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
             raise ConfigError(cfg.source, "--device" if flag else _device_key(cfg, key),
                               f"'cuda', but {why} on this host ({socket.gethostname()}); use device: cpu")
-        for d in inst.devices:
+        for d in inst.node_list[node].devices:
             if d >= count:
-                raise ConfigError(cfg.source, f"{key}.devices", f"GPU {d} does not exist on this host "
+                where = f"{key}.nodes[{node}].devices" if inst.nodes else f"{key}.devices"
+                raise ConfigError(cfg.source, where, f"GPU {d} does not exist on this host "
                                   f"({count} visible: 0..{count - 1})")
 
 
@@ -587,11 +625,14 @@ def _supervise(cfg: ClusterConfig, local, sup: Supervisor, events: list[Event]) 
     return None
 
 
-def _wait_ready(cfg: ClusterConfig, local, run_router: bool, sup: Supervisor, stop: dict, timeout: float) -> bool:
+def _wait_ready(cfg: ClusterConfig, local, run_router: bool, sup: Supervisor, stop: dict, timeout: float,
+                ready_files: dict[str, Path] | None = None) -> bool:
+    """`ready_files`: node parts (name -> the file that exists once their ranks joined the group)."""
     from glm53.server.protocol import probe
 
     deadline = time.monotonic() + timeout
-    pending = {i.name for i in local}
+    ready_files = ready_files or {}
+    pending = {i.name for i in local} | set(ready_files)
     router_ok = not run_router
     while time.monotonic() < deadline:
         if stop["sig"] is not None:
@@ -601,7 +642,8 @@ def _wait_ready(cfg: ClusterConfig, local, run_router: bool, sup: Supervisor, st
             name, rc = dead[0]
             print(f"glm53-serve: {name} exited during startup (code {rc}); stopping", file=sys.stderr)
             return False
-        if pending:
+        pending -= {name for name, f in ready_files.items() if f.exists()}
+        if pending - set(ready_files):
             ready = probe({i.name: i.address for i in local if i.name in pending}, timeout=0.5)
             pending -= ready
         if not pending and not router_ok:

@@ -11,9 +11,10 @@ Layout (every key optional except the pools):
     model:     {path, served_model_name, context_length, chat_template}
     router:    {host, port, result_port, advertise_host, policy, ...}
     transfer:  {backend, bootstrap_timeout_s, transfer_timeout_s}
-    speculative: {algorithm, draft_model_path, num_draft_tokens, draft_kv_transfer}
+    speculative: {algorithm, draft_model_path, num_draft_tokens, draft_kv_transfer, dspark_block_size,
+                  dspark_confidence_threshold}
     defaults:  any instance key below except name/host/port/bootstrap_port
-    prefill:   [ {name, host, port, bootstrap_port, devices, tp, pp, <engine knobs>}, ... ]
+    prefill:   [ {name, host, port, bootstrap_port, devices, tp, pp, ep, <engine knobs>}, ... ]
     decode:    [ ... same, without bootstrap_port ... ]
 
 Each instance inherits `defaults` and overrides it key by key; `InstanceConfig` is the merged,
@@ -32,6 +33,7 @@ from typing import Any, Literal
 
 import yaml
 
+from glm53.server import nodes as nodes_lib
 from glm53.server.config_checks import check_semantics
 # The embedded model names and ROLES live in config_values, below this module and config_checks
 # (which this module imports to run the checks); they are still importable from here.
@@ -166,20 +168,33 @@ class TransferConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """DFlash speculative decoding, for every instance (SGLang's flag names)."""
+    """DFlash-family speculative decoding (DFLASH or DSPARK), for every instance (SGLang's flag
+    names)."""
 
-    algorithm: Literal["none", "DFLASH"] = "none"
-    draft_model_path: str | None = None  # a DFlash draft directory (published layout)
+    algorithm: Literal["none", "DFLASH", "DSPARK"] = "none"
+    # A DFlash draft directory (published layout); DSPARK: one with the Markov head's tensors.
+    draft_model_path: str | None = None
     # Tokens a verify step checks, the bonus slot included; None = the draft's block size.
     num_draft_tokens: int | None = None
     # Prefill sends the draft's context KV of the prompt with the target KV. Off, decode drafts
     # only from the context it builds after the handoff (fewer accepted tokens on the first
     # steps, fewer bytes moved).
     draft_kv_transfer: bool = True
+    # DSPARK only: the verify width (as num_draft_tokens; None: the draft's block size) and the
+    # confidence below which a block is cut (0: never; the draft needs a confidence head).
+    dspark_block_size: int | None = None
+    dspark_confidence_threshold: float = 0.0
 
     @property
     def enabled(self) -> bool:
-        return self.algorithm == "DFLASH"
+        return self.algorithm in ("DFLASH", "DSPARK")
+
+    @property
+    def verify_width(self) -> int | None:
+        """Tokens a verify step checks, the bonus slot included (None: the draft's block size)."""
+        if self.algorithm == "DSPARK" and self.dspark_block_size is not None:
+            return self.dspark_block_size
+        return self.num_draft_tokens
 
 
 @dataclass
@@ -223,6 +238,16 @@ class EngineConfig:
 
 
 @dataclass
+class NodeConfig:
+    """One node of an instance that spans nodes (`nodes:`, in node-rank order)."""
+
+    # The node's address: its ranks bind their transfer endpoints here.
+    host: str
+    # GPU ids on this node (device "cuda": exactly tp * pp / len(nodes) of them); empty on CPU.
+    devices: list[int] = field(default_factory=list)
+
+
+@dataclass
 class InstanceConfig:
     """One prefill or decode instance, with `defaults` merged in."""
 
@@ -239,12 +264,23 @@ class InstanceConfig:
     devices: list[int] = field(default_factory=list)
     tp: int = 1
     pp: int = 1
+    # Expert parallelism inside each stage's tp ranks (dividing tp): the routed experts split into
+    # ep contiguous ranges, one per group of tp / ep ranks, tokens moved to them by all-to-all
+    # (models/expert_parallel.py). 1: every rank holds every expert at 1/tp of its width.
+    ep: int = 1
     # Prefill only: run in the named decode instance's process, on its GPU (one-GPU PD in one
     # process, engine/colocate.py). While that decode instance has requests running, this
     # instance's kernels run on `colocate_sms` SMs (a CUDA green context), so decode steps never
     # wait behind a prefill chunk; otherwise on all of them. On CPU the pair shares the process only.
     colocate: str | None = None
     colocate_sms: int = 48
+    # An instance across nodes (server/nodes.py): its pp × tp ranks split evenly over these, in
+    # order, stage-major; node 0 is `host` (it runs rank 0 and the scheduler). Each node runs its
+    # part under `glm53-serve up --node-rank K`. Empty: every rank on `host`.
+    nodes: list[NodeConfig] = field(default_factory=list)
+    # HOST:PORT of the ranks' torch.distributed rendezvous (rank 0's store, on node 0); required
+    # with several nodes (SGLang's --dist-init-addr).
+    dist_init_addr: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     # Not a YAML key: the server's `server_namespace`, set by parse_config, for unpinned endpoints.
     namespace: str = field(default="", repr=False, compare=False)
@@ -260,6 +296,35 @@ class InstanceConfig:
         if self.role != "prefill":
             return None
         return f"tcp://{self.host}:{self.bootstrap_port}" if self.bootstrap_port is not None else self._ipc("bootstrap")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def node_list(self) -> list[NodeConfig]:
+        """The instance's nodes: `nodes`, or one node (`host`, `devices`) without it."""
+        return self.nodes or [NodeConfig(self.host, list(self.devices))]
+
+    def node_ranks(self, node: int) -> range:
+        """The global ranks node `node` runs (server/nodes.py)."""
+        return nodes_lib.node_ranks(self.world_size, len(self.node_list), node)
+
+    def rank_node(self, rank: int) -> NodeConfig:
+        return self.node_list[nodes_lib.node_of_rank(self.world_size, len(self.node_list), rank)]
+
+    def rank_device(self, rank: int) -> int | None:
+        """Global rank `rank`'s GPU id on its node (None on CPU: no devices listed)."""
+        devices = self.rank_node(rank).devices
+        per = self.world_size // len(self.node_list)
+        return devices[rank % per] if devices else None
+
+    @property
+    def rendezvous(self) -> tuple[str, int | None]:
+        """Where rank 0's rendezvous store listens and the other ranks find it."""
+        if self.dist_init_addr:
+            return nodes_lib.parse_host_port(self.dist_init_addr)
+        return self.host, self.engine.dist_init_port
 
     def _ipc(self, what: str) -> str:
         if not self.namespace:
@@ -299,7 +364,7 @@ class ClusterConfig:
 
     @property
     def single_host(self) -> bool:
-        hosts = {self.router.host, *(i.host for i in self.instances)}
+        hosts = {self.router.host, *(n.host for i in self.instances for n in i.node_list)}
         return all(is_local_host(h) for h in hosts) or len(hosts) == 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -318,6 +383,10 @@ class ClusterConfig:
                 row = {k: v for k, v in dataclasses.asdict(inst).items() if k not in ("engine", "role", "namespace")}
                 if inst.colocate is None:
                     del row["colocate"], row["colocate_sms"]
+                if not inst.nodes:
+                    del row["nodes"], row["dist_init_addr"]
+                else:  # each node lists its GPUs
+                    del row["devices"]
                 row.update(dataclasses.asdict(inst.engine))
                 rows.append(row)
             out[role] = rows
@@ -328,9 +397,9 @@ class ClusterConfig:
 # Loading and validation
 # --------------------------------------------------------------------------------------------
 
-_INSTANCE_ONLY = ("name", "host", "port", "bootstrap_port", "colocate", "colocate_sms")
-_PLACEMENT = ("devices", "tp", "pp")
-_ALIASES = {"tp_size": "tp", "pp_size": "pp", "max_num_seqs": "max_running_requests", "max_model_len": "context_length"}
+_INSTANCE_ONLY = ("name", "host", "port", "bootstrap_port", "colocate", "colocate_sms", "nodes", "dist_init_addr")
+_PLACEMENT = ("devices", "tp", "pp", "ep")
+_ALIASES = {"tp_size": "tp", "pp_size": "pp", "ep_size": "ep", "max_num_seqs": "max_running_requests", "max_model_len": "context_length"}
 _TOP_KEYS = ("name", "model", "router", "transfer", "speculative", "defaults", "prefill", "decode")
 
 
@@ -421,10 +490,18 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
                                 entry.pop(alias, None)
                         entry[parts[1]] = value
         elif parts[0] == "instance":
-            _, role, index, k = parts
+            _, role, index, k, *node = parts
             entries = raw.get(role)
             if isinstance(entries, list) and int(index) < len(entries) and isinstance(entries[int(index)], dict):
-                entries[int(index)][k] = value
+                entry = entries[int(index)]
+                if k == "nnodes":
+                    _set_nnodes(entry, value)
+                elif k == "nodes":  # "instance.<role>.<i>.nodes.<k>.host": one node's key
+                    nodes = entry.get("nodes")
+                    if isinstance(nodes, list) and int(node[0]) < len(nodes) and isinstance(nodes[int(node[0])], dict):
+                        nodes[int(node[0])][node[1]] = value
+                else:
+                    entry[k] = value
         else:
             node = raw
             for p in parts[:-1]:
@@ -433,6 +510,19 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
                 node = node[p]
             node[parts[-1]] = value
     return raw
+
+
+def _set_nnodes(entry: dict[str, Any], n: int) -> None:
+    """SGLang's --nnodes on an instance entry. An entry that lists `nodes` keeps them (the check
+    that their count is n is the CLI's, which names the flag); one that does not gets n nodes on
+    its host, which --node-rank K's --host then names for node K. Its `devices` become every
+    node's GPU ids, as each SGLang node uses its own GPUs 0..n-1."""
+    if "nodes" in entry or n < 1:
+        return
+    node = {"host": entry.get("host", "")}
+    if "devices" in entry:
+        node["devices"] = entry.pop("devices")
+    entry["nodes"] = [dict(node) for _ in range(n)]
 
 
 def _resolve_aliases(d: dict[str, Any], path: str, source: str) -> dict[str, Any]:
@@ -452,6 +542,9 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
     entry = _resolve_aliases(entry, path, source)
     engine_keys = [f.name for f in dataclasses.fields(EngineConfig)]
     check_keys(entry, (*_INSTANCE_ONLY, *_PLACEMENT, *engine_keys), path, source)
+    node_list = _build_nodes(entry, path, source)
+    if node_list and "host" not in entry:
+        entry = {**entry, "host": node_list[0].host}  # node 0 runs the scheduler
     if "host" not in entry:
         raise ConfigError(source, f"{path}.host", "required key is missing")
     for k in ("colocate", "colocate_sms"):
@@ -463,19 +556,41 @@ def _build_instance(entry: Any, role: str, index: int, defaults_raw: dict[str, A
                           "(they connect to each prefill instance's); remove this key")
     merged = {**{k: v for k, v in defaults_raw.items() if k in engine_keys}, **{k: v for k, v in entry.items() if k in engine_keys}}
     engine = _build(EngineConfig, merged, path, source)
-    placement = {k: entry.get(k, defaults_raw.get(k)) for k in _PLACEMENT}
+    # With nodes, GPUs are listed per node: none at the instance level, not even from defaults.
+    placement = {k: entry.get(k, defaults_raw.get(k)) for k in _PLACEMENT if not (node_list and k == "devices")}
     fields = {
         "name": entry.get("name", f"{role[0]}{index}"),
         "role": role,
         "host": entry["host"],
         "port": entry.get("port"),
         "bootstrap_port": entry.get("bootstrap_port"),
-        **{k: entry[k] for k in ("colocate", "colocate_sms") if k in entry},
+        **{k: entry[k] for k in ("colocate", "colocate_sms", "dist_init_addr") if k in entry},
         **{k: v for k, v in placement.items() if v is not None},
     }
-    inst = _build(InstanceConfig, fields, path, source, skip=("engine", "namespace"))
+    inst = _build(InstanceConfig, fields, path, source, skip=("engine", "namespace", "nodes"))
     inst.engine = engine
+    inst.nodes = node_list
     return inst
+
+
+def _build_nodes(entry: dict[str, Any], path: str, source: str) -> list[NodeConfig]:
+    """An instance's `nodes:` list. With it, node 0 is the instance's host and each node lists
+    its own GPUs, so the instance-level `host` (if given) must be node 0's and `devices` is
+    refused rather than guessed at."""
+    raw = entry.get("nodes")
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(source, f"{path}.nodes", f"expected a non-empty list of {{host, devices}}, got "
+                          f"{type_name(raw)}")
+    out = [_build(NodeConfig, n, f"{path}.nodes[{k}]", source) for k, n in enumerate(raw)]
+    if "devices" in entry:
+        raise ConfigError(source, f"{path}.devices", "with nodes, each node lists its own GPUs "
+                          f"({path}.nodes[k].devices); remove this key")
+    if "host" in entry and entry["host"] != out[0].host:
+        raise ConfigError(source, f"{path}.host", f"must be node 0's host ({out[0].host!r}: node 0 runs the "
+                          f"scheduler and rank 0), got {entry['host']!r}; or leave it out")
+    return out
 
 
 # --------------------------------------------------------------------------------------------

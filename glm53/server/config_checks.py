@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from glm53.server import nodes as nodes_lib
 from glm53.server.config_values import (EMBEDDED_DRAFT, EMBEDDED_MODEL, EMBEDDED_RANDOM, ROLES, ConfigError,
                                         canonical_host)
 
@@ -69,10 +70,22 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
             raise err(f"transfer.{k}", f"must be > 0, got {getattr(cfg.transfer, k)}")
     spec = cfg.speculative
     if spec.enabled and not spec.draft_model_path:
-        raise err("speculative.draft_model_path", "DFLASH needs a draft model directory")
-    if spec.num_draft_tokens is not None and spec.num_draft_tokens < 2:
-        raise err("speculative.num_draft_tokens", f"must be >= 2 (the bonus slot and a draft), got "
-                  f"{spec.num_draft_tokens}")
+        raise err("speculative.draft_model_path", f"{spec.algorithm} needs a draft model directory")
+    for key in ("num_draft_tokens", "dspark_block_size"):
+        v = getattr(spec, key)
+        if v is not None and v < 2:
+            raise err(f"speculative.{key}", f"must be >= 2 (the bonus slot and a draft), got {v}")
+    dspark = spec.dspark_block_size is not None or spec.dspark_confidence_threshold != 0
+    if dspark and spec.algorithm != "DSPARK":
+        key = "dspark_block_size" if spec.dspark_block_size is not None else "dspark_confidence_threshold"
+        raise err(f"speculative.{key}", f"applies to algorithm DSPARK, not {spec.algorithm!r}")
+    if not 0 <= spec.dspark_confidence_threshold < 1:
+        raise err("speculative.dspark_confidence_threshold", f"must lie in [0, 1), got "
+                  f"{spec.dspark_confidence_threshold}")
+    if (spec.dspark_block_size is not None and spec.num_draft_tokens is not None
+            and spec.dspark_block_size != spec.num_draft_tokens):
+        raise err("speculative.dspark_block_size", f"{spec.dspark_block_size} disagrees with "
+                  f"num_draft_tokens={spec.num_draft_tokens} (both set the verify width; give one)")
     if cfg.model.context_length is not None and cfg.model.context_length < 2:
         raise err("model.context_length", f"must be >= 2, got {cfg.model.context_length}")
     if not cfg.model.path:
@@ -111,49 +124,63 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
             dist_port = inst.engine.dist_init_port
             if dist_port is not None and inst.tp * inst.pp == 1:
                 raise err(f"{path}.dist_init_port", "only used by instances with several ranks (tp/pp > 1)")
-            for k in ("port", "bootstrap_port", "dist_init_port"):
-                port = getattr(inst.engine if k == "dist_init_port" else inst, k)
-                if port is None:  # decode: no bootstrap server; automatic rendezvous port
-                    continue
-                _check_port(port, f"{path}.{k}", src)
-                slot = (canonical_host(inst.host), port)
-                clash = ports.get(slot)
-                if clash:
-                    raise err(f"{path}.{k}", f"port {port} on host {inst.host} is already used by {clash}")
-                ports[slot] = f"{path}.{k}"
             if inst.tp < 1:
                 raise err(f"{path}.tp", f"must be >= 1, got {inst.tp}")
             if inst.pp < 1:
                 raise err(f"{path}.pp", f"must be >= 1, got {inst.pp}")
+            if inst.ep < 1 or inst.tp % inst.ep:
+                raise err(f"{path}.ep", f"must divide tp ({inst.tp}): the routed experts are split over ep groups "
+                          f"of tp / ep ranks; got {inst.ep}")
+            dist_host = _check_nodes(cfg, inst, path)
+            for k in ("port", "bootstrap_port", "dist_init_port", "dist_init_addr"):
+                host = inst.host
+                if k == "dist_init_addr":
+                    if inst.dist_init_addr is None:
+                        continue
+                    host, port = dist_host, inst.rendezvous[1]
+                else:
+                    port = getattr(inst.engine if k == "dist_init_port" else inst, k)
+                if port is None:  # decode: no bootstrap server; automatic rendezvous port
+                    continue
+                _check_port(port, f"{path}.{k}", src)
+                slot = (canonical_host(host), port)
+                clash = ports.get(slot)
+                if clash:
+                    raise err(f"{path}.{k}", f"port {port} on host {host} is already used by {clash}")
+                ports[slot] = f"{path}.{k}"
             if inst.pp > 1 and role == "decode":
                 raise err(f"{path}.pp", f"decode instances run one pipeline stage (pp: 1); got {inst.pp}")
             _check_engine(inst.engine, path, src)
-            if inst.engine.device == "cpu":
-                if inst.devices:
-                    raise err(f"{path}.devices", f"device is 'cpu', so devices must be empty; got {inst.devices}")
-            else:
-                need = inst.tp * inst.pp
-                if len(inst.devices) != need:
-                    raise err(f"{path}.devices", f"needs exactly tp * pp = {need} GPU ids, got {len(inst.devices)} "
-                              f"({inst.devices})")
-                if len(set(inst.devices)) != len(inst.devices):
-                    raise err(f"{path}.devices", f"lists a GPU twice: {inst.devices}")
-                for d in inst.devices:
+            # GPUs per node: the instance's `devices`, or each of its `nodes`' own.
+            per_node = inst.tp * inst.pp // len(inst.node_list)
+            for n, node in enumerate(inst.node_list):
+                key = f"{path}.nodes[{n}].devices" if inst.nodes else f"{path}.devices"
+                if inst.engine.device == "cpu":
+                    if node.devices:
+                        raise err(key, f"device is 'cpu', so devices must be empty; got {node.devices}")
+                    continue
+                if len(node.devices) != per_node:
+                    need = (f"tp * pp / len(nodes) = {inst.tp} * {inst.pp} / {len(inst.nodes)} = {per_node}"
+                            if inst.nodes else f"tp * pp = {per_node}")
+                    raise err(key, f"needs exactly {need} GPU ids, got {len(node.devices)} ({node.devices})")
+                if len(set(node.devices)) != len(node.devices):
+                    raise err(key, f"lists a GPU twice: {node.devices}")
+                for d in node.devices:
                     if d < 0:
-                        raise err(f"{path}.devices", f"GPU ids must be >= 0, got {d}")
-                    slot = (canonical_host(inst.host), d)
+                        raise err(key, f"GPU ids must be >= 0, got {d}")
+                    slot = (canonical_host(node.host), d)
                     users = devices.setdefault(slot, [])
                     unsized = [p for p, _ in users + [(path, inst)] if p not in sized]
                     if users and unsized:
                         keys = " and ".join(f"{p}.mem_fraction_static" for p, _ in users + [(path, inst)])
-                        raise err(f"{path}.devices", f"GPU {d} on host {inst.host} is already used by "
+                        raise err(key, f"GPU {d} on host {node.host} is already used by "
                                   f"{', '.join(p for p, _ in users)}; instances may share a GPU only when each "
                                   f"sets mem_fraction_static (not set: {', '.join(unsized)}) and they sum to at "
                                   f"most {MAX_SHARED_MEM_FRACTION}: set {keys}")
                     users.append((path, inst))
                     fractions = [u.engine.mem_fraction_static for _, u in users]
                     if sum(fractions) > MAX_SHARED_MEM_FRACTION + 1e-9:
-                        raise err(f"{path}.devices", f"GPU {d} on host {inst.host} is shared with "
+                        raise err(key, f"GPU {d} on host {node.host} is shared with "
                                   f"{', '.join(p for p, _ in users[:-1])}; their mem_fraction_static must be set "
                                   f"and sum to at most {MAX_SHARED_MEM_FRACTION} "
                                   f"({' + '.join(f'{p}.mem_fraction_static {f:g}' for (p, _), f in zip(users, fractions))}"
@@ -169,6 +196,49 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
                               f"so KV pages can move between instances; got {getattr(inst.engine, k)!r}")
 
 
+def _check_nodes(cfg: ClusterConfig, inst: InstanceConfig, path: str) -> str | None:
+    """An instance across nodes (server/nodes.py): the nodes divide its ranks evenly, sit on
+    distinct hosts, and several need `dist_init_addr` (the rendezvous every node's ranks dial);
+    it replaces dist_init_port. Returns the rendezvous host (None without dist_init_addr)."""
+    src = cfg.source
+    dist_host = None
+    if inst.dist_init_addr is not None:
+        if not inst.nodes:
+            raise ConfigError(src, f"{path}.dist_init_addr", "only for an instance that lists nodes; an instance "
+                              "on one host sets dist_init_port (or nothing: rank 0 binds a port itself)")
+        try:
+            dist_host, _ = nodes_lib.parse_host_port(inst.dist_init_addr)
+        except ValueError as e:
+            raise ConfigError(src, f"{path}.dist_init_addr", str(e)) from None
+    if not inst.nodes:
+        return dist_host
+    try:
+        nodes_lib.ranks_per_node(inst.tp * inst.pp, len(inst.nodes))
+    except ValueError as e:
+        raise ConfigError(src, f"{path}.nodes", f"{e} (tp {inst.tp}, pp {inst.pp})") from None
+    seen: dict[str, int] = {}
+    for k, node in enumerate(inst.nodes):
+        if not node.host:
+            raise ConfigError(src, f"{path}.nodes[{k}].host", "must not be empty")
+        h = canonical_host(node.host)
+        if h in seen:
+            raise ConfigError(src, f"{path}.nodes[{k}].host", f"{node.host!r} is already node {seen[h]}; each node "
+                              "of an instance is another host")
+        seen[h] = k
+    if len(inst.nodes) > 1:
+        if inst.dist_init_addr is None:
+            raise ConfigError(src, f"{path}.dist_init_addr", f"required: the instance spans {len(inst.nodes)} nodes, "
+                              "and their ranks meet at HOST:PORT on node 0 (e.g. "
+                              f"'{inst.nodes[0].host}:29500')")
+        if inst.engine.dist_init_port is not None:
+            raise ConfigError(src, f"{path}.dist_init_port", "an instance across nodes sets its rendezvous with "
+                              "dist_init_addr (HOST:PORT); remove this key")
+        if inst.colocate is not None:
+            raise ConfigError(src, f"{path}.colocate", "a colocated instance runs one rank in its decode "
+                              "instance's process; it cannot span nodes")
+    return dist_host
+
+
 def _check_pinned_across_hosts(cfg: ClusterConfig) -> None:
     """An unpinned endpoint is an ipc socket (config.server_namespace), which only processes on
     the same host reach: a config that spans hosts pins every internal port."""
@@ -182,7 +252,7 @@ def _check_pinned_across_hosts(cfg: ClusterConfig) -> None:
                 keys.append((f"{role}[{i}].bootstrap_port", inst.bootstrap_port))
     for key, port in keys:
         if port is None:
-            hosts = sorted({cfg.router.host, *(i.host for i in cfg.instances)})
+            hosts = sorted({cfg.router.host, *(n.host for i in cfg.instances for n in i.node_list)})
             raise ConfigError(cfg.source, key, f"required: this config spans several hosts ({', '.join(hosts)}), and "
                               "an unset port is a local ipc socket that other hosts cannot reach")
 

@@ -4,10 +4,12 @@ loopback) for end-to-end tests and benchmarks, on free ports, with the embedded 
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_interval: int = 1,
                  prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None,
-                 prefill_pp: int = 1) -> dict:
+                 prefill_pp: int = 1, prefill_ep: int = 1, decode_ep: int = 1) -> dict:
     http, result, p_port, p_boot, d_port = ports
     return {
         **({"speculative": speculative} if speculative else {}),
@@ -32,18 +34,20 @@ def cluster_yaml(ports: list[int], transfer_timeout_s: float = 20.0, stream_inte
         "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "max_running_requests": 64,
                      "chunked_prefill_size": 64, "num_pages": 2048},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": p_port, "bootstrap_port": p_boot, "tp": prefill_tp,
-                     "pp": prefill_pp}],
+                     "pp": prefill_pp, "ep": prefill_ep}],
         "decode": [{"name": "d0", "host": "127.0.0.1", "port": d_port, "stream_interval": stream_interval,
-                    "tp": decode_tp}],
+                    "tp": decode_tp, "ep": decode_ep}],
     }
 
 
 class Cluster:
     def __init__(self, workdir: Path, cache: Path, transfer_timeout_s: float = 20.0, stream_interval: int = 1,
                  prefill_tp: int = 1, decode_tp: int = 1, speculative: dict | None = None, prefill_pp: int = 1,
-                 router: dict | None = None):
+                 router: dict | None = None, up_args: tuple[str, ...] = (), prefill_ep: int = 1,
+                 decode_ep: int = 1):
+        self.up_args = list(up_args)  # e.g. ("--node-rank", "0") for node 0 of a config across nodes
         self.cfg = cluster_yaml(free_ports(5), transfer_timeout_s, stream_interval, prefill_tp, decode_tp,
-                                speculative, prefill_pp)
+                                speculative, prefill_pp, prefill_ep, decode_ep)
         self.cfg["router"].update(router or {})
         self.config_path = workdir / "cluster.yaml"
         self.config_path.write_text(yaml.safe_dump(self.cfg))
@@ -61,7 +65,7 @@ class Cluster:
 
     def start(self, timeout: float = 240.0) -> "Cluster":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "glm53.server.cli", "up", "--config", str(self.config_path)],
+            [sys.executable, "-m", "glm53.server.cli", "up", "--config", str(self.config_path), *self.up_args],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=self.env, cwd=ROOT, start_new_session=True,
         )
         deadline = time.monotonic() + timeout
@@ -71,8 +75,9 @@ class Cluster:
                 return self
             if not line and self.proc.poll() is not None:
                 break
+        logs = self.logs()
         self.stop()
-        raise RuntimeError(f"cluster did not become ready:\n{self.logs()}")
+        raise RuntimeError(f"cluster did not become ready:\n{logs}")
 
     def logs(self) -> str:
         self.log.flush()
@@ -99,3 +104,63 @@ class Cluster:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         self.log.close()
+
+
+class NodeUp:
+    """Another node's `glm53-serve up --config X --node-rank K` for a `Cluster`'s config (an
+    instance across nodes): `launch` starts it, `wait_ready` reads its ready line, `kill` sends
+    SIGKILL to the `up` process alone (its children get SIGTERM from the kernel, as when a node's
+    supervisor dies), `stop` ends it and everything it started."""
+
+    def __init__(self, cluster: Cluster, node_rank: int, log_path: Path):
+        self.cluster, self.node_rank = cluster, node_rank
+        self.log = open(log_path, "a+")
+        self.proc: subprocess.Popen | None = None
+
+    def launch(self) -> "NodeUp":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "glm53.server.cli", "up", "--config", str(self.cluster.config_path),
+             "--node-rank", str(self.node_rank)],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env=self.cluster.env, cwd=ROOT,
+            start_new_session=True)
+        # Its stdout is read on a thread, so waiting for the ready line is bounded.
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(x) for x in self.proc.stdout], daemon=True).start()
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> "NodeUp":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if "ready" in self.lines.get(timeout=0.5):
+                    return self
+            except queue.Empty:
+                pass
+        raise RuntimeError(f"node {self.node_rank} did not become ready:\n{self.logs()}")
+
+    def rank_pids(self) -> list[int]:
+        """The rank processes this node runs (children of its instance processes)."""
+        parents = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        pids = []
+        for parent in parents:
+            pids += subprocess.run(["pgrep", "-P", parent, "-f", "spawn_main"], capture_output=True,
+                                   text=True).stdout.split()
+        return [int(p) for p in pids]
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def logs(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-8000:]
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)

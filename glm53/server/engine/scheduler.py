@@ -25,6 +25,7 @@ from glm53.models import GlmConfig, OutOfPages, PageAllocator
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.model_fit import check_model_fit
 from glm53.server.engine.group import LocalWorkers, WorkerGroup
+from glm53.server.engine.node_ranks import NodeRendezvous, Rejoin, group_timeout
 from glm53.server.engine.processes import ProcessWorkers, RanksLost
 from glm53.server.engine.worker import rank_specs
 from glm53.server.protocol import Abort, GenerateRequest, InstanceChannel, LoadStats, TokenEvent
@@ -53,9 +54,13 @@ def instance_by_index(cluster: ClusterConfig, role: str, index: int) -> Instance
     return pool[index]
 
 
-def build_workers(cluster: ClusterConfig, inst: InstanceConfig, weights_from: WorkerGroup | None = None) -> WorkerGroup:
+def build_workers(cluster: ClusterConfig, inst: InstanceConfig, weights_from: WorkerGroup | None = None,
+                  stop: threading.Event | None = None, rendezvous: NodeRendezvous | None = None) -> WorkerGroup:
     """The instance's ranks, built and started (a prefill rank needs its bootstrap server up).
-    `weights_from`: a single-rank instance in this process whose weights a single rank shares."""
+    `weights_from`: a single-rank instance in this process whose weights a single rank shares.
+    An instance across nodes meets the other nodes' ranks on `rendezvous` (one for the life of
+    the scheduler) and waits for them: at start-up until router.startup_timeout_s (what `up`
+    waits for it), when rebuilt (`stop` given) until `stop`."""
     from glm53.server.embedded_model import resolve_paths
 
     path, cluster = resolve_paths(cluster)
@@ -63,9 +68,12 @@ def build_workers(cluster: ClusterConfig, inst: InstanceConfig, weights_from: Wo
     specs = rank_specs(cluster, inst, str(path), GlmConfig.from_dir(path).num_hidden_layers)
     if len(specs) == 1:
         return LocalWorkers(specs, weights_from if isinstance(weights_from, LocalWorkers) else None)
-    # Long enough for the slowest rank to load its weights; a dead rank is seen at once anyway.
-    timeout = max(120.0, cluster.transfer.transfer_timeout_s)
-    return ProcessWorkers(specs, timeout_s=timeout, host=inst.host, port=inst.engine.dist_init_port)
+    timeout = group_timeout(cluster)
+    if len(inst.node_list) > 1:
+        deadline = None if stop is not None else time.monotonic() + cluster.router.startup_timeout_s
+        return (rendezvous or NodeRendezvous(inst, timeout)).form(specs, timeout, deadline, stop)
+    host, port = inst.rendezvous
+    return ProcessWorkers(specs, timeout_s=timeout, host=host, port=port)
 
 
 @dataclass
@@ -101,7 +109,10 @@ class Scheduler(abc.ABC):
     def __init__(self, cluster: ClusterConfig, inst: InstanceConfig, workers: WorkerGroup | None = None,
                  weights_from: WorkerGroup | None = None):
         self.cluster, self.inst = cluster, inst
-        self.workers = workers or build_workers(cluster, inst, weights_from)
+        # An instance across nodes keeps its rendezvous store for every group it forms.
+        self._rendezvous = (NodeRendezvous(inst, group_timeout(cluster))
+                            if workers is None and len(inst.node_list) > 1 else None)
+        self.workers = workers or build_workers(cluster, inst, weights_from, rendezvous=self._rendezvous)
         self.cfg = self.workers.cfg
         self.allocator = PageAllocator(self.workers.num_pages)
         self.max_running = inst.engine.max_running_requests
@@ -117,6 +128,8 @@ class Scheduler(abc.ABC):
         self._log_tokens = 0
         self._throughput = 0.0
         self.broken = ""  # why this instance can no longer run (a rank was lost); "" while healthy
+        # An instance across nodes rebuilds its group after losing a node (engine/node_ranks.py).
+        self._rejoin: Rejoin | None = None
         self.channel = InstanceChannel(inst.address, inst.name, self.role, load_fn=lambda: self._load)
         # Called before every step on the loop's thread: a colocated prefill picks its CUDA
         # stream there (engine/colocate.py).
@@ -246,6 +259,7 @@ class Scheduler(abc.ABC):
         log.info("%s %s ready on %s", self.role, self.inst.name, self.inst.address)
         while not self._stop.is_set():
             if self.broken:
+                self._take_rejoined()
                 self.poll_channel(timeout=0.05)
                 continue
             # A step's events (every request's tokens) leave together, one frame per router.
@@ -287,6 +301,27 @@ class Scheduler(abc.ABC):
         # so the pages they guarded are reported free rather than held forever.
         self.abandon()
         self.allocator = PageAllocator(self.workers.num_pages)
+        self._load = self.load()  # the pongs report the pages free from now on, not the last step's
+        if getattr(self.workers, "spans_nodes", False):
+            # The lost node's ranks come back when its `up` restarts: a new group forms in the
+            # background; until then this instance answers not ready.
+            log.warning("%s: waiting for the lost node's ranks to rejoin at %s", self.inst.name,
+                        self.inst.dist_init_addr)
+            self._rejoin = Rejoin(self.workers, lambda stop: build_workers(self.cluster, self.inst, stop=stop,
+                                                                           rendezvous=self._rendezvous),
+                                  self.inst.name)
+
+    def _take_rejoined(self) -> None:
+        """Serve again once a rebuilt group is whole: fresh pools, every page free."""
+        workers = self._rejoin.result() if self._rejoin is not None else None
+        if workers is None:
+            return
+        self._rejoin = None
+        self.workers = workers
+        self.allocator = PageAllocator(workers.num_pages)
+        self.broken = ""
+        self.channel.ready = True
+        log.info("%s ready again (%d KV pages)", self.inst.name, workers.num_pages)
 
     def poll_channel(self, timeout: float) -> None:
         msg = self.channel.get(timeout=timeout) if timeout > 0 else None
@@ -301,6 +336,11 @@ class Scheduler(abc.ABC):
 
     def close(self) -> None:
         self.channel.close()
+        if self._rejoin is not None:  # the broken group is the rejoin's to close
+            rebuilt = self._rejoin.stop(timeout=10.0)
+            if rebuilt is not None:
+                rebuilt.close()
+            return
         self.workers.close()
 
 

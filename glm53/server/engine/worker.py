@@ -8,6 +8,7 @@ results, so the same scheduler serves one in-process rank and many rank processe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -16,8 +17,7 @@ import torch.distributed as dist
 
 from glm53.models import GlmConfig, ModelRunner, SeqChunk
 from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection
-from glm53.models.draft_config import DFlashConfig
-from glm53.models.draft_weights import load_draft_projection, load_draft_weights
+from glm53.models.draft_weights import build_draft, draft_config, load_draft_projection
 from glm53.models.graph import GraphConfig
 from glm53.models.kv_cache import FP8
 from glm53.models.spec_state import SpecOutput
@@ -64,19 +64,22 @@ class RankSpec:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    ep_size: int = 1  # expert-parallel groups among the stage's tp ranks (models/expert_parallel.py)
     # Decode CUDA graphs (models/graph.py; with a draft, of the DFlash step, models/spec_graph.py):
     # the largest captured batch (0: none) and the longest request a graph holds, in tokens (None:
     # the model's max_position_embeddings).
     cuda_graph_max_bs: int = 0
     context_length: int | None = None
     num_draft_tokens: int | None = None  # the verify width of a DFlash step (None: the draft's block)
+    draft_algorithm: str = "DFLASH"  # "DSPARK": the draft must carry a Markov head
+    confidence_threshold: float = 0.0  # DSPARK: cut blocks below this confidence (0: never)
 
     def same_weights(self, other: "RankSpec") -> bool:
         """Whether a rank built from `other` holds exactly this rank's weights (model, dtype,
         device, layers, an unsharded tp, the draft): a colocated pair's ranks then share them.
         (`dtype` decides the FP8 form too: "auto" keeps a block-FP8 checkpoint's weights FP8, an
         explicit dtype dequantizes them, so the two never share.)"""
-        keys = ("model_path", "device", "dtype", "layers", "tp_size", "pp_size", "draft_path")
+        keys = ("model_path", "device", "dtype", "layers", "tp_size", "pp_size", "ep_size", "draft_path")
         return self.tp_size == 1 and all(getattr(self, k) == getattr(other, k) for k in keys)
 
     @property
@@ -126,7 +129,9 @@ def transport_config(cluster: ClusterConfig, inst: InstanceConfig) -> TransportC
 
 def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, num_layers: int) -> list[RankSpec]:
     """The instance's ranks, pp-major (stage s holds ranks s*tp .. s*tp + tp - 1), each with its
-    stage's layers and, on CUDA, its GPU from `devices` in that order."""
+    stage's layers and, on CUDA, its GPU from `devices` in that order. An instance across nodes
+    (server/nodes.py) gives each rank its node's next GPU, and its node's host for the transfer
+    endpoints it binds (decode ranks and the bootstrap server learn them from the registration)."""
     eng = inst.engine
     boot = inst.bootstrap_address
     stages = stage_layers(num_layers, inst.pp)
@@ -136,17 +141,20 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
     for pp_rank, layers in enumerate(stages):
         for tp_rank in range(inst.tp):
             k = pp_rank * inst.tp + tp_rank
-            device = "cpu" if eng.device == "cpu" else f"cuda:{inst.devices[k] if inst.devices else k}"
+            gpu = inst.rank_device(k)
+            device = "cpu" if eng.device == "cpu" else f"cuda:{k if gpu is None else gpu}"
             specs.append(RankSpec(
                 role=inst.role, instance=inst.name, model_path=model_path, device=device, dtype=eng.dtype,
                 layers=layers, page_size=eng.page_size, num_pages=eng.num_pages,
                 max_total_tokens=eng.max_total_tokens, mem_fraction_static=eng.mem_fraction_static,
-                kv_cache_dtype=eng.kv_cache_dtype, transport=cfg, bootstrap_address=boot, tp_rank=tp_rank, tp_size=inst.tp, pp_rank=pp_rank,
-                pp_size=inst.pp, send_draft_kv=spec.draft_kv_transfer,
+                kv_cache_dtype=eng.kv_cache_dtype, transport=dataclasses.replace(cfg, host=inst.rank_node(k).host),
+                bootstrap_address=boot, tp_rank=tp_rank, tp_size=inst.tp, pp_rank=pp_rank,
+                pp_size=inst.pp, ep_size=inst.ep, send_draft_kv=spec.draft_kv_transfer,
                 draft_path=spec.draft_model_path if spec.enabled else None,
                 cuda_graph_max_bs=0 if eng.disable_cuda_graph else min(eng.cuda_graph_max_bs, eng.max_running_requests),
                 context_length=cluster.model.context_length,
-                num_draft_tokens=spec.num_draft_tokens if spec.enabled else None))
+                num_draft_tokens=spec.verify_width if spec.enabled else None,
+                draft_algorithm=spec.algorithm, confidence_threshold=spec.dspark_confidence_threshold))
     return specs
 
 
@@ -218,12 +226,19 @@ class RankWorker:
         # Streamed straight onto the device (models/weights.load_model: no host copy of the stage);
         # dtype "auto" keeps a block-FP8 checkpoint's FP8 weights FP8, an explicit dtype dequantizes.
         self.model = load_model(spec.model_path, dtype=self.dtype, device=self.device, layers=spec.layers, tp=self.tp,
-                                fp8=spec.dtype == "auto", progress=False)
+                                fp8=spec.dtype == "auto", progress=False, ep=spec.ep_size)
         if spec.draft_path and spec.last_stage:
             # A draft that does not fit the target is refused here, naming the field.
-            self.draft = DFlashDraft(DFlashConfig.from_dir(spec.draft_path, self.cfg), self.cfg, dtype=self.dtype,
-                                     tp=self.tp)
-            load_draft_weights(self.draft, spec.draft_path)
+            cfg = draft_config(spec.draft_path, self.cfg)
+            if cfg.algorithm != spec.draft_algorithm:
+                raise ValueError(f"speculative.algorithm {spec.draft_algorithm}: {spec.draft_path} is a "
+                                 f"{cfg.algorithm} draft" + (" (no markov_head.* tensors)" if cfg.algorithm == "DFLASH"
+                                                             else " (use algorithm DSPARK)"))
+            if spec.confidence_threshold > 0 and not cfg.confidence_head:
+                raise ValueError(f"speculative.dspark_confidence_threshold {spec.confidence_threshold}: "
+                                 f"{spec.draft_path} has no confidence head (confidence_head.proj.*)")
+            self.draft = build_draft(spec.draft_path, self.cfg, dtype=self.dtype, tp=self.tp,
+                                     confidence_threshold=spec.confidence_threshold)
             self.draft.to(self.device)
         elif spec.draft_path:
             self.projection = load_draft_projection(spec.draft_path, self.cfg, spec.layers, self.dtype).to(self.device)
