@@ -3,7 +3,7 @@
 The per-step control round between the ranks of one node costs ~1.2 ms over gloo's object
 collectives on the CPU VM (four collectives: size and data of the broadcast, sizes and data of
 the gather; benchmarks/control_plane.py) and ~12 µs through shared memory. Modelled on vLLM's
-shared-memory message queue (a written flag and one read flag per reader, spin-then-sleep waits),
+shared-memory message queue (a written flag and one read flag per reader, waits that spin, then sleep),
 cut down to what a request/response round needs: one slot, since a writer never has two
 messages outstanding (it waits until every reader has taken the previous fragment before it
 writes the next), and a message larger than the slot goes through it in fragments.
@@ -32,11 +32,15 @@ _LINE = 64
 _WORD = struct.Struct("q")
 _HEAD = struct.Struct("qqq")  # seq, total, length
 _SIZES = struct.Struct("qq")  # total, length: written before seq publishes them
-# Waits spin (yielding the core) this long, then sleep with a doubling interval up to the cap:
-# a step's reply comes within microseconds of the peer's forward; an idle instance's next
-# command may be far away and must not cost a core.
+# Waits spin (yielding the core) this long, then sleep with a doubling interval up to the cap,
+# and after IDLE_S sleep IDLE_SLEEP_S at a time: an answer comes within microseconds of the
+# peer's forward; the next step comes after rank 0's host work between steps (sampling, commits:
+# milliseconds on a CPU), which a wake-up then trails by at most the cap; an idle instance's next
+# step may be far away and must not cost a core.
 SPIN_S = 2e-3
-SLEEP_CAP_S = 1e-3
+SLEEP_CAP_S = 2e-4
+IDLE_S = 0.05
+IDLE_SLEEP_S = 1e-3
 ALIVE_EVERY_S = 5e-3
 
 _fence_lock = threading.Lock()
@@ -152,8 +156,9 @@ def _wait(ready: Callable[[], bool], timeout_s: Optional[float], alive: Callable
             next_alive = now + ALIVE_EVERY_S
         if deadline is not None and now >= deadline:
             raise ChannelBroken(f"timed out after {timeout_s:.0f} s: {what}")
-        if now - t0 < SPIN_S:
+        waited = now - t0
+        if waited < SPIN_S:
             os.sched_yield()
         else:
             time.sleep(sleep)
-            sleep = min(2 * sleep, SLEEP_CAP_S)
+            sleep = min(2 * sleep, SLEEP_CAP_S) if waited < IDLE_S else IDLE_SLEEP_S
