@@ -1,7 +1,8 @@
 """GPU correctness checks of the served embedded model (made for the device tool; CI has no GPU).
 
     PYTHONPATH=. python3 benchmarks/gpu_checks.py api --out DIR   # one GPU: one-GPU PD, plain (CUDA graphs) and DFlash
-    PYTHONPATH=. python3 benchmarks/gpu_checks.py x2 --out DIR    # two GPUs: PD across GPUs, decode tp=2, prefill tp=2
+    PYTHONPATH=. python3 benchmarks/gpu_checks.py x2 --out DIR    # two GPUs: PD across GPUs, decode tp=2, prefill tp=2,
+                                                                  # and both with ep=2 (experts split, all-to-all over NCCL)
 
 Every topology serves the trained embedded model in fp32 and must give the CPU reference's greedy
 output (`glm53-serve generate` on the CPU) for a concurrent batch of prompts. `api` also checks the
@@ -71,7 +72,9 @@ def topologies(which: str, draft: Path) -> list[tuple[str, dict, dict, dict | No
         return [("one-gpu-plain-graphs", {}, {}, None), ("one-gpu-dflash", {}, {}, spec)]
     return [("prefill-gpu0-decode-gpu1", {"devices": [0]}, {"devices": [1]}, None),
             ("decode-tp2-gpu01", {"devices": [0]}, {"devices": [0, 1], "tp": 2}, None),
-            ("prefill-tp2-gpu01-decode-gpu1", {"devices": [0, 1], "tp": 2}, {"devices": [1]}, None)]
+            ("prefill-tp2-gpu01-decode-gpu1", {"devices": [0, 1], "tp": 2}, {"devices": [1]}, None),
+            ("decode-tp2-ep2-gpu01", {"devices": [0]}, {"devices": [0, 1], "tp": 2, "ep": 2}, None),
+            ("prefill-tp2-ep2-gpu01-decode-gpu1", {"devices": [0, 1], "tp": 2, "ep": 2}, {"devices": [1]}, None)]
 
 
 def main() -> None:

@@ -381,6 +381,29 @@ def test_kv_capacity_from_num_pages_or_tokens(tmp_path):
     assert ModelRunner.kv_bytes_per_token(cfg, torch.bfloat16, kv_dtype=torch.float8_e4m3fn) == 78 * (656 + 132)
 
 
+def test_ep_must_divide_tp(tmp_path):
+    d = base()
+    d["prefill"][0].update(tp=4, ep=2)
+    d["decode"][0].update(tp=2, ep_size=2)  # SGLang's name is an alias
+    cfg = load_config(write(tmp_path, d))
+    assert [(i.tp, i.ep) for i in cfg.instances] == [(4, 2), (2, 2)]
+    assert load_config(write(tmp_path, cfg.to_dict())).decode[0].ep == 2  # round-trips
+    d["decode"][0]["ep_size"] = 3
+    e = error(tmp_path, d)
+    assert e.key == "decode[0].ep" and "must divide tp (2)" in str(e) and "got 3" in str(e)
+    d = base()
+    d["defaults"] = {"ep": 0}
+    assert error(tmp_path, d).key == "prefill[0].ep"
+    # --ep-size (SGLang; --ep, --expert-parallel-size) sets every instance, like --tp-size.
+    p = write(tmp_path, base())
+    args = build_parser().parse_args(["up", "--config", str(p), "--tp-size", "2", "--ep-size", "2"])
+    assert {(i.tp, i.ep) for i in load_config(p, overrides_from_args(args)).instances} == {(2, 2)}
+    args = build_parser().parse_args(["up", "--config", str(p), "--expert-parallel-size", "2"])
+    with pytest.raises(ConfigError) as e:
+        load_config(p, overrides_from_args(args))
+    assert e.value.key == "prefill[0].ep" and "must divide tp (1)" in str(e.value)
+
+
 def test_tp_must_split_the_model(tmp_path, model_dir):
     from glm53.server.model_fit import check_model_fit
 
@@ -466,3 +489,27 @@ def test_cuda_graph_keys(tmp_path):
                                       "--disable-cuda-graph"])
     cfg = load_config(write(tmp_path, base()), overrides_from_args(args))
     assert all(i.engine.cuda_graph_max_bs == 8 and i.engine.disable_cuda_graph for i in cfg.instances)
+
+
+def test_dspark_keys_and_flags(tmp_path):
+    d = base()
+    d["speculative"] = {"algorithm": "DSPARK", "draft_model_path": "/x", "dspark_block_size": 6,
+                        "dspark_confidence_threshold": 0.4}
+    spec = load_config(write(tmp_path, d)).speculative
+    assert spec.enabled and spec.verify_width == 6 and spec.dspark_confidence_threshold == 0.4
+    for change, key in ((dict(dspark_block_size=1), "speculative.dspark_block_size"),
+                        (dict(dspark_confidence_threshold=1.0), "speculative.dspark_confidence_threshold"),
+                        (dict(dspark_confidence_threshold=-0.1), "speculative.dspark_confidence_threshold"),
+                        (dict(dspark_confidence_threshold="high"), "speculative.dspark_confidence_threshold"),
+                        (dict(num_draft_tokens=4), "speculative.dspark_block_size"),
+                        (dict(algorithm="DFLASH"), "speculative.dspark_block_size"),
+                        (dict(algorithm="EAGLE"), "speculative.algorithm")):
+        bad = base()
+        bad["speculative"] = {**d["speculative"], **change}
+        assert error(tmp_path, bad).key == key, change
+    p = write(tmp_path, base())
+    args = build_parser().parse_args(["up", "--config", str(p), "--speculative-algorithm", "dspark",
+                                      "--speculative-draft-model-path", "/x", "--speculative-dspark-block-size", "5",
+                                      "--speculative-dspark-confidence-threshold", "0.25"])
+    spec = load_config(p, overrides_from_args(args)).speculative
+    assert (spec.algorithm, spec.verify_width, spec.dspark_confidence_threshold) == ("DSPARK", 5, 0.25)
