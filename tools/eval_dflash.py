@@ -1,8 +1,15 @@
 """τ and decode speed of a trained target + DFlash draft on held-out Python code, through the
 decode scheduler's real loop (DFlash off vs on, greedy; the outputs must be identical).
 
-    PYTHONPATH=. python tools/eval_dflash.py --model DIR --draft DIR [--device cpu|cuda] [--batch 1 16] [--new 128]
-        [--block 4 8 16] [--repeat 1] [--singles 1] [--clock wall|cpu] [--graphs on|off|both] [--context N]
+    PYTHONPATH=. python tools/eval_dflash.py --model DIR --draft DIR [DIR ...] [--device cpu|cuda] [--batch 1 16]
+        [--new 128] [--block 4 8 16] [--repeat 1] [--singles 1] [--clock wall|cpu] [--graphs on|off|both]
+        [--context N] [--package httpx] [--e2e] [--threshold T]
+
+Several `--draft`s (DFlash or DSpark: the algorithm follows the checkpoint; `--threshold` is a
+DSpark draft's confidence cut) each get a row per block size, named by their directory.
+`--package NAME`: prompts from the middle of that installed third-party package's source files
+(glm53/support/corpus.package_prompts) instead of held-out stdlib files. `--e2e`: the timed span
+includes the prompts' prefill forwards (with a draft, which also write its context KV).
 
 Prompts: the first `--prompt` tokens of held-out standard-library files (the split of
 glm53/support/corpus.py: sha1 of the path relative to the stdlib < 5 %), longer than index_topk so
@@ -28,14 +35,17 @@ from pathlib import Path
 
 import torch
 
-from glm53.support.corpus import held_file_prompts
+from glm53.support.corpus import held_file_prompts, package_prompts
 from glm53.support.decode_loop import decode_run, scheduler
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--draft", type=Path, required=True)
+    ap.add_argument("--draft", type=Path, nargs="+", required=True)
+    ap.add_argument("--package", help="prompts from this installed third-party package's source")
+    ap.add_argument("--e2e", action="store_true", help="time the prefill forwards too")
+    ap.add_argument("--threshold", type=float, default=0.0, help="DSpark drafts' confidence cut")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new", type=int, default=128)
@@ -55,29 +65,33 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
-    all_prompts = held_file_prompts(a.model, max(a.batch + [a.singles]), a.prompt)
+    n_prompts = max(a.batch + [a.singles])
+    all_prompts = (package_prompts(a.model, a.package, n_prompts, a.prompt) if a.package
+                   else held_file_prompts(a.model, n_prompts, a.prompt))
     clock = time.thread_time if a.clock == "cpu" else time.perf_counter
-    print(f"device {a.device}, {len(all_prompts)} held-out prompts of {a.prompt} tokens, {a.new} new tokens, "
+    print(f"device {a.device}, {len(all_prompts)} {a.package or 'held-out stdlib'} prompts of {a.prompt} tokens, "
+          f"{a.new} new tokens, {'end to end (prefill timed)' if a.e2e else 'decode only'}, "
           f"blocks {a.block}, {a.repeat} alternating repeat(s), {a.clock} clock"
           + (f", batch 1 over {a.singles} prompts one at a time" if a.singles > 1 else ""))
     print(f"{'batch':>5} | {'mode':<15} | {'tok/s':>8} | {'tau':>5} | speed-up vs off")
     for batch in a.batch:
         groups = [[p] for p in all_prompts[: a.singles]] if batch == 1 else [all_prompts[:batch]]
         kinds = {"on": [True], "off": [False], "both": [False, True]}[a.graphs]
-        modes = [("off", None, True)] + [(f"dflash {b}" + ("" if g else " eager"), b, g)
-                                         for b in a.block for g in kinds]
-        rates: dict[str, list[float]] = {m: [] for m, _, _ in modes}
+        modes = [("off", None, True, None)] + [
+            (f"{d.name if len(a.draft) > 1 else 'dflash'} {b}" + ("" if g else " eager"), b, g, d)
+            for d in a.draft for b in a.block for g in kinds]
+        rates: dict[str, list[float]] = {m[0]: [] for m in modes}
         taus, ref, differs = {}, None, set()
         for _ in range(a.repeat):
-            for mode, block, graphs in modes:
-                sched = scheduler(a.model, None if block is None else a.draft, a.device, block, graphs=graphs,
-                                  max_running=max(a.batch), context=a.context, dtype=a.dtype)
+            for mode, block, graphs, draft in modes:
+                sched = scheduler(a.model, draft, a.device, block, graphs=graphs,
+                                  max_running=max(a.batch), context=a.context, dtype=a.dtype, threshold=a.threshold)
                 dt = toks = verify = 0
                 outs = []
                 try:
                     decode_run(sched, groups[0], 8)  # warm-up
                     for ps in groups:
-                        d, t, v, o = decode_run(sched, ps, a.new, clock)
+                        d, t, v, o = decode_run(sched, ps, a.new, clock, prefill=a.e2e)
                         dt, toks, verify, outs = dt + d, toks + t, verify + v, outs + o
                 finally:
                     sched.close()
@@ -87,7 +101,7 @@ def main() -> None:
                 rates[mode].append(toks / dt)
                 taus[mode] = f"{toks / verify:.2f}" if verify else "-"
         med = {m: statistics.median(r) for m, r in rates.items()}
-        for mode, _, captured in modes:
+        for mode, _, captured, _ in modes:
             ratios = [x / y for x, y in zip(rates[mode], rates["off"])]
             print(f"{batch:>5} | {mode:<15} | {med[mode]:8.1f} | {taus[mode]:>5} | {statistics.median(ratios):.2f}x"
                   + (f" (per repeat {', '.join(f'{r:.2f}' for r in ratios)})" if a.repeat > 1 and mode != "off" else "")
@@ -103,8 +117,8 @@ def profile_steps(a, prompt: list[int]) -> None:
     from glm53.support.kernel_profile import kernel_table, print_table, profile
 
     for block in [None] + a.block:
-        sched = scheduler(a.model, None if block is None else a.draft, "cuda", block, max_running=max(a.batch),
-                          context=a.context, dtype=a.dtype)
+        sched = scheduler(a.model, None if block is None else a.draft[0], "cuda", block, max_running=max(a.batch),
+                          context=a.context, dtype=a.dtype, threshold=a.threshold)
         try:
             decode_run(sched, [prompt], 8)  # warm-up
             runs = []

@@ -69,3 +69,27 @@ def held_file_prompts(tdir, n: int, length: int) -> list[list[int]]:
         if len(out) == n:
             break
     return out
+
+
+def package_prompts(tdir, package: str, n: int, length: int) -> list[list[int]]:
+    """`length` tokens from the middle of the first `n` source files (sorted by path) of the
+    installed third-party `package` that have 2·`length` tokens: code neither the embedded
+    target nor its drafts trained on (they trained on the standard library, site-packages
+    excluded), for held-out speed and τ."""
+    import importlib.util
+
+    from tokenizers import Tokenizer
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"{package!r} is not an installed package")
+    tok = Tokenizer.from_file(str(Path(tdir) / "tokenizer.json"))
+    out = []
+    for f in sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.py")):
+        ids = tok.encode(f.read_text(encoding="utf-8", errors="replace")).ids
+        if len(ids) >= 2 * length:
+            mid = (len(ids) - length) // 2
+            out.append(ids[mid: mid + length])
+        if len(out) == n:
+            return out
+    raise ValueError(f"{package}: fewer than {n} files of {2 * length} tokens")

@@ -6,6 +6,7 @@ benchmarks/dflash.py, tools/eval_dflash.py and tests/models/test_gpu_spec_graphs
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -20,10 +21,13 @@ from glm53.support.ports import free_ports
 
 
 def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | None, graphs: bool = True,
-              max_running: int = 64, dtype: str = "float32", context: int | None = None) -> DecodeScheduler:
+              max_running: int = 64, dtype: str = "float32", context: int | None = None,
+              threshold: float = 0.0) -> DecodeScheduler:
     """A decode scheduler on one in-process rank (no prefill instance is started). On CUDA it
     captures its decode graphs (with a draft: of the DFlash step) for batches up to
-    `max_running` and requests up to `context` tokens (None: the model's) unless `graphs` is False."""
+    `max_running` and requests up to `context` tokens (None: the model's) unless `graphs` is False.
+    The algorithm follows the draft: DSPARK for one with a Markov head (cutting its blocks at
+    confidence `threshold`), else DFLASH."""
     ports = free_ports(4)
     raw = {
         "model": {"path": str(model_dir), **({"context_length": context} if context else {})},
@@ -36,21 +40,32 @@ def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | Non
     if device == "cuda":
         raw["prefill"][0]["devices"] = [1]  # never started here; the config wants distinct GPUs
     if draft is not None:
-        raw["speculative"] = {"algorithm": "DFLASH", "draft_model_path": str(draft), "num_draft_tokens": block}
+        from glm53.models import GlmConfig, draft_config
+
+        algo = draft_config(draft, GlmConfig.from_dir(model_dir)).algorithm
+        raw["speculative"] = {"algorithm": algo, "draft_model_path": str(draft), "num_draft_tokens": block,
+                              **({"dspark_confidence_threshold": threshold} if threshold else {})}
     cfg = parse_config(raw)
     return DecodeScheduler(cfg, cfg.decode[0])
 
 
 def decode_run(sched: DecodeScheduler, prompts: list[list[int]], new: int,
-               clock=time.perf_counter) -> tuple[float, int, int, list]:
+               clock=time.perf_counter, params: SamplingParams | None = None,
+               prefill: bool = False) -> tuple[float, int, int, list]:
     """(seconds of decode steps, tokens committed after the first, verify steps, outputs).
     `clock=time.thread_time` counts only this thread's CPU time (on a CPU shared with other
-    jobs, wall time also counts the time the scheduler gave to them)."""
+    jobs, wall time also counts the time the scheduler gave to them). `params`: the requests'
+    sampling (default greedy; max_new_tokens and ignore_eos are set here; a seed is per prompt
+    seed + room). `prefill`: the timed span starts before the prompts' prefill forwards (which,
+    with a draft, also write its context KV): end to end, not decode only."""
     sent = []
     sched.channel.send = lambda _to, ev: sent.append(ev)
+    t_pre = clock()
     for room, p in enumerate(prompts):
-        params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
-        req = GenerateRequest(spec=RequestSpec(f"r{room}", p, params, []), room=room, generation=0,
+        base = params or SamplingParams(temperature=0.0)
+        seed = None if base.seed is None else base.seed + room
+        params_r = dataclasses.replace(base, max_new_tokens=new, ignore_eos=True, seed=seed)
+        req = GenerateRequest(spec=RequestSpec(f"r{room}", p, params_r, []), room=room, generation=0,
                               prefill=PeerInfo("p0", "prefill", "h", 1, 2), decode=PeerInfo("d0", "decode", "h", 3, None),
                               reply_to="tcp://unused:1")
         r = DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched.workers.pages_needed(len(p) + new)))
@@ -58,7 +73,7 @@ def decode_run(sched: DecodeScheduler, prompts: list[list[int]], new: int,
         sched._commit(r, [int(first)], first=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t0 = clock()
+    t0 = t_pre if prefill else clock()
     while sched.running:
         sched._decode()
     if torch.cuda.is_available():

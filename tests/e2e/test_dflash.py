@@ -1,4 +1,4 @@
-"""DFlash across the PD split, through real processes: prefill writes the prompt's draft context
+"""DFlash (and DSpark) across the PD split, through real processes: prefill writes the prompt's draft context
 KV into the `draft_kv` pool and sends it with the target KV; decode drafts and verifies. Greedy
 output with DFlash on equals greedy without it (`glm53-serve generate`), token for token, for
 several block sizes, batch 1 and a ragged concurrent batch, with the draft KV sent or not; the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import shutil
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from glm53.server.embedded_model import ensure_embedded_model
 from glm53.support.cluster import Cluster
 from tests.e2e import structured_checks
 from tests.e2e.served import GREEDY_PROMPTS, offline_greedy, served_greedy, wait_pages_free
+from tests.models.draft_oracle import chain_verify_steps, write_successor_heads
 
 NEW_TOKENS = 20
 
@@ -111,14 +113,45 @@ def test_greedy_equals_non_speculative_other_settings(tmp_path_factory, model_ca
         c.stop()
 
 
-def test_draft_kv_moves_between_mismatched_tp(tmp_path_factory, model_cache, draft_dir, offline):
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
+def test_draft_kv_moves_between_mismatched_tp(tmp_path_factory, model_cache, draft_dir, offline, algorithm):
     """Prefill tp=1 against decode tp=2: the head-sharded draft KV buffer passes bootstrap and
     moves with the target KV, and the output stays exact. (That each rank's shard holds exactly
-    its heads is checked byte for byte in tests/models/test_draft_runner.py.)"""
+    its heads is checked byte for byte in tests/models/test_draft_runner.py.)
+
+    DSPARK: the same draft plus a Markov head that makes every token propose a fixed successor
+    (taken from the target's own greedy outputs, so chains are often right and sometimes wrong)
+    and a confidence head that cuts blocks after some tokens: every request's spec_verify_ct is
+    then known offline, exactly (tests/models/draft_oracle.chain_verify_steps)."""
     spec = {"algorithm": "DFLASH", "draft_model_path": str(draft_dir), "num_draft_tokens": 4}
+    if algorithm == "DSPARK":
+        d = tmp_path_factory.mktemp("dspark") / "draft"
+        shutil.copytree(draft_dir, d)
+        succ, confident = {}, {}
+        for out in offline:
+            for a, b in zip(out, out[1:]):
+                succ.setdefault(a, b)
+        for t in {t for out in offline for t in out}:
+            succ.setdefault(t, offline[0][0])
+            confident[t] = t % 3 != 0
+        vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+        write_successor_heads(d, succ, confident, vocab)
+        spec = {"algorithm": "DSPARK", "draft_model_path": str(d), "dspark_block_size": 6,
+                "dspark_confidence_threshold": 0.5}
     c = Cluster(tmp_path_factory.mktemp("dflash-tp"), model_cache, speculative=spec, decode_tp=2).start()
     try:
-        assert served_greedy(c, GREEDY_PROMPTS, NEW_TOKENS) == offline
+        if algorithm == "DFLASH":
+            assert served_greedy(c, GREEDY_PROMPTS, NEW_TOKENS) == offline
+        for p, want in zip(GREEDY_PROMPTS, offline if algorithm == "DSPARK" else []):
+            r = httpx.post(f"{c.url}/generate", timeout=120, json={"input_ids": p, "sampling_params": {
+                "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+            assert r.status_code == 200, r.text
+            steps = chain_verify_steps(want[0], want, 6, succ, confident)
+            assert r.json()["output_ids"] == want
+            assert r.json()["meta_info"]["spec_verify_ct"] == len(steps), steps
+        if algorithm == "DSPARK":
+            info = httpx.get(f"{c.url}/get_server_info", timeout=10).json()
+            assert info["speculative_algorithm"] == "DSPARK" and info["speculative_num_draft_tokens"] == 6
         wait_pages_free(c)
     finally:
         c.stop()

@@ -1,7 +1,8 @@
 """Pipeline-parallel prefill end to end through real processes: prefill with pp stages (gloo rank
 processes, micro-batches pipelined across stages, each stage sending its own layers' KV to
 decode), decode tp=1; greedy output equals the one-process `glm53-serve generate` token for
-token, with DFlash off and on (the draft's context projected partially on every stage)."""
+token, with DFlash off and on, and with DSpark (the draft's context projected partially on every
+stage)."""
 
 from __future__ import annotations
 
@@ -47,9 +48,21 @@ def runner(target_dir):
     return ModelRunner.from_dir(target_dir, num_pages=64, progress=False)
 
 
-@pytest.mark.parametrize("pp, tp, dflash", [(2, 1, False), (3, 1, True), (2, 2, True)])
-def test_pp_prefill_greedy_equals_offline(tmp_path_factory, model_cache, draft_dir, offline, runner, pp, tp, dflash):
-    spec = {"algorithm": "DFLASH", "draft_model_path": str(draft_dir)} if dflash else None
+@pytest.fixture(scope="module")
+def dspark_dir(tmp_path_factory, target_dir):
+    # The same shape with DSpark's Markov and confidence heads (random: the cut lands anywhere).
+    return write_random_draft(tmp_path_factory.mktemp("dspark"), target_dir, seed=9, n_layers=2, block_size=4,
+                              markov_rank=8, confidence_head=True)
+
+
+@pytest.mark.parametrize("pp, tp, algorithm", [(2, 1, None), (3, 1, "DFLASH"), (2, 2, "DSPARK")])
+def test_pp_prefill_greedy_equals_offline(tmp_path_factory, model_cache, draft_dir, dspark_dir, offline, runner, pp,
+                                          tp, algorithm):
+    spec = None
+    if algorithm == "DFLASH":
+        spec = {"algorithm": "DFLASH", "draft_model_path": str(draft_dir)}
+    elif algorithm == "DSPARK":
+        spec = {"algorithm": "DSPARK", "draft_model_path": str(dspark_dir), "dspark_confidence_threshold": 0.4}
     c = Cluster(tmp_path_factory.mktemp(f"pp{pp}tp{tp}"), model_cache, prefill_pp=pp, prefill_tp=tp,
                 speculative=spec).start()
     try:

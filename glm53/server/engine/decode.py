@@ -25,6 +25,7 @@ is terminal, so no write can land in reused pages.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from glm53.server.engine.scheduler import (Scheduler, TrackedRequest, instance_b
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.engine.logprobs import rows_logprobs, unpack_first
 from glm53.server.engine.overlap import InflightStep, overlappable
-from glm53.server.engine.spec import accept
+from glm53.server.engine.spec import accept, draft_sampling
 from glm53.server.engine.stops import StopStrings, StopText
 from glm53.server.sampling import TokenHistory, sample, step_generator
 from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer, TransferError
@@ -101,12 +102,18 @@ class DecodeScheduler(Scheduler):
         self.stream_interval = inst.engine.stream_interval
         # Tokens a speculative step verifies (the bonus slot included); None: plain decoding.
         self.block_size = self.workers.block_size
-        asked = cluster.speculative.num_draft_tokens
+        asked = cluster.speculative.verify_width
         if self.block_size and asked:
             if asked > self.block_size:
-                raise SystemExit(f"{cluster.source}: speculative.num_draft_tokens={asked} is larger than the "
+                key = "num_draft_tokens" if cluster.speculative.num_draft_tokens else "dspark_block_size"
+                raise SystemExit(f"{cluster.source}: speculative.{key}={asked} is larger than the "
                                  f"draft's block size {self.block_size}")
             self.block_size = asked
+        # Seeds of unseeded sampled requests' drafted blocks (spec.draft_sampling).
+        self.draft_rng = random.Random()
+        # Sampled requests draft by sampling the draft's q (lossless and more accepted than its
+        # argmax); False proposes the argmax instead (benchmarks/sampled_drafting.py compares them).
+        self.sampled_drafting = True
         self.waiting: deque[DecodeRequest] = deque()  # no pages yet
         self.receiving: list[DecodeRequest] = []  # pages held, KV in flight
         self.running: list[DecodeRequest] = []  # adopted, decoding
@@ -335,15 +342,18 @@ class DecodeScheduler(Scheduler):
             # positions stay inside the pages allocated for prompt + max_new_tokens.
             n = min(self.block_size, r.params.max_new_tokens - len(r.output))
             blocks.append(DraftBlock(last_token=r.output[-1], start_pos=committed - 1, page_table=r.pages,
-                                     ctx_start=r.ctx_start, block_size=n))
+                                     ctx_start=r.ctx_start, block_size=n,
+                                     sampling=draft_sampling(r.params, len(r.output), r.index, self.draft_rng)
+                                     if self.sampled_drafting else None))
         out = self.workers.spec_step(blocks)
         greedy = out.greedy or [None] * len(batch)
+        probs = out.probs or [None] * len(batch)
         n_out = 0
-        for r, d, lg, am in zip(batch, out.drafts, out.logits, greedy):
+        for r, d, lg, am, q in zip(batch, out.drafts, out.logits, greedy, probs):
             # Structured output masks the verify rows; logprobs stay those of the raw logits.
             masked = mask_block(r.constraint, d, lg) if r.constraint is not None else lg
             toks = accept(d, masked, r.params, first_step=len(r.output), history=r.history(lg.device),
-                          choice=r.index, argmax=am if r.constraint is None else None)
+                          choice=r.index, argmax=am if r.constraint is None else None, q=q)
             # The target's logprobs of the accepted tokens: verify row i produced token i.
             lp = self._logprobs([r], [lg], [toks])[0]
             n_out += self._commit(r, toks, *(lp or (None, None)), verified=True)
