@@ -13,9 +13,12 @@ Layout (every key optional except the pools):
     transfer:  {backend, bootstrap_timeout_s, transfer_timeout_s}
     speculative: {algorithm, draft_model_path, num_draft_tokens, draft_kv_transfer, dspark_block_size,
                   dspark_confidence_threshold}
-    defaults:  any instance key below except name/host/port/bootstrap_port
+    defaults:  any instance key below except name/host/port/bootstrap_port/nodes/dist_init_addr
     prefill:   [ {name, host, port, bootstrap_port, devices, tp, pp, ep, <engine knobs>}, ... ]
     decode:    [ ... same, without bootstrap_port ... ]
+
+An instance across nodes lists `nodes: [{host, devices}, ...]` (node-rank order; node 0 is its
+host) and `dist_init_addr: HOST:PORT` instead of `host` and `devices` (server/nodes.py).
 
 Each instance inherits `defaults` and overrides it key by key; `InstanceConfig` is the merged,
 validated result that an instance process receives.
