@@ -1,6 +1,8 @@
 """Tensor parallelism end to end through real processes: prefill and decode instances with
 different TP sizes (gloo rank processes, KV moved over UCX between mismatched shards), checked
-token for token against the one-process `glm53-serve generate`; and a rank killed mid-request."""
+token for token against the one-process `glm53-serve generate`; expert parallelism on one side
+(tp = ep = 2: each rank holds half the experts, tokens move by all-to-all) with tp = 1 on the other;
+and a rank killed mid-request."""
 
 from __future__ import annotations
 
@@ -29,10 +31,15 @@ def offline(model_cache):
     return offline_greedy(ensure_embedded_model(model_cache), GREEDY_PROMPTS, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (2, 2)])
-def test_tp_mismatched_pd_greedy_equals_offline(tmp_path_factory, model_cache, offline, prefill_tp, decode_tp):
-    c = Cluster(tmp_path_factory.mktemp(f"tp{prefill_tp}{decode_tp}"), model_cache,
-                prefill_tp=prefill_tp, decode_tp=decode_tp).start()
+# (prefill tp, ep), (decode tp, ep). EP does not change the KV layout (the latent and indexer
+# caches are replicated), so the mismatched-TP transfers stay covered with ep on one side: the
+# tp 2 / ep 1 ranks are the (2, 1) -> (2, 1) case's.
+@pytest.mark.parametrize("prefill, decode", [((2, 2), (1, 1)), ((1, 1), (2, 2)), ((2, 1), (2, 1))],
+                         ids=["p-tp2ep2-d-tp1", "p-tp1-d-tp2ep2", "p-tp2-d-tp2"])
+def test_tp_mismatched_pd_greedy_equals_offline(tmp_path_factory, model_cache, offline, prefill, decode):
+    (prefill_tp, prefill_ep), (decode_tp, decode_ep) = prefill, decode
+    c = Cluster(tmp_path_factory.mktemp(f"tp{prefill_tp}{decode_tp}"), model_cache, prefill_tp=prefill_tp,
+                decode_tp=decode_tp, prefill_ep=prefill_ep, decode_ep=decode_ep).start()
     try:
         assert served_greedy(c, GREEDY_PROMPTS, NEW_TOKENS) == offline
         # n = 2 on the same prefill (decode copies the prompt's pages on every rank) and prompt
