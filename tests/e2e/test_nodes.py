@@ -91,8 +91,7 @@ def test_pp_stages_on_two_nodes_serve_fail_and_rejoin(tmp_path_factory, model_ca
         msg = r.json()["error"]["message"]
         assert "lost a rank" in msg and f"node 1 at {NODE1}" in msg, msg
         assert time.monotonic() - t_kill < 10
-        # Every pool on node 0 is whole again, and the router reports prefill down.
-        wait_pages_free(c)
+        # The router reports prefill down, and prefill's pools on node 0 are whole at once.
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and httpx.get(f"{c.url}/health", timeout=10).status_code != 503:
             time.sleep(0.2)
@@ -101,9 +100,16 @@ def test_pp_stages_on_two_nodes_serve_fail_and_rejoin(tmp_path_factory, model_ca
         refused = httpx.post(f"{c.url}/generate", timeout=30, json={
             "input_ids": GREEDY_PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})
         assert refused.status_code == 503, refused.text
+        deadline = time.monotonic() + 3  # a few pongs
+        while time.monotonic() < deadline and c.kv_tokens_in_use()["p0"] != 0:
+            time.sleep(0.2)
+        assert c.kv_tokens_in_use()["p0"] == 0
 
-        # Node 1 comes back: its stage joins a new group and the instance serves again.
-        node1 = NodeUp(c, 1, workdir / "node1.log").launch().wait_ready()
+        # Node 1 comes back (booting while decode's room waits out its dead peer: then every
+        # pool is whole); its stage joins a new group and the instance serves again.
+        node1 = NodeUp(c, 1, workdir / "node1.log").launch()
+        wait_pages_free(c)
+        node1.wait_ready()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and httpx.get(f"{c.url}/health", timeout=10).status_code != 200:
             time.sleep(0.2)
