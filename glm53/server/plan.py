@@ -43,6 +43,7 @@ class Layout:
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert groups of the TP group (models/expert_parallel.py): each holds E / ep experts
     dtype: str = "auto"  # "auto": the checkpoint's dtype, block-FP8 weights kept FP8
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8_e4m3": the FP8 KV layouts
     gpu_bytes: int = H200_BYTES
@@ -105,7 +106,7 @@ class Plan:
 
     def lines(self) -> list[str]:
         lay = self.layout
-        out = [f"layout: tp={lay.tp} pp={lay.pp} dtype={lay.dtype} kv_cache_dtype={lay.kv_cache_dtype}; "
+        out = [f"layout: tp={lay.tp} pp={lay.pp} ep={lay.ep} dtype={lay.dtype} kv_cache_dtype={lay.kv_cache_dtype}; "
                f"GPU {_gib(lay.gpu_bytes)}, mem_fraction_static {lay.mem_fraction_static:g} "
                f"({_gib(lay.gpu_bytes * lay.mem_fraction_static)} for weights and KV)"]
         for k, s in enumerate(self.stages):
@@ -151,7 +152,9 @@ def activation_bytes(cfg: GlmConfig, lay: Layout, context: int, tp: int, block: 
     width = 2  # bf16 activations
     scores = c * context * 4
     hidden = 8 * c * cfg.hidden_size * 4
-    moe = c * cfg.num_experts_per_tok * (2 * cfg.moe_intermediate_size // tp + cfg.hidden_size) * width
+    # routed rows through gate/up (the width a rank holds: tp / ep ranks split an expert) and down;
+    # under EP a rank's rows are its experts' share of every rank's tokens, about as many
+    moe = c * cfg.num_experts_per_tok * (2 * cfg.moe_intermediate_size * lay.ep // tp + cfg.hidden_size) * width
     logits = lay.max_running_requests * block * cfg.vocab_size * 4
     return scores + hidden + moe + logits + FIXED_RESERVE_BYTES
 
@@ -181,9 +184,9 @@ def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
         try:
             fp8 = fp8_param_names(cfg, checkpoint_files(model_dir))
         except ValueError:
-            check_tp(cfg, lay.tp)
+            check_tp(cfg, lay.tp, ep=lay.ep)
             with torch.device("meta"):
-                whole = GlmForCausalLM(cfg, dtype=dtype, tp=tp)
+                whole = GlmForCausalLM(cfg, dtype=dtype, tp=tp, ep=lay.ep)
             fp8 = glm5_fp8_param_names(cfg, whole)
 
     budget = lay.gpu_bytes * lay.mem_fraction_static
@@ -193,7 +196,7 @@ def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
     ranges = stage_ranges(cfg.num_hidden_layers, lay.pp)
     for k, layers in enumerate(ranges):
         with torch.device("meta"):
-            model = GlmForCausalLM(cfg, dtype=dtype, layers=layers, tp=tp, fp8=fp8)
+            model = GlmForCausalLM(cfg, dtype=dtype, layers=layers, tp=tp, fp8=fp8, ep=lay.ep)
             draft_bytes = 0
             if draft_cfg is not None and k == len(ranges) - 1:
                 draft_bytes = _nbytes(DFlashDraft(draft_cfg, cfg, dtype=dtype, tp=tp))
@@ -267,7 +270,7 @@ def instance_layout(cluster, inst, gpu_bytes: int) -> Layout:
     others = sum(o.engine.mem_fraction_static for o in cluster.instances
                  if o is not inst and o.host == inst.host and o.engine.device == "cuda" and mine & set(o.devices))
     spec = cluster.speculative
-    return Layout(tp=inst.tp, pp=inst.pp, dtype=eng.dtype, kv_cache_dtype=eng.kv_cache_dtype, gpu_bytes=gpu_bytes,
+    return Layout(tp=inst.tp, pp=inst.pp, ep=inst.ep, dtype=eng.dtype, kv_cache_dtype=eng.kv_cache_dtype, gpu_bytes=gpu_bytes,
                   mem_fraction_static=eng.mem_fraction_static, context_length=cluster.model.context_length,
                   chunked_prefill_size=eng.chunked_prefill_size, max_running_requests=eng.max_running_requests,
                   kv_tokens=kv_tokens, draft_path=spec.draft_model_path if spec.enabled else None,
@@ -277,7 +280,8 @@ def instance_layout(cluster, inst, gpu_bytes: int) -> Layout:
 def plan_cluster(cluster, model_dir: str | Path, gpu_bytes: int | None = None) -> dict[str, Plan]:
     """Every GPU instance's plan, keyed by its config path ("decode[0]"). `gpu_bytes`: the GPU
     to plan for; None: this host's (nvidia-smi, the instance's first device), else an H200."""
-    from glm53.server.config import ROLES
+    from glm53.models.config import ConfigError as ModelConfigError
+    from glm53.server.config import ROLES, ConfigError
 
     plans = {}
     for role in ROLES:
@@ -285,7 +289,10 @@ def plan_cluster(cluster, model_dir: str | Path, gpu_bytes: int | None = None) -
             if inst.engine.device != "cuda":
                 continue  # CPU instances size their KV by num_pages / max_total_tokens / 64K tokens
             g = gpu_bytes or gpu_bytes_here(inst.devices[0] if inst.devices else 0) or H200_BYTES
-            plans[f"{role}[{i}]"] = plan_instance(model_dir, instance_layout(cluster, inst, g))
+            try:
+                plans[f"{role}[{i}]"] = plan_instance(model_dir, instance_layout(cluster, inst, g))
+            except ModelConfigError as e:  # e.g. a tp whose parts cut the FP8 weights' 128-blocks
+                raise ConfigError(cluster.source, f"{role}[{i}].tp", f"{e} (model {model_dir})") from None
     return plans
 
 

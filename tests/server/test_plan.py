@@ -67,6 +67,15 @@ def test_glm5_fp8_fits_tp8_with_200k_fp8_kv_tokens(capsys, glm5_fp8):
     assert 90 * GB < summary["weight_bytes_per_gpu"] < 100 * GB
 
 
+def test_glm5_fp8_expert_parallel_holds_whole_experts(glm5_fp8):
+    # ep = 8 at tp = 8: 32 whole experts per rank instead of 1/8 of all 256: the same bytes
+    tp8 = plan_instance(glm5_fp8, Layout(tp=8, kv_cache_dtype="fp8_e4m3"))
+    ep8 = plan_instance(glm5_fp8, Layout(tp=8, ep=8, kv_cache_dtype="fp8_e4m3"))
+    assert ep8.fits and ep8.weight_bytes_per_gpu == tp8.weight_bytes_per_gpu
+    with pytest.raises(Exception, match="expert_parallel_size"):
+        plan_instance(glm5_fp8, Layout(tp=8, ep=3))
+
+
 def test_dequantized_glm5_does_not_fit_and_names_the_numbers(capsys, glm5_fp8):
     rc, summary, err = _plan_cli(capsys, "--model", str(glm5_fp8), "--tp", "8", "--dtype", "bfloat16",
                                  "--gpu-memory-gb", H200_GB)
@@ -83,15 +92,16 @@ def test_a_reserve_too_small_for_a_step_is_refused(capsys, glm5_fp8):
     assert "reserve outside mem_fraction_static" in err
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_weight_and_kv_bytes_are_what_a_loaded_rank_holds(fp8_checkpoint, tp, pp):
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (2, 1, 2)])
+def test_weight_and_kv_bytes_are_what_a_loaded_rank_holds(fp8_checkpoint, tp, pp, ep):
     """The plan's per-stage figures equal the rank-0 shard the streaming loader really builds."""
     cfg = GlmConfig.from_dir(fp8_checkpoint)
     dtype = DTYPES[cfg.torch_dtype]  # what dtype "auto" runs
-    plan = plan_instance(fp8_checkpoint, Layout(tp=tp, pp=pp, dtype="auto", gpu_bytes=10 * GB))
+    plan = plan_instance(fp8_checkpoint, Layout(tp=tp, pp=pp, ep=ep, dtype="auto", gpu_bytes=10 * GB))
     assert plan.fp8_weights > 0
     for stage, layers in zip(plan.stages, stage_layers(cfg.num_hidden_layers, pp)):
-        model = load_model(fp8_checkpoint, dtype=dtype, layers=layers, tp=TPGroup.for_shapes(tp), progress=False)
+        model = load_model(fp8_checkpoint, dtype=dtype, layers=layers, tp=TPGroup.for_shapes(tp), ep=ep,
+                           progress=False)
         held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         assert stage.weight_bytes == held
         assert any(p.dtype == FP8 for p in model.parameters())
