@@ -9,15 +9,18 @@ from glm53.server.config import ROLES, ClusterConfig, ConfigError
 
 
 def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
-    """The checks that need the model's config.json: every instance's tp must split the model's
-    heads, expert widths and vocabulary evenly, and the DFlash draft (if on) must fit the model
-    and split by every tp too (ConfigError naming the key and the model or draft field)."""
+    """The checks that need the model's config.json: every instance's tp (with its ep expert
+    groups) must split the model's heads, experts, expert widths and vocabulary evenly, and under
+    dtype "auto" each rank's part of a block-FP8 weight must be whole 128-blocks (which weights
+    are FP8: the checkpoint index's names, no weight read); the DFlash draft (if on) must fit the
+    model and split by every tp too (ConfigError naming the key and the model or draft field)."""
     from glm53.models.config import ConfigError as ModelConfigError
     from glm53.models.config import GlmConfig
     from glm53.models.draft_config import DFlashConfig, check_draft_tp
     from glm53.models.parallel import check_tp
 
     model = GlmConfig.from_dir(model_dir)
+    fp8 = _fp8_names(model, model_dir)
     draft = None
     if cfg.speculative.enabled:
         path = cfg.speculative.draft_model_path
@@ -37,11 +40,25 @@ def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
             if inst.engine.kv_cache_dtype == "fp8_e4m3":
                 _check_fp8_kv(cfg, model, f"{role}[{i}].kv_cache_dtype", model_dir)
             try:
-                check_tp(model, inst.tp)
+                check_tp(model, inst.tp, fp8 if inst.engine.dtype == "auto" else (), ep=inst.ep)
                 if draft is not None:
                     check_draft_tp(draft, inst.tp)
             except ModelConfigError as e:
-                raise ConfigError(cfg.source, f"{role}[{i}].tp", f"{e} (model {model_dir})") from None
+                key = "ep" if "expert_parallel_size" in str(e) else "tp"
+                raise ConfigError(cfg.source, f"{role}[{i}].{key}", f"{e} (model {model_dir})") from None
+
+
+def _fp8_names(model, model_dir) -> frozenset[str]:
+    """The parameters a block-FP8 checkpoint stores FP8, from its tensor names (empty when the
+    model is not block-FP8 or its files are not there to read)."""
+    from glm53.models.weights import WeightError, checkpoint_files, fp8_param_names
+
+    if model.quant_method != "fp8":
+        return frozenset()
+    try:
+        return fp8_param_names(model, checkpoint_files(Path(model_dir)))
+    except WeightError:
+        return frozenset()
 
 
 def _check_fp8_kv(cfg: ClusterConfig, model, key: str, model_dir) -> None:

@@ -165,3 +165,21 @@ def test_up_refuses_a_layout_that_cannot_fit_before_starting_anything(capsys, tm
     err = capsys.readouterr().err
     assert "prefill[0]" in err and "does not fit its GPUs" in err and "GiB" in err
     assert "ready" not in err
+
+
+def test_a_tp_that_cuts_fp8_blocks_is_a_config_error_on_any_device(capsys, tmp_path, fp8_checkpoint):
+    # FP8_WIDTHS' routed experts are 256 wide: tp 4 leaves parts of 64, not whole 128-blocks. The
+    # CPU instances are not planned, but the model-fit check reads the FP8 names from the index.
+    def config(dtype: str) -> str:
+        path = tmp_path / f"{dtype}.yaml"
+        path.write_text(yaml.safe_dump({
+            "model": {"path": str(fp8_checkpoint)}, "router": {"port": 0},
+            "defaults": {"device": "cpu", "dtype": dtype},
+            "prefill": [{"name": "p0", "host": "127.0.0.1", "tp": 4}],
+            "decode": [{"name": "d0", "host": "127.0.0.1"}]}))
+        return str(path)
+
+    assert main(["config", "--config", config("auto")]) == 2
+    err = capsys.readouterr().err
+    assert "prefill[0].tp" in err and "128" in err and "bfloat16" in err, err
+    assert main(["config", "--config", config("bfloat16")]) == 0  # dequantized: any split of the width
