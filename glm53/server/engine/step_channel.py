@@ -101,7 +101,7 @@ class ShmLink:
         self.steps = ShmPipe(path, 0, readers, STEP_CAPACITY)
         base = _round_up(pipe_bytes(readers, STEP_CAPACITY))
         stride = _round_up(pipe_bytes(1, ANSWER_CAPACITY))
-        # answers[r - 1]: follower r's; rank 0 maps them all, a follower only its own.
+        # answers[r]: follower r's pipe; rank 0 maps them all, a follower only its own.
         self.answers = {r: ShmPipe(path, base + (r - 1) * stride, 1, ANSWER_CAPACITY)
                         for r in range(1, world) if rank in (0, r)}
 
