@@ -96,14 +96,19 @@ class Cluster:
                 for m in re.finditer(r'^sglang:num_used_tokens\{[^}]*instance="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_session(self.proc)
         self.log.close()
+
+
+def stop_session(proc: subprocess.Popen | None) -> None:
+    """SIGTERM to the process group an `up` started with `start_new_session`, SIGKILL after 30 s."""
+    if proc and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
 class NodeUp:
@@ -157,10 +162,4 @@ class NodeUp:
         return self.log.read()[-8000:]
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_session(self.proc)

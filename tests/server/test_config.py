@@ -1,10 +1,10 @@
 from pathlib import Path
 
 import pytest
-import yaml
 
 from glm53.server.cli import build_parser, overrides_from_args
 from glm53.server.config import ConfigError, load_config, parse_config
+from tests.server.config_files import error, write
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,20 +15,6 @@ def base() -> dict:
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": 40100, "bootstrap_port": 40101}],
         "decode": [{"name": "d0", "host": "127.0.0.1", "port": 40200}],
     }
-
-
-def write(tmp_path, d) -> Path:
-    p = tmp_path / "c.yaml"
-    p.write_text(yaml.safe_dump(d))
-    return p
-
-
-def error(tmp_path, d) -> ConfigError:
-    p = write(tmp_path, d)
-    with pytest.raises(ConfigError) as e:
-        load_config(p)
-    assert str(p) in str(e.value), "the error must name the file"
-    return e.value
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

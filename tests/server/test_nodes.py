@@ -9,7 +9,6 @@ import datetime
 
 import pytest
 import torch.distributed as dist
-import yaml
 
 from glm53.server.cli import build_parser, overrides_from_args
 from glm53.server.cli_nodes import check_instance_flags, node_role
@@ -17,6 +16,7 @@ from glm53.server.config import ConfigError, load_config, parse_config
 from glm53.server.engine.processes import GENERATION_FROM_STORE, GENERATION_KEY, generation_store
 from glm53.server.engine.worker import rank_specs
 from glm53.server.nodes import node_of_rank, node_ranks, parse_host_port, ranks_per_node
+from tests.server.config_files import error, write
 
 H0, H1 = "10.0.0.1", "10.0.0.2"
 
@@ -48,20 +48,6 @@ def two_nodes(**prefill) -> dict:
                      "nodes": [{"host": H0}, {"host": H1}], "dist_init_addr": f"{H0}:29500", **prefill}],
         "decode": [{"name": "d0", "host": H0, "port": 40200}],
     }
-
-
-def write(tmp_path, d):
-    p = tmp_path / "c.yaml"
-    p.write_text(yaml.safe_dump(d))
-    return p
-
-
-def error(tmp_path, d) -> ConfigError:
-    p = write(tmp_path, d)
-    with pytest.raises(ConfigError) as e:
-        load_config(p)
-    assert str(p) in str(e.value)
-    return e.value
 
 
 def test_a_two_node_instance_parses_and_round_trips(tmp_path):
