@@ -30,6 +30,12 @@ what the target would emit from there: such sequences are exact DFlash training 
 
 Deterministic seeds; the generation rounds and draft steps follow the time budgets (printed), and
 `--gen-rounds/--draft-steps` set to the printed counts repeat the run.
+
+DSpark heads (`--dspark-rank R`): `--init-draft` stays frozen and only DSpark's Markov head (rank
+R) and confidence head are trained on the same generated data (glm53/support/dspark_heads.py);
+OUT/dspark is the draft plus the heads. Held-out τ is the replayed greedy loop with the DSpark
+chain, beside the frozen DFlash draft's on the same sequences, per block size, and with the
+confidence cut at a few thresholds (τ and the drafts verified per step).
 """
 
 from __future__ import annotations
@@ -107,6 +113,65 @@ def train(drafts: dict, data: Data, held: Data, w, a, device, save) -> None:
     log(f"draft: {step} steps in {budget.elapsed():.0f}s")
 
 
+def distill_heads(a, device, data: Data, held: Data, w) -> None:
+    """--dspark-rank: train DSpark's heads on the frozen --init-draft (module doc)."""
+    from glm53.support.dspark_heads import DSparkHeads, block_hidden, heads_loss, replay_tau_dspark, save_dspark
+
+    dcfg = json.loads((a.init_draft / "config.json").read_text())
+    draft = DraftTrainer({**dcfg, "block_size": a.block_size})
+    init_from(draft, a.init_draft)
+    draft.to(device).requires_grad_(False)
+    heads = DSparkHeads(dcfg["vocab_size"], dcfg["hidden_size"], a.dspark_rank).to(device)
+    opt = torch.optim.AdamW(heads.parameters(), lr=a.draft_lr, betas=(0.9, 0.95), weight_decay=a.heads_wd)
+    g = torch.Generator(device=device).manual_seed(3)
+    starts, S, B = data.starts.to(device), data.tokens.shape[1], a.block_size
+    budget = StepBudget(a.draft_steps, a.draft_seconds, "heads")
+
+    def report(tag: str, thresholds=(0.0,)) -> dict:
+        res = {}
+        for b in sorted({4, 8, B}):
+            base, _ = replay_tau_dspark(draft, None, held, w, device, b, a.held_new)
+            row = {"dflash_tau": round(base, 3)}
+            for t in thresholds:
+                tau, per = replay_tau_dspark(draft, heads, held, w, device, b, a.held_new, threshold=t)
+                row[f"dspark_tau@{t}"], row[f"drafts_per_step@{t}"] = round(tau, 3), round(per, 2)
+            res[f"B{b}"] = row
+        log(f"{tag}: " + json.dumps(res))
+        return res
+
+    # The draft is frozen: its block hidden at `--anchors` fixed anchors per sequence is computed
+    # once (bf16), and the heads' steps read it (a step is then the heads alone, not a draft forward).
+    t1 = time.time()
+    all_anchors = sample_anchors(starts[: data.m], a.anchors, S, B, g)
+    hidden = torch.empty(data.m, a.anchors, B - 1, dcfg["hidden_size"], dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        for s0 in range(0, data.m, a.batch):
+            sl = slice(s0, min(s0 + a.batch, data.m))
+            hidden[sl] = block_hidden(draft, data.tokens[sl], draft_feats(data.feats[sl], device), all_anchors[sl],
+                                      w[0]).to(torch.bfloat16)
+    log(f"frozen draft's block hidden: {data.m} sequences x {a.anchors} anchors in {time.time() - t1:.0f}s")
+    step = 0
+    while step < budget.total:
+        budget.tick(step)
+        lr = lr_at(step, budget.total, a.draft_lr, 30)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        idx = torch.randint(0, data.m, (a.heads_batch,), generator=g, device=device)
+        x, anchors, h = data.tokens[idx], all_anchors[idx], hidden[idx].float()
+        ce, bce, acc = heads_loss(heads, h, w[1], x, anchors, B)
+        (ce + bce).backward()
+        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 200 == 0 or step == budget.total - 1:
+            log(f"heads step {step:5d} markov ce {ce.item():.3f} confidence bce {bce.item():.3f} "
+                f"accepted {acc.item():.2f} {budget.elapsed():.0f}s")
+        step += 1
+    log(f"heads: {step} steps in {budget.elapsed():.0f}s")
+    save_dspark(a.init_draft, heads, a.out / "dspark")
+    log("results " + json.dumps(report("held-out after", (0.0, 0.1, 0.2, 0.3))))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", type=Path, required=True)
@@ -130,7 +195,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=96)
     ap.add_argument("--anchors", type=int, default=48)
     ap.add_argument("--corpus", type=Path, help="a Python standard library source tree (default: this Python's)")
+    ap.add_argument("--dspark-rank", type=int, default=0,
+                    help="train DSpark's Markov (this rank) and confidence heads on the frozen --init-draft")
+    ap.add_argument("--heads-batch", type=int, default=32, help="sequences per heads step (all their anchors)")
+    ap.add_argument("--heads-wd", type=float, default=0.01)
     a = ap.parse_args()
+    if a.dspark_rank and a.init_draft is None:
+        raise SystemExit("--dspark-rank trains heads on a frozen draft: give it with --init-draft")
     if a.corpus:
         os.environ["GLM53_CORPUS"] = str(a.corpus)
     if a.block_size not in a.blocks or max(a.blocks) > a.block_size:
@@ -141,7 +212,7 @@ def main() -> None:
     t0 = time.time()
     from glm53.models import ModelRunner
 
-    dcfg = draft_config(a.target)
+    dcfg = json.loads((a.init_draft / "config.json").read_text()) if a.dspark_rank else draft_config(a.target)
     ids = dcfg["dflash_config"]["target_layer_ids"]
     width = len(ids) * dcfg["hidden_size"]
     train_s, held_s = corpus_streams(a.target)
@@ -170,6 +241,10 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = True
+    if a.dspark_rank:
+        distill_heads(a, device, data, held, w)
+        log(f"total {time.time() - t0:.0f}s")
+        return
     assert dcfg["intermediate_size"] == DRAFT_DIMS["intermediate_size"]
     drafts, cfgs = {}, {}
     for L in a.layers:

@@ -44,7 +44,7 @@ def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | Non
 
         algo = draft_config(draft, GlmConfig.from_dir(model_dir)).algorithm
         raw["speculative"] = {"algorithm": algo, "draft_model_path": str(draft), "num_draft_tokens": block,
-                              **({"dspark_confidence_threshold": threshold} if threshold else {})}
+                              **({"dspark_confidence_threshold": threshold} if threshold and algo == "DSPARK" else {})}
     cfg = parse_config(raw)
     return DecodeScheduler(cfg, cfg.decode[0])
 

@@ -97,7 +97,8 @@ class DraftTrainer(nn.Module):
 
     def forward(self, ids, feats, anchors, embed, lm_head):
         """ids [R, S] tokens, feats [R, S, K·H] the target's features, anchors [R, N] (each
-        in [0, S − B]). Returns logits [R, N, B − 1, V] of block positions 1 .. B − 1."""
+        in [0, S − B]). Returns logits [R, N, B − 1, V] of block positions 1 .. B − 1 (`lm_head`
+        None: their final-normed hidden [R, N, B − 1, H], what DSpark's confidence head reads)."""
         R, S = ids.shape
         N, B, H = anchors.shape[1], self.B, self.h
         dev = ids.device
@@ -130,7 +131,7 @@ class DraftTrainer(nn.Module):
             x = x + at.o_proj(o.transpose(1, 2).reshape(R, N * B, self.heads * self.hd))
             x = x + layer.mlp(_rms(x, layer.post_attention_layernorm.weight, self.eps))
         hN = _rms(x, self.norm.weight, self.eps).view(R, N, B, H)[:, :, 1:]
-        return F.linear(hN, lm_head)
+        return hN if lm_head is None else F.linear(hN, lm_head)
 
 
 def _rope_b(x, cos, sin):
