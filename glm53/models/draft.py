@@ -293,7 +293,8 @@ class DFlashDraft(nn.Module):
         return (choice.tokens, logits) if return_logits else choice.tokens
 
     @torch.inference_mode()
-    def draft_block(self, target: nn.Module, blocks: list[DraftBlock], pools: KVPools) -> tuple[BlockChoice, torch.Tensor]:
+    def draft_block(self, target: nn.Module, blocks: list[DraftBlock],
+                    pools: KVPools) -> tuple[BlockChoice, torch.Tensor]:
         """The blocks' proposals (`BlockChoice`: tokens [R, B − 1], the confidence cut's `keep`,
         and q of the sampled rows) and the draft's fp32 logits [R, B − 1, vocab]. Block position
         i's proposal: DFlash, the argmax of its logits (a proposal equal to mask_token_id is

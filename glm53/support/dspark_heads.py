@@ -24,7 +24,7 @@ from torch import nn
 
 from glm53.support.distill_data import Data
 from glm53.support.draft_trainer import DRAFT_GAMMA, DraftTrainer
-from glm53.support.draft_distill import draft_feats, sample_anchors
+from glm53.support.draft_distill import draft_feats
 
 
 class DSparkHeads(nn.Module):

@@ -111,7 +111,8 @@ class RefDraft:
             e = w1[prev]
             tok = int(torch.argmax(logits[i] + w2 @ e))
             if "confidence_head.proj.weight" in self.w:
-                z = torch.cat([hidden[i], e]) @ self.w["confidence_head.proj.weight"][0] + self.w["confidence_head.proj.bias"][0]
+                proj = self.w["confidence_head.proj.weight"][0]
+                z = torch.cat([hidden[i], e]) @ proj + self.w["confidence_head.proj.bias"][0]
                 self.confidences.append(1 / (1 + math.exp(-float(z))))
                 if threshold > 0 and not cut and self.confidences[-1] < threshold:
                     keep, cut = i, True

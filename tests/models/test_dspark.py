@@ -85,7 +85,8 @@ def _blocks_over_context(draft, pools, block, g):
     pages = [alloc.alloc(-(-(n + block) // PAGE)) for n in written]
     feats = [{i: torch.randn(n, 64, generator=g) for i in IDS} for n in written]
     positions = torch.cat([torch.arange(n) for n in written])
-    slots = torch.cat([torch.tensor([pg[p // PAGE] * PAGE + p % PAGE for p in range(n)]) for n, pg in zip(written, pages)])
+    slots = torch.cat([torch.tensor([pg[p // PAGE] * PAGE + p % PAGE for p in range(n)])
+                       for n, pg in zip(written, pages)])
     draft.write_context(draft.context(draft.partial_projection({i: torch.cat([f[i] for f in feats]) for i in IDS})),
                         positions, slots, pools)
     last = torch.randint(0, V, (3,), generator=g).tolist()
