@@ -16,7 +16,8 @@ def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
     model and split by every tp too (ConfigError naming the key and the model or draft field)."""
     from glm53.models.config import ConfigError as ModelConfigError
     from glm53.models.config import GlmConfig
-    from glm53.models.draft_config import DFlashConfig, check_draft_tp
+    from glm53.models.draft_config import check_draft_tp
+    from glm53.models.draft_weights import draft_config
     from glm53.models.parallel import check_tp
 
     model = GlmConfig.from_dir(model_dir)
@@ -24,14 +25,11 @@ def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
     draft = None
     if cfg.speculative.enabled:
         path = cfg.speculative.draft_model_path
-        try:
-            draft = DFlashConfig.from_dir(path, model)
-        except (ModelConfigError, OSError) as e:
+        try:  # config.json and the heads' tensor names and shapes: no weight is read
+            draft = draft_config(path, model)
+        except (ModelConfigError, OSError, ValueError) as e:
             raise ConfigError(cfg.source, "speculative.draft_model_path", f"{path}: {e}") from None
-        n = cfg.speculative.num_draft_tokens
-        if n is not None and n > draft.block_size:
-            raise ConfigError(cfg.source, "speculative.num_draft_tokens",
-                              f"{n} is larger than the draft's block size {draft.block_size}")
+        _check_draft_family(cfg, draft, path)
     for role in ROLES:
         for i, inst in enumerate(cfg.pool(role)):
             if inst.pp > model.num_hidden_layers:
@@ -46,6 +44,24 @@ def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
             except ModelConfigError as e:
                 key = "ep" if "expert_parallel_size" in str(e) else "tp"
                 raise ConfigError(cfg.source, f"{role}[{i}].{key}", f"{e} (model {model_dir})") from None
+
+
+def _check_draft_family(cfg: ClusterConfig, draft, path) -> None:
+    """The algorithm asked for against the draft's checkpoint (a DSpark draft carries a Markov
+    head), the verify width against its block, a confidence cut against its confidence head."""
+    spec = cfg.speculative
+    if draft.algorithm != spec.algorithm:
+        why = " (no markov_head.* tensors)" if draft.algorithm == "DFLASH" else "; use algorithm DSPARK"
+        raise ConfigError(cfg.source, "speculative.algorithm",
+                          f"{spec.algorithm}: {path} is a {draft.algorithm} draft{why}")
+    key = "dspark_block_size" if spec.algorithm == "DSPARK" and spec.dspark_block_size is not None \
+        else "num_draft_tokens"
+    n = spec.verify_width
+    if n is not None and n > draft.block_size:
+        raise ConfigError(cfg.source, f"speculative.{key}", f"{n} is larger than the draft's block size {draft.block_size}")
+    if spec.dspark_confidence_threshold > 0 and not draft.confidence_head:
+        raise ConfigError(cfg.source, "speculative.dspark_confidence_threshold",
+                          f"{spec.dspark_confidence_threshold}: {path} has no confidence head (confidence_head.proj.*)")
 
 
 def _fp8_names(model, model_dir) -> frozenset[str]:

@@ -499,3 +499,32 @@ def test_dspark_keys_and_flags(tmp_path):
                                       "--speculative-dspark-confidence-threshold", "0.25"])
     spec = load_config(p, overrides_from_args(args)).speculative
     assert (spec.algorithm, spec.verify_width, spec.dspark_confidence_threshold) == ("DSPARK", 5, 0.25)
+
+
+def test_draft_family_is_checked_against_the_checkpoint_before_start(tmp_path, capsys):
+    # model_fit reads the draft's config.json and its heads' tensor names: the algorithm asked for,
+    # the verify width and a confidence cut are refused at config time, naming the key
+    from glm53.server.cli import main
+
+    assets = ROOT / "assets"
+
+    def config(**spec) -> str:
+        d = {"model": {"path": str(assets / "tiny-glm5")}, "router": {"port": 0},
+             "prefill": [{"name": "p0", "host": "127.0.0.1"}], "decode": [{"name": "d0", "host": "127.0.0.1"}],
+             "speculative": spec}
+        return str(write(tmp_path, d))
+
+    dflash, dspark = str(assets / "tiny-glm5-dflash"), str(assets / "tiny-glm5-dspark")
+    assert main(["config", "--config", config(algorithm="DSPARK", draft_model_path=dspark,
+                                              dspark_confidence_threshold=0.2)]) == 0
+    assert main(["config", "--config", config(algorithm="DFLASH", draft_model_path=dflash)]) == 0
+    capsys.readouterr()
+    for spec, key in ((dict(algorithm="DSPARK", draft_model_path=dflash), "speculative.algorithm"),
+                      (dict(algorithm="DFLASH", draft_model_path=dspark), "speculative.algorithm"),
+                      (dict(algorithm="DSPARK", draft_model_path=dspark, dspark_block_size=17),
+                       "speculative.dspark_block_size"),
+                      (dict(algorithm="DFLASH", draft_model_path=dflash, num_draft_tokens=17),
+                       "speculative.num_draft_tokens")):
+        assert main(["config", "--config", config(**spec)]) == 2, spec
+        err = capsys.readouterr().err
+        assert f": {key}: " in err and len(err.strip().splitlines()) == 1, (spec, err)
