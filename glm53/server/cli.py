@@ -45,7 +45,7 @@ from glm53.server.cli_nodes import (NodePart, add_instance_flags, add_up_flags, 
                                     instance_overrides, node_role)
 from glm53.server.config import ClusterConfig, ConfigError, InstanceConfig, load_config, parse_config
 from glm53.server.model_fit import check_model_fit
-from glm53.server.plan import GB, Layout, check_cluster_fits, plan_cluster, plan_instance, render
+from glm53.server.plan import check_cluster_fits
 from glm53.server.supervisor import Event, RestartPolicy, RunDir, Supervisor
 
 log = logging.getLogger("glm53.serve")
@@ -275,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(resolve(args).raw, sort_keys=False), end="")
             return 0
         if args.command == "plan":
-            return cmd_plan(args)
+            from glm53.server.cli_plan import cmd_plan
+
+            return cmd_plan(args, resolve)
         if args.command == "router":
             cfg, _ = _load(args)
             from glm53.server.router.app import main as router_main
@@ -308,52 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 2
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    """`plan`: with --config, every GPU instance of the YAML (flags override it as for `up`);
-    else one instance of the --model with the flags' layout. The last line is one JSON object;
-    exit 0 when everything fits, 1 otherwise (after one sentence naming the numbers)."""
-    gpu = int(args.gpu_memory_gb * GB) if args.gpu_memory_gb else None
-    if args.config:
-        res = resolve(args, check_fit=False)
-        plans = plan_cluster(res.cfg, res.model_dir, gpu)
-        if not plans:
-            raise ConfigError(res.cfg.source, "defaults.device", "no instance runs on a GPU: nothing to plan")
-        for key, plan in plans.items():
-            print(f"{key}:")
-            print("\n".join("  " + line for line in plan.lines()))
-        summary = {"fits": all(p.fits for p in plans.values()),
-                   "weight_bytes_per_gpu": max(p.weight_bytes_per_gpu for p in plans.values()),
-                   "kv_bytes_per_token": max(p.kv_bytes_per_token for p in plans.values()),
-                   "max_kv_tokens": min(p.max_kv_tokens for p in plans.values()),
-                   "instances": {k: p.summary() for k, p in plans.items()}}
-        bad = [f"{k}: {p.reason()}" for k, p in plans.items() if not p.fits]
-        if bad:
-            print(f"glm53-serve plan: does not fit: {'; '.join(bad)}", file=sys.stderr)
-        print(json.dumps(summary))
-        return 0 if summary["fits"] else 1
-    if not args.model:
-        raise ConfigError("<command line>", "--model", "plan needs --model DIR (a directory with config.json) or --config")
-    from glm53.server.plan import H200_BYTES, gpu_bytes_here
-
-    get = lambda k, d: getattr(args, k, None) if getattr(args, k, None) is not None else d  # noqa: E731
-    lay = Layout(tp=get("tp", 1), pp=get("pp", 1), ep=get("ep", 1), dtype=get("dtype", "auto"), kv_cache_dtype=get("kv_cache_dtype", "auto"),
-                 gpu_bytes=gpu or gpu_bytes_here() or H200_BYTES, mem_fraction_static=get("mem_fraction_static", 0.85),
-                 context_length=get("context_length", None), chunked_prefill_size=get("chunked_prefill_size", 8192),
-                 max_running_requests=get("max_running_requests", 64),
-                 draft_path=get("speculative_draft_model_path", None))
-    from glm53.models.config import ConfigError as ModelConfigError
-
-    try:
-        plan = plan_instance(Path(args.model).expanduser(), lay)
-    except ModelConfigError as e:  # a tp that does not split the model, a missing config.json
-        key = "--tp" if "tensor_parallel_size" in str(e) else "--model"
-        raise ConfigError("<command line>", key, f"{args.model}: {e}") from None
-    print(render(plan))
-    if not plan.fits:
-        print(f"glm53-serve plan: does not fit: {plan.reason()}", file=sys.stderr)
-    return 0 if plan.fits else 1
 
 
 def _generate(argv: list[str]) -> int:
