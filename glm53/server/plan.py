@@ -17,6 +17,7 @@ The instance's KV capacity is its tightest stage's (its ranks agree on one page 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,12 +138,6 @@ def _nbytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def stage_ranges(num_layers: int, pp: int) -> list[range]:
-    from glm53.server.engine.worker import stage_layers
-
-    return stage_layers(num_layers, pp)
-
-
 def activation_bytes(cfg: GlmConfig, lay: Layout, context: int, tp: int, block: int) -> int:
     """An estimate of the most a step allocates beyond weights and KV: a prefill chunk's indexer
     scores (fp32, chunk × context), its residual stream and layer outputs (8 fp32 rows of the
@@ -167,6 +162,7 @@ def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
     from glm53.models.model import GlmForCausalLM
     from glm53.models.parallel import check_tp
     from glm53.models.weights import checkpoint_files, fp8_param_names, glm5_fp8_param_names
+    from glm53.server.engine.worker import stage_layers
 
     model_dir = Path(model_dir)
     cfg = GlmConfig.from_dir(model_dir)
@@ -174,7 +170,7 @@ def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
     kv_dtype = FP8 if lay.kv_cache_dtype == _KV_FP8 else dtype
     tp = TPGroup.for_shapes(lay.tp)
     context = min(lay.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    lay = Layout(**{**lay.__dict__, "context_length": context})
+    lay = dataclasses.replace(lay, context_length=context)
     draft_cfg = DFlashConfig.from_dir(lay.draft_path, cfg) if lay.draft_path else None
 
     fp8: frozenset[str] = frozenset()
@@ -193,7 +189,7 @@ def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
     stages: list[StagePlan] = []
     fp8_held = 0
     problems: list[str] = []
-    ranges = stage_ranges(cfg.num_hidden_layers, lay.pp)
+    ranges = stage_layers(cfg.num_hidden_layers, lay.pp)
     for k, layers in enumerate(ranges):
         with torch.device("meta"):
             model = GlmForCausalLM(cfg, dtype=dtype, layers=layers, tp=tp, fp8=fp8, ep=lay.ep)
