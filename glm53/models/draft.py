@@ -57,6 +57,7 @@ class DraftBlock:
     ctx_start: int = 0
     block_size: int | None = None
     sampling: DraftSampling | None = None  # None: propose the draft's argmax
+    key: int | None = None  # the request (choice) across steps: the MTP draft keeps per-request state
 
 
 @dataclass(frozen=True)

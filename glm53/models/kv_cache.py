@@ -27,6 +27,7 @@ The allocator belongs to whoever schedules requests (the instance); ranks only o
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -210,6 +211,16 @@ class KVPools:
         pool = Pool(name, layers, per_token, tensor, total_heads)
         self._pools[name] = pool
         return pool
+
+    def attach(self, name: str, pool: Pool) -> Pool:
+        """Registers an existing pool's tensor under `name` too (same page ids: another
+        container's view of it, e.g. the MTP layer addressing its pools by the target's names)."""
+        if name in self._pools:
+            raise ValueError(f"pool {name!r} is already registered")
+        if pool.tensor.shape[0] != self.num_pages or pool.tensor.shape[-2 if pool.head_sharded else 2] != self.page_size:
+            raise ValueError(f"pool {pool.name!r} does not have {self.num_pages} pages of {self.page_size} slots")
+        self._pools[name] = dataclasses.replace(pool, name=name)
+        return self._pools[name]
 
     def __getitem__(self, name: str) -> Pool:
         try:

@@ -43,6 +43,8 @@ from glm53.models.graph import DecodeGraphs, GraphConfig
 from glm53.models.spec_graph import SpecGraphs
 from glm53.models.spec_state import SpecOutput
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
+from glm53.models.mtp import NextNDraft
+from glm53.models.mtp_weights import build_nextn
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import TPGroup
 from glm53.models.weights import load_model
@@ -96,8 +98,11 @@ class ModelRunner:
         draft_projection: DraftProjection | None = None,
         graphs: GraphConfig | None = None,
         kv_dtype: torch.dtype | None = None,
+        mtp: NextNDraft | None = None,
     ):
-        """`graphs`: capture CUDA graphs of the decode step (models/graph.py); the pools then
+        """`mtp`: GLM-5's own MTP layer as the draft (models/mtp.py; last stage; its pools are
+        added, every prompt forward writes its KV, and `spec_step` runs its chained step).
+        `graphs`: capture CUDA graphs of the decode step (models/graph.py); the pools then
         get one more page than `num_pages`, the padding page that padded graph rows write, which
         no page allocator over `num_pages` ever hands out. `kv_dtype`: the target KV cache's
         dtype, the model's (None) or `kv_cache.FP8` (the FP8 layouts; the draft's KV keeps the
@@ -130,8 +135,16 @@ class ModelRunner:
                 raise ValueError(f"draft projection ids {list(draft_projection.ids)} are not all within layers {r}")
         if draft is not None:
             draft.add_pools(self.pools)
+        self.mtp = mtp
+        if mtp is not None:
+            if draft is not None or draft_projection is not None or not model.is_last:
+                raise ValueError("the MTP draft runs alone, on the last stage")
+            mtp.add_pools(self.pools)
+            mtp.bind(model.model.embed_tokens if model.is_first else None, model.lm_head)
         self.graphs: DecodeGraphs | None = None
         self.spec_graphs: SpecGraphs | None = None
+        if graphs is not None and mtp is not None:
+            raise ValueError("CUDA graphs of the MTP step are not built: run it eagerly")
         if graphs is not None and draft is not None:
             self.spec_graphs = SpecGraphs(self, graphs, pad_page=num_pages)
         elif graphs is not None:
@@ -160,6 +173,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         fp8: bool = False,
         confidence_threshold: float = 0.0,
+        nextn_steps: int | None = None,
     ) -> "ModelRunner":
         """Loads the stage holding `layers` (the whole model by default) from a checkpoint, straight
         onto `device` (`weights.load_model`); with `tp`, this rank's shard of it (reading only its
@@ -167,7 +181,8 @@ class ModelRunner:
         their scales (the rest in `dtype`); by default they are dequantised to `dtype`. With
         `draft_dir`, also the DFlash or DSpark draft there (its config checked against the target's;
         same dtype and `tp`; a DSpark draft cuts at `confidence_threshold`), on the last stage;
-        a non-last stage gets its `DraftProjection`."""
+        a non-last stage gets its `DraftProjection`. `nextn_steps`: the checkpoint's own MTP layer
+        as the draft, chaining that many proposals per verify (last stage)."""
         cfg = GlmConfig.from_dir(model_dir)
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
@@ -178,9 +193,13 @@ class ModelRunner:
             draft.to(device)
         elif draft_dir is not None:
             projection = load_draft_projection(draft_dir, cfg, model.layer_range, dtype).to(device)
+        mtp = None
+        if nextn_steps is not None and model.is_last:
+            mtp = build_nextn(model_dir, cfg, dtype=dtype, device=device, tp=model.tp, fp8=fp8,
+                              embed=not model.is_first, num_steps=nextn_steps)
         return cls(
             model, num_pages=num_pages, page_size=page_size, device=device, draft=draft, draft_projection=projection,
-            kv_dtype=kv_dtype,
+            kv_dtype=kv_dtype, mtp=mtp,
         )
 
     @property
@@ -255,6 +274,10 @@ class ModelRunner:
     ) -> StageOutput:
         """`forward_stage` on a batch already built (device tensors only: the DFlash graphs
         capture it on their static batch)."""
+        if self.mtp is not None:
+            out = self.model.forward_stage(batch, self.pools, inputs, capture)
+            self._write_mtp(batch, out.hidden)
+            return out
         if self.projection is None:
             return self.model.forward_stage(batch, self.pools, inputs, capture)
         out = self.model.forward_stage(batch, self.pools, inputs, tuple(set(capture) | set(self.draft_ids)))
@@ -275,6 +298,17 @@ class ModelRunner:
         else:
             self.draft.write_context(self.draft.context(acc), batch.positions, batch.out_slots, self.pools)
         return out
+
+    def _write_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+        """The MTP KV of a forward's rows (prompt chunks): each chunk's last row is where the
+        next row's position does not follow or its page table differs."""
+        pos, table = batch.positions, batch.page_table
+        last = torch.ones_like(pos, dtype=torch.bool)
+        if len(pos) > 1:
+            last[:-1] = (pos[1:] != pos[:-1] + 1) | (table[1:] != table[:-1]).any(dim=1)
+        rows = last.nonzero().squeeze(1)
+        hn = self.model.final_norm(hidden)
+        self.mtp.write_prompt(batch, hn, self.model.lm_head(hn[rows]).float(), rows)
 
     def propose(self, blocks: list[DraftBlock], return_logits: bool = False):
         """The draft's proposals [R, B − 1] for `blocks` (see `DFlashDraft.propose`); needs a
@@ -297,6 +331,8 @@ class ModelRunner:
         position. A captured graph runs it when one holds the batch (`SpecGraphs.bucket`
         decides), else it runs eagerly. Every TP rank computes the same proposals (sampled ones
         from the blocks' seeds), so every rank builds the same verify batch."""
+        if self.mtp is not None:
+            return self.mtp.spec_step(self, blocks)
         if self.spec_graphs is not None:
             hit = self.spec_graphs.bucket(blocks)
             if hit is not None:
