@@ -9,6 +9,7 @@ ranks only run what it hands them, so every rank sees the same batch and the sam
 from __future__ import annotations
 
 import abc
+import cProfile
 import logging
 import os
 import signal
@@ -367,9 +368,19 @@ def run_instance(scheduler_cls: type[Scheduler], cluster: ClusterConfig, role: s
     signal.signal(signal.SIGTERM, sched.stop)
     signal.signal(signal.SIGINT, sched.stop)
     t0 = time.monotonic()
+    # GLM53_PROFILE_DIR: profile the serving loop (cProfile) into DIR/<instance>.prof, for
+    # finding host time (benchmarks/served_gap.py reads it); written at a clean shutdown.
+    prof_dir = os.environ.get("GLM53_PROFILE_DIR")
+    prof = cProfile.Profile() if prof_dir else None
     try:
+        if prof is not None:
+            prof.enable()
         sched.serve_forever()
     finally:
+        if prof is not None:
+            prof.disable()
+            os.makedirs(prof_dir, exist_ok=True)
+            prof.dump_stats(os.path.join(prof_dir, f"{inst.name}.prof"))
         sched.close()
         log.info("%s stopped after %.1f s", inst.name, time.monotonic() - t0)
     return 0

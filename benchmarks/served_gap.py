@@ -1,0 +1,154 @@
+"""Where the served path loses to the engine's own loop (issue 33, item 4): in one run, the decode
+scheduler's loop on one in-process rank (`glm53.support.decode_loop`, no router, no prefill
+instance) and the whole PD pipeline (router, prefill, NIXL transfer, decode) on the same prompts,
+N requests at once, greedy, plain decoding (or `--draft`).
+
+    PYTHONPATH=. python benchmarks/served_gap.py [--device cpu|cuda] [--concurrent 16] [--new 128]
+        [--prompt 200] [--draft DIR --block 8] [--profile DIR]
+
+Served requests stream (`/generate`, `stream: true`), so each token's arrival is timed at the
+client. The served figures split the window: `tok/s` = all output tokens / wall time (what
+benchmarks/dflash_pd.py reports); TTFT p50 / max; `decode tok/s` = tokens after each request's
+first / the span from the first request's first token to the last request's last token; ITL p50 /
+p99 = gaps between a request's consecutive tokens. With stream_interval 1 every token is its
+own event, so ITL is the decode step as the client sees it. `--profile DIR`: the prefill and decode
+instances profile their serving loops (cProfile, GLM53_PROFILE_DIR) into DIR, printed at the end.
+
+`--device cuda`: both instances on GPU 0 (one-GPU PD, bf16, CUDA graphs as served), as
+benchmarks/dflash_pd.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+import yaml
+
+from glm53.support.cluster import Cluster
+from glm53.support.corpus import held_file_prompts
+from glm53.support.decode_loop import decode_run, scheduler
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def stream(url: str, ids: list[int], new: int) -> tuple[float, list[float], list[int]]:
+    """(send time, each token's arrival time, the output ids) of one streamed request."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    out: list[int] = []
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            ids_now = ev.get("output_ids") or []
+            now = time.perf_counter()
+            times += [now] * (len(ids_now) - len(out))
+            out = list(ids_now)
+    return t0, times, out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def engine_loop(a, prompts: list[list[int]]) -> tuple[float, list]:
+    sched = scheduler(ASSETS / "tiny-glm5", a.draft, a.device, a.block, graphs=True,
+                      dtype="bfloat16" if a.device == "cuda" else "float32", max_running=max(a.concurrent, 1),
+                      context=1024)
+    decode_run(sched, prompts[:2], 8)  # warm-up
+    secs, toks, _, outs = decode_run(sched, prompts, a.new)
+    del sched
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+    return toks / secs, outs
+
+
+def print_profiles(d: Path, top: int = 25) -> None:
+    """The instances' serving-loop profiles (GLM53_PROFILE_DIR), heaviest first by own time."""
+    deadline = time.monotonic() + 30  # each instance writes its own at shutdown, maybe after `up` exits
+    while len(list(d.glob("*.prof"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for f in sorted(d.glob("*.prof")):
+        print(f"--- {f.stem}: serving loop, top {top} by own time (cProfile) ---")
+        st = pstats.Stats(str(f), stream=sys.stdout)
+        st.sort_stats("tottime").print_stats(top)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--concurrent", type=int, default=16)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=200)
+    ap.add_argument("--draft", type=Path, help="a DFlash/DSpark draft (default: plain decoding)")
+    ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--profile", type=Path, help="profile the instances' serving loops into this directory")
+    a = ap.parse_args()
+    torch.set_grad_enabled(False)
+    if a.device == "cpu":
+        torch.set_num_threads(1)  # as the served ranks run (engine/processes.py): a fair loop
+    prompts = held_file_prompts(ASSETS / "tiny-glm5", a.concurrent, a.prompt)
+    mode = "plain" if a.draft is None else f"{a.draft.name} block {a.block}"
+    print(f"{a.concurrent} requests at once, {a.prompt}-token held-out prompts, {a.new} new tokens, greedy, {mode}, "
+          f"{a.device}")
+
+    loop_rate, loop_outs = engine_loop(a, prompts)
+    print(f"engine loop (decode only, one in-process rank): {loop_rate:.1f} tok/s", flush=True)
+
+    cache = Path(tempfile.mkdtemp(prefix="served-gap-"))
+    spec = None if a.draft is None else {"algorithm": "DFLASH", "draft_model_path": str(a.draft.resolve()),
+                                         "num_draft_tokens": a.block}
+    c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec)
+    c.cfg["defaults"].update(disable_radix_cache=True, chunked_prefill_size=8192)
+    if a.device == "cuda":
+        c.cfg["defaults"].update(device="cuda", dtype="bfloat16")
+        for role in ("prefill", "decode"):
+            c.cfg[role][0].update(devices=[0], mem_fraction_static=0.3)
+    c.config_path.write_text(yaml.safe_dump(c.cfg))
+    if a.profile:
+        c.env["GLM53_PROFILE_DIR"] = str(a.profile)
+    c.start()
+    try:
+        for p in prompts[:2]:
+            stream(c.url, p, 8)  # warm-up
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(a.concurrent) as ex:
+            res = list(ex.map(lambda p: stream(c.url, p, a.new), prompts))
+        wall = time.perf_counter() - t0
+    finally:
+        c.stop()
+
+    toks = sum(len(out) for _, _, out in res)
+    ttft = [ts[0] - sent for sent, ts, _ in res]
+    first, last = min(ts[0] for _, ts, _ in res), max(ts[-1] for _, ts, _ in res)
+    itl = [b - x for _, ts, _ in res for x, b in zip(ts, ts[1:])]
+    after_first = toks - len(res)
+    print(f"served (router + prefill + NIXL + decode): {toks / wall:.1f} tok/s over {wall:.2f} s; "
+          f"TTFT p50 {statistics.median(ttft) * 1e3:.1f} ms, max {max(ttft) * 1e3:.1f} ms; "
+          f"decode {after_first / (last - first):.1f} tok/s from the first first token to the last token; "
+          f"ITL p50 {statistics.median(itl) * 1e3:.2f} ms, p99 {pct(itl, 0.99) * 1e3:.2f} ms")
+    print(f"ratios: engine loop / served tok/s {loop_rate / (toks / wall):.2f}x; engine loop / served decode "
+          f"{loop_rate / (after_first / (last - first)):.2f}x")
+    same = [out for _, _, out in res] == [list(o) for o in loop_outs]
+    print("outputs: served == engine loop" if same else "OUTPUTS DIFFER between the served path and the engine loop")
+    if a.profile:
+        print_profiles(a.profile)
+
+
+if __name__ == "__main__":
+    main()
