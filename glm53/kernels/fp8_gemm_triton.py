@@ -83,7 +83,9 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
     return GemmConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)  # 24 KB a stage
 
 
-@triton.jit
+# M (the tokens) and the split stride (M·N) vary with every batch: not specialized, so the tile
+# config (`default_config`, a few M classes) alone picks the compiled variant (kernels/variants.py).
+@triton.jit(do_not_specialize=["M", "stride_ysplit"])
 def _block_fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr,
     M, N, K, k_per_split,

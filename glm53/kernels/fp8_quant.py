@@ -104,7 +104,7 @@ def _to_e4m3(v, EXACT_RNE: tl.constexpr):
     return v.to(tl.float8e4nv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the rows follow the token count
 def _quant_groups_kernel(
     x_ptr, q_ptr, s_ptr, M, K,
     stride_xm, stride_qm, stride_sm, stride_sg,

@@ -18,10 +18,13 @@ from glm53.kernels.dispatch import use_triton
 
 
 def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, n: int) -> torch.Tensor:
-    """The first `n` token rows of each page-table row: [R, n, ...] from a [pages, page_size, ...] cache."""
+    """The first `n` token rows of each page-table row: [R, n, ...] from a [pages, page_size, ...] cache.
+    Positions past the table (a width rounded up past the last page, kernels/variants.logits_width)
+    read its last page: they lie past every length, so callers mask them."""
     page_size = cache.shape[1]
     pos = torch.arange(n, device=cache.device)
-    pages = page_table.to(torch.long)[:, pos // page_size].clamp_min(0)
+    col = (pos // page_size).clamp_max(page_table.shape[1] - 1)
+    pages = page_table.to(torch.long)[:, col].clamp_min(0)
     return cache[pages, (pos % page_size)[None, :]]
 
 

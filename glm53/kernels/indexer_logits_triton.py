@@ -16,7 +16,9 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
 
 
-@triton.jit
+# The widths vary with every batch (the context, the page-table width): not specialized, so one
+# compiled variant serves every batch (kernels/variants.py).
+@triton.jit(do_not_specialize=["max_len", "stride_ptt", "stride_ot"])
 def _indexer_logits_kernel(
     q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, len_ptr, out_ptr,
     max_len,

@@ -54,7 +54,7 @@ def default_fp8_config(n_pairs: int, n_experts: int, variant: str) -> MoEConfig:
     return MoEConfig(BM=64, BN1=128, BN2=128, BK=128 if variant == "w8a8" else 64, num_warps=8, num_stages=3)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])  # follows the token count
 def _gate_up_fp8_kernel(
     x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, hs_ptr, order_ptr, seg_ptr, cum_ptr,
     n_blocks, H, I, TOPK, UP_ROW0,
@@ -138,7 +138,7 @@ def _gate_up_fp8_kernel(
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _down_fp8_kernel(
     h_ptr, hs_ptr, wd_ptr, sd_ptr, y_ptr, rw_ptr, order_ptr, seg_ptr, cum_ptr,
     n_blocks, H, I,

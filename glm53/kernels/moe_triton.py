@@ -109,7 +109,7 @@ def block_tile(pid, n_blocks, n_cols, seg_ptr, cum_ptr, E: tl.constexpr, BLOCK_E
     return e, nt, pos, pos < seg_hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])  # follows the token count
 def _gate_up_kernel(
     x_ptr, wg_ptr, wu_ptr, h_ptr, order_ptr, seg_ptr, cum_ptr,
     n_blocks, H, I, TOPK,
@@ -158,7 +158,7 @@ def _gate_up_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (n < I)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _down_kernel(
     h_ptr, wd_ptr, y_ptr, rw_ptr, order_ptr, seg_ptr, cum_ptr,
     n_blocks, H, I,

@@ -163,6 +163,11 @@ def _sparse_mla_fp8_kernel(
         _store_tile(row, acc3 * inv, hm, 3, R, TILE, BLOCK_T)
 
 
+def default_block_n(T: int) -> int:
+    """Slots per block for T query tokens (the schedule below; kernels/variants.py asks it)."""
+    return 16 if triton_interpreting() else (64 if T >= 16 else 32)
+
+
 def sparse_mla_fp8_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -202,7 +207,7 @@ def sparse_mla_fp8_triton(
     # query token 17 us at 32-slot blocks against 22 at 64; 64 tokens 175 us at 64-slot blocks and
     # 2 stages against 180-237 for the other schedules tried; 8 warps throughout.
     if block_n is None:
-        block_n = 16 if interp else (64 if T >= 16 else 32)
+        block_n = default_block_n(T)
     if num_warps is None:
         num_warps = 1 if interp else (8 if block_h * BLOCK_R >= 64 * 256 else 4)
     if num_stages is None:

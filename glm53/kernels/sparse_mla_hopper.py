@@ -256,8 +256,12 @@ def hopper_supports(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) 
     shared memory at exactly that width)."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return (q.dtype == torch.bfloat16 and kv_cache.dtype == q.dtype and q.shape[1] % BLOCK_H == 0
-            and kv_lora_rank == 512 and q.shape[2] == 576)
+    return kv_cache.dtype == q.dtype and hopper_shape_ok(q.dtype, q.shape[1], kv_lora_rank, q.shape[2])
+
+
+def hopper_shape_ok(dtype: torch.dtype, heads: int, kv_lora_rank: int, qk_dim: int) -> bool:
+    """`hopper_supports` without the device: the dtype and shapes (kernels/variants.py asks it)."""
+    return dtype == torch.bfloat16 and heads % BLOCK_H == 0 and kv_lora_rank == 512 and qk_dim == 576
 
 
 def sparse_mla_hopper(q, kv_cache, indices, out, part, lse, qk_scale, split_len, R, num_splits, block_n):

@@ -142,7 +142,7 @@ def _sparse_mla_kernel(
             tl.store(out_row + b[None, :], o_b.to(out_ptr.dtype.element_ty), mask=hm[:, None] & bm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT"])  # the split count follows the token count
 def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, NSPLIT, stride_ot, stride_oh,
     H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SP: tl.constexpr, PDL: tl.constexpr,
@@ -172,17 +172,23 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def split_count(T: int, K: int, nhb: int, block_n: int, sms: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(num_splits, split_len) for T tokens x nhb head blocks over K slots on `sms` SMs: by default
+    one wave of programs (measured on the H200 at 2 stages: 2 splits at 64 tokens x 64 heads beat
+    4 or 5), at least one block of slots each. A pure function of the counts (kernels/variants.py
+    enumerates what it gives)."""
+    if num_splits is None:
+        num_splits = max(1, min(sms // (T * nhb), triton.cdiv(K, block_n)))
+    split_len = triton.cdiv(triton.cdiv(max(K, 1), num_splits), block_n) * block_n
+    return max(1, triton.cdiv(K, split_len)), split_len
+
+
 def plan_splits(q: torch.Tensor, out: torch.Tensor, K: int, nhb: int, block_n: int, num_splits: int | None,
                 block_r: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """How the K selected slots are split across programs: (num_splits, split_len, part, lse).
-    By default one wave of programs (measured on the H200 at 2 stages: 2 splits at 64 tokens x
-    64 heads beat 4 or 5), at least one block of slots each. With one split, `part` and `lse` are
-    `out` (never touched)."""
+    """How the K selected slots are split across programs (`split_count`): (num_splits,
+    split_len, part, lse). With one split, `part` and `lse` are `out` (never touched)."""
     T, H = q.shape[:2]
-    if num_splits is None:
-        num_splits = max(1, min(_num_sms(q.device) // (T * nhb), triton.cdiv(K, block_n)))
-    split_len = triton.cdiv(triton.cdiv(max(K, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(K, split_len))
+    num_splits, split_len = split_count(T, K, nhb, block_n, _num_sms(q.device), num_splits)
     if num_splits == 1:
         return 1, split_len, out, out
     part = torch.empty((T, H, num_splits, block_r), dtype=torch.float32, device=q.device)

@@ -32,6 +32,7 @@ from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.sparse_mla import sparse_mla
 from glm53.kernels.topk import dsa_topk_paged
+from glm53.kernels.variants import logits_width
 from glm53.models.config import FULL, SHARED, ConfigError, GlmConfig
 from glm53.models.ep_dispatch import ep_moe
 from glm53.models.expert_parallel import expert_placement
@@ -132,7 +133,8 @@ class Indexer(nn.Module):
         cache = kv.view(INDEX_K, layer)
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
         weights = self.weights_proj(x).float() * scale
-        args = (batch.page_table, batch.context_lens, batch.max_context)
+        # the logits width rounded up (kernels/variants.logits_width): one divisibility class for top-k
+        args = (batch.page_table, batch.context_lens, logits_width(batch.max_context))
         if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
             if self.hadamard is not None:
                 q = (q.float() @ self.hadamard).to(q.dtype)

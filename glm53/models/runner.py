@@ -224,7 +224,8 @@ class ModelRunner:
         ps = self.page_size
         ids, pos, slots, rows = [], [], [], []
         max_pages = max(len(c.page_table) for c in chunks)
-        table = torch.full((len(chunks), max(1, max_pages)), -1, dtype=torch.int32)
+        # width a multiple of 16: the kernels see one class of its row stride (kernels/variants.py)
+        table = torch.full((len(chunks), -(-max(1, max_pages) // 16) * 16), -1, dtype=torch.int32)
         for i, c in enumerate(chunks):
             end = c.start_pos + len(c.token_ids)
             if not c.token_ids:

@@ -21,6 +21,7 @@ from glm53.models.draft_weights import build_draft, draft_config, load_draft_pro
 from glm53.models.graph import GraphConfig
 from glm53.models.kv_cache import FP8
 from glm53.models.spec_state import SpecOutput
+from glm53.models.warmup import warm_up
 from glm53.models.weights import load_model
 from glm53.models.parallel import TPGroup
 from glm53.models.runner import DeviceTokens
@@ -73,6 +74,10 @@ class RankSpec:
     num_draft_tokens: int | None = None  # the verify width of a DFlash step (None: the draft's block)
     draft_algorithm: str = "DFLASH"  # "DSPARK": the draft must carry a Markov head
     confidence_threshold: float = 0.0  # DSPARK: cut blocks below this confidence (0: never)
+    # Start-up warm-up (models/warmup.py, GPU only): the most requests' tokens one forward holds
+    # (prefill: chunked_prefill_size; decode: max_running_requests, times the verify width with a
+    # draft); every Triton variant up to it is compiled before the instance is ready. 0: none.
+    warmup_tokens: int = 0
 
     def same_weights(self, other: "RankSpec") -> bool:
         """Whether a rank built from `other` holds exactly this rank's weights (model, dtype,
@@ -154,7 +159,8 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
                 cuda_graph_max_bs=0 if eng.disable_cuda_graph else min(eng.cuda_graph_max_bs, eng.max_running_requests),
                 context_length=cluster.model.context_length,
                 num_draft_tokens=spec.verify_width if spec.enabled else None,
-                draft_algorithm=spec.algorithm, confidence_threshold=spec.dspark_confidence_threshold))
+                draft_algorithm=spec.algorithm, confidence_threshold=spec.dspark_confidence_threshold,
+                warmup_tokens=eng.chunked_prefill_size if inst.role == "prefill" else eng.max_running_requests))
     return specs
 
 
@@ -250,10 +256,10 @@ class RankWorker:
     def allocate(self, num_pages: int) -> None:
         spec = self.spec
         graphs = None
+        # A graph (and the warm-up) holds the longest request this instance can admit, and no more.
+        longest = min(spec.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings,
+                      num_pages * spec.page_size)
         if spec.graphs:
-            # A graph holds the longest request this instance can admit, and no more.
-            longest = min(spec.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings,
-                          num_pages * spec.page_size)
             block = None
             if self.draft is not None:  # a wider ask is the decode scheduler's error, not the capture's
                 block = min(spec.num_draft_tokens or self.draft.cfg.block_size, self.draft.cfg.block_size)
@@ -261,6 +267,9 @@ class RankWorker:
         self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
                                   draft=self.draft, draft_projection=self.projection, graphs=graphs,
                                   kv_dtype=KV_DTYPES.get(spec.kv_cache_dtype))
+        if spec.warmup_tokens:
+            verify = self.draft.cfg.block_size if self.draft is not None and spec.role == "decode" else 1
+            warm_up(self.runner, spec.warmup_tokens * verify, longest)
         self.transfer = TransferEngine(spec.role, spec.instance, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
                                        pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=spec.transport)
         for name, pool in self.runner.pools:

@@ -1,0 +1,277 @@
+"""Which compiled Triton/Gluon variants a serving instance can reach: pure functions of its shape.
+
+Triton compiles a kernel once per *variant*: its constexpr arguments, its launch options
+(num_warps, num_stages) and the specialization of its other arguments (an int equal to 1 or
+divisible by 16, a pointer 16-byte aligned). The first launch of a new variant compiles or loads
+a module, and that holds every stream of the process for as long as the work already queued
+(~100 ms behind a prefill chunk on the H200, benchmarks/implicit_sync.py): in a colocated pair
+every running request's next token waits. So no launch may pick its variant from a count that
+varies at run time, except through a small set that start-up compiles (models/warmup.py):
+
+- counts that only bound loops, masks or grids are not specialized (`do_not_specialize`): the
+  indexer's logits width and page-table stride, MoE's row-block bound, the FP8 GEMM's and the
+  quantizer's rows, sparse MLA's split count in the combine; an eager batch's page table is
+  padded to a multiple of 16 columns (ModelRunner.build_batch), which fixes top-k's page-table
+  stride class;
+- the logits width (top-k's row length) is a multiple of LOGITS_ALIGN (`logits_width`), so its
+  divisibility class never changes, and the 16-byte loads of top-k's scan stay vectorized;
+- tile configs and plans picked from counts come from the launchers' own planning functions,
+  which the `*_key` functions here call: a key is everything a count decides about a launch.
+
+`reachable(shape)` enumerates, per kernel family, every key over every count a `ServeShape`
+allows (tokens in one forward 1..max_tokens; widths 16..max_width in steps of 16), each with the
+smallest (tokens, width) that reaches it; `warmup_shapes` turns them into the few forward shapes
+the warm-up runs. Families whose launches no count decides (norms, RoPE, routing, the indexer
+logits) have one key each: any forward compiles them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+LOGITS_ALIGN = 16  # the logits width is a multiple of this (top-k's row length and row stride)
+TORCH_LADDER = 2  # warm-up also runs every power of this many tokens (cuBLAS picks kernels by M)
+
+
+def logits_width(max_context: int) -> int:
+    """The indexer logits' width for a batch whose longest context is `max_context` tokens:
+    rounded up to LOGITS_ALIGN. Positions past each token's length are -inf, so the selection is
+    the same; the kernels see one divisibility class of the width."""
+    return -(-max(max_context, 1) // LOGITS_ALIGN) * LOGITS_ALIGN
+
+
+def spec_class(v: int) -> str:
+    """Triton's specialization of an int argument: '1', 'D' (divisible by 16) or ''."""
+    return "1" if v == 1 else ("D" if v % 16 == 0 else "")
+
+
+@dataclass(frozen=True)
+class ServeShape:
+    """What decides the reachable variants of one rank: counts' bounds, model dims on this rank,
+    dtypes and the device."""
+
+    max_tokens: int  # tokens one forward holds (prefill: the chunk budget; decode: rows x verify width)
+    max_context: int  # the longest context, tokens
+    num_sms: int
+    heads: int  # attention heads on this rank
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_topk: int
+    dtype: torch.dtype  # the model's activations
+    n_experts: int = 0  # routed experts this rank holds (0: no MoE layer)
+    experts_per_token: int = 1
+    fp8_linear: bool = False  # block-FP8 linear layers
+    fp8_experts: bool = False  # block-FP8 routed experts
+    fp8_kv: bool = False  # the FP8 latent cache
+    hopper: bool = False  # sm_90: the Gluon sparse-MLA kernel
+    cublas_fp8: bool = False  # cuBLAS's blockwise FP8 GEMM is available
+
+    @property
+    def max_width(self) -> int:
+        return logits_width(self.max_context)
+
+
+# ---- per-family keys: everything a count decides about a launch ------------------------------
+
+
+def topk_plan(B: int, L: int, k: int, sms: int) -> dict:
+    """topk_triton.plan_topk's sizes for B rows of width L on `sms` SMs, without its buffers (the
+    same formulas, on its constants; tests/kernels/test_variants.py checks them against
+    plan_topk)."""
+    import triton
+    from triton import cdiv, next_power_of_2 as np2
+
+    from glm53.kernels import topk_triton as tt
+
+    blocks = cdiv(max(L, 1), tt.BLOCK)
+    c = max(1, min(blocks, tt.MAX_CHUNKS, np2(cdiv(2 * sms, max(B, 1)))))
+    chunk = cdiv(blocks, c) * tt.BLOCK
+    C = cdiv(max(L, 1), chunk)
+    CB = triton.next_power_of_2(C)
+    cand = np2(max(tt._cand_tile(L, k, tt.SAMPLE, tt.MARGIN), CB))
+    TA = max(2 * np2(k) // CB, 16)
+    return dict(C=C, chunk=chunk, CB=CB, TA=TA, TC=cand // CB, CAPA=min(k, chunk), CAPG=min(cand, chunk),
+                SCR=max(cand, CB * TA))
+
+
+def topk_key(B: int, L: int, s: ServeShape) -> tuple:
+    """DSA top-k over B rows of width L (topk_triton.run_topk's launches): the plan's constexprs
+    and int classes, the finish split, and the class of the width (= the row stride). The page
+    table's row stride is a multiple of 16 (ModelRunner.build_batch pads it; a graph's is fixed)."""
+    p = topk_plan(B, L, s.index_topk, s.num_sms)
+    return (p["CB"], p["TA"], p["TC"], p["CAPA"], p["CAPG"], p["SCR"], spec_class(p["C"]), spec_class(p["chunk"]),
+            2 * B <= s.num_sms, spec_class(L))
+
+
+def sparse_mla_key(T: int, s: ServeShape) -> tuple:
+    """Sparse MLA over T query tokens (index_topk slots each): kernel, slot block, split or not
+    and the combine's split tile (sparse_mla_triton / _fp8_triton / _hopper launchers)."""
+    import triton
+
+    from glm53.kernels.sparse_mla_hopper import BLOCK_H as HOPPER_BLOCK_H, hopper_shape_ok
+    from glm53.kernels.sparse_mla_triton import split_count
+
+    R, H = s.kv_lora_rank, s.heads
+    if s.fp8_kv:
+        from glm53.kernels.sparse_mla_fp8_triton import default_block_n
+
+        kernel, block_n, block_h = "fp8", default_block_n(T), min(64, max(16, triton.next_power_of_2(H)))
+    elif s.hopper and hopper_shape_ok(s.dtype, H, R, R + s.qk_rope_head_dim):
+        kernel, block_n, block_h = "hopper", 64, HOPPER_BLOCK_H
+    else:
+        kernel, block_n, block_h = "tl", 64, min(64, max(16, triton.next_power_of_2(H)))
+    ns, _ = split_count(T, s.index_topk, triton.cdiv(H, block_h), block_n, s.num_sms)
+    return kernel, block_n, ns > 1, triton.next_power_of_2(ns) if ns > 1 else 0
+
+
+def moe_key(N: int, s: ServeShape) -> tuple:
+    """Routed experts over N tokens: the variant (FP8) and tile config from the token count
+    (moe_triton.default_config / moe_fp8_triton.default_fp8_config), the x quantizer's row tile."""
+    if not s.n_experts:
+        return ()
+    pairs = N * s.experts_per_token
+    if s.fp8_experts:
+        from glm53.kernels.moe_fp8 import moe_fp8_variant
+        from glm53.kernels.moe_fp8_triton import default_fp8_config
+
+        variant = moe_fp8_variant(N)
+        quant = quant_block_m(N) if variant == "w8a8" else 0
+        return variant, default_fp8_config(pairs, s.n_experts, variant), quant
+    from glm53.kernels.moe_triton import default_config
+
+    return ("bf16", default_config(pairs, s.n_experts, s.dtype))
+
+
+def quant_block_m(M: int) -> int:
+    """fp8_quant.quantize_fp8_groups_triton's row tile for M rows (on a GPU)."""
+    import triton
+
+    from glm53.kernels.fp8_quant import GROUP
+
+    return max(1, min(4096 // triton.next_power_of_2(GROUP), triton.next_power_of_2(M)))
+
+
+def fp8_gemm_key(M: int, s: ServeShape) -> tuple:
+    """A block-FP8 linear over M rows: the variant (fp8_gemm.fp8_variant) and its tile config by
+    M (fp8_gemm_triton.default_config; split-K depends on the weight alone at decode sizes)."""
+    if not s.fp8_linear:
+        return ()
+    from glm53.kernels.fp8_gemm import CUBLAS_MIN_M, fp8_variant
+    from glm53.kernels.fp8_gemm_triton import default_config
+
+    variant = fp8_variant(M)
+    if variant == "w8a8" and M >= CUBLAS_MIN_M and s.cublas_fp8:
+        # cuBLAS where the weight allows it, the Triton w8a8 kernel (same class) where not
+        variant = "cublas"
+    cfg = default_config(M, 128, 128, a_fp8=variant != "w8a16", device=torch.device("cpu"))
+    return variant, cfg, quant_block_m(M) if variant != "w8a16" else 0
+
+
+TOKEN_FAMILIES: dict[str, Callable[[int, ServeShape], tuple]] = {
+    "sparse_mla": sparse_mla_key,
+    "moe": moe_key,
+    "fp8_gemm": fp8_gemm_key,
+}
+# Launches no count decides: one variant each, compiled by any forward.
+FIXED_FAMILIES = ("indexer_logits", "rms_norm", "rope", "route", "quant_groups")
+
+
+# ---- enumeration ------------------------------------------------------------------------------
+
+
+def topk_row_classes(s: ServeShape) -> dict[tuple, int]:
+    """The classes of top-k's row count B that its plan depends on (the chunks per row and the
+    finish split), each with its smallest B."""
+    import triton
+
+    from glm53.kernels.topk_triton import MAX_CHUNKS
+
+    out: dict[tuple, int] = {}
+    for B in range(1, s.max_tokens + 1):
+        c = min(MAX_CHUNKS, triton.next_power_of_2(triton.cdiv(2 * s.num_sms, B)))
+        out.setdefault((c, 2 * B <= s.num_sms), B)
+    return out
+
+
+def topk_widths(s: ServeShape) -> list[int]:
+    """Widths (multiples of LOGITS_ALIGN up to max_width) at which top-k's plan may change: its
+    plan depends on the width through the blocks of the scan (`BLOCK`) and the candidate tile
+    (`_cand_tile`, monotone in the width), so the ends of every block's range and the points
+    where the candidate tile steps cover every plan."""
+    from glm53.kernels.topk_triton import BLOCK, MARGIN, SAMPLE, _cand_tile
+
+    def tile(L: int) -> int:
+        return _cand_tile(L, s.index_topk, SAMPLE, MARGIN)
+
+    a, top = LOGITS_ALIGN, s.max_width
+    pts = {a, top}
+    lo = a
+    while lo <= top:
+        hi = min(top, (lo // BLOCK + 1) * BLOCK)  # the last width with lo's block count
+        pts |= {lo, hi}
+        while tile(lo) != tile(hi):  # bisect to the first width of each higher tile
+            x, y = lo, hi
+            while y - x > a:
+                m = (x + y) // (2 * a) * a
+                x, y = (m, y) if tile(m) == tile(lo) else (x, m)
+            pts |= {x, y}
+            lo = y
+        lo = hi + a
+    return sorted(pts)
+
+
+def reachable(s: ServeShape) -> dict[str, dict[tuple, tuple[int, int]]]:
+    """Per family, every key the shape can reach, each with the smallest (tokens, width) that
+    reaches it (width 0: any; the family does not depend on it)."""
+    out: dict[str, dict[tuple, tuple[int, int]]] = {f: {(): (1, 0)} for f in FIXED_FAMILIES}
+    for name, key in TOKEN_FAMILIES.items():
+        keys: dict[tuple, tuple[int, int]] = {}
+        for n in range(1, s.max_tokens + 1):
+            keys.setdefault(key(n, s), (n, 0))
+        out[name] = keys
+    tk: dict[tuple, tuple[int, int]] = {}
+    for B in sorted(topk_row_classes(s).values()):
+        for L in topk_widths(s):
+            k = topk_key(B, L, s)
+            if k not in tk or (B, L) < tk[k]:
+                tk[k] = (B, L)
+    out["topk"] = tk
+    return out
+
+
+def shape_keys(N: int, L: int, s: ServeShape) -> dict[str, tuple]:
+    """The key of every family that a forward of N tokens at logits width L launches."""
+    keys = {f: () for f in FIXED_FAMILIES}
+    keys.update({name: key(N, s) for name, key in TOKEN_FAMILIES.items()})
+    keys["topk"] = topk_key(N, L, s)
+    return keys
+
+
+def warmup_shapes(s: ServeShape, want: dict[str, dict[tuple, tuple[int, int]]] | None = None) -> list[tuple[int, int]]:
+    """Forward shapes (tokens, logits width) whose launches together reach every key of
+    `reachable(s)` (`want`, if computed already): top-k's (rows, width) representatives, then
+    one shape per token-family key none of those reached, then the powers of TORCH_LADDER tokens
+    and max_tokens (torch's own kernels, cuBLAS's by M, load lazily on first use too)."""
+    want = want if want is not None else reachable(s)
+    shapes = sorted(set(want["topk"].values()))
+    have = {name: {shape_keys(n, L, s)[name] for n, L in shapes} for name in TOKEN_FAMILIES}
+    for name in TOKEN_FAMILIES:
+        for k, (n, _) in sorted(want[name].items(), key=lambda kv: kv[1]):
+            if k not in have[name]:
+                shapes.append((n, min(s.max_width, logits_width(n))))
+                for f in TOKEN_FAMILIES:
+                    have[f].add(TOKEN_FAMILIES[f](n, s))
+    n = 1
+    while n < s.max_tokens:
+        shapes.append((n, min(s.max_width, logits_width(n))))
+        n *= TORCH_LADDER
+    shapes.append((s.max_tokens, min(s.max_width, logits_width(s.max_tokens))))
+    return sorted(set(shapes))
+
+
+def count_variants(want: dict[str, dict[tuple, tuple[int, int]]]) -> int:
+    """Keys over every family of a `reachable` result."""
+    return sum(len(v) for v in want.values())
