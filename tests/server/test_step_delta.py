@@ -13,7 +13,7 @@ import random
 import pytest
 
 from glm53.models import SeqChunk
-from glm53.models.draft import DraftBlock
+from glm53.models.draft import DraftBlock, DraftSampling
 from glm53.server.engine.step_delta import BatchDelta, DeltaDecoder, DeltaEncoder
 
 
@@ -62,7 +62,11 @@ def _batch(rng: random.Random, reqs: list[_Req]):
         return None, None
     if mode == "spec":
         return None, [DraftBlock(last_token=rng.randrange(5000), start_pos=r.pos, page_table=r.pages,
-                                 ctx_start=rng.randrange(r.pos + 1), block_size=rng.choice([None, 1, 4]))
+                                 ctx_start=rng.randrange(r.pos + 1), block_size=rng.choice([None, 1, 4]),
+                                 key=rng.choice([None, rng.randrange(10**6)]),
+                                 sampling=rng.choice([None, DraftSampling(rng.uniform(0.1, 2), rng.randrange(50),
+                                                                          rng.random(), rng.random() / 4,
+                                                                          rng.getrandbits(62))]))
                       for r in reqs]
     if mode == "decode":
         return [[SeqChunk([rng.randrange(5000)], r.pos, r.pages) for r in reqs]], None

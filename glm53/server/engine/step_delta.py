@@ -23,9 +23,10 @@ still right is decided by comparing contents (a shallow copy, so an unchanged ta
 identity, element by element, at C speed), so a table edited in place is still seen. A table the
 scheduler rebuilds as a new list every step would be resent whole every step: correct, not lean.
 
-Ranks sample nothing (rank 0 samples from the logits it returns; the draft's proposals are
-argmax on every rank), so no sampling state travels. A step without a batch (`sync`) changes
-nothing.
+Ranks sample nothing from the target (rank 0 samples from the logits it returns). A draft block
+carries its request key (the MTP draft's per-request state) and, for a sampled request, its
+drafting (`DraftSampling`: every rank must draw the same proposals from the same seed, or the
+ranks would verify different tokens). A step without a batch (`sync`) changes nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from itertools import accumulate
 from typing import Optional, Sequence
 
 from glm53.models import SeqChunk
-from glm53.models.draft import DraftBlock
+from glm53.models.draft import DraftBlock, DraftSampling
 
 MICRO, SPEC = 1, 2  # BatchDelta.kind: forward micro-batches, a speculative step
 
@@ -46,7 +47,8 @@ class BatchDelta:
     """One step's batch on the wire (pickled; the arrays pickle as raw bytes). The rows go
     column by column: MICRO — table id, start_pos, token count, all_logits, with every chunk's
     tokens in row order in `tokens`; SPEC — table id, last_token, start_pos, ctx_start,
-    block_size (-1: the draft's own)."""
+    block_size (-1: the draft's own), key (-1: none); the sampled blocks' drafting in `sampled`
+    (row, temperature, top_k, top_p, min_p, seed)."""
 
     leaves: list[int] = field(default_factory=list)
     joins: list[tuple[int, list[int]]] = field(default_factory=list)
@@ -55,6 +57,7 @@ class BatchDelta:
     cols: list[array] = field(default_factory=list)
     tokens: array = field(default_factory=lambda: array("q"))
     sizes: list[int] = field(default_factory=list)  # MICRO: chunks per micro-batch
+    sampled: list[tuple] = field(default_factory=list)  # SPEC: (row, temperature, top_k, top_p, min_p, seed)
 
 
 @dataclass
@@ -115,7 +118,10 @@ class DeltaEncoder:
             delta.kind = SPEC
             delta.cols = [array("q", [sid_of(b.page_table) for b in spec]), array("q", [b.last_token for b in spec]),
                           array("q", [b.start_pos for b in spec]), array("q", [b.ctx_start for b in spec]),
-                          array("q", [-1 if b.block_size is None else b.block_size for b in spec])]
+                          array("q", [-1 if b.block_size is None else b.block_size for b in spec]),
+                          array("q", [-1 if b.key is None else b.key for b in spec])]
+            delta.sampled = [(i, s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
+                             for i, b in enumerate(spec) if (s := b.sampling) is not None]
         delta.leaves = [e.sid for key, e in self._held.items() if key not in seen]
         self._held = seen
         return delta
@@ -152,8 +158,12 @@ class DeltaDecoder:
                           for sid, start, n, e, f in zip(sids, starts, counts, ends, flags)]
             return _split(chunks, delta.sizes), None
         if delta.kind == SPEC:
-            return None, [DraftBlock(last_token=last, start_pos=start, page_table=t[sid], ctx_start=ctx,
-                                     block_size=None if bs < 0 else bs) for sid, last, start, ctx, bs in zip(*cols)]
+            blocks = [DraftBlock(last_token=last, start_pos=start, page_table=t[sid], ctx_start=ctx,
+                                 block_size=None if bs < 0 else bs, key=None if key < 0 else key)
+                      for sid, last, start, ctx, bs, key in zip(*cols)]
+            for i, *s in delta.sampled:
+                blocks[i].sampling = DraftSampling(*s)
+            return None, blocks
         return None, None
 
 
