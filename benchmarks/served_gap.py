@@ -4,7 +4,7 @@ instance) and the whole PD pipeline (router, prefill, NIXL transfer, decode) on 
 N requests at once, greedy, plain decoding (or `--draft`).
 
     PYTHONPATH=. python benchmarks/served_gap.py [--device cpu|cuda] [--concurrent 16] [--new 128]
-        [--prompt 200] [--draft DIR --block 8] [--profile DIR]
+        [--prompt 200] [--rounds 2] [--draft DIR --block 8] [--profile DIR]
 
 Served requests stream (`/generate`, `stream: true`), so each token's arrival is timed at the
 client. The served figures split the window: `tok/s` = all output tokens / wall time (what
@@ -78,6 +78,23 @@ def engine_loop(a, prompts: list[list[int]]) -> tuple[float, list]:
     return toks / secs, outs
 
 
+METRICS = ("sglang:kv_transfer_bootstrap_ms", "sglang:kv_transfer_latency_ms", "sglang:queue_time_seconds",
+           "sglang:time_to_first_token_seconds")
+
+
+def metric_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the router's histograms that split TTFT (the router's /metrics)."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for m in METRICS:
+            for part, i in (("_sum", 0), ("_count", 1)):
+                if line.startswith(m + part):
+                    cur = list(out.get(m, (0.0, 0.0)))
+                    cur[i] += float(line.rsplit(" ", 1)[1])
+                    out[m] = tuple(cur)
+    return out
+
+
 def print_profiles(d: Path, top: int = 25) -> None:
     """The instances' serving-loop profiles (GLM53_PROFILE_DIR), heaviest first by own time."""
     deadline = time.monotonic() + 30  # each instance writes its own at shutdown, maybe after `up` exits
@@ -97,6 +114,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--draft", type=Path, help="a DFlash/DSpark draft (default: plain decoding)")
     ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2, help="served rounds of --concurrent requests (the first one "
+                    "pays what start-up left undone)")
     ap.add_argument("--profile", type=Path, help="profile the instances' serving loops into this directory")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -126,26 +145,35 @@ def main() -> None:
     try:
         for p in prompts[:2]:
             stream(c.url, p, 8)  # warm-up
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(a.concurrent) as ex:
-            res = list(ex.map(lambda p: stream(c.url, p, a.new), prompts))
-        wall = time.perf_counter() - t0
+        rounds = []
+        for _ in range(a.rounds):
+            before = metric_sums(c.url)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(a.concurrent) as ex:
+                res = list(ex.map(lambda p: stream(c.url, p, a.new), prompts))
+            wall = time.perf_counter() - t0
+            after = metric_sums(c.url)
+            rounds.append((res, wall, {m: (after[m][0] - before.get(m, (0, 0))[0], after[m][1] - before.get(m, (0, 0))[1])
+                                       for m in after}))
     finally:
         c.stop()
 
-    toks = sum(len(out) for _, _, out in res)
-    ttft = [ts[0] - sent for sent, ts, _ in res]
-    first, last = min(ts[0] for _, ts, _ in res), max(ts[-1] for _, ts, _ in res)
-    itl = [b - x for _, ts, _ in res for x, b in zip(ts, ts[1:])]
-    after_first = toks - len(res)
-    print(f"served (router + prefill + NIXL + decode): {toks / wall:.1f} tok/s over {wall:.2f} s; "
-          f"TTFT p50 {statistics.median(ttft) * 1e3:.1f} ms, max {max(ttft) * 1e3:.1f} ms; "
-          f"decode {after_first / (last - first):.1f} tok/s from the first first token to the last token; "
-          f"ITL p50 {statistics.median(itl) * 1e3:.2f} ms, p99 {pct(itl, 0.99) * 1e3:.2f} ms")
-    print(f"ratios: engine loop / served tok/s {loop_rate / (toks / wall):.2f}x; engine loop / served decode "
-          f"{loop_rate / (after_first / (last - first)):.2f}x")
-    same = [out for _, _, out in res] == [list(o) for o in loop_outs]
-    print("outputs: served == engine loop" if same else "OUTPUTS DIFFER between the served path and the engine loop")
+    for i, (res, wall, mets) in enumerate(rounds):
+        toks = sum(len(out) for _, _, out in res)
+        ttft = [ts[0] - sent for sent, ts, _ in res]
+        first, last = min(ts[0] for _, ts, _ in res), max(ts[-1] for _, ts, _ in res)
+        itl = [b - x for _, ts, _ in res for x, b in zip(ts, ts[1:])]
+        after_first = toks - len(res)
+        split = ", ".join(f"{m.split(':')[1]} mean {v[0] / v[1]:.3g}" for m, v in mets.items() if v[1])
+        print(f"served round {i + 1} (router + prefill + NIXL + decode): {toks / wall:.1f} tok/s over {wall:.2f} s; "
+              f"TTFT p50 {statistics.median(ttft) * 1e3:.1f} ms, max {max(ttft) * 1e3:.1f} ms; "
+              f"decode {after_first / (last - first):.1f} tok/s from the first first token to the last token; "
+              f"ITL p50 {statistics.median(itl) * 1e3:.2f} ms, p99 {pct(itl, 0.99) * 1e3:.2f} ms")
+        print(f"  router's split: {split}")
+        print(f"  ratios: engine loop / served tok/s {loop_rate / (toks / wall):.2f}x; engine loop / served decode "
+              f"{loop_rate / (after_first / (last - first)):.2f}x")
+        same = [out for _, _, out in res] == [list(o) for o in loop_outs]
+        print("  outputs: served == engine loop" if same else "  OUTPUTS DIFFER between the served path and the engine loop")
     if a.profile:
         print_profiles(a.profile)
 
