@@ -80,10 +80,11 @@ def synthetic_chunks(n_tokens: int, width: int, max_context: int, page_size: int
 
 
 @torch.inference_mode()
-def warm_up(runner: ModelRunner, max_tokens: int, max_context: int) -> WarmupReport | None:
-    """Run the rank's warm-up shapes (module docstring); None on CPU. Every rank of a stage runs
-    the same shapes in the same order (their collectives pair up)."""
-    if runner.device.type != "cuda":
+def warm_up(runner: ModelRunner, max_tokens: int, max_context: int, force: bool = False) -> WarmupReport | None:
+    """Run the rank's warm-up shapes (module docstring); None on CPU unless `force` (tests: the
+    shapes run through the model there too). Every rank of a stage runs the same shapes in the
+    same order (their collectives pair up)."""
+    if runner.device.type != "cuda" and not force:
         log.info("warm-up: CPU serving runs the torch references, nothing to compile")
         return None
     WATCH.install()
@@ -109,7 +110,8 @@ def warm_up(runner: ModelRunner, max_tokens: int, max_context: int) -> WarmupRep
             if model.is_last:  # the sampled rows' logits, as serving computes them
                 rows = runner._device_rows(runner.logit_rows(chunks))
                 model.logits(out.hidden[rows])
-        torch.cuda.synchronize(runner.device)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
     report = WarmupReport(count, len(shapes), WATCH.count(warming=True) - before, time.perf_counter() - t0)
     log.info("warm-up: %d kernel variants reachable (tokens <= %d, context <= %d) launched by %d forwards in "
              "%.1f s (%d Triton compiles or loads)", report.variants, max_tokens, max_context, report.shapes,
