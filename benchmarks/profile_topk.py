@@ -7,6 +7,14 @@ the hardware counters), and summarize the counters that explain a kernel's time.
     ncu --clock-control none --set full --import-source no --page source --print-source sass --csv \
         -k regex:finish -c 1 python benchmarks/profile_topk.py run 1 131072 > fin.csv
     python benchmarks/profile_topk.py hot fin.csv
+
+A/B of top-k variants in one process (CUDA-graph replays over rotating input sets, each variant
+checked for exact sets first on ragged, tied, special and trending rows), with the stage prefixes
+and a plain streaming read of the same grid as the floor:
+
+    python benchmarks/profile_topk.py ab [OUT.jsonl] [BASE_MODULE.py]
+
+BASE_MODULE (optional): another copy of `topk_triton.py` timed beside the current one.
 """
 
 from __future__ import annotations
@@ -29,15 +37,16 @@ WANT = {
 }
 
 
-def run(B: int, L: int, reps: int = 3) -> None:
+def run(B: int, L: int, reps: int = 3, stage: str = "") -> None:
     import torch
 
     from glm53.kernels.topk_triton import topk_triton
 
     x = torch.randn(B, L, device="cuda")
     lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    kw = dict(scan_stage=stage == "stage") if stage else {}  # "stage" / "nostage": the scan's loop
     for _ in range(reps):
-        topk_triton(x, lens, 2048)
+        topk_triton(x, lens, 2048, **kw)
     torch.cuda.synchronize()
 
 
@@ -99,10 +108,159 @@ def parse(path: str) -> None:
         print(" | ".join(parts))
 
 
+AB_SHAPES = [(B, L) for B in (1, 8, 64) for L in (8192, 32768, 131072)]
+KNOB_SHAPES = ((8, 131072), (64, 32768), (64, 131072))
+# the scan split into smaller programs (fewer warps, more chunks a row: fewer and cheaper block
+# barriers per score, more programs per SM), with a larger candidate tile where the chunks are
+# many (each chunk's share of the candidates must fit its tile)
+KNOBS = {
+    "ct8k": dict(cand_total=8192),
+    "w4c16": dict(num_warps=4, block=1024, chunks=16, finish_warps=8),
+    "w4c16ct8k": dict(num_warps=4, block=1024, chunks=16, finish_warps=8, cand_total=8192),
+    "w2c32ct8k": dict(num_warps=2, block=512, chunks=32, finish_warps=8, cand_total=8192),
+    "w1c64ct8k": dict(num_warps=1, block=256, chunks=64, finish_warps=8, cand_total=8192),
+    "w2c32pf2": dict(num_warps=2, block=512, chunks=32, finish_warps=8, cand_total=8192, scan_prefetch=2),
+}
+
+
+def _ab_variants(k, base=None):
+    """The variants `ab` times: the default on every shape, the knobs on KNOB_SHAPES."""
+    from glm53.kernels import topk_triton as tt
+
+    fns = {"default": lambda x, lens, **kw: tt.topk_triton(x, lens, k, **kw)}
+    for name, knobs in KNOBS.items():
+        fns[name] = lambda x, lens, knobs=knobs, **kw: tt.topk_triton(x, lens, k, **knobs, **kw)
+    if base is not None:
+        fns["base"] = lambda x, lens, **kw: base.topk_triton(x, lens, k, **kw)
+    return fns
+
+
+def _ab_jobs(fns):
+    return [(B, L, name) for B, L in AB_SHAPES for name in fns if name == "default" or (B, L) in KNOB_SHAPES]
+
+
+def warm(i: int, n: int) -> None:
+    """Compile share i of n of `ab`'s kernels (processes in parallel fill TRITON_CACHE_DIR)."""
+    import torch
+
+    fns = _ab_variants(2048)
+    for B, L, name in _ab_jobs(fns)[i::n]:
+        x = torch.randn(B, L, device="cuda")
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        fns[name](x, lens)
+        if (B, L) == (64, 131072):  # the paged check's finish
+            fns[name](x, lens, page_table=torch.zeros(B, L // 64, dtype=torch.int32, device="cuda"), page_size=64)
+    torch.cuda.synchronize()
+
+
+def _load_base(path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("topk_base", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["topk_base"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _read_floor_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read_floor(x_ptr, out_ptr, L, CHUNK, C, BLOCK: tl.constexpr):
+        """Each program streams one chunk of its row and counts scores above 2: the scan's bytes
+        with next to no work per score."""
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        acc = tl.zeros((BLOCK,), dtype=tl.int32)
+        row = x_ptr + b.to(tl.int64) * L
+        for s in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, L), BLOCK):
+            acc += (tl.load(row + s + tl.arange(0, BLOCK)) > 2.0).to(tl.int32)
+        tl.store(out_ptr + b * C + c, tl.sum(acc, axis=0))
+
+    return _read_floor
+
+
+def ab(out_path: str | None = None, base_path: str | None = None) -> None:
+    import json
+    import math
+
+    import torch
+
+    from glm53.kernels import topk_triton as tt
+    from glm53.kernels.topk import dsa_topk_reference, positions_to_slots
+    from glm53.support.cuda_timing import graph_ms
+    from tests.kernels.cases import make_logits
+
+    k = 2048
+    base = _load_base(base_path) if base_path else None
+    fout = open(out_path, "w") if out_path else None
+
+    def emit(row):
+        print(json.dumps(row), flush=True)
+        if fout:
+            fout.write(json.dumps(row) + "\n")
+            fout.flush()
+
+    fns = _ab_variants(k, base)
+
+    # exactness: fresh inputs, ragged lengths (0, < k, = k, k + 1, L - 1, L), ties, -inf, trends;
+    # and the paged output (physical slots)
+    torch.manual_seed(1234)
+    bad = []
+    for B, L in ((64, 131072), (8, 32768)):
+        for kind in ("randn", "ties", "coarse", "special", "trend", "falling"):
+            x = make_logits(B, L, kind, torch.float32, "cuda", row_stride_pad=16)  # (the timed specialization)
+            lens = torch.randint(1, L + 1, (B,), device="cuda", dtype=torch.int32)
+            lens[:6] = torch.tensor([L, L - 1, 0, k - 1, k, k + 1], dtype=torch.int32)
+            ref = dsa_topk_reference(x, lens, k)
+            pt = torch.stack([torch.randperm(4 * L // 64, device="cuda")[:L // 64] for _ in range(B)]).int()
+            refs = [ref.sort(dim=1).values, positions_to_slots(ref, pt, 64).sort(dim=1).values]
+            for name, fn in fns.items():
+                if name == "base" or (name != "default" and (B, L) not in KNOB_SHAPES):
+                    continue
+                for paged in (False, True) if (B, L) == (64, 131072) and kind in ("randn", "trend") else (False,):
+                    kw = dict(page_table=pt, page_size=64) if paged else {}
+                    ok = bool(torch.equal(fn(x, lens, **kw).sort(dim=1).values, refs[paged]))
+                    if not ok:
+                        bad.append((name, B, L, kind, paged))
+                    emit({"check": name, "B": B, "L": L, "kind": kind, "paged": paged, "exact": ok})
+    # timing: rotating input sets (>= ~4x the L2 where memory allows)
+    rows = []
+    for B, L in AB_SHAPES:
+        ns = max(1, min(8, math.ceil(4 * (60 << 20) / (B * L * 4))))
+        xs = [torch.randn(B, L, device="cuda") for _ in range(ns)]
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        row = {"B": B, "L": L}
+        for name, fn in fns.items():
+            if name == "default" or (B, L) in KNOB_SHAPES:
+                row[name] = round(graph_ms([lambda x=x, fn=fn: fn(x, lens) for x in xs]) * 1e3, 2)
+        row["torch_topk"] = round(graph_ms([lambda x=x: torch.topk(x, k, dim=-1) for x in xs]) * 1e3, 2)
+        if (B, L) in KNOB_SHAPES:
+            C, chunk = tt._chunks(B, L, xs[0].device, tt.BLOCK, tt.MAX_CHUNKS)
+            cnt = torch.empty(B * C, dtype=torch.int32, device="cuda")
+            rf = _read_floor_kernel()
+            row["read_floor"] = round(graph_ms([lambda x=x: rf[(B, C)](x, cnt, L, chunk, C, BLOCK=2048, num_warps=8)
+                                                for x in xs]) * 1e3, 2)
+        emit(row)
+        rows.append(row)
+        del xs
+    cols = list(fns) + ["torch_topk", "read_floor"]
+    print(f"{'B':>3} {'L':>7} " + " ".join(f"{n:>11}" for n in cols))
+    for r in rows:
+        print(f"{r['B']:>3} {r['L']:>7} " + " ".join(f"{r.get(n, ''):>11}" for n in cols))
+    print("MISMATCHES:", bad if bad else "none")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "run":
-        run(int(sys.argv[2]), int(sys.argv[3]))
+        run(int(sys.argv[2]), int(sys.argv[3]), stage=sys.argv[4] if len(sys.argv) > 4 else "")
     elif sys.argv[1] == "hot":
         hot(sys.argv[2])
+    elif sys.argv[1] == "warm":
+        warm(int(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1] == "ab":
+        ab(*sys.argv[2:4])
     else:
         parse(sys.argv[2])

@@ -573,12 +573,15 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def _chunks(B: int, L: int, device: torch.device, block: int, max_chunks: int) -> tuple[int, int]:
+def _chunks(B: int, L: int, device: torch.device, block: int, max_chunks: int,
+            chunks: int | None = None) -> tuple[int, int]:
     """(C, CHUNK): split each row so that B*C programs cover the machine about twice (H200, scan
     holding one block in flight: at 64 x 128K, 8 chunks a row 30.0 us against 16 chunks 30.4; at
-    64 x 32K 18.8 against 19.8)."""
+    64 x 32K 18.8 against 19.8), or into `chunks` (at most one block each)."""
     blocks = triton.cdiv(max(L, 1), block)
-    c = max(1, min(blocks, max_chunks, triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), max(B, 1)))))
+    if chunks is None:
+        chunks = min(max_chunks, triton.next_power_of_2(triton.cdiv(2 * _num_sms(device), max(B, 1))))
+    c = max(1, min(blocks, chunks))
     chunk = triton.cdiv(blocks, c) * block
     return triton.cdiv(max(L, 1), chunk), chunk
 
@@ -625,8 +628,8 @@ class TopkPlan:
 
 def plan_topk(B: int, L: int, k: int, device: torch.device, cand_total: int | None = None,
               sample: int = SAMPLE, margin: float = MARGIN, margin_lo: float | None = None,
-              block: int = BLOCK, max_chunks: int = MAX_CHUNKS) -> TopkPlan:
-    C, chunk = _chunks(B, L, device, block, max_chunks)
+              block: int = BLOCK, max_chunks: int = MAX_CHUNKS, chunks: int | None = None) -> TopkPlan:
+    C, chunk = _chunks(B, L, device, block, max_chunks, chunks)
     CB = triton.next_power_of_2(C)
     if cand_total is None:
         cand_total = _cand_tile(L, k, sample, margin, margin_lo)
@@ -729,6 +732,7 @@ def topk_triton(
     finish_warps: int | None = None,
     scan_prefetch: int = SCAN_PREFETCH,
     finish_split: bool | None = None,
+    chunks: int | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
@@ -742,7 +746,7 @@ def topk_triton(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
-    plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks)
+    plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks, chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
              num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,
              finish_warps=finish_warps, scan_prefetch=scan_prefetch, finish_split=finish_split)

@@ -116,6 +116,17 @@ def test_topk_scan_layouts(block, scan_v, prefetch):
                      scan_v=scan_v, scan_prefetch=prefetch)
 
 
+@pytest.mark.parametrize("warps,block,chunks", [(2, 512, 16), (1, 256, 64)])
+def test_topk_many_small_scan_programs(warps, block, chunks):
+    # the scan split into many small programs (`chunks` a row, few warps each; the large-batch
+    # shape on the H200): chunks of one or a few blocks, a candidate tile shared by many chunks,
+    # skewed rows crowding one chunk, paged output
+    knobs = dict(num_warps=warps, block=block, chunks=chunks, cand_total=2048)
+    cases.check_topk(4, 9001, 256, [9001, 8999, 4100, 300], **knobs)
+    cases.check_topk(3, 9000, 256, [9000, 8500, 4100], kind="trend", **knobs)
+    cases.check_topk(2, 9000, 256, [9000, 7000], kind="coarse", paged=True, page_size=16, **knobs)
+
+
 def _check_raw(x, lens, k, **knobs):
     from glm53.kernels.topk import dsa_topk_reference
     from glm53.kernels.topk_triton import topk_triton
