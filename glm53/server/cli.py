@@ -77,9 +77,14 @@ def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
                    help="prefill sends the DFlash draft's context KV with the target KV (default on)")
     sp = p.add_argument_group("speculative decoding")
     sp.add_argument("--speculative-algorithm", dest="speculative_algorithm", type=str.upper,
-                    choices=["NONE", "DFLASH", "DSPARK"])
+                    choices=["NONE", "DFLASH", "DSPARK", "NEXTN", "EAGLE"],
+                    help="NEXTN (alias EAGLE): the model's own MTP layer drafts (no draft model)")
     sp.add_argument("--speculative-draft-model-path", dest="speculative_draft_model_path")
     sp.add_argument("--speculative-num-draft-tokens", dest="speculative_num_draft_tokens", type=int)
+    sp.add_argument("--speculative-num-steps", dest="speculative_num_steps", type=int,
+                    help="NEXTN: proposals the MTP layer chains per verify (default 3)")
+    sp.add_argument("--speculative-eagle-topk", dest="speculative_eagle_topk", type=int,
+                    help="NEXTN: candidates per step (only 1)")
     sp.add_argument("--speculative-dspark-block-size", dest="speculative_dspark_block_size", type=int,
                     help="DSPARK: tokens a verify checks, the bonus slot included (default the draft's block)")
     sp.add_argument("--speculative-dspark-confidence-threshold", dest="speculative_dspark_confidence_threshold",
@@ -180,6 +185,8 @@ def overrides_from_args(args: argparse.Namespace, role: str | None = None, index
                                          else str(Path(path).expanduser().resolve()))
     o["speculative.num_draft_tokens"] = get("speculative_num_draft_tokens")
     o["speculative.dspark_block_size"] = get("speculative_dspark_block_size")
+    o["speculative.num_steps"] = get("speculative_num_steps")
+    o["speculative.eagle_topk"] = get("speculative_eagle_topk")
     o["speculative.dspark_confidence_threshold"] = get("speculative_dspark_confidence_threshold")
     kv = get("draft_kv_transfer")
     o["speculative.draft_kv_transfer"] = None if kv is None else kv == "on"

@@ -174,7 +174,7 @@ class SpeculativeConfig:
     """DFlash-family speculative decoding (DFLASH or DSPARK), for every instance (SGLang's flag
     names)."""
 
-    algorithm: Literal["none", "DFLASH", "DSPARK"] = "none"
+    algorithm: Literal["none", "DFLASH", "DSPARK", "NEXTN", "EAGLE"] = "none"
     # A DFlash draft directory (published layout); DSPARK: one with the Markov head's tensors.
     draft_model_path: str | None = None
     # Tokens a verify step checks, the bonus slot included; None = the draft's block size.
@@ -187,16 +187,32 @@ class SpeculativeConfig:
     # confidence below which a block is cut (0: never; the draft needs a confidence head).
     dspark_block_size: int | None = None
     dspark_confidence_threshold: float = 0.0
+    # NEXTN (alias EAGLE): the checkpoint's own MTP layer drafts num_steps tokens per verify
+    # (None: 3), topk 1 only (eagle_topk); num_draft_tokens, if given, must be num_steps + 1.
+    num_steps: int | None = None
+    eagle_topk: int | None = None
 
     @property
     def enabled(self) -> bool:
+        """A DFlash-family draft model (draft_model_path) is on."""
         return self.algorithm in ("DFLASH", "DSPARK")
+
+    @property
+    def nextn(self) -> bool:
+        """The target's own MTP layer drafts (NEXTN, or EAGLE with no separate draft)."""
+        return self.algorithm in ("NEXTN", "EAGLE")
+
+    @property
+    def nextn_steps(self) -> int:
+        return self.num_steps if self.num_steps is not None else 3
 
     @property
     def verify_width(self) -> int | None:
         """Tokens a verify step checks, the bonus slot included (None: the draft's block size)."""
         if self.algorithm == "DSPARK" and self.dspark_block_size is not None:
             return self.dspark_block_size
+        if self.nextn:
+            return self.nextn_steps + 1
         return self.num_draft_tokens
 
 

@@ -86,6 +86,7 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
             and spec.dspark_block_size != spec.num_draft_tokens):
         raise err("speculative.dspark_block_size", f"{spec.dspark_block_size} disagrees with "
                   f"num_draft_tokens={spec.num_draft_tokens} (both set the verify width; give one)")
+    _check_nextn(spec, err)
     if cfg.model.context_length is not None and cfg.model.context_length < 2:
         raise err("model.context_length", f"must be >= 2, got {cfg.model.context_length}")
     if not cfg.model.path:
@@ -309,3 +310,22 @@ def _check_engine(e: EngineConfig, path: str, src: str) -> None:
 def _check_port(port: int, key: str, src: str) -> None:
     if not 1 <= port <= 65535:
         raise ConfigError(src, key, f"must be a TCP port in 1..65535, got {port}")
+
+
+def _check_nextn(spec, err) -> None:
+    """NEXTN / EAGLE: the target's own MTP layer, topk 1, num_steps + 1 tokens verified."""
+    if not spec.nextn:
+        for key in ("num_steps", "eagle_topk"):
+            if getattr(spec, key) is not None:
+                raise err(f"speculative.{key}", f"applies to algorithm NEXTN (or EAGLE), not {spec.algorithm!r}")
+        return
+    if spec.draft_model_path:
+        raise err("speculative.draft_model_path", f"{spec.algorithm} drafts with the model's own MTP layer; a "
+                  f"separate EAGLE draft model is not supported (leave draft_model_path unset)")
+    if spec.eagle_topk is not None and spec.eagle_topk != 1:
+        raise err("speculative.eagle_topk", f"only 1 is supported (one chain of proposals), got {spec.eagle_topk}")
+    if spec.nextn_steps < 1:
+        raise err("speculative.num_steps", f"must be >= 1, got {spec.nextn_steps}")
+    if spec.num_draft_tokens is not None and spec.num_draft_tokens != spec.nextn_steps + 1:
+        raise err("speculative.num_draft_tokens", f"{spec.num_draft_tokens}: with topk 1 a verify checks "
+                  f"num_steps + 1 = {spec.nextn_steps + 1} tokens")

@@ -30,6 +30,8 @@ def check_model_fit(cfg: ClusterConfig, model_dir: str | Path) -> None:
         except (ModelConfigError, OSError, ValueError) as e:
             raise ConfigError(cfg.source, "speculative.draft_model_path", f"{path}: {e}") from None
         _check_draft_family(cfg, draft, path)
+    if cfg.speculative.nextn:
+        _check_nextn_layer(cfg, model, model_dir)
     for role in ROLES:
         for i, inst in enumerate(cfg.pool(role)):
             if inst.pp > model.num_hidden_layers:
@@ -62,6 +64,25 @@ def _check_draft_family(cfg: ClusterConfig, draft, path) -> None:
     if spec.dspark_confidence_threshold > 0 and not draft.confidence_head:
         raise ConfigError(cfg.source, "speculative.dspark_confidence_threshold",
                           f"{spec.dspark_confidence_threshold}: {path} has no confidence head (confidence_head.proj.*)")
+
+
+def _check_nextn_layer(cfg: ClusterConfig, model, model_dir) -> None:
+    """NEXTN needs the checkpoint's MTP layer: num_nextn_predict_layers >= 1 and its tensors
+    (read from the index's names; no weight is read)."""
+    from glm53.models.config import ConfigError as ModelConfigError
+    from glm53.models.mtp import nextn_spec
+    from glm53.models.weights import WeightError, checkpoint_files
+
+    try:
+        names = checkpoint_files(Path(model_dir))
+    except (WeightError, OSError):
+        names = None  # a config.json without its weights (planning): the config alone
+    try:
+        if names is not None or model.num_nextn_predict_layers < 1:
+            nextn_spec(model, names or ())
+    except ModelConfigError as e:
+        raise ConfigError(cfg.source, "speculative.algorithm",
+                          f"{cfg.speculative.algorithm}: model {model_dir}: {e}") from None
 
 
 def _fp8_names(model, model_dir) -> frozenset[str]:

@@ -236,3 +236,22 @@ def test_sampled_decode_runs_and_samples_from_q(ckpt):
     r = runner(ckpt)
     outs, counts, _ = spec_loop(r, [[3, 4, 5, 6]], 10, params=SamplingParams(temperature=0.9, seed=3))
     assert len(outs[0]) == 10 and sum(counts[0]) == 9
+
+
+def test_trainer_forward_equals_serving(ckpt):
+    """The differentiable training forward (support/mtp_trainer.py, DSA selection from the
+    serving indexer) gives the serving rows() on sequences longer than index_topk."""
+    from glm53.support.mtp_trainer import train_rows
+
+    r = runner(ckpt)
+    cfg = r.cfg
+    g = torch.Generator().manual_seed(12)
+    seq, b = 20, 2
+    toks = torch.randint(0, cfg.vocab_size, (b, seq), generator=g)
+    hidden = torch.randn(b * seq, cfg.hidden_size, generator=g)
+    chunks = [SeqChunk(toks[i].tolist(), 0, list(range(8 * i, 8 * i + 8))) for i in range(b)]
+    batch, _ = r.build_batch(chunks)
+    assert seq > cfg.index_topk
+    want = r.mtp.rows(batch.input_ids, hidden, batch)
+    got = train_rows(r.mtp, batch.input_ids, hidden, batch, seq)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

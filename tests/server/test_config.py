@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -489,7 +490,7 @@ def test_dspark_keys_and_flags(tmp_path):
                         (dict(dspark_confidence_threshold="high"), "speculative.dspark_confidence_threshold"),
                         (dict(num_draft_tokens=4), "speculative.dspark_block_size"),
                         (dict(algorithm="DFLASH"), "speculative.dspark_block_size"),
-                        (dict(algorithm="EAGLE"), "speculative.algorithm")):
+                        (dict(algorithm="MEDUSA"), "speculative.algorithm")):
         bad = base()
         bad["speculative"] = {**d["speculative"], **change}
         assert error(tmp_path, bad).key == key, change
@@ -528,3 +529,44 @@ def test_draft_family_is_checked_against_the_checkpoint_before_start(tmp_path, c
         assert main(["config", "--config", config(**spec)]) == 2, spec
         err = capsys.readouterr().err
         assert f": {key}: " in err and len(err.strip().splitlines()) == 1, (spec, err)
+
+
+def test_nextn_keys_and_flags(tmp_path, capsys):
+    # NEXTN (alias EAGLE): the model's own MTP layer; num_steps, topk 1, num_draft_tokens = steps + 1;
+    # a checkpoint without the layer is refused by model_fit before start-up, naming it
+    from glm53.server.cli import main
+
+    d = base()
+    d["speculative"] = {"algorithm": "NEXTN", "num_steps": 2}
+    spec = load_config(write(tmp_path, d)).speculative
+    assert spec.nextn and not spec.enabled and spec.verify_width == 3
+    d["speculative"] = {"algorithm": "EAGLE"}
+    assert load_config(write(tmp_path, d)).speculative.verify_width == 4
+    for change, key in ((dict(draft_model_path="/x"), "speculative.draft_model_path"),
+                        (dict(eagle_topk=2), "speculative.eagle_topk"),
+                        (dict(num_steps=0), "speculative.num_steps"),
+                        (dict(num_steps=3, num_draft_tokens=6), "speculative.num_draft_tokens"),
+                        (dict(algorithm="DFLASH", draft_model_path="/x", num_steps=3), "speculative.num_steps")):
+        bad = base()
+        bad["speculative"] = {"algorithm": "EAGLE", **change}
+        assert error(tmp_path, bad).key == key, change
+    p = write(tmp_path, base())
+    args = build_parser().parse_args(["up", "--config", str(p), "--speculative-algorithm", "nextn",
+                                      "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                      "--speculative-num-draft-tokens", "4"])
+    spec = load_config(p, overrides_from_args(args)).speculative
+    assert (spec.algorithm, spec.num_steps, spec.eagle_topk, spec.verify_width) == ("NEXTN", 3, 1, 4)
+    plain = {"model": {"path": str(ROOT / "assets" / "tiny-glm5")}, "router": {"port": 0},
+             "prefill": [{"name": "p0", "host": "127.0.0.1"}], "decode": [{"name": "d0", "host": "127.0.0.1"}],
+             "speculative": {"algorithm": "NEXTN"}}
+    from glm53.models import GlmConfig
+    if GlmConfig.from_dir(ROOT / "assets" / "tiny-glm5").num_nextn_predict_layers:  # the shipped layer
+        assert main(["config", "--config", str(write(tmp_path, plain))]) == 0
+    no_layer = tmp_path / "no-mtp"
+    no_layer.mkdir()
+    cfg = json.loads((ROOT / "assets" / "tiny-glm5" / "config.json").read_text())
+    (no_layer / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    plain["model"]["path"] = str(no_layer)
+    assert main(["config", "--config", str(write(tmp_path, plain))]) != 0
+    err = capsys.readouterr().err
+    assert "speculative.algorithm" in err and "num_nextn_predict_layers" in err, err

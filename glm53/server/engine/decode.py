@@ -24,6 +24,7 @@ is terminal, so no write can land in reused pages.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -80,6 +81,7 @@ class DecodeRequest(TrackedRequest):
     shared: SharedPages | None = None  # n > 1: the prompt's full pages, the head of `pages`
     unsent_lp: list[float] = field(default_factory=list)  # logprobs of `unsent` (if asked for)
     unsent_top: list[list] = field(default_factory=list)
+    spec_key: int = -1  # names it to the draft across steps (the MTP draft keeps its verify's hidden rows)
 
     _prompt_ids: torch.Tensor | None = None  # the prompt's distinct ids (repetition penalty), built once
     _stop_ids: list[int] | None = None
@@ -111,6 +113,7 @@ class DecodeScheduler(Scheduler):
             self.block_size = asked
         # Seeds of unseeded sampled requests' drafted blocks (spec.draft_sampling).
         self.draft_rng = random.Random()
+        self.spec_keys = itertools.count()
         # Sampled requests draft by sampling the draft's q (lossless and more accepted than its
         # argmax); False proposes the argmax instead (benchmarks/sampled_drafting.py compares them).
         self.sampled_drafting = True
@@ -341,8 +344,10 @@ class DecodeScheduler(Scheduler):
             # Never verify past max_new_tokens: a block of n commits at most n tokens, so its
             # positions stay inside the pages allocated for prompt + max_new_tokens.
             n = min(self.block_size, r.params.max_new_tokens - len(r.output))
+            if r.spec_key < 0:
+                r.spec_key = next(self.spec_keys)
             blocks.append(DraftBlock(last_token=r.output[-1], start_pos=committed - 1, page_table=r.pages,
-                                     ctx_start=r.ctx_start, block_size=n,
+                                     ctx_start=r.ctx_start, block_size=n, key=r.spec_key,
                                      sampling=draft_sampling(r.params, len(r.output), r.index, self.draft_rng)
                                      if self.sampled_drafting else None))
         out = self.workers.spec_step(blocks)

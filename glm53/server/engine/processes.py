@@ -385,7 +385,7 @@ class ProcessWorkers(WorkerGroup):
         self.bytes_per_page = self.rank.bytes_per_page  # rank 0's pools (its stage, its heads)
         self.block_size = self.rank.block_size  # decode: one stage, so rank 0 holds the draft
         last = specs[self._answer_rank]
-        self.sends_draft_kv = bool(last.draft_path) and last.send_draft_kv
+        self.sends_draft_kv = bool(last.draft_path or last.nextn_steps) and last.send_draft_kv
 
     def queue(self, op: Op) -> None:
         self._queue.append(op)

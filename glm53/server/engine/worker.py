@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from glm53.models import GlmConfig, ModelRunner, SeqChunk
 from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection
+from glm53.models.mtp import MTP_POOLS, NextNDraft
+from glm53.models.mtp_weights import build_nextn
 from glm53.models.draft_weights import build_draft, draft_config, load_draft_projection
 from glm53.models.graph import GraphConfig
 from glm53.models.kv_cache import FP8
@@ -74,6 +76,8 @@ class RankSpec:
     num_draft_tokens: int | None = None  # the verify width of a DFlash step (None: the draft's block)
     draft_algorithm: str = "DFLASH"  # "DSPARK": the draft must carry a Markov head
     confidence_threshold: float = 0.0  # DSPARK: cut blocks below this confidence (0: never)
+    # NEXTN: the checkpoint's own MTP layer drafts this many tokens per verify (last stage); None: off.
+    nextn_steps: int | None = None
     # Start-up warm-up (models/warmup.py, GPU only): the most requests' tokens one forward holds
     # (prefill: chunked_prefill_size; decode: max_running_requests, times the verify width with a
     # draft); every Triton variant up to it is compiled before the instance is ready. 0: none.
@@ -84,7 +88,8 @@ class RankSpec:
         device, layers, an unsharded tp, the draft): a colocated pair's ranks then share them.
         (`dtype` decides the FP8 form too: "auto" keeps a block-FP8 checkpoint's weights FP8, an
         explicit dtype dequantizes them, so the two never share.)"""
-        keys = ("model_path", "device", "dtype", "layers", "tp_size", "pp_size", "ep_size", "draft_path")
+        keys = ("model_path", "device", "dtype", "layers", "tp_size", "pp_size", "ep_size", "draft_path",
+                "nextn_steps")
         return self.tp_size == 1 and all(getattr(self, k) == getattr(other, k) for k in keys)
 
     @property
@@ -160,6 +165,7 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
                 context_length=cluster.model.context_length,
                 num_draft_tokens=spec.verify_width if spec.enabled else None,
                 draft_algorithm=spec.algorithm, confidence_threshold=spec.dspark_confidence_threshold,
+                nextn_steps=spec.nextn_steps if spec.nextn else None,
                 warmup_tokens=eng.chunked_prefill_size if inst.role == "prefill" else eng.max_running_requests))
     return specs
 
@@ -183,6 +189,8 @@ def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype, draft: DFlashDr
         per_token = ModelRunner.kv_bytes_per_token(cfg, dtype, spec.layers, KV_DTYPES.get(spec.kv_cache_dtype))
         if draft is not None:
             per_token += draft.kv_bytes_per_token()
+        if spec.nextn_steps is not None and spec.last_stage:
+            per_token += NextNDraft.kv_bytes_per_token(cfg, dtype)
         tokens = int(budget // per_token)
         if tokens < spec.page_size:
             raise SystemExit(f"{spec.instance}: mem_fraction_static={spec.mem_fraction_static} leaves no room for "
@@ -221,8 +229,12 @@ class RankWorker:
         self.draft: DFlashDraft | None = None
         self.projection: DraftProjection | None = None  # a non-last stage's share of the draft's fc
         self.shares_weights = weights_from is not None and weights_from.spec.same_weights(spec)
+        self.mtp: NextNDraft | None = None  # NEXTN: the checkpoint's own MTP layer (last stage)
         if self.shares_weights:
             self.model, self.draft, self.projection = weights_from.model, weights_from.draft, weights_from.projection
+            # Its KV state is per runner (pools, per-request rows): the pair shares no MTP module.
+            if spec.nextn_steps is not None and spec.last_stage:
+                self._load_mtp(spec)
         else:
             self._load(spec)
         self.runner: ModelRunner | None = None
@@ -248,6 +260,13 @@ class RankWorker:
             self.draft.to(self.device)
         elif spec.draft_path:
             self.projection = load_draft_projection(spec.draft_path, self.cfg, spec.layers, self.dtype).to(self.device)
+        if spec.nextn_steps is not None and spec.last_stage:
+            self._load_mtp(spec)
+
+    def _load_mtp(self, spec: RankSpec) -> None:
+        self.mtp = build_nextn(spec.model_path, self.cfg, dtype=self.dtype, device=self.device, tp=self.tp,
+                               ep=spec.ep_size, fp8=spec.dtype == "auto", embed=spec.layers.start != 0,
+                               num_steps=spec.nextn_steps)
 
     def capacity(self) -> int:
         """KV pages this rank can hold once its weights are loaded."""
@@ -259,21 +278,21 @@ class RankWorker:
         # A graph (and the warm-up) holds the longest request this instance can admit, and no more.
         longest = min(spec.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings,
                       num_pages * spec.page_size)
-        if spec.graphs:
+        if spec.graphs and self.mtp is None:  # the MTP step runs eagerly (no graphs of it yet)
             block = None
             if self.draft is not None:  # a wider ask is the decode scheduler's error, not the capture's
                 block = min(spec.num_draft_tokens or self.draft.cfg.block_size, self.draft.cfg.block_size)
             graphs = GraphConfig(max_bs=spec.cuda_graph_max_bs, max_context=longest, block=block)
         self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
                                   draft=self.draft, draft_projection=self.projection, graphs=graphs,
-                                  kv_dtype=KV_DTYPES.get(spec.kv_cache_dtype))
+                                  kv_dtype=KV_DTYPES.get(spec.kv_cache_dtype), mtp=self.mtp)
         if spec.warmup_tokens:
             verify = self.draft.cfg.block_size if self.draft is not None and spec.role == "decode" else 1
             warm_up(self.runner, spec.warmup_tokens * verify, longest)
         self.transfer = TransferEngine(spec.role, spec.instance, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
                                        pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=spec.transport)
         for name, pool in self.runner.pools:
-            if name == DRAFT_KV and spec.role == "prefill" and not spec.send_draft_kv:
+            if name in (DRAFT_KV, *MTP_POOLS) and spec.role == "prefill" and not spec.send_draft_kv:
                 continue  # decode builds the draft context itself after the handoff
             self.transfer.register_pool(name, pool.tensor, layers=pool.layers, total_heads=pool.total_heads)
         self.transfer.start(spec.bootstrap_address)
@@ -281,11 +300,13 @@ class RankWorker:
     @property
     def sends_draft_kv(self) -> bool:
         """Prefill: this rank's transfers carry the prompt's draft context KV."""
-        return self.draft is not None and self.spec.send_draft_kv
+        return (self.draft is not None or self.mtp is not None) and self.spec.send_draft_kv
 
     @property
     def block_size(self) -> int | None:
         """The draft's block size (tokens a verify checks, the bonus slot included); None without one."""
+        if self.mtp is not None:
+            return self.mtp.block_size
         return self.draft.cfg.block_size if self.draft is not None else None
 
     @property

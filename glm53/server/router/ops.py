@@ -124,6 +124,8 @@ async def server_info(state: State) -> dict:
         "speculative_algorithm": spec.algorithm if spec_on else None,
         "speculative_draft_model_path": spec.draft_model_path if spec_on else None,
         "speculative_num_draft_tokens": spec.verify_width if spec_on else None,
+        "speculative_num_steps": spec.nextn_steps if spec.nextn else None,
+        "speculative_eagle_topk": 1 if spec.nextn else None,
         "speculative_dspark_confidence_threshold":
             spec.dspark_confidence_threshold if spec.algorithm == "DSPARK" else None,
         "reasoning_parser": cfg.router.reasoning_parser, "tool_call_parser": cfg.router.tool_call_parser,
