@@ -16,7 +16,9 @@ Semantics, per request r and KV head h (one draft layer `layer`):
   always is); a row that sees none gets zeros from the kernel (and NaN from the reference).
 
 `draft_attention` runs the Triton kernel (draft_attention_triton.py) where `dispatch.use_triton`
-says so, the torch reference otherwise (the CPU serving path: it gathers one layer's pages)."""
+says so, the torch reference otherwise (it gathers one layer's pages). The CPU serving path
+gathers every layer's context once per drafting forward instead (`gather_context`, then
+`draft_attention_gathered` per layer): the same values, a fraction of the small ops."""
 
 from __future__ import annotations
 
@@ -69,3 +71,46 @@ def draft_attention(
 
         return draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits, **knobs)
     return draft_attention_reference(q, pool, layer, table, k_blk, v_blk, mask)
+
+
+
+def gather_context(pool: torch.Tensor, table: torch.Tensor, mask: torch.Tensor, block: int) -> torch.Tensor:
+    """Every layer's context K and V of the pages `table` [R, W] at once, for a whole drafting
+    forward: fp32 [2, L, kv, R, W·page_size + block, hd] (K at index 0, V at 1), context slots the
+    mask [R, W·page_size + block] hides zeroed (garbage there, NaN included, cannot leak). The last
+    `block` slots of each layer are left for `draft_attention_gathered` to fill with the block's
+    own K/V. One `index_select` per request straight into the buffer and a zeroing of the hidden
+    slots alone (reads the mask on the host: the CPU path): a broadcast masked fill or a permuting
+    copy of the whole context costs several times more on a CPU."""
+    r, w = table.shape
+    n, nl, ps, hd = pool.shape[1], pool.shape[2], pool.shape[3], pool.shape[4]
+    s = w * ps
+    if mask.shape != (r, s + block) or mask.dtype != torch.bool:
+        raise ValueError(f"mask {tuple(mask.shape)} {mask.dtype} is not bool [{r}, {s} + {block}]")
+    # [pages, 2·kv, L, ps, hd] as [2, L, kv, pages, ps, hd]: the heads interleave K and V per KV head
+    src = pool.view(pool.shape[0], n // 2, 2, nl, ps, hd).permute(2, 3, 1, 0, 4, 5)
+    out = torch.empty(2, nl, n // 2, r, s + block, hd, dtype=torch.float32, device=pool.device)
+    ctx = out[..., :s, :].view(2, nl, n // 2, r, w, ps, hd)
+    for i in range(r):
+        if src.dtype == torch.float32:
+            torch.index_select(src, 3, table[i], out=ctx[:, :, :, i])
+        else:
+            ctx[:, :, :, i].copy_(src.index_select(3, table[i]))
+    hidden = (~mask[:, :s]).nonzero()
+    if len(hidden):
+        out.permute(3, 4, 0, 1, 2, 5)[hidden[:, 0], hidden[:, 1]] = 0
+    return out
+
+
+def draft_attention_gathered(q: torch.Tensor, kv: torch.Tensor, layer: int, k_blk: torch.Tensor,
+                             v_blk: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`draft_attention` of layer `layer` over a `gather_context` buffer `kv`: writes the block's
+    K/V ([R, B, kv, hd]) into that layer's last B slots, then attends (fp32, the key mask). Block
+    keys the mask hides stay finite, so they contribute exact zeros, as the zeroed ones of the
+    reference do."""
+    b, hd = k_blk.shape[1], q.shape[-1]
+    k, v = kv[0, layer].transpose(0, 1), kv[1, layer].transpose(0, 1)  # [R, kv, W·ps + B, hd]
+    k[:, :, -b:].copy_(k_blk.transpose(1, 2))
+    v[:, :, -b:].copy_(v_blk.transpose(1, 2))
+    o = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask[:, None, None, :], scale=hd**-0.5)
+    return o.to(q.dtype)

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm53.kernels.draft_attention import draft_attention
+from glm53.kernels.dispatch import use_triton
+from glm53.kernels.draft_attention import draft_attention, draft_attention_gathered, gather_context
 from glm53.kernels.norm import rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.models.config import GlmConfig
@@ -41,6 +42,8 @@ from glm53.models.layers import MLP, ColumnParallelLinear, Linear, Norm, RowPara
 from glm53.models.parallel import TPGroup
 
 DRAFT_KV = "draft_kv"
+# The CPU drafting path keeps a transposed copy of the target's lm_head weight up to this size.
+LM_HEAD_COPY_MAX_BYTES = 256 << 20
 
 
 @dataclass
@@ -83,6 +86,19 @@ class PagedContext:
     pool: torch.Tensor  # the `draft_kv` pool tensor [pages, 2·kv, L, page_size, hd]
     table: torch.Tensor  # [R, W] page ids (entries of pages nothing visible lies in are never read)
     mask: torch.Tensor  # [R, W·page_size + B] bool
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """One draft layer's weights for the CPU drafting path, each product's transposed ([in, out])
+    and this rank's shard: [q; k; v], the q_norm / k_norm weights as one per-head table
+    [n_heads + kv, hd], o_proj, [gate; up], down."""
+
+    qkv: torch.Tensor
+    qk_norm: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 def project_features(
@@ -319,7 +335,7 @@ class DFlashDraft(nn.Module):
         ctx = self.paged_context(table.to(dev), mask, pools)
         ids = ids.to(dev)
         h = self.block_hidden(target, ids, positions, ctx)
-        logits = self.logits_of(target, h)
+        logits = self.logits_of(target, h) if use_triton(h) else self._logits_cpu(target, h)
         return self.choose(logits, ids[:, 0], h, self.block_sampling(blocks, b - 1, dev)), logits
 
     def choose(self, logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tensor,
@@ -360,9 +376,82 @@ class DFlashDraft(nn.Module):
         r, b = ids.shape
         x = target.embed(ids.reshape(-1)).to(self.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx, i)
+        fused = None if use_triton(x) else self._fused_weights()
+        if fused is not None:
+            x = self._layers_fused(x, cos, sin, ctx, fused)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, ctx, i)
         return rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
+
+    def _fused_weights(self) -> list[FusedLayer] | None:
+        """Per layer, the weights of the CPU drafting path (`FusedLayer`); None when a weight is
+        block-FP8 (the modules' own products then). Rebuilt whenever a weight was replaced or
+        changed in place (loading), as `_stacked_kv`."""
+        src = getattr(self, "_fused_src", None)
+        if src is None:  # the modules never change, only their parameters (replaced or written)
+            mods = [(la.self_attn, la.mlp) for la in self.layers]
+            lins = [m for a, mlp in mods for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                    mlp.down_proj)]
+            src = self._fused_src = (lins, lins + [n for a, _ in mods for n in (a.q_norm, a.k_norm)])
+        if any(m._parameters["weight_scale_inv"] is not None for m in src[0]):
+            return None
+        key = tuple((w.data_ptr(), w._version) for w in (m._parameters["weight"] for m in src[1]))
+        if getattr(self, "_fused_key", None) != key:
+            t = lambda *w: torch.cat(w).T.contiguous()  # noqa: E731
+            mods = [(la.self_attn, la.mlp) for la in self.layers]
+            self._fused = [
+                FusedLayer(
+                    qkv=t(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                    qk_norm=torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv, -1)]),
+                    o=t(a.o_proj.weight), gate_up=t(mlp.gate_proj.weight, mlp.up_proj.weight),
+                    down=t(mlp.down_proj.weight))
+                for a, mlp in mods
+            ]
+            self._fused_key = key
+        return self._fused
+
+    def _layers_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedContext,
+                      fused: list[FusedLayer]) -> torch.Tensor:
+        """The draft layers on block rows x [R·B, H] as `DraftLayer.forward` computes them, with
+        fewer, cheaper ops (the CPU path, where a step is mostly per-op host cost): every layer's
+        context gathered once (kernels/draft_attention.gather_context), one [q; k; v] and one
+        [gate; up] product, one norm and one RoPE over the q and k heads, and every product on a
+        transposed copy of its weight (a CPU GEMM of a few rows by [in, out] weights takes about
+        half the time of one by [out, in]; the values match to rounding)."""
+        r = ctx.table.shape[0]
+        n, hd, eps, tp = x.shape[0], self.cfg.head_dim, self.cfg.rms_norm_eps, self.tp
+        b = n // r
+        kv_buf = gather_context(ctx.pool, ctx.table, ctx.mask, b)
+        for i, (layer, f) in enumerate(zip(self.layers, fused)):
+            hq, hk = layer.self_attn.n_heads, layer.self_attn.n_kv
+            qkv = rms_norm(x, layer.input_layernorm.weight, eps) @ f.qkv
+            qk = rms_norm(qkv[:, : (hq + hk) * hd].view(n, hq + hk, hd), f.qk_norm, eps)
+            qk = apply_rope(qk, cos, sin, interleave=False)
+            v = qkv[:, (hq + hk) * hd :].view(r, b, hk, hd)
+            # Query head h reads KV head h // group: [R, kv, group·B, hd] as in DraftAttention.forward.
+            g = hq // hk
+            q = qk[:, :hq].reshape(r, b, hk, g, hd).permute(0, 2, 3, 1, 4).reshape(r, hk, g * b, hd)
+            o = draft_attention_gathered(q, kv_buf, i, qk[:, hq:].reshape(r, b, hk, hd), v, ctx.mask)
+            x = x + tp.all_reduce(o.view(r, hk, g, b, hd).permute(0, 3, 1, 2, 4).reshape(n, hq * hd) @ f.o)
+            gu = rms_norm(x, layer.post_attention_layernorm.weight, eps) @ f.gate_up
+            w = gu.shape[1] // 2
+            x = x + tp.all_reduce((F.silu(gu[:, :w]) * gu[:, w:]) @ f.down)
+        return x
+
+    def _logits_cpu(self, target: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """`logits_of` on the CPU: the product by a transposed copy of the target's lm_head
+        weight (twice as fast for the B − 1 rows of a block), kept while that weight is unchanged
+        and small enough that the copy is cheap next to the model (a CPU run's tiny model)."""
+        w = target.lm_head.weight
+        if w.numel() * w.element_size() > LM_HEAD_COPY_MAX_BYTES or w.dtype != h.dtype:
+            return self.logits_of(target, h)
+        key = (w.data_ptr(), w._version, w.device)
+        if getattr(self, "_lm_head_key", None) != key:
+            self._lm_head_t = w.T.contiguous()
+            self._lm_head_key = key
+        r, n, _ = h.shape
+        return target.lm_head.tp.all_gather(h.reshape(r * n, -1) @ self._lm_head_t, dim=-1).float().view(r, n, -1)
 
     @staticmethod
     def logits_of(target: nn.Module, h: torch.Tensor) -> torch.Tensor:
