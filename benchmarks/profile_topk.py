@@ -110,16 +110,15 @@ def parse(path: str) -> None:
 
 AB_SHAPES = [(B, L) for B in (1, 8, 64) for L in (8192, 32768, 131072)]
 KNOB_SHAPES = ((8, 131072), (64, 32768), (64, 131072))
-# the scan split into smaller programs (fewer warps, more chunks a row: fewer and cheaper block
-# barriers per score, more programs per SM), with a larger candidate tile where the chunks are
-# many (each chunk's share of the candidates must fit its tile)
+# the scan split into smaller programs (fewer warps, more chunks a row: cheaper block barriers),
+# the finish's candidate tile on 16 warps, the bracket on 32
 KNOBS = {
-    "ct8k": dict(cand_total=8192),
     "w4c16": dict(num_warps=4, block=1024, chunks=16, finish_warps=8),
-    "w4c16ct8k": dict(num_warps=4, block=1024, chunks=16, finish_warps=8, cand_total=8192),
-    "w2c32ct8k": dict(num_warps=2, block=512, chunks=32, finish_warps=8, cand_total=8192),
-    "w1c64ct8k": dict(num_warps=1, block=256, chunks=64, finish_warps=8, cand_total=8192),
-    "w2c32pf2": dict(num_warps=2, block=512, chunks=32, finish_warps=8, cand_total=8192, scan_prefetch=2),
+    "w4c16fw16": dict(num_warps=4, block=1024, chunks=16, finish_warps=16),
+    "w4c16pf2": dict(num_warps=4, block=1024, chunks=16, finish_warps=8, scan_prefetch=2),
+    "w4c8": dict(num_warps=4, block=1024, chunks=8, finish_warps=8),
+    "ct8kfw16": dict(cand_total=8192, finish_warps=16),
+    "bw32": dict(bracket_warps=32),
 }
 
 
