@@ -15,7 +15,7 @@ its own KV (the `mtp_kv` / `mtp_index_k` pools, over the target's page ids), and
 h'_j = shared_head.norm(layer(x_j)) proposes t_{j+2} = argmax(head(h'_j)). A chained step k feeds
 (proposal_k, h'_{previous row}) at the next position, so h' takes h's place.
 
-Decode (`NextNDraft.spec_step`): the runner keeps, per request (`DraftBlock.key`), what the last
+Decode (`ModelRunner.spec_step` with this draft): the runner keeps, per request (`DraftBlock.key`), what the last
 verify saw: its start position, its tokens and the target's final-normed hidden rows. A step
 first runs the MTP over the positions the last verify committed (inputs: the committed token
 after each, the TARGET's hidden rows), which writes the MTP KV of those positions and gives the
@@ -49,7 +49,6 @@ from glm53.models.kv_cache import INDEX_K, LATENT, KVPools, Pool
 from glm53.models.layers import Linear, Norm, ParallelLMHead, VocabParallelEmbedding
 from glm53.models.model import DecoderLayer, ForwardBatch
 from glm53.models.parallel import TPGroup
-from glm53.models.spec_state import SpecOutput
 
 MTP_KV = "mtp_kv"  # the MTP layer's latent rows [c_kv | k_pe]
 MTP_INDEX_K = "mtp_index_k"  # its indexer keys
@@ -251,68 +250,6 @@ class NextNDraft(nn.Module):
         q = draft_probs(logits[:, None], s)[:, 0]
         return torch.where(s.rows, inverse_cdf(q, s.uniforms[:, k]), tok), q
 
-    @torch.inference_mode()
-    def spec_step(self, runner, blocks) -> SpecOutput:
-        """One speculative step for `blocks` on `runner` (the whole target, this draft's pools):
-        catch-up rows over what the last verify committed, num_steps − 1 chained rows, then one
-        target forward verifying [last token, proposals...]; keeps the verify's hidden rows for
-        the next step (only of this batch's requests: a request that left is forgotten)."""
-        from glm53.models.runner import SeqChunk  # noqa: PLC0415 (the runner imports this module)
-
-        if not blocks:
-            raise ValueError("spec_step needs at least one block")
-        dev = runner.device
-        widths = [(b.block_size or self.block_size) - 1 for b in blocks]  # proposals wanted
-        ups = self.catch_up(blocks)
-        live = [i for i, u in enumerate(ups) if u is not None and widths[i] > 0]
-        drafts: list[list[int]] = [[] for _ in blocks]
-        probs: list[torch.Tensor | None] = [None] * len(blocks)
-        if live:
-            n = max(widths[i] for i in live)
-            sampling = _block_sampling([blocks[i] for i in live], n, dev)
-            # Catch-up: the committed positions, fed by the target's hidden rows.
-            chunks = [SeqChunk(ups[i][1], ups[i][0], blocks[i].page_table) for i in live]
-            batch, _ = runner.build_batch(chunks)
-            hidden = torch.cat([ups[i][2] for i in live])
-            h = self.rows(batch.input_ids, hidden, batch)
-            ends = torch.tensor([len(ups[i][1]) for i in live]).cumsum(0) - 1
-            h = h[ends.to(dev)]
-            toks, qs = [], []
-            for k in range(n):
-                if k:  # a chained row at position start_pos + k − 1: (proposal k, h' before it)
-                    chunks = [SeqChunk([0], blocks[i].start_pos + k - 1, blocks[i].page_table) for i in live]
-                    batch, _ = runner.build_batch(chunks)
-                    h = self.rows(toks[-1], h, batch)
-                tok, q = self.sampled_proposal(self.head_logits(h), sampling, k)
-                toks.append(tok)
-                qs.append(q)
-            rows = torch.stack(toks, dim=1).tolist()
-            for j, i in enumerate(live):
-                drafts[i] = rows[j][: widths[i]]
-                if blocks[i].sampling is not None:
-                    probs[i] = torch.stack(qs, dim=1)[j, : widths[i]]
-        # Verify, keeping the target's final-normed rows for the next step's catch-up.
-        chunks = [SeqChunk([b.last_token, *d], b.start_pos, b.page_table, all_logits=True)
-                  for b, d in zip(blocks, drafts)]
-        batch, _ = runner.build_batch(chunks)
-        out = runner.model.forward_stage(batch, runner.pools, None)
-        hn = runner.model.final_norm(out.hidden)
-        flat_logits = runner.model.lm_head(hn).float()
-        logits, state, r = [], {}, 0
-        for b, c in zip(blocks, chunks):
-            k = len(c.token_ids)
-            logits.append(flat_logits[r : r + k])
-            if b.key is not None and b.key >= 0:
-                state[b.key] = (b.start_pos, c.token_ids, hn[r : r + k])
-            r += k
-        self.state = state
-        flat = flat_logits.argmax(dim=-1).tolist()
-        greedy, r = [], 0
-        for lg in logits:
-            greedy.append(flat[r : r + len(lg)])
-            r += len(lg)
-        return SpecOutput(drafts, logits, greedy, probs if any(p is not None for p in probs) else None)
-
-
-def _block_sampling(blocks, n: int, device: torch.device) -> BlockSampling | None:
+def block_sampling(blocks, n: int, device: torch.device) -> BlockSampling | None:
+    """The sampled blocks' uniforms and filters for n chained proposals (DFlash's rule)."""
     return DFlashDraft.block_sampling(blocks, n, device)

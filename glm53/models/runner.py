@@ -43,7 +43,7 @@ from glm53.models.graph import DecodeGraphs, GraphConfig
 from glm53.models.spec_graph import SpecGraphs
 from glm53.models.spec_state import SpecOutput
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
-from glm53.models.mtp import NextNDraft
+from glm53.models.mtp import NextNDraft, block_sampling
 from glm53.models.mtp_weights import build_nextn
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import TPGroup
@@ -333,7 +333,7 @@ class ModelRunner:
         decides), else it runs eagerly. Every TP rank computes the same proposals (sampled ones
         from the blocks' seeds), so every rank builds the same verify batch."""
         if self.mtp is not None:
-            return self.mtp.spec_step(self, blocks)
+            return self._mtp_step(blocks)
         if self.spec_graphs is not None:
             hit = self.spec_graphs.bucket(blocks)
             if hit is not None:
@@ -357,6 +357,68 @@ class ModelRunner:
             greedy.append(flat[r : r + len(lg)])
             r += len(lg)
         return SpecOutput(drafts, logits, greedy, probs if any(p is not None for p in probs) else None)
+
+    @torch.inference_mode()
+    def _mtp_step(self, blocks: list[DraftBlock]) -> SpecOutput:
+        """The MTP draft's speculative step for `blocks` (the whole target on this runner):
+        catch-up rows over what the last verify committed, num_steps − 1 chained rows, then one
+        target forward verifying [last token, proposals...]; keeps the verify's hidden rows for
+        the next step (only of this batch's requests: a request that left is forgotten)."""
+        mtp = self.mtp
+        if not blocks:
+            raise ValueError("spec_step needs at least one block")
+        dev = self.device
+        widths = [(b.block_size or mtp.block_size) - 1 for b in blocks]  # proposals wanted
+        ups = mtp.catch_up(blocks)
+        live = [i for i, u in enumerate(ups) if u is not None and widths[i] > 0]
+        drafts: list[list[int]] = [[] for _ in blocks]
+        probs: list[torch.Tensor | None] = [None] * len(blocks)
+        if live:
+            n = max(widths[i] for i in live)
+            sampling = block_sampling([blocks[i] for i in live], n, dev)
+            # Catch-up: the committed positions, fed by the target's hidden rows.
+            chunks = [SeqChunk(ups[i][1], ups[i][0], blocks[i].page_table) for i in live]
+            batch, _ = self.build_batch(chunks)
+            hidden = torch.cat([ups[i][2] for i in live])
+            h = mtp.rows(batch.input_ids, hidden, batch)
+            ends = torch.tensor([len(ups[i][1]) for i in live]).cumsum(0) - 1
+            h = h[ends.to(dev)]
+            toks, qs = [], []
+            for k in range(n):
+                if k:  # a chained row at position start_pos + k − 1: (proposal k, h' before it)
+                    chunks = [SeqChunk([0], blocks[i].start_pos + k - 1, blocks[i].page_table) for i in live]
+                    batch, _ = self.build_batch(chunks)
+                    h = mtp.rows(toks[-1], h, batch)
+                tok, q = mtp.sampled_proposal(mtp.head_logits(h), sampling, k)
+                toks.append(tok)
+                qs.append(q)
+            rows = torch.stack(toks, dim=1).tolist()
+            for j, i in enumerate(live):
+                drafts[i] = rows[j][: widths[i]]
+                if blocks[i].sampling is not None:
+                    probs[i] = torch.stack(qs, dim=1)[j, : widths[i]]
+        # Verify, keeping the target's final-normed rows for the next step's catch-up.
+        chunks = [SeqChunk([b.last_token, *d], b.start_pos, b.page_table, all_logits=True)
+                  for b, d in zip(blocks, drafts)]
+        batch, _ = self.build_batch(chunks)
+        out = self.model.forward_stage(batch, self.pools, None)
+        hn = self.model.final_norm(out.hidden)
+        flat_logits = self.model.lm_head(hn).float()
+        logits, state, r = [], {}, 0
+        for b, c in zip(blocks, chunks):
+            k = len(c.token_ids)
+            logits.append(flat_logits[r : r + k])
+            if b.key is not None and b.key >= 0:
+                state[b.key] = (b.start_pos, c.token_ids, hn[r : r + k])
+            r += k
+        mtp.state = state
+        flat = flat_logits.argmax(dim=-1).tolist()
+        greedy, r = [], 0
+        for lg in logits:
+            greedy.append(flat[r : r + len(lg)])
+            r += len(lg)
+        return SpecOutput(drafts, logits, greedy, probs if any(p is not None for p in probs) else None)
+
 
     def forward(self, chunks: list[SeqChunk], inputs: StageInput | None = None,
                 tokens: DeviceTokens | None = None) -> list[torch.Tensor]:
