@@ -501,3 +501,22 @@ def test_fp8_benchmark_smoke(monkeypatch, capsys):
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gemm.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "decode crossover" in out and "all shapes, M=3" in out and "| N | experts hit |" in out, out[-2000:]
+
+
+# ---- bucket edges of the count classes (kernels/variants.py) ---------------------------------
+# widths rounded up to 16 past every length, widths at the scan's block edge, a one-row batch,
+# and the FP8 GEMM's rows at its variant and tile edges: the counts that no longer specialize
+# must still give the reference's result at 1, 16 and in between
+def test_indexer_rounded_width_past_every_length():
+    cases.check_indexer_bf16(4, 8, 64, 48, [33, 17, 1, 0], page_size=16)
+    cases.check_indexer_bf16(1, 8, 64, 16, [16], page_size=16)
+
+
+@pytest.mark.parametrize("B,L,lens", [(1, 16, [9]), (3, 2064, [2050, 2049, 17]), (2, 2048, [2048, 1900])])
+def test_topk_width_edges(B, L, lens):
+    cases.check_topk(B, L, 64, lens, paged=True)
+
+
+@pytest.mark.parametrize("M,variant", [(1, "w8a16"), (16, "w8a16"), (32, "w8a16"), (33, "w8a8"), (65, "w8a8")])
+def test_fp8_gemm_row_edges(M, variant):
+    fp8_cases.check_gemm(M, 136, 256, torch.bfloat16, variant)
