@@ -9,9 +9,11 @@ the hardware counters), and summarize the counters that explain a kernel's time.
     python benchmarks/profile_topk.py hot fin.csv
 
 A/B of top-k variants in one process (CUDA-graph replays over rotating input sets, each variant
-checked for exact sets first on ragged, tied, special and trending rows), with the stage prefixes
-and a plain streaming read of the same grid as the floor:
+checked for exact sets first on ragged, tied, special, trending and paged rows), with `torch.topk`
+and a plain streaming read of the same grid beside (the floor):
 
+    export TRITON_CACHE_DIR=/tmp/tc  # the compiles first, shared out to parallel processes:
+    for i in $(seq 0 13); do python benchmarks/profile_topk.py warm $i 14 & done; wait
     python benchmarks/profile_topk.py ab [OUT.jsonl] [BASE_MODULE.py]
 
 BASE_MODULE (optional): another copy of `topk_triton.py` timed beside the current one.
@@ -37,16 +39,15 @@ WANT = {
 }
 
 
-def run(B: int, L: int, reps: int = 3, stage: str = "") -> None:
+def run(B: int, L: int, reps: int = 3) -> None:
     import torch
 
     from glm53.kernels.topk_triton import topk_triton
 
     x = torch.randn(B, L, device="cuda")
     lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-    kw = dict(scan_stage=stage == "stage") if stage else {}  # "stage" / "nostage": the scan's loop
     for _ in range(reps):
-        topk_triton(x, lens, 2048, **kw)
+        topk_triton(x, lens, 2048)
     torch.cuda.synchronize()
 
 
@@ -254,7 +255,7 @@ def ab(out_path: str | None = None, base_path: str | None = None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
-        run(int(sys.argv[2]), int(sys.argv[3]), stage=sys.argv[4] if len(sys.argv) > 4 else "")
+        run(int(sys.argv[2]), int(sys.argv[3]))
     elif sys.argv[1] == "hot":
         hot(sys.argv[2])
     elif sys.argv[1] == "warm":
