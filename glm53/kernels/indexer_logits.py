@@ -28,6 +28,26 @@ def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, n: int) -> torch
     return cache[pages, (pos % page_size)[None, :]]
 
 
+def _keys(k_cache: torch.Tensor, k_scales: torch.Tensor | None, page_table: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` keys of each page-table row, fp32 [R, n, D] (an fp8 cache dequantized with
+    its per-token `k_scales`; the bytes are gathered, as indexing fp8 tensors is not implemented
+    everywhere, then widened)."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        keys = gather_paged(k_cache.view(torch.uint8), page_table, n).view(torch.float8_e4m3fn).float()
+        return keys * gather_paged(k_scales, page_table, n)[..., None]
+    return gather_paged(k_cache, page_table, n).float()
+
+
+def row_runs(page_table: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive equal page-table rows: the tokens of one request
+    in a prefill chunk or a verify block (reads the table on the host: the CPU path)."""
+    t = page_table.shape[0]
+    if t == 1:
+        return [(0, 1)]
+    cuts = ((page_table[1:] != page_table[:-1]).any(dim=1).nonzero().flatten() + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, t]))
+
+
 def indexer_logits_reference(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -38,20 +58,34 @@ def indexer_logits_reference(
     k_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`k_scales` [num_pages, page_size] fp32 with an fp8 `k_cache`: each gathered key is
-    dequantized (fp8 value × its token's scale) in fp32, only the rows a query can see."""
+    dequantized (fp8 value × its token's scale) in fp32, only the rows a query can see.
+
+    Tokens that share their request's page table (a prefill chunk, a verify block) read its keys
+    gathered once for all of them; a batch of one token per request gathers each token's keys
+    in one batch."""
     T, H, D = q.shape
     out = torch.empty((T, max_len), dtype=torch.float32, device=q.device)
+    pos = torch.arange(max_len, device=q.device)
+    runs = row_runs(page_table)
+    if len(runs) == T:
+        runs = []  # no row shares its keys: the batched gather below
+    for r0, r1 in runs:
+        keys = _keys(k_cache, k_scales, page_table[r0 : r0 + 1], max_len)[0]  # [S, D]
+        # Bound the [t, H, S] products to ~16M elements per chunk of query tokens.
+        chunk = max(1, (1 << 24) // max(1, max_len * H))
+        for t0 in range(r0, r1, chunk):
+            t1 = min(r1, t0 + chunk)
+            dots = torch.matmul(q[t0:t1].float(), keys.T).relu_()  # [t, H, S]
+            logit = torch.einsum("th,ths->ts", weights[t0:t1].float(), dots)
+            valid = pos[None, :] < lengths[t0:t1].to(torch.long)[:, None]
+            out[t0:t1] = logit.masked_fill(~valid, float("-inf"))
+    if runs:
+        return out
     # Bound the gathered keys to ~16M elements per chunk of query tokens.
     chunk = max(1, (1 << 24) // max(1, max_len * D))
-    pos = torch.arange(max_len, device=q.device)
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        if fp8:  # gather the bytes (indexing fp8 tensors is not implemented everywhere), then widen
-            keys = gather_paged(k_cache.view(torch.uint8), page_table[t0:t1], max_len)
-            keys = keys.view(torch.float8_e4m3fn).float() * gather_paged(k_scales, page_table[t0:t1], max_len)[..., None]
-        else:
-            keys = gather_paged(k_cache, page_table[t0:t1], max_len).float()  # [t, S, D]
+        keys = _keys(k_cache, k_scales, page_table[t0:t1], max_len)  # [t, S, D]
         dots = torch.einsum("thd,tsd->ths", q[t0:t1].float(), keys).relu_()
         logit = torch.einsum("th,ths->ts", weights[t0:t1].float(), dots)
         valid = pos[None, :] < lengths[t0:t1].to(torch.long)[:, None]

@@ -20,12 +20,25 @@ from glm53.kernels import latent_cache_fp8
 from glm53.kernels.dispatch import use_triton
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows cache[slot // page_size, slot % page_size] of a [pages, page_size, D] layer view of a
+    page-major pool, [*slots.shape, D]: one `index_select` over the view's token rows, which
+    are evenly strided when the page stride is a whole number of row strides (the pools' layout),
+    instead of a two-index gather (half the time on a CPU); the two-index gather otherwise."""
+    ps, (sp, so, sd) = cache.shape[1], cache.stride()
+    if sd != 1 or so <= 0 or sp % so:
+        return cache[slots // ps, slots % ps]
+    per_page = sp // so
+    rows = torch.as_strided(cache, ((cache.shape[0] - 1) * per_page + ps, cache.shape[2]), (so, 1),
+                            cache.storage_offset())
+    return rows.index_select(0, ((slots // ps) * per_page + slots % ps).flatten()).view(*slots.shape, -1)
+
+
 def sparse_mla_reference(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, kv_lora_rank: int
 ) -> torch.Tensor:
     T, H, Dqk = q.shape
     K = indices.shape[1]
-    page_size = kv_cache.shape[1]
     fp8 = kv_cache.dtype == torch.uint8
     layout = latent_cache_fp8.LatentLayout(kv_lora_rank, Dqk - kv_lora_rank) if fp8 else None
     out = torch.empty((T, H, kv_lora_rank), dtype=q.dtype, device=q.device)
@@ -38,7 +51,7 @@ def sparse_mla_reference(
         if fp8:  # only the selected rows: [t, K, bytes_per_token] -> fp32 [t, K, R+P]
             kv = latent_cache_fp8.gather(kv_cache, idx, layout)
         else:
-            kv = kv_cache[idx // page_size, idx % page_size].float()  # [t, K, R+P]
+            kv = gather_slots(kv_cache, idx).float()  # [t, K, R+P]
         scores = torch.einsum("thd,tkd->thk", q[t0:t1].float(), kv) * sm_scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # all-masked row -> zeros
