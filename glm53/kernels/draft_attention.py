@@ -102,15 +102,23 @@ def gather_context(pool: torch.Tensor, table: torch.Tensor, mask: torch.Tensor, 
     return out
 
 
+def attention_bias(mask: torch.Tensor) -> torch.Tensor:
+    """The additive fp32 form [R, 1, 1, S] (0 where seen, -inf where hidden) of the key mask
+    [R, S] that SDPA would otherwise build from the bool mask on every call: built once per
+    drafting forward for `draft_attention_gathered`."""
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias[:, None, None, :]
+
+
 def draft_attention_gathered(q: torch.Tensor, kv: torch.Tensor, layer: int, k_blk: torch.Tensor,
-                             v_blk: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                             v_blk: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """`draft_attention` of layer `layer` over a `gather_context` buffer `kv`: writes the block's
-    K/V ([R, B, kv, hd]) into that layer's last B slots, then attends (fp32, the key mask). Block
-    keys the mask hides stay finite, so they contribute exact zeros, as the zeroed ones of the
-    reference do."""
+    K/V ([R, B, kv, hd]) into that layer's last B slots, then attends (fp32) under `bias`, the
+    key mask's `attention_bias`. Block keys the mask hides stay finite, so they contribute exact
+    zeros, as the zeroed ones of the reference do."""
     b, hd = k_blk.shape[1], q.shape[-1]
     k, v = kv[0, layer].transpose(0, 1), kv[1, layer].transpose(0, 1)  # [R, kv, W·ps + B, hd]
     k[:, :, -b:].copy_(k_blk.transpose(1, 2))
     v[:, :, -b:].copy_(v_blk.transpose(1, 2))
-    o = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask[:, None, None, :], scale=hd**-0.5)
+    o = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=bias, scale=hd**-0.5)
     return o.to(q.dtype)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm53.kernels.dispatch import use_triton
-from glm53.kernels.draft_attention import draft_attention, draft_attention_gathered, gather_context
+from glm53.kernels.draft_attention import attention_bias, draft_attention, draft_attention_gathered, gather_context
 from glm53.kernels.norm import rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.models.config import GlmConfig
@@ -423,18 +423,24 @@ class DFlashDraft(nn.Module):
         n, hd, eps, tp = x.shape[0], self.cfg.head_dim, self.cfg.rms_norm_eps, self.tp
         b = n // r
         kv_buf = gather_context(ctx.pool, ctx.table, ctx.mask, b)
+        bias = attention_bias(ctx.mask)
+        # RoPE (half-split) as x·[c, c] + [x2, x1]·[−s, s]: the reference's x1·c − x2·s and
+        # x2·c + x1·s bit for bit, with the tables built once for every layer.
+        c, s = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+        cos2, sin2 = torch.cat([c, c], dim=-1), torch.cat([-s, s], dim=-1)
+        half = hd // 2
         for i, (layer, f) in enumerate(zip(self.layers, fused)):
             hq, hk = layer.self_attn.n_heads, layer.self_attn.n_kv
-            qkv = rms_norm(x, layer.input_layernorm.weight, eps) @ f.qkv
-            qk = rms_norm(qkv[:, : (hq + hk) * hd].view(n, hq + hk, hd), f.qk_norm, eps)
-            qk = apply_rope(qk, cos, sin, interleave=False)
+            qkv = _rms(x, layer.input_layernorm.weight, eps) @ f.qkv
+            qk = _rms(qkv[:, : (hq + hk) * hd].view(n, hq + hk, hd), None, eps) * f.qk_norm
+            qk = qk * cos2 + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin2
             v = qkv[:, (hq + hk) * hd :].view(r, b, hk, hd)
             # Query head h reads KV head h // group: [R, kv, group·B, hd] as in DraftAttention.forward.
             g = hq // hk
             q = qk[:, :hq].reshape(r, b, hk, g, hd).permute(0, 2, 3, 1, 4).reshape(r, hk, g * b, hd)
-            o = draft_attention_gathered(q, kv_buf, i, qk[:, hq:].reshape(r, b, hk, hd), v, ctx.mask)
+            o = draft_attention_gathered(q, kv_buf, i, qk[:, hq:].reshape(r, b, hk, hd), v, bias)
             x = x + tp.all_reduce(o.view(r, hk, g, b, hd).permute(0, 3, 1, 2, 4).reshape(n, hq * hd) @ f.o)
-            gu = rms_norm(x, layer.post_attention_layernorm.weight, eps) @ f.gate_up
+            gu = _rms(x, layer.post_attention_layernorm.weight, eps) @ f.gate_up
             w = gu.shape[1] // 2
             x = x + tp.all_reduce((F.silu(gu[:, :w]) * gu[:, w:]) @ f.down)
         return x
@@ -503,6 +509,15 @@ class DFlashDraft(nn.Module):
         ctx_start = torch.tensor([blk.ctx_start for blk in blocks])[:, None]
         start = torch.tensor([blk.start_pos for blk in blocks])[:, None]
         return table, (pos[None] >= ctx_start) & (pos[None] < start)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim as kernels/norm.rms_norm_reference computes it; torch's own op
+    (one call) for fp32, whose values are the reference's (normalise, then scale), the reference
+    otherwise. `weight` None: the normalisation alone."""
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return rms_norm(x, weight if weight is not None else x.new_ones(x.shape[-1]), eps)
 
 
 def draft_kv_bytes_per_token(cfg: DFlashConfig, dtype: torch.dtype, tp_size: int = 1) -> int:

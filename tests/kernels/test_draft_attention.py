@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm53.kernels.draft_attention import (
-    draft_attention, draft_attention_gathered, draft_attention_reference, gather_context,
+    attention_bias, draft_attention, draft_attention_gathered, draft_attention_reference, gather_context,
 )
 
 from . import draft_cases
@@ -42,7 +42,7 @@ def test_gathered_context_matches_the_reference(dtype):
     buf = gather_context(x.pool_nan, x.table, x.mask, 4)
     assert buf.shape == (2, 3, 2, len(SPANS), 5 * 16 + 4, 32) and buf.dtype == torch.float32
     for layer in range(3):
-        out = draft_attention_gathered(x.q, buf, layer, x.k_blk, x.v_blk, x.mask)
+        out = draft_attention_gathered(x.q, buf, layer, x.k_blk, x.v_blk, attention_bias(x.mask))
         ref = draft_attention_reference(x.q, x.pool_nan, layer, x.table, x.k_blk, x.v_blk, x.mask)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, ref, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
