@@ -3,13 +3,16 @@ the embedded trained pair, greedy, block 16: TTFT without speculation, with DFla
 KV sent to decode (`speculative.draft_kv_transfer: true`, the default), and with DFlash and the
 draft KV not sent (decode then drafts without the prompt's context); and the τ the opt-out costs.
 
-    PYTHONPATH=. python benchmarks/draft_kv_cost.py [--prompts 8] [--rounds 2]
+    PYTHONPATH=. python benchmarks/draft_kv_cost.py [--prompts 8] [--rounds 3]
 
 Prompts: the first 1,500 characters of every 25th module of this Python's standard library (up to
 `--prompts`). Each request streams; TTFT = the first token's arrival at the client after the send,
 the median over `--rounds` passes over the prompts (each pass its own distinct suffix, so no
-prefix is cached; one warm-up request first). τ = tokens committed after the first (which
-prefill samples) per verify step. Target (issue 31 item 7): the draft-KV work adds ≤ 15 % to TTFT.
+prefix is cached; one warm-up request first). The three deployments run at once and each prompt
+goes to all three back to back, so the TTFT ratios are per request, under the same load; the
+router's own split of TTFT (queue, transfer bootstrap and latency, MB moved) is printed beside.
+τ = tokens committed after the first (which prefill samples) per verify step. Target (issue 31
+item 7): the draft-KV work adds ≤ 15 % to TTFT.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ import httpx
 
 from glm53.support.cluster import Cluster
 
+# The router's histograms that split TTFT: (name, unit scale to ms or MB, label).
+SPLIT = (("sglang:time_to_first_token_seconds", 1e3, "router TTFT ms"), ("sglang:queue_time_seconds", 1e3, "queue ms"),
+         ("sglang:kv_transfer_bootstrap_ms", 1, "bootstrap ms"), ("sglang:kv_transfer_latency_ms", 1, "transfer ms"),
+         ("sglang:kv_transfer_total_mb", 1, "MB moved"))
 SPEC = {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash", "num_draft_tokens": 16}
 
 
@@ -49,36 +56,62 @@ def stream(http: httpx.Client, url: str, text: str, new: int) -> tuple[float, di
     return first, meta
 
 
+def split_means(url: str) -> str:
+    """The means of the router's TTFT-splitting histograms (the warm-up request included)."""
+    sums: dict[str, list[float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for m, _, _ in SPLIT:
+            for part, i in (("_sum", 0), ("_count", 1)):
+                if line.startswith(m + part):
+                    sums.setdefault(m, [0.0, 0.0])[i] += float(line.rsplit(" ", 1)[1])
+    return ", ".join(f"{label} {sums[m][0] / sums[m][1] * k:.1f}" for m, k, label in SPLIT if sums.get(m, [0, 0])[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=64)
     a = ap.parse_args()
     src = Path(sysconfig.get_paths()["stdlib"])
     texts = [f.read_text(errors="ignore")[:1500] for f in sorted(src.glob("*.py"))[::25][: a.prompts]]
     cache = Path(tempfile.mkdtemp(prefix="kvcost-"))
-    ttft: dict[str, float] = {}
-    for name, spec in (("no speculation", None), ("DFlash, draft KV sent", {**SPEC, "draft_kv_transfer": True}),
-                       ("DFlash, draft KV not sent", {**SPEC, "draft_kv_transfer": False})):
-        c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec).start()
-        try:
-            with httpx.Client() as http:
+    configs = {"no speculation": None, "DFlash, draft KV sent": {**SPEC, "draft_kv_transfer": True},
+               "DFlash, draft KV not sent": {**SPEC, "draft_kv_transfer": False}}
+    clusters: dict[str, Cluster] = {}
+    try:
+        for name, spec in configs.items():
+            clusters[name] = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec).start()
+        ttft: dict[str, list[float]] = {n: [] for n in configs}
+        toks = {n: 0 for n in configs}
+        verify = {n: 0 for n in configs}
+        with httpx.Client() as http:
+            for n, c in clusters.items():
                 stream(http, c.url, "# warm-up\n" + texts[0], 8)
-                times, toks, verify = [], 0, 0
-                for r in range(a.rounds):
-                    for t in texts:
-                        first, meta = stream(http, c.url, f"{t}\n# pass {r}\n", a.new)
-                        times.append(first)
-                        toks += meta["completion_tokens"] - 1
-                        verify += meta.get("spec_verify_ct", 0)
-            ttft[name] = statistics.median(times)
-            rel = f" ({(ttft[name] / ttft['no speculation'] - 1) * 100:+.0f} % vs no speculation)" if spec else ""
-            tau = f", {verify} verify steps, tau {toks / verify:.2f}" if verify else ""
-            print(f"{name}: TTFT median {ttft[name] * 1e3:.1f} ms over {len(times)} requests{rel}; "
-                  f"{toks} tokens after the first{tau}", flush=True)
-        finally:
+            # Each prompt goes to the three deployments back to back (in a rotating order), so a
+            # shared CPU's drift moves all three alike; the ratios are taken prompt by prompt.
+            names = list(configs)
+            for r in range(a.rounds):
+                for i, t in enumerate(texts):
+                    k = (r * len(texts) + i) % len(names)
+                    for n in names[k:] + names[:k]:
+                        first, meta = stream(http, clusters[n].url, f"{t}\n# pass {r}\n", a.new)
+                        ttft[n].append(first)
+                        toks[n] += meta["completion_tokens"] - 1
+                        verify[n] += meta.get("spec_verify_ct", 0)
+        split = {n: split_means(c.url) for n, c in clusters.items()}
+    finally:
+        for c in clusters.values():
             c.stop()
+    base = ttft["no speculation"]
+    for n in configs:
+        rel = ""
+        if n != "no speculation":
+            ratio = statistics.median(x / b for x, b in zip(ttft[n], base))
+            rel = f" ({(ratio - 1) * 100:+.0f} % vs no speculation, median of the per-request ratios)"
+        tau = f", {verify[n]} verify steps, tau {toks[n] / verify[n]:.2f}" if verify[n] else ""
+        print(f"{n}: TTFT median {statistics.median(ttft[n]) * 1e3:.1f} ms over {len(ttft[n])} requests{rel}; "
+              f"{toks[n]} tokens after the first{tau}\n    router means: {split[n]}", flush=True)
 
 
 if __name__ == "__main__":
