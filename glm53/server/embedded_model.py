@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 # v1: random weights; v2: the trained pair of tools/train_tiny.py (assets/); v3: the same target
 # with the self-distilled 3-layer draft of tools/distill_draft.py; v4: that draft distilled again
 # on 16x more generated data (tools/distill_draft.py's lockstep generation); v5: that draft trained on
-# for 380 s more (held-out τ at block 16 4.92 -> 5.92).
-EMBEDDED_VERSION = 5
+# for 380 s more (held-out τ at block 16 4.92 -> 5.92); v6: the target gains a trained MTP layer
+# (num_nextn_predict_layers 1, tools/train_mtp.py; the target's own tensors unchanged).
+EMBEDDED_VERSION = 6
 EMBEDDED_DIRNAME = f"tiny-glm5-v{EMBEDDED_VERSION}"
 EMBEDDED_DRAFT_DIRNAME = f"tiny-glm5-dflash-v{EMBEDDED_VERSION}"
 # The random model (its own version: bump when write_embedded_model's output changes).
@@ -349,11 +350,18 @@ def weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch
     from glm53.models.model import GlmForCausalLM
     from glm53.models.weights import checkpoint_tensors
 
+    glm = GlmConfig.from_dict(cfg)
     with torch.device("meta"):
-        model = GlmForCausalLM(GlmConfig.from_dict(cfg), dtype=torch.bfloat16)
+        models = [GlmForCausalLM(glm, dtype=torch.bfloat16)]
+        if glm.num_nextn_predict_layers:  # the MTP layer (models/mtp.py), after the target's tensors
+            from glm53.models.mtp import NextNDraft, NextNSpec
+
+            spec = NextNSpec(glm.num_hidden_layers, moe=True, own_head=False, own_embed=False, fp8=False)
+            models.append(NextNDraft(glm, spec, dtype=torch.bfloat16))
     return {
         name: (shape, torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)
-        for name, (shape, _) in checkpoint_tensors(model).items()
+        for model in models for name, (shape, _) in checkpoint_tensors(model).items()
+        if not name.startswith("model.embed_tokens") or model is models[0]
     }
 
 

@@ -57,7 +57,13 @@ def write_mtp_layer(model_dir: str | Path, draft: NextNDraft) -> None:
     sd = load_file(str(path))
     prefix = f"model.layers.{draft.spec.layer}."
     sd = {k: v for k, v in sd.items() if not k.startswith(prefix)}
-    sd.update(mtp_state_dict(draft))
+    # Stored as the checkpoint stores the target's own: the same dtype as the matching tensor of
+    # its last layer, else the embedding's (bf16 with an fp32 router bias in the embedded model).
+    last = f"model.layers.{draft.cfg.num_hidden_layers - 1}."
+    default = sd["model.embed_tokens.weight"].dtype
+    for name, t in mtp_state_dict(draft).items():
+        like = sd.get(last + name[len(prefix):])
+        sd[name] = t.to(like.dtype if like is not None else default).contiguous()
     save_file(sd, str(path), metadata={"format": "pt"})
     cfg_path = model_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())

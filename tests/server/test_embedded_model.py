@@ -64,7 +64,10 @@ def test_transformers_loads_it_without_missing_or_unexpected_keys(model_dir):
 
     model, info = transformers.GlmMoeDsaForCausalLM.from_pretrained(str(model_dir), output_loading_info=True)
     assert info["missing_keys"] == [] or not info["missing_keys"]
-    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    # The MTP layer (index num_hidden_layers) is no part of transformers' model: it leaves those
+    # tensors unread, as it does GLM-5's own layer 78; nothing else is unexpected.
+    mtp = f"model.layers.{model.config.num_hidden_layers}."
+    assert all(k.startswith(mtp) for k in info["unexpected_keys"]) and not info["mismatched_keys"]
     assert model.config.indexer_types == json.loads((model_dir / "config.json").read_text())["indexer_types"]
     with torch.no_grad():
         logits = model(torch.arange(300, 380).unsqueeze(0)).logits  # 80 > index_topk: sparse path
@@ -101,7 +104,7 @@ def test_the_embedded_model_is_the_shipped_trained_checkpoint(model_dir):
 
 def test_shipped_pair_is_bf16_and_small():
     total = sum(f.stat().st_size for d in ("tiny-glm5", "tiny-glm5-dflash") for f in (ASSETS / d).iterdir())
-    assert total <= 25 * 2**20, total
+    assert total <= 28 * 2**20, total  # 25 MiB before the target's MTP layer (2.9 MB)
     for d in ("tiny-glm5", "tiny-glm5-dflash"):
         with safe_open(str(ASSETS / d / "model.safetensors"), "pt") as f:
             dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
