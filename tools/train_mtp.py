@@ -19,12 +19,20 @@ steps, greedy) on third-party code (`--package`, tools/eval_dflash.py's prompts)
 
 OUT is a copy of the target checkpoint plus the layer (num_nextn_predict_layers: 1); the
 target's tensors are copied unchanged (checked). `--install` writes it over --target.
+
+`--device cuda`: the target runner, the data and the training on the GPU (fp32, as on the CPU;
+data generated in larger batches). `--layer-out FILE`: also write the layer's tensors alone
+(model.layers.6.*, the checkpoint's names and dtypes, ~3 MB). `--install-layer FILE`: no
+training; such a file merged into a copy of --target in OUT (the target's tensors checked
+byte-identical), τ measured, then installed over --target (`--layer-in FILE`: the same, not
+installed). Labels (the target's argmax at every position) are computed once with the data.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import shutil
 import time
 from pathlib import Path
@@ -36,7 +44,9 @@ from glm53.models import DraftBlock, GlmConfig, ModelRunner, SeqChunk
 from glm53.models.kv_cache import KVPools
 from glm53.support.corpus import corpus_streams, package_prompts
 from glm53.support.distill_data import Data, build
-from glm53.support.mtp_checkpoint import random_nextn, write_mtp_layer
+from safetensors.torch import save_file
+
+from glm53.support.mtp_checkpoint import layer_tensors, random_nextn, write_layer_tensors
 from glm53.support.mtp_trainer import train_rows
 from glm53.support.training import log
 
@@ -59,7 +69,8 @@ def init_layer(draft, target, seed: int) -> None:
 
 
 @torch.no_grad()
-def corpus_windows(runner, stream: torch.Tensor, seq: int, seconds: float, batch: int, seed: int) -> Data:
+def corpus_windows(runner, stream: torch.Tensor, seq: int, seconds: float, batch: int, seed: int,
+                   cap: int | None = None) -> Data:
     """Random `seq`-token windows of the corpus, each run through the target once (teacher-forced,
     no decoding): tokens and the final-normed hidden state of every position. Labels come from
     the hidden states themselves (the target's own argmax), so these rows teach what the target
@@ -69,9 +80,9 @@ def corpus_windows(runner, stream: torch.Tensor, seq: int, seconds: float, batch
     g = torch.Generator().manual_seed(seed)
     toks, feats = [], []
     t0 = time.time()
-    while time.time() - t0 < seconds:
+    while time.time() - t0 < seconds and (cap is None or batch * len(toks) < cap):
         at = torch.randint(0, len(stream) - seq, (batch,), generator=g).tolist()
-        w = torch.stack([stream[s: s + seq] for s in at])
+        w = torch.stack([stream[s: s + seq] for s in at]).to(runner.device)
         chunks = [SeqChunk(w[i].tolist(), 0, list(range(i * npg, (i + 1) * npg))) for i in range(batch)]
         b, _ = runner.build_batch(chunks)
         out = runner.model.forward_stage(b, runner.pools, None, capture=[cfg.num_hidden_layers - 1])
@@ -83,10 +94,10 @@ def corpus_windows(runner, stream: torch.Tensor, seq: int, seconds: float, batch
                 torch.ones(m, dtype=torch.long), m)
 
 
-def tau(model_dir: Path, prompts: list[list[int]], new: int, steps: int) -> float:
+def tau(model_dir: Path, prompts: list[list[int]], new: int, steps: int, device: str = "cpu") -> float:
     """Tokens committed per verify of the served greedy loop (first, undrafted step excluded)."""
     r = ModelRunner.from_dir(model_dir, page_size=16, num_pages=len(prompts) * 32, progress=False,
-                             nextn_steps=steps)
+                             nextn_steps=steps, device=device, dtype=torch.float32)
     pages = [list(range(32 * i, 32 * i + 32)) for i in range(len(prompts))]
     outs = [[int(lg[-1].argmax())] for lg in r.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)])]
     committed = verifies = 0
@@ -109,21 +120,77 @@ def tau(model_dir: Path, prompts: list[list[int]], new: int, steps: int) -> floa
     return committed / max(1, verifies)
 
 
+@torch.no_grad()
+def target_labels(runner, feats: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """[M, S-1] the target's argmax after each position's successor: lm_head(h_{j+1}), computed once
+    (the last column reads the zero feature of position S − 1 and is never a kept label)."""
+    out = []
+    for s in range(0, len(feats), chunk):
+        out.append(runner.model.lm_head(feats[s: s + chunk, 1:].float()).argmax(-1))
+    return torch.cat(out)
+
+
+def check_and_tau(a, cfg, out_dir: Path) -> float:
+    """The target's tensors in `out_dir` byte-identical to --target's (else exit); held-out τ."""
+    L = f"model.layers.{cfg.num_hidden_layers}."
+    before, after = load_file(str(a.target / "model.safetensors")), load_file(str(out_dir / "model.safetensors"))
+    keys = sorted(k for k in before if not k.startswith(L))
+    same = set(keys) == {k for k in after if not k.startswith(L)} and all(
+        before[k].dtype == after[k].dtype and torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))
+        for k in keys)
+    digest = hashlib.sha256(b"".join(before[k].contiguous().view(torch.uint8).numpy().tobytes() for k in keys)).hexdigest()
+    log(f"target tensors unchanged: {same} ({len(keys)} tensors, sha256 of the target's tensors in name order "
+        f"{digest[:16]})")
+    if not same:
+        raise SystemExit("the target's tensors changed")
+    try:
+        prompts = package_prompts(a.target, a.package, a.held_prompts, a.held_prompt)
+    except ValueError as e:  # e.g. a device machine without the package installed
+        log(f"held-out tau not measured: {e}")
+        return float("nan")
+    t = tau(out_dir, prompts, a.held_new, a.steps, a.device)
+    log(f"held-out tau ({a.package}: {len(prompts)} prompts of {a.held_prompt} tokens, {a.held_new} new, "
+        f"{a.steps} steps, greedy, served spec_step, {a.device}): {t:.2f}")
+    return t
+
+
+def copy_target(a, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for f in a.target.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+
+
+def install(a, out: Path) -> None:
+    src = a.target / "model.safetensors"
+    old = hashlib.sha256(src.read_bytes()).hexdigest()
+    for name in ("model.safetensors", "config.json"):
+        shutil.copy2(out / name, a.target / name)
+    log(f"installed into {a.target} (sha256 of model.safetensors before {old[:8]}..., after "
+        f"{hashlib.sha256(src.read_bytes()).hexdigest()[:8]}...)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=Path("assets/tiny-glm5"))
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the VM has 2 cores)")
     ap.add_argument("--seq", type=int, default=160)
-    ap.add_argument("--gen-batch", type=int, default=96)
+    ap.add_argument("--gen-batch", type=int, help="sequences a generation round (default 96, cuda 512)")
     ap.add_argument("--gen-seconds", type=float, default=150)
     ap.add_argument("--max-rounds", type=int, default=8, help="generation rounds the data buffer holds")
     ap.add_argument("--data", type=Path, help="reuse (or save) the generated sequences here")
     ap.add_argument("--window-seconds", type=float, default=120,
                     help="teacher-forced corpus windows added to the data, generated for this long")
+    ap.add_argument("--max-windows", type=int, help="at most this many corpus windows (memory: 80 KB each)")
+    ap.add_argument("--window-batch", type=int, help="windows a target forward (default --gen-batch)")
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--train-seconds", type=float, default=420)
     ap.add_argument("--batch", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=0, help="linear lr warm-up steps")
+    ap.add_argument("--cosine", action="store_true", help="cosine lr decay to 10 %% over --train-seconds")
     ap.add_argument("--package", default="httpx")
     ap.add_argument("--held-prompts", type=int, default=8)
     ap.add_argument("--held-prompt", type=int, default=128)
@@ -132,29 +199,70 @@ def main() -> None:
     ap.add_argument("--step-weights", type=float, nargs="+", default=[1.0, 0.7, 0.5],
                     help="loss weight of each chained step trained (step 1 reads the target's hidden)")
     ap.add_argument("--init", type=Path, help="start from this checkpoint's MTP layer (an earlier --out)")
+    ap.add_argument("--layer-out", type=Path, help="also write the layer's tensors alone to this safetensors file")
+    ap.add_argument("--layer-in", type=Path, help="no training: this --layer-out file's layer, checked and measured")
+    ap.add_argument("--install-layer", type=Path, help="--layer-in FILE --install")
     ap.add_argument("--install", action="store_true")
     a = ap.parse_args()
+    if a.install_layer is not None:
+        a.layer_in, a.install = a.install_layer, True
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    dev = torch.device(a.device)
+    if a.gen_batch is None:
+        a.gen_batch = 512 if dev.type == "cuda" else 96
     t0 = time.time()
     cfg = GlmConfig.from_dir(a.target)
     H, ps = cfg.hidden_size, 16
-    runner = ModelRunner.from_dir(a.target, page_size=ps, num_pages=a.gen_batch * -(-a.seq // ps), progress=False,
-                                  dtype=torch.float32)
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
+
+    if a.layer_in is not None:  # merge a trained layer file, check, measure, maybe install
+        from safetensors import safe_open
+
+        tensors = load_file(str(a.layer_in))
+        with safe_open(str(a.layer_in), "pt") as f:
+            meta = f.metadata() or {}
+        log(f"layer file {a.layer_in}: {len(tensors)} tensors, {a.layer_in.stat().st_size / 1e6:.2f} MB, {meta}")
+        like = load_file(str(a.target / "model.safetensors"))
+        mine = {k: v for k, v in like.items() if k.startswith(prefix)}
+        if mine and (set(mine) != set(tensors) or any(mine[k].dtype != tensors[k].dtype or mine[k].shape != tensors[k].shape
+                                                       for k in mine)):
+            raise SystemExit("the layer file's names, dtypes or shapes differ from the checkpoint's MTP layer")
+        copy_target(a, a.out)
+        write_layer_tensors(a.out, cfg.num_hidden_layers, tensors)
+        check_and_tau(a, cfg, a.out)
+        if a.install:
+            install(a, a.out)
+        return
+
+    wb = a.window_batch or a.gen_batch
+    runner = ModelRunner.from_dir(a.target, page_size=ps, num_pages=max(a.gen_batch, wb) * -(-a.seq // ps),
+                                  progress=False, dtype=torch.float32, device=a.device)
     if a.data is not None and a.data.is_file():  # an earlier run's sequences (same target, same --seq)
         d = torch.load(a.data)
         data = Data(d["tokens"], d["feats"], d["starts"], d["greedy"], d["plen"], len(d["tokens"]))
+        labels = d.get("labels")
     else:
         train_s, _ = corpus_streams(a.target)
-        data = Data.empty(a.max_rounds * a.gen_batch, a.seq, H, "cpu")
-        build(runner, train_s, data, n=a.gen_batch, seconds=a.gen_seconds, rounds=0, seed=10, kinds=("greedy",),
-              lens=[32, 64, 96], layer_ids=[cfg.num_hidden_layers - 1])
+        data = Data.empty(a.max_rounds * a.gen_batch, a.seq, H, dev)
+        if a.gen_seconds > 0:
+            build(runner, train_s, data, n=a.gen_batch, seconds=a.gen_seconds, rounds=0, seed=10, kinds=("greedy",),
+                  lens=[32, 64, 96], layer_ids=[cfg.num_hidden_layers - 1])
         data = data.view()
         if a.window_seconds > 0:
-            win = corpus_windows(runner, train_s, a.seq, a.window_seconds, a.gen_batch, seed=12)
-            data = Data(*(torch.cat([getattr(data, k), getattr(win, k)])
+            win = corpus_windows(runner, train_s, a.seq, a.window_seconds, wb, seed=12, cap=a.max_windows)
+            data = Data(*(torch.cat([getattr(data, k).to(getattr(win, k).device), getattr(win, k)])
                           for k in ("tokens", "feats", "starts", "greedy", "plen")), data.m + win.m)
-        if a.data is not None:
-            torch.save({k: getattr(data, k) for k in ("tokens", "feats", "starts", "greedy", "plen")}, a.data)
+        labels = None
+    data = Data(data.tokens.to(dev), data.feats.to(dev), data.starts, data.greedy, data.plen, data.m)
+    if labels is None:
+        t2 = time.time()
+        labels = target_labels(runner, data.feats)
+        log(f"labels: the target's argmax at {labels.numel()} positions in {time.time() - t2:.0f}s")
+        if a.data is not None and not a.data.is_file():
+            torch.save({k: getattr(data, k).cpu() for k in ("tokens", "feats", "starts", "greedy", "plen")}
+                       | {"labels": labels.cpu()}, a.data)
+    labels = labels.to(dev)
     log(f"data: {data.m} sequences of {a.seq}, {time.time() - t0:.0f}s")
 
     draft = random_nextn(cfg, seed=1)
@@ -165,9 +273,11 @@ def main() -> None:
         log(f"init: the MTP layer of {a.init}")
     else:
         init_layer(draft, runner.model, seed=2)
+    draft.to(dev)
+    draft.init_buffers(dev)
     draft.bind(runner.model.model.embed_tokens, runner.model.lm_head)
     npg = -(-a.seq // ps)
-    draft.add_pools(KVPools(a.batch * npg, ps))
+    draft.add_pools(KVPools(a.batch * npg, ps, dev))
     params = [p for n, p in draft.named_parameters() if ".indexer." not in n]
     for p in draft.parameters():
         p.requires_grad_(False)
@@ -178,19 +288,23 @@ def main() -> None:
     S = a.seq - 1  # rows j = 0..S-1 read t_{j+1}; labels t_{j+2} exist for j <= S - 2
     chunks = [SeqChunk([0] * S, 0, list(range(b * npg, (b + 1) * npg))) for b in range(a.batch)]
     batch, _ = runner.build_batch(chunks)
-    j = torch.arange(S)
+    j = torch.arange(S, device=dev)
+    keep = (j[None] <= S - 2).expand(a.batch, S).reshape(-1)
     step, t1, ema = 0, time.time(), None
     while time.time() - t1 < a.train_seconds:
-        idx = torch.randint(0, data.m, (a.batch,), generator=g)
+        frac = (time.time() - t1) / a.train_seconds
+        lr = a.lr * min(1.0, (step + 1) / a.warmup if a.warmup else 1.0)
+        if a.cosine:
+            lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+        for pg in opt.param_groups:
+            pg["lr"] = lr
+        idx = torch.randint(0, data.m, (a.batch,), generator=g).to(dev)
         toks = data.tokens[idx]
         feats = data.feats[idx, :S].float().reshape(-1, H)
         nxt = toks[:, 1:S + 1].reshape(-1)
         # Row j's label: what the target says after t_{j+1}, the argmax of its hidden at j + 1 (in
-        # a greedy continuation that is t_{j+2} itself).
-        with torch.no_grad():
-            lab = runner.model.lm_head(data.feats[idx, 1:].float()).argmax(-1)
-        lab = torch.cat([lab, torch.zeros(a.batch, 1, dtype=torch.long)], 1)[:, :S]
-        keep = (j[None] <= S - 2).expand(a.batch, S).reshape(-1)
+        # a greedy continuation that is t_{j+2} itself), computed once with the data.
+        lab = labels[idx][:, :S].reshape(-1)[keep]
         batch.input_ids = nxt
         # Chained steps as served: step k's row j reads (t_{j+1}, h'_{j-1} of step k − 1) and
         # learns the same t_{j+2}; step 1 reads the target's h_j.
@@ -198,7 +312,7 @@ def main() -> None:
         for k, wk in enumerate(a.step_weights):
             hn = train_rows(draft, nxt, hidden, batch, S)
             logits = runner.model.lm_head(hn[keep]).float()
-            loss = loss + wk * torch.nn.functional.cross_entropy(logits, lab.reshape(-1)[keep])
+            loss = loss + wk * torch.nn.functional.cross_entropy(logits, lab)
             if k == 0:
                 first_logits = logits
             hn = hn.view(a.batch, S, H)
@@ -208,33 +322,28 @@ def main() -> None:
         loss.backward()
         opt.step()
         step += 1
-        acc = (logits.argmax(-1) == lab.reshape(-1)[keep]).float().mean().item()
-        ema = acc if ema is None else 0.98 * ema + 0.02 * acc
-        if step % 25 == 0:
-            log(f"step {step}: loss {loss.item():.3f}, next-next accuracy (ema) {ema:.3f}, {time.time() - t1:.0f}s")
+        if step % 25 == 0 or dev.type == "cpu":
+            acc = (logits.argmax(-1) == lab).float().mean().item()
+            ema = acc if ema is None else (0.98 if dev.type == "cpu" else 0.6) * ema + (0.02 if dev.type == "cpu" else 0.4) * acc
+        if step % (25 if dev.type == "cpu" else 250) == 0:
+            log(f"step {step}: loss {loss.item():.3f}, next-next accuracy (ema) {ema:.3f}, lr {lr:.2e}, "
+                f"{time.time() - t1:.0f}s")
     log(f"trained {step} steps of {a.batch} x {S} rows in {time.time() - t1:.0f}s (lr {a.lr}, chained-step "
-        f"weights {a.step_weights})")
+        f"weights {a.step_weights}, {a.device})")
 
-    a.out.mkdir(parents=True, exist_ok=True)
-    for f in a.target.iterdir():
-        if f.is_file():
-            shutil.copy2(f, a.out / f.name)
-    write_mtp_layer(a.out, draft.to(torch.float32))
-    before, after = load_file(str(a.target / "model.safetensors")), load_file(str(a.out / "model.safetensors"))
-    same = all(torch.equal(before[k], after[k]) for k in before if not k.startswith(f"model.layers.{cfg.num_hidden_layers}."))
-    digest = hashlib.sha256(b"".join(before[k].contiguous().view(torch.uint8).numpy().tobytes()
-                                     for k in sorted(before) if not k.startswith(f"model.layers.{cfg.num_hidden_layers}."))).hexdigest()
-    log(f"target tensors unchanged: {same} (sha256 of the target's tensors in name order {digest[:16]})")
-    if not same:
-        raise SystemExit("the target's tensors changed")
-    prompts = package_prompts(a.target, a.package, a.held_prompts, a.held_prompt)
-    t = tau(a.out, prompts, a.held_new, a.steps)
-    log(f"held-out tau ({a.package}: {len(prompts)} prompts of {a.held_prompt} tokens, {a.held_new} new, "
-        f"{a.steps} steps, greedy, served spec_step): {t:.2f}")
+    draft = draft.to("cpu", torch.float32)
+    copy_target(a, a.out)
+    like = load_file(str(a.target / "model.safetensors"))
+    tensors = layer_tensors(draft, like)
+    write_layer_tensors(a.out, cfg.num_hidden_layers, tensors)
+    if a.layer_out is not None:
+        a.layer_out.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(a.layer_out), metadata={"format": "pt", "steps": str(step), "device": a.device,
+                                                       "data_rows": str(data.m), "lr": str(a.lr)})
+        log(f"layer file {a.layer_out}: {len(tensors)} tensors, {a.layer_out.stat().st_size / 1e6:.2f} MB")
+    check_and_tau(a, cfg, a.out)
     if a.install:
-        for name in ("model.safetensors", "config.json"):
-            shutil.copy2(a.out / name, a.target / name)
-        log(f"installed into {a.target}")
+        install(a, a.out)
 
 
 if __name__ == "__main__":

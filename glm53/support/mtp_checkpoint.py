@@ -50,22 +50,39 @@ def random_nextn(cfg: GlmConfig, seed: int, own_head: bool = False, moe: bool = 
     return draft
 
 
-def write_mtp_layer(model_dir: str | Path, draft: NextNDraft) -> None:
-    """Adds (or replaces) the MTP layer's tensors in `model_dir`'s single-file checkpoint."""
+def layer_tensors(draft: NextNDraft, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The layer's checkpoint tensors in the dtypes the checkpoint `like` stores the target's own:
+    the same dtype as the matching tensor of its last layer, else the embedding's (bf16 with an
+    fp32 router bias in the embedded model)."""
+    prefix = f"model.layers.{draft.spec.layer}."
+    last = f"model.layers.{draft.cfg.num_hidden_layers - 1}."
+    default = like["model.embed_tokens.weight"].dtype
+    out = {}
+    for name, t in mtp_state_dict(draft).items():
+        ref = like.get(last + name[len(prefix):])
+        out[name] = t.to(ref.dtype if ref is not None else default).contiguous()
+    return out
+
+
+def write_layer_tensors(model_dir: str | Path, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Replaces layer `layer`'s tensors in `model_dir`'s single-file checkpoint by `tensors`
+    (names model.layers.{layer}.*); config.json gets num_nextn_predict_layers: 1."""
     model_dir = Path(model_dir)
     path = model_dir / "model.safetensors"
-    sd = load_file(str(path))
-    prefix = f"model.layers.{draft.spec.layer}."
-    sd = {k: v for k, v in sd.items() if not k.startswith(prefix)}
-    # Stored as the checkpoint stores the target's own: the same dtype as the matching tensor of
-    # its last layer, else the embedding's (bf16 with an fp32 router bias in the embedded model).
-    last = f"model.layers.{draft.cfg.num_hidden_layers - 1}."
-    default = sd["model.embed_tokens.weight"].dtype
-    for name, t in mtp_state_dict(draft).items():
-        like = sd.get(last + name[len(prefix):])
-        sd[name] = t.to(like.dtype if like is not None else default).contiguous()
+    prefix = f"model.layers.{layer}."
+    bad = [k for k in tensors if not k.startswith(prefix)]
+    if bad:
+        raise ValueError(f"not the MTP layer's tensors: {bad[:3]}")
+    sd = {k: v for k, v in load_file(str(path)).items() if not k.startswith(prefix)}
+    sd.update({k: v.contiguous() for k, v in tensors.items()})
     save_file(sd, str(path), metadata={"format": "pt"})
     cfg_path = model_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["num_nextn_predict_layers"] = 1
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def write_mtp_layer(model_dir: str | Path, draft: NextNDraft) -> None:
+    """Adds (or replaces) the MTP layer's tensors in `model_dir`'s single-file checkpoint."""
+    like = load_file(str(Path(model_dir) / "model.safetensors"))
+    write_layer_tensors(model_dir, draft.spec.layer, layer_tensors(draft, like))
