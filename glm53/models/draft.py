@@ -61,6 +61,9 @@ class DraftBlock:
     block_size: int | None = None
     sampling: DraftSampling | None = None  # None: propose the draft's argmax
     key: int | None = None  # the request (choice) across steps: the MTP draft keeps per-request state
+    # The MTP draft's seed on a request's first decode step: the target's final-normed hidden
+    # row [H] at position start_pos − 1 (the prompt's last), sent by prefill in the metadata row.
+    seed_hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

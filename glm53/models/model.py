@@ -31,7 +31,7 @@ from glm53.kernels.moe_fp8 import moe_experts_fp8
 from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.sparse_mla import sparse_mla
-from glm53.kernels.topk import dsa_topk_paged
+from glm53.kernels.topk import dsa_topk, dsa_topk_paged, positions_to_slots
 from glm53.kernels.variants import logits_width
 from glm53.models.config import FULL, SHARED, ConfigError, GlmConfig
 from glm53.models.ep_dispatch import ep_moe
@@ -59,6 +59,10 @@ class ForwardBatch:
     page_table: torch.Tensor  # [N, max_pages] int32: each token's request's page table row
     context_lens: torch.Tensor  # [N] int32: positions visible to each token (= position + 1)
     max_context: int
+    # [N] long or None: positions below ctx_start[i] are hidden from row i (the indexer never
+    # selects them): a draft layer's KV that was never written there (the MTP draft on decode
+    # when prefill did not send its KV). None: every position < context_lens is visible.
+    ctx_start: torch.Tensor | None = None
 
 
 @dataclass
@@ -145,7 +149,20 @@ class Indexer(nn.Module):
         else:
             kv.write(cache, batch.out_slots, k)
             logits = indexer_logits(q, weights, cache, *args)
+        if batch.ctx_start is not None:
+            return self._topk_from(logits, batch, kv.page_size)
         return dsa_topk_paged(logits, batch.context_lens, cfg.index_topk, batch.page_table, kv.page_size)
+
+    def _topk_from(self, logits: torch.Tensor, batch: ForwardBatch, page_size: int) -> torch.Tensor:
+        """Top-k over positions [ctx_start, context_len) only: hidden positions score the
+        lowest value (so the k best visible ones are chosen first whatever the context length),
+        and any hidden position still selected (a row with fewer than k visible) becomes -1."""
+        pos = torch.arange(logits.shape[1], device=logits.device)
+        lo = batch.ctx_start.to(device=logits.device, dtype=torch.long)[:, None]
+        hide = pos[None] < lo
+        top = dsa_topk(logits.masked_fill(hide, torch.finfo(logits.dtype).min), batch.context_lens, self.cfg.index_topk)
+        top = torch.where(top.to(torch.long) < lo, torch.full_like(top, -1), top)
+        return positions_to_slots(top, batch.page_table, page_size)
 
 
 class Attention(nn.Module):

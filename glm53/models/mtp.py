@@ -21,8 +21,13 @@ first runs the MTP over the positions the last verify committed (inputs: the com
 after each, the TARGET's hidden rows), which writes the MTP KV of those positions and gives the
 first proposal; then num_steps − 1 chained rows; then the target verifies [last, d_1..d_n] and
 its hidden rows are kept for the next step. KV the chain writes at speculative positions lies in
-the request's own pages and is overwritten by the next step's catch-up. A request the runner
-holds nothing for (its first decode step) drafts nothing that step: it verifies [last] alone.
+the request's own pages and is overwritten by the next step's catch-up. On a request's first
+decode step the runner holds nothing for it; its block then carries `seed_hidden`, the target's
+final-normed hidden row at the prompt's last position that prefill sent in the metadata row,
+and the catch-up is that one row (position P − 1, next token the first token): it drafts at
+once. Without a seed (prefill did not send the draft KV) it drafts nothing that step and
+verifies [last] alone. Without the prompt's MTP KV (`ctx_start` > 0) the MTP's attention hides
+the positions below ctx_start (`ForwardBatch.ctx_start`).
 The proposals only decide what is verified; the committed output is the target's (greedy equal
 to non-speculative decoding, sampled lossless through spec.accept with q).
 
@@ -231,6 +236,12 @@ class NextNDraft(nn.Module):
         out = []
         for b in blocks:
             st = self.state.get(b.key) if b.key is not None and b.key >= 0 else None
+            if st is None and b.seed_hidden is not None and b.start_pos >= 1:
+                # The first decode step: prefill's hidden row of the prompt's last position
+                # drives the catch-up row there (with the first token as its next token).
+                h = b.seed_hidden.reshape(1, -1).to(device=self.inv_freq.device, dtype=self.dtype)
+                out.append((b.start_pos - 1, [b.last_token], h))
+                continue
             if st is None:
                 out.append(None)
                 continue

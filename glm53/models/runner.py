@@ -87,6 +87,14 @@ class DeviceTokens:
         return t[0], t[1]
 
 
+class ChunkLogits(list):
+    """`ModelRunner.forward`'s per-chunk logits; with the MTP draft also `last_hidden`
+    [chunks, H]: the target's final-normed hidden row at each chunk's last token (model dtype),
+    what prefill sends decode at a prompt's end so that decode drafts at its first step."""
+
+    last_hidden: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -379,6 +387,15 @@ class ModelRunner:
             # Catch-up: the committed positions, fed by the target's hidden rows.
             chunks = [SeqChunk(ups[i][1], ups[i][0], blocks[i].page_table) for i in live]
             batch, _ = self.build_batch(chunks)
+            # Without the prompt's MTP KV (prefill did not send it: ctx_start > 0) the MTP's
+            # attention hides those positions. Masking, not recomputing: computing that KV here
+            # needs the target's hidden state at every prompt position, i.e. the prompt's whole
+            # forward again, while the mask costs one compare per indexer logit; the draft only
+            # loses context (fewer accepted), never output, which the target decides.
+            masked = any(blocks[i].ctx_start > 0 for i in live)
+            ctx = [min(blocks[i].ctx_start, c.start_pos) for i, c in zip(live, chunks)]
+            if masked:
+                batch.ctx_start = torch.tensor([x for x, c in zip(ctx, chunks) for _ in c.token_ids], device=dev)
             hidden = torch.cat([ups[i][2] for i in live])
             h = mtp.rows(batch.input_ids, hidden, batch)
             ends = torch.tensor([len(ups[i][1]) for i in live]).cumsum(0) - 1
@@ -388,6 +405,8 @@ class ModelRunner:
                 if k:  # a chained row at position start_pos + k − 1: (proposal k, h' before it)
                     chunks = [SeqChunk([0], blocks[i].start_pos + k - 1, blocks[i].page_table) for i in live]
                     batch, _ = self.build_batch(chunks)
+                    if masked:
+                        batch.ctx_start = torch.tensor(ctx, device=dev)
                     h = mtp.rows(toks[-1], h, batch)
                 tok, q = mtp.sampled_proposal(mtp.head_logits(h), sampling, k)
                 toks.append(tok)
@@ -440,11 +459,14 @@ class ModelRunner:
         out = self.forward_stage(chunks, inputs)
         rows = self._device_rows(self.logit_rows(chunks))
         logits = self.model.logits(out.hidden[rows])
-        res, r = [], 0
+        res, r = ChunkLogits(), 0
         for c in chunks:
             k = len(c.token_ids) if c.all_logits else 1
             res.append(logits[r : r + k])
             r += k
+        if self.mtp is not None:  # each chunk's last row, final-normed: the MTP's seed at a prompt's end
+            ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
+            res.last_hidden = self.model.final_norm(out.hidden[ends.to(self.device)])
         return res
 
     def _forward_with(self, chunks: list[SeqChunk], tokens: DeviceTokens) -> list[torch.Tensor]:

@@ -120,11 +120,17 @@ def plain_greedy(d, prompt, n) -> list[int]:
     return out
 
 
-def spec_loop(r, prompts, n, params=None, forced=None):
+def spec_loop(r, prompts, n, params=None, forced=None, seed=False, ctx=False):
     """The decode loop over a batch: prefill each prompt, then spec steps; per request its
-    output and the accepted count of every step."""
+    output and the accepted count of every step. `seed`: the first step's blocks carry the
+    prompt's last hidden row (as prefill sends it), so that step drafts too. `ctx`: decode
+    without the prompt's MTP KV (draft_kv_transfer false): ctx_start = the prompt's length."""
     pages = [list(range(i * 16, i * 16 + 16)) for i in range(len(prompts))]
-    outs = [[int(r.forward([SeqChunk(p, 0, pg)])[0][-1].argmax())] for p, pg in zip(prompts, pages)]
+    outs, seeds = [], []
+    for p, pg in zip(prompts, pages):
+        lg = r.forward([SeqChunk(p, 0, pg)])
+        outs.append([int(lg[0][-1].argmax())])
+        seeds.append(lg.last_hidden[0] if seed else None)
     counts = [[] for _ in prompts]
     drafts_seen = [[] for _ in prompts]
     step = 0
@@ -137,7 +143,8 @@ def spec_loop(r, prompts, n, params=None, forced=None):
             if params is not None:
                 samp = DraftSampling(params.temperature, params.top_k, params.top_p, params.min_p, seed=1000 * step + i)
             blocks.append(DraftBlock(outs[i][-1], s, pages[i], block_size=min(r.mtp.block_size, n - len(outs[i])),
-                                     key=i, sampling=samp))
+                                     key=i, sampling=samp, ctx_start=len(prompts[i]) if ctx else 0,
+                                     seed_hidden=seeds[i] if step == 0 else None))
         res = r.spec_step(blocks)
         for j, i in enumerate(idx):
             q = res.probs[j] if res.probs else None
@@ -151,10 +158,12 @@ def spec_loop(r, prompts, n, params=None, forced=None):
     return outs, counts, drafts_seen
 
 
-def test_greedy_equals_plain_with_exact_counts(own_head):
+@pytest.mark.parametrize("seed", [False, True])
+def test_greedy_equals_plain_with_exact_counts(own_head, seed):
     """A successor layer's proposals are known offline: each step drafts succ(last),
     succ(succ(last)), ...; the accepted count is the matching prefix against the target's own
-    greedy continuation (nothing drafted at a request's first step: no target hidden kept)."""
+    greedy continuation. Without the seed nothing is drafted at a request's first step (no
+    target hidden kept); with prefill's seed row the first step drafts the full chain."""
     prompts = [[5, 17, 33, 8, 90, 41, 2], [120, 7, 7, 64, 3]]
     n = 14
     want = [plain_greedy(own_head, p, n) for p in prompts]
@@ -164,14 +173,14 @@ def test_greedy_equals_plain_with_exact_counts(own_head):
         for a, b in zip(w, w[1:]):
             pairs.setdefault(a, b)
     succ = successor_layer(r, pairs)
-    outs, counts, seen = spec_loop(r, prompts, n)
+    outs, counts, seen = spec_loop(r, prompts, n, seed=seed)
     assert outs == want
     for i, p in enumerate(prompts):
         pos = 1
         for k, c in enumerate(counts[i]):
             cap = min(r.mtp.block_size, n - pos)
             chain, t = [], want[i][pos - 1]
-            if k > 0:
+            if k > 0 or seed:
                 for _ in range(cap - 1):
                     t = succ[t]
                     chain.append(t)
@@ -191,6 +200,59 @@ def test_random_layer_greedy_equals_plain(ckpt):
     r = runner(ckpt, steps=2)
     outs, _, _ = spec_loop(r, prompts, n)
     assert outs == [plain_greedy(ckpt, p, n) for p in prompts]
+
+
+def test_first_step_drafts_from_the_seed(ckpt):
+    """The seeded first step: its first proposal is the MTP row at the prompt's last position
+    (prefill's hidden row there, the first token as its next token) through the head, and its
+    chain continues from it; greedy output still equals plain decoding."""
+    prompts = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [44, 45, 46]]
+    n = 10
+    r = runner(ckpt)
+    pg = list(range(16))
+    lg = r.forward([SeqChunk(prompts[0], 0, pg)])
+    first = int(lg[0][-1].argmax())
+    batch, _ = r.build_batch([SeqChunk([first], len(prompts[0]) - 1, pg)])
+    # The same row prefill wrote (greedy: its next token is the first token): rewriting it is idempotent.
+    d1 = int(r.mtp.head_logits(r.mtp.rows(batch.input_ids, lg.last_hidden, batch)).argmax())
+    r2 = runner(ckpt)
+    outs, counts, seen = spec_loop(r2, prompts, n, seed=True)
+    assert outs == [plain_greedy(ckpt, p, n) for p in prompts]
+    assert seen[0][0][1][0] == d1
+    assert all(len(s[0][1]) == r2.mtp.num_steps for s in seen)
+
+
+def test_without_prompt_kv_the_mask_hides_it(ckpt):
+    """draft_kv_transfer false: decode holds no MTP KV at the prompt's positions (ctx_start = P).
+    The MTP's attention hides them: its drafts do not depend on what the pool holds there (zeros
+    or large random rows; finite, as a pool's stale rows are: sparse MLA reads padding slots at
+    weight 0), and greedy output equals plain decoding."""
+    prompts = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13, 14], [44, 45]]
+    n = 12
+    runs = []
+    for fill in ("zero", "rand"):
+        r = runner(ckpt)
+        pages = [list(range(i * 16, i * 16 + 16)) for i in range(len(prompts))]
+        real = r.forward  # prefill without the MTP pools' contents: overwrite the prompt's rows
+
+        def forward(chunks, _real=real, _r=r, _fill=fill):
+            out = _real(chunks)
+            for c in chunks:
+                if len(c.token_ids) > 1:
+                    for name in (MTP_KV, MTP_INDEX_K):
+                        v = _r.pools[name].view(_r.cfg.num_hidden_layers)
+                        for j in range(len(c.token_ids)):
+                            pgi, off = c.page_table[j // PAGE], j % PAGE
+                            v[pgi, off] = 0.0 if _fill == "zero" else torch.randn(v.shape[-1]) * 50
+            return out
+
+        r.forward = forward
+        outs, counts, seen = spec_loop(r, prompts, n, ctx=True)
+        assert outs == [plain_greedy(ckpt, p, n) for p in prompts]
+        assert all(0 <= t < r.cfg.vocab_size for s in seen for _, d in s for t in d)
+        runs.append(seen)
+    assert runs[0] == runs[1]
+    assert any(d for s in runs[0] for _, d in s)
 
 
 def chi_square_p(counts, probs):
@@ -255,3 +317,29 @@ def test_trainer_forward_equals_serving(ckpt):
     want = r.mtp.rows(batch.input_ids, hidden, batch)
     got = train_rows(r.mtp, batch.input_ids, hidden, batch, seq)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seed_rides_the_metadata_row(dtype):
+    """Prefill's seed row heads the commit record's payload (counts[2] bytes, counts[3] dtype),
+    before the first token's logprobs; a slot sized meta_slot_bytes() + seed_bytes holds both at
+    GLM-5's hidden size with the most choices and top logprobs; decode gets both back."""
+    from glm53.server.engine.logprobs import meta_slot_bytes, pack_first, unpack_first
+    from glm53.server.engine.mtp_seed import pack_seed, seed_bytes, split_payload
+    from glm53.server.protocol import MAX_CHOICES, MAX_TOP_LOGPROBS
+    from glm53.transport.buffers import MetadataRow
+
+    H = 6144
+    h = torch.randn(H).to(dtype)
+    lp = pack_first([-0.5] * MAX_CHOICES, [[(i, -1.0)] * MAX_TOP_LOGPROBS for i in range(MAX_CHOICES)])
+    raw, code = pack_seed(h)
+    assert len(raw) == seed_bytes(H, dtype)
+    row = MetadataRow(first_token_ids=tuple(range(MAX_CHOICES)), counts=(40, 40, len(raw), code), payload=raw + lp)
+    slot = meta_slot_bytes() + seed_bytes(H, dtype)
+    back = MetadataRow.decode(row.encode(slot, 3, 1), 3, 1)
+    seed, rest = split_payload(back.counts, bytes(back.payload))
+    assert seed.dtype == dtype and torch.equal(seed, h)
+    assert unpack_first(rest) == unpack_first(lp)
+    # No seed (DFlash, or the draft KV not sent): the payload is the logprobs alone.
+    plain = MetadataRow.decode(MetadataRow(first_token_ids=(1,), counts=(40, 0), payload=lp).encode(slot, 3, 1), 3, 1)
+    assert split_payload(plain.counts, bytes(plain.payload)) == (None, lp)

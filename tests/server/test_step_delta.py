@@ -123,3 +123,23 @@ def test_a_steady_decode_step_sends_no_pages():
 def test_a_delta_naming_an_unknown_table_is_an_error():
     with pytest.raises(RuntimeError, match="does not hold"):
         DeltaDecoder().decode(BatchDelta(appends=[(3, [1])]))
+
+
+def test_the_mtp_seed_reaches_the_followers():
+    """A request's first MTP step carries prefill's hidden row (`DraftBlock.seed_hidden`): every
+    follower rebuilds it bit for bit (bf16 here), on its block only; the next step has none."""
+    import torch
+
+    enc, f = DeltaEncoder(), DeltaDecoder()
+    h = torch.randn(64).to(torch.bfloat16)
+    pages = [[1, 2], [3]]
+    blocks = [DraftBlock(last_token=7, start_pos=5, page_table=pages[0], key=1, seed_hidden=h),
+              DraftBlock(last_token=9, start_pos=2, page_table=pages[1], key=2)]
+    _, got = f.decode(pickle.loads(pickle.dumps(enc.encode(None, blocks))))
+    assert torch.equal(got[0].seed_hidden, h) and got[0].seed_hidden.dtype == torch.bfloat16
+    assert got[1].seed_hidden is None
+    assert [(b.last_token, b.start_pos, b.page_table, b.key) for b in got] == [(7, 5, [1, 2], 1), (9, 2, [3], 2)]
+    blocks = [DraftBlock(last_token=8, start_pos=6, page_table=pages[0], key=1),
+              DraftBlock(last_token=4, start_pos=3, page_table=pages[1], key=2)]
+    _, got = f.decode(pickle.loads(pickle.dumps(enc.encode(None, blocks))))
+    assert got == blocks

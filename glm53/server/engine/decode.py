@@ -44,6 +44,7 @@ from glm53.server.engine.scheduler import (Scheduler, TrackedRequest, instance_b
                                            run_instance)
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.engine.logprobs import rows_logprobs, unpack_first
+from glm53.server.engine.mtp_seed import split_payload
 from glm53.server.engine.overlap import InflightStep, overlappable
 from glm53.server.engine.spec import accept, draft_sampling
 from glm53.server.engine.stops import StopStrings, StopText
@@ -82,6 +83,7 @@ class DecodeRequest(TrackedRequest):
     unsent_lp: list[float] = field(default_factory=list)  # logprobs of `unsent` (if asked for)
     unsent_top: list[list] = field(default_factory=list)
     spec_key: int = -1  # names it to the draft across steps (the MTP draft keeps its verify's hidden rows)
+    seed_hidden: torch.Tensor | None = None  # NEXTN: the prompt's last hidden row from prefill (its first step)
 
     _prompt_ids: torch.Tensor | None = None  # the prompt's distinct ids (repetition penalty), built once
     _stop_ids: list[int] | None = None
@@ -215,7 +217,11 @@ class DecodeScheduler(Scheduler):
         if len(row.first_token_ids) != n:
             self._release(r, error=(f"prefill sent {len(row.first_token_ids)} first tokens for n={n}", "internal"))
             return
-        lps, tops = unpack_first(bytes(row.payload)) if r.req.spec.logprobs >= 0 else (None, None)
+        # NEXTN with the draft KV sent: the prompt's last hidden row heads the payload (the MTP's
+        # seed: the first step drafts from it, every choice from the same row).
+        seed, rest = split_payload(row.counts, bytes(row.payload))
+        r.seed_hidden = seed if r.ctx_start == 0 else None
+        lps, tops = unpack_first(rest) if r.req.spec.logprobs >= 0 else (None, None)
         seqs = [r]
         if n > 1:
             full, own = self._page_split(r.req)
@@ -224,7 +230,7 @@ class DecodeScheduler(Scheduler):
             r.pages, r.shared = pages[: full + own], shared
             for i in range(1, n):
                 c = DecodeRequest(r.req, r.arrived, pages=shared.pages + pages[full + i * own: full + (i + 1) * own],
-                                  ctx_start=r.ctx_start, index=i, shared=shared)
+                                  ctx_start=r.ctx_start, index=i, shared=shared, seed_hidden=r.seed_hidden)
                 # Each choice writes its own pages from the prompt's end on: a copy of the
                 # prompt's partial last page gives it the rest of the prefill's context.
                 if r.prompt_len % self.workers.page_size:
@@ -346,8 +352,11 @@ class DecodeScheduler(Scheduler):
             n = min(self.block_size, r.params.max_new_tokens - len(r.output))
             if r.spec_key < 0:
                 r.spec_key = next(self.spec_keys)
+            # The MTP's seed drives the request's first step only (position prompt_len − 1).
+            seed = r.seed_hidden if len(r.output) == 1 else None
+            r.seed_hidden = None
             blocks.append(DraftBlock(last_token=r.output[-1], start_pos=committed - 1, page_table=r.pages,
-                                     ctx_start=r.ctx_start, block_size=n, key=r.spec_key,
+                                     ctx_start=r.ctx_start, block_size=n, key=r.spec_key, seed_hidden=seed,
                                      sampling=draft_sampling(r.params, len(r.output), r.index, self.draft_rng)
                                      if self.sampled_drafting else None))
         out = self.workers.spec_step(blocks)

@@ -29,6 +29,7 @@ from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.scheduler import (Scheduler, TrackedRequest, instance_by_index, protocol_error_code,
                                            run_instance)
 from glm53.server.engine.logprobs import PromptLogprobs, pack_first, rows_logprobs
+from glm53.server.engine.mtp_seed import pack_seed
 from glm53.server.engine.prefix_cache import CacheLock, PrefixCache
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent
 from glm53.server.sampling import TokenHistory, sample, step_generator
@@ -183,7 +184,9 @@ class PrefillScheduler(Scheduler):
         finished = []
         for chunks, own, lgs in zip(microbatches, owners, logits):
             self.count_tokens(sum(len(c.token_ids) for c in chunks))
-            for r, c, lg in zip(own, chunks, lgs):
+            # With NEXTN, each chunk's last final-normed hidden row (runner.ChunkLogits).
+            hidden = getattr(lgs, "last_hidden", None) if self.workers.sends_draft_kv else None
+            for j, (r, c, lg) in enumerate(zip(own, chunks, lgs)):
                 if r.prompt_lp is not None:  # reduced now: no [chunk, V] outlives this loop
                     r.prompt_lp.add_chunk(lg, c.start_pos)
                 r.done_tokens += len(c.token_ids)
@@ -194,7 +197,7 @@ class PrefillScheduler(Scheduler):
                     r.sender.send_pages(r.pages[r.sent_pages : full], start=r.sent_pages)
                     r.sent_pages = full
                 if last:
-                    finished.append((r, lg[-1]))
+                    finished.append((r, lg[-1], hidden[j] if hidden is not None else None))
                     if r.lock is not None:  # its full pages now hold the prompt's KV: offer them
                         full_pages = r.prompt_len // self.workers.page_size
                         r.taken = self.cache.insert(r.req.spec.input_ids, r.pages[:full_pages], r.lock,
@@ -203,11 +206,12 @@ class PrefillScheduler(Scheduler):
             self._first_tokens(finished)
         return True
 
-    def _first_tokens(self, finished: list[tuple[PrefillRequest, torch.Tensor]]) -> None:
+    def _first_tokens(self, finished: list[tuple[PrefillRequest, torch.Tensor, torch.Tensor | None]]) -> None:
         """Sample each finished request's first token for every one of its n choices (choice i
-        seeded by step_generator(seed, 0, choice=i)), send prompt logprobs, commit the KV."""
+        seeded by step_generator(seed, 0, choice=i)), send prompt logprobs, commit the KV (with
+        NEXTN, the MTP's seed: the prompt's last hidden row, engine/mtp_seed.py)."""
         rows, params, gens, hists = [], [], [], []
-        for r, lg in finished:
+        for r, lg, _ in finished:
             spec = r.req.spec
             hist = TokenHistory(spec.input_ids, [], sorted(spec.stop_ids)) if r.params.adjusts else None
             for i in range(spec.n):
@@ -219,7 +223,7 @@ class PrefillScheduler(Scheduler):
         allowed = self.constraints.first_masks(params, logits.shape[-1])
         first = sample(logits, params, gens, hists, allowed=allowed).tolist()
         k = 0
-        for r, _ in finished:
+        for r, _, seed in finished:
             spec = r.req.spec
             toks, rows_r = first[k: k + spec.n], logits[k: k + spec.n]
             k += spec.n
@@ -239,8 +243,11 @@ class PrefillScheduler(Scheduler):
                 r.prompt_lp = None
             # counts: prompt tokens, and draft-context positions sent with them.
             draft_ctx = r.prompt_len if self.workers.sends_draft_kv else 0
-            r.sender.finish(MetadataRow(first_token_ids=tuple(int(t) for t in toks),
-                                        counts=(r.prompt_len, draft_ctx), payload=payload))
+            counts = (r.prompt_len, draft_ctx)
+            if seed is not None:  # the MTP's seed heads the payload (engine/mtp_seed.py)
+                raw, code = pack_seed(seed)
+                counts, payload = (r.prompt_len, draft_ctx, len(raw), code), raw + payload
+            r.sender.finish(MetadataRow(first_token_ids=tuple(int(t) for t in toks), counts=counts, payload=payload))
 
     def _reap(self) -> bool:
         """Free the pages of requests whose transfer reached a terminal state."""

@@ -313,7 +313,10 @@ def _to_cpu(out: Any) -> Any:
     if isinstance(out, torch.Tensor):
         return out.cpu()
     if isinstance(out, (list, tuple)):
-        return type(out)(_to_cpu(x) for x in out)
+        res = type(out)(_to_cpu(x) for x in out)
+        if getattr(out, "last_hidden", None) is not None:  # runner.ChunkLogits: the MTP's seed rows
+            res.last_hidden = out.last_hidden.cpu()
+        return res
     return out
 
 

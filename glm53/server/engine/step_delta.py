@@ -26,7 +26,9 @@ scheduler rebuilds as a new list every step would be resent whole every step: co
 Ranks sample nothing from the target (rank 0 samples from the logits it returns). A draft block
 carries its request key (the MTP draft's per-request state) and, for a sampled request, its
 drafting (`DraftSampling`: every rank must draw the same proposals from the same seed, or the
-ranks would verify different tokens). A step without a batch (`sync`) changes nothing.
+ranks would verify different tokens), and on a request's first step the MTP draft's seed (the
+prompt's last hidden row from prefill: every rank runs the same catch-up row from it). A step
+without a batch (`sync`) changes nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class BatchDelta:
     tokens: array = field(default_factory=lambda: array("q"))
     sizes: list[int] = field(default_factory=list)  # MICRO: chunks per micro-batch
     sampled: list[tuple] = field(default_factory=list)  # SPEC: (row, temperature, top_k, top_p, min_p, seed)
+    seeds: list[tuple] = field(default_factory=list)  # SPEC: (row, the MTP seed's hidden row [H] on the host)
 
 
 @dataclass
@@ -122,6 +125,7 @@ class DeltaEncoder:
                           array("q", [-1 if b.key is None else b.key for b in spec])]
             delta.sampled = [(i, s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
                              for i, b in enumerate(spec) if (s := b.sampling) is not None]
+            delta.seeds = [(i, b.seed_hidden.cpu()) for i, b in enumerate(spec) if b.seed_hidden is not None]
         delta.leaves = [e.sid for key, e in self._held.items() if key not in seen]
         self._held = seen
         return delta
@@ -163,6 +167,8 @@ class DeltaDecoder:
                       for sid, last, start, ctx, bs, key in zip(*cols)]
             for i, *s in delta.sampled:
                 blocks[i].sampling = DraftSampling(*s)
+            for i, h in delta.seeds:
+                blocks[i].seed_hidden = h
             return None, blocks
         return None, None
 

@@ -29,6 +29,7 @@ from glm53.models.parallel import TPGroup
 from glm53.models.runner import DeviceTokens
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.logprobs import meta_slot_bytes
+from glm53.server.engine.mtp_seed import seed_bytes
 from glm53.server.engine.pipeline import StagePipe, run_microbatches
 from glm53.transport import KVReceiver, KVSender, Room, TransferEngine, TransportConfig
 
@@ -289,8 +290,14 @@ class RankWorker:
         if spec.warmup_tokens:
             verify = self.draft.cfg.block_size if self.draft is not None and spec.role == "decode" else 1
             warm_up(self.runner, spec.warmup_tokens * verify, longest)
+        config = spec.transport
+        if spec.nextn_steps is not None and spec.send_draft_kv:
+            # The commit record carries the MTP's seed too (engine/mtp_seed.py): hidden_size in
+            # the instance dtype. Every rank of both roles sizes its slots alike (same config).
+            config = dataclasses.replace(config, meta_slot_bytes=config.meta_slot_bytes
+                                         + seed_bytes(self.cfg.hidden_size, self.dtype))
         self.transfer = TransferEngine(spec.role, spec.instance, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
-                                       pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=spec.transport)
+                                       pp_size=spec.pp_size, pp_rank=spec.pp_rank, config=config)
         for name, pool in self.runner.pools:
             if name in (DRAFT_KV, *MTP_POOLS) and spec.role == "prefill" and not spec.send_draft_kv:
                 continue  # decode builds the draft context itself after the handoff
