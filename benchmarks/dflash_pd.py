@@ -23,35 +23,15 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import yaml
 
 from glm53.support.cluster import Cluster
 from glm53.support.corpus import held_file_prompts
+from glm53.support.pd_bench import measure, on_one_gpu
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-
-
-def generate(http: httpx.Client, url: str, ids: list[int], new: int) -> tuple[float, dict]:
-    """One request on a client made before the clock starts (an httpx.Client() costs ~20-30 ms for
-    its TLS context; made per request in 16 threads, that time landed in the measured window)."""
-    t0 = time.perf_counter()
-    r = http.post(f"{url}/generate", timeout=600, json={"input_ids": ids, "sampling_params": {
-        "max_new_tokens": new, "temperature": 0, "ignore_eos": True}})
-    r.raise_for_status()
-    return time.perf_counter() - t0, r.json()
-
-
-def on_one_gpu(c: Cluster) -> None:
-    """Both instances on GPU 0 in bf16, each with its share of the memory."""
-    c.cfg["defaults"].update(device="cuda", dtype="bfloat16", chunked_prefill_size=8192)
-    for role in ("prefill", "decode"):
-        c.cfg[role][0].update(devices=[0], mem_fraction_static=0.3)
-    c.config_path.write_text(yaml.safe_dump(c.cfg))
 
 
 def main() -> None:
@@ -79,35 +59,16 @@ def main() -> None:
             on_one_gpu(c)
         c.start()
         try:
-            clients = [httpx.Client() for _ in range(a.concurrent)]
-            http = clients[0]
-            generate(http, c.url, ps[0], 8)  # warm-up
-            dec_t = toks = verify = 0.0
-            outs = []
-            for p in ps[: a.prompts]:
-                t1, _ = generate(http, c.url, p, 1)
-                tn, r = generate(http, c.url, p, a.new)
-                dec_t += tn - t1
-                toks += r["meta_info"]["completion_tokens"] - 1
-                verify += r["meta_info"].get("spec_verify_ct", 0)
-                outs.append(r["output_ids"] if "output_ids" in r else r["text"])
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(a.concurrent) as ex:
-                res = list(ex.map(lambda hp: generate(hp[0], c.url, hp[1], a.new)[1], zip(clients, ps[: a.concurrent])))
-            wall = time.perf_counter() - t0
+            run = measure(c, ps[: a.prompts], ps[: a.concurrent], a.new)
         finally:
             c.stop()
-        tok_n = sum(r["meta_info"]["completion_tokens"] for r in res)
-        ver_n = sum(r["meta_info"].get("spec_verify_ct", 0) for r in res)
-        outs += [r["output_ids"] if "output_ids" in r else r["text"] for r in res]
-        ref = outs if ref is None else ref
-        rate1, rateN = toks / dec_t, tok_n / wall
-        base1, baseN = base1 or rate1, baseN or rateN
-        tau1 = f"{toks / verify:.2f}" if verify else "-"
-        tauN = f"{(tok_n - len(res)) / ver_n:.2f}" if ver_n else "-"
+        ref = run.outputs if ref is None else ref
+        base1, baseN = base1 or run.rate1, baseN or run.rate_n
+        tau1 = f"{run.tau1:.2f}" if run.tau1 else "-"
+        tauN = f"{run.tau_n:.2f}" if run.tau_n else "-"
         name = "off" if block is None else f"dflash {block}"
-        print(f"{name:<10} | {rate1:26.1f} | {tau1:>5} | {rate1 / base1:7.2f}x | {rateN:20.1f} | {tauN:>5} | "
-              f"{rateN / baseN:7.2f}x" + ("" if outs == ref else "  OUTPUT DIFFERS FROM OFF"), flush=True)
+        print(f"{name:<10} | {run.rate1:26.1f} | {tau1:>5} | {run.rate1 / base1:7.2f}x | {run.rate_n:20.1f} | {tauN:>5} | "
+              f"{run.rate_n / baseN:7.2f}x" + ("" if run.outputs == ref else "  OUTPUT DIFFERS FROM OFF"), flush=True)
 
 
 if __name__ == "__main__":

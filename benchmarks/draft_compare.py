@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import yaml
 
-from benchmarks.dflash_pd import generate, on_one_gpu
 from glm53.support.cluster import Cluster
 from glm53.support.corpus import package_prompts
+from glm53.support.pd_bench import measure, on_one_gpu
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -75,37 +72,16 @@ def main() -> None:
         if a.device == "cuda":
             on_one_gpu(c)
         c.start()
-        http = httpx.Client()
-        clients = [httpx.Client() for _ in range(a.concurrent)]  # made before the clock (dflash_pd.generate)
         try:
-            generate(http, c.url, ps[0], 8)  # warm-up
-            dec_t = toks = verify = 0.0
-            outs = []
-            for p in ps[: a.prompts]:
-                t1, _ = generate(http, c.url, p, 1)
-                tn, r = generate(http, c.url, p, a.new)
-                dec_t += tn - t1
-                toks += r["meta_info"]["completion_tokens"] - 1
-                verify += r["meta_info"].get("spec_verify_ct", 0)
-                outs.append(r["output_ids"])
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(a.concurrent) as ex:
-                res = list(ex.map(lambda hp: generate(hp[0], c.url, hp[1], a.new)[1], zip(clients, ps[: a.concurrent])))
-            wall = time.perf_counter() - t0
+            run = measure(c, ps[: a.prompts], ps[: a.concurrent], a.new)
         finally:
-            for h in [http, *clients]:
-                h.close()
             c.stop()
-        tok_n = sum(r["meta_info"]["completion_tokens"] for r in res)
-        ver_n = sum(r["meta_info"].get("spec_verify_ct", 0) for r in res)
-        outs += [r["output_ids"] for r in res]
-        ref = outs if ref is None else ref
-        rate1, rateN = toks / dec_t, tok_n / wall
-        base1, baseN = base1 or rate1, baseN or rateN
-        tau1 = f"{toks / verify:.2f}" if verify else "-"
-        tauN = f"{(tok_n - len(res)) / ver_n:.2f}" if ver_n else "-"
-        print(f"{mode:<8} | {rate1:20.1f} | {tau1:>5} | {rate1 / base1:7.2f}x | {rateN:15.1f} | {tauN:>5} | "
-              f"{rateN / baseN:7.2f}x" + ("" if outs == ref else "  OUTPUT DIFFERS FROM OFF"), flush=True)
+        ref = run.outputs if ref is None else ref
+        base1, baseN = base1 or run.rate1, baseN or run.rate_n
+        tau1 = f"{run.tau1:.2f}" if run.tau1 else "-"
+        tauN = f"{run.tau_n:.2f}" if run.tau_n else "-"
+        print(f"{mode:<8} | {run.rate1:20.1f} | {tau1:>5} | {run.rate1 / base1:7.2f}x | {run.rate_n:15.1f} | {tauN:>5} | "
+              f"{run.rate_n / baseN:7.2f}x" + ("" if run.outputs == ref else "  OUTPUT DIFFERS FROM OFF"), flush=True)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,8 @@ from pathlib import Path
 import httpx
 
 from glm53.support.cluster import Cluster
+from glm53.support.pd_bench import router_sums, split_means
 
-# The router's histograms that split TTFT: (name, unit scale to ms or MB, label).
-SPLIT = (("sglang:time_to_first_token_seconds", 1e3, "router TTFT ms"), ("sglang:queue_time_seconds", 1e3, "queue ms"),
-         ("sglang:kv_transfer_bootstrap_ms", 1, "bootstrap ms"), ("sglang:kv_transfer_latency_ms", 1, "transfer ms"),
-         ("sglang:kv_transfer_total_mb", 1, "MB moved"))
 SPEC = {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash", "num_draft_tokens": 16}
 
 
@@ -54,17 +51,6 @@ def stream(http: httpx.Client, url: str, text: str, new: int) -> tuple[float, di
     if first is None:
         raise RuntimeError(f"no token streamed: {meta}")
     return first, meta
-
-
-def split_means(url: str) -> str:
-    """The means of the router's TTFT-splitting histograms (the warm-up request included)."""
-    sums: dict[str, list[float]] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        for m, _, _ in SPLIT:
-            for part, i in (("_sum", 0), ("_count", 1)):
-                if line.startswith(m + part):
-                    sums.setdefault(m, [0.0, 0.0])[i] += float(line.rsplit(" ", 1)[1])
-    return ", ".join(f"{label} {sums[m][0] / sums[m][1] * k:.1f}" for m, k, label in SPLIT if sums.get(m, [0, 0])[1])
 
 
 def main() -> None:
@@ -99,7 +85,7 @@ def main() -> None:
                         ttft[n].append(first)
                         toks[n] += meta["completion_tokens"] - 1
                         verify[n] += meta.get("spec_verify_ct", 0)
-        split = {n: split_means(c.url) for n, c in clusters.items()}
+        split = {n: split_means(router_sums(c.url)) for n, c in clusters.items()}  # the warm-up included
     finally:
         for c in clusters.values():
             c.stop()

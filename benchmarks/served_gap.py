@@ -37,6 +37,7 @@ import yaml
 from glm53.support.cluster import Cluster
 from glm53.support.corpus import held_file_prompts
 from glm53.support.decode_loop import decode_run, scheduler
+from glm53.support.pd_bench import on_one_gpu, router_sums, split_means
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -80,23 +81,6 @@ def engine_loop(a, prompts: list[list[int]]) -> tuple[float, list]:
     return toks / secs, outs
 
 
-METRICS = ("sglang:kv_transfer_bootstrap_ms", "sglang:kv_transfer_latency_ms", "sglang:queue_time_seconds",
-           "sglang:time_to_first_token_seconds")
-
-
-def metric_sums(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the router's histograms that split TTFT (the router's /metrics)."""
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        for m in METRICS:
-            for part, i in (("_sum", 0), ("_count", 1)):
-                if line.startswith(m + part):
-                    cur = list(out.get(m, (0.0, 0.0)))
-                    cur[i] += float(line.rsplit(" ", 1)[1])
-                    out[m] = tuple(cur)
-    return out
-
-
 def print_profiles(d: Path, top: int = 25) -> None:
     """The instances' serving-loop profiles (GLM53_PROFILE_DIR), heaviest first by own time."""
     deadline = time.monotonic() + 30  # each instance writes its own at shutdown, maybe after `up` exits
@@ -136,11 +120,9 @@ def main() -> None:
                                          "num_draft_tokens": a.block}
     c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec)
     c.cfg["defaults"].update(disable_radix_cache=True, chunked_prefill_size=8192)
-    if a.device == "cuda":
-        c.cfg["defaults"].update(device="cuda", dtype="bfloat16")
-        for role in ("prefill", "decode"):
-            c.cfg[role][0].update(devices=[0], mem_fraction_static=0.3)
     c.config_path.write_text(yaml.safe_dump(c.cfg))
+    if a.device == "cuda":
+        on_one_gpu(c)
     if a.profile:
         c.env["GLM53_PROFILE_DIR"] = str(a.profile)
     c.start()
@@ -150,29 +132,26 @@ def main() -> None:
             stream(clients[0], c.url, p, 8)  # warm-up
         rounds = []
         for _ in range(a.rounds):
-            before = metric_sums(c.url)
+            before = router_sums(c.url)
             t0 = time.perf_counter()
             with ThreadPoolExecutor(a.concurrent) as ex:
                 res = list(ex.map(lambda hp: stream(hp[0], c.url, hp[1], a.new), zip(clients, prompts)))
             wall = time.perf_counter() - t0
-            after = metric_sums(c.url)
-            rounds.append((res, wall, {m: (after[m][0] - before.get(m, (0, 0))[0], after[m][1] - before.get(m, (0, 0))[1])
-                                       for m in after}))
+            rounds.append((res, wall, split_means(router_sums(c.url), before)))
     finally:
         c.stop()
 
-    for i, (res, wall, mets) in enumerate(rounds):
+    for i, (res, wall, split) in enumerate(rounds):
         toks = sum(len(out) for _, _, out in res)
         ttft = [ts[0] - sent for sent, ts, _ in res]
         first, last = min(ts[0] for _, ts, _ in res), max(ts[-1] for _, ts, _ in res)
         itl = [b - x for _, ts, _ in res for x, b in zip(ts, ts[1:])]
         after_first = toks - len(res)
-        split = ", ".join(f"{m.split(':')[1]} mean {v[0] / v[1]:.3g}" for m, v in mets.items() if v[1])
         print(f"served round {i + 1} (router + prefill + NIXL + decode): {toks / wall:.1f} tok/s over {wall:.2f} s; "
               f"TTFT p50 {statistics.median(ttft) * 1e3:.1f} ms, max {max(ttft) * 1e3:.1f} ms; "
               f"decode {after_first / (last - first):.1f} tok/s from the first first token to the last token; "
               f"ITL p50 {statistics.median(itl) * 1e3:.2f} ms, p99 {pct(itl, 0.99) * 1e3:.2f} ms")
-        print(f"  router's split: {split}")
+        print(f"  router's means: {split}")
         print(f"  ratios: engine loop / served tok/s {loop_rate / (toks / wall):.2f}x; engine loop / served decode "
               f"{loop_rate / (after_first / (last - first)):.2f}x")
         same = [out for _, _, out in res] == [list(o) for o in loop_outs]
