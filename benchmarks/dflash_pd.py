@@ -25,11 +25,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import yaml
-
-from glm53.support.cluster import Cluster
 from glm53.support.corpus import held_file_prompts
-from glm53.support.pd_bench import measure, on_one_gpu
+from glm53.support.pd_bench import measure_deployment, table_row
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -48,27 +45,13 @@ def main() -> None:
           f"{a.concurrent} at once, {a.new} new tokens, greedy")
     print(f"{'mode':<10} | {'1 at a time: decode tok/s':>26} | {'tau':>5} | {'speed-up':>8} | "
           f"{f'{a.concurrent} at once: tok/s':>20} | {'tau':>5} | {'speed-up':>8}")
-    base1 = baseN = ref = None
+    base = ref = None
     for block in [None, *a.blocks]:
         spec = None if block is None else {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash",
                                            "num_draft_tokens": block}
-        c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec)
-        c.cfg["defaults"]["disable_radix_cache"] = True  # every run of a prompt prefills it (docstring)
-        c.config_path.write_text(yaml.safe_dump(c.cfg))
-        if a.device == "cuda":
-            on_one_gpu(c)
-        c.start()
-        try:
-            run = measure(c, ps[: a.prompts], ps[: a.concurrent], a.new)
-        finally:
-            c.stop()
-        ref = run.outputs if ref is None else ref
-        base1, baseN = base1 or run.rate1, baseN or run.rate_n
-        tau1 = f"{run.tau1:.2f}" if run.tau1 else "-"
-        tauN = f"{run.tau_n:.2f}" if run.tau_n else "-"
-        name = "off" if block is None else f"dflash {block}"
-        print(f"{name:<10} | {run.rate1:26.1f} | {tau1:>5} | {run.rate1 / base1:7.2f}x | {run.rate_n:20.1f} | {tauN:>5} | "
-              f"{run.rate_n / baseN:7.2f}x" + ("" if run.outputs == ref else "  OUTPUT DIFFERS FROM OFF"), flush=True)
+        run = measure_deployment(cache, spec, a.device, ps[: a.prompts], ps[: a.concurrent], a.new)
+        base, ref = base or run, ref or run.outputs
+        print(table_row("off" if block is None else f"dflash {block}", run, base, ref), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import yaml
-
-from glm53.support.cluster import Cluster
 from glm53.support.corpus import package_prompts
-from glm53.support.pd_bench import measure, on_one_gpu
+from glm53.support.pd_bench import measure_deployment, table_row
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -62,26 +59,13 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="draft-compare-"))
     print(f"PD pipeline (1 prefill + 1 decode, {a.device}), {a.package} prompts of {a.prompt} tokens: {a.prompts} one "
           f"at a time, {a.concurrent} at once, {a.new} new tokens, greedy, verify width {a.width}")
-    print(f"{'draft':<8} | {'batch 1 decode tok/s':>20} | {'tau':>5} | {'speed-up':>8} | "
-          f"{f'batch {a.concurrent} tok/s':>15} | {'tau':>5} | {'speed-up':>8}")
-    base1 = baseN = ref = None
+    print(f"{'draft':<10} | {'batch 1 decode tok/s':>26} | {'tau':>5} | {'speed-up':>8} | "
+          f"{f'batch {a.concurrent} tok/s':>20} | {'tau':>5} | {'speed-up':>8}")
+    base = ref = None
     for mode in a.modes:
-        c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec_of(mode, a.width))
-        c.cfg["defaults"]["disable_radix_cache"] = True
-        c.config_path.write_text(yaml.safe_dump(c.cfg))
-        if a.device == "cuda":
-            on_one_gpu(c)
-        c.start()
-        try:
-            run = measure(c, ps[: a.prompts], ps[: a.concurrent], a.new)
-        finally:
-            c.stop()
-        ref = run.outputs if ref is None else ref
-        base1, baseN = base1 or run.rate1, baseN or run.rate_n
-        tau1 = f"{run.tau1:.2f}" if run.tau1 else "-"
-        tauN = f"{run.tau_n:.2f}" if run.tau_n else "-"
-        print(f"{mode:<8} | {run.rate1:20.1f} | {tau1:>5} | {run.rate1 / base1:7.2f}x | {run.rate_n:15.1f} | {tauN:>5} | "
-              f"{run.rate_n / baseN:7.2f}x" + ("" if run.outputs == ref else "  OUTPUT DIFFERS FROM OFF"), flush=True)
+        run = measure_deployment(cache, spec_of(mode, a.width), a.device, ps[: a.prompts], ps[: a.concurrent], a.new)
+        base, ref = base or run, ref or run.outputs
+        print(table_row(mode, run, base, ref), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ item 7): the draft-KV work adds ≤ 15 % to TTFT.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sysconfig
 import tempfile
@@ -28,26 +27,20 @@ from pathlib import Path
 import httpx
 
 from glm53.support.cluster import Cluster
-from glm53.support.pd_bench import router_sums, split_means
+from glm53.support.pd_bench import router_sums, split_means, stream_events
 
 SPEC = {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash", "num_draft_tokens": 16}
 
 
 def stream(http: httpx.Client, url: str, text: str, new: int) -> tuple[float, dict]:
     """(TTFT in seconds, the last event's meta_info) of one streamed greedy request."""
-    body = {"text": text, "stream": True,
-            "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+    body = {"text": text, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
     t0 = time.perf_counter()
     first, meta = None, {}
-    with http.stream("POST", f"{url}/generate", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
-            if first is None and ev.get("output_ids"):
-                first = time.perf_counter() - t0
-            meta = ev.get("meta_info", meta)
+    for now, ev in stream_events(http, url, body):
+        if first is None and ev.get("output_ids"):
+            first = now - t0
+        meta = ev.get("meta_info", meta)
     if first is None:
         raise RuntimeError(f"no token streamed: {meta}")
     return first, meta

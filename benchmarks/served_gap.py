@@ -21,7 +21,6 @@ benchmarks/dflash_pd.py.
 from __future__ import annotations
 
 import argparse
-import json
 import pstats
 import statistics
 import sys
@@ -37,30 +36,22 @@ import yaml
 from glm53.support.cluster import Cluster
 from glm53.support.corpus import held_file_prompts
 from glm53.support.decode_loop import decode_run, scheduler
-from glm53.support.pd_bench import on_one_gpu, router_sums, split_means
+from glm53.support.pd_bench import on_one_gpu, router_sums, split_means, stream_events
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 def stream(http: httpx.Client, url: str, ids: list[int], new: int) -> tuple[float, list[float], list[int]]:
-    """(send time, each token's arrival time, the output ids) of one streamed request. `http` is
-    made before the clock starts: an httpx.Client() costs ~20-30 ms (its TLS context), and sixteen
-    of them, serialized by the GIL, put ~0.4 s of client work into the requests' TTFT."""
+    """(send time, each token's arrival time, the output ids) of one streamed request, on a client
+    made before the clock starts (glm53/support/pd_bench.py says why)."""
     t0 = time.perf_counter()
     times: list[float] = []
     out: list[int] = []
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
-    with http.stream("POST", f"{url}/generate", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            ev = json.loads(line[5:])
-            ids_now = ev.get("output_ids") or []
-            now = time.perf_counter()
-            times += [now] * (len(ids_now) - len(out))
-            out = list(ids_now)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+    for now, ev in stream_events(http, url, body):
+        ids_now = ev.get("output_ids") or []
+        times += [now] * (len(ids_now) - len(out))
+        out = list(ids_now)
     return t0, times, out
 
 

@@ -10,9 +10,13 @@ H200 it showed as a 464 ms client TTFT against the router's own 91 ms).
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import yaml
@@ -33,6 +37,26 @@ def on_one_gpu(c: Cluster, mem_fraction: float = 0.3) -> None:
     for role in ("prefill", "decode"):
         c.cfg[role][0].update(devices=[0], mem_fraction_static=mem_fraction)
     c.config_path.write_text(yaml.safe_dump(c.cfg))
+
+
+def start(cache: Path, speculative: dict | None, device: str = "cpu") -> Cluster:
+    """One 1P1D deployment of the embedded model, prefix cache off (every run of a prompt
+    prefills it), on GPU 0 for `device` "cuda"."""
+    c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=speculative)
+    c.cfg["defaults"]["disable_radix_cache"] = True
+    c.config_path.write_text(yaml.safe_dump(c.cfg))
+    if device == "cuda":
+        on_one_gpu(c)
+    return c.start()
+
+
+def stream_events(http: httpx.Client, url: str, body: dict) -> Iterator[tuple[float, dict]]:
+    """(arrival time, event) of each event of one streamed /generate request (`stream` set here)."""
+    with http.stream("POST", f"{url}/generate", json={**body, "stream": True}, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                yield time.perf_counter(), json.loads(line[5:])
 
 
 def generate(http: httpx.Client, url: str, ids: list[int], new: int) -> tuple[float, dict]:
@@ -85,6 +109,24 @@ def measure(c: Cluster, one_at_a_time: list[list[int]], at_once: list[list[int]]
     ver_n = sum(r["meta_info"].get("spec_verify_ct", 0) for r in res)
     return PDRun(toks / dec_t, toks / verify if verify else None, tok_n / wall,
                  (tok_n - len(res)) / ver_n if ver_n else None, outs + [r["output_ids"] for r in res])
+
+
+def table_row(name: str, run: PDRun, base: PDRun, ref: list[list[int]]) -> str:
+    """One row of the drafts' tables: rates, τ and speed-ups over `base`; flags outputs that differ."""
+    tau1 = f"{run.tau1:.2f}" if run.tau1 else "-"
+    tau_n = f"{run.tau_n:.2f}" if run.tau_n else "-"
+    return (f"{name:<10} | {run.rate1:26.1f} | {tau1:>5} | {run.rate1 / base.rate1:7.2f}x | {run.rate_n:20.1f} | "
+            f"{tau_n:>5} | {run.rate_n / base.rate_n:7.2f}x" + ("" if run.outputs == ref else "  OUTPUT DIFFERS FROM OFF"))
+
+
+def measure_deployment(cache: Path, speculative: dict | None, device: str, one_at_a_time: list[list[int]],
+                       at_once: list[list[int]], new: int) -> PDRun:
+    """`measure` on a deployment of its own (`start`), stopped afterwards."""
+    c = start(cache, speculative, device)
+    try:
+        return measure(c, one_at_a_time, at_once, new)
+    finally:
+        c.stop()
 
 
 def router_sums(url: str) -> dict[str, tuple[float, float]]:
