@@ -45,7 +45,8 @@ def cmd_plan(args: argparse.Namespace, resolve: Callable[..., Any]) -> int:
                  gpu_bytes=gpu or gpu_bytes_here() or H200_BYTES, mem_fraction_static=get("mem_fraction_static", 0.85),
                  context_length=get("context_length", None), chunked_prefill_size=get("chunked_prefill_size", 8192),
                  max_running_requests=get("max_running_requests", 64),
-                 draft_path=get("speculative_draft_model_path", None))
+                 draft_path=get("speculative_draft_model_path", None),
+                 nextn=get("speculative_algorithm", "NONE") in ("NEXTN", "EAGLE"))
     try:
         plan = plan_instance(Path(args.model).expanduser(), lay)
     except ModelConfigError as e:  # a tp that does not split the model, a missing config.json

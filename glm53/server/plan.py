@@ -54,6 +54,7 @@ class Layout:
     max_running_requests: int = 64
     kv_tokens: int | None = None  # fixed by the YAML (num_pages × page_size, max_total_tokens)
     draft_path: str | None = None  # a DFlash-family draft on the last stage
+    nextn: bool = False  # NEXTN: the checkpoint's MTP layer drafts on the last stage (its weights, its pools)
     shares_weights: bool = False  # a colocated instance using its partner's copy of the weights
     others_fraction: float = 0.0  # mem_fraction_static of the other instances on the same GPUs
 
@@ -154,12 +155,48 @@ def activation_bytes(cfg: GlmConfig, lay: Layout, context: int, tp: int, block: 
     return scores + hidden + moe + logits + FIXED_RESERVE_BYTES
 
 
+def _nextn_bytes(model_dir: Path, cfg: GlmConfig, lay: Layout, dtype: torch.dtype, tp: TPGroup,
+                 target_fp8: frozenset[str]) -> int:
+    """The MTP layer's rank-0 bytes on the last stage, built on the meta device as the ranks load it
+    (engine/worker.py: an embedding of its own under PP). Its layout and FP8 weights come from the
+    checkpoint's tensor names when its index is there; else the DeepSeek-V3 NextN layout GLM-5
+    ships (its own embedding and head, MoE as the last layer) with the target's last
+    layer's FP8 weights mapped onto it."""
+    from glm53.models.model import fp8_block
+    from glm53.models.mtp import NextNDraft, NextNSpec, nextn_spec
+    from glm53.models.weights import checkpoint_files, fp8_param_names
+
+    L = cfg.num_hidden_layers
+    try:
+        files = checkpoint_files(model_dir)
+    except ValueError:
+        files = None
+    if files is not None:
+        spec = nextn_spec(cfg, files)
+        fp8 = frozenset(n for n in fp8_param_names(cfg, files) if n.startswith(f"model.layers.{L}.")) if target_fp8 \
+            else frozenset()
+    else:
+        last = f"model.layers.{L - 1}."
+        fp8 = frozenset(n.replace(last, f"model.layers.{L}.", 1) for n in target_fp8 if n.startswith(last))
+        spec = NextNSpec(L, moe=cfg.mlp_layer_types[-1] == "sparse", own_head=True, own_embed=True, fp8=bool(fp8))
+    with torch.device("meta"):
+        draft = NextNDraft(cfg, spec, dtype=dtype, tp=tp, ep=lay.ep, embed=lay.pp > 1)
+        if fp8:
+            block = fp8_block(cfg)
+            for prefix, module in draft.named_modules():
+                convert = getattr(module, "to_fp8", None)
+                if convert is not None and prefix:
+                    convert(prefix, fp8, block)
+    return _nbytes(draft)
+
+
 def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
     """Builds each stage's rank-0 shard on the meta device and plans one GPU of each."""
     from glm53.models.draft import DFlashDraft, DraftProjection, draft_kv_bytes_per_token
     from glm53.models.draft_config import DFlashConfig
     from glm53.models.kv_cache import FP8, target_pools
     from glm53.models.model import GlmForCausalLM
+    from glm53.models.mtp import NextNDraft
     from glm53.models.parallel import check_tp
     from glm53.models.weights import checkpoint_files, fp8_param_names, glm5_fp8_param_names
     from glm53.server.engine.worker import stage_layers
@@ -207,6 +244,11 @@ def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
                  for name, pool in target_pools(cfg, layers, 1, 1, dtype, device="meta", kv_dtype=kv_dtype)}
         if draft_cfg is not None and k == len(ranges) - 1:
             pools["draft_kv"] = draft_kv_bytes_per_token(draft_cfg, dtype, lay.tp)
+        if lay.nextn and k == len(ranges) - 1 and cfg.num_nextn_predict_layers >= 1:
+            mtp_bytes = _nextn_bytes(model_dir, cfg, lay, dtype, tp, fp8)
+            draft_bytes += mtp_bytes
+            weights += 0 if lay.shares_weights else mtp_bytes
+            pools["mtp_kv+mtp_index_k"] = NextNDraft.kv_bytes_per_token(cfg, dtype)
         per_token = sum(pools.values())
         tokens = max(0, int((budget - weights) // per_token)) if lay.kv_tokens is None else lay.kv_tokens
         stages.append(StagePlan(layers, weights, 0 if lay.shares_weights else draft_bytes, pools, tokens))
@@ -269,8 +311,8 @@ def instance_layout(cluster, inst, gpu_bytes: int) -> Layout:
     return Layout(tp=inst.tp, pp=inst.pp, ep=inst.ep, dtype=eng.dtype, kv_cache_dtype=eng.kv_cache_dtype, gpu_bytes=gpu_bytes,
                   mem_fraction_static=eng.mem_fraction_static, context_length=cluster.model.context_length,
                   chunked_prefill_size=eng.chunked_prefill_size, max_running_requests=eng.max_running_requests,
-                  kv_tokens=kv_tokens, draft_path=spec.draft_model_path if spec.enabled else None,
-                  shares_weights=shares, others_fraction=others)
+                  kv_tokens=kv_tokens, draft_path=spec.draft_model_path if spec.enabled and not spec.nextn else None,
+                  nextn=spec.enabled and spec.nextn, shares_weights=shares, others_fraction=others)
 
 
 def plan_cluster(cluster, model_dir: str | Path, gpu_bytes: int | None = None) -> dict[str, Plan]:

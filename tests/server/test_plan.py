@@ -20,7 +20,9 @@ from glm53.models.weights import checkpoint_files, fp8_param_names, glm5_fp8_par
 from glm53.server.cli import main
 from glm53.server.engine.worker import DTYPES, stage_layers
 from glm53.server.plan import GB, Layout, plan_instance
+from glm53.models.mtp_weights import build_nextn
 from glm53.support.glm5_slice import FP8_QUANTIZATION_CONFIG, slice_config
+from glm53.support.mtp_checkpoint import random_nextn, write_mtp_layer
 from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
 from tests.models.glm5_config import GLM5
 
@@ -106,6 +108,41 @@ def test_weight_and_kv_bytes_are_what_a_loaded_rank_holds(fp8_checkpoint, tp, pp
         assert stage.weight_bytes == held
         assert any(p.dtype == FP8 for p in model.parameters())
         assert stage.kv_bytes_per_token == kv_bytes_per_token(cfg, dtype, layers)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_nextn_adds_what_the_last_stage_loads(tmp_path, tp, pp):
+    """With NEXTN the last stage also holds the MTP layer as the ranks load it (its own embedding
+    under PP) and its two pools."""
+    d = tmp_path / "target"
+    make_checkpoint(d, seed=int(torch.randint(0, 2**31, ()).item()))
+    dtype = DTYPES[GlmConfig.from_dir(d).torch_dtype]
+    write_mtp_layer(d, random_nextn(GlmConfig.from_dir(d), seed=5, dtype=dtype))
+    cfg = GlmConfig.from_dir(d)  # num_nextn_predict_layers: 1 now
+    plain = plan_instance(d, Layout(tp=tp, pp=pp, gpu_bytes=10 * GB))
+    nextn = plan_instance(d, Layout(tp=tp, pp=pp, gpu_bytes=10 * GB, nextn=True))
+    draft = build_nextn(d, cfg, dtype=dtype, device="meta", tp=TPGroup.for_shapes(tp), embed=pp > 1)
+    held = sum(t.numel() * t.element_size() for t in [*draft.parameters(), *draft.buffers()])
+    assert nextn.stages[-1].weight_bytes - plain.stages[-1].weight_bytes == held > 0
+    assert nextn.stages[-1].kv_bytes_per_token - plain.stages[-1].kv_bytes_per_token == \
+        (cfg.latent_dim + cfg.index_head_dim) * dtype.itemsize
+    assert [s.weight_bytes for s in nextn.stages[:-1]] == [s.weight_bytes for s in plain.stages[:-1]]
+
+
+def test_glm5_fp8_with_its_mtp_layer_still_fits_tp8(capsys, glm5_fp8):
+    """GLM-5's layer 78 (FP8 like the last layer, its own embedding and head, eh_proj in bf16)
+    costs about a layer's share of the weights plus those, and tp 8 keeps >= 200K FP8 KV tokens."""
+    plain = plan_instance(glm5_fp8, Layout(tp=8, kv_cache_dtype="fp8_e4m3"))
+    nextn = plan_instance(glm5_fp8, Layout(tp=8, kv_cache_dtype="fp8_e4m3", nextn=True))
+    extra = nextn.weight_bytes_per_gpu - plain.weight_bytes_per_gpu
+    layer = plain.weight_bytes_per_gpu / GLM5["num_hidden_layers"]
+    h, v = GLM5["hidden_size"], GLM5["vocab_size"]
+    own = 2 * v * h * 2 / 8 + 2 * h * h * 2  # embedding and head (split over tp 8), eh_proj (replicated)
+    assert 0.8 * layer + own < extra < 1.2 * layer + own
+    assert nextn.fits and nextn.max_kv_tokens >= 200_000
+    rc, summary, _ = _plan_cli(capsys, "--model", str(glm5_fp8), "--tp", "8", "--kv-cache-dtype", "fp8_e4m3",
+                               "--speculative-algorithm", "NEXTN")
+    assert rc == 0 and summary["weight_bytes_per_gpu"] == nextn.weight_bytes_per_gpu
 
 
 def test_fp8_layout_from_config_alone_matches_the_checkpoint(fp8_checkpoint, tmp_path):
