@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53.models import DraftBlock, GlmConfig, ModelRunner, SeqChunk
+from glm53.models import GlmConfig, ModelRunner, SeqChunk
+from glm53.support.greedy import spec_greedy
 from glm53.support.mtp_checkpoint import random_nextn, write_mtp_layer
 from glm53.support.oracle import make_checkpoint
 
@@ -58,16 +59,5 @@ def test_greedy_equals_plain_on_cuda(ckpt, dtype):
         while len(out) < n:
             out.append(int(plain.forward([SeqChunk([out[-1]], len(p) + len(out) - 1, pg)])[0][-1].argmax()))
         want.append(out)
-    outs = [[int(r.forward([SeqChunk(p, 0, pg)])[0][-1].argmax())] for p, pg in zip(prompts, pages)]
-    while any(len(o) < n for o in outs):
-        idx = [i for i, o in enumerate(outs) if len(o) < n]
-        blocks = [DraftBlock(outs[i][-1], len(prompts[i]) + len(outs[i]) - 1, pages[i],
-                             block_size=min(4, n - len(outs[i])), key=i) for i in idx]
-        res = r.spec_step(blocks)
-        for j, i in enumerate(idx):
-            d, am = res.drafts[j], res.greedy[j]
-            a = 0
-            while a < len(d) and d[a] == am[a]:
-                a += 1
-            outs[i].extend((d[:a] + [am[a]])[: n - len(outs[i])])
+    outs, _, _ = spec_greedy(r, prompts, pages, n, width=4)
     assert outs == want
