@@ -38,14 +38,13 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from glm53.models import DraftBlock, GlmConfig, ModelRunner, SeqChunk
+from glm53.models import GlmConfig, ModelRunner, SeqChunk
 from glm53.models.kv_cache import KVPools
 from glm53.support.corpus import corpus_streams, package_prompts
 from glm53.support.distill_data import Data, build
-from safetensors.torch import save_file
-
+from glm53.support.greedy import spec_greedy
 from glm53.support.mtp_checkpoint import layer_tensors, random_nextn, write_layer_tensors
 from glm53.support.mtp_trainer import train_rows
 from glm53.support.training import log
@@ -99,24 +98,7 @@ def tau(model_dir: Path, prompts: list[list[int]], new: int, steps: int, device:
     r = ModelRunner.from_dir(model_dir, page_size=16, num_pages=len(prompts) * 32, progress=False,
                              nextn_steps=steps, device=device, dtype=torch.float32)
     pages = [list(range(32 * i, 32 * i + 32)) for i in range(len(prompts))]
-    outs = [[int(lg[-1].argmax())] for lg in r.forward([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)])]
-    committed = verifies = 0
-    first = True
-    while any(len(o) < new for o in outs):
-        idx = [i for i, o in enumerate(outs) if len(o) < new]
-        blocks = [DraftBlock(outs[i][-1], len(prompts[i]) + len(outs[i]) - 1, pages[i],
-                             block_size=min(steps + 1, new - len(outs[i])), key=i) for i in idx]
-        res = r.spec_step(blocks)
-        for j, i in enumerate(idx):
-            d, am = res.drafts[j], res.greedy[j]
-            a = 0
-            while a < len(d) and d[a] == am[a]:
-                a += 1
-            toks = (d[:a] + [am[a]])[: new - len(outs[i])]
-            outs[i].extend(toks)
-            if not first:
-                committed, verifies = committed + len(toks), verifies + 1
-        first = False
+    _, committed, verifies = spec_greedy(r, prompts, pages, new, steps + 1)
     return committed / max(1, verifies)
 
 
