@@ -15,7 +15,7 @@ import torch
 from glm53.models.config import GlmConfig
 from glm53.models.layers import materialize_
 from glm53.models.model import fp8_block
-from glm53.models.mtp import DEFAULT_NUM_STEPS, NextNDraft, nextn_spec
+from glm53.models.mtp import DEFAULT_NUM_STEPS, NextNDraft, NextNSpec, nextn_spec
 from glm53.models.parallel import TPGroup
 from glm53.models.sharding import shard_of
 from glm53.models.weights import (FP8, CheckpointReader, WeightError, _names, checkpoint_files, checkpoint_tensors,
@@ -33,17 +33,26 @@ def build_nextn(model_dir: str | Path, cfg: GlmConfig | None = None, *, dtype: t
     spec = nextn_spec(cfg, files)
     prefix = f"model.layers.{spec.layer}."
     names = frozenset(n for n in fp8_param_names(cfg, files) if n.startswith(prefix)) if fp8 else frozenset()
+    draft = nextn_on_meta(cfg, spec, names, dtype=dtype, tp=tp, ep=ep, embed=embed, num_steps=num_steps)
+    materialize_(draft, device)
+    draft.init_buffers(device)
+    load_nextn_weights(draft, model_dir, files)
+    return draft
+
+
+def nextn_on_meta(cfg: GlmConfig, spec: NextNSpec, fp8_names: frozenset[str], *, dtype: torch.dtype,
+                  tp: TPGroup | None = None, ep: int = 1, embed: bool = False,
+                  num_steps: int = DEFAULT_NUM_STEPS) -> NextNDraft:
+    """The draft's module on the meta device, the weights named in `fp8_names` as e4m3 + block
+    scales: what a rank materializes and fills (and what `plan` counts)."""
     with torch.device("meta"):
         draft = NextNDraft(cfg, spec, dtype=dtype, tp=tp, ep=ep, embed=embed, num_steps=num_steps)
-        if names:
+        if fp8_names:
             block = fp8_block(cfg)
             for mod_prefix, module in draft.named_modules():
                 convert = getattr(module, "to_fp8", None)
                 if convert is not None and mod_prefix:
-                    convert(mod_prefix, names, block)
-    materialize_(draft, device)
-    draft.init_buffers(device)
-    load_nextn_weights(draft, model_dir, files)
+                    convert(mod_prefix, fp8_names, block)
     return draft
 
 

@@ -162,8 +162,8 @@ def _nextn_bytes(model_dir: Path, cfg: GlmConfig, lay: Layout, dtype: torch.dtyp
     checkpoint's tensor names when its index is there; else the DeepSeek-V3 NextN layout GLM-5
     ships (its own embedding and head, MoE as the last layer) with the target's last
     layer's FP8 weights mapped onto it."""
-    from glm53.models.model import fp8_block
-    from glm53.models.mtp import NextNDraft, NextNSpec, nextn_spec
+    from glm53.models.mtp import NextNSpec, nextn_spec
+    from glm53.models.mtp_weights import nextn_on_meta
     from glm53.models.weights import checkpoint_files, fp8_param_names
 
     L = cfg.num_hidden_layers
@@ -179,15 +179,7 @@ def _nextn_bytes(model_dir: Path, cfg: GlmConfig, lay: Layout, dtype: torch.dtyp
         last = f"model.layers.{L - 1}."
         fp8 = frozenset(n.replace(last, f"model.layers.{L}.", 1) for n in target_fp8 if n.startswith(last))
         spec = NextNSpec(L, moe=cfg.mlp_layer_types[-1] == "sparse", own_head=True, own_embed=True, fp8=bool(fp8))
-    with torch.device("meta"):
-        draft = NextNDraft(cfg, spec, dtype=dtype, tp=tp, ep=lay.ep, embed=lay.pp > 1)
-        if fp8:
-            block = fp8_block(cfg)
-            for prefix, module in draft.named_modules():
-                convert = getattr(module, "to_fp8", None)
-                if convert is not None and prefix:
-                    convert(prefix, fp8, block)
-    return _nbytes(draft)
+    return _nbytes(nextn_on_meta(cfg, spec, fp8, dtype=dtype, tp=tp, ep=lay.ep, embed=lay.pp > 1))
 
 
 def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
