@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from glm53.support.corpus import held_file_prompts
-from glm53.support.pd_bench import measure_deployment, table_row
+from glm53.support.pd_bench import measure_deployment, table_header, table_row
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -43,8 +43,7 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="dflash-pd-"))
     print(f"PD pipeline (1 prefill + 1 decode, {a.device}), {a.prompts} held-out prompts of 200 tokens one at a time, "
           f"{a.concurrent} at once, {a.new} new tokens, greedy")
-    print(f"{'mode':<10} | {'1 at a time: decode tok/s':>26} | {'tau':>5} | {'speed-up':>8} | "
-          f"{f'{a.concurrent} at once: tok/s':>20} | {'tau':>5} | {'speed-up':>8}")
+    print(table_header("mode", a.concurrent))
     base = ref = None
     for block in [None, *a.blocks]:
         spec = None if block is None else {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash",

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from glm53.support.corpus import package_prompts
-from glm53.support.pd_bench import measure_deployment, table_row
+from glm53.support.pd_bench import measure_deployment, table_header, table_row
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -59,8 +59,7 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="draft-compare-"))
     print(f"PD pipeline (1 prefill + 1 decode, {a.device}), {a.package} prompts of {a.prompt} tokens: {a.prompts} one "
           f"at a time, {a.concurrent} at once, {a.new} new tokens, greedy, verify width {a.width}")
-    print(f"{'draft':<10} | {'batch 1 decode tok/s':>26} | {'tau':>5} | {'speed-up':>8} | "
-          f"{f'batch {a.concurrent} tok/s':>20} | {'tau':>5} | {'speed-up':>8}")
+    print(table_header("draft", a.concurrent))
     base = ref = None
     for mode in a.modes:
         run = measure_deployment(cache, spec_of(mode, a.width), a.device, ps[: a.prompts], ps[: a.concurrent], a.new)

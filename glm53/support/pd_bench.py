@@ -111,6 +111,12 @@ def measure(c: Cluster, one_at_a_time: list[list[int]], at_once: list[list[int]]
                  (tok_n - len(res)) / ver_n if ver_n else None, outs + [r["output_ids"] for r in res])
 
 
+def table_header(name: str, concurrent: int) -> str:
+    """The header of `table_row`'s table (same column widths)."""
+    return (f"{name:<10} | {'batch 1 decode tok/s':>26} | {'tau':>5} | {'speed-up':>8} | "
+            f"{f'batch {concurrent} tok/s':>20} | {'tau':>5} | {'speed-up':>8}")
+
+
 def table_row(name: str, run: PDRun, base: PDRun, ref: list[list[int]]) -> str:
     """One row of the drafts' tables: rates, τ and speed-ups over `base`; flags outputs that differ."""
     tau1 = f"{run.tau1:.2f}" if run.tau1 else "-"
