@@ -3,6 +3,9 @@
 CUDA tensors run the Triton kernel. CPU tensors run the torch reference, except in a process
 started with TRITON_INTERPRET=1: Triton reads that variable at import, and then the public
 functions run the Triton kernels on CPU tensors (how CI tests the kernels themselves).
+Operands autograd tracks run the reference on any device: the Triton kernels have no backward,
+and a kernel's output would silently cut the graph (training the MTP layer or a draft on a GPU).
+Serving never meets this: model parameters never require grad and forwards run in inference mode.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ def triton_interpreting() -> bool:
     return _INTERPRET
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """True when the op on tensor `t` should run its Triton kernel."""
+def use_triton(t: torch.Tensor, *operands: torch.Tensor) -> bool:
+    """True when the op on tensor `t` (with its other tensor `operands`) should run its Triton kernel."""
+    if torch.is_grad_enabled() and (t.requires_grad or any(o.requires_grad for o in operands)):
+        return False
     return t.is_cuda or _INTERPRET
 
 

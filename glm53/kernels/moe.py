@@ -26,7 +26,7 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (weights [N, top_k] fp32, expert ids [N, top_k] int64). After the router GEMM, the
     Triton kernel (`route_triton.py`) where `use_triton` says so and selection is not grouped."""
-    if use_triton(x) and n_group <= 1:
+    if use_triton(x, gate_weight) and n_group <= 1:
         from glm53.kernels.route_triton import route_triton
 
         logits = F.linear(x.float(), gate_weight.float())
@@ -103,7 +103,7 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed experts (shapes as `moe_experts_reference`), summed over each token's k experts
     with its routing weights; returns [N, H] in x's dtype."""
-    if use_triton(x):
+    if use_triton(x, weights, gate, up, down):
         from glm53.kernels.moe_triton import moe_experts_triton
 
         return moe_experts_triton(x, weights, ids, gate, up, down)

@@ -20,7 +20,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dim. `out` (optional, may be x itself) receives the result."""
-    if use_triton(x) and weight.dim() == 1 and x.stride(-1) == 1:
+    if use_triton(x, weight) and weight.dim() == 1 and x.stride(-1) == 1:
         from glm53.kernels.norm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, out)

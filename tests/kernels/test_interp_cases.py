@@ -522,3 +522,33 @@ def test_topk_width_edges(B, L, lens):
 @pytest.mark.parametrize("M,variant", [(1, "w8a16"), (16, "w8a16"), (32, "w8a16"), (33, "w8a8"), (65, "w8a8")])
 def test_fp8_gemm_row_edges(M, variant):
     fp8_cases.check_gemm(M, 136, 256, torch.bfloat16, variant)
+
+
+# ---- operands autograd tracks take the reference (training on a GPU: no Triton backward) -----
+def test_tracked_operands_train_through_the_reference():
+    from glm53.kernels.moe import moe_experts, moe_experts_reference
+    from glm53.kernels.norm import rms_norm, rms_norm_reference
+    from glm53.kernels.rope import apply_rope, apply_rope_reference
+
+    x, w = torch.randn(5, 64), torch.rand(64) + 0.5
+    assert use_triton(x, w)
+    w.requires_grad_(True)  # a trained norm weight on an untracked input (the MTP layer's enorm)
+    assert not use_triton(x, w)
+    with torch.no_grad():
+        assert use_triton(x, w)
+    y = rms_norm(x, w, 1e-6)
+    (g,) = torch.autograd.grad((y * x).sum(), w)
+    (g_ref,) = torch.autograd.grad((rms_norm_reference(x, w, 1e-6) * x).sum(), w)
+    assert torch.allclose(g, g_ref)
+
+    q = torch.randn(6, 4, 16, requires_grad=True)
+    cos, sin = torch.randn(6, 8), torch.randn(6, 8)
+    (gq,) = torch.autograd.grad(apply_rope(q, cos, sin).pow(2).sum(), q)
+    (gq_ref,) = torch.autograd.grad(apply_rope_reference(q, cos, sin).pow(2).sum(), q)
+    assert torch.allclose(gq, gq_ref)
+
+    x, weights, ids, gate, up, down = cases.moe_inputs(7, 32, 16, 6, 2, torch.float32)
+    up.requires_grad_(True)
+    (gu,) = torch.autograd.grad(moe_experts(x, weights, ids, gate, up, down).sum(), up)
+    (gu_ref,) = torch.autograd.grad(moe_experts_reference(x, weights, ids, gate, up, down).sum(), up)
+    assert gu.abs().sum() > 0 and torch.allclose(gu, gu_ref)
