@@ -23,7 +23,8 @@ stage that owns feature layers takes a `DraftProjection` and hands its partial s
 With `graphs` (a whole model on one CUDA rank), decode batches of one-token chunks replay CUDA
 graphs over a device-resident batch state (models/graph.py, decode_state.py), or, with a draft,
 DFlash steps (`spec_step`) replay graphs of propose + verify (models/spec_graph.py,
-spec_state.py); everything else runs eagerly through `build_batch`.
+spec_state.py), or, with the MTP draft, graphs of its chained step (models/mtp_graph.py,
+mtp_state.py); everything else runs eagerly through `build_batch`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from glm53.models.spec_graph import SpecGraphs
 from glm53.models.spec_state import SpecOutput
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
 from glm53.models.mtp import NextNDraft, block_sampling
+from glm53.models.mtp_graph import MTPGraphs
 from glm53.models.mtp_weights import build_nextn
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import TPGroup
@@ -109,7 +111,8 @@ class ModelRunner:
         mtp: NextNDraft | None = None,
     ):
         """`mtp`: GLM-5's own MTP layer as the draft (models/mtp.py; last stage; its pools are
-        added, every prompt forward writes its KV, and `spec_step` runs its chained step).
+        added, every prompt forward writes its KV, and `spec_step` runs its chained step, from
+        CUDA graphs with `graphs`).
         `graphs`: capture CUDA graphs of the decode step (models/graph.py); the pools then
         get one more page than `num_pages`, the padding page that padded graph rows write, which
         no page allocator over `num_pages` ever hands out. `kv_dtype`: the target KV cache's
@@ -151,9 +154,10 @@ class ModelRunner:
             mtp.bind(model.model.embed_tokens if model.is_first else None, model.lm_head)
         self.graphs: DecodeGraphs | None = None
         self.spec_graphs: SpecGraphs | None = None
+        self.mtp_graphs: MTPGraphs | None = None
         if graphs is not None and mtp is not None:
-            raise ValueError("CUDA graphs of the MTP step are not built: run it eagerly")
-        if graphs is not None and draft is not None:
+            self.mtp_graphs = MTPGraphs(self, graphs, pad_page=num_pages)
+        elif graphs is not None and draft is not None:
             self.spec_graphs = SpecGraphs(self, graphs, pad_page=num_pages)
         elif graphs is not None:
             self.graphs = DecodeGraphs(self, graphs, pad_page=num_pages)
@@ -341,7 +345,8 @@ class ModelRunner:
         decides), else it runs eagerly. Every TP rank computes the same proposals (sampled ones
         from the blocks' seeds), so every rank builds the same verify batch."""
         if self.mtp is not None:
-            return self._mtp_step(blocks)
+            hit = self.mtp_graphs.bucket(blocks) if self.mtp_graphs is not None else None
+            return self.mtp_graphs.step(blocks, *hit) if hit is not None else self._mtp_step(blocks)
         if self.spec_graphs is not None:
             hit = self.spec_graphs.bucket(blocks)
             if hit is not None:
