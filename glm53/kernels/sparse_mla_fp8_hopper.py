@@ -1,0 +1,258 @@
+"""Sparse MLA decode/verify over the FP8 latent cache for Hopper (sm_90), in Gluon.
+
+The bf16 Hopper kernel (`sparse_mla_hopper`) with another producer: the two consumer warpgroups
+(`_ws_scores`, `_ws_values_hi`) are imported unchanged and run wgmma on bf16 tiles in shared
+memory; `_ws_dequant` fills those tiles from the 656 B FP8 rows (`latent_cache_fp8`: 512 e4m3,
+4 fp32 tile scales, 64 bf16 rope values). Why dequantize in the producer and not fold the scales
+into the products as `sparse_mla_fp8_triton` does: the consumers stay the measured bf16 ones, and
+the FP8 row gathers 57% of the bf16 row's bytes, so the gather (the bf16 kernel's limit) shrinks
+while the tensor-core work is the same.
+
+Per block of BN slots, the producer (4 warps):
+- the rope part (bf16 in the cache) goes straight into its tile by cp.async, as in the bf16 kernel;
+- the fp8 latent is loaded into registers before waiting for the tile to be free (so those loads
+  are in flight while the consumers finish with it), then each 128-column tile is widened,
+  multiplied by its power-of-two scale (exact) and stored as bf16. Not a block further ahead: a
+  loop-carried fp8 tensor is held a byte a register (256 registers, spilled to local memory).
+A tile is full after 128 cp.async arrivals (one per producer thread) plus one arrival after the
+latent stores (so `c_full` counts 129). Invalid slots (-1) load nothing and give zero rows.
+
+Heads: any count, in 64-row tiles (a masked tail: 8 heads, GLM-5's per-rank count at tp=8, run
+one tile with 56 empty rows; the kernel is bound by the gathers, not by the products).
+Shared memory is the bf16 kernel's (q, two BN-slot bf16 buffers, P): 64-slot blocks fill it.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from glm53.kernels.latent_cache_fp8 import LatentLayout, views
+from glm53.kernels.sparse_mla_hopper import (
+    BLOCK_H, MAXNREG, REGS_VALUES, _copy_layout, _load_slots, _ws_scores, _ws_values_hi,
+)
+from glm53.kernels.sparse_mla_triton import LOG2E, combine_splits, plan_splits
+
+KV_LORA_RANK = 512  # the shapes the buffers are sized for (GLM-5): 512 fp8 + 4 scales + 64 bf16
+ROPE_DIM = 64
+TILE = gl.constexpr(128)  # latent columns per fp32 scale (latent_cache_fp8.TILE)
+FP8_VEC = gl.constexpr(16)  # 16-byte loads of fp8
+# The producer holds a block's fp8 rows (64 regs a thread at 64 slots), its scales and addresses:
+# 104 spilled least in an offline sm_90 build (WG1 168, the default warpgroup the rest, 232).
+REGS_DEQUANT = gl.constexpr(104)
+
+
+@gluon.constexpr_function
+def _fp8_layout(rows, num_warps):
+    """[rows, TILE] fp8: 16 bytes a thread, 8 threads a 128-byte row segment (one sector run)."""
+    tc = TILE // FP8_VEC
+    assert (32 // tc) * num_warps <= rows, f"{rows} slots are too few for {num_warps} warps"
+    return gl.BlockedLayout([1, FP8_VEC], [32 // tc, tc], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _row_bytes(slot, stride_p, stride_s, PAGE):
+    """Byte offset of each slot's row (slots of -1 read row 0, masked by the caller)."""
+    slot = gl.where(slot >= 0, slot, 0)
+    page = slot // PAGE
+    base = page.to(gl.int64) * stride_p + (slot - page * PAGE).to(gl.int64) * stride_s
+    return gl.multiple_of(base, 16)  # rows are 656 B apart in a 16-byte-aligned pool
+
+
+@gluon.jit
+def _load_tile(c8_ptr, base, valid, k: gl.constexpr, L: gl.constexpr):
+    col = k * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(0, L))
+    return gl.load(c8_ptr + base[:, None] + col[None, :], mask=valid[:, None], other=0.0)
+
+
+@gluon.jit
+def _load_scale(sc_ptr, base, valid, k: gl.constexpr, R: gl.constexpr):
+    return gl.load(sc_ptr + (base // 4 + (R // 4 + k)), mask=valid, other=0.0)
+
+
+@gluon.jit
+def _store_tile(dst, x, s, valid, k: gl.constexpr):
+    # e4m3 -> fp32 is exact, the power-of-two scale is exact, and so is the bf16 rounding of the
+    # product (8 significant bits fit in bf16's 8); the where keeps a masked row at zero whatever
+    # the masked load left in its registers
+    y = gl.where(valid[:, None], x.to(gl.float32) * s[:, None], 0.0)
+    dst.slice(k * TILE, TILE, dim=1).store(y.to(dst.dtype))
+
+
+@gluon.jit
+def _gather_rope(dst, rp_ptr, slot, stride_p, stride_s, PAGE, R: gl.constexpr, BN: gl.constexpr,
+                 P: gl.constexpr):
+    """cp.async the bf16 rope values of the slots' rows into dst [BN, P]; -1 slots zero-filled."""
+    L: gl.constexpr = _copy_layout(BN, P, 4)
+    valid = slot >= 0
+    base = _row_bytes(slot, stride_p, stride_s, PAGE)
+    # bf16 element offset of the rope part: the row's bytes / 2 plus the rope's offset (R fp8 +
+    # R/128 fp32 scales), a multiple of 8 elements, so the copies stay 16 bytes wide
+    off = gl.multiple_of(base // 2 + (R + 4 * (R // 128)) // 2, 8)
+    c = gl.arange(0, P, layout=gl.SliceLayout(0, L))
+    cp.async_copy_global_to_shared(dst, rp_ptr + off[:, None] + c[None, :], mask=valid[:, None])
+
+
+@gluon.jit
+def _ws_dequant(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                stride_p, stride_s, PAGE):
+    R: gl.constexpr = cn.shape[2]
+    BN: gl.constexpr = cn.shape[1]
+    P: gl.constexpr = cr.shape[2]
+    gl.static_assert(R == 4 * TILE, "the producer is written for four 128-column latent tiles")
+    DL: gl.constexpr = _fp8_layout(BN, 4)
+    LD: gl.constexpr = gl.SliceLayout(1, DL)
+    LR: gl.constexpr = gl.SliceLayout(1, _copy_layout(BN, P, 4))
+    s_d = _load_slots(idx_row, start, end, BN, LD)
+    g_r = _load_slots(idx_row, start, end, BN, LR)
+    for i in range(nblk):
+        b = i % 2
+        n_d = _load_slots(idx_row, start + (i + 1) * BN, end, BN, LD)
+        n_r = _load_slots(idx_row, start + (i + 1) * BN, end, BN, LR)
+        # this block's rows, issued before waiting for its buffer: in flight during the wait
+        v = s_d >= 0
+        base = _row_bytes(s_d, stride_p, stride_s, PAGE)
+        x0 = _load_tile(c8_ptr, base, v, 0, DL)
+        x1 = _load_tile(c8_ptr, base, v, 1, DL)
+        x2 = _load_tile(c8_ptr, base, v, 2, DL)
+        x3 = _load_tile(c8_ptr, base, v, 3, DL)
+        k0 = _load_scale(sc_ptr, base, v, 0, R)
+        k1 = _load_scale(sc_ptr, base, v, 1, R)
+        k2 = _load_scale(sc_ptr, base, v, 2, R)
+        k3 = _load_scale(sc_ptr, base, v, 3, R)
+        mbarrier.wait(c_empty.index(b), ((i // 2) & 1) ^ 1)
+        dst = cn.index(b)
+        _gather_rope(cr.index(b), rp_ptr, g_r, stride_p, stride_s, PAGE, R, BN, P)
+        cp.mbarrier_arrive(c_full.index(b), increment_count=False)
+        _store_tile(dst, x0, k0, v, 0)
+        _store_tile(dst, x1, k1, v, 1)
+        _store_tile(dst, x2, k2, v, 2)
+        _store_tile(dst, x3, k3, v, 3)
+        fence_async_shared()  # generic-proxy stores, read by wgmma through the async proxy
+        gl.thread_barrier()
+        mbarrier.arrive(c_full.index(b))
+        s_d = n_d
+        g_r = n_r
+
+
+@gluon.jit
+def _sparse_mla_fp8_hopper_kernel(
+    q_ptr, c8_ptr, sc_ptr, rp_ptr, idx_ptr, out_ptr, part_ptr, lse_ptr,
+    K, qk_scale, split_len,
+    stride_qt, stride_qh, stride_p, stride_s, stride_it, stride_ot, stride_oh,
+    H: gl.constexpr, R: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
+    BH: gl.constexpr, BN: gl.constexpr, NHB: gl.constexpr, SPLIT: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    pid = gl.program_id(0)
+    sp = gl.program_id(1)
+    nsp = gl.num_programs(1)
+    t = pid // NHB
+    hb = pid % NHB
+    qn = gl.allocate_shared_memory(dtype, [BH, R], gl.NVMMASharedLayout.get_default_for([BH, R], dtype))
+    qr = gl.allocate_shared_memory(dtype, [BH, P], gl.NVMMASharedLayout.get_default_for([BH, P], dtype))
+    cn = gl.allocate_shared_memory(dtype, [2, BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], dtype))
+    cr = gl.allocate_shared_memory(dtype, [2, BN, P], gl.NVMMASharedLayout.get_default_for([BN, P], dtype))
+    ps = gl.allocate_shared_memory(dtype, [BH, BN], gl.NVMMASharedLayout.get_default_for([BH, BN], dtype))
+    vec_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    al = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
+    fin = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
+    c_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    fin_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(2):
+        mbarrier.init(c_full.index(b), count=129)  # 128 producer threads' cp.async + the latent stores
+        mbarrier.init(c_empty.index(b), count=2)  # both value halves
+    mbarrier.init(p_full, count=1)
+    mbarrier.init(p_empty, count=1)
+    mbarrier.init(fin_bar, count=1)
+
+    start = sp * split_len
+    end = gl.minimum(start + split_len, K)
+    nblk = gl.cdiv(end - start, BN)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    QL: gl.constexpr = _copy_layout(BH, R, num_warps)
+    hq = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QL))
+    QLR: gl.constexpr = _copy_layout(BH, P, num_warps)
+    hqr = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QLR))
+    q_tok = q_ptr + t.to(gl.int64) * stride_qt
+    cq = gl.arange(0, R, layout=gl.SliceLayout(0, QL))
+    cp.async_copy_global_to_shared(qn, q_tok + hq[:, None] * stride_qh + cq[None, :], mask=(hq < H)[:, None])
+    cqr = gl.arange(0, P, layout=gl.SliceLayout(0, QLR))
+    cp.async_copy_global_to_shared(qr, q_tok + hqr[:, None] * stride_qh + R + cqr[None, :], mask=(hqr < H)[:, None])
+    cp.commit_group()
+    cp.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    gl.warp_specialize([
+        (_ws_scores, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
+                      idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
+                      stride_ot, stride_oh, H, R, BH, BN, SPLIT)),
+        (_ws_values_hi, (cn, ps, al, fin, c_empty, p_full, p_empty, fin_bar, nblk, out_ptr, part_ptr, t, hb, sp, nsp,
+                         stride_ot, stride_oh, H)),
+        (_ws_dequant, (cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                       stride_p, stride_s, PAGE)),
+    ], [4, 4], [REGS_VALUES, REGS_DEQUANT])
+
+
+def fp8_hopper_shape_ok(dtype: torch.dtype, kv_lora_rank: int, qk_dim: int) -> bool:
+    """The dtype and shapes without the device (kernels/variants.py may ask it): bf16 queries and
+    the GLM-5 latent row (512 + 64, 656 B in the cache); any head count."""
+    return dtype == torch.bfloat16 and kv_lora_rank == KV_LORA_RANK and qk_dim == KV_LORA_RANK + ROPE_DIM
+
+
+def fp8_hopper_supports(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """A CUDA sm_90 device, an FP8 cache of whole 656 B rows at 16-byte-aligned strides (the loads
+    are 16 bytes wide), and `fp8_hopper_shape_ok`."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9 or kv_cache.dtype != torch.uint8:
+        return False
+    if not fp8_hopper_shape_ok(q.dtype, kv_lora_rank, q.shape[2]) or q.stride(2) != 1:
+        return False
+    bpt = LatentLayout(kv_lora_rank, q.shape[2] - kv_lora_rank).bytes_per_token
+    return (kv_cache.dim() == 3 and kv_cache.shape[2] == bpt and kv_cache.stride(2) == 1
+            and kv_cache.stride(0) % 16 == 0 and kv_cache.stride(1) % 16 == 0 and kv_cache.data_ptr() % 16 == 0)
+
+
+def sparse_mla_fp8_hopper(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """`sparse_mla` over one layer's FP8 cache [num_pages, page_size, 656] uint8 (check
+    `fp8_hopper_supports` first). Splits are planned and combined as for the bf16 kernels
+    (`sparse_mla_triton.plan_splits` / `combine_splits`); `num_splits` and `block_n` (32 or 64)
+    change the speed, not the result."""
+    assert fp8_hopper_supports(q, kv_cache, kv_lora_rank), "needs sm_90, bf16 q, the 512 + 64 latent, 656 B rows"
+    assert block_n in (32, 64), "the slot block is 32 or 64 (64 fills shared memory)"
+    T, H, Dqk = q.shape
+    R = kv_lora_rank
+    out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    indices = indices.to(device=q.device, dtype=torch.int32)
+    if indices.stride(1) != 1:
+        indices = indices.contiguous()
+    c8, sc, rp = views(kv_cache, LatentLayout(R, Dqk - R))
+    K = indices.shape[1]
+    nhb = -(-H // BLOCK_H)
+    num_splits, split_len, part, lse = plan_splits(q, out, K, nhb, block_n, num_splits, R)
+    _sparse_mla_fp8_hopper_kernel[(T * nhb, num_splits)](
+        q, c8, sc, rp, indices, out, part, lse, K, sm_scale * LOG2E, split_len,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
+        out.stride(0), out.stride(1),
+        H=H, R=R, P=Dqk - R, PAGE=kv_cache.shape[1], BH=BLOCK_H, BN=block_n, NHB=nhb, SPLIT=num_splits > 1,
+        num_warps=4, maxnreg=MAXNREG,
+    )
+    combine_splits(part, lse, out, num_splits, R, R)
+    return out
