@@ -222,12 +222,19 @@ class MTPGraphs:
             return None
         return rows, ups, (bs, width, self.steps.sampled(rows))
 
-    def step(self, blocks: Sequence[DraftBlock], rows: list[MTPRow], ups: list,
-             key: tuple[int, int, bool]) -> SpecOutput:
-        """Load the state, replay, and read the step back (one device→host copy)."""
+    def launch(self, blocks: Sequence[DraftBlock], rows: list[MTPRow], ups: list,
+               key: tuple[int, int, bool]) -> tuple[list[MTPRow], Outputs]:
+        """State load and replay, no host sync: the rows with their slots and the graph's outputs
+        (valid until the next replay)."""
         rows = self.steps.load(blocks, rows, ups)
         g, out = self.graphs[key]
         g.replay()
         self.replays += 1
+        return rows, out
+
+    def step(self, blocks: Sequence[DraftBlock], rows: list[MTPRow], ups: list,
+             key: tuple[int, int, bool]) -> SpecOutput:
+        """`launch`, then the step read back (one device→host copy) and the kept state set."""
+        rows, out = self.launch(blocks, rows, ups, key)
         return self.steps.finish(blocks, rows, out)
 

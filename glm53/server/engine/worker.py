@@ -279,7 +279,7 @@ class RankWorker:
         # A graph (and the warm-up) holds the longest request this instance can admit, and no more.
         longest = min(spec.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings,
                       num_pages * spec.page_size)
-        if spec.graphs and self.mtp is None:  # the MTP step runs eagerly (no graphs of it yet)
+        if spec.graphs:
             block = None
             if self.draft is not None:  # a wider ask is the decode scheduler's error, not the capture's
                 block = min(spec.num_draft_tokens or self.draft.cfg.block_size, self.draft.cfg.block_size)
@@ -288,7 +288,7 @@ class RankWorker:
                                   draft=self.draft, draft_projection=self.projection, graphs=graphs,
                                   kv_dtype=KV_DTYPES.get(spec.kv_cache_dtype), mtp=self.mtp)
         if spec.warmup_tokens:
-            verify = self.draft.cfg.block_size if self.draft is not None and spec.role == "decode" else 1
+            verify = (self.block_size or 1) if spec.role == "decode" else 1  # a step's verify rows per request
             warm_up(self.runner, spec.warmup_tokens * verify, longest)
         config = spec.transport
         if spec.nextn_steps is not None and spec.send_draft_kv:
