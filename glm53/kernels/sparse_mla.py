@@ -7,7 +7,8 @@ over the selected slots s_j = indices[t, j] (−1 = none).
 - `kv_cache` [num_pages, page_size, R + P]: one layer's view of the page-major latent pool, or
   the FP8 cache [num_pages, page_size, bytes_per_token] uint8 (`latent_cache_fp8`, 656 B/token for
   GLM-5): the selected rows are dequantized after they are gathered (the reference gathers then
-  dequantizes; the Triton kernel dequantizes in registers), never the whole pool;
+  dequantizes; the Triton kernel dequantizes in registers, the Hopper one `sparse_mla_fp8_hopper`
+  into shared memory), never the whole pool;
 - `indices` [T, K] int32 physical slots (page * page_size + offset);
 - returns [T, H, R] in q's dtype (accumulation in fp32). A row with no valid slot gives zeros.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from glm53.kernels import latent_cache_fp8
-from glm53.kernels.dispatch import use_triton
+from glm53.kernels.dispatch import triton_interpreting, use_triton
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,11 @@ def sparse_mla(
     q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, kv_lora_rank: int
 ) -> torch.Tensor:
     if use_triton(q) and kv_cache.dtype == torch.uint8:
+        from glm53.kernels.sparse_mla_fp8_hopper import fp8_hopper_supports, sparse_mla_fp8_hopper
         from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
+
+        if not triton_interpreting() and fp8_hopper_supports(q, kv_cache, kv_lora_rank):  # sm_90, GLM-5 row
+            return sparse_mla_fp8_hopper(q, kv_cache, indices, sm_scale, kv_lora_rank)
 
         return sparse_mla_fp8_triton(q, kv_cache, indices, sm_scale, kv_lora_rank)
     if use_triton(q):

@@ -10,9 +10,9 @@ are widened to q's dtype (exact) and the scales never touch the [slots, R] tile:
 The scales are powers of two (ue8m0), so both products are exact in bf16, and the kernel computes
 attention over the dequantized cache (what `sparse_mla_reference` does on the gathered rows).
 
-Up to four tiles (R <= 512: GLM-5 and the tiny configs); a wider latent is refused. There is no
-FP8 variant of the Hopper (Gluon) kernel: FP8 caches run this portable kernel on every GPU
-(`sparse_mla` dispatches on the cache dtype).
+Up to four tiles (R <= 512: GLM-5 and the tiny configs); a wider latent is refused. On sm_90 at
+GLM-5's row `sparse_mla` runs the Gluon kernel `sparse_mla_fp8_hopper` instead; this portable
+kernel runs every other FP8 case (and CI's, under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
