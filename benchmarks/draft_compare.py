@@ -15,7 +15,7 @@ transfer left out; prefix cache off so both runs prefill). Batch `--concurrent`:
 at once, output tokens / wall time. τ = tokens after the first per verify step (spec_verify_ct;
 the MTP drafts nothing at a request's first decode step, which counts as a verify). Every
 speculative output must equal the output with speculation off. `--device cuda`: both instances on
-GPU 0 (bf16, CUDA graphs where the draft has them; the MTP step runs eagerly).
+GPU 0 (bf16, CUDA graphs of the decode step, the DFlash step and the MTP step).
 """
 
 from __future__ import annotations
