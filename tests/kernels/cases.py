@@ -185,7 +185,8 @@ def fp8_latent_pool(num_pages, page_size, R, P, device="cpu"):
 def check_sparse_mla_fp8(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=None, **kernel_kw):
     """Sparse MLA over the FP8 latent cache against the fp32 reference over the dequantized cache
     (contexts of n_ctx > K slots, holes, short and empty rows). `kernel_kw` calls the FP8 Triton
-    kernel directly with those schedule options; without them the public op runs."""
+    kernel directly with those schedule options (with kernel="hopper": the Gluon sm_90 kernel
+    `sparse_mla_fp8_hopper` and its options); without them the public op runs."""
     n_ctx = n_ctx or 2 * K
     num_pages = (n_ctx + page_size - 1) // page_size + 1
     cache, dense = fp8_latent_pool(num_pages, page_size, R, P, device)
@@ -199,6 +200,10 @@ def check_sparse_mla_fp8(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_
     sm_scale = (R + P) ** -0.5
     if not kernel_kw:
         out = sparse_mla(q, cache, idx, sm_scale, R)
+    elif kernel_kw.get("kernel") == "hopper":
+        from glm53.kernels.sparse_mla_fp8_hopper import sparse_mla_fp8_hopper
+
+        out = sparse_mla_fp8_hopper(q, cache, idx, sm_scale, R, **{k: v for k, v in kernel_kw.items() if k != "kernel"})
     else:
         from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
 

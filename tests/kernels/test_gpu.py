@@ -110,8 +110,41 @@ def test_sparse_mla_hopper_ragged(kw):
 
 @pytest.mark.parametrize("T", [1, 4, 64])
 def test_sparse_mla_fp8_glm5(T):
-    # the FP8 latent cache (656 B/token): the portable Triton kernel, against the fp32 reference
-    cases.check_sparse_mla_fp8(T, 64, 512, 64, 2048, page_size=64, device=DEV, n_ctx=8192)
+    # the FP8 latent cache (656 B/token): the portable Triton kernel (called directly: on sm_90 the
+    # public op takes the Gluon one), against the fp32 reference
+    cases.check_sparse_mla_fp8(T, 64, 512, 64, 2048, page_size=64, device=DEV, n_ctx=8192, num_splits=None)
+
+
+def _needs_sm90():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon FP8 sparse-MLA kernel is built for sm_90 (Hopper)")
+
+
+@pytest.mark.parametrize("T,H,K,page_size,kw", [
+    (1, 64, 2048, 64, {}),
+    (64, 64, 2048, 64, {}),
+    (4, 8, 2048, 64, {}),  # GLM-5's heads per rank at tp=8: one 64-row tile, 56 rows masked
+    (64, 8, 2048, 64, dict(num_splits=1)),
+    (5, 128, 1000, 16, dict(num_splits=40)),  # K not a multiple of the slot block, two head tiles
+    (3, 1, 777, 16, dict(block_n=32)),
+    (6, 64, 1000, 16, dict(block_n=32, num_splits=3)),
+], ids=lambda v: str(v).replace(" ", ""))
+def test_sparse_mla_fp8_hopper(T, H, K, page_size, kw):
+    # the Gluon FP8 kernel (dequantizing producer + the bf16 kernel's wgmma consumers) against the
+    # fp32 reference over the dequantized cache: holes, a short row and an empty row (T >= 3)
+    _needs_sm90()
+    cases.check_sparse_mla_fp8(T, H, 512, 64, K, page_size=page_size, device=DEV, n_ctx=8192, kernel="hopper", **kw)
+
+
+@pytest.mark.parametrize("H", [1, 8, 64, 128])
+def test_sparse_mla_fp8_dispatch_hopper(H):
+    # the public op on an FP8 cache takes the Gluon kernel on sm_90 at GLM-5's row, any head count
+    _needs_sm90()
+    from glm53.kernels.sparse_mla_fp8_hopper import fp8_hopper_supports
+
+    cache, _ = cases.fp8_latent_pool(4, 64, 512, 64, DEV)
+    assert fp8_hopper_supports(torch.zeros(1, H, 576, dtype=torch.bfloat16, device=DEV), cache, 512)
+    cases.check_sparse_mla_fp8(3, H, 512, 64, 2048, page_size=64, device=DEV, n_ctx=8192)
 
 
 @pytest.mark.parametrize("kw", [dict(col_halves=False), dict(col_halves=False, num_splits=1), dict(block_n=32)])
