@@ -136,7 +136,10 @@ class MTPSteps:
         tokens, logits, q = outputs
         m, k, s = len(rows), self.state.k, self.state.s
         lg = logits[: m * k].clone()  # the next replay overwrites the graph's outputs
-        q = q[:m].clone() if q is not None else None
+        sampled = [i for i, r in enumerate(rows) if r.sampling is not None]
+        if q is not None and sampled:  # only the sampled rows' q (vocab-wide rows)
+            idx = torch.tensor(sampled, dtype=torch.long, pin_memory=q.device.type == "cuda")
+            q = dict(zip(sampled, q.index_select(0, idx.to(q.device, non_blocking=True)).unbind(0)))
         host = tokens[:m].cpu().tolist()
         drafts, greedy, lgs, probs, state = [], [], [], [], {}
         for i, (b, r, t) in enumerate(zip(blocks, rows, host)):
@@ -144,7 +147,7 @@ class MTPSteps:
             drafts.append(t[: n - 1])
             greedy.append(t[s : s + n])
             lgs.append(lg[i * k : i * k + n])
-            probs.append(q[i, : n - 1] if q is not None and r.sampling is not None and n > 1 else None)
+            probs.append(q[i][: n - 1] if q is not None and i in sampled and n > 1 else None)
             if b.key is not None and b.key >= 0:
                 state[b.key] = (b.start_pos, [b.last_token, *drafts[-1]], self.state.hidden[r.slot, :n])
         self.mtp.state = state
