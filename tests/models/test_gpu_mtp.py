@@ -52,10 +52,10 @@ def test_rows_match_cpu(ckpt):
     torch.testing.assert_close(out["cuda"], out["cpu"], rtol=2e-3, atol=2e-3)
 
 
-def _graph_runner(d, dtype, graphs: GraphConfig, steps=3) -> ModelRunner:
+def _graph_runner(d, dtype, graphs: GraphConfig, steps=3, pages=PAGES) -> ModelRunner:
     r = ModelRunner.from_dir(d, page_size=PS, num_pages=1, device="cuda", dtype=dtype, progress=False,
                              nextn_steps=steps)
-    return ModelRunner(r.model, num_pages=PAGES, page_size=PS, device="cuda", mtp=r.mtp, graphs=graphs)
+    return ModelRunner(r.model, num_pages=pages, page_size=PS, device="cuda", mtp=r.mtp, graphs=graphs)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -86,14 +86,14 @@ def test_mtp_graph_replay_equals_eager_and_syncs_nothing(ckpt, dtype):
     syncs nothing and gives the same step run eagerly on the same state bit for bit, and the
     eager `_mtp_step` (its own shapes, no padding; fp32: the same drafts and argmaxes)."""
     # max_context 400: one width of 25 pages; batch buckets 1, 2, 4, 6; greedy and sampled graphs
-    runner = _graph_runner(ckpt, dtype, GraphConfig(max_bs=6, max_context=400))
+    runner = _graph_runner(ckpt, dtype, GraphConfig(max_bs=6, max_context=400), pages=96)
     graphs, mtp = runner.mtp_graphs, runner.mtp
     assert runner.graphs is None and runner.spec_graphs is None
     assert graphs.k == 4 and graphs.sizes == (1, 2, 4, 6) and len(graphs.graphs) == 8
     state, k = graphs.state, graphs.k
     rng = random.Random(3)
     g = torch.Generator().manual_seed(1)
-    alloc = PageAllocator(PAGES)
+    alloc = PageAllocator(96)
     reqs = []  # [key, pages, start (the last token's position), last token, seed row]
     for key, n in enumerate([17, 230, 64, 5, 131, 300]):  # several past index_topk (8): sparse attention
         pages = alloc.alloc(runner.pages_needed(n + 60))
