@@ -133,25 +133,32 @@ class MTPSteps:
     def finish(self, blocks: Sequence[DraftBlock], rows: list[MTPRow], outputs: Outputs) -> SpecOutput:
         """The padded step's outputs per request as the eager step returns them (one device→host
         copy), and the kept state: views of the slots' rows."""
-        tokens, logits, q = outputs
         m, k, s = len(rows), self.state.k, self.state.s
-        lg = logits[: m * k].clone()  # the next replay overwrites the graph's outputs
         sampled = [i for i, r in enumerate(rows) if r.sampling is not None]
-        if q is not None and sampled:  # only the sampled rows' q (vocab-wide rows)
-            idx = torch.tensor(sampled, dtype=torch.long, pin_memory=q.device.type == "cuda")
-            q = dict(zip(sampled, q.index_select(0, idx.to(q.device, non_blocking=True)).unbind(0)))
-        host = tokens[:m].cpu().tolist()
+        lg, q, host = self.read(outputs, m, sampled)
         drafts, greedy, lgs, probs, state = [], [], [], [], {}
         for i, (b, r, t) in enumerate(zip(blocks, rows, host)):
             n = t[-1]
             drafts.append(t[: n - 1])
             greedy.append(t[s : s + n])
             lgs.append(lg[i * k : i * k + n])
-            probs.append(q[i][: n - 1] if q is not None and i in sampled and n > 1 else None)
+            probs.append(q[i][: n - 1] if i in q and n > 1 else None)
             if b.key is not None and b.key >= 0:
                 state[b.key] = (b.start_pos, [b.last_token, *drafts[-1]], self.state.hidden[r.slot, :n])
         self.mtp.state = state
         return SpecOutput(drafts, lgs, greedy, probs if any(p is not None for p in probs) else None)
+
+    def read(self, outputs: Outputs, m: int, sampled: list[int]) -> tuple[torch.Tensor, dict, list[list[int]]]:
+        """The first m rows' verify logits (a copy: the next replay overwrites the graph's), the
+        q of the `sampled` rows (only those: vocab-wide rows) and the tokens on the host (the
+        step's one device→host copy)."""
+        tokens, logits, q = outputs
+        lg = logits[: m * self.state.k].clone()
+        qs = {}
+        if q is not None and sampled:
+            idx = torch.tensor(sampled, dtype=torch.long, pin_memory=q.device.type == "cuda")
+            qs = dict(zip(sampled, q.index_select(0, idx.to(q.device, non_blocking=True)).unbind(0)))
+        return lg, qs, tokens[:m].cpu().tolist()
 
     def sampled(self, rows: Sequence[MTPRow]) -> bool:
         return any(r.sampling is not None for r in rows)
@@ -202,6 +209,8 @@ class MTPGraphs:
         got = capture_buckets(self.steps.runner.device, variants, self.widths,
                               lambda v, width: self.run_eager(v[0], width, v[1]))
         self.graphs = {(v[0], width, v[1]): g for (v, width), g in got.items()}
+        # The read-back's kernels (the copies, the q gather) load now, not at the first step.
+        self.steps.read(self.graphs[(self.sizes[0], self.widths[0], True)][1], 1, [0])
         log.info("captured %d MTP step graphs (verify width %d, batch %s, widths %s pages, greedy and sampled) in "
                  "%.1f s", len(self.graphs), self.k, list(self.sizes), list(self.widths), time.perf_counter() - t0)
 
