@@ -17,6 +17,13 @@ Per block of BN slots, the producer (4 warps):
 A tile is full after 128 cp.async arrivals (one per producer thread) plus one arrival after the
 latent stores (so `c_full` counts 129). Invalid slots (-1) load nothing and give zero rows.
 
+A second producer, `_ws_dequant_staged` (`stages` 2 or 3, 32-slot blocks): cp.async copies each
+block's raw rows (fp8, scales, rope) into a staging ring 1-2 blocks ahead and widens them from
+shared memory. Why: the first producer's rows in flight are bounded by its registers (one block,
+32 KB) and it waits out each block's load latency; staging keeps two blocks in flight without
+registers, at the cost of 32-slot tiles (64-slot tiles leave no shared memory for it). Which of
+the two is faster is measured (benchmarks/fp8_mla.py); the default is the first.
+
 Heads: any count, in 64-row tiles (a masked tail: 8 heads, GLM-5's per-rank count at tp=8, run
 one tile with 56 empty rows; the kernel is bound by the gathers, not by the products).
 Shared memory is the bf16 kernel's (q, two BN-slot bf16 buffers, P): 64-slot blocks fill it.
@@ -43,6 +50,7 @@ FP8_VEC = gl.constexpr(16)  # 16-byte loads of fp8
 # The producer holds a block's fp8 rows (64 regs a thread at 64 slots), its scales and addresses:
 # 104 spilled least in an offline sm_90 build (WG1 168, the default warpgroup the rest, 232).
 REGS_DEQUANT = gl.constexpr(104)
+REGS_STAGED = gl.constexpr(96)  # the staged producer holds no rows in flight
 
 
 @gluon.constexpr_function
@@ -51,6 +59,21 @@ def _fp8_layout(rows, num_warps):
     tc = TILE // FP8_VEC
     assert (32 // tc) * num_warps <= rows, f"{rows} slots are too few for {num_warps} warps"
     return gl.BlockedLayout([1, FP8_VEC], [32 // tc, tc], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _stage_layout(rows, cols, num_warps):
+    """[rows, cols] fp8 for cp.async: 16 bytes a thread, each element copied by one thread."""
+    tc = min(32, cols // FP8_VEC)
+    assert (32 // tc) * num_warps <= rows, f"[{rows}, {cols}] is too small for {num_warps} warps of 16-byte copies"
+    return gl.BlockedLayout([1, FP8_VEC], [32 // tc, tc], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _scale_layout(num_warps):
+    """[rows, 4] fp32 scales for cp.async: one 4-byte scale a thread, the 4 columns across warps
+    (rows a multiple of 32: no two threads copy the same element)."""
+    return gl.BlockedLayout([1, 1], [32, 1], [1, num_warps], [1, 0])
 
 
 @gluon.jit
@@ -139,14 +162,87 @@ def _ws_dequant(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start,
 
 
 @gluon.jit
+def _stage_rows(st8, stsc, strp, b8, bs, br, v8, vs, vr, c8_ptr, sc_ptr, rp_ptr, R: gl.constexpr,
+                BN: gl.constexpr, P: gl.constexpr):
+    """cp.async one block's raw rows into a staging slot: fp8 [BN, R], scales [BN, R/128], rope
+    [BN, P] (row byte offsets and validity in each copy's own row layout; -1 rows zero-filled)."""
+    L8: gl.constexpr = _stage_layout(BN, R, 4)
+    c8 = gl.arange(0, R, layout=gl.SliceLayout(0, L8))
+    cp.async_copy_global_to_shared(st8, c8_ptr + b8[:, None] + c8[None, :], mask=v8[:, None])
+    LS: gl.constexpr = _scale_layout(4)
+    cs = gl.arange(0, R // 128, layout=gl.SliceLayout(0, LS))
+    cp.async_copy_global_to_shared(stsc, sc_ptr + (bs // 4 + R // 4)[:, None] + cs[None, :], mask=vs[:, None])
+    LR: gl.constexpr = _copy_layout(BN, P, 4)
+    cr = gl.arange(0, P, layout=gl.SliceLayout(0, LR))
+    off = gl.multiple_of(br // 2 + (R + 4 * (R // 128)) // 2, 8)
+    cp.async_copy_global_to_shared(strp, rp_ptr + off[:, None] + cr[None, :], mask=vr[:, None])
+
+
+@gluon.jit
+def _stage_slots(idx_row, j0, end, stride_p, stride_s, PAGE, R: gl.constexpr, BN: gl.constexpr,
+                 P: gl.constexpr):
+    """Row byte offsets and validity of the slots j0 .. j0 + BN in the three copies' row layouts."""
+    s8 = _load_slots(idx_row, j0, end, BN, gl.SliceLayout(1, _stage_layout(BN, R, 4)))
+    ss = _load_slots(idx_row, j0, end, BN, gl.SliceLayout(1, _scale_layout(4)))
+    sr = _load_slots(idx_row, j0, end, BN, gl.SliceLayout(1, _copy_layout(BN, P, 4)))
+    return (_row_bytes(s8, stride_p, stride_s, PAGE), _row_bytes(ss, stride_p, stride_s, PAGE),
+            _row_bytes(sr, stride_p, stride_s, PAGE), s8 >= 0, ss >= 0, sr >= 0)
+
+
+@gluon.jit
+def _ws_dequant_staged(cn, cr, st8, stsc, strp, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end,
+                       nblk, stride_p, stride_s, PAGE):
+    """The producer with a staging ring: raw rows are cp.async'd STAGES - 1 blocks ahead into
+    shared memory (no registers held while in flight), then widened from there into the bf16
+    tiles. Its own copies only: per-thread commit groups, then a barrier, order the staging."""
+    R: gl.constexpr = cn.shape[2]
+    BN: gl.constexpr = cn.shape[1]
+    P: gl.constexpr = cr.shape[2]
+    S: gl.constexpr = st8.shape[0]
+    DL: gl.constexpr = _fp8_layout(BN, 4)
+    RL: gl.constexpr = _copy_layout(BN, P, 4)
+    for j in gl.static_range(S - 1):
+        b8, bs, br, v8, vs, vr = _stage_slots(idx_row, start + j * BN, end, stride_p, stride_s, PAGE, R, BN, P)
+        _stage_rows(st8.index(j), stsc.index(j), strp.index(j), b8, bs, br, v8, vs, vr, c8_ptr, sc_ptr, rp_ptr,
+                    R, BN, P)
+        cp.commit_group()
+    b8, bs, br, v8, vs, vr = _stage_slots(idx_row, start + (S - 1) * BN, end, stride_p, stride_s, PAGE, R, BN, P)
+    for i in range(nblk):
+        b = i % 2
+        # refill the slot block i - 1 left (every thread finished reading it before the last barrier)
+        f = (i + S - 1) % S
+        _stage_rows(st8.index(f), stsc.index(f), strp.index(f), b8, bs, br, v8, vs, vr, c8_ptr, sc_ptr, rp_ptr,
+                    R, BN, P)
+        cp.commit_group()
+        b8, bs, br, v8, vs, vr = _stage_slots(idx_row, start + (i + S) * BN, end, stride_p, stride_s, PAGE, R, BN, P)
+        cp.wait_group(S - 1)  # this thread's copies of block i have landed
+        gl.thread_barrier()  # and every thread's
+        g = i % S
+        mbarrier.wait(c_empty.index(b), ((i // 2) & 1) ^ 1)
+        dst = cn.index(b)
+        src = st8.index(g)
+        sc = stsc.index(g)
+        for k in gl.static_range(R // TILE):
+            x = src.slice(k * TILE, TILE, dim=1).load(DL)
+            sk = sc.slice(k, 1, dim=1).load(DL)  # [BN, 1]: this tile's scale per row
+            dst.slice(k * TILE, TILE, dim=1).store((x.to(gl.float32) * sk).to(dst.dtype))
+        cr.index(b).store(strp.index(g).load(RL))
+        fence_async_shared()  # generic-proxy stores, read by wgmma through the async proxy
+        gl.thread_barrier()
+        mbarrier.arrive(c_full.index(b))
+
+
+@gluon.jit
 def _sparse_mla_fp8_hopper_kernel(
     q_ptr, c8_ptr, sc_ptr, rp_ptr, idx_ptr, out_ptr, part_ptr, lse_ptr,
     K, qk_scale, split_len,
     stride_qt, stride_qh, stride_p, stride_s, stride_it, stride_ot, stride_oh,
     H: gl.constexpr, R: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
-    BH: gl.constexpr, BN: gl.constexpr, NHB: gl.constexpr, SPLIT: gl.constexpr,
+    BH: gl.constexpr, BN: gl.constexpr, NHB: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
+    # STAGES 0: `_ws_dequant` (fp8 rows through registers); else `_ws_dequant_staged` with that many
+    # staging slots
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     pid = gl.program_id(0)
     sp = gl.program_id(1)
@@ -167,7 +263,8 @@ def _sparse_mla_fp8_hopper_kernel(
     p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     fin_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for b in gl.static_range(2):
-        mbarrier.init(c_full.index(b), count=129)  # 128 producer threads' cp.async + the latent stores
+        # STAGES 0: 128 producer threads' rope cp.async + the latent stores; else the stores only
+        mbarrier.init(c_full.index(b), count=1 if STAGES > 0 else 129)
         mbarrier.init(c_empty.index(b), count=2)  # both value halves
     mbarrier.init(p_full, count=1)
     mbarrier.init(p_empty, count=1)
@@ -191,15 +288,30 @@ def _sparse_mla_fp8_hopper_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    gl.warp_specialize([
-        (_ws_scores, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
-                      idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
-                      stride_ot, stride_oh, H, R, BH, BN, SPLIT)),
-        (_ws_values_hi, (cn, ps, al, fin, c_empty, p_full, p_empty, fin_bar, nblk, out_ptr, part_ptr, t, hb, sp, nsp,
-                         stride_ot, stride_oh, H)),
-        (_ws_dequant, (cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
-                       stride_p, stride_s, PAGE)),
-    ], [4, 4], [REGS_VALUES, REGS_DEQUANT])
+    if STAGES > 0:
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        st8 = gl.allocate_shared_memory(c8_ptr.dtype.element_ty, [STAGES, BN, R], flat)
+        stsc = gl.allocate_shared_memory(gl.float32, [STAGES, BN, R // 128], flat)
+        strp = gl.allocate_shared_memory(dtype, [STAGES, BN, P], flat)
+        gl.warp_specialize([
+            (_ws_scores, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
+                          idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
+                          stride_ot, stride_oh, H, R, BH, BN, SPLIT)),
+            (_ws_values_hi, (cn, ps, al, fin, c_empty, p_full, p_empty, fin_bar, nblk, out_ptr, part_ptr, t, hb,
+                             sp, nsp, stride_ot, stride_oh, H)),
+            (_ws_dequant_staged, (cn, cr, st8, stsc, strp, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start,
+                                  end, nblk, stride_p, stride_s, PAGE)),
+        ], [4, 4], [REGS_VALUES, REGS_STAGED])
+    else:
+        gl.warp_specialize([
+            (_ws_scores, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
+                          idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
+                          stride_ot, stride_oh, H, R, BH, BN, SPLIT)),
+            (_ws_values_hi, (cn, ps, al, fin, c_empty, p_full, p_empty, fin_bar, nblk, out_ptr, part_ptr, t, hb,
+                             sp, nsp, stride_ot, stride_oh, H)),
+            (_ws_dequant, (cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                           stride_p, stride_s, PAGE)),
+        ], [4, 4], [REGS_VALUES, REGS_DEQUANT])
 
 
 def fp8_hopper_shape_ok(dtype: torch.dtype, kv_lora_rank: int, qk_dim: int) -> bool:
@@ -215,6 +327,8 @@ def fp8_hopper_supports(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: i
         return False
     if not fp8_hopper_shape_ok(q.dtype, kv_lora_rank, q.shape[2]) or q.stride(2) != 1:
         return False
+    if q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:  # q rows are copied 16 bytes at a time
+        return False
     bpt = LatentLayout(kv_lora_rank, q.shape[2] - kv_lora_rank).bytes_per_token
     return (kv_cache.dim() == 3 and kv_cache.shape[2] == bpt and kv_cache.stride(2) == 1
             and kv_cache.stride(0) % 16 == 0 and kv_cache.stride(1) % 16 == 0 and kv_cache.data_ptr() % 16 == 0)
@@ -228,13 +342,17 @@ def sparse_mla_fp8_hopper(
     kv_lora_rank: int,
     num_splits: int | None = None,
     block_n: int = 64,
+    stages: int = 0,
 ) -> torch.Tensor:
     """`sparse_mla` over one layer's FP8 cache [num_pages, page_size, 656] uint8 (check
     `fp8_hopper_supports` first). Splits are planned and combined as for the bf16 kernels
-    (`sparse_mla_triton.plan_splits` / `combine_splits`); `num_splits` and `block_n` (32 or 64)
-    change the speed, not the result."""
+    (`sparse_mla_triton.plan_splits` / `combine_splits`). The options change the speed, not the
+    result: `num_splits`, `block_n` (32 or 64) and `stages`: 0 for the producer that loads the
+    rows into registers, 2 or 3 for the one that stages them in shared memory (`block_n` 32 only:
+    64-slot tiles leave no room for staging)."""
     assert fp8_hopper_supports(q, kv_cache, kv_lora_rank), "needs sm_90, bf16 q, the 512 + 64 latent, 656 B rows"
     assert block_n in (32, 64), "the slot block is 32 or 64 (64 fills shared memory)"
+    assert stages == 0 or (block_n == 32 and stages in (2, 3)), "staging takes 2 or 3 slots of 32-slot blocks"
     T, H, Dqk = q.shape
     R = kv_lora_rank
     out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
@@ -252,7 +370,7 @@ def sparse_mla_fp8_hopper(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
         out.stride(0), out.stride(1),
         H=H, R=R, P=Dqk - R, PAGE=kv_cache.shape[1], BH=BLOCK_H, BN=block_n, NHB=nhb, SPLIT=num_splits > 1,
-        num_warps=4, maxnreg=MAXNREG,
+        STAGES=stages, num_warps=4, maxnreg=MAXNREG,
     )
     combine_splits(part, lse, out, num_splits, R, R)
     return out
