@@ -7,6 +7,8 @@ Skipped without a GPU."""
 from __future__ import annotations
 
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +160,50 @@ def test_mtp_graph_replay_equals_eager_and_syncs_nothing(ckpt, dtype):
     assert graphs.bucket(blocks + [DraftBlock(reqs[0][3], reqs[0][2], reqs[0][1])]) is None  # 7 > 6 (no key twice)
     assert graphs.bucket([DraftBlock(r[3], r[2], r[1], ctx_start=1, key=r[0]) for r in reqs]) is None
     assert graphs.bucket(blocks) is not None
+
+
+def _nextn_scheduler(model: Path, graphs: bool):
+    """A decode scheduler with NEXTN on one in-process CUDA rank (no prefill instance started)."""
+    from glm53.server.config import parse_config
+    from glm53.server.engine.decode import DecodeScheduler
+    from glm53.support.ports import free_ports
+
+    ports = free_ports(4)
+    raw = {"model": {"path": str(model)},
+           "defaults": {"device": "cuda", "dtype": "float32", "page_size": 16, "num_pages": 2048,
+                        "stream_interval": 1000, "max_running_requests": 4, "disable_cuda_graph": not graphs},
+           # the prefill instance is never started; the config wants distinct GPUs
+           "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1],
+                        "devices": [1]}],
+           "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2], "devices": [0]}],
+           "speculative": {"algorithm": "NEXTN", "num_steps": 3}}
+    cfg = parse_config(raw)
+    return DecodeScheduler(cfg, cfg.decode[0])
+
+
+def test_nextn_decode_loop_with_graphs_equals_off_and_cpu():
+    """The embedded target and its trained MTP layer through the decode scheduler's real loop
+    (fp32, greedy): the worker captures the MTP step graphs at start-up and the loop replays
+    them; the output equals the CPU's plain greedy decoding, with graphs and without."""
+    from glm53.server.embedded_model import ensure_embedded_model
+    from glm53.server.offline import greedy_generate
+    from glm53.support.decode_loop import decode_run
+
+    model = ensure_embedded_model(Path(tempfile.mkdtemp(prefix="mtp-graphs-")))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (90, 40, 170)]
+    new = 40
+    cpu = ModelRunner.from_dir(model, page_size=16, num_pages=256, progress=False)
+    want = greedy_generate(cpu, PageAllocator(256), prompts, new, ignore_eos=True)
+    for graphs in (True, False):
+        sched = _nextn_scheduler(model, graphs)
+        try:
+            runner = sched.workers.rank.runner
+            assert (runner.mtp_graphs is not None) == graphs
+            _, toks, verify, outs = decode_run(sched, prompts, new)
+            assert outs == want, graphs
+            assert toks / verify > 1.3  # the drafts were accepted (on the CPU: 117 tokens in 56 verifies)
+            if graphs:
+                assert runner.mtp_graphs.replays > 0
+        finally:
+            sched.close()
