@@ -7,7 +7,8 @@
 2. check: the new kernel against the fp32 reference over the dequantized cache at several shapes
    (1 and 64 tokens, 1/8/64/128 heads, ragged row lengths, -1 holes, an empty row, K not a
    multiple of the slot block, split and slot-block options), output poisoned before each call;
-3. time: the new kernel (its default and a few schedules) and the public op at the shapes of 1.
+3. time: the new kernel (its default, the staging producer, a few schedules) and the public op at
+   the shapes of 1.
 
 Per shape: us, the ratio to the bf16 Hopper kernel, and the share of HBM: the selected rows'
 bytes (T x K x bytes per row) over the time, against a device copy measured in this run (read +
@@ -74,8 +75,18 @@ def selections(T: int, k: int, n_tok: int, g: torch.Generator, ragged: bool) -> 
     return idx
 
 
-def check_shapes(quick: bool) -> list[tuple]:
-    """(T, H, K, page, n_tok, kwargs) the new kernel is checked at."""
+def check_shapes(staged: bool, quick: bool) -> list[tuple]:
+    """(T, H, K, page, n_tok, kwargs) the new kernel is checked at: the register producer's
+    schedules, or the staging producer's (`staged`)."""
+    if staged:
+        shapes = [
+            (64, 64, K, PAGE, POOL, dict(block_n=32, stages=3)),
+            (64, 8, K, PAGE, POOL, dict(block_n=32, stages=3)),
+            (1, 64, K, PAGE, POOL, dict(block_n=32, stages=2)),
+            (5, 128, 1000, 16, 8192, dict(block_n=32, stages=3, num_splits=40)),
+            (3, 1, 777, 16, 8192, dict(block_n=32, stages=2, num_splits=1)),
+        ]
+        return shapes[:2] if quick else shapes
     shapes = [
         (1, 64, K, PAGE, POOL, {}),
         (64, 64, K, PAGE, POOL, {}),
@@ -89,12 +100,13 @@ def check_shapes(quick: bool) -> list[tuple]:
     return shapes[:4] if quick else shapes
 
 
-def run_checks(fn, g: torch.Generator, quick: bool) -> bool:
+def run_checks(fn, g: torch.Generator, staged: bool, quick: bool) -> bool:
+    """Check every shape of the family; a case that raises is printed in full and fails."""
     from glm53.kernels.sparse_mla import sparse_mla_reference
 
     ok = True
     pools = {}
-    for T, H, k, page, n_tok, kw in check_shapes(quick):
+    for T, H, k, page, n_tok, kw in check_shapes(staged, quick):
         if (page, n_tok) not in pools:
             pools[page, n_tok] = fp8_pool(n_tok, page, g)
         cache8, dense32, _ = pools[page, n_tok]
@@ -104,8 +116,13 @@ def run_checks(fn, g: torch.Generator, quick: bool) -> bool:
             ref = sparse_mla_reference(q.float(), dense32, idx, SM_SCALE, R)
             # poison: the caching allocator hands this block to the kernel's output next
             torch.full((T, H, R), float("nan"), dtype=torch.bfloat16, device="cuda")
-            out = fn(q, cache8, idx, SM_SCALE, R, **kw)
-            torch.cuda.synchronize()
+            try:
+                out = fn(q, cache8, idx, SM_SCALE, R, **kw)
+                torch.cuda.synchronize()
+            except Exception:
+                print(f"check T {T} H {H} K {k} {kw}: FAILED (build or launch)\n" + traceback.format_exc(), flush=True)
+                ok = False
+                break
             err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
             empty = (idx < 0).all(dim=1)
             bad = [f"rel err {err:.2e} > 1e-2"] if not err <= 1e-2 else []
@@ -177,25 +194,31 @@ def main() -> None:
     except Exception:
         print("IMPORT FAILED: glm53.kernels.sparse_mla_fp8_hopper\n" + traceback.format_exc(), flush=True)
         return
-    try:
-        ok = run_checks(sparse_mla_fp8_hopper, g, args.quick)
-    except Exception:
-        print("NEW KERNEL FAILED (build or launch):\n" + traceback.format_exc(), flush=True)
-        return
-    print(f"checks: {'ALL OK' if ok else 'FAILURES above'}", flush=True)
-    scheds = [{}, dict(block_n=32)] + ([] if args.quick else [dict(num_splits=1), dict(num_splits=3),
-                                                               dict(num_splits=4), dict(block_n=32, num_splits=4)])
+    families = [("register producer", False, [{}, dict(block_n=32)] + ([] if args.quick else [
+        dict(num_splits=1), dict(num_splits=3), dict(num_splits=4), dict(block_n=32, num_splits=4)]))]
+    families.append(("staging producer", True, [dict(block_n=32, stages=3), dict(block_n=32, stages=2)] + (
+        [] if args.quick else [dict(block_n=32, stages=3, num_splits=3), dict(block_n=32, stages=3, num_splits=4)])))
+    # each family checked, then timed: a hang or a fault in the second leaves the first's numbers
+    for name, staged, scheds in families:
+        ok = run_checks(sparse_mla_fp8_hopper, g, staged, args.quick)
+        print(f"checks, {name}: {'ALL OK' if ok else 'FAILURES above'}", flush=True)
+        for H, (T, q, idx) in cases.items():
+            b16_kernel, t16, t8tr = base[H]
+            for kw in scheds:
+                try:
+                    t = timed(rotate(lambda c: sparse_mla_fp8_hopper(q, c, idx, SM_SCALE, R, **kw), 0))
+                except Exception:
+                    print(f"T {T} H {H} {kw}: FAILED\n" + traceback.format_exc(), flush=True)
+                    continue
+                print(f"T {T} H {H:2d}: fp8 hopper {str(kw):40s} {t:7.1f} us ({pct(T * K * bpt, t):4.1f}% HBM) = "
+                      f"{t / t16:.2f}x bf16 {b16_kernel}, {t / t8tr:.2f}x fp8 triton", flush=True)
     for H, (T, q, idx) in cases.items():
-        b16_kernel, t16, t8tr = base[H]
-        for kw in scheds:
-            try:
-                t = timed(rotate(lambda c: sparse_mla_fp8_hopper(q, c, idx, SM_SCALE, R, **kw), 0))
-            except Exception:
-                print(f"T {T} H {H} {kw}: FAILED\n" + traceback.format_exc(), flush=True)
-                continue
-            print(f"T {T} H {H:2d}: fp8 hopper {str(kw):32s} {t:7.1f} us ({pct(T * K * bpt, t):4.1f}% HBM) = "
-                  f"{t / t16:.2f}x bf16 {b16_kernel}, {t / t8tr:.2f}x fp8 triton", flush=True)
-        tp = timed(rotate(lambda c: sparse_mla(q, c, idx, SM_SCALE, R), 0))
+        b16_kernel, t16, _ = base[H]
+        try:
+            tp = timed(rotate(lambda c: sparse_mla(q, c, idx, SM_SCALE, R), 0))
+        except Exception:
+            print(f"T {T} H {H} public sparse_mla: FAILED\n" + traceback.format_exc(), flush=True)
+            continue
         print(f"T {T} H {H:2d}: public sparse_mla on the FP8 cache {tp:7.1f} us ({tp / t16:.2f}x bf16 {b16_kernel})",
               flush=True)
     print("done", flush=True)
