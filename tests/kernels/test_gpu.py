@@ -128,6 +128,12 @@ def _needs_sm90():
     (5, 128, 1000, 16, dict(num_splits=40)),  # K not a multiple of the slot block, two head tiles
     (3, 1, 777, 16, dict(block_n=32)),
     (6, 64, 1000, 16, dict(block_n=32, num_splits=3)),
+    # the staging producer (32-slot blocks, 2 or 3 staging slots)
+    (64, 64, 2048, 64, dict(block_n=32, stages=3)),
+    (4, 8, 2048, 64, dict(block_n=32, stages=3)),
+    (5, 128, 1000, 16, dict(block_n=32, stages=3, num_splits=40)),
+    (3, 1, 777, 16, dict(block_n=32, stages=2)),
+    (6, 64, 1000, 16, dict(block_n=32, stages=2, num_splits=1)),
 ], ids=lambda v: str(v).replace(" ", ""))
 def test_sparse_mla_fp8_hopper(T, H, K, page_size, kw):
     # the Gluon FP8 kernel (dequantizing producer + the bf16 kernel's wgmma consumers) against the
