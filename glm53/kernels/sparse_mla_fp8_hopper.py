@@ -51,6 +51,10 @@ FP8_VEC = gl.constexpr(16)  # 16-byte loads of fp8
 # 104 spilled least in an offline sm_90 build (WG1 168, the default warpgroup the rest, 232).
 REGS_DEQUANT = gl.constexpr(104)
 REGS_STAGED = gl.constexpr(96)  # the staged producer holds no rows in flight
+# The default schedule (what `sparse_mla` runs, and kernels/variants.py's key): 64-slot blocks and
+# the register producer until the staging producer (block_n 32, stages 2-3) is measured faster.
+DEFAULT_BLOCK_N = 64
+DEFAULT_STAGES = 0
 
 
 @gluon.constexpr_function
@@ -341,16 +345,20 @@ def sparse_mla_fp8_hopper(
     sm_scale: float,
     kv_lora_rank: int,
     num_splits: int | None = None,
-    block_n: int = 64,
-    stages: int = 0,
+    block_n: int | None = None,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """`sparse_mla` over one layer's FP8 cache [num_pages, page_size, 656] uint8 (check
     `fp8_hopper_supports` first). Splits are planned and combined as for the bf16 kernels
     (`sparse_mla_triton.plan_splits` / `combine_splits`). The options change the speed, not the
     result: `num_splits`, `block_n` (32 or 64) and `stages`: 0 for the producer that loads the
     rows into registers, 2 or 3 for the one that stages them in shared memory (`block_n` 32 only:
-    64-slot tiles leave no room for staging)."""
+    64-slot tiles leave no room for staging). Neither given: DEFAULT_BLOCK_N and DEFAULT_STAGES."""
     assert fp8_hopper_supports(q, kv_cache, kv_lora_rank), "needs sm_90, bf16 q, the 512 + 64 latent, 656 B rows"
+    if block_n is None and stages is None:
+        block_n, stages = DEFAULT_BLOCK_N, DEFAULT_STAGES
+    block_n = block_n or (32 if stages else DEFAULT_BLOCK_N)
+    stages = stages or 0
     assert block_n in (32, 64), "the slot block is 32 or 64 (64 fills shared memory)"
     assert stages == 0 or (block_n == 32 and stages in (2, 3)), "staging takes 2 or 3 slots of 32-slot blocks"
     T, H, Dqk = q.shape

@@ -111,13 +111,13 @@ def sparse_mla_key(T: int, s: ServeShape) -> tuple:
     and the combine's split tile (sparse_mla_triton / _fp8_triton / _hopper launchers)."""
     import triton
 
-    from glm53.kernels.sparse_mla_fp8_hopper import fp8_hopper_shape_ok
+    from glm53.kernels.sparse_mla_fp8_hopper import DEFAULT_BLOCK_N, fp8_hopper_shape_ok
     from glm53.kernels.sparse_mla_hopper import BLOCK_H as HOPPER_BLOCK_H, hopper_shape_ok
     from glm53.kernels.sparse_mla_triton import split_count
 
     R, H = s.kv_lora_rank, s.heads
     if s.fp8_kv and s.hopper and fp8_hopper_shape_ok(s.dtype, R, R + s.qk_rope_head_dim):
-        kernel, block_n, block_h = "fp8-hopper", 64, HOPPER_BLOCK_H
+        kernel, block_n, block_h = "fp8-hopper", DEFAULT_BLOCK_N, HOPPER_BLOCK_H
     elif s.fp8_kv:
         from glm53.kernels.sparse_mla_fp8_triton import default_block_n
 
