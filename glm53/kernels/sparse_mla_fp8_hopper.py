@@ -237,6 +237,21 @@ def _ws_dequant_staged(cn, cr, st8, stsc, strp, c_full, c_empty, c8_ptr, sc_ptr,
 
 
 @gluon.jit
+def _ws_scores_after_q(qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
+                       idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
+                       stride_ot, stride_oh, H: gl.constexpr, R: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr,
+                       SPLIT: gl.constexpr):
+    """`_ws_scores` once this warpgroup's cp.async copies of q have landed (every thread's, and
+    visible to wgmma)."""
+    cp.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+    _ws_scores(qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
+               idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
+               stride_ot, stride_oh, H, R, BH, BN, SPLIT)
+
+
+@gluon.jit
 def _sparse_mla_fp8_hopper_kernel(
     q_ptr, c8_ptr, sc_ptr, rp_ptr, idx_ptr, out_ptr, part_ptr, lse_ptr,
     K, qk_scale, split_len,
@@ -288,8 +303,9 @@ def _sparse_mla_fp8_hopper_kernel(
     cqr = gl.arange(0, P, layout=gl.SliceLayout(0, QLR))
     cp.async_copy_global_to_shared(qr, q_tok + hqr[:, None] * stride_qh + R + cqr[None, :], mask=(hqr < H)[:, None])
     cp.commit_group()
-    cp.wait_group(0)
-    fence_async_shared()
+    # q is waited for in `_ws_scores_after_q` (these warps are the default partition): the
+    # producer's first gathers start while q is still in flight
+    fence_async_shared()  # the barrier inits, before any partition uses them
     gl.thread_barrier()
 
     if STAGES > 0:
@@ -298,7 +314,7 @@ def _sparse_mla_fp8_hopper_kernel(
         stsc = gl.allocate_shared_memory(gl.float32, [STAGES, BN, R // 128], flat)
         strp = gl.allocate_shared_memory(dtype, [STAGES, BN, P], flat)
         gl.warp_specialize([
-            (_ws_scores, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
+            (_ws_scores_after_q, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
                           idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
                           stride_ot, stride_oh, H, R, BH, BN, SPLIT)),
             (_ws_values_hi, (cn, ps, al, fin, c_empty, p_full, p_empty, fin_bar, nblk, out_ptr, part_ptr, t, hb,
@@ -308,7 +324,7 @@ def _sparse_mla_fp8_hopper_kernel(
         ], [4, 4], [REGS_VALUES, REGS_STAGED])
     else:
         gl.warp_specialize([
-            (_ws_scores, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
+            (_ws_scores_after_q, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
                           idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
                           stride_ot, stride_oh, H, R, BH, BN, SPLIT)),
             (_ws_values_hi, (cn, ps, al, fin, c_empty, p_full, p_empty, fin_bar, nblk, out_ptr, part_ptr, t, hb,
