@@ -199,6 +199,7 @@ def main() -> None:
     families.append(("staging producer", True, [dict(block_n=32, stages=3), dict(block_n=32, stages=2)] + (
         [] if args.quick else [dict(block_n=32, stages=3, num_splits=3), dict(block_n=32, stages=3, num_splits=4)])))
     # each family checked, then timed: a hang or a fault in the second leaves the first's numbers
+    best = {}
     for name, staged, scheds in families:
         ok = run_checks(sparse_mla_fp8_hopper, g, staged, args.quick)
         print(f"checks, {name}: {'ALL OK' if ok else 'FAILURES above'}", flush=True)
@@ -212,15 +213,20 @@ def main() -> None:
                     continue
                 print(f"T {T} H {H:2d}: fp8 hopper {str(kw):40s} {t:7.1f} us ({pct(T * K * bpt, t):4.1f}% HBM) = "
                       f"{t / t16:.2f}x bf16 {b16_kernel}, {t / t8tr:.2f}x fp8 triton", flush=True)
-    for H, (T, q, idx) in cases.items():
-        b16_kernel, t16, _ = base[H]
-        try:
-            tp = timed(rotate(lambda c: sparse_mla(q, c, idx, SM_SCALE, R), 0))
-        except Exception:
-            print(f"T {T} H {H} public sparse_mla: FAILED\n" + traceback.format_exc(), flush=True)
-            continue
-        print(f"T {T} H {H:2d}: public sparse_mla on the FP8 cache {tp:7.1f} us ({tp / t16:.2f}x bf16 {b16_kernel})",
-              flush=True)
+                if ok and (H not in best or t < best[H][0]):
+                    best[H] = (t, kw)
+            if not staged:  # the public op (the default schedule), beside the register producer
+                try:
+                    tp = timed(rotate(lambda c: sparse_mla(q, c, idx, SM_SCALE, R), 0))
+                    print(f"T {T} H {H:2d}: public sparse_mla on the FP8 cache {tp:7.1f} us "
+                          f"({tp / t16:.2f}x bf16 {b16_kernel}, {tp / t8tr:.2f}x fp8 triton)", flush=True)
+                except Exception:
+                    print(f"T {T} H {H} public sparse_mla: FAILED\n" + traceback.format_exc(), flush=True)
+    for H, (t, kw) in best.items():
+        T = cases[H][0]
+        b16_kernel, t16, t8tr = base[H]
+        print(f"SUMMARY T {T} H {H:2d}: best checked fp8 hopper {t:.1f} us {kw} = {t / t16:.2f}x bf16 {b16_kernel} "
+              f"(target <= 0.80 at 64 heads), {t / t8tr:.2f}x fp8 triton, {pct(T * K * bpt, t):.1f}% HBM", flush=True)
     print("done", flush=True)
 
 
