@@ -154,7 +154,7 @@ def part_round(batches: list[int], steps: int, pages: int, gap_ms: float) -> Non
 
 def _workers(model_dir: Path, tp: int, pages: int):
     from glm53.models import GlmConfig
-    from glm53.server.config import parse_config
+    from glm53.server.config_parse import parse_config
     from glm53.server.engine.group import LocalWorkers
     from glm53.server.engine.processes import ProcessWorkers
     from glm53.server.engine.worker import rank_specs

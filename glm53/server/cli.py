@@ -43,7 +43,8 @@ import zmq
 
 from glm53.server.cli_nodes import (NodePart, add_instance_flags, add_up_flags, check_instance_flags,
                                     instance_overrides, node_role)
-from glm53.server.config import ClusterConfig, ConfigError, InstanceConfig, load_config, parse_config
+from glm53.server.config import ClusterConfig, ConfigError, InstanceConfig
+from glm53.server.config_parse import load_config, parse_config
 from glm53.server.model_fit import check_model_fit
 from glm53.server.plan import check_cluster_fits
 from glm53.server.supervisor import Event, RestartPolicy, RunDir, Supervisor

@@ -37,7 +37,7 @@ def add_instance_flags(p: argparse.ArgumentParser) -> None:
 
 
 def instance_overrides(args: argparse.Namespace, role: str, index: int) -> dict[str, Any]:
-    """The flags as `config.apply_overrides` keys, --nnodes first (it creates the nodes that
+    """The flags as `config_parse.apply_overrides` keys, --nnodes first (it creates the nodes that
     --host may then name). Under --node-rank K > 0, --host is node K's address, not the
     instance's (whose scheduler runs on node 0)."""
     key = f"instance.{role}.{index}"

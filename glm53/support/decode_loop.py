@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from glm53.models import SeqChunk
-from glm53.server.config import parse_config
+from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams

@@ -58,7 +58,7 @@ def cluster(model: Path, draft: Path | None, pp: int, tp: int, pages: int, devic
 def decode_side(raw: dict, model: str, bootstrap: str, pages: list[int], out: str, q, timeout_s: float) -> None:
     """Decode's one rank: receive the room, save its pages of every pool and its buffer table."""
     from glm53.models import GlmConfig
-    from glm53.server.config import parse_config
+    from glm53.server.config_parse import parse_config
     from glm53.server.engine.worker import RankWorker, rank_specs
     from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer
 
@@ -104,7 +104,7 @@ def prefill_into_decode(model: Path, draft: Path | None, prompt: list[int], *, p
     """The prompt in `chunk`-token micro-batches, one pipelined step, its pages sent as one chunk
     after the forward, then the metadata row. Raises on any failure (nothing is left running)."""
     from glm53.models import GlmConfig, SeqChunk
-    from glm53.server.config import parse_config
+    from glm53.server.config_parse import parse_config
     from glm53.server.engine.group import LocalWorkers
     from glm53.server.engine.processes import ProcessWorkers
     from glm53.server.engine.worker import rank_specs

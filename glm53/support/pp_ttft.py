@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from glm53.models import GlmConfig, PageAllocator, SeqChunk
-from glm53.server.config import parse_config
+from glm53.server.config_parse import parse_config
 from glm53.server.engine.group import LocalWorkers
 from glm53.server.engine.processes import ProcessWorkers
 from glm53.server.engine.worker import rank_specs

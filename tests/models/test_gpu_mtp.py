@@ -164,7 +164,7 @@ def test_mtp_graph_replay_equals_eager_and_syncs_nothing(ckpt, dtype):
 
 def _nextn_scheduler(model: Path, graphs: bool):
     """A decode scheduler with NEXTN on one in-process CUDA rank (no prefill instance started)."""
-    from glm53.server.config import parse_config
+    from glm53.server.config_parse import parse_config
     from glm53.server.engine.decode import DecodeScheduler
     from glm53.support.ports import free_ports
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from glm53.server.config import ConfigError, load_config
+from glm53.server.config import ConfigError
+from glm53.server.config_parse import load_config
 
 
 def write(tmp_path, d) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from glm53.server.config import parse_config
+from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeScheduler
 from glm53.server.engine.group import WorkerGroup
 from glm53.support.ports import free_ports

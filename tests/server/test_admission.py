@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from glm53.server.config import RouterConfig, parse_config
+from glm53.server.config import RouterConfig
+from glm53.server.config_parse import parse_config
 from glm53.server.config_values import ConfigError
 from glm53.server.router.admission import AdmissionQueue, QueueRefused
 from glm53.server.router.instance_pool import Unavailable

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53.server.config import parse_config
+from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeScheduler
 from glm53.server.engine.prefill import PrefillScheduler
 from glm53.support.ports import free_ports

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from glm53.server.cli import build_parser, overrides_from_args
-from glm53.server.config import ConfigError, load_config, parse_config
+from glm53.server.config import ConfigError
+from glm53.server.config_parse import load_config, parse_config
 from tests.server.config_files import error, write
 
 ROOT = Path(__file__).resolve().parents[2]

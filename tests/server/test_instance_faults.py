@@ -9,7 +9,7 @@ import time
 
 import zmq
 
-from glm53.server.config import parse_config
+from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeScheduler
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec, TokenEvent, decode, encode
 from glm53.server.sampling import SamplingParams

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from glm53.server.cli import build_parser, overrides_from_args
 from glm53.server.cli_nodes import check_instance_flags, node_role
-from glm53.server.config import ConfigError, load_config, parse_config
+from glm53.server.config import ConfigError
+from glm53.server.config_parse import load_config, parse_config
 from glm53.server.engine.processes import GENERATION_FROM_STORE, GENERATION_KEY, generation_store
 from glm53.server.engine.worker import rank_specs
 from glm53.server.nodes import node_of_rank, node_ranks, parse_host_port, ranks_per_node

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from glm53.server.config import parse_config
+from glm53.server.config_parse import parse_config
 from glm53.server.engine.worker import rank_specs, stage_layers
 
 

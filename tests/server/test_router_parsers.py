@@ -11,7 +11,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from glm53.server.config import ConfigError, parse_config
+from glm53.server.config import ConfigError
+from glm53.server.config_parse import parse_config
 from glm53.server.tokenizer import Tokenizer
 
 from .conftest import start_cluster

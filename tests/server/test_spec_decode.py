@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from glm53.models.spec_state import SpecOutput
-from glm53.server.config import parse_config
+from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec

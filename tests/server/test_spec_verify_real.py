@@ -11,7 +11,7 @@ import torch
 
 from glm53.models import ModelRunner, PageAllocator, SeqChunk, write_random_draft
 from glm53.models.dspark import BlockChoice
-from glm53.server.config import parse_config
+from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
 from glm53.server.offline import greedy_generate
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
