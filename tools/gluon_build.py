@@ -1,7 +1,7 @@
 """Build the Gluon sparse-MLA kernels for sm_90 without a GPU: shared memory, registers, spills.
 
     PYTHONPATH=.:TRITON36 python tools/gluon_build.py [--kernel fp8|bf16] [--block-n 64] [--heads 64] \
-        [--stages 0] [--no-split] [--sass OUT.sass]
+        [--stages 0] [--no-split] [--producers 1] [--sass OUT.sass]
 
 Why: Gluon has no interpreter and the GPU is scarce; `triton.compile` with an explicit target
 runs the whole pipeline here (Gluon -> PTX -> ptxas), so a build error, the shared-memory total and
@@ -31,12 +31,12 @@ TYPES = dict(q_ptr="*bf16", kv_ptr="*bf16", c8_ptr="*fp8e4nv", sc_ptr="*fp32", r
              out_ptr="*bf16", K="i32", qk_scale="fp32", split_len="i32")
 
 
-def build(kernel: str, block_n: int, heads: int, stages: int, split: bool):
+def build(kernel: str, block_n: int, heads: int, stages: int, split: bool, producers: int = 1):
     if kernel == "fp8":
         from glm53.kernels import sparse_mla_fp8_hopper as m
 
         fn, maxnreg = m._sparse_mla_fp8_hopper_kernel, m.MAXNREG
-        const = dict(STAGES=stages)
+        const = dict(STAGES=stages, PWARPS=4 // producers, NPROD=producers)
     else:
         from glm53.kernels import sparse_mla_hopper as m
 
@@ -66,9 +66,10 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--stages", type=int, default=0)
     ap.add_argument("--no-split", action="store_true")
+    ap.add_argument("--producers", type=int, default=1, help="fp8: partitions of the 4 producer warps (1 or 2)")
     ap.add_argument("--sass", help="write the SASS here")
     a = ap.parse_args()
-    k, secs = build(a.kernel, a.block_n, a.heads, a.stages, not a.no_split)
+    k, secs = build(a.kernel, a.block_n, a.heads, a.stages, not a.no_split, a.producers)
     print(f"triton {triton.__version__}: built in {secs:.1f} s, shared memory {k.metadata.shared} B")
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:

@@ -51,6 +51,12 @@ FP8_VEC = gl.constexpr(16)  # 16-byte loads of fp8
 # 104 spilled least in an offline sm_90 build (WG1 168, the default warpgroup the rest, 232).
 REGS_DEQUANT = gl.constexpr(104)
 REGS_STAGED = gl.constexpr(96)  # the staged producer holds no rows in flight
+# Two producer partitions of 2 warps taking alternate blocks (`producers=2`): the same 4 warps and
+# registers a thread (a 32-slot block's fp8 is 256 B a thread of 2 warps, 64 registers, as a
+# 64-slot block's for 4 warps). Not 8 producer warps: 16 warps launch at 128 registers a thread
+# (the register file / 512 threads), and ptxas needs 154 for WG1's 64 x 256 wgmma accumulator.
+# 120 each (no spills in an offline sm_90 build at 32-slot blocks; 104 and 112 spill), WG0 216.
+REGS_DEQUANT2 = gl.constexpr(120)
 # The default schedule (what `sparse_mla` runs, and kernels/variants.py's key): 32-slot blocks and
 # the register producer, measured fastest on the H200 at 64 tokens x 64 and x 8 heads (73.5 and
 # 62.0 us against 101 and 82 at 64-slot blocks; the staging producer 82-84 and 69-71).
@@ -114,7 +120,7 @@ def _store_tile(dst, x, s, valid, k: gl.constexpr):
 def _gather_rope(dst, rp_ptr, slot, stride_p, stride_s, PAGE, R: gl.constexpr, BN: gl.constexpr,
                  P: gl.constexpr):
     """cp.async the bf16 rope values of the slots' rows into dst [BN, P]; -1 slots zero-filled."""
-    L: gl.constexpr = _copy_layout(BN, P, 4)
+    L: gl.constexpr = _copy_layout(BN, P, gl.num_warps())
     valid = slot >= 0
     base = _row_bytes(slot, stride_p, stride_s, PAGE)
     # bf16 element offset of the rope part: the row's bytes / 2 plus the rope's offset (R fp8 +
@@ -125,21 +131,23 @@ def _gather_rope(dst, rp_ptr, slot, stride_p, stride_s, PAGE, R: gl.constexpr, B
 
 
 @gluon.jit
-def _ws_dequant(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
-                stride_p, stride_s, PAGE):
+def _dequant_blocks(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                    stride_p, stride_s, PAGE, FIRST: gl.constexpr, STEP: gl.constexpr):
+    """The blocks FIRST, FIRST + STEP, ... < nblk, by this partition's warps (4 or 8)."""
     R: gl.constexpr = cn.shape[2]
     BN: gl.constexpr = cn.shape[1]
     P: gl.constexpr = cr.shape[2]
+    NW: gl.constexpr = gl.num_warps()
     gl.static_assert(R == 4 * TILE, "the producer is written for four 128-column latent tiles")
-    DL: gl.constexpr = _fp8_layout(BN, 4)
+    DL: gl.constexpr = _fp8_layout(BN, NW)
     LD: gl.constexpr = gl.SliceLayout(1, DL)
-    LR: gl.constexpr = gl.SliceLayout(1, _copy_layout(BN, P, 4))
-    s_d = _load_slots(idx_row, start, end, BN, LD)
-    g_r = _load_slots(idx_row, start, end, BN, LR)
-    for i in range(nblk):
+    LR: gl.constexpr = gl.SliceLayout(1, _copy_layout(BN, P, NW))
+    s_d = _load_slots(idx_row, start + FIRST * BN, end, BN, LD)
+    g_r = _load_slots(idx_row, start + FIRST * BN, end, BN, LR)
+    for i in range(FIRST, nblk, STEP):
         b = i % 2
-        n_d = _load_slots(idx_row, start + (i + 1) * BN, end, BN, LD)
-        n_r = _load_slots(idx_row, start + (i + 1) * BN, end, BN, LR)
+        n_d = _load_slots(idx_row, start + (i + STEP) * BN, end, BN, LD)
+        n_r = _load_slots(idx_row, start + (i + STEP) * BN, end, BN, LR)
         # this block's rows, issued before waiting for its buffer: in flight during the wait
         v = s_d >= 0
         base = _row_bytes(s_d, stride_p, stride_s, PAGE)
@@ -164,6 +172,29 @@ def _ws_dequant(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start,
         mbarrier.arrive(c_full.index(b))
         s_d = n_d
         g_r = n_r
+
+
+# Worker partitions take no constexpr arguments: which blocks a producer takes is fixed by which
+# of these it is.
+@gluon.jit
+def _ws_dequant(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                stride_p, stride_s, PAGE):
+    _dequant_blocks(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                    stride_p, stride_s, PAGE, 0, 1)
+
+
+@gluon.jit
+def _ws_dequant_even(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                     stride_p, stride_s, PAGE):
+    _dequant_blocks(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                    stride_p, stride_s, PAGE, 0, 2)
+
+
+@gluon.jit
+def _ws_dequant_odd(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                    stride_p, stride_s, PAGE):
+    _dequant_blocks(cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                    stride_p, stride_s, PAGE, 1, 2)
 
 
 @gluon.jit
@@ -259,10 +290,11 @@ def _sparse_mla_fp8_hopper_kernel(
     stride_qt, stride_qh, stride_p, stride_s, stride_it, stride_ot, stride_oh,
     H: gl.constexpr, R: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
     BH: gl.constexpr, BN: gl.constexpr, NHB: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
+    PWARPS: gl.constexpr, NPROD: gl.constexpr, num_warps: gl.constexpr,
 ):
-    # STAGES 0: `_ws_dequant` (fp8 rows through registers); else `_ws_dequant_staged` with that many
-    # staging slots
+    # STAGES 0: `_ws_dequant` (fp8 rows through registers) in NPROD partitions of PWARPS warps
+    # (NPROD 2: alternate blocks, so each buffer has one producer); else `_ws_dequant_staged`
+    # with that many staging slots
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     pid = gl.program_id(0)
     sp = gl.program_id(1)
@@ -283,8 +315,9 @@ def _sparse_mla_fp8_hopper_kernel(
     p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     fin_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for b in gl.static_range(2):
-        # STAGES 0: 128 producer threads' rope cp.async + the latent stores; else the stores only
-        mbarrier.init(c_full.index(b), count=1 if STAGES > 0 else 129)
+        # STAGES 0: the filling partition's threads' rope cp.async + the latent stores; else the
+        # stores only
+        mbarrier.init(c_full.index(b), count=1 if STAGES > 0 else 32 * PWARPS + 1)
         mbarrier.init(c_empty.index(b), count=2)  # both value halves
     mbarrier.init(p_full, count=1)
     mbarrier.init(p_empty, count=1)
@@ -323,6 +356,18 @@ def _sparse_mla_fp8_hopper_kernel(
             (_ws_dequant_staged, (cn, cr, st8, stsc, strp, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start,
                                   end, nblk, stride_p, stride_s, PAGE)),
         ], [4, 4], [REGS_VALUES, REGS_STAGED])
+    elif NPROD == 2:  # two PWARPS-warp partitions, the even and the odd blocks
+        gl.warp_specialize([
+            (_ws_scores_after_q, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
+                          idx_row, start, end, nblk, qk_scale, out_ptr, part_ptr, lse_ptr, t, hb, sp, nsp,
+                          stride_ot, stride_oh, H, R, BH, BN, SPLIT)),
+            (_ws_values_hi, (cn, ps, al, fin, c_empty, p_full, p_empty, fin_bar, nblk, out_ptr, part_ptr, t, hb,
+                             sp, nsp, stride_ot, stride_oh, H)),
+            (_ws_dequant_even, (cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                                stride_p, stride_s, PAGE)),
+            (_ws_dequant_odd, (cn, cr, c_full, c_empty, c8_ptr, sc_ptr, rp_ptr, idx_row, start, end, nblk,
+                               stride_p, stride_s, PAGE)),
+        ], [4, PWARPS, PWARPS], [REGS_VALUES, REGS_DEQUANT2, REGS_DEQUANT2])
     else:
         gl.warp_specialize([
             (_ws_scores_after_q, (qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar,
@@ -364,13 +409,17 @@ def sparse_mla_fp8_hopper(
     num_splits: int | None = None,
     block_n: int | None = None,
     stages: int | None = None,
+    producers: int = 1,
 ) -> torch.Tensor:
     """`sparse_mla` over one layer's FP8 cache [num_pages, page_size, 656] uint8 (check
     `fp8_hopper_supports` first). Splits are planned and combined as for the bf16 kernels
     (`sparse_mla_triton.plan_splits` / `combine_splits`). The options change the speed, not the
     result: `num_splits`, `block_n` (32 or 64) and `stages`: 0 for the producer that loads the
     rows into registers, 2 or 3 for the one that stages them in shared memory (`block_n` 32 only:
-    64-slot tiles leave no room for staging). Neither given: DEFAULT_BLOCK_N and DEFAULT_STAGES."""
+    64-slot tiles leave no room for staging). Neither given: DEFAULT_BLOCK_N and DEFAULT_STAGES.
+    `producers`: the register producer's 4 warps as one partition, or (2, `block_n` 32) as two of
+    2 warps taking alternate blocks, each with its own block's rows in flight: two blocks loading
+    at once where one partition has one, and one partition's loads overlap the other's stores."""
     assert fp8_hopper_supports(q, kv_cache, kv_lora_rank), "needs sm_90, bf16 q, the 512 + 64 latent, 656 B rows"
     if block_n is None and stages is None:
         block_n, stages = DEFAULT_BLOCK_N, DEFAULT_STAGES
@@ -378,6 +427,8 @@ def sparse_mla_fp8_hopper(
     stages = stages or 0
     assert block_n in (32, 64), "the slot block is 32 or 64 (64 fills shared memory)"
     assert stages == 0 or (block_n == 32 and stages in (2, 3)), "staging takes 2 or 3 slots of 32-slot blocks"
+    assert producers == 1 or (producers == 2 and stages == 0 and block_n == 32), \
+        "two producer partitions: the register producer at 32-slot blocks (64 needs 128 registers a thread)"
     T, H, Dqk = q.shape
     R = kv_lora_rank
     out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
@@ -395,7 +446,7 @@ def sparse_mla_fp8_hopper(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
         out.stride(0), out.stride(1),
         H=H, R=R, P=Dqk - R, PAGE=kv_cache.shape[1], BH=BLOCK_H, BN=block_n, NHB=nhb, SPLIT=num_splits > 1,
-        STAGES=stages, num_warps=4, maxnreg=MAXNREG,
+        STAGES=stages, PWARPS=4 // producers, NPROD=producers, num_warps=4, maxnreg=MAXNREG,
     )
     combine_splits(part, lse, out, num_splits, R, R)
     return out
