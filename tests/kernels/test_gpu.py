@@ -134,6 +134,14 @@ def _needs_sm90():
     (5, 128, 1000, 16, dict(block_n=32, stages=3, num_splits=40)),
     (3, 1, 777, 16, dict(block_n=32, stages=2)),
     (6, 64, 1000, 16, dict(block_n=32, stages=2, num_splits=1)),
+    # two 2-warp producer partitions taking alternate blocks: an odd partition with no block
+    # (K 20: one block), an odd block count, splits, two head tiles, a masked head tail
+    (64, 64, 2048, 64, dict(producers=2)),
+    (4, 8, 2048, 64, dict(producers=2)),
+    (3, 1, 20, 16, dict(producers=2, num_splits=1)),
+    (6, 64, 100, 16, dict(producers=2, num_splits=1)),
+    (5, 128, 1000, 16, dict(producers=2, num_splits=40)),
+    (6, 64, 1000, 16, dict(producers=2, num_splits=3)),
 ], ids=lambda v: str(v).replace(" ", ""))
 def test_sparse_mla_fp8_hopper(T, H, K, page_size, kw):
     # the Gluon FP8 kernel (dequantizing producer + the bf16 kernel's wgmma consumers) against the
