@@ -245,7 +245,7 @@ def test_colocated_pair(tmp_path):
 
 
 def test_colocated_prefill_runs_in_its_decode_process():
-    from glm53.server.cli import process_name
+    from glm53.server.cli_up import process_name
     from glm53.server.engine.prefill import main as prefill_main
 
     cfg = parse_config(_one_gpu({"mem_fraction_static": 0.4, "colocate": "d0"}, {"mem_fraction_static": 0.4}))
