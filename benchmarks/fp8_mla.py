@@ -226,6 +226,27 @@ def main() -> None:
     # new, last: a hang here (the watchdog) leaves the others' numbers and the SUMMARY
     families.append(("two producer partitions", "two", [dict(producers=2)] + ([] if args.quick else [
         dict(producers=2, num_splits=3), dict(producers=2, num_splits=4)])))
+
+    def diagnose():
+        """Where the time goes at 64 heads (informational, not in the SUMMARY): the bf16 Hopper
+        kernel at 32-slot blocks (the consumers at the FP8 default's block, fed by cp.async), and
+        the FP8 kernel with every slot -1 (no rows loaded: the producers' arithmetic and the
+        consumers without memory latency)."""
+        T, q, idx = cases[64]
+        t16 = base[64][1]
+        none = torch.full_like(idx, -1)
+        runs = [("bf16 hopper block_n 32", 2, lambda c: sparse_mla_triton(q, c, idx, SM_SCALE, R, kernel="hopper",
+                                                                          block_n=32))]
+        for kw in ({}, dict(producers=2)):
+            runs.append((f"fp8 hopper {kw} every slot -1", 0,
+                         lambda c, kw=kw: sparse_mla_fp8_hopper(q, c, none, SM_SCALE, R, **kw)))
+        for label, which, call in runs:
+            try:
+                t = timed(rotate(call, which))
+                print(f"DIAG T {T} H 64: {label:40s} {t:7.1f} us ({t / t16:.2f}x bf16 hopper)", flush=True)
+            except Exception:
+                print(f"DIAG T {T} H 64: {label}: FAILED\n" + traceback.format_exc(), flush=True)
+
     # each family checked, then timed: a hang or a fault in a later one leaves the earlier numbers
     for name, family, scheds in families:
         ok = run_checks(sparse_mla_fp8_hopper, g, family, args.quick)
@@ -249,6 +270,8 @@ def main() -> None:
                           f"({tp / t16:.2f}x bf16 {b16_kernel}, {tp / t8tr:.2f}x fp8 triton)", flush=True)
                 except Exception:
                     print(f"T {T} H {H} public sparse_mla: FAILED\n" + traceback.format_exc(), flush=True)
+        if family == "staged":
+            diagnose()
     summary()
     print("done", flush=True)
 
