@@ -24,6 +24,11 @@ shared memory. Why: the first producer's rows in flight are bounded by its regis
 registers, at the cost of 32-slot tiles (64-slot tiles leave no shared memory for it). Which of
 the two is faster is measured (benchmarks/fp8_mla.py); the default is the first.
 
+`producers=2`: the first producer's 4 warps as two 2-warp partitions (`_ws_dequant_even` /
+`_odd`), each filling one of the two buffers: every block still waits out its load latency, but
+two blocks are loading at once and one partition's loads overlap the other's widening and stores
+(at 27% of HBM the single partition is bound by that serial latency, not by bytes).
+
 Heads: any count, in 64-row tiles (a masked tail: 8 heads, GLM-5's per-rank count at tp=8, run
 one tile with 56 empty rows; the kernel is bound by the gathers, not by the products).
 Shared memory is the bf16 kernel's (q, two BN-slot bf16 buffers, P): 64-slot blocks fill it.
