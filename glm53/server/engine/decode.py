@@ -46,7 +46,7 @@ from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferSt
 from glm53.server.engine.logprobs import rows_logprobs, unpack_first
 from glm53.server.engine.mtp_seed import split_payload
 from glm53.server.engine.overlap import InflightStep, overlappable
-from glm53.server.engine.spec import accept, draft_sampling
+from glm53.server.engine.spec import accept, draft_sampling, greedy_prefix
 from glm53.server.engine.stops import StopStrings, StopText
 from glm53.server.sampling import TokenHistory, sample, step_generator
 from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer, TransferError
@@ -87,6 +87,14 @@ class DecodeRequest(TrackedRequest):
 
     _prompt_ids: torch.Tensor | None = None  # the prompt's distinct ids (repetition penalty), built once
     _stop_ids: list[int] | None = None
+    _stop_set: frozenset[int] | None = None  # RequestSpec.stop_ids, built once (it builds two sets a call)
+
+    @property
+    def stop_set(self) -> frozenset[int]:
+        """The ids whose commit ends the request (stop tokens, eos unless ignored)."""
+        if self._stop_set is None:
+            self._stop_set = self.req.spec.stop_ids
+        return self._stop_set
 
     def history(self, device: torch.device) -> TokenHistory | None:
         """What penalties, logit_bias and min_new_tokens need (None when the request has none)."""
@@ -96,6 +104,13 @@ class DecodeRequest(TrackedRequest):
             self._prompt_ids = torch.tensor(sorted(set(self.req.spec.input_ids)), dtype=torch.long, device=device)
             self._stop_ids = sorted(self.req.spec.stop_ids)
         return TokenHistory(self._prompt_ids, self.output, self._stop_ids)
+
+
+def plain_greedy(r: DecodeRequest) -> bool:
+    """A greedy request whose verify rows nothing adjusts or masks: it accepts from the argmaxes
+    the step read back (`spec.accept`'s own shortcut, taken without calling it)."""
+    p = r.params
+    return r.constraint is None and p.temperature == 0.0 and not p.adjusts
 
 
 class DecodeScheduler(Scheduler):
@@ -246,16 +261,6 @@ class DecodeScheduler(Scheduler):
                 self._commit(c, tok, [lps[c.index]], [tops[c.index]], transfer=stats if c.index == 0 else None,
                              first=True)
 
-    def _logprobs(self, batch: list[DecodeRequest], logits: list[torch.Tensor],
-                  toks: list[list[int]]) -> list[tuple[list[float], list[list]] | None]:
-        """Per request of the batch that asked for logprobs: its committed tokens' logprobs
-        and top pairs, from the raw logits rows that produced them."""
-        out: list[tuple[list[float], list[list]] | None] = []
-        for r, lg, t in zip(batch, logits, toks):
-            k = r.req.spec.logprobs
-            out.append(rows_logprobs(lg[: len(t)], t, k) if k >= 0 else None)
-        return out
-
     def _batch_logprobs(self, batch: list[DecodeRequest], rows: torch.Tensor,
                         toks: list[int]) -> list[tuple[list[float], list[list]] | None]:
         """A plain decode step's logprobs: one log_softmax over the rows of the requests that
@@ -346,30 +351,35 @@ class DecodeScheduler(Scheduler):
         batch = list(self.running)
         blocks = []
         for r in batch:
-            committed = r.prompt_len + len(r.output)
+            out_len = len(r.output)
+            params = r.params
             # Never verify past max_new_tokens: a block of n commits at most n tokens, so its
             # positions stay inside the pages allocated for prompt + max_new_tokens.
-            n = min(self.block_size, r.params.max_new_tokens - len(r.output))
+            n = min(self.block_size, params.max_new_tokens - out_len)
             if r.spec_key < 0:
                 r.spec_key = next(self.spec_keys)
             # The MTP's seed drives the request's first step only (position prompt_len − 1).
-            seed = r.seed_hidden if len(r.output) == 1 else None
+            seed = r.seed_hidden if out_len == 1 else None
             r.seed_hidden = None
-            blocks.append(DraftBlock(last_token=r.output[-1], start_pos=committed - 1, page_table=r.pages,
+            blocks.append(DraftBlock(last_token=r.output[-1], start_pos=r.prompt_len + out_len - 1, page_table=r.pages,
                                      ctx_start=r.ctx_start, block_size=n, key=r.spec_key, seed_hidden=seed,
-                                     sampling=draft_sampling(r.params, len(r.output), r.index, self.draft_rng)
-                                     if self.sampled_drafting else None))
+                                     sampling=draft_sampling(params, out_len, r.index, self.draft_rng)
+                                     if self.sampled_drafting and not params.greedy else None))
         out = self.workers.spec_step(blocks)
         greedy = out.greedy or [None] * len(batch)
         probs = out.probs or [None] * len(batch)
         n_out = 0
         for r, d, lg, am, q in zip(batch, out.drafts, out.logits, greedy, probs):
-            # Structured output masks the verify rows; logprobs stay those of the raw logits.
-            masked = mask_block(r.constraint, d, lg) if r.constraint is not None else lg
-            toks = accept(d, masked, r.params, first_step=len(r.output), history=r.history(lg.device),
-                          choice=r.index, argmax=am if r.constraint is None else None, q=q)
+            if am is not None and plain_greedy(r):
+                toks = greedy_prefix(d, am)  # what `accept` returns for it, without its checks
+            else:
+                # Structured output masks the verify rows; logprobs stay those of the raw logits.
+                masked = mask_block(r.constraint, d, lg) if r.constraint is not None else lg
+                toks = accept(d, masked, r.params, first_step=len(r.output), history=r.history(lg.device),
+                              choice=r.index, argmax=am if r.constraint is None else None, q=q)
             # The target's logprobs of the accepted tokens: verify row i produced token i.
-            lp = self._logprobs([r], [lg], [toks])[0]
+            k = r.req.spec.logprobs
+            lp = rows_logprobs(lg[: len(toks)], toks, k) if k >= 0 else None
             n_out += self._commit(r, toks, *(lp or (None, None)), verified=True)
         self.count_tokens(n_out)
         return True
@@ -384,9 +394,17 @@ class DecodeScheduler(Scheduler):
         the tokens are one speculative step's accepted run (its committed count is reported).
         Returns how many were committed."""
         reason, matched, n = None, None, 0
+        rest = toks  # committed one at a time below
         if len(r.output) >= r.params.max_new_tokens:  # max_new_tokens == 0: prefill's token is not output
-            reason = "length"
-        for j, tok in enumerate(toks if reason is None else ()):
+            reason, rest = "length", ()
+        elif r.stops is None and lps is None:
+            # No stop strings, no logprobs: the same decision as `_finish` token by token, by
+            # slices (a verify commits several tokens; this is the common case).
+            n, reason, matched = self._ending(r, toks)
+            r.output.extend(toks[:n])
+            r.unsent.extend(toks[:n])
+            rest = ()
+        for j, tok in enumerate(rest):
             r.output.append(tok)
             r.unsent.append(tok)
             if lps is not None:
@@ -410,9 +428,23 @@ class DecodeScheduler(Scheduler):
         return n
 
     @staticmethod
+    def _ending(r: DecodeRequest, toks: list[int]) -> tuple[int, str | None, int | None]:
+        """For a request without stop strings: how many of `toks` it commits and why it ends
+        there ((n, None, None): it goes on), as `_finish` decides after each token."""
+        room = r.params.max_new_tokens - len(r.output)
+        head = toks[:room]
+        stops = r.stop_set
+        if not stops.isdisjoint(head):
+            for j, tok in enumerate(head):
+                if tok in stops:
+                    return j + 1, "stop", tok
+        n = len(head)
+        return n, ("length" if n == room else None), None
+
+    @staticmethod
     def _finish(r: DecodeRequest, tok: int) -> tuple[str | None, int | str | None]:
         """Whether the just-committed `tok` ends the request: (finish reason, what matched)."""
-        if tok in r.req.spec.stop_ids:  # a stop token or eos; its text is never shown, so never matched
+        if tok in r.stop_set:  # a stop token or eos; its text is never shown, so never matched
             return "stop", tok
         if r.stops is not None and (s := r.stops.add(tok)) is not None:
             return "stop", s

@@ -47,6 +47,18 @@ def draft_sampling(params: SamplingParams, step: int, choice: int, rng: random.R
     return DraftSampling(params.temperature, max(params.top_k, 0), params.top_p, params.min_p, seed)
 
 
+def greedy_prefix(drafts: Sequence[int], target: Sequence[int]) -> list[int]:
+    """Greedy verification from the target's argmax of each verify row (`target`, n + 1 of them):
+    the drafts up to the first that differs from the target's token, then the target's token
+    there, i.e. target[: a + 1] for a accepted drafts."""
+    a = 0
+    for d, t in zip(drafts, target):
+        if d != t:
+            break
+        a += 1
+    return list(target[: a + 1])
+
+
 def accept(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, first_step: int,
            history: TokenHistory | None = None, choice: int = 0, argmax: Sequence[int] | None = None,
            q: torch.Tensor | None = None) -> list[int]:
@@ -75,13 +87,7 @@ def accept(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, 
             target = list(argmax)
         else:
             target = logits.argmax(dim=-1).tolist()
-        out = []
-        for d, t in zip(drafts, target):
-            if d != t:
-                break
-            out.append(d)
-        out.append(target[len(out)])
-        return out
+        return greedy_prefix(drafts, target)
     probs = torch.softmax(filter_logits(logits.float() / params.temperature, [params] * (n + 1)), dim=-1)
     if params.seed is not None:
         probs = probs.cpu()  # step_generator's generators are CPU ones: draw there, on any device
