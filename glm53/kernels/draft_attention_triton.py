@@ -58,7 +58,11 @@ def _page(q, k_head, page_id_ptr, stride_pp, stride_ph, vis, dm, m_i, l_i, acc, 
     return _attend(q, k, v, vis, m_i, l_i, acc, qk_scale, P_TY, DOT_F32, PRECISION)
 
 
-@triton.jit
+# Counts that only bound loops, masks and offsets follow the batch and its context (and the block
+# size of an eager step): not specialized, so a step never picks a variant start-up did not
+# compile (kernels/variants.py). The mask and table row strides (W·page_size + B, W) lose their
+# 16-byte class: the mask reads are 16 bytes a page against the K/V tiles' 2·page_size·hd.
+@triton.jit(do_not_specialize=["M", "B", "W", "pages_per_split", "stride_tr", "stride_mr"])
 def _draft_attn_kernel(
     q_ptr, pool_ptr, table_ptr, kb_ptr, vb_ptr, mask_ptr, out_ptr, part_ptr, lse_ptr,
     M, B, W, pages_per_split, qk_scale,
@@ -129,7 +133,7 @@ def _draft_attn_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=mm[:, None] & dm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "NSPLIT"])  # follow the block and the split plan
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, M, NSPLIT, stride_or, stride_oh, stride_om,
                     KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
@@ -166,10 +170,25 @@ def plan_splits(programs: int, pages: int, device: torch.device, num_splits: int
     """(splits, pages per split): by default about two programs per SM, whole pages each (batch
     64 × 8 KV heads: one split; batch 1: a few pages per program). Shapes only: a captured graph
     replays the same plan."""
+    return split_plan(programs, pages, _num_sms(device), num_splits)
+
+
+def split_plan(programs: int, pages: int, sms: int, num_splits: int | None = None) -> tuple[int, int]:
+    """`plan_splits` on `sms` SMs."""
     if num_splits is None:
-        num_splits = max(1, 2 * _num_sms(device) // max(programs, 1))
+        num_splits = max(1, 2 * sms // max(programs, 1))
     per = max(1, triton.cdiv(pages, max(1, min(num_splits, pages))))
     return max(1, triton.cdiv(pages, per)), per
+
+
+def launch_constants(m: int, hd: int, ps: int, b: int, num_warps: int | None = None,
+                     interp: bool = False) -> dict:
+    """The tiles and warps a launch of M query rows, head dim hd, pages of ps slots and a block of
+    b keys compiles for (kernels/variants.draft_attention_key states its variants from these)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    return dict(BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_S=max(16, triton.next_power_of_2(ps)),
+                BLOCK_B=max(16, triton.next_power_of_2(b)),
+                num_warps=1 if interp else (num_warps or (4 if block_m <= 32 else 8)))
 
 
 def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits=None, skip_hidden=True,
@@ -186,15 +205,14 @@ def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits
     mask8 = mask.contiguous().view(torch.uint8)
     out = torch.empty((r, kv, m, hd), dtype=q.dtype, device=q.device)
     interp = triton_interpreting()
-    block_m = max(16, triton.next_power_of_2(m))
-    block_d = max(16, triton.next_power_of_2(hd))
+    c = launch_constants(m, hd, ps, b, num_warps, interp)
+    block_m, block_d, warps = c["BLOCK_M"], c["BLOCK_D"], c.pop("num_warps")
     splits, per = plan_splits(r * kv, w, q.device, num_splits)
     if splits > 1:
         part = torch.empty((r * kv, splits, block_m, block_d), dtype=torch.float32, device=q.device)
         lse = torch.empty((r * kv, splits, block_m), dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never touched
-    warps = 1 if interp else (num_warps or (4 if block_m <= 32 else 8))
     _draft_attn_kernel[(r * kv, splits)](
         q, pool_l, table, k_blk, v_blk, mask8, out, part, lse,
         m, b, w, per, hd**-0.5 * LOG2E,
@@ -203,8 +221,7 @@ def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits
         table.stride(0), mask8.stride(0),
         k_blk.stride(0), k_blk.stride(1), k_blk.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        KV=kv, HD=hd, PAGE=ps, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=max(16, triton.next_power_of_2(ps)),
-        BLOCK_B=max(16, triton.next_power_of_2(b)), SPLIT=splits > 1, SKIP=skip_hidden, P_TY=_TL[q.dtype], DOT_F32=interp,
+        KV=kv, HD=hd, PAGE=ps, **c, SPLIT=splits > 1, SKIP=skip_hidden, P_TY=_TL[q.dtype], DOT_F32=interp,
         PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=num_stages,
     )
     if splits > 1:

@@ -21,7 +21,10 @@ varies at run time, except through a small set that start-up compiles (models/wa
 `reachable(shape)` enumerates, per kernel family, every key over every count a `ServeShape`
 allows (tokens in one forward 1..max_tokens; widths 16..max_width in steps of 16), each with the
 smallest (tokens, width) that reaches it; `warmup_shapes` turns them into the few forward shapes
-the warm-up runs. Families whose launches no count decides (norms, RoPE, routing, the indexer
+the warm-up runs. The DFlash/DSpark draft's paged attention has its own bounds (`DraftShape`:
+requests, block positions, context pages; `reachable_draft`): its loop counts and the mask and
+table row strides are not specialized, so only the block (tiles, warps) and split-or-not pick
+its variants. Families whose launches no count decides (norms, RoPE, routing, the indexer
 logits) have one key each: any forward compiles them.
 """
 
@@ -273,6 +276,52 @@ def warmup_shapes(s: ServeShape, want: dict[str, dict[tuple, tuple[int, int]]] |
         n *= TORCH_LADDER
     shapes.append((s.max_tokens, min(s.max_width, logits_width(s.max_tokens))))
     return sorted(set(shapes))
+
+
+# ---- the DFlash / DSpark draft's paged attention -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What decides the reachable draft-attention variants of a rank holding a DFlash or DSpark
+    draft: its attention dims on this rank, the page size, the SMs and the counts' bounds."""
+
+    max_rows: int  # requests in one drafting forward (the decode batch)
+    max_block: int  # block positions (the draft's block size; an eager step may draft fewer, >= 2)
+    max_pages: int  # context pages of the longest request
+    kv_heads: int  # the draft's KV heads on this rank
+    group: int  # query heads per KV head
+    head_dim: int
+    page_size: int
+    num_sms: int
+
+
+def draft_attention_key(R: int, B: int, W: int, d: DraftShape) -> tuple:
+    """A drafting forward of R requests, blocks of B positions and W context pages
+    (draft_attention_triton's launches): the tiles and warps (from the query rows G·B and the
+    block), split or not (the combine runs only then), and the classes of the strides that stay
+    specialized (the queries', block keys' and output's, multiples of head_dim that follow B).
+    W, R and the split plan's counts only bound loops and grids (not specialized)."""
+    from glm53.kernels.draft_attention_triton import launch_constants, split_plan
+
+    m, hd, kv = d.group * B, d.head_dim, d.kv_heads
+    c = launch_constants(m, hd, d.page_size, B)
+    splits, _ = split_plan(R * kv, W, d.num_sms)
+    strides = (kv * m * hd, m * hd, d.group * hd, B * kv * hd, kv * hd, hd)
+    return tuple(sorted(c.items())), splits > 1, tuple(spec_class(x) for x in strides)
+
+
+def reachable_draft(d: DraftShape) -> dict[tuple, tuple[int, int, int]]:
+    """Every draft-attention key a drafting forward can reach, each with the smallest (R, B, W)
+    reaching it. Blocks of 2 .. max_block (an eager step drafts the positions a request has left;
+    a graph, its verify width); the split plan depends on W only through W > 1 (split_plan: one
+    page never splits, more split whenever the requests' programs leave SMs idle), so W in {1, 2}."""
+    out: dict[tuple, tuple[int, int, int]] = {}
+    for B in range(2, d.max_block + 1):
+        for R in range(1, d.max_rows + 1):
+            for W in sorted({1, min(2, d.max_pages)}):
+                out.setdefault(draft_attention_key(R, B, W, d), (R, B, W))
+    return out
 
 
 def count_variants(want: dict[str, dict[tuple, tuple[int, int]]]) -> int:

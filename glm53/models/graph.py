@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from glm53.kernels.compile_watch import WATCH
 from glm53.models.decode_state import DecodeState
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,9 @@ def capture_buckets(device: torch.device, sizes: Sequence[int], widths: Sequence
     {(bs, width): (graph, the outputs its replays overwrite)}. The decode step's and the DFlash
     step's graphs are both captured here."""
     graphs = {}
-    with torch.cuda.device(device):  # capture streams belong to the current device
+    # Start-up work: its compiles are warm-up's, also for a runner built after another one in the
+    # process has warmed up (a colocated pair; tools/eval_dflash.py's runners, one per mode).
+    with WATCH.warming(), torch.cuda.device(device):  # capture streams belong to the current device
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         for width in reversed(widths):

@@ -9,6 +9,12 @@ rank's `ServeShape`, prefill sizes and decode/verify sizes alike, with the FP8 p
 model and cache use them. Each shape is a batch of synthetic requests on pages 0.. of the pools
 (nothing is cached or transferred yet at start-up, so their contents do not matter).
 
+A rank holding a DFlash or DSpark draft then runs one drafting forward per draft-attention key
+`variants.reachable_draft` lists (synthetic blocks over pages 0..: the drafting forward only
+reads the draft pool), and one with the MTP draft runs top-k unpaged on every top-k key too (its
+catch-up selects over positions from ctx_start, models/model.py `_topk_from`, when prefill sent
+no MTP KV). CUDA graph capture (models/graph.py) counts as warm-up as well.
+
 Afterwards `compile_watch.WATCH` stays installed: any later compile is logged as a warning.
 On CPU the kernels are the torch references: nothing to compile, and the warm-up says so.
 """
@@ -23,6 +29,8 @@ import torch
 
 from glm53.kernels import variants
 from glm53.kernels.compile_watch import WATCH
+from glm53.kernels.topk import dsa_topk
+from glm53.models.draft import DraftBlock
 from glm53.models.kv_cache import LATENT
 from glm53.models.model import StageInput
 from glm53.models.runner import ModelRunner, SeqChunk
@@ -64,6 +72,27 @@ def serve_shape(runner: ModelRunner, max_tokens: int, max_context: int) -> varia
         hopper=props is not None and props.major == 9, cublas_fp8=cublas)
 
 
+def draft_shape(runner: ModelRunner, max_rows: int, max_context: int) -> variants.DraftShape | None:
+    """The rank's `DraftShape` (None without a DFlash/DSpark draft): `max_rows` requests a drafting
+    forward holds, contexts up to `max_context` tokens."""
+    draft = runner.draft
+    if draft is None:
+        return None
+    attn = draft.layers[0].self_attn
+    dev = runner.device
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    return variants.DraftShape(max_rows=max_rows, max_block=draft.cfg.block_size,
+                               max_pages=-(-max_context // runner.page_size), kv_heads=attn.n_kv,
+                               group=attn.n_heads // attn.n_kv, head_dim=draft.cfg.head_dim,
+                               page_size=runner.page_size, num_sms=sms)
+
+
+def synthetic_blocks(R: int, B: int, W: int, page_size: int) -> list[DraftBlock]:
+    """R requests drafting blocks of B positions over W context pages (pages 0 .. W − 1)."""
+    return [DraftBlock(last_token=1, start_pos=W * page_size, page_table=list(range(W)), block_size=B)
+            for _ in range(R)]
+
+
 def synthetic_chunks(n_tokens: int, width: int, max_context: int, page_size: int, vocab: int,
                      gen: torch.Generator) -> list[SeqChunk]:
     """A batch of n_tokens whose longest context makes the logits `width` wide: requests of at
@@ -93,6 +122,13 @@ def warm_up(runner: ModelRunner, max_tokens: int, max_context: int, force: bool 
     want = variants.reachable(shape)
     count = variants.count_variants(want)
     shapes = variants.warmup_shapes(shape, want)
+    drafts = []  # (requests, block, pages) per draft-attention key
+    if runner.draft is not None and runner.model.is_first and runner.model.is_last:
+        # a decode rank's max_tokens is its requests times the draft's block (engine/worker.py)
+        dshape = draft_shape(runner, max(1, max_tokens // runner.draft.cfg.block_size), max_context)
+        drafts = sorted(variants.reachable_draft(dshape).values())
+    unpaged = sorted(want["topk"].values()) if runner.mtp is not None and runner.model.is_last else []
+    count += len(drafts) + len(unpaged)
     before = WATCH.count(warming=True)
     model, cfg = runner.model, runner.cfg
     gen = torch.Generator().manual_seed(0)
@@ -110,9 +146,15 @@ def warm_up(runner: ModelRunner, max_tokens: int, max_context: int, force: bool 
             if model.is_last:  # the sampled rows' logits, as serving computes them
                 rows = runner._device_rows(runner.logit_rows(chunks))
                 model.logits(out.hidden[rows])
+        for r, b, w in drafts:
+            runner.draft_block(synthetic_blocks(r, b, w, runner.page_size))
+        for b, width in unpaged:
+            dsa_topk(torch.randn(b, width, device=runner.device),
+                     torch.full((b,), width, dtype=torch.int32, device=runner.device), cfg.index_topk)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
-    report = WarmupReport(count, len(shapes), WATCH.count(warming=True) - before, time.perf_counter() - t0)
+    report = WarmupReport(count, len(shapes) + len(drafts) + len(unpaged), WATCH.count(warming=True) - before,
+                          time.perf_counter() - t0)
     log.info("warm-up: %d kernel variants reachable (tokens <= %d, context <= %d) launched by %d forwards in "
              "%.1f s (%d Triton compiles or loads)", report.variants, max_tokens, max_context, report.shapes,
              report.seconds, report.compiled)

@@ -15,6 +15,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("records real JIT launches (not the interpreter's)", allow_module_level=True)
 
 from glm53.kernels import fp8_gemm_triton, fp8_quant, moe_triton, sparse_mla_fp8_triton, sparse_mla_triton, topk_triton  # noqa: E402
+from glm53.kernels import draft_attention_triton  # noqa: E402
 from glm53.kernels import variants as v  # noqa: E402
 from glm53.kernels.fp8_quant import quantize_fp8_blocks  # noqa: E402
 from glm53.kernels.latent_cache_fp8 import LatentLayout  # noqa: E402
@@ -109,7 +110,8 @@ def recorded(monkeypatch):
                sparse_mla_fp8_triton._sparse_mla_fp8_kernel, fp8_gemm_triton._block_fp8_gemm_kernel,
                fp8_quant._quant_groups_kernel, moe_triton._plan_kernel, moe_triton._gate_up_kernel,
                moe_triton._down_kernel, topk_triton._bracket_kernel, topk_triton._scan_kernel,
-               topk_triton._finish_kernel]
+               topk_triton._finish_kernel, draft_attention_triton._draft_attn_kernel,
+               draft_attention_triton._combine_kernel]
     for fn in kernels:
         def run(*args, grid, warmup, _fn=fn, **kwargs):
             log.append(_signature(_fn, args, kwargs))
@@ -203,3 +205,36 @@ def test_topk_plan_matches_plan_topk():
         p = topk_triton.plan_topk(B, L, k, torch.device("meta"))
         want = v.topk_plan(B, L, k, 4)
         assert {f: getattr(p, f) for f in want} == want, (B, L, k)
+
+
+def _draft_call(R, B, W, d, pool):
+    """draft_attention_triton's launch as DraftAttention.forward makes it: the queries a view of
+    the projection's rows, the block K/V [R, B, kv, hd], a fresh page table and mask."""
+    kv, g, hd = d.kv_heads, d.group, d.head_dim
+    rows = torch.randn(R * B, kv * g * hd, dtype=torch.bfloat16)
+    q = rows.view(R, B, kv, g, hd).permute(0, 2, 3, 1, 4).reshape(R, kv, g * B, hd)
+    k = torch.randn(R * B, kv, hd, dtype=torch.bfloat16).view(R, B, kv, hd)
+    v_ = torch.randn(R * B, kv, hd, dtype=torch.bfloat16).view(R, B, kv, hd)
+    table = torch.randint(0, pool.shape[0], (R, W))
+    mask = torch.rand(R, W * d.page_size + B) < 0.5
+    return lambda: draft_attention_triton.draft_attention_triton(q, pool, 1, table, k, v_, mask)
+
+
+def test_draft_attention_same_key_same_launch(recorded):
+    # the counts of a drafting forward (requests, block positions, context pages) pick no variant
+    # outside the enumerated keys; W and the split plan's counts none at all
+    for kv, g in [(2, 2), (4, 1)]:
+        d = v.DraftShape(max_rows=12, max_block=16, max_pages=60, kv_heads=kv, group=g, head_dim=64, page_size=16,
+                         num_sms=4)  # the launcher plans for the CPU's 4 "SMs"
+        want = v.reachable_draft(d)
+        assert all(v.draft_attention_key(R, B, W, d) == k for k, (R, B, W) in want.items())
+        pool = torch.randn(64, 2 * kv, 2, 16, 64, dtype=torch.bfloat16)
+        rng = random.Random(kv)
+        calls = []
+        for _ in range(80):
+            R, B, W = rng.randint(1, 12), rng.randint(2, 16), rng.randint(1, 60)
+            key = v.draft_attention_key(R, B, W, d)
+            assert key in want, (R, B, W)
+            calls.append((key, _draft_call(R, B, W, d, pool)))
+        by_key = _same_key_same_launch(recorded, calls)
+        assert len(by_key) >= 2 and set(by_key) <= set(want)

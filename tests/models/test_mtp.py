@@ -343,3 +343,29 @@ def test_seed_rides_the_metadata_row(dtype):
     # No seed (DFlash, or the draft KV not sent): the payload is the logprobs alone.
     plain = MetadataRow.decode(MetadataRow(first_token_ids=(1,), counts=(40, 0), payload=lp).encode(slot, 3, 1), 3, 1)
     assert split_payload(plain.counts, bytes(plain.payload)) == (None, lp)
+
+
+def test_warmup_covers_the_masked_catch_ups_unpaged_topk(ckpt, monkeypatch):
+    """Decoding without the prompt's MTP KV (ctx_start > 0) selects top-k unpaged
+    (model._topk_from: dsa_topk, not dsa_topk_paged: other compiled variants); the warm-up of an
+    MTP rank launches every top-k key that way too."""
+    from glm53.kernels import topk, variants
+    from glm53.models import model as model_mod, warmup
+
+    rows: list[tuple[int, int]] = []
+
+    def recorded(logits, lengths, k, _real=topk.dsa_topk):
+        rows.append(tuple(logits.shape))
+        return _real(logits, lengths, k)
+
+    for mod in (topk, model_mod, warmup):
+        monkeypatch.setattr(mod, "dsa_topk", recorded, raising=False)
+    r = runner(ckpt)
+    tokens, ctx = 16, PAGES * PAGE
+    shape = warmup.serve_shape(r, tokens, ctx)
+    warmup.warm_up(r, tokens, ctx, force=True)
+    warmed = {variants.topk_key(b, w, shape) for b, w in rows}
+    rows.clear()
+    spec_loop(r, [[5, 17, 33, 8, 90, 41, 2], [120, 7, 7, 64, 3, 9, 9, 1, 4]], 10, ctx=True)
+    served = {variants.topk_key(b, w, shape) for b, w in rows}
+    assert served and served <= warmed, served - warmed
