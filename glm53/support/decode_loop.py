@@ -51,15 +51,22 @@ def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | Non
 
 def decode_run(sched: DecodeScheduler, prompts: list[list[int]], new: int,
                clock=time.perf_counter, params: SamplingParams | None = None,
-               prefill: bool = False) -> tuple[float, int, int, list]:
+               prefill: bool = False, running: int | None = None,
+               stats: dict | None = None) -> tuple[float, int, int, list]:
     """(seconds of decode steps, tokens committed after the first, verify steps, outputs).
     `clock=time.thread_time` counts only this thread's CPU time (on a CPU shared with other
     jobs, wall time also counts the time the scheduler gave to them). `params`: the requests'
     sampling (default greedy; max_new_tokens and ignore_eos are set here; a seed is per prompt
     seed + room). `prefill`: the timed span starts before the prompts' prefill forwards (which,
-    with a draft, also write its context KV): end to end, not decode only."""
+    with a draft, also write its context KV): end to end, not decode only. `running`: at most this
+    many requests decode at once, the next prompt joining as one finishes (a server's steady
+    batch; None: all at once, so the batch thins out as requests end: with speculation they end
+    at different steps). `stats`: filled with the decode steps, the requests summed over steps
+    (`rows`), the loop's wall seconds (`wall_s`, decode only) and, with a draft, the seconds inside
+    `WorkerGroup.spec_step` (`spec_s`; the rest of `wall_s` is the scheduler's host work)."""
     sent = []
     sched.channel.send = lambda _to, ev: sent.append(ev)
+    queue = []  # (request, first token): prefilled, not yet decoding
     t_pre = clock()
     for room, p in enumerate(prompts):
         base = params or SamplingParams(temperature=0.0)
@@ -70,15 +77,50 @@ def decode_run(sched: DecodeScheduler, prompts: list[list[int]], new: int,
                               reply_to="tcp://unused:1")
         r = DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched.workers.pages_needed(len(p) + new)))
         first = sched.workers.forward([SeqChunk(p, 0, r.pages)])[0][-1].argmax()
-        sched._commit(r, [int(first)], first=True)
+        queue.append((r, int(first)))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    queue.reverse()  # popped from the end: prompt order
+    limit = running or len(prompts)
+
+    def adopt():  # the first token streamed, the request decoding
+        while queue and len(sched.running) < limit:
+            r, first = queue.pop()
+            sched._commit(r, [first], first=True)
+
+    adopt()
+    spec_s = [0.0]
+    workers = sched.workers
+    inner, patched = workers.spec_step, "spec_step" in vars(workers)
+
+    def timed_spec_step(blocks):
+        t = time.perf_counter()
+        try:
+            return inner(blocks)
+        finally:
+            spec_s[0] += time.perf_counter() - t
+
+    workers.spec_step = timed_spec_step
+    steps = rows = 0
     t0 = t_pre if prefill else clock()
-    while sched.running:
-        sched._decode()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    dt = clock() - t0
+    t_wall = time.perf_counter()
+    try:
+        while sched.running or queue:
+            adopt()
+            rows += len(sched.running)
+            steps += 1
+            sched._decode()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dt = clock() - t0
+        wall = time.perf_counter() - t_wall
+    finally:
+        if patched:
+            workers.spec_step = inner
+        else:
+            del workers.spec_step
+    if stats is not None:
+        stats.update(steps=steps, rows=rows, spec_s=spec_s[0], wall_s=wall)
     outs: dict[int, list[int]] = {}
     verify = 0
     for ev in sent:
