@@ -186,8 +186,8 @@ def launch_constants(m: int, hd: int, ps: int, b: int, num_warps: int | None = N
     """The tiles and warps a launch of M query rows, head dim hd, pages of ps slots and a block of
     b keys compiles for (kernels/variants.draft_attention_key states its variants from these)."""
     block_m = max(16, triton.next_power_of_2(m))
-    return dict(BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(hd)), BLOCK_S=max(16, triton.next_power_of_2(ps)),
-                BLOCK_B=max(16, triton.next_power_of_2(b)),
+    np2 = triton.next_power_of_2
+    return dict(BLOCK_M=block_m, BLOCK_D=max(16, np2(hd)), BLOCK_S=max(16, np2(ps)), BLOCK_B=max(16, np2(b)),
                 num_warps=1 if interp else (num_warps or (4 if block_m <= 32 else 8)))
 
 
