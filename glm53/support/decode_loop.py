@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from glm53.kernels.compile_watch import WATCH
 from glm53.models import SeqChunk
 from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
@@ -76,7 +77,10 @@ def decode_run(sched: DecodeScheduler, prompts: list[list[int]], new: int,
                               prefill=PeerInfo("p0", "prefill", "h", 1, 2), decode=PeerInfo("d0", "decode", "h", 3, None),
                               reply_to="tcp://unused:1")
         r = DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched.workers.pages_needed(len(p) + new)))
-        first = sched.workers.forward([SeqChunk(p, 0, r.pages)])[0][-1].argmax()
+        # Stands in for the prefill instance, whose own warm-up compiles prompt-sized variants (a
+        # decode rank's covers its batch × verify tokens and never prefills): not a decode compile.
+        with WATCH.warming():
+            first = sched.workers.forward([SeqChunk(p, 0, r.pages)])[0][-1].argmax()
         queue.append((r, int(first)))
     if torch.cuda.is_available():
         torch.cuda.synchronize()

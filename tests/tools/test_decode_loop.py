@@ -41,3 +41,32 @@ def test_steady_batch_decodes_what_all_at_once_does():
         finally:
             sched.close()
     assert len({str(o) for o in outs.values()}) == 1
+
+
+@pytest.mark.skipif(not (MODEL / "model.safetensors").exists(), reason="the trained tiny model is not in this checkout")
+def test_stand_in_prefill_counts_as_warm_up():
+    """decode_run's prompt forwards stand in for the prefill instance: a Triton compile there is
+    not one of the decode loop's (compile_watch), while the decode steps' still are."""
+    from glm53.kernels.compile_watch import WATCH
+
+    torch.set_num_threads(1)
+    sched = scheduler(MODEL, None, "cpu", None, graphs=False, max_running=4)
+    seen = []  # (prompt forward or decode step, inside warming)
+    warming = lambda: getattr(WATCH._local, "depth", 0) > 0  # noqa: E731
+    fwd, step = sched.workers.forward, sched._decode
+
+    def forward(chunks, *a, **kw):
+        seen.append(("prefill", warming()))
+        return fwd(chunks, *a, **kw)
+
+    def decode(*a, **kw):
+        seen.append(("decode", warming()))
+        return step(*a, **kw)
+
+    sched.workers.forward, sched._decode = forward, decode
+    try:
+        decode_run(sched, [[5, 9, 200, 31, 7], [44, 3, 12]], 3)
+    finally:
+        sched.close()
+    assert [w for k, w in seen if k == "prefill"] == [True, True], seen
+    assert "decode" in dict(seen) and not any(w for k, w in seen if k == "decode"), seen
