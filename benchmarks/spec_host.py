@@ -5,13 +5,15 @@ per-step work (building the blocks, acceptance, committing, stop checks, events)
 of the model's.
 
     PYTHONPATH=. python benchmarks/spec_host.py --model DIR --draft DIR [--batch 16] [--block 8 16]
-        [--new 128] [--repeat 20]
+        [--new 128] [--repeat 20] [--stream-interval 1000]
 
 One recorded run per block size (CPU, eager): every `WorkerGroup.spec_step` call's blocks and
 `SpecOutput`. The replays then decode the same prompts again; each call returns the recorded
 output after checking that the scheduler asked for the same blocks (last token, position, block
 size), so a change to the loop that changes what it asks for fails here rather than timing
 something else. Prints the host ms per step (median over repeats), steps, rows per step and τ.
+`--stream-interval 1` (a server's default) also builds every request's token event every step
+(the events are collected, not encoded or sent: the engine sends one frame per step).
 """
 
 from __future__ import annotations
@@ -73,14 +75,17 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--stream-interval", type=int, default=1000, help="token events every N tokens")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     prompts = held_file_prompts(a.model, a.batch, a.prompt)
-    print(f"batch {a.batch}, {a.new} new tokens, prompts of {a.prompt} tokens; host time of the loop, model replayed")
+    print(f"batch {a.batch}, {a.new} new tokens, prompts of {a.prompt} tokens, token events every "
+          f"{a.stream_interval} tokens; host time of the loop, model replayed")
     print(f"{'block':>5} | {'steps':>5} | {'rows/step':>9} | {'tau':>5} | host ms/step | host us/row")
     for block in a.block:
         sched = scheduler(a.model, a.draft, "cpu", block, graphs=False, max_running=a.batch)
+        sched.stream_interval = a.stream_interval
         try:
             calls, outs = record(sched, prompts, a.new)
             times = [replay(sched, prompts, a.new, calls, outs)[0] for _ in range(a.repeat)]

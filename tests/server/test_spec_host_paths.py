@@ -84,7 +84,8 @@ def request(sched: DecodeScheduler, room: int, prompt: list[int], max_new: int, 
     req = GenerateRequest(spec=RequestSpec(f"r{room}", prompt, params, [V - 1]), room=room, generation=0,
                           prefill=PeerInfo("p0", "prefill", "h", 1, 2), decode=PeerInfo("d0", "decode", "h", 3, None),
                           reply_to="tcp://unused:1")
-    return DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched.workers.pages_needed(len(prompt) + max_new)))
+    pages = sched.allocator.alloc(sched.workers.pages_needed(len(prompt) + max_new))
+    return DecodeRequest(req, arrived=0.0, pages=pages)
 
 
 def reference_greedy(drafts: list[int], target: list[int]) -> list[int]:
