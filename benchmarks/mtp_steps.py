@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -25,18 +24,9 @@ import torch
 from glm53.models import DraftBlock, ModelRunner
 from glm53.models.draft import DraftSampling
 from glm53.models.graph import GraphConfig
+from glm53.support.step_timing import median_step_ms
 
 PS = 64
-
-
-def timed(fn, iters: int, sync) -> float:
-    times = []
-    for it in range(iters):
-        sync()
-        t = time.perf_counter()
-        fn(it)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[3:]) * 1e3
 
 
 def main() -> None:
@@ -89,7 +79,7 @@ def main() -> None:
                 toks = [g[0] for g in out.greedy]
 
             before = graphs.replays if gpu else 0
-            ms = timed(step, a.iters, sync)
+            ms = median_step_ms(step, a.iters, sync)
             assert not gpu or (graphs.replays > before) == (mode == "graph")
             rows.append({"bs": bs, "mode": mode, "steps": a.steps, "sampled": a.sampled, "ms": ms})
             print(f"mtp step bs {bs:3d} steps {a.steps} {'sampled' if a.sampled else 'greedy':7s} {mode:5s}: "

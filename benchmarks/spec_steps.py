@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -24,18 +23,9 @@ import torch
 
 from glm53.models import DraftBlock, ModelRunner, SeqChunk
 from glm53.models.graph import GraphConfig
+from glm53.support.step_timing import median_step_ms
 
 PS = 64
-
-
-def timed(fn, iters: int, sync) -> float:
-    times = []
-    for it in range(iters):
-        sync()
-        t = time.perf_counter()
-        fn(it)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[3:]) * 1e3
 
 
 def kernels(title: str, step, steps: int, positions: int) -> float:
@@ -96,7 +86,7 @@ def main() -> None:
                 toks = [g[0] for g in out.greedy]
 
             before = graphs.replays if gpu else 0
-            ms = timed(step, a.iters, sync)
+            ms = median_step_ms(step, a.iters, sync)
             assert not gpu or (graphs.replays > before) == (mode == "graph")
             rows.append({"kind": "dflash", "bs": bs, "mode": mode, "block": k, "ms": ms})
             print(f"dflash step  bs {bs:3d} block {k} {mode:5s}: {ms:7.2f} ms", flush=True)
@@ -122,7 +112,7 @@ def main() -> None:
                     logits = plain.forward([SeqChunk([toks[i]], a.ctx + it, tables[i]) for i in range(bs)])
                     toks = torch.cat(logits).argmax(-1).tolist()
 
-                ms = timed(step, a.iters, sync)
+                ms = median_step_ms(step, a.iters, sync)
                 rows.append({"kind": "plain", "bs": bs, "mode": mode, "ms": ms})
                 print(f"plain decode bs {bs:3d}         {mode:5s}: {ms:7.2f} ms", flush=True)
                 if a.profile and mode == "graph":
