@@ -436,9 +436,20 @@ class InstanceChannel:
             yield
         finally:
             self._held, self._held_by = None, None
-            for reply_to, msgs in held.items():
-                self._send_frame(reply_to, encode(msgs[0]) if len(msgs) == 1 else encode_batch(msgs),
-                                 msgs[0].TYPE if len(msgs) == 1 else f"batch of {len(msgs)}")
+            self._send_held(held)
+
+    def flush(self) -> None:
+        """Inside `batched()`: send what this thread holds now (the block goes on holding later
+        sends); elsewhere nothing is held."""
+        held = self._held
+        if held is not None and self._held_by == threading.get_ident():
+            self._send_held(held)
+            held.clear()
+
+    def _send_held(self, held: dict[str, list[Message]]) -> None:
+        for reply_to, msgs in held.items():
+            self._send_frame(reply_to, encode(msgs[0]) if len(msgs) == 1 else encode_batch(msgs),
+                             msgs[0].TYPE if len(msgs) == 1 else f"batch of {len(msgs)}")
 
     def send(self, reply_to: str, msg: Message) -> None:
         held = self._held

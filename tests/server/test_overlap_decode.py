@@ -124,3 +124,31 @@ def test_unseeded_sampled_rows_overlap_and_seeded_ones_drain():
         assert sched.workers.routed > 0
     finally:
         sched.close()
+
+
+def test_an_adopted_first_token_leaves_before_the_steps_decode():
+    """A step that adopts requests flushes their first tokens before its decode runs (with a
+    draft, a whole verify of the block), so that decode's time is no part of their TTFT."""
+    for overlap in (False, True):
+        sched, _ = scheduler(overlap)
+        try:
+            log = []
+            sched.channel.send = lambda _to, ev: log.append(("event", tuple(ev.token_ids)))
+            sched.channel.flush = lambda: log.append(("flush",))
+            adopted = []
+
+            def poll_transfers():  # the first step adopts one request, later ones nothing
+                if adopted:
+                    return False
+                adopted.append(adopt(sched, 1, 20, 4))
+                return True
+
+            sched._poll_transfers = poll_transfers
+            sched.step()
+            while sched.running or sched.inflight is not None:
+                sched.step()  # adopts nothing more: nothing flushed early
+            want = reference_tokens(20, 4)
+            # the first token, flushed; then what the decode steps committed, after the flush
+            assert log == [("event", (want[0],)), ("flush",)] + [("event", (t,)) for t in want[1:]]
+        finally:
+            sched.close()

@@ -128,6 +128,33 @@ def test_batched_sends_leave_as_one_frame_per_destination_in_order():
         ctx.term()
 
 
+def test_flush_sends_what_a_batch_holds_so_far_and_the_batch_goes_on_holding():
+    """Decode flushes adopted requests' first tokens before the step's decode runs (their TTFT)."""
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    addr = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    (inst_port,) = free_ports(1)
+    ch = InstanceChannel(f"tcp://127.0.0.1:{inst_port}", "d0", "decode")
+    try:
+        ev = [TokenEvent(room=r, generation=0, instance="d0", token_ids=[r]) for r in range(4)]
+        with ch.batched():
+            ch.send(addr, ev[0])
+            ch.send(addr, ev[1])
+            ch.flush()
+            assert pull.poll(5000) and decode_all(pull.recv()) == ev[:2]
+            ch.send(addr, ev[2])
+            ch.send(addr, ev[3])
+            assert not pull.poll(200)  # held again until the block ends
+        assert pull.poll(5000) and decode_all(pull.recv()) == ev[2:]
+        assert not pull.poll(200)  # nothing sent twice
+        ch.flush()  # outside a batch: nothing held, nothing sent
+        assert not pull.poll(100)
+    finally:
+        ch.close()
+        pull.close(0)
+        ctx.term()
+
+
 def test_plain_is_asdict_without_copying_scalar_lists():
     """Messages go out through `plain` (encode's to_dict), which must equal dataclasses.asdict on
     nested messages while passing lists of scalars through uncopied."""

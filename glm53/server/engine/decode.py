@@ -176,6 +176,10 @@ class DecodeScheduler(Scheduler):
     def step(self) -> bool:
         self._admit()
         adopted = self._poll_transfers()
+        if adopted:
+            # The adopted requests' first tokens leave now, not after this step's decode (with a
+            # draft, a whole verify of the block): that step's time is no part of their TTFT.
+            self.channel.flush()
         decoded = self._decode()
         return adopted or decoded
 
