@@ -232,9 +232,11 @@ class RankWorker:
         self.shares_weights = weights_from is not None and weights_from.spec.same_weights(spec)
         self.mtp: NextNDraft | None = None  # NEXTN: the checkpoint's own MTP layer (last stage)
         if self.shares_weights:
-            self.model, self.draft, self.projection = weights_from.model, weights_from.draft, weights_from.projection
+            self.model = weights_from.model
+            if self.keeps_draft:
+                self.draft, self.projection = weights_from.draft, weights_from.projection
             # Its KV state is per runner (pools, per-request rows): the pair shares no MTP module.
-            if spec.nextn_steps is not None and spec.last_stage:
+            if spec.nextn_steps is not None and spec.last_stage and self.keeps_draft:
                 self._load_mtp(spec)
         else:
             self._load(spec)
@@ -246,6 +248,8 @@ class RankWorker:
         # dtype "auto" keeps a block-FP8 checkpoint's FP8 weights FP8, an explicit dtype dequantizes.
         self.model = load_model(spec.model_path, dtype=self.dtype, device=self.device, layers=spec.layers, tp=self.tp,
                                 fp8=spec.dtype == "auto", progress=False, ep=spec.ep_size)
+        if not self.keeps_draft:
+            return
         if spec.draft_path and spec.last_stage:
             # A draft that does not fit the target is refused here, naming the field.
             cfg = draft_config(spec.draft_path, self.cfg)
@@ -268,6 +272,13 @@ class RankWorker:
         self.mtp = build_nextn(spec.model_path, self.cfg, dtype=self.dtype, device=self.device, tp=self.tp,
                                ep=spec.ep_size, fp8=spec.dtype == "auto", embed=spec.layers.start != 0,
                                num_steps=spec.nextn_steps)
+
+    @property
+    def keeps_draft(self) -> bool:
+        """Whether this rank runs its draft (DFlash / DSpark / MTP) at all: not a prefill rank that
+        keeps the draft KV (`draft_kv_transfer: false`), as decode then builds its own and nothing
+        reads prefill's; its prompt forwards skip the draft's context KV (capture, projection, write)."""
+        return self.spec.role != "prefill" or self.spec.send_draft_kv
 
     def capacity(self) -> int:
         """KV pages this rank can hold once its weights are loaded."""
