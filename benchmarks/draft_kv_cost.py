@@ -7,8 +7,9 @@ draft KV not sent (decode then drafts without the prompt's context); and the τ 
 
 Prompts: the first 1,500 characters of every 25th module of this Python's standard library (up to
 `--prompts`). Each request streams; TTFT = the first token's arrival at the client after the send,
-the median over `--rounds` passes over the prompts (each pass its own distinct suffix, so no
-prefix is cached; one warm-up request first). The three deployments run at once and each prompt
+the median over `--rounds` passes over the prompts (each pass marked at the prompt's start, so no
+prefix is cached; one warm-up request first). `draft_kv_split.py` splits the same TTFT request by
+request into the router's parts. The three deployments run at once and each prompt
 goes to all three back to back, so the TTFT ratios are per request, under the same load; the
 router's own split of TTFT (queue, transfer bootstrap and latency, MB moved) is printed beside.
 τ = tokens committed after the first (which prefill samples) per verify step. Target (issue 31
@@ -74,7 +75,7 @@ def main() -> None:
                 for i, t in enumerate(texts):
                     k = (r * len(texts) + i) % len(names)
                     for n in names[k:] + names[:k]:
-                        first, meta = stream(http, clusters[n].url, f"{t}\n# pass {r}\n", a.new)
+                        first, meta = stream(http, clusters[n].url, f"# pass {r}\n{t}", a.new)
                         ttft[n].append(first)
                         toks[n] += meta["completion_tokens"] - 1
                         verify[n] += meta.get("spec_verify_ct", 0)
