@@ -22,29 +22,14 @@ import argparse
 import statistics
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
 from glm53.support.cluster import Cluster
-from glm53.support.pd_bench import router_sums, split_means, stream_events
+from glm53.support.pd_bench import router_sums, split_means, stream_ttft
 
 SPEC = {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash", "num_draft_tokens": 16}
-
-
-def stream(http: httpx.Client, url: str, text: str, new: int) -> tuple[float, dict]:
-    """(TTFT in seconds, the last event's meta_info) of one streamed greedy request."""
-    body = {"text": text, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
-    t0 = time.perf_counter()
-    first, meta = None, {}
-    for now, ev in stream_events(http, url, body):
-        if first is None and ev.get("output_ids"):
-            first = now - t0
-        meta = ev.get("meta_info", meta)
-    if first is None:
-        raise RuntimeError(f"no token streamed: {meta}")
-    return first, meta
 
 
 def main() -> None:
@@ -67,7 +52,7 @@ def main() -> None:
         verify = {n: 0 for n in configs}
         with httpx.Client() as http:
             for n, c in clusters.items():
-                stream(http, c.url, "# warm-up\n" + texts[0], 8)
+                stream_ttft(http, c.url, "# warm-up\n" + texts[0], 8)
             # Each prompt goes to the three deployments back to back (in a rotating order), so a
             # shared CPU's drift moves all three alike; the ratios are taken prompt by prompt.
             names = list(configs)
@@ -75,7 +60,7 @@ def main() -> None:
                 for i, t in enumerate(texts):
                     k = (r * len(texts) + i) % len(names)
                     for n in names[k:] + names[:k]:
-                        first, meta = stream(http, clusters[n].url, f"# pass {r}\n{t}", a.new)
+                        first, meta = stream_ttft(http, clusters[n].url, f"# pass {r}\n{t}", a.new)
                         ttft[n].append(first)
                         toks[n] += meta["completion_tokens"] - 1
                         verify[n] += meta.get("spec_verify_ct", 0)

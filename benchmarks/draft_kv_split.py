@@ -31,7 +31,7 @@ import torch
 from glm53.models import ModelRunner, SeqChunk
 from glm53.server.embedded_model import ensure_embedded_draft, ensure_embedded_model
 from glm53.support.cluster import Cluster
-from glm53.support.pd_bench import TTFT_SPLIT, router_sums, stream_events
+from glm53.support.pd_bench import TTFT_SPLIT, router_sums, stream_ttft
 
 SPEC = {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash", "num_draft_tokens": 16}
 CONFIGS = {"off": None, "on, sent": {**SPEC, "draft_kv_transfer": True},
@@ -39,24 +39,10 @@ CONFIGS = {"off": None, "on, sent": {**SPEC, "draft_kv_transfer": True},
 FIELDS = ("client TTFT ms", "router TTFT ms", "queue ms", "bootstrap ms", "transfer ms", "rest ms", "MB moved")
 
 
-def stream(http: httpx.Client, url: str, text: str, new: int) -> tuple[float, dict]:
-    """(client TTFT s, the last event's meta_info) of one streamed greedy request."""
-    body = {"text": text, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
-    t0 = time.perf_counter()
-    first, meta = None, {}
-    for now, ev in stream_events(http, url, body):
-        if first is None and ev.get("output_ids"):
-            first = now - t0
-        meta = ev.get("meta_info", meta)
-    if first is None:
-        raise RuntimeError(f"no token streamed: {meta}")
-    return first, meta
-
-
 def one_request(http: httpx.Client, url: str, text: str, new: int) -> tuple[dict[str, float], dict]:
     """One request's figures (FIELDS): the router's histograms read just before and after it."""
     before = router_sums(url)
-    first, meta = stream(http, url, text, new)
+    first, meta = stream_ttft(http, url, text, new)
     time.sleep(0.05)  # the router observes TTFT as the token passes; let the last histogram land
     after = router_sums(url)
     out = {"client TTFT ms": first * 1e3}
@@ -125,7 +111,7 @@ def main() -> None:
         with httpx.Client() as http:
             for n, c in clusters.items():
                 for w in range(2):
-                    stream(http, c.url, f"# warm-up {w}\n" + texts[0], 8)
+                    stream_ttft(http, c.url, f"# warm-up {w}\n" + texts[0], 8)
             for r in range(a.rounds):
                 for i, t in enumerate(texts):
                     k = (r * len(texts) + i) % len(names)

@@ -59,6 +59,21 @@ def stream_events(http: httpx.Client, url: str, body: dict) -> Iterator[tuple[fl
                 yield time.perf_counter(), json.loads(line[5:])
 
 
+def stream_ttft(http: httpx.Client, url: str, text: str, new: int) -> tuple[float, dict]:
+    """(client TTFT in seconds, the last event's meta_info) of one streamed greedy request of
+    `new` tokens, EOS ignored."""
+    body = {"text": text, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    first, meta = None, {}
+    for now, ev in stream_events(http, url, body):
+        if first is None and ev.get("output_ids"):
+            first = now - t0
+        meta = ev.get("meta_info", meta)
+    if first is None:
+        raise RuntimeError(f"no token streamed: {meta}")
+    return first, meta
+
+
 def generate(http: httpx.Client, url: str, ids: list[int], new: int) -> tuple[float, dict]:
     """(seconds, response) of one greedy /generate request of `new` tokens, EOS ignored."""
     t0 = time.perf_counter()
