@@ -275,9 +275,9 @@ class RankWorker:
 
     @property
     def keeps_draft(self) -> bool:
-        """Whether this rank runs its draft (DFlash / DSpark / MTP) at all: not a prefill rank that
-        keeps the draft KV (`draft_kv_transfer: false`), as decode then builds its own and nothing
-        reads prefill's; its prompt forwards skip the draft's context KV (capture, projection, write)."""
+        """Whether this rank runs its draft (DFlash / DSpark / MTP) at all: every rank but a prefill
+        rank that does not send the draft KV (`draft_kv_transfer: false`), whose draft KV nothing
+        would read (decode builds its own); its prompt forwards skip the draft's context KV."""
         return self.spec.role != "prefill" or self.spec.send_draft_kv
 
     def capacity(self) -> int:
