@@ -14,6 +14,9 @@ import time
 import httpx
 
 
+WORST_KEPT = 200  # longest intervals a point reports with their place
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -60,7 +63,11 @@ async def sweep_point(url: str, model: str, concurrency: int, n_req: int, in_len
     # more (with as many requests as the concurrency), so these time decode steps alone.
     last_first = max((r["stamps"][0] for r in ok), default=0.0)
     quiet = [b - a for r in ok for a, b in zip(r["stamps"], r["stamps"][1:]) if a >= last_first]
+    # The longest intervals, each with where it sat (request, token index: 0 = first token to second)
+    # and when it began (perf_counter: comparable with the server's clocks on this host).
+    worst = sorted(((b - a, i, k, a) for i, r in enumerate(ok) for k, (a, b) in enumerate(zip(r["stamps"], r["stamps"][1:]))),
+                   reverse=True)[:WORST_KEPT]
     return {"concurrency": concurrency, "ok": len(ok), "n": n_req, "req_s": len(ok) / wall,
             "out_tok_s": sum(r["tokens"] for r in ok) / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
             "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9), "itl_p99": pct(itl, 0.99), "itl_after_prefills_p50": pct(quiet, 0.5),
-            "itl_after_prefills_n": len(quiet)}
+            "itl_after_prefills_n": len(quiet), "itl_worst": [list(w) for w in worst]}

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from glm53.server.config import ClusterConfig, InstanceConfig
+from glm53.server import heap
 from glm53.server.engine.decode import DecodeScheduler
 from glm53.server.engine.prefill import PrefillScheduler
 from glm53.server.engine.scheduler import Scheduler, setup_process
@@ -130,6 +131,7 @@ def run_colocated(cluster: ClusterConfig, dec: InstanceConfig, pre: InstanceConf
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    heap.settle()  # one process, two loops: a full collection would stop both
     threads = [threading.Thread(target=loop, args=(decode, share.decode if share else None), name=dec.name),
                threading.Thread(target=loop, args=(prefill, None), name=pre.name)]
     t0 = time.monotonic()

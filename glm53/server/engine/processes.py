@@ -37,6 +37,7 @@ import torch.distributed as dist
 from glm53.models import SeqChunk
 from glm53.models.draft import DraftBlock
 from glm53.models.spec_state import SpecOutput
+from glm53.server import heap
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.engine.pipeline import StagePipe, StageStats
 from glm53.server.engine.step_channel import open_follower, open_leader
@@ -291,6 +292,7 @@ def follower_main(launch: Launch, joined: Any = None) -> None:
     # The first rank of the last stage returns the step's results (rank 0 has them itself at pp 1).
     answers = spec.last_stage and spec.tp_rank == 0
     channel = None
+    heap.settle()
     try:
         channel = open_follower(control, launch.rank, launch.world_size, launch.timeout_s,
                                 alive=lambda: os.getppid() == launch.parent_pid)
@@ -489,6 +491,7 @@ class ProcessWorkers(WorkerGroup):
         # rebuilt in this process (engine/node_ranks.Rejoin) loads and allocates its own.
         self.rank = self.runtime = self._control = self.channel = None
         self._remote.clear()
+        heap.thaw()  # cycles of the group frozen at start-up are collectable again
         gc.collect()
 
     def _kill(self) -> None:

@@ -25,6 +25,7 @@ import torch
 from glm53.models import GlmConfig, OutOfPages, PageAllocator
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.model_fit import check_model_fit
+from glm53.server import heap
 from glm53.server.engine.group import LocalWorkers, WorkerGroup
 from glm53.server.engine.node_ranks import NodeRendezvous, Rejoin, group_timeout
 from glm53.server.engine.processes import ProcessWorkers, RanksLost
@@ -322,6 +323,7 @@ class Scheduler(abc.ABC):
         self.allocator = PageAllocator(workers.num_pages)
         self.broken = ""
         self.channel.ready = True
+        heap.freeze()  # the rebuilt group's model and pools, as at start-up
         log.info("%s ready again (%d KV pages)", self.inst.name, workers.num_pages)
 
     def poll_channel(self, timeout: float) -> None:
@@ -367,6 +369,7 @@ def run_instance(scheduler_cls: type[Scheduler], cluster: ClusterConfig, role: s
     sched = scheduler_cls(cluster, inst)
     signal.signal(signal.SIGTERM, sched.stop)
     signal.signal(signal.SIGINT, sched.stop)
+    heap.settle()
     t0 = time.monotonic()
     # GLM53_PROFILE_DIR: profile the serving loop (cProfile) into DIR/<instance>.prof, for
     # finding host time (benchmarks/served_gap.py reads it); written at a clean shutdown.

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from glm53.server import heap
 from glm53.server.config import ClusterConfig
 from glm53.server.router import native, openai, ops, tokens
 from glm53.server.router.admission import ClientGone
@@ -139,5 +140,6 @@ def main(cfg: ClusterConfig, model_dir: Path | None = None, listen_fd: int | Non
     server = stopping.Server(uvicorn.Config(app, host=cfg.router.host, port=cfg.router.port,
                                             log_level=cfg.router.log_level, timeout_graceful_shutdown=5),
                              on_stop=app.state.router.shutdown)
+    heap.settle()  # the app and tokenizer are built: a full collection would hold every stream
     server.run(sockets=None if listen_fd is None else [socket.socket(fileno=listen_fd)])
     return 0 if server.started else 3  # uvicorn's start-up failure code
