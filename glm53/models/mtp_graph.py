@@ -32,6 +32,7 @@ import torch
 from glm53.models.draft import DraftBlock
 from glm53.models.graph import GraphConfig, batch_buckets, capture_buckets, pick, width_buckets
 from glm53.models.mtp_state import NO_TOP_K, MTPRow, MTPState, RowSampling
+from glm53.models.readback import readback
 from glm53.models.spec_state import SpecOutput
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class MTPSteps:
         if q is not None and sampled:
             idx = torch.tensor(sampled, dtype=torch.long, pin_memory=q.device.type == "cuda")
             qs = dict(zip(sampled, q.index_select(0, idx.to(q.device, non_blocking=True)).unbind(0)))
-        return lg, qs, tokens[:m].cpu().tolist()
+        return lg, qs, readback(tokens[:m]).tolist()
 
     def sampled(self, rows: Sequence[MTPRow]) -> bool:
         return any(r.sampling is not None for r in rows)

@@ -27,6 +27,7 @@ import torch
 
 from glm53.models.draft import DraftBlock
 from glm53.models.graph import GraphConfig, batch_buckets, capture_buckets, pick, width_buckets
+from glm53.models.readback import readback
 from glm53.models.spec_state import SpecOutput, SpecState, StepRow
 
 log = logging.getLogger(__name__)
@@ -135,4 +136,4 @@ class SpecGraphs:
         tokens, logits = self.launch(rows, key)
         m = len(rows)
         lg = logits[: m * self.k].clone()
-        return split_output(rows, self.k, tokens[:m].cpu().tolist(), lg)
+        return split_output(rows, self.k, readback(tokens[:m]).tolist(), lg)

@@ -248,11 +248,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | Sequence[int]
 
     ls = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=ls.device).view(-1, 1)
-    lp = ls.gather(1, ids).squeeze(1).tolist()
+    from glm53.models.readback import readback
+
+    lp = readback(ls.gather(1, ids).squeeze(1)).tolist()
     if top <= 0:
         return lp, [[] for _ in lp]
     vals, tok = ls.topk(min(top, ls.shape[1]), dim=-1)
-    return lp, [list(zip(t, v)) for t, v in zip(tok.tolist(), vals.tolist())]
+    return lp, [list(zip(t, v)) for t, v in zip(readback(tok).tolist(), readback(vals).tolist())]
 
 
 def on_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:

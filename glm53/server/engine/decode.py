@@ -37,6 +37,7 @@ import torch
 from glm53.models import SeqChunk
 from glm53.models.runner import DeviceTokens
 from glm53.models.draft import DraftBlock
+from glm53.models.readback import readback
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.constraints import Constraints, mask_block, masks
 from glm53.server.engine.group import WorkerGroup
@@ -294,8 +295,8 @@ class DecodeScheduler(Scheduler):
         params = [r.params for r in batch]
         gens = [step_generator(r.params.seed, len(r.output), choice=r.index) if r.params.seed is not None else None
                 for r in batch]
-        toks = sample(rows, params, gens, [r.history(rows.device) for r in batch],
-                      allowed=masks([r.constraint for r in batch], rows.shape[-1])).tolist()
+        toks = readback(sample(rows, params, gens, [r.history(rows.device) for r in batch],
+                               allowed=masks([r.constraint for r in batch], rows.shape[-1]))).tolist()
         lps = self._batch_logprobs(batch, rows, toks)
         for r, tok, lp in zip(batch, toks, lps):
             self._commit(r, [int(tok)], *(lp or (None, None)))

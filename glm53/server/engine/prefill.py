@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glm53.models import OutOfPages, SeqChunk
+from glm53.models.readback import readback
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.constraints import Constraints
 from glm53.server.engine.group import WorkerGroup
@@ -221,7 +222,7 @@ class PrefillScheduler(Scheduler):
                 hists.append(hist)
         logits = torch.stack(rows)
         allowed = self.constraints.first_masks(params, logits.shape[-1])
-        first = sample(logits, params, gens, hists, allowed=allowed).tolist()
+        first = readback(sample(logits, params, gens, hists, allowed=allowed)).tolist()
         k = 0
         for r, _, seed in finished:
             spec = r.req.spec

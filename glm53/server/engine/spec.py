@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from glm53.models.draft import DraftSampling
+from glm53.models.readback import readback
 from glm53.server.sampling import SamplingParams, TokenHistory, adjust_logits, filter_logits, step_generator
 
 _DRAFT_SALT = 0x5DEECE66D  # the draft's seed stream differs from the verify's step_generator stream
@@ -86,7 +87,7 @@ def accept(drafts: Sequence[int], logits: torch.Tensor, params: SamplingParams, 
                 raise ValueError(f"argmax must have {n + 1} rows for {n} drafts, got {len(argmax)}")
             target = list(argmax)
         else:
-            target = logits.argmax(dim=-1).tolist()
+            target = readback(logits.argmax(dim=-1)).tolist()
         return greedy_prefix(drafts, target)
     probs = torch.softmax(filter_logits(logits.float() / params.temperature, [params] * (n + 1)), dim=-1)
     if params.seed is not None:
