@@ -101,7 +101,8 @@ def main() -> None:
     if a_.green:
         from torch.cuda import green_contexts
 
-        a = green_contexts.GreenContext.create(num_sms=a_.green, device_id=0).Stream()
+        green = green_contexts.GreenContext.create(num_sms=a_.green, device_id=0)  # kept: its stream dies with it
+        a = green.Stream()
     else:
         a = torch.cuda.Stream()
     b = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])

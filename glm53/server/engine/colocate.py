@@ -62,7 +62,7 @@ class GpuShare:
 
     def prefill_step(self) -> None:
         """Before each prefill step, on prefill's thread: the green context's stream while decode
-        runs requests, else the whole GPU. A switch orders the new stream after the old one, so a
+        runs requests or has one on its way from prefill, else the whole GPU. A switch orders the new stream after the old one, so a
         prompt's chunks (and the transfer events recorded after them) stay in order.
 
         Prefill's host runs at most one step ahead of its GPU work: a stream's launch queue is
@@ -106,7 +106,11 @@ def run_colocated(cluster: ClusterConfig, dec: InstanceConfig, pre: InstanceConf
              else "no (their model, dtype or draft differ): two copies")
     share = None
     if gpu:  # on a CPU the pair shares the process only: there are no SMs to split
-        share = GpuShare(device, pre.colocate_sms, lambda: decode.last_load.num_running > 0)
+        # Decode counts as busy from the moment prefill has a request on its way to it (first
+        # token sampled, KV in flight): a chunk queued on the whole GPU then would hold that
+        # request's first decode steps (measured ~15 ms each on the slice) until it ends. Prefill
+        # reaps a sent request only at the end of a later step, after decode has adopted it.
+        share = GpuShare(device, pre.colocate_sms, lambda: decode.last_load.num_running > 0 or bool(prefill.sending))
         prefill.before_step = share.prefill_step
         torch.cuda.synchronize(device)  # the builds' work is done before the loops' streams start
     failed: list[str] = []
