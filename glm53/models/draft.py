@@ -262,7 +262,8 @@ class DFlashDraft(nn.Module):
 
     def context(self, acc: torch.Tensor) -> torch.Tensor:
         """c = hidden_norm(Σ_k W_k h_k), in the draft's dtype ([N, H])."""
-        return rms_norm(acc.float(), self.hidden_norm.weight.float(), self.cfg.rms_norm_eps).to(self.dtype)
+        norm = rms_norm if use_triton(acc) else _rms  # `_rms`: the reference's values in one op on the CPU
+        return norm(acc.float(), self.hidden_norm.weight.float(), self.cfg.rms_norm_eps).to(self.dtype)
 
     @torch.inference_mode()
     def write_context(self, c: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor, pools: KVPools) -> None:
@@ -274,11 +275,18 @@ class DFlashDraft(nn.Module):
         CPU); the values are those of `DraftAttention.kv` per layer."""
         pool = pools[DRAFT_KV]
         n, nl, kv, hd = c.shape[0], len(self.layers), self.kv_heads_local, self.cfg.head_dim
+        eps = self.cfg.rms_norm_eps
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         w_kv, w_norm = self._stacked_kv()
         x = F.linear(c, w_kv).view(n, nl, 2, kv, hd)
-        k = rms_norm(x[:, :, 0], w_norm, self.cfg.rms_norm_eps)  # [n, L, kv, hd]; w_norm [L, 1, hd]
-        k = apply_rope(k.reshape(n, nl * kv, hd), cos, sin, interleave=False).view(n, nl, kv, hd)
+        if x.dtype == torch.float32 and not use_triton(x):
+            # The CPU path: the reference norm and RoPE bit for bit in fewer ops (`_rms`, and the
+            # half-split rotation as `_layers_fused` computes it).
+            k = _rms(x[:, :, 0], None, eps) * w_norm
+            k = _rope_half(k.reshape(n, nl * kv, hd), cos, sin).view(n, nl, kv, hd)
+        else:
+            k = rms_norm(x[:, :, 0], w_norm, eps)  # [n, L, kv, hd]; w_norm [L, 1, hd]
+            k = apply_rope(k.reshape(n, nl * kv, hd), cos, sin, interleave=False).view(n, nl, kv, hd)
         # pool heads interleave K and V per KV head: [n, L, kv, 2, hd] -> [n, 2·kv, L, hd]
         vals = torch.stack([k, x[:, :, 1]], dim=3).permute(0, 2, 3, 1, 4).reshape(n, 2 * kv, nl, hd)
         ps = pools.page_size
@@ -287,8 +295,12 @@ class DFlashDraft(nn.Module):
     def _stacked_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(every layer's [k_proj; v_proj] weights stacked [L·2·kv·hd, H], k_norm weights
         [L, 1, hd]); rebuilt whenever a weight was replaced or changed in place (loading)."""
-        ws = [w for layer in self.layers for w in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight)]
-        norms = [layer.self_attn.k_norm.weight for layer in self.layers]
+        mods = getattr(self, "_stacked_src", None)
+        if mods is None:  # the modules never change, only their parameters (replaced or written)
+            mods = self._stacked_src = ([m for la in self.layers for m in (la.self_attn.k_proj, la.self_attn.v_proj)],
+                                        [la.self_attn.k_norm for la in self.layers])
+        ws = [m._parameters["weight"] for m in mods[0]]
+        norms = [m._parameters["weight"] for m in mods[1]]
         key = tuple((w.data_ptr(), w._version, w.device) for w in ws + norms)
         if getattr(self, "_stacked_key", None) != key:
             self._stacked = (torch.cat(ws), torch.stack(norms)[:, None, :])
@@ -297,8 +309,10 @@ class DFlashDraft(nn.Module):
 
     def _all_layers(self, pool: Pool) -> torch.Tensor:
         """The `draft_kv` pool as [pages, page_size, 2·kv, L, hd] (draft layer i at index i)."""
-        if [pool.index(i) for i in range(len(self.layers))] != list(range(len(self.layers))):
-            raise ValueError("draft_kv pool layers are not the draft's layers 0..L-1 in order")
+        if getattr(self, "_checked_pool", None) is not pool.tensor:  # once per pool tensor
+            if [pool.index(i) for i in range(len(self.layers))] != list(range(len(self.layers))):
+                raise ValueError("draft_kv pool layers are not the draft's layers 0..L-1 in order")
+            self._checked_pool = pool.tensor
         return pool.tensor.permute(0, 3, 1, 2, 4)
 
     # --- drafting ---
@@ -328,15 +342,12 @@ class DFlashDraft(nn.Module):
         b = self._block_size(blocks)
         dev = self.inv_freq.device
         r = len(blocks)
-        ids = torch.full((r, b), self.cfg.mask_token_id, dtype=torch.long)
-        ids[:, 0] = torch.tensor([blk.last_token for blk in blocks])
-        starts = torch.tensor([blk.start_pos for blk in blocks])
-        positions = (starts[:, None] + torch.arange(b)).reshape(-1).to(dev)
-        table, mask = self._context_pages(blocks, pools.page_size)
+        # Built on the host in a few ops (per op, host cost is most of a small block's on a CPU).
+        ids = torch.tensor([[blk.last_token] + [self.cfg.mask_token_id] * (b - 1) for blk in blocks]).to(dev)
+        positions = torch.tensor([p for blk in blocks for p in range(blk.start_pos, blk.start_pos + b)]).to(dev)
         # Every block query sees the request's valid context and all B block positions.
-        mask = torch.cat([mask, mask.new_ones(r, b)], dim=1).to(dev)
-        ctx = self.paged_context(table.to(dev), mask, pools)
-        ids = ids.to(dev)
+        table, mask = self._context_pages(blocks, pools.page_size, b)
+        ctx = self.paged_context(table.to(dev), mask.to(dev), pools)
         h = self.block_hidden(target, ids, positions, ctx)
         logits = self.logits_of(target, h) if use_triton(h) else self._logits_cpu(target, h)
         return self.choose(logits, ids[:, 0], h, self.block_sampling(blocks, b - 1, dev)), logits
@@ -385,7 +396,8 @@ class DFlashDraft(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, ctx, i)
-        return rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
+        norm = rms_norm if fused is None else _rms  # `_rms`: the reference's values in one op on the CPU
+        return norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
 
     def _fused_weights(self) -> list[FusedLayer] | None:
         """Per layer, the weights of the CPU drafting path (`FusedLayer`); None when a weight is
@@ -427,10 +439,7 @@ class DFlashDraft(nn.Module):
         b = n // r
         kv_buf = gather_context(ctx.pool, ctx.table, ctx.mask, b)
         bias = attention_bias(ctx.mask)
-        # RoPE (half-split) as x·[c, c] + [x2, x1]·[−s, s]: the reference's x1·c − x2·s and
-        # x2·c + x1·s bit for bit, with the tables built once for every layer.
-        c, s = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-        cos2, sin2 = torch.cat([c, c], dim=-1), torch.cat([-s, s], dim=-1)
+        cos2, sin2 = _rope_tables(cos, sin, x.dtype)  # built once for every layer
         half = hd // 2
         for i, (layer, f) in enumerate(zip(self.layers, fused)):
             hq, hk = layer.self_attn.n_heads, layer.self_attn.n_kv
@@ -490,10 +499,12 @@ class DFlashDraft(nn.Module):
         return b
 
     @staticmethod
-    def _context_pages(blocks: list[DraftBlock], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table [R, W], mask [R, W·page_size]): each request's pages first .. first + W − 1 (the
-        pages of positions lo .. hi − 1, lo the smallest ctx_start and hi the largest start_pos;
-        page 0 past a request's table) and which of their slots it sees: [ctx_start, start_pos)."""
+    def _context_pages(blocks: list[DraftBlock], page_size: int,
+                       block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [R, W], mask [R, W·page_size + block]): each request's pages first .. first + W − 1
+        (the pages of positions lo .. hi − 1, lo the smallest ctx_start and hi the largest
+        start_pos; page 0 past a request's table) and which of their slots it sees:
+        [ctx_start, start_pos), then `block` more slots it all sees (the block's own)."""
         for blk in blocks:
             if not 0 <= blk.ctx_start <= blk.start_pos:
                 raise ValueError(f"ctx_start {blk.ctx_start} must lie in [0, start_pos={blk.start_pos}]")
@@ -504,14 +515,29 @@ class DFlashDraft(nn.Module):
                 )
         first = min(blk.ctx_start for blk in blocks) // page_size
         width = max(1, -(-max(blk.start_pos for blk in blocks) // page_size) - first)
-        table = torch.zeros(len(blocks), width, dtype=torch.long)
+        rows = [blk.page_table[first : first + width] for blk in blocks]
+        table = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long)
+        lo, s = first * page_size, width * page_size
+        mask = torch.zeros(len(blocks), s + block, dtype=torch.bool)
         for i, blk in enumerate(blocks):
-            row = blk.page_table[first : first + width]
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        pos = first * page_size + torch.arange(width * page_size)
-        ctx_start = torch.tensor([blk.ctx_start for blk in blocks])[:, None]
-        start = torch.tensor([blk.start_pos for blk in blocks])[:, None]
-        return table, (pos[None] >= ctx_start) & (pos[None] < start)
+            mask[i, blk.ctx_start - lo : blk.start_pos - lo] = True
+        if block:
+            mask[:, s:] = True
+        return table, mask
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (half-split) as x·[c, c] + [x2, x1]·[−s, s], the reference's x1·c − x2·s and
+    x2·c + x1·s bit for bit: the tables [N, 1, hd] of cos/sin [N, hd/2]."""
+    c, s = cos[:, None].to(dtype), sin[:, None].to(dtype)
+    return torch.cat([c, c], dim=-1), torch.cat([-s, s], dim=-1)
+
+
+def _rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope_reference(x, cos, sin, interleave=False)` for x [N, heads, hd], bit for bit."""
+    cos2, sin2 = _rope_tables(cos, sin, x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos2 + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin2
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

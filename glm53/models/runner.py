@@ -364,7 +364,7 @@ class ModelRunner:
                   for b, d in zip(blocks, drafts)]
         logits = self.forward(chunks)
         # Every row's argmax in one copy (greedy requests accept from it without a read each).
-        flat = torch.cat(logits).argmax(dim=-1).tolist()
+        flat = (logits[0] if len(logits) == 1 else torch.cat(logits)).argmax(dim=-1).tolist()
         greedy, r = [], 0
         for lg in logits:
             greedy.append(flat[r : r + len(lg)])
@@ -462,8 +462,10 @@ class ModelRunner:
         if tokens is not None:
             return self._forward_with(chunks, tokens)
         out = self.forward_stage(chunks, inputs)
-        rows = self._device_rows(self.logit_rows(chunks))
-        logits = self.model.logits(out.hidden[rows])
+        if all(c.all_logits for c in chunks):  # every row (verify blocks): no gather
+            logits = self.model.logits(out.hidden)
+        else:
+            logits = self.model.logits(out.hidden[self._device_rows(self.logit_rows(chunks))])
         res, r = ChunkLogits(), 0
         for c in chunks:
             k = len(c.token_ids) if c.all_logits else 1
