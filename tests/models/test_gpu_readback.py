@@ -8,9 +8,7 @@ import torch
 
 from glm53.models.readback import readback
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_readback_matches_cpu_copy_after_queued_work():
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(257, 33, device="cuda", generator=g)
