@@ -128,11 +128,11 @@ def main() -> None:
             with ThreadPoolExecutor(a.concurrent) as ex:
                 res = list(ex.map(lambda hp: stream(hp[0], c.url, hp[1], a.new), zip(clients, prompts)))
             wall = time.perf_counter() - t0
-            rounds.append((res, wall, split_means(router_sums(c.url), before)))
+            rounds.append((res, wall, split_means(router_sums(c.url), before), t0))
     finally:
         c.stop()
 
-    for i, (res, wall, split) in enumerate(rounds):
+    for i, (res, wall, split, t0) in enumerate(rounds):
         toks = sum(len(out) for _, _, out in res)
         ttft = [ts[0] - sent for sent, ts, _ in res]
         first, last = min(ts[0] for _, ts, _ in res), max(ts[-1] for _, ts, _ in res)
@@ -143,6 +143,14 @@ def main() -> None:
               f"decode {after_first / (last - first):.1f} tok/s from the first first token to the last token; "
               f"ITL p50 {statistics.median(itl) * 1e3:.2f} ms, p99 {pct(itl, 0.99) * 1e3:.2f} ms")
         print(f"  router's means: {split}")
+        # The window's timeline, request by request in order of sending (ms from the round's start):
+        # when it was sent, its first token, its last token. Shows whether the first tokens come
+        # in one wave (one prefill step) or several, and how long decode runs after the last one.
+        order = sorted(res, key=lambda r: r[0])
+        ms = lambda xs: " ".join(f"{(x - t0) * 1e3:.0f}" for x in xs)  # noqa: E731
+        print(f"  sent at   {ms(r[0] for r in order)}")
+        print(f"  first at  {ms(r[1][0] for r in order)}")
+        print(f"  last at   {ms(r[1][-1] for r in order)}")
         print(f"  ratios: engine loop / served tok/s {loop_rate / (toks / wall):.2f}x; engine loop / served decode "
               f"{loop_rate / (after_first / (last - first)):.2f}x")
         same = [out for _, _, out in res] == [list(o) for o in loop_outs]
