@@ -33,6 +33,7 @@ import httpx
 import torch
 import yaml
 
+from glm53.kernels.compile_watch import AFTER_WARMUP
 from glm53.support.cluster import Cluster
 from glm53.support.corpus import held_file_prompts
 from glm53.support.decode_loop import decode_run, scheduler
@@ -129,8 +130,16 @@ def main() -> None:
                 res = list(ex.map(lambda hp: stream(hp[0], c.url, hp[1], a.new), zip(clients, prompts)))
             wall = time.perf_counter() - t0
             rounds.append((res, wall, split_means(router_sums(c.url), before), t0))
+        c.log.flush()
+        log = Path(c.log.name).read_text(errors="replace").splitlines()
     finally:
         c.stop()
+    # What the instances logged that stalls a loop: kernels compiled after warm-up, long collections.
+    for what in (AFTER_WARMUP, "GC pause", "warm-up:"):
+        hits = [line for line in log if what in line]
+        print(f"instances' log, '{what}': {len(hits)} line(s)")
+        for line in hits[:6]:
+            print("   ", line.strip()[-220:])
 
     for i, (res, wall, split, t0) in enumerate(rounds):
         toks = sum(len(out) for _, _, out in res)
