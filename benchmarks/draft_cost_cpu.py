@@ -7,15 +7,23 @@ Each ratio is the median over `--iters` rounds of the ratio within a round, wher
 the two sides back to back (plain, then speculative): a shared CPU's speed drifts between rounds,
 much less within one. The times quoted beside are the medians of each side.
 
-    PYTHONPATH=. python benchmarks/draft_cost_cpu.py [--draft DIR] [--prompt 200] [--iters 30]
+    PYTHONPATH=. python benchmarks/draft_cost_cpu.py [--draft DIR] [--prompt 200] [--iters 30] [--split]
 
 Targets: a step at block 8 ≤ 2× a plain step; the draft-KV work ≤ 15 % of the prefill.
+
+`--split`: where each step's time goes, per block and for the plain step: this thread's CPU time
+spent in each part (each part's own time, its timed sub-parts excluded), the median over `--iters`
+rounds: the drafting forward (its fused layers, attention, context gather, logits), the draft
+context write of the verify (projection, norm, K/V write), and in the target's forward the routed
+experts, the indexer (its top-k apart), sparse MLA, the lm_head and the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -44,11 +52,91 @@ def paired(base: Callable[[], object], other: list[Callable[[], object]],
     return med(tb), [med(ts) for ts in to], [med([t / b for t, b in zip(ts, tb)]) for ts in to]
 
 
+# (module, attribute, label) of the parts `--split` times; a label names each part's own time.
+SPLIT_PARTS = [
+    ("glm53.models.draft", "DFlashDraft.draft_block", "drafting: rest (prep, embed, final norm, choose)"),
+    ("glm53.models.draft", "DFlashDraft._layers_fused", "drafting: layers (products, norms, RoPE)"),
+    ("glm53.models.draft", "draft_attention_gathered", "drafting: attention"),
+    ("glm53.models.draft", "gather_context", "drafting: context gather"),
+    ("glm53.models.draft", "DFlashDraft._logits_cpu", "drafting: logits"),
+    ("glm53.models.draft", "DFlashDraft.write_context", "verify: draft context K/V write"),
+    ("glm53.models.draft", "DFlashDraft.partial_projection", "verify: draft context projection"),
+    ("glm53.models.draft", "DFlashDraft.context", "verify: draft context norm"),
+    ("glm53.models.model", "moe_experts", "target: routed experts"),
+    ("glm53.models.model", "dsa_topk_paged", "target: indexer top-k"),
+    ("glm53.models.model", "Indexer.forward", "target: indexer (rest)"),
+    ("glm53.models.model", "sparse_mla", "target: sparse MLA"),
+    ("glm53.models.model", "GlmForCausalLM.logits", "target: final norm + lm_head"),
+    ("glm53.models.runner", "ModelRunner.forward", "target: rest of the forward"),
+    ("glm53.models.runner", "ModelRunner.spec_step", "step: rest (verify batch, argmax read)"),
+]
+
+
+def timed_parts() -> tuple[dict[str, float], Callable[[], None]]:
+    """Wraps the SPLIT_PARTS with this thread's CPU clock: (the dict each part's own seconds
+    accumulate in, the undo)."""
+    import importlib
+
+    acc: dict[str, float] = defaultdict(float)
+    stack: list[float] = []
+    undo = []
+    for mod_name, path, label in SPLIT_PARTS:
+        owner = importlib.import_module(mod_name)
+        *outer, name = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        raw = owner.__dict__[name]
+        f = raw.__func__ if isinstance(raw, staticmethod) else raw
+
+        def timed(*a, _f=f, _label=label, **k):
+            t0 = time.thread_time()
+            stack.append(0.0)
+            try:
+                return _f(*a, **k)
+            finally:
+                dt, inner = time.thread_time() - t0, stack.pop()
+                acc[_label] += dt - inner
+                if stack:
+                    stack[-1] += dt
+
+        setattr(owner, name, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
+        undo.append((owner, name, raw))
+    return acc, lambda: [setattr(o, n, r) for o, n, r in reversed(undo)]
+
+
+def split(named: dict[str, Callable[[], object]], n: int) -> None:
+    """Prints each part's own CPU time per call of each of `named` (median over n rounds)."""
+    acc, undo = timed_parts()
+    per: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in named}
+    total: dict[str, list[float]] = {k: [] for k in named}
+    try:
+        for f in named.values():
+            f()
+        for _ in range(n):
+            for key, f in named.items():
+                acc.clear()
+                t0 = time.thread_time()
+                f()
+                total[key].append((time.thread_time() - t0) * 1e3)
+                for _, _, label in SPLIT_PARTS:
+                    per[key][label].append(acc.get(label, 0.0) * 1e3)
+    finally:
+        undo()
+    med = statistics.median
+    print(f"{'ms per call (own time, median of ' + str(n) + ')':<50}" + "".join(f"{k:>10}" for k in named))
+    for _, _, label in SPLIT_PARTS:
+        row = [med(per[k][label]) for k in named]
+        if any(v >= 0.005 for v in row):
+            print(f"{label:<50}" + "".join(f"{v:10.2f}" for v in row))
+    print(f"{'total (timed by its own clock)':<50}" + "".join(f"{med(total[k]):10.2f}" for k in named))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draft", help="default: the embedded DFlash draft")
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--split", action="store_true", help="also where each step's time goes (see the docstring)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -72,6 +160,9 @@ def main() -> None:
     for i, b in enumerate((4, 8, 16)):
         print(f"block {b:2d}: step {times[i]:.1f} ms = {ratios[i]:.2f}x the plain step's {dp:.1f} ms "
               f"(drafting {times[3 + i]:.1f} ms)" + ("; target <= 2x" if b == 8 else ""))
+    if a.split:
+        split({"plain": lambda: plain.forward([SeqChunk([last], a.prompt, pages)]),
+               **{f"block {b}": f for b, f in zip((4, 8, 16), steps)}}, a.iters)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from glm53.kernels.norm import rms_norm, rms_norm_reference
 from glm53.kernels.rope import apply_rope, rope_cos_sin
-from glm53.models import DFlashConfig, DFlashDraft, DraftBlock, GlmConfig, KVPools, ModelRunner, SeqChunk, add_draft_pools
+from glm53.models import (
+    DFlashConfig, DFlashDraft, DraftBlock, GlmConfig, KVPools, ModelRunner, SeqChunk, add_draft_pools,
+)
 from glm53.models.draft import DRAFT_KV, _rms, _rope_half
 from glm53.models.draft_weights import load_draft_weights
 from glm53.support.oracle import make_checkpoint
