@@ -27,6 +27,7 @@ class Workers(WorkerGroup):
     def __init__(self):
         self.cfg = type("Cfg", (), {"vocab_size": V, "max_position_embeddings": 4096})()
         self.num_pages, self.page_size, self.bytes_per_page = 64, 16, 1
+        self.draft_bytes_per_page = 0
         self.block_size, self.sends_draft_kv = None, False
         self.steps: list[list[tuple[int, int, tuple[int, ...]]]] = []  # per step: (pos, input, pages)
         self.sched: DecodeScheduler | None = None

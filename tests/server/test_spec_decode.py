@@ -31,6 +31,7 @@ class KnownWorkers(WorkerGroup):
     def __init__(self, block_size: int, propose):
         self.cfg = type("Cfg", (), {"vocab_size": V, "max_position_embeddings": 4096})()
         self.num_pages, self.page_size, self.bytes_per_page = 64, 16, 1
+        self.draft_bytes_per_page = 0
         self.block_size, self.sends_draft_kv = block_size, False
         self.propose, self.blocks = propose, []
 

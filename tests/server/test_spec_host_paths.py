@@ -29,6 +29,7 @@ class RandomWorkers(WorkerGroup):
     def __init__(self, block_size: int, seed: int, with_argmax: bool, hit: float = 0.7):
         self.cfg = type("Cfg", (), {"vocab_size": V, "max_position_embeddings": 4096})()
         self.num_pages, self.page_size, self.bytes_per_page = 256, 16, 1
+        self.draft_bytes_per_page = 0
         self.block_size, self.sends_draft_kv = block_size, False
         self.seed, self.with_argmax, self.hit = seed, with_argmax, hit
 

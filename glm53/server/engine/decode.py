@@ -224,15 +224,17 @@ class DecodeScheduler(Scheduler):
 
     def _adopt(self, r: DecodeRequest) -> None:
         row = r.receiver.metadata()
-        stats = TransferStats(
-            seconds=time.monotonic() - r.bootstrapped,
-            bytes=self.workers.pages_needed(r.prompt_len) * self.workers.bytes_per_page,
-            bootstrap_seconds=r.bootstrapped - r.transfer_started,
-        )
         # The draft's context for the prompt came with the KV (counts[1] = positions sent), or
         # decode builds it from its own verify steps, starting after the prompt.
-        if len(row.counts) < 2 or row.counts[1] < r.prompt_len:
+        draft_sent = len(row.counts) >= 2 and row.counts[1] >= r.prompt_len
+        if not draft_sent:
             r.ctx_start = r.prompt_len
+        per_page = self.workers.bytes_per_page - (0 if draft_sent else self.workers.draft_bytes_per_page)
+        stats = TransferStats(
+            seconds=time.monotonic() - r.bootstrapped,
+            bytes=self.workers.pages_needed(r.prompt_len) * per_page,
+            bootstrap_seconds=r.bootstrapped - r.transfer_started,
+        )
         n = r.req.spec.n
         if len(row.first_token_ids) != n:
             self._release(r, error=(f"prefill sent {len(row.first_token_ids)} first tokens for n={n}", "internal"))

@@ -29,6 +29,7 @@ class WorkerGroup(abc.ABC):
     num_pages: int  # KV pages every rank holds (one page-id space for the whole instance)
     page_size: int
     bytes_per_page: int  # KV bytes one page costs, summed over every pool of every rank
+    draft_bytes_per_page: int  # of those, the draft's pools' (moved only with draft_kv_transfer)
     block_size: int | None  # the DFlash draft's block size; None without a draft
     sends_draft_kv: bool  # prefill: the transfers carry the prompt's draft context KV
 
@@ -90,6 +91,7 @@ class LocalWorkers(WorkerGroup):
         self.cfg = self.rank.cfg
         self.page_size = specs[0].page_size
         self.bytes_per_page = self.rank.bytes_per_page
+        self.draft_bytes_per_page = self.rank.draft_bytes_per_page
         self.block_size = self.rank.block_size
         self.sends_draft_kv = self.rank.sends_draft_kv
 

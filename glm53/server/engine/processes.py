@@ -388,6 +388,7 @@ class ProcessWorkers(WorkerGroup):
         self.cfg = self.rank.cfg
         self.page_size = specs[0].page_size
         self.bytes_per_page = self.rank.bytes_per_page  # rank 0's pools (its stage, its heads)
+        self.draft_bytes_per_page = self.rank.draft_bytes_per_page
         self.block_size = self.rank.block_size  # decode: one stage, so rank 0 holds the draft
         last = specs[self._answer_rank]
         self.sends_draft_kv = bool(last.draft_path or last.nextn_steps) and last.send_draft_kv

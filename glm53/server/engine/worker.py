@@ -331,6 +331,11 @@ class RankWorker:
     def bytes_per_page(self) -> int:
         return self.runner.pools.bytes_per_page()
 
+    @property
+    def draft_bytes_per_page(self) -> int:
+        """Of `bytes_per_page`, the draft's pools': a transfer carries them only with the draft KV sent."""
+        return sum(pool.bytes_per_page() for name, pool in self.runner.pools if name in (DRAFT_KV, *MTP_POOLS))
+
     def forward(self, chunks: list[SeqChunk], tokens: DeviceTokens | None = None) -> list[torch.Tensor]:
         return self.runner.forward(chunks, tokens=tokens)
 
