@@ -33,6 +33,7 @@ import torch
 
 from glm53.models.expert_parallel import ExpertPlacement
 from glm53.models.parallel import TPGroup
+from glm53.models.readback import readback
 
 # (x [R, H], weights [R, 1] fp32, local expert ids [R, 1]) -> [R, H]: this rank's experts, weighted.
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -68,7 +69,7 @@ def plan_exchange(weights: torch.Tensor, ids: torch.Tensor, pl: ExpertPlacement)
     sizes = torch.tensor([bounds[s + 1] - bounds[s] for s in range(tp)], device=dev)
     slice_of = torch.repeat_interleave(torch.arange(tp, device=dev), sizes)  # [N]
     # counts[s][g]: pairs of slice s whose expert is in group g (identical on every rank)
-    counts = torch.bincount((slice_of[:, None] * ep + owner).flatten(), minlength=tp * ep).view(tp, ep).tolist()
+    counts = readback(torch.bincount((slice_of[:, None] * ep + owner).flatten(), minlength=tp * ep).view(tp, ep)).tolist()
     send = [counts[pl.rank][d // m] for d in range(tp)]
     recv = [counts[s][pl.group] for s in range(tp)]
 

@@ -41,6 +41,7 @@ from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.draft_weights import build_draft, load_draft_projection
 from glm53.models.dspark import BlockChoice
 from glm53.models.graph import DecodeGraphs, GraphConfig
+from glm53.models.readback import readback
 from glm53.models.spec_graph import SpecGraphs
 from glm53.models.spec_state import SpecOutput
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
@@ -356,7 +357,7 @@ class ModelRunner:
         for size in {b.block_size for b in blocks} - {1}:  # one propose call per block size
             idx = [i for i, b in enumerate(blocks) if b.block_size == size]
             choice = self.draft_block([blocks[i] for i in idx])
-            for j, (i, row, keep) in enumerate(zip(idx, choice.tokens.tolist(), choice.keep.tolist())):
+            for j, (i, row, keep) in enumerate(zip(idx, readback(choice.tokens).tolist(), readback(choice.keep).tolist())):
                 drafts[i] = row[:keep]
                 if blocks[i].sampling is not None:
                     probs[i] = choice.probs[j, :keep]
@@ -364,7 +365,7 @@ class ModelRunner:
                   for b, d in zip(blocks, drafts)]
         logits = self.forward(chunks)
         # Every row's argmax in one copy (greedy requests accept from it without a read each).
-        flat = (logits[0] if len(logits) == 1 else torch.cat(logits)).argmax(dim=-1).tolist()
+        flat = readback((logits[0] if len(logits) == 1 else torch.cat(logits)).argmax(dim=-1)).tolist()
         greedy, r = [], 0
         for lg in logits:
             greedy.append(flat[r : r + len(lg)])
@@ -416,7 +417,7 @@ class ModelRunner:
                 tok, q = mtp.sampled_proposal(mtp.head_logits(h), sampling, k)
                 toks.append(tok)
                 qs.append(q)
-            rows = torch.stack(toks, dim=1).tolist()
+            rows = readback(torch.stack(toks, dim=1)).tolist()
             for j, i in enumerate(live):
                 drafts[i] = rows[j][: widths[i]]
                 if blocks[i].sampling is not None:
@@ -436,7 +437,7 @@ class ModelRunner:
                 state[b.key] = (b.start_pos, c.token_ids, hn[r : r + k])
             r += k
         mtp.state = state
-        flat = flat_logits.argmax(dim=-1).tolist()
+        flat = readback(flat_logits.argmax(dim=-1)).tolist()
         greedy, r = [], 0
         for lg in logits:
             greedy.append(flat[r : r + len(lg)])

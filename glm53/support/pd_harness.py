@@ -122,6 +122,10 @@ def prefill_into_decode(model: Path, draft: Path | None, prompt: list[int], *, p
     src = list(range(5, 5 + n_pages))  # prefill's pages: another offset, so a src/dst mix-up shows
     out = workdir / f"decode-pp{pp}-tp{tp}.pt"
     child = ctx.Process(target=decode_side, args=(raw, str(model), boot.address, pages, str(out), q, timeout_s))
+    # A rank in this process computes with one intra-op thread, as every rank process does (and a
+    # served CPU rank): results then do not depend on pp × tp, whatever the caller's thread count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         specs = rank_specs(cfg, inst, str(model), GlmConfig.from_dir(model).num_hidden_layers)
         ranks = LocalWorkers(specs) if pp * tp == 1 else ProcessWorkers(specs, timeout_s=timeout_s,
@@ -152,6 +156,7 @@ def prefill_into_decode(model: Path, draft: Path | None, prompt: list[int], *, p
                          descs=[h.stats.get("descs", 0) for h in tx.handles],
                          predicted=predicted_descs(boot.address, got["table"], src, pages))
     finally:
+        torch.set_num_threads(threads)
         if child.is_alive():
             child.kill()
             child.join(10)

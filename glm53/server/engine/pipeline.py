@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from glm53.models import SeqChunk, StageInput, StageOutput
+from glm53.models.readback import readback
 
 _HEADER = 4  # tokens, hidden, top-k columns (0: none), draft accumulator present (0/1)
 
@@ -63,7 +64,7 @@ class StagePipe:
     def recv(self) -> StageInput:
         header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
         dist.recv(header, self.prev, group=self.group)
-        n, h, k, acc = header.tolist()
+        n, h, k, acc = readback(header).tolist()
         hidden = torch.empty(n, h, dtype=self.dtype, device=self.device)
         dist.recv(hidden, self.prev, group=self.group)
         topk = None

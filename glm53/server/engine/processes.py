@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from glm53.models import SeqChunk
 from glm53.models.draft import DraftBlock
+from glm53.models.readback import readback
 from glm53.models.spec_state import SpecOutput
 from glm53.server import heap
 from glm53.server.engine.group import WorkerGroup
@@ -313,11 +314,11 @@ def follower_main(launch: Launch, joined: Any = None) -> None:
 def _to_cpu(out: Any) -> Any:
     """Step results for pickling (logits may live on a GPU)."""
     if isinstance(out, torch.Tensor):
-        return out.cpu()
+        return readback(out)
     if isinstance(out, (list, tuple)):
         res = type(out)(_to_cpu(x) for x in out)
         if getattr(out, "last_hidden", None) is not None:  # runner.ChunkLogits: the MTP's seed rows
-            res.last_hidden = out.last_hidden.cpu()
+            res.last_hidden = readback(out.last_hidden)
         return res
     return out
 

@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 
 from glm53.models import SeqChunk
 from glm53.models.draft import DraftBlock, DraftSampling
+from glm53.models.readback import readback
 
 MICRO, SPEC = 1, 2  # BatchDelta.kind: forward micro-batches, a speculative step
 
@@ -125,7 +126,7 @@ class DeltaEncoder:
                           array("q", [-1 if b.key is None else b.key for b in spec])]
             delta.sampled = [(i, s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
                              for i, b in enumerate(spec) if (s := b.sampling) is not None]
-            delta.seeds = [(i, b.seed_hidden.cpu()) for i, b in enumerate(spec) if b.seed_hidden is not None]
+            delta.seeds = [(i, readback(b.seed_hidden)) for i, b in enumerate(spec) if b.seed_hidden is not None]
         delta.leaves = [e.sid for key, e in self._held.items() if key not in seen]
         self._held = seen
         return delta
