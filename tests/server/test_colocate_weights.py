@@ -91,3 +91,19 @@ def test_prefill_runs_the_draft_only_when_it_sends_the_draft_kv(tmp_path, model_
             alone.close()
     finally:
         decode.close()
+
+
+def test_prefill_keeps_to_its_sms_while_a_request_is_on_its_way_to_decode():
+    """engine/colocate.decode_busy: the whole GPU only when decode runs nothing and prefill has
+    nothing in flight to it (a chunk there would hold the arriving request's first steps)."""
+    from types import SimpleNamespace
+
+    from glm53.server.engine.colocate import decode_busy
+
+    def pair(running: int, sending: list) -> tuple:
+        return SimpleNamespace(last_load=SimpleNamespace(num_running=running)), SimpleNamespace(sending=sending)
+
+    assert not decode_busy(*pair(0, []))
+    assert decode_busy(*pair(0, ["a request whose KV is in flight"]))
+    assert decode_busy(*pair(3, []))
+    assert decode_busy(*pair(2, ["another"]))

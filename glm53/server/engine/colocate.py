@@ -86,6 +86,14 @@ class GpuShare:
         self.steps["narrow" if narrow else "full"] += 1
 
 
+def decode_busy(decode: DecodeScheduler, prefill: PrefillScheduler) -> bool:
+    """Whether prefill's next step keeps to its SMs: decode runs requests, or prefill has one on
+    its way to it (first token sampled, KV in flight). A chunk queued on the whole GPU would hold
+    that request's first decode steps (~15 ms each on the slice, beside a 4K chunk) until it ends.
+    Prefill reaps a sent request only at the end of a later step, by when decode has adopted it."""
+    return decode.last_load.num_running > 0 or bool(prefill.sending)
+
+
 def run_colocated(cluster: ClusterConfig, dec: InstanceConfig, pre: InstanceConfig) -> int:
     """Process entry of a colocated pair: build both instances, run each loop in its thread until
     SIGTERM/SIGINT or until either loop dies (then both stop and the exit code says so).
@@ -106,11 +114,7 @@ def run_colocated(cluster: ClusterConfig, dec: InstanceConfig, pre: InstanceConf
              else "no (their model, dtype or draft differ): two copies")
     share = None
     if gpu:  # on a CPU the pair shares the process only: there are no SMs to split
-        # Decode counts as busy from the moment prefill has a request on its way to it (first
-        # token sampled, KV in flight): a chunk queued on the whole GPU then would hold that
-        # request's first decode steps (measured ~15 ms each on the slice) until it ends. Prefill
-        # reaps a sent request only at the end of a later step, after decode has adopted it.
-        share = GpuShare(device, pre.colocate_sms, lambda: decode.last_load.num_running > 0 or bool(prefill.sending))
+        share = GpuShare(device, pre.colocate_sms, lambda: decode_busy(decode, prefill))
         prefill.before_step = share.prefill_step
         torch.cuda.synchronize(device)  # the builds' work is done before the loops' streams start
     failed: list[str] = []
