@@ -26,6 +26,16 @@ def make_draft_checkpoint(path: Path, target_dir: Path, seed: int = 0, **dims) -
     return RefDraft(path, target_dir)
 
 
+def target_and_draft(root: Path, seed: int) -> tuple[Path, Path]:
+    """A tiny random target with index sharing (root/target, `seed`) and a draft of it reading
+    layers 1, 2 and 4 (root/draft, `seed` + 1): the CPU draft-path tests' pair."""
+    from glm53.support.oracle import make_checkpoint
+
+    make_checkpoint(root / "target", seed=seed, index_topk_freq=2, index_skip_topk_offset=2)
+    make_draft_checkpoint(root / "draft", root / "target", seed=seed + 1, target_layer_ids=[1, 2, 4])
+    return root / "target", root / "draft"
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 

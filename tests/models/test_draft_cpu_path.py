@@ -11,8 +11,7 @@ import torch
 from glm53.models import DFlashConfig, DFlashDraft, DraftBlock, GlmConfig, GlmForCausalLM, KVPools, add_draft_pools
 from glm53.models.draft_weights import load_draft_weights
 from glm53.models.weights import load_weights
-from glm53.support.oracle import make_checkpoint
-from tests.models.draft_oracle import make_draft_checkpoint
+from tests.models.draft_oracle import target_and_draft
 
 PAGE, PAGES = 4, 40
 
@@ -20,8 +19,7 @@ PAGE, PAGES = 4, 40
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft_cpu")
-    make_checkpoint(root / "target", seed=51, index_topk_freq=2, index_skip_topk_offset=2)
-    make_draft_checkpoint(root / "draft", root / "target", seed=52, target_layer_ids=[1, 2, 4])
+    target_and_draft(root, seed=51)
     tcfg = GlmConfig.from_dir(root / "target")
     target = GlmForCausalLM(tcfg)
     load_weights(target, root / "target", progress=False)

@@ -18,18 +18,14 @@ from glm53.models import (
 )
 from glm53.models.draft import DRAFT_KV, _rms, _rope_half
 from glm53.models.draft_weights import load_draft_weights
-from glm53.support.oracle import make_checkpoint
-from tests.models.draft_oracle import make_draft_checkpoint
+from tests.models.draft_oracle import target_and_draft
 
 PAGE, PAGES = 4, 48
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec_cpu")
-    make_checkpoint(root / "target", seed=61, index_topk_freq=2, index_skip_topk_offset=2)
-    make_draft_checkpoint(root / "draft", root / "target", seed=62, target_layer_ids=[1, 2, 4])
-    return root / "target", root / "draft"
+    return target_and_draft(tmp_path_factory.mktemp("spec_cpu"), seed=61)
 
 
 @pytest.fixture(scope="module")
