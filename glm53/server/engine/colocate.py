@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server import heap
+from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.decode import DecodeScheduler
 from glm53.server.engine.prefill import PrefillScheduler
 from glm53.server.engine.scheduler import Scheduler, setup_process
@@ -62,8 +62,9 @@ class GpuShare:
 
     def prefill_step(self) -> None:
         """Before each prefill step, on prefill's thread: the green context's stream while decode
-        runs requests or has one on its way from prefill, else the whole GPU. A switch orders the new stream after the old one, so a
-        prompt's chunks (and the transfer events recorded after them) stay in order.
+        is busy (`decode_busy`: it runs requests or has one on its way from prefill), else the
+        whole GPU. A switch orders the new stream after the old one, so a prompt's chunks (and
+        the transfer events recorded after them) stay in order.
 
         Prefill's host runs at most one step ahead of its GPU work: a stream's launch queue is
         finite, and a launch into a full one blocks holding the GIL, which would stall the decode
