@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from glm53.support.cluster import Cluster
-from glm53.support.pd_bench import router_sums, split_means, stream_ttft
+from glm53.support.pd_bench import rotated_passes, router_sums, split_means, stream_ttft
 
 SPEC = {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash", "num_draft_tokens": 16}
 
@@ -53,17 +53,12 @@ def main() -> None:
         with httpx.Client() as http:
             for n, c in clusters.items():
                 stream_ttft(http, c.url, "# warm-up\n" + texts[0], 8)
-            # Each prompt goes to the three deployments back to back (in a rotating order), so a
-            # shared CPU's drift moves all three alike; the ratios are taken prompt by prompt.
-            names = list(configs)
-            for r in range(a.rounds):
-                for i, t in enumerate(texts):
-                    k = (r * len(texts) + i) % len(names)
-                    for n in names[k:] + names[:k]:
-                        first, meta = stream_ttft(http, clusters[n].url, f"# pass {r}\n{t}", a.new)
-                        ttft[n].append(first)
-                        toks[n] += meta["completion_tokens"] - 1
-                        verify[n] += meta.get("spec_verify_ct", 0)
+            # The ratios are taken prompt by prompt (pd_bench.rotated_passes says why).
+            for n, text in rotated_passes(a.rounds, texts, list(configs)):
+                first, meta = stream_ttft(http, clusters[n].url, text, a.new)
+                ttft[n].append(first)
+                toks[n] += meta["completion_tokens"] - 1
+                verify[n] += meta.get("spec_verify_ct", 0)
         split = {n: split_means(router_sums(c.url)) for n, c in clusters.items()}  # the warm-up included
     finally:
         for c in clusters.values():

@@ -31,7 +31,7 @@ import torch
 from glm53.models import ModelRunner, SeqChunk
 from glm53.server.embedded_model import ensure_embedded_draft, ensure_embedded_model
 from glm53.support.cluster import Cluster
-from glm53.support.pd_bench import TTFT_SPLIT, router_sums, stream_ttft
+from glm53.support.pd_bench import TTFT_SPLIT, rotated_passes, router_sums, stream_ttft
 
 SPEC = {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash", "num_draft_tokens": 16}
 CONFIGS = {"off": None, "on, sent": {**SPEC, "draft_kv_transfer": True},
@@ -107,19 +107,15 @@ def main() -> None:
     try:
         for name, spec in CONFIGS.items():
             clusters[name] = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec).start()
-        names = list(CONFIGS)
         with httpx.Client() as http:
             for n, c in clusters.items():
                 for w in range(2):
                     stream_ttft(http, c.url, f"# warm-up {w}\n" + texts[0], 8)
-            for r in range(a.rounds):
-                for i, t in enumerate(texts):
-                    k = (r * len(texts) + i) % len(names)
-                    for n in names[k:] + names[:k]:
-                        row, meta = one_request(http, clusters[n].url, f"# pass {r}\n{t}", a.new)
-                        rows[n].append(row)
-                        if n == "off":
-                            prompt_tokens.append(meta.get("prompt_tokens", 0))
+            for n, text in rotated_passes(a.rounds, texts, list(CONFIGS)):
+                row, meta = one_request(http, clusters[n].url, text, a.new)
+                rows[n].append(row)
+                if n == "off":
+                    prompt_tokens.append(meta.get("prompt_tokens", 0))
     finally:
         for c in clusters.values():
             c.stop()

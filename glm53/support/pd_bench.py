@@ -74,6 +74,18 @@ def stream_ttft(http: httpx.Client, url: str, text: str, new: int) -> tuple[floa
     return first, meta
 
 
+def rotated_passes(rounds: int, texts: list[str], names: list[str]) -> Iterator[tuple[str, str]]:
+    """(deployment, prompt) for every pass, prompt and deployment: each prompt goes to every
+    deployment back to back, starting one deployment later each time, so a shared CPU's drift
+    moves them alike and per-prompt ratios hold. A pass marks each prompt at its start (a suffix
+    would leave the prefix cache every earlier pass's prompt)."""
+    for r in range(rounds):
+        for i, t in enumerate(texts):
+            k = (r * len(texts) + i) % len(names)
+            for n in names[k:] + names[:k]:
+                yield n, f"# pass {r}\n{t}"
+
+
 def generate(http: httpx.Client, url: str, ids: list[int], new: int) -> tuple[float, dict]:
     """(seconds, response) of one greedy /generate request of `new` tokens, EOS ignored."""
     t0 = time.perf_counter()
