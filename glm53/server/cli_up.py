@@ -269,7 +269,7 @@ def _wait_ready(cfg: ClusterConfig, local, run_router: bool, sup: Supervisor, st
             ready = probe({i.name: i.address for i in local if i.name in pending}, timeout=0.5)
             pending -= ready
         if not pending and not router_ok:
-            router_ok = _router_healthy(cfg)
+            router_ok = _router_sees_healthy(cfg, {i.name for i in local})
         if not pending and router_ok:
             return True
         time.sleep(0.3)
@@ -278,11 +278,19 @@ def _wait_ready(cfg: ClusterConfig, local, run_router: bool, sup: Supervisor, st
     return False
 
 
-def _router_healthy(cfg: ClusterConfig) -> bool:
+def _router_sees_healthy(cfg: ClusterConfig, names: set[str]) -> bool:
+    """The router answers /health and has marked every instance in `names` healthy. Its /health
+    needs only one healthy pair; `up` says ready only once each local instance has ponged ready
+    to the router too, so a request sent right after sees the whole deployment."""
     # The HTTP socket is `up`'s own (listen_http): only the router it started answers here.
     try:
         with urllib.request.urlopen(f"{_http_url(cfg)}/health", timeout=2) as r:
-            return r.status == 200 and json.loads(r.read()).get("status") == "ok"
+            if r.status != 200 or json.loads(r.read()).get("status") != "ok":
+                return False
+        with urllib.request.urlopen(f"{_http_url(cfg)}/server_info", timeout=2) as r:
+            info = json.loads(r.read())
     except (OSError, ValueError):
         return False
+    healthy = {i["name"] for role in ("prefill", "decode") for i in info.get(role, []) if i.get("healthy")}
+    return names <= healthy
 
