@@ -45,6 +45,35 @@ def test_prefill_logits_match_transformers(tmp_path, monkeypatch, sched):
     probe.assert_well_posed()
 
 
+# Config fields GLM-5 itself leaves at one value but other family checkpoints set: unnormalized
+# top-k routing weights, tied embeddings, an explicit dense/sparse MLP pattern (not a prefix),
+# several shared experts, no routed scaling, other latent and head widths.
+VARIANTS = [
+    dict(norm_topk_prob=False, tie_word_embeddings=True, mlp_layer_types=["sparse", "dense", "sparse", "dense", "sparse"],
+         n_shared_experts=2, routed_scaling_factor=1.0, index_topk_freq=2, index_skip_topk_offset=1),
+    dict(norm_topk_prob=False, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=48, q_lora_rank=16,
+         qk_rope_head_dim=8, qk_nope_head_dim=24, v_head_dim=8, n_routed_experts=16, n_group=4, topk_group=2,
+         num_experts_per_tok=3, index_head_dim=16, index_n_heads=32, rms_norm_eps=1e-6,
+         indexer_types=["full", "shared", "full", "full", "shared"]),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["norm-off-tied-pattern", "widths-groups"])
+def test_config_variants_match_transformers(tmp_path, monkeypatch, variant):
+    ref = make_checkpoint(tmp_path, seed=11, **variant)
+    probe = IndexGapProbe(monkeypatch, TOPK)
+    runner = ModelRunner.from_dir(tmp_path, page_size=4, num_pages=128, progress=False)
+    allocator = PageAllocator(128)
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 160, (n,), generator=g) for n in (5, 4 * TOPK, 7 * TOPK)]
+    chunks = [SeqChunk(p.tolist(), 0, allocator.alloc(runner.pages_needed(len(p))), all_logits=True) for p in prompts]
+    for p, out in zip(prompts, runner.forward(chunks)):
+        with torch.no_grad():
+            want = ref(p[None]).logits[0]
+        assert rel_err(out, want) <= 1e-4
+    probe.assert_well_posed()
+
+
 def test_greedy_decode_matches_transformers_argmax(tmp_path, monkeypatch):
     ref = make_checkpoint(tmp_path, seed=2, index_topk_freq=2, index_skip_topk_offset=2)
     probe = IndexGapProbe(monkeypatch, TOPK)
