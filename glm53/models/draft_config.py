@@ -20,11 +20,15 @@ DEFAULT_BLOCK_SIZE = 16
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The published default: one draft layer reads the middle target layer; n > 1 read layers
-    spread evenly from 1 to L - 3."""
+    spread evenly from 1 to L - 3. A target too shallow for n distinct layers there (L < n + 3:
+    the published formula would repeat or reverse them) gets n layers spread over all of [0, L)."""
     L, n = num_target_layers, num_draft_layers
     if n == 1:
         return [L // 2]
-    start, end = 1, L - 3
+    if n > L:
+        raise ConfigError(f"target_layer_ids: a {n}-layer draft reads {n} distinct target layers by default; "
+                          f"the target has {L} (set dflash_config.target_layer_ids)")
+    start, end = (1, L - 3) if L - 3 - 1 >= n - 1 else (0, L - 1)
     return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
 
 

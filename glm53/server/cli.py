@@ -63,6 +63,8 @@ def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--served-model-name", nargs="+", help="names clients may use for the model")
     p.add_argument("--context-length", "--max-model-len", dest="context_length", type=int)
     p.add_argument("--chat-template", help="a .jinja chat template overriding the model's")
+    p.add_argument("--skip-tokenizer-init", dest="skip_tokenizer_init", action="store_true", default=None,
+                   help="serve token ids only, without a tokenizer (model.skip_tokenizer_init)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     t = p.add_argument_group("transfer")
     t.add_argument("--disaggregation-transfer-backend", "--transfer-backend", dest="transfer_backend")
@@ -168,6 +170,7 @@ def overrides_from_args(args: argparse.Namespace, role: str | None = None, index
     o["model.served_model_name"] = get("served_model_name")
     o["model.context_length"] = get("context_length")
     o["model.chat_template"] = get("chat_template")
+    o["model.skip_tokenizer_init"] = get("skip_tokenizer_init")
     for k in _ENGINE_FLAGS:
         o[f"engine.{k}"] = get(k)
     o["transfer.backend"] = get("transfer_backend")
@@ -233,23 +236,26 @@ class Resolved:
     raw: dict[str, Any]  # its YAML form: what `up` hands its processes and `config` prints
 
 
-def resolve(args: argparse.Namespace, check_fit: bool = True) -> Resolved:
+def resolve(args: argparse.Namespace, check_fit: bool = True, check_tokenizer: bool = True) -> Resolved:
     """The config `up` runs and `config` prints: the user's file with the command line's
     overrides applied, then validated; the model's (and, with speculation on, the draft's) name
     made a directory, and that resolved form validated again with the model's and the draft's
     config.json — exactly what each process `up` starts loads and checks again; then (unless
     `check_fit` is False) every GPU instance's memory plan (server/plan.py). With speculation off
-    the draft is neither checked nor installed."""
-    from glm53.server.embedded_model import resolve_paths
+    the draft is neither checked nor installed. `check_tokenizer`: the router's tokenizer exists
+    (or the config serves token ids only)."""
+    from glm53.server import embedded_model
 
     cfg, _ = _load(args)
-    model_dir, cfg = resolve_paths(cfg)
+    model_dir, cfg = embedded_model.resolve_paths(cfg)
     raw = cfg.to_dict()
     raw["model"]["path"] = str(model_dir)
     cfg = parse_config(raw, source=cfg.source)
     check_model_fit(cfg, model_dir)
     if check_fit:
         check_cluster_fits(cfg, model_dir)
+    if check_tokenizer:  # last: a layout or model error is the one to fix first
+        embedded_model.check_tokenizer(cfg, model_dir)
     return Resolved(cfg, model_dir, raw)
 
 

@@ -21,7 +21,7 @@ def cmd_plan(args: argparse.Namespace, resolve: Callable[..., Any]) -> int:
     sentence naming the numbers)."""
     gpu = int(args.gpu_memory_gb * GB) if args.gpu_memory_gb else None
     if args.config:
-        res = resolve(args, check_fit=False)
+        res = resolve(args, check_fit=False, check_tokenizer=False)
         plans = plan_cluster(res.cfg, res.model_dir, gpu)
         if not plans:
             raise ConfigError(res.cfg.source, "defaults.device", "no instance runs on a GPU: nothing to plan")

@@ -8,7 +8,7 @@ before any process starts: an unknown key, a wrong type or an impossible topolog
 
 Layout (every key optional except the pools):
 
-    model:     {path, served_model_name, context_length, chat_template}
+    model:     {path, served_model_name, context_length, chat_template, skip_tokenizer_init}
     router:    {host, port, result_port, advertise_host, policy, ...}
     transfer:  {backend, bootstrap_timeout_s, transfer_timeout_s}
     speculative: {algorithm, draft_model_path, num_draft_tokens, draft_kv_transfer, dspark_block_size,
@@ -60,6 +60,11 @@ class ModelConfig:
     context_length: int | None = None
     # A .jinja file overriding the model directory's chat template.
     chat_template: str | None = None
+    # Serve token ids only, with no tokenizer (SGLang's and vLLM's --skip-tokenizer-init): for a
+    # checkpoint without tokenizer.json, or clients that tokenize themselves. Prompts come as token
+    # ids (/generate input_ids, /v1/completions prompt), answers carry ids (/generate output_ids)
+    # and empty text; text prompts, chat, stop strings, response_format and /tokenize are a 400.
+    skip_tokenizer_init: bool = False
 
 
 @dataclass

@@ -198,6 +198,15 @@ def resolve_paths(cfg: ClusterConfig) -> tuple[Path, ClusterConfig]:
     return model_dir, cfg
 
 
+def check_tokenizer(cfg: ClusterConfig, model_dir: Path) -> None:
+    """The router needs the model's tokenizer.json unless it serves token ids only; instances
+    never do (stop strings load it lazily, and the router refuses them without one)."""
+    if not cfg.model.skip_tokenizer_init and not (model_dir / "tokenizer.json").is_file():
+        raise ConfigError(cfg.source, "model.path", f"{model_dir} has no tokenizer.json (the router needs a "
+                          "tokenizers-format tokenizer); to serve token ids only, set model.skip_tokenizer_init: "
+                          "true (--skip-tokenizer-init)")
+
+
 def ensure_embedded_model(root: Path | None = None) -> Path:
     """The trained embedded checkpoint's directory, installed (once, atomically) if missing."""
     return _ensure(root, EMBEDDED_DIRNAME, lambda out: _copy_asset("tiny-glm5", out))

@@ -7,6 +7,8 @@
   byte-identically. `encode`/`decode` release the GIL (the batch entry points of `tokenizers`
   do; the single ones do not), so they may run in worker threads beside the event loop;
   `min_tokens` is a certain lower bound on a text's token count, computed without tokenizing.
+  `Tokenizer.ids_only` is the model's ids without text (`model.skip_tokenizer_init`, a directory
+  with no tokenizer): encoding or templating raises `NoTokenizer`, decoding gives "".
 - `IncrementalDetokenizer`: text deltas for a growing token list that never split a multi-byte
   character: a delta is released only when the decoded window does not end in U+FFFD.
 - `StopStringMatcher`: finds stop strings in streamed text, holding back any tail that could be
@@ -32,6 +34,14 @@ class ChatTemplateError(ValueError):
     """The chat template cannot render these messages (maps to HTTP 400)."""
 
 
+class NoTokenizer(ValueError):
+    """Text was asked of a server that runs without a tokenizer (maps to HTTP 400)."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}: this server runs without a tokenizer (model.skip_tokenizer_init); send "
+                         "prompts as token ids and stop with stop_token_ids")
+
+
 @dataclass
 class GenerationDefaults:
     """generation_config.json's sampling defaults (used when a request leaves a field unset)."""
@@ -45,7 +55,7 @@ class GenerationDefaults:
 @dataclass
 class Tokenizer:
     model_dir: Path
-    tok: HFTokenizer
+    tok: HFTokenizer | None  # None: ids only (`ids_only`)
     chat_template: str | None
     eos_token_ids: list[int]
     special_ids: set[int]
@@ -77,8 +87,7 @@ class Tokenizer:
         if hasattr(tok.model, "_resize_cache"):
             tok.model._resize_cache(0)
         tcfg = _read_json(d / "tokenizer_config.json")
-        mcfg = _read_json(d / "config.json")
-        gcfg = _read_json(d / "generation_config.json")
+        mcfg, gcfg = _read_json(d / "config.json"), _read_json(d / "generation_config.json")
 
         template = None
         if chat_template_path:
@@ -96,8 +105,7 @@ class Tokenizer:
             if t[1].special:
                 special.add(int(t[0]))
 
-        eos = gcfg.get("eos_token_id", mcfg.get("eos_token_id"))
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos_ids = _eos_ids(mcfg, gcfg)
         if not eos_ids and isinstance(tcfg.get("eos_token"), str):
             i = tok.token_to_id(tcfg["eos_token"])
             eos_ids = [i] if i is not None else []
@@ -105,29 +113,47 @@ class Tokenizer:
         def token_str(v: Any) -> str | None:
             return v.get("content") if isinstance(v, dict) else v
 
-        defaults = GenerationDefaults(**{k: gcfg[k] for k in ("temperature", "top_p", "top_k", "min_p")
-                                         if isinstance(gcfg.get(k), (int, float)) and not isinstance(gcfg.get(k), bool)})
         return cls(
             model_dir=d, tok=tok, chat_template=template, eos_token_ids=eos_ids, special_ids=special,
             vocab_size=max(int(mcfg.get("vocab_size") or 0), tok.get_vocab_size(with_added_tokens=True)),
             max_position_embeddings=mcfg.get("max_position_embeddings"),
             eos_token=token_str(tcfg.get("eos_token")), pad_token=token_str(tcfg.get("pad_token")),
-            bos_token=token_str(tcfg.get("bos_token")), defaults=defaults,
+            bos_token=token_str(tcfg.get("bos_token")), defaults=_generation_defaults(gcfg),
             max_token_bytes=_max_token_bytes(tok),
         )
+
+    @classmethod
+    def ids_only(cls, model_dir: str | Path) -> "Tokenizer":
+        """The model's vocabulary size, eos ids and sampling defaults from its config files, and no
+        text (SGLang's and vLLM's skip_tokenizer_init): prompts come and go as token ids."""
+        d = Path(model_dir)
+        mcfg, gcfg = _read_json(d / "config.json"), _read_json(d / "generation_config.json")
+        return cls(model_dir=d, tok=None, chat_template=None, eos_token_ids=_eos_ids(mcfg, gcfg), special_ids=set(),
+                   vocab_size=int(mcfg.get("vocab_size") or 0), max_position_embeddings=mcfg.get("max_position_embeddings"),
+                   defaults=_generation_defaults(gcfg))
+
+    @property
+    def has_text(self) -> bool:
+        return self.tok is not None
 
     # ---- encode / decode ----
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # The fast variant skips character offsets: less work, and far less to free afterwards
         # (that happens under the GIL: 0.3 s vs 0.07 s for a 4 MB prompt, measured).
+        if self.tok is None:
+            raise NoTokenizer("a text prompt")
         batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
         return batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tok is None:
+            return ""
         return self.tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def decode_one(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """`decode` for a few ids on the event loop (streaming): skips the batch machinery."""
+        if self.tok is None:
+            return ""
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def min_tokens(self, text: str) -> int:
@@ -141,11 +167,13 @@ class Tokenizer:
         return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
 
     def token_to_id(self, token: str) -> int | None:
-        return self.tok.token_to_id(token)
+        return self.tok.token_to_id(token) if self.tok is not None else None
 
     # ---- chat template ----
     def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        if self.tok is None:
+            raise NoTokenizer("a chat request")
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template (chat_template.jinja or tokenizer_config.json)")
         if self._template is None:
@@ -204,6 +232,16 @@ def _max_token_bytes(tok: HFTokenizer) -> int | None:
         # 3 bytes for a 1-byte space); an unknown character is one token of up to 4 bytes.
         longest = max([4, *(len(t.encode("utf-8")) for t in vocab)])
     return max([longest, *(len(str(a.get("content", "")).encode("utf-8")) for a in added)])
+
+
+def _eos_ids(mcfg: dict[str, Any], gcfg: dict[str, Any]) -> list[int]:
+    eos = gcfg.get("eos_token_id", mcfg.get("eos_token_id"))
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _generation_defaults(gcfg: dict[str, Any]) -> GenerationDefaults:
+    return GenerationDefaults(**{k: gcfg[k] for k in ("temperature", "top_p", "top_k", "min_p")
+                                 if isinstance(gcfg.get(k), (int, float)) and not isinstance(gcfg.get(k), bool)})
 
 
 def _read_json(p: Path) -> dict[str, Any]:

@@ -61,6 +61,19 @@ def test_default_target_layer_ids_match_the_published_drafts():
     assert build_target_layer_ids(5, 1) == [2]
 
 
+def test_default_target_layer_ids_on_shallow_targets_stay_distinct():
+    # The published spread [1, L - 3] repeats or reverses layers when L < n + 3 ([1, 0] for a
+    # 2-layer draft of a 3-layer target); such targets get n layers spread over [0, L).
+    assert build_target_layer_ids(3, 2) == [0, 2]
+    assert build_target_layer_ids(4, 3) == [0, 2, 3]
+    for L in range(1, 12):
+        for n in range(1, L + 1):
+            ids = build_target_layer_ids(L, n)
+            assert len(ids) == n and all(0 <= i < L for i in ids) and ids == sorted(set(ids)), (L, n, ids)
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        build_target_layer_ids(2, 3)
+
+
 def test_config_reads_the_published_layout():
     target = GlmConfig.from_dict(BASE)
     d = draft_config_dict(target, n_layers=2, num_kv_heads=2, head_dim=16, intermediate_size=48, block_size=8)
@@ -268,7 +281,10 @@ def test_writer_is_deterministic_and_fits_its_target(ckpts, tmp_path):
     assert all(v.dtype == torch.bfloat16 for v in sa.values())
     runner = ModelRunner.from_dir(target_dir, page_size=PAGE, num_pages=PAGES, progress=False, draft_dir=a)
     assert runner.draft.cfg.num_hidden_layers == 2 and runner.draft.cfg.num_key_value_heads == 4
-    # The published default spread repeats ids on a target this shallow (round(1.5) == 2): refused.
-    assert build_target_layer_ids(5, 3) == [1, 2, 2]
+    # The published spread would repeat ids on a target this shallow ([1, 2, 2]): the whole depth instead.
+    assert build_target_layer_ids(5, 3) == [0, 2, 4]
+    c = write_random_draft(tmp_path / "c", target_dir, n_layers=3)
+    assert ModelRunner.from_dir(target_dir, page_size=PAGE, num_pages=PAGES, progress=False,
+                                draft_dir=c).draft.cfg.target_layer_ids == (0, 2, 4)
     with pytest.raises(ConfigError, match="target_layer_ids: must be strictly increasing"):
-        write_random_draft(tmp_path / "c", target_dir, n_layers=3)
+        write_random_draft(tmp_path / "d", target_dir, n_layers=2, target_layer_ids=[2, 1])

@@ -210,7 +210,7 @@ def test_a_tp_that_cuts_fp8_blocks_is_a_config_error_on_any_device(capsys, tmp_p
     def config(dtype: str) -> str:
         path = tmp_path / f"{dtype}.yaml"
         path.write_text(yaml.safe_dump({
-            "model": {"path": str(fp8_checkpoint)}, "router": {"port": 0},
+            "model": {"path": str(fp8_checkpoint), "skip_tokenizer_init": True}, "router": {"port": 0},
             "defaults": {"device": "cpu", "dtype": dtype},
             "prefill": [{"name": "p0", "host": "127.0.0.1", "tp": 4}],
             "decode": [{"name": "d0", "host": "127.0.0.1"}]}))

@@ -38,13 +38,14 @@ from glm53.server.router.instance_pool import InstancePool
 from glm53.server.router.metrics import RouterMetrics
 from glm53.server.router.offload import Offload, TrimAfterLargeRequests
 from glm53.server.router.schemas import APIError, error_body
-from glm53.server.tokenizer import Tokenizer
+from glm53.server.tokenizer import NoTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 def create_app(cfg: ClusterConfig, model_dir: Path, pool: InstancePool | None = None) -> FastAPI:
-    tokenizer = Tokenizer.from_dir(model_dir, cfg.model.chat_template)
+    tokenizer = (Tokenizer.ids_only(model_dir) if cfg.model.skip_tokenizer_init
+                 else Tokenizer.from_dir(model_dir, cfg.model.chat_template))
     served = list(cfg.model.served_model_name) or [Path(model_dir).name]
     metrics = RouterMetrics(served[0])
     pool = pool or InstancePool(cfg, metrics)
@@ -82,6 +83,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, e: APIError):
         return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status,
                             headers=getattr(e, "headers", None))  # a queue's 503: Retry-After
+
+    @app.exception_handler(NoTokenizer)
+    async def no_tokenizer(_: Request, e: NoTokenizer):
+        return JSONResponse(error_body(400, str(e)), status_code=400)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, e: ClientGone):

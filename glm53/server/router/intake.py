@@ -21,7 +21,7 @@ from glm53.server.router.generation import RouterState
 from glm53.server.router.parsers.chat import template_messages, template_tools, thinking_kwargs
 from glm53.server.router.schemas import APIError, ChatCompletionRequest, TokenizeRequest, _Sampling
 from glm53.server.sampling import SamplingError, SamplingParams
-from glm53.server.tokenizer import ChatTemplateError
+from glm53.server.tokenizer import ChatTemplateError, NoTokenizer
 
 
 async def router_state(request: Request) -> RouterState:
@@ -136,6 +136,8 @@ def request_spec(state: RouterState, rid: str, input_ids: list[int], params: Sam
                        "completion). Please reduce the length of the input or the completion.",
                        fields.name("max_new_tokens"))
     params = replace(params, max_new_tokens=max_tokens)
+    if params.stop and not state.tokenizer.has_text:
+        raise APIError(400, str(NoTokenizer("stop strings")), fields.name("stop"))
     vocab = state.tokenizer.vocab_size
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported; got "

@@ -33,7 +33,9 @@ class Texts:
     def __call__(self, tid: int) -> str:
         s = self._cache.get(tid)
         if s is None:
-            s = self._cache[tid] = self.tok.decode([tid], skip_special_tokens=False)
+            # Without a tokenizer, vLLM's return_tokens_as_token_ids form.
+            s = self._cache[tid] = (self.tok.decode([tid], skip_special_tokens=False) if self.tok.has_text
+                                    else f"token_id:{tid}")
         return s
 
 

@@ -48,7 +48,7 @@ router.get("/ready")(health)
 # 200 if a one-token greedy generation completes on a prefill/decode pair, else 503.
 @router.get("/health_generate")
 async def health_generate(state: State):
-    ids = state.tokenizer.encode("ping") or [0]
+    ids = (state.tokenizer.encode("ping") if state.tokenizer.has_text else []) or [0]
     spec = RequestSpec(f"health-{uuid.uuid4().hex}", ids, SamplingParams(temperature=0.0, max_new_tokens=1,
                                                                          ignore_eos=True), [])
     try:

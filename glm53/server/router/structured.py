@@ -18,6 +18,7 @@ from typing import Any
 from glm53.server.grammar import GrammarError, Grammars, grammar_for
 from glm53.server.router.generation import RouterState
 from glm53.server.router.schemas import APIError
+from glm53.server.tokenizer import NoTokenizer
 
 
 @dataclass
@@ -61,6 +62,8 @@ def from_sampling_params(sp: Any) -> Ask | None:
 
 def compile_grammar(state: RouterState, ask: Ask) -> str:
     """The grammar text for `ask`, compiled once against the tokenizer (worker thread)."""
+    if not state.tokenizer.has_text:
+        raise APIError(400, str(NoTokenizer("structured output")), ask.param)
     try:
         grammar = grammar_for(ask.kind, ask.value, ask.param)
         if state.grammars is None:

@@ -17,6 +17,7 @@ from glm53.server.router.bodies import BodyRoute
 from glm53.server.router.generation import RouterState
 from glm53.server.router.intake import State, check_ids, check_model, render_chat
 from glm53.server.router.schemas import APIError, DetokenizeRequest, TokenizeRequest
+from glm53.server.tokenizer import NoTokenizer
 
 router = APIRouter(route_class=BodyRoute)
 _SLICE = 65536
@@ -44,6 +45,8 @@ async def detokenize(body: DetokenizeRequest, state: State) -> Response:
 
 
 def _detokenize(state: RouterState, body: DetokenizeRequest) -> bytes:
+    if not state.tokenizer.has_text:
+        raise NoTokenizer("/detokenize")
     return _json({"prompt": state.tokenizer.decode(check_ids(state, body.tokens, "tokens"), False)})
 
 
