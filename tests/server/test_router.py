@@ -133,6 +133,39 @@ def test_completions_continuous_usage_stats(cluster):
     assert all(e["usage"] is None for e in ev[:-1]) and ev[-1]["usage"]["completion_tokens"] == 6
 
 
+def test_return_token_ids(cluster):
+    # vLLM's return_token_ids: the prompt's ids and each choice's ids beside the text, in whole
+    # answers and streamed (the prompt's with a choice's first chunk, each chunk its own ids);
+    # return_tokens_as_token_ids names logprob tokens "token_id:N".
+    ids = [400, 401, 402]
+    want = [fake_token(ids, s) for s in range(4)]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    ch = httpx.post(cluster.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    assert ch["prompt_token_ids"] == ids and ch["token_ids"] == want
+    ev = sse_events(httpx.post(cluster.url + "/v1/completions", json={**body, "stream": True}, timeout=30).text)[:-1]
+    firsts = [e["choices"][0] for e in ev if "prompt_token_ids" in e["choices"][0]]
+    assert len(firsts) == 1 and firsts[0]["prompt_token_ids"] == ids
+    assert [t for e in ev for t in e["choices"][0]["token_ids"]] == want
+    r = httpx.post(cluster.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "logprobs": 1,
+        "return_tokens_as_token_ids": True}).json()
+    assert r["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in want[:2]]
+
+    msgs = [{"role": "user", "content": "Hello"}]
+    chat = {"model": MODEL, "messages": msgs, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(cluster.url + "/v1/chat/completions", json=chat, timeout=30).json()
+    prompt = httpx.post(cluster.url + "/tokenize", json={"messages": msgs}).json()["tokens"]
+    out = [fake_token(prompt, s) for s in range(3)]
+    assert r["prompt_token_ids"] == prompt and r["choices"][0]["token_ids"] == out
+    ev = sse_events(httpx.post(cluster.url + "/v1/chat/completions", json={**chat, "stream": True},
+                               timeout=30).text)[:-1]
+    assert ev[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in e for e in ev[1:])
+    assert [t for e in ev for c in e["choices"] for t in c.get("token_ids", [])] == out
+    # without the flag, none of these fields
+    ch = httpx.post(cluster.url + "/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert "token_ids" not in ch and "prompt_token_ids" not in ch
+
+
 def test_sglang_info_endpoints(cluster):
     info = httpx.get(cluster.url + "/get_model_info").json()
     assert info["model_path"] and info["tokenizer_path"] and info["is_generation"] is True

@@ -49,8 +49,7 @@ def check_internal(body: Any) -> None:
 
 # vLLM/SGLang extensions that ask for more output than this server returns: unknown fields are
 # otherwise ignored (as vLLM does), but these would then silently be missing from the answer.
-ASKS_FOR_MORE = ("prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids", "return_hidden_states",
-                 "return_prompt_token_ids")
+ASKS_FOR_MORE = ("prompt_logprobs", "return_hidden_states", "return_prompt_token_ids")
 
 
 def check_unsupported(body: _Sampling) -> None:

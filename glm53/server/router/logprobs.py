@@ -27,15 +27,15 @@ def _finite(v: float | None) -> float | None:
 class Texts:
     """Token texts, decoded once each per response."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tok, self._cache = tokenizer, {}
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool = False):
+        # vLLM's return_tokens_as_token_ids form, "token_id:N": asked for, or no tokenizer.
+        self.tok, self._cache, self.as_ids = tokenizer, {}, as_ids or not tokenizer.has_text
 
     def __call__(self, tid: int) -> str:
         s = self._cache.get(tid)
         if s is None:
-            # Without a tokenizer, vLLM's return_tokens_as_token_ids form.
-            s = self._cache[tid] = (self.tok.decode([tid], skip_special_tokens=False) if self.tok.has_text
-                                    else f"token_id:{tid}")
+            s = self._cache[tid] = (f"token_id:{tid}" if self.as_ids
+                                    else self.tok.decode([tid], skip_special_tokens=False))
         return s
 
 

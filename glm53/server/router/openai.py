@@ -122,12 +122,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     created = int(time.time())
     if body.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        return StreamingResponse(_chat_events(state, gen, base, body.stream_options, len(ids), parsing),
+        return StreamingResponse(_chat_events(state, gen, base, body.stream_options, ids, parsing, body),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
     res = await until_disconnect(request, collect(gen))
     if res is None:
         return Response(status_code=499)
-    texts = Texts(state.tokenizer)
+    texts = Texts(state.tokenizer, body.return_tokens_as_token_ids)
     choices = []
     for i, c in enumerate(res):
         out = c.outcome
@@ -136,11 +136,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
             lp = {"content": chat_content(texts, c.ids[: c.shown], c.logprobs, c.top_logprobs)}
         message, called = parsing.message(c.text)
         choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": _finish_reason(out, called),
-                        "matched_stop": out.matched_stop, "stop_reason": out.matched_stop})
+                        "matched_stop": out.matched_stop, "stop_reason": out.matched_stop,
+                        **({"token_ids": c.ids} if body.return_token_ids else {})})
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": choices, "usage": _chat_usage(state, parsing, [c.outcome for c in res], [c.ids for c in res],
                                                  len(ids)),
+        **({"prompt_token_ids": ids} if body.return_token_ids else {}),
     }, headers={"x-request-id": rid})
 
 
@@ -167,17 +169,20 @@ def _check_capacity(state: RouterState, n: int, prompts: int) -> None:
                        f"once (router.max_running_requests). Send at most {cap} per request.", "prompt")
 
 
-def _chat_events(state: RouterState, gen: Generation, base: dict, opts: StreamOptions | None, plen: int,
-                 parsing: ChatParsing) -> AsyncIterator[str]:
+def _chat_events(state: RouterState, gen: Generation, base: dict, opts: StreamOptions | None, prompt: list[int],
+                 parsing: ChatParsing, body: ChatCompletionRequest) -> AsyncIterator[str]:
     """chat.completion.chunk events: the assistant role per choice, deltas per piece of output
-    (reasoning, content or tool-call pieces: parsers/chat.py; the tokens' logprobs ride on the
-    piece that shows them), each choice's finish chunk, then (include_usage) a usage-only chunk.
-    With continuous_usage_stats every chunk carries the running usage; with include_usage alone,
-    `"usage": null`."""
+    (reasoning, content or tool-call pieces: parsers/chat.py; the tokens' logprobs and, with
+    return_token_ids, their ids ride on the piece that shows them), each choice's finish chunk,
+    then (include_usage) a usage-only chunk. With continuous_usage_stats every chunk carries the
+    running usage; with include_usage alone, `"usage": null`. With return_token_ids the role
+    chunks carry the prompt's ids."""
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
     want_lp = gen.spec.logprobs >= 0
-    texts = Texts(state.tokenizer)
+    want_ids = body.return_token_ids
+    plen = len(prompt)
+    texts = Texts(state.tokenizer, body.return_tokens_as_token_ids)
     counted = 0  # completion tokens so far (all choices), stop tokens included
     n = gen.spec.n
     streams = [parsing.stream() for _ in range(n)]  # one parser state per choice
@@ -189,12 +194,15 @@ def _chat_events(state: RouterState, gen: Generation, base: dict, opts: StreamOp
                             if continuous and k is not None else None)
         return obj
 
-    def delta_events(index: int, deltas: list[dict], lp: dict | None) -> list[str]:
-        # Logprobs go with the first piece; with no piece (a marker held back), on an empty delta.
-        if lp is not None and not deltas:
+    def delta_events(index: int, deltas: list[dict], lp: dict | None, ids: list[int] | None = None) -> list[str]:
+        # Logprobs and ids go with the first piece; with no piece (a marker held back, or no
+        # text at all), on an empty delta.
+        if (lp is not None or ids) and not deltas:
             deltas = [{"content": ""}]
         return [sse(with_usage({**base, "choices": [{"index": index, "delta": d, "logprobs": lp if j == 0 else None,
-                                                      "finish_reason": None}]}, counted))
+                                                      "finish_reason": None,
+                                                      **({"token_ids": ids if j == 0 else []} if ids else {})}]},
+                               counted))
                 for j, d in enumerate(deltas)]
 
     def chunk(d: Delta) -> str | None:
@@ -205,7 +213,7 @@ def _chat_events(state: RouterState, gen: Generation, base: dict, opts: StreamOp
         lp = ({"content": chat_content(texts, shown, d.logprobs or [], d.top_logprobs or [])}
               if want_lp and shown else None)
         pieces = streams[d.index].feed(d.text) if d.text else []
-        return "".join(delta_events(d.index, pieces, lp)) or None
+        return "".join(delta_events(d.index, pieces, lp, d.token_ids if want_ids else None)) or None
 
     def finish(o: Outcome) -> list[str]:
         s = streams[o.index]
@@ -218,7 +226,8 @@ def _chat_events(state: RouterState, gen: Generation, base: dict, opts: StreamOp
     usage = (lambda outs: sse({**base, "choices": [], "usage": _chat_usage(state, parsing, outs, out_ids, plen)})) \
         if include_usage else None
     head = [sse(with_usage({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]}, 0))
+                                                "logprobs": None, "finish_reason": None}],
+                            **({"prompt_token_ids": prompt} if want_ids else {})}, 0))
             for i in range(n)]
     return event_stream(gen, head, chunk, finish, usage)
 
@@ -259,14 +268,14 @@ async def completions(body: CompletionRequest, request: Request, state: State):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if body.stream:
         gen = await admit(state, specs[0], request)
-        return StreamingResponse(_completion_events(state, gen, base, body.stream_options, echoes[0]),
+        return StreamingResponse(_completion_events(state, gen, base, body.stream_options, echoes[0], body),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
     gens = await start_all(state, specs, request)
 
     res = await until_disconnect(request, collect_all(gens))
     if res is None:
         return Response(status_code=499)
-    texts = Texts(state.tokenizer)
+    texts = Texts(state.tokenizer, body.return_tokens_as_token_ids)
     choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
     for p, (gen, per_prompt) in enumerate(zip(gens, res)):
         usage["completion_tokens"] += sum(c.outcome.completion_tokens for c in per_prompt)  # best_of: all
@@ -278,7 +287,8 @@ async def completions(body: CompletionRequest, request: Request, state: State):
             lp = _completion_lp(texts, gen, echoes[p], c) if lp_num >= 0 else None
             choices.append({"index": p * body.n + j, "text": echoes[p] + c.text, "logprobs": lp,
                             "finish_reason": out.finish_reason, "matched_stop": out.matched_stop,
-                            "stop_reason": out.matched_stop})
+                            "stop_reason": out.matched_stop,
+                            **({"prompt_token_ids": prompts[p], "token_ids": c.ids} if body.return_token_ids else {})})
         usage["prompt_tokens"] += per_prompt[0].outcome.prompt_tokens
         usage["cached"] += max(c.outcome.cached_tokens for c in per_prompt)
     total = Outcome("stop", None, usage["prompt_tokens"], usage["completion_tokens"], usage["cached"])
@@ -320,21 +330,29 @@ def _completion_prompts(state: RouterState, body: CompletionRequest) -> tuple[li
 
 
 def _completion_events(state: RouterState, gen: Generation, base: dict, opts: StreamOptions | None,
-                       echo: str) -> AsyncIterator[str]:
+                       echo: str, body: CompletionRequest) -> AsyncIterator[str]:
     """text_completion events: the echoed prompt per choice (if any, with the prompt's logprobs),
-    a chunk per piece of text (with its tokens' logprobs when asked for), each choice's finish
+    a chunk per piece of text (with its tokens' logprobs when asked for, and with
+    return_token_ids its ids; a choice's first chunk also the prompt's), each choice's finish
     chunk, then (include_usage) a usage-only chunk. With continuous_usage_stats every chunk
     carries the running usage (as chat's); with include_usage alone, `"usage": null`."""
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
     counted = 0  # completion tokens so far (all choices), stop tokens included
     want_lp = gen.spec.logprobs >= 0
-    texts = Texts(state.tokenizer)
+    want_ids = body.return_token_ids
+    texts = Texts(state.tokenizer, body.return_tokens_as_token_ids)
     offsets = [len(echo)] * gen.spec.n
     plen = len(gen.spec.input_ids)
     echoed = [False] * gen.spec.n
+    prompt_sent = [not want_ids] * gen.spec.n
 
     def tc(index: int, text: str, finish_reason: str | None, lp: dict | None = None, **extra: Any) -> str:
+        if want_ids:
+            extra.setdefault("token_ids", [])
+            if not prompt_sent[index]:
+                prompt_sent[index] = True
+                extra["prompt_token_ids"] = gen.spec.input_ids
         obj = {**base, "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                                     **extra}]}
         if include_usage:
@@ -352,13 +370,13 @@ def _completion_events(state: RouterState, gen: Generation, base: dict, opts: St
         pre = echo_head(d.index) if echo and not echoed[d.index] else ""
         counted += len(d.token_ids)
         shown = d.shown_ids
-        if not d.text and not (want_lp and shown):
+        if not d.text and not (want_lp and shown) and not (want_ids and d.token_ids):
             return pre or None
         lp = None
         if want_lp:
             lp = completion_logprobs(texts, shown, d.logprobs or [], d.top_logprobs or [], offset=offsets[d.index])
         offsets[d.index] += len(d.text)
-        return pre + tc(d.index, d.text, None, lp)
+        return pre + tc(d.index, d.text, None, lp, **({"token_ids": d.token_ids} if want_ids else {}))
 
     def finish(o: Outcome) -> list[str]:
         pre = [echo_head(o.index)] if echo and not echoed[o.index] else []

@@ -143,6 +143,10 @@ class _Sampling(_Body):
     logprobs: Union[bool, int, None] = None
     user: str | None = None
     cache_salt: str | None = None  # vLLM: reuse only prefix-cache entries made with the same salt
+    # vLLM: the prompt's and each choice's token ids beside the text (`prompt_token_ids`,
+    # `token_ids`; streamed: the prompt's with a choice's first chunk, each chunk its own ids)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
 
 
 class ChatCompletionRequest(_Sampling):
