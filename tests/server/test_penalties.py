@@ -174,6 +174,8 @@ def test_router_logprob_shapes():
                                               sglang_tokens, sglang_tops)
 
     class Tok:
+        has_text = True
+
         def decode(self, ids, skip_special_tokens=True):
             return {1: "a", 2: "bc", 3: "é"}[ids[0]]
 
@@ -191,3 +193,7 @@ def test_router_logprob_shapes():
     assert sglang_tokens(texts, [1, 2], [None, -1.5]) == [[None, 1, "a"], [-1.5, 2, "bc"]]
     assert sglang_tokens(None, [1], [-1.0]) == [[-1.0, 1, None]]
     assert sglang_tops(None, [[], [[2, -0.5]]]) == [None, [[-0.5, 2, None]]]
+    # vLLM's return_tokens_as_token_ids form: asked for, or a server without a tokenizer
+    assert Texts(Tok(), as_ids=True)(3) == "token_id:3"
+    Tok.has_text = False
+    assert chat_content(Texts(Tok()), [2], [-1.0], [[[2, -1.0]]])[0]["token"] == "token_id:2"
