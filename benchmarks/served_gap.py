@@ -4,7 +4,7 @@ instance) and the whole PD pipeline (router, prefill, NIXL transfer, decode) on 
 N requests at once, greedy, plain decoding (or `--draft`).
 
     PYTHONPATH=. python benchmarks/served_gap.py [--device cpu|cuda] [--concurrent 16] [--new 128]
-        [--prompt 200] [--rounds 2] [--draft DIR --block 8] [--profile DIR]
+        [--prompt 200] [--rounds 2] [--draft DIR --block 8] [--profile DIR] [--model DIR]
 
 Served requests stream (`/generate`, `stream: true`), so each token's arrival is timed at the
 client. The served figures split the window: `tok/s` = all output tokens / wall time (what
@@ -16,6 +16,11 @@ instances profile their serving loops (cProfile, GLM53_PROFILE_DIR) into DIR, pr
 
 `--device cuda`: both instances on GPU 0 (one-GPU PD, bf16, CUDA graphs as served), as
 benchmarks/dflash_pd.py.
+
+`--model DIR` (default: the embedded trained target): e.g. a micro slice whose CPU step at batch
+16 is ~1-2 ms, as a small model's is on a GPU, so that the served path's per-step host costs are
+not hidden behind a long CPU step (`tools/make_slice.py` with small `--width`s and the embedded
+tokenizer; the prompts are tokenized with the model's tokenizer).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def engine_loop(a, prompts: list[list[int]]) -> tuple[float, float, list]:
     """(decode-only rate, end-to-end rate, outputs) of the engine's loop on one in-process rank.
     End to end, the timed span also holds the prompts' prefill forwards (one prompt a forward), as
     the served window holds its prefill and transfer: the same work, without the serving parts."""
-    sched = scheduler(ASSETS / "tiny-glm5", a.draft, a.device, a.block, graphs=True,
+    sched = scheduler(a.model, a.draft, a.device, a.block, graphs=True,
                       dtype="bfloat16" if a.device == "cuda" else "float32", max_running=max(a.concurrent, 1),
                       context=1024)
     decode_run(sched, prompts[:2], 8)  # warm-up
@@ -100,11 +105,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="served rounds of --concurrent requests (the first one "
                     "pays what start-up left undone)")
     ap.add_argument("--profile", type=Path, help="profile the instances' serving loops into this directory")
+    ap.add_argument("--stream-interval", type=int, default=1, help="decode's stream_interval (tokens per event)")
+    ap.add_argument("--model", type=Path, default=ASSETS / "tiny-glm5", help="the target (default: the embedded one)")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.device == "cpu":
         torch.set_num_threads(1)  # as the served ranks run (engine/processes.py): a fair loop
-    prompts = held_file_prompts(ASSETS / "tiny-glm5", a.concurrent, a.prompt)
+    prompts = held_file_prompts(a.model, a.concurrent, a.prompt)
     mode = "plain" if a.draft is None else f"{a.draft.name} block {a.block}"
     print(f"{a.concurrent} requests at once, {a.prompt}-token held-out prompts, {a.new} new tokens, greedy, {mode}, "
           f"{a.device}")
@@ -116,7 +123,8 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="served-gap-"))
     spec = None if a.draft is None else {"algorithm": "DFLASH", "draft_model_path": str(a.draft.resolve()),
                                          "num_draft_tokens": a.block}
-    c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec)
+    c = Cluster(Path(tempfile.mkdtemp()), cache, speculative=spec, stream_interval=a.stream_interval)
+    c.cfg["model"]["path"] = str(a.model.resolve())
     c.cfg["defaults"].update(disable_radix_cache=True, chunked_prefill_size=8192)
     c.config_path.write_text(yaml.safe_dump(c.cfg))
     if a.device == "cuda":
