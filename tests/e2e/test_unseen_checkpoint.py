@@ -4,8 +4,9 @@ DFlash draft (`tools/make_draft.py`'s writer; its default target layers on a tar
 
 Without tokenizer.json, `up` refuses the config naming model.path; with
 `model.skip_tokenizer_init` it serves token ids (SGLang's and vLLM's --skip-tokenizer-init):
-greedy output through PD + DFlash equals transformers' own greedy decoding, OpenAI logprobs name
-tokens as `token_id:N`, and everything that needs text is a 400 naming why."""
+greedy output through PD + DFlash equals transformers' own greedy decoding, OpenAI completions
+return the ids (`return_token_ids`) and name logprob tokens `token_id:N`, and everything that
+needs text is a 400 naming why."""
 
 from __future__ import annotations
 
@@ -73,11 +74,13 @@ def test_served_token_ids_equal_transformers_greedy(unseen, tmp_path, model_cach
             assert body["meta_info"]["spec_verify_ct"] >= 1  # DFlash verified them
 
         r = httpx.post(f"{c.url}/v1/completions", timeout=60, json={
-            "model": "unseen", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "logprobs": 2})
+            "model": "unseen", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         want = reference_greedy(ref, PROMPTS[1])[:4]
-        assert choice["text"] == "" and choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in want]
+        assert choice["text"] == "" and choice["token_ids"] == want and choice["prompt_token_ids"] == PROMPTS[1]
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in want]
         assert all(len(t) == 2 for t in choice["logprobs"]["top_logprobs"])
 
         refused = [
