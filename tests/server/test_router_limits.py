@@ -71,6 +71,19 @@ def test_valid_text_and_encodings(limits_cluster):
     assert "nested too deeply" in e["message"]
 
 
+def test_body_is_json_whatever_its_content_type(limits_cluster):
+    # `curl -d` sends application/x-www-form-urlencoded; no Content-Type at all is read as JSON too.
+    body = b'{"prompt": [400, 401], "max_tokens": 2}'
+    for ctype in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"content-type": ctype} if ctype else {}
+        r = httpx.post(limits_cluster.url + "/v1/completions", content=body, headers=headers, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, (ctype, r.text)
+    r = httpx.post(limits_cluster.url + "/generate", content=b"prompt=hello",
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)
+    e = error(r, 400)
+    assert e["message"] == "The request body is not valid JSON." and e["param"] == "body"
+
+
 def test_body_over_the_limit_is_413_before_parsing(limits_cluster):
     c = limits_cluster
     big = b'{"prompt":"' + b"a" * MAX_BYTES + b'"}'

@@ -8,6 +8,10 @@ FastAPI a request whose body is
   router's worker threads (offload.py), so FastAPI's own validation receives a finished model
   (pydantic returns a model instance as is) and the event loop only awaits.
 
+The body is read as JSON whatever its Content-Type says (as SGLang's /generate reads it): `curl -d`
+sends application/x-www-form-urlencoded, which FastAPI would otherwise hand pydantic as raw bytes
+("Input should be a valid dictionary"); a body that is not JSON is a 400 saying so.
+
 A lone UTF-16 surrogate (JSON "\\ud800" without its pair) is valid JSON but not text: it is a 400
 naming the field where it sits, never a 500 from whatever later encodes it. Errors are raised as
 HTTPException subclasses because FastAPI passes those through its body reading unchanged.
@@ -135,6 +139,15 @@ def _body_model(endpoint: Any) -> type[BaseModel] | None:
     return None
 
 
+def _as_json(request: Request) -> Request:
+    """`request` with Content-Type application/json, so that FastAPI parses its body as JSON."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "application/json" or kind.endswith("+json"):
+        return request
+    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() != b"content-type"]
+    return Request({**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}, request.receive)
+
+
 class BodyRoute(APIRoute):
     def get_route_handler(self):
         handler = super().get_route_handler()
@@ -144,6 +157,7 @@ class BodyRoute(APIRoute):
 
         async def route(request: Request) -> Response:
             state = request.app.state.router
-            return await handler(_LimitedRequest(request, model, state.cfg.router.max_request_bytes, state.offload))
+            return await handler(_LimitedRequest(_as_json(request), model, state.cfg.router.max_request_bytes,
+                                                 state.offload))
 
         return route
