@@ -171,7 +171,10 @@ class Tokenizer:
 
     # ---- chat template ----
     def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            **kwargs: Any) -> str:
+        """The rendered prompt. `continue_final_message` (Hugging Face's): the text ends right
+        after the last message's content (its end-of-turn markup cut), so the answer continues it."""
         if self.tok is None:
             raise NoTokenizer("a chat request")
         if self.chat_template is None:
@@ -179,7 +182,7 @@ class Tokenizer:
         if self._template is None:
             self._template = _jinja_env().from_string(self.chat_template)
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                 eos_token=self.eos_token, bos_token=self.bos_token, pad_token=self.pad_token, **kwargs,
             )
@@ -187,6 +190,7 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template error: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise ChatTemplateError(f"chat template cannot render these messages: {e}") from None
+        return _cut_after_final(text, messages[-1] if messages else {}) if continue_final_message else text
 
 
 # Pre-tokenizers that keep every input character (they split or map text, never drop it).
@@ -232,6 +236,23 @@ def _max_token_bytes(tok: HFTokenizer) -> int | None:
         # 3 bytes for a 1-byte space); an unknown character is one token of up to 4 bytes.
         longest = max([4, *(len(t.encode("utf-8")) for t in vocab)])
     return max([longest, *(len(str(a.get("content", "")).encode("utf-8")) for a in added)])
+
+
+def _cut_after_final(text: str, final: dict[str, Any]) -> str:
+    """`text` up to the end of the final message's content (its last text part), as Hugging
+    Face's continue_final_message cuts it."""
+    content = final.get("content")
+    if isinstance(content, (list, tuple)):
+        parts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        content = parts[-1] if parts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a last message with text content to continue")
+    tail = content.strip()
+    at = text.rfind(tail)
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not render the last message's "
+                                "content verbatim, so it cannot be continued")
+    return text[: at + len(tail)]
 
 
 def _eos_ids(mcfg: dict[str, Any], gcfg: dict[str, Any]) -> list[int]:

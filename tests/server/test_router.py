@@ -166,6 +166,24 @@ def test_return_token_ids(cluster):
     assert "token_ids" not in ch and "prompt_token_ids" not in ch
 
 
+def test_continue_final_message(cluster):
+    # vLLM's continue_final_message: the answer continues the client's assistant text (the prompt
+    # ends at it), on /v1/chat/completions and /tokenize alike; with add_generation_prompt also
+    # true it is a 400 naming the field.
+    msgs = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "def f(x):"}]
+    tok = httpx.post(cluster.url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False,
+                                                     "continue_final_message": True}).json()["tokens"]
+    text = httpx.post(cluster.url + "/detokenize", json={"tokens": tok}).json()["prompt"]
+    assert text.endswith("<|user|>Hello<|assistant|></think>def f(x):"), text
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 3, "temperature": 0, "continue_final_message": True,
+            "return_token_ids": True}
+    r = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == tok
+    r = httpx.post(cluster.url + "/v1/chat/completions", json={**body, "add_generation_prompt": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_sglang_info_endpoints(cluster):
     info = httpx.get(cluster.url + "/get_model_info").json()
     assert info["model_path"] and info["tokenizer_path"] and info["is_generation"] is True

@@ -1,7 +1,9 @@
 import json
 
+import pytest
+
 from glm53.server.embedded_model import EOS_TOKENS, SPECIAL_TOKENS
-from glm53.server.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from glm53.server.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
 def test_embedded_tokenizer_and_specials(model_dir):
@@ -31,6 +33,21 @@ def test_chat_template(model_dir):
     s = t.apply_chat_template([{"role": "user", "content": "U"}],
                               tools=[{"type": "function", "function": {"name": "get_time", "parameters": {}}}])
     assert "<tools>" in s and '"get_time"' in s
+
+
+def test_continue_final_message(model_dir):
+    # Hugging Face's cut: the prompt ends at the last message's (stripped) content, its end of
+    # turn and any generation prompt gone, so the answer continues the assistant's text.
+    t = Tokenizer.from_dir(model_dir)
+    m = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "def f(x):\n    return "}]
+    s = t.apply_chat_template(m, add_generation_prompt=False, continue_final_message=True)
+    assert s == "[gMASK]<sop><|user|>U<|assistant|></think>def f(x):\n    return"
+    parts = [{"role": "user", "content": "U"}, {"role": "assistant", "content": [{"type": "text", "text": "A"},
+                                                                                  {"type": "text", "text": "B"}]}]
+    assert t.apply_chat_template(parts, add_generation_prompt=False, continue_final_message=True).endswith("AB")
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        t.apply_chat_template([{"role": "user", "content": "U"}, {"role": "assistant", "content": ""}],
+                              add_generation_prompt=False, continue_final_message=True)
 
 
 def test_chat_template_from_tokenizer_config(model_dir, tmp_path):

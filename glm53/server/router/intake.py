@@ -207,14 +207,20 @@ def render_chat(state: RouterState, body: ChatCompletionRequest | TokenizeReques
         if isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"]):
             raise APIError(400, "only text content parts are supported", f"messages[{i}].content")
     kwargs = {**thinking_kwargs(body), **(body.chat_template_kwargs or {})}
-    for k in ("messages", "tools", "add_generation_prompt"):
+    for k in ("messages", "tools", "add_generation_prompt", "continue_final_message"):
         kwargs.pop(k, None)
+    add_prompt = body.add_generation_prompt
+    if body.continue_final_message:
+        if "add_generation_prompt" in body.model_fields_set and add_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                           "continue_final_message")
+        add_prompt = False
     if isinstance(body, ChatCompletionRequest) and body.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     msgs, tools = template_messages(msgs), template_tools(body)
     try:
-        return state.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=body.add_generation_prompt,
-                                                   **kwargs)
+        return state.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=add_prompt,
+                                                   continue_final_message=body.continue_final_message, **kwargs)
     except ChatTemplateError as e:
         raise APIError(400, str(e), "messages") from None
 

@@ -159,6 +159,9 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     add_generation_prompt: bool = True
+    # vLLM / Hugging Face: the answer continues the last message (an assistant turn the client
+    # began) instead of opening a new turn; the template's end-of-turn markup after it is cut.
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Sampling):
@@ -233,6 +236,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
