@@ -166,6 +166,19 @@ def test_return_token_ids(cluster):
     assert "token_ids" not in ch and "prompt_token_ids" not in ch
 
 
+def test_vllm_fields_that_change_the_answer_are_refused(cluster):
+    # Unknown fields are ignored as vLLM ignores them, except those that would silently give
+    # another answer than the one asked for; at their default values they pass.
+    base = {"model": MODEL, "prompt": [400, 401], "max_tokens": 2}
+    for field, value in (("guided_json", {"type": "object"}), ("allowed_token_ids", [1, 2]),
+                         ("bad_words", ["x"]), ("truncate_prompt_tokens", 1), ("use_beam_search", True)):
+        r = httpx.post(cluster.url + "/v1/completions", json={**base, field: value}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    r = httpx.post(cluster.url + "/v1/completions", timeout=30,
+                   json={**base, "use_beam_search": False, "length_penalty": 1.0, "priority": 3})
+    assert r.status_code == 200, r.text
+
+
 def test_continue_final_message(cluster):
     # vLLM's continue_final_message: the answer continues the client's assistant text (the prompt
     # ends at it), on /v1/chat/completions and /tokenize alike; with add_generation_prompt also
@@ -233,6 +246,10 @@ def test_stop_strings_and_stop_token_ids(cluster):
                                                           "stream": True})
     ev = sse_events(r.text)
     assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == full[:idx]
+    # vLLM's include_stop_str_in_output (SGLang's no_stop_trim): the matched string stays
+    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": ids, "max_tokens": 8, "stop": [stop],
+                                                          "include_stop_str_in_output": True}).json()
+    assert r["choices"][0]["text"] == full[:idx] + stop and r["choices"][0]["finish_reason"] == "stop"
 
 
 def err(r, status):

@@ -50,6 +50,12 @@ def check_internal(body: Any) -> None:
 # vLLM/SGLang extensions that ask for more output than this server returns: unknown fields are
 # otherwise ignored (as vLLM does), but these would then silently be missing from the answer.
 ASKS_FOR_MORE = ("prompt_logprobs", "return_hidden_states", "return_prompt_token_ids")
+# vLLM extensions that would change what is generated (or from which prompt): ignored, they would
+# silently give another answer than the one asked for. A field at its default value passes.
+CHANGES_THE_ANSWER = {"allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
+                      "use_beam_search": False, "length_penalty": 1.0, "guided_json": None, "guided_regex": None,
+                      "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
+                      "prompt_embeds": None, "spaces_between_special_tokens": True}
 
 
 def check_unsupported(body: _Sampling) -> None:
@@ -63,6 +69,10 @@ def check_unsupported(body: _Sampling) -> None:
             raise APIError(400, f"{k} is not supported (use echo with logprobs for prompt logprobs on "
                            "/v1/completions, or return_logprob on /generate)" if k == "prompt_logprobs"
                            else f"{k} is not supported", k)
+    for k, default in CHANGES_THE_ANSWER.items():
+        if k in extra and extra[k] is not None and extra[k] != default:
+            hint = " (use response_format)" if k.startswith("guided_") or k == "structured_outputs" else ""
+            raise APIError(400, f"{k} is not supported{hint}", k)
 
 
 # Stop strings are matched on the event loop for every streamed token, each costing ~3 us

@@ -64,7 +64,7 @@ def openai_params(state: RouterState, body: _Sampling, names: dict[str, str], ma
         ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, grammar=grammar,
         grammar_after=grammar_after, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        logit_bias=body.logit_bias, min_new_tokens=body.min_tokens)
+        logit_bias=body.logit_bias, min_new_tokens=body.min_tokens, no_stop_trim=body.include_stop_str_in_output)
 
 
 def chat_request(state: RouterState, body: ChatCompletionRequest, grammar: str | None,

@@ -147,6 +147,7 @@ class _Sampling(_Body):
     # `token_ids`; streamed: the prompt's with a choice's first chunk, each chunk its own ids)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
+    include_stop_str_in_output: bool = False  # vLLM: keep the matched stop string (SGLang's no_stop_trim)
 
 
 class ChatCompletionRequest(_Sampling):
