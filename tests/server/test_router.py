@@ -177,6 +177,9 @@ def test_vllm_fields_that_change_the_answer_are_refused(cluster):
     r = httpx.post(cluster.url + "/v1/completions", timeout=30,
                    json={**base, "use_beam_search": False, "length_penalty": 1.0, "priority": 3})
     assert r.status_code == 200, r.text
+    r = httpx.post(cluster.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
 
 
 def test_continue_final_message(cluster):

@@ -55,7 +55,8 @@ ASKS_FOR_MORE = ("prompt_logprobs", "return_hidden_states", "return_prompt_token
 CHANGES_THE_ANSWER = {"allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
                       "use_beam_search": False, "length_penalty": 1.0, "guided_json": None, "guided_regex": None,
                       "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
-                      "prompt_embeds": None, "spaces_between_special_tokens": True}
+                      "prompt_embeds": None, "spaces_between_special_tokens": True,
+                      "echo": False}  # chat's echo (completions declare theirs)
 
 
 def check_unsupported(body: _Sampling) -> None:
