@@ -122,7 +122,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     created = int(time.time())
     if body.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        return StreamingResponse(_chat_events(state, gen, base, body.stream_options, ids, parsing, body),
+        return StreamingResponse(_chat_events(state, gen, base, body.stream_options, parsing, body),
                                  media_type="text/event-stream", headers={**SSE_HEADERS, "x-request-id": rid})
     res = await until_disconnect(request, collect(gen))
     if res is None:
@@ -169,8 +169,8 @@ def _check_capacity(state: RouterState, n: int, prompts: int) -> None:
                        f"once (router.max_running_requests). Send at most {cap} per request.", "prompt")
 
 
-def _chat_events(state: RouterState, gen: Generation, base: dict, opts: StreamOptions | None, prompt: list[int],
-                 parsing: ChatParsing, body: ChatCompletionRequest) -> AsyncIterator[str]:
+def _chat_events(state: RouterState, gen: Generation, base: dict, opts: StreamOptions | None, parsing: ChatParsing,
+                 body: ChatCompletionRequest) -> AsyncIterator[str]:
     """chat.completion.chunk events: the assistant role per choice, deltas per piece of output
     (reasoning, content or tool-call pieces: parsers/chat.py; the tokens' logprobs and, with
     return_token_ids, their ids ride on the piece that shows them), each choice's finish chunk,
@@ -181,6 +181,7 @@ def _chat_events(state: RouterState, gen: Generation, base: dict, opts: StreamOp
     continuous = bool(opts and opts.include_usage and opts.continuous_usage_stats)
     want_lp = gen.spec.logprobs >= 0
     want_ids = body.return_token_ids
+    prompt = gen.spec.input_ids
     plen = len(prompt)
     texts = Texts(state.tokenizer, body.return_tokens_as_token_ids)
     counted = 0  # completion tokens so far (all choices), stop tokens included
