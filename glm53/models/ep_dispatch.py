@@ -69,7 +69,8 @@ def plan_exchange(weights: torch.Tensor, ids: torch.Tensor, pl: ExpertPlacement)
     sizes = torch.tensor([bounds[s + 1] - bounds[s] for s in range(tp)], device=dev)
     slice_of = torch.repeat_interleave(torch.arange(tp, device=dev), sizes)  # [N]
     # counts[s][g]: pairs of slice s whose expert is in group g (identical on every rank)
-    counts = readback(torch.bincount((slice_of[:, None] * ep + owner).flatten(), minlength=tp * ep).view(tp, ep)).tolist()
+    pairs = torch.bincount((slice_of[:, None] * ep + owner).flatten(), minlength=tp * ep).view(tp, ep)
+    counts = readback(pairs).tolist()
     send = [counts[pl.rank][d // m] for d in range(tp)]
     recv = [counts[s][pl.group] for s in range(tp)]
 

@@ -4,8 +4,9 @@ Why: `tensor.tolist()` and `.cpu()` copy into pageable host memory, and the driv
 copy synchronously, waiting inside the call for the stream to reach it. In a colocated pair
 (engine/colocate.py) prefill's thread did so behind a chunk that runs ~100 ms on its SMs, and
 decode's thread waited as long in its next event record (measured on an H200 with
-benchmarks/cross_thread_sync.py: 99 ms; `item()` and `stream.synchronize()` did not hold it). A pinned buffer, an asynchronous copy and an event the caller waits on (torch releases
-the GIL there) leave the other threads' calls alone.
+benchmarks/cross_thread_sync.py: 99 ms; `item()` and `stream.synchronize()` did not hold it).
+A pinned buffer, an asynchronous copy and an event the caller waits on (torch releases the GIL
+there) leave the other threads' calls alone.
 """
 
 from __future__ import annotations

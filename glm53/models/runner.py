@@ -357,7 +357,8 @@ class ModelRunner:
         for size in {b.block_size for b in blocks} - {1}:  # one propose call per block size
             idx = [i for i, b in enumerate(blocks) if b.block_size == size]
             choice = self.draft_block([blocks[i] for i in idx])
-            for j, (i, row, keep) in enumerate(zip(idx, readback(choice.tokens).tolist(), readback(choice.keep).tolist())):
+            rows, keeps = readback(choice.tokens).tolist(), readback(choice.keep).tolist()
+            for j, (i, row, keep) in enumerate(zip(idx, rows, keeps)):
                 drafts[i] = row[:keep]
                 if blocks[i].sampling is not None:
                     probs[i] = choice.probs[j, :keep]

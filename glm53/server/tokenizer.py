@@ -129,8 +129,8 @@ class Tokenizer:
         d = Path(model_dir)
         mcfg, gcfg = _read_json(d / "config.json"), _read_json(d / "generation_config.json")
         return cls(model_dir=d, tok=None, chat_template=None, eos_token_ids=_eos_ids(mcfg, gcfg), special_ids=set(),
-                   vocab_size=int(mcfg.get("vocab_size") or 0), max_position_embeddings=mcfg.get("max_position_embeddings"),
-                   defaults=_generation_defaults(gcfg))
+                   vocab_size=int(mcfg.get("vocab_size") or 0),
+                   max_position_embeddings=mcfg.get("max_position_embeddings"), defaults=_generation_defaults(gcfg))
 
     @property
     def has_text(self) -> bool:

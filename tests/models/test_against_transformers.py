@@ -49,8 +49,8 @@ def test_prefill_logits_match_transformers(tmp_path, monkeypatch, sched):
 # top-k routing weights, tied embeddings, an explicit dense/sparse MLP pattern (not a prefix),
 # several shared experts, no routed scaling, other latent and head widths.
 VARIANTS = [
-    dict(norm_topk_prob=False, tie_word_embeddings=True, mlp_layer_types=["sparse", "dense", "sparse", "dense", "sparse"],
-         n_shared_experts=2, routed_scaling_factor=1.0, index_topk_freq=2, index_skip_topk_offset=1),
+    dict(norm_topk_prob=False, tie_word_embeddings=True,
+         mlp_layer_types=["sparse", "dense", "sparse", "dense", "sparse"], n_shared_experts=2, routed_scaling_factor=1.0, index_topk_freq=2, index_skip_topk_offset=1),
     dict(norm_topk_prob=False, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=48, q_lora_rank=16,
          qk_rope_head_dim=8, qk_nope_head_dim=24, v_head_dim=8, n_routed_experts=16, n_group=4, topk_group=2,
          num_experts_per_tok=3, index_head_dim=16, index_n_heads=32, rms_norm_eps=1e-6,

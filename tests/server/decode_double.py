@@ -1,16 +1,20 @@
 """A worker double for the decode scheduler whose greedy token is a known function of the step's
 input token and position (`next_token`): a step fed the wrong device-side input, or at the wrong
 position, changes everything after it. Its steps assert they never write a free page. `scheduler`
-builds a `DecodeScheduler` over it (events collected, nothing sent); `reference_tokens` is what
-greedy decoding of the double gives. Used by test_overlap_decode.py and test_decode_choices.py."""
+builds a `DecodeScheduler` over it (events collected, nothing sent); `adopt` hands it a request as
+if its KV had arrived; `reference_tokens` is what greedy decoding of the double gives. Used by
+test_overlap_decode.py, test_decode_choices.py and test_transfer_bytes.py."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
 from glm53.server.config_parse import parse_config
-from glm53.server.engine.decode import DecodeScheduler
+from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
 from glm53.server.engine.group import WorkerGroup
+from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.support.ports import free_ports
 
 V = 64
@@ -89,6 +93,20 @@ def scheduler(overlap: bool) -> tuple[DecodeScheduler, list]:
     sent = []
     sched.channel.send = lambda _to, ev: sent.append(ev)
     return sched, sent
+
+
+def adopt(sched: DecodeScheduler, spec: RequestSpec, room: int, counts: list[int]) -> DecodeRequest:
+    """`spec` adopted by `sched` as if prefill's KV and commit record (`counts`, the double's
+    first token for every choice) had arrived; returns the request (its first choice)."""
+    req = GenerateRequest(spec=spec, room=room, generation=0, prefill=PeerInfo("p0", "prefill", "h", 1, 2),
+                          decode=PeerInfo("d0", "decode", "h", 3, None), reply_to="tcp://unused:1")
+    r = DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched._request_pages(req)))
+    n_prompt = len(spec.input_ids)
+    first = next_token(n_prompt - 1, spec.input_ids[-1])
+    row = SimpleNamespace(counts=list(counts), first_token_ids=[first] * spec.n, payload=b"")
+    r.receiver = SimpleNamespace(metadata=lambda: row)
+    sched._adopt(r)
+    return r
 
 
 def reference_tokens(prompt_len: int, n: int) -> list[int]:

@@ -6,14 +6,12 @@ model's n > 1 outputs are checked end to end in tests/e2e/test_api.py."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from glm53.server.engine.decode import DecodeRequest
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
-from tests.server.decode_double import next_token, reference_tokens, scheduler
+from tests.server.decode_double import adopt, reference_tokens, scheduler
 
 PS = 16  # the double's page size
 
@@ -21,13 +19,7 @@ PS = 16  # the double's page size
 def adopt_choices(sched, room: int, prompt_len: int, max_new: int, n: int) -> list[DecodeRequest]:
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
     spec = RequestSpec(f"r{room}", list(range(3, 3 + prompt_len)), params, [], n=n)
-    req = GenerateRequest(spec=spec, room=room, generation=0, prefill=PeerInfo("p0", "prefill", "h", 1, 2),
-                          decode=PeerInfo("d0", "decode", "h", 3, None), reply_to="tcp://unused:1")
-    r = DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched._request_pages(req)))
-    first = next_token(prompt_len - 1, 3 + prompt_len - 1)
-    row = SimpleNamespace(counts=[prompt_len], first_token_ids=[first] * n, payload=b"")
-    r.receiver = SimpleNamespace(metadata=lambda: row)
-    sched._adopt(r)
+    r = adopt(sched, spec, room, [prompt_len])
     return [c for c in sched.running if c.key == r.key]
 
 

@@ -5,14 +5,11 @@ commit record says (counts[1] = draft-context positions sent); without it they a
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from glm53.server.engine.decode import DecodeRequest
-from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
+from glm53.server.protocol import RequestSpec
 from glm53.server.sampling import SamplingParams
-from tests.server.decode_double import next_token, scheduler
+from tests.server.decode_double import adopt, scheduler
 
 PS = 16  # the double's page size
 
@@ -24,14 +21,7 @@ def test_bytes_count_the_draft_pools_only_when_they_moved(counts, per_page):
     try:
         prompt_len = 37
         params = SamplingParams(temperature=0.0, max_new_tokens=4)
-        req = GenerateRequest(spec=RequestSpec("r0", list(range(3, 3 + prompt_len)), params, []), room=0, generation=0,
-                              prefill=PeerInfo("p0", "prefill", "h", 1, 2), decode=PeerInfo("d0", "decode", "h", 3, None),
-                              reply_to="tcp://unused:1")
-        r = DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched._request_pages(req)))
-        row = SimpleNamespace(counts=list(counts), first_token_ids=[next_token(prompt_len - 1, 3 + prompt_len - 1)],
-                              payload=b"")
-        r.receiver = SimpleNamespace(metadata=lambda: row)
-        sched._adopt(r)
+        adopt(sched, RequestSpec("r0", list(range(3, 3 + prompt_len)), params, []), 0, list(counts))
         moved = [ev.transfer.bytes for ev in sent if ev.transfer is not None]
         assert moved == [3 * per_page]  # 37 prompt tokens: 3 pages of 16
     finally:
