@@ -25,15 +25,16 @@ from pathlib import Path
 import torch
 
 from glm53.support.glm5_slice import ensure_slice
-from glm53.support.kernel_profile import kernel_table, print_table, profile
+from glm53.support.kernel_profile import kernel_table, launch_counts, print_table, profile
 
 
 # -- decode ------------------------------------------------------------------------------------
-def decode_profile(model_dir: Path, sizes: list[int], ctx: int, steps: int, top: int) -> list[dict]:
+def decode_profile(model_dir: Path, sizes: list[int], ctx: int, steps: int, top: int,
+                   fp8: bool = False) -> list[dict]:
     from glm53.models import ModelRunner, SeqChunk
     from glm53.models.graph import GraphConfig
 
-    base = ModelRunner.from_dir(model_dir, page_size=64, num_pages=1, device="cuda", progress=False)
+    base = ModelRunner.from_dir(model_dir, page_size=64, num_pages=1, device="cuda", progress=False, fp8=fp8)
     need = -(-(ctx + 4 * steps + 64) // 64)
     runner = ModelRunner(base.model, num_pages=need * max(sizes), page_size=64, device="cuda",
                          graphs=GraphConfig(max_bs=max(sizes), max_context=need * 64))
@@ -62,7 +63,9 @@ def decode_profile(model_dir: Path, sizes: list[int], ctx: int, steps: int, top:
         prof = profile(step, steps)
         gpu_us, rows = kernel_table(prof, steps, top)
         print_table(f"decode bs {bs}: wall {wall:.2f} ms/step", gpu_us, rows)
-        report.append({"bs": bs, "wall_ms": wall, "gpu_us": gpu_us, "kernels": rows})
+        counts = launch_counts(prof, steps)
+        print(f"decode bs {bs}: {counts}", flush=True)
+        report.append({"bs": bs, "wall_ms": wall, "gpu_us": gpu_us, "kernels": rows, **counts})
     return report
 
 
@@ -159,13 +162,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--fp8", action="store_true", help="the slice in the GLM-5-FP8 layout, its weights kept FP8 "
+                    "(issue 29); default slice dir /tmp/glm5-slice-fp8")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    slice_dir = ensure_slice(Path(a.slice))
+    slice_dir = ensure_slice(Path(a.slice + "-fp8" if a.fp8 and a.slice == "/tmp/glm5-slice" else a.slice), fp8=a.fp8)
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(a)}
     if "decode" in a.phases:
-        report["decode"] = decode_profile(slice_dir, a.sizes, a.context, a.steps, a.top)
+        report["decode"] = decode_profile(slice_dir, a.sizes, a.context, a.steps, a.top, a.fp8)
         torch.cuda.empty_cache()
     if "prefill" in a.phases:
         report["prefill"] = prefill_profile(slice_dir, a.context, 3, a.top)

@@ -20,6 +20,22 @@ def kernel_table(prof, steps: int, top: int) -> tuple[float, list[dict]]:
     return sum(r["us_per_step"] for r in rows), rows[:top]
 
 
+def launch_counts(prof, steps: int, short_us: float = 8.0) -> dict:
+    """Kernels per step, and how many of them (and their µs per step) average under `short_us`:
+    a step made of many short kernels is bound by launch gaps, not by the bytes it reads."""
+    calls = short = short_time = 0.0
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if us <= 0 or ev.device_type != torch.autograd.DeviceType.CUDA or not ev.count:
+            continue
+        calls += ev.count
+        if us / ev.count < short_us:
+            short += ev.count
+            short_time += us
+    return {"kernels_per_step": calls / steps, f"under_{short_us:g}us_per_step": short / steps,
+            f"under_{short_us:g}us_time_us": short_time / steps}
+
+
 def print_table(title: str, total_us: float, rows: list[dict]) -> None:
     print(f"{title}: GPU kernels {total_us:8.1f} us/step", flush=True)
     for r in rows:
