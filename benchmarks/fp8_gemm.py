@@ -4,12 +4,11 @@ per-rank shapes, every figure and ratio measured in one run on one GPU.
 
 Sections, in order (the tables are printed again at the end):
 
-1. decode: the decode candidates, the GEMV (`fp8_gemv_triton`, up to 8 rows), w8a16 (FP8 weights
-   dequantized in the tile kernel) and w8a8 (x quantized per 1×128 group, one more launch, then
-   FP8 × FP8), with bf16 cuBLAS and the HBM floor beside them, at M = 1..64 for every shape; per
-   M the sums over the shapes (one layer's linears); the `GEMV_MAX_M` and `W8A16_MAX_M` they
-   imply, which this run then sets for the dispatcher (`--w8a16-max-m` overrides the second);
-   `--only gemv` adds the GEMV's tile sweep;
+1. decode: both decode candidates, w8a16 (FP8 weights dequantized in the kernel) and w8a8 (x
+   quantized per 1×128 group, one more launch, then FP8 × FP8), at M = 1..64 for every shape; per
+   M the sum over the shapes (one layer's linears); the crossover M and the `W8A16_MAX_M` it
+   implies, which this run then sets for the dispatcher (`--w8a16-max-m` overrides it); bf16
+   cuBLAS and the FP8 HBM floor beside them;
 2. gemm: M = 1, 64, 4096: bf16 `x @ w.T` (cuBLAS), w8a16, w8a8 (quantization included; at
    M >= 1024 also the GEMM alone on pre-quantized x), the dispatched variant's TFLOP/s and its
    speedup over bf16, and at M <= 64 the HBM floor (FP8 weight + scale + x + y bytes over the
@@ -47,7 +46,6 @@ from glm53.kernels.dispatch import triton_interpreting
 from glm53.kernels import fp8_gemm_cublas as fp8_gemm_cublas_mod
 from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
 from glm53.kernels.fp8_gemm_triton import GemmConfig, fp8_gemm_w8a8, fp8_gemm_w8a16
-from glm53.kernels.fp8_gemv_triton import GEMV_MAX_ROWS, GemvConfig, fp8_gemv
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks, quantize_fp8_blocks, quantize_fp8_groups_triton
 from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 from glm53.kernels.moe_triton import MoEConfig, moe_experts_triton
@@ -141,7 +139,7 @@ class Shape:
 def _variant_fn(variant: str, config=None):
     if variant == "cublas":
         return lambda x, q, s: fp8_gemm_cublas(x, q, s)
-    f = {"gemv": fp8_gemv, "w8a16": fp8_gemm_w8a16, "w8a8": fp8_gemm_w8a8}[variant]
+    f = {"w8a16": fp8_gemm_w8a16, "w8a8": fp8_gemm_w8a8}[variant]
     return lambda x, q, s: f(x, q, s, config=config)
 
 
@@ -154,66 +152,33 @@ def check_variant(sh: Shape, x: torch.Tensor, variant: str, config=None) -> floa
     return rel(_variant_fn(variant, config)(x, sh.q[0], sh.s[0]), x.float() @ sh.w32.t())
 
 
-def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: float, log) -> tuple[int, int]:
-    """The decode variants at every M (the GEMV up to its row limit), bf16 cuBLAS and the HBM
-    floor beside them; returns (GEMV_MAX_M, W8A16_MAX_M) the sums imply."""
-    sums = {m: {"gemv": 0.0 if m <= GEMV_MAX_ROWS else math.inf, "w8a16": 0.0, "w8a8": 0.0, "bf16": 0.0,
-                "floor": 0.0} for m in ms}
+def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: float, log) -> int:
+    """Both decode variants at every M, with bf16 cuBLAS and the FP8 HBM floor beside them;
+    returns the W8A16_MAX_M the sums imply."""
+    sums = {m: {"w8a16": 0.0, "w8a8": 0.0, "bf16": 0.0, "floor": 0.0} for m in ms}
     for sh in shapes:
         for m in ms:
             x = torch.randn(m, sh.K, device=dev).to(torch.bfloat16)
             row = dict(section="decode", shape=sh.name, N=sh.N, K=sh.K, M=m, floor_ms=sh.fp8_bytes(m) / bw * 1e3)
-            sums[m]["floor"] += row["floor_ms"]
             row["bf16_ms"] = timer.ms([lambda i=i: x @ sh.wb[i].t() for i in range(len(sh.wb))])
             sums[m]["bf16"] += row["bf16_ms"]
-            for v in ("gemv", "w8a16", "w8a8"):
-                if v == "gemv" and m > GEMV_MAX_ROWS:
-                    continue
+            sums[m]["floor"] += row["floor_ms"]
+            for v in ("w8a16", "w8a8"):
                 row[f"{v}_err"] = check_variant(sh, x, v)
                 row[f"{v}_ms"] = t = time_variant(sh, x, v, timer)
                 sums[m][v] += t
             ROWS.append(row)
-            gemv = f"gemv {row['gemv_ms'] * 1e3:7.1f} us (err {row['gemv_err']:.1e})  " if "gemv_ms" in row else ""
-            log(f"decode {sh.name:>20} M={m:<3} {gemv}w8a16 {row['w8a16_ms'] * 1e3:7.1f} us (err {row['w8a16_err']:.1e})  "
-                f"w8a8 {row['w8a8_ms'] * 1e3:7.1f} us (err {row['w8a8_err']:.1e})  bf16 {row['bf16_ms'] * 1e3:7.1f} us  "
+            log(f"decode {sh.name:>20} M={m:<3} w8a16 {row['w8a16_ms'] * 1e3:8.1f} us (err {row['w8a16_err']:.1e})  "
+                f"w8a8 {row['w8a8_ms'] * 1e3:8.1f} us (err {row['w8a8_err']:.1e})  bf16 {row['bf16_ms'] * 1e3:7.1f} us  "
                 f"floor {row['floor_ms'] * 1e3:5.1f} us")
-    limit = gemv_limit = 0
+    limit = 0
     for m in ms:  # the largest M below which w8a16 never loses (summed over the shapes)
         if sums[m]["w8a16"] > sums[m]["w8a8"]:
             break
         limit = m
-    for m in ms:  # likewise the GEMV against the better of the other two
-        if sums[m]["gemv"] > min(sums[m]["w8a16"], sums[m]["w8a8"]):
-            break
-        gemv_limit = m
     cross = next((m for m in ms if sums[m]["w8a8"] < sums[m]["w8a16"]), None)
-    ROWS.append(dict(section="decode_sum", sums=sums, crossover_m=cross, w8a16_max_m=limit, gemv_max_m=gemv_limit))
-    return gemv_limit, max(limit, gemv_limit + 1)
-
-
-def gemv_sweep(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, log) -> None:
-    """GEMV tiles (columns a program, K step, warps) at each M: per config the sum over the shapes."""
-    configs = [GemvConfig(bn, bk, w) for bn in (8, 16, 32) for bk in (256, 512, 1024) for w in (2, 4, 8)]
-    for m in ms:
-        if m > GEMV_MAX_ROWS:
-            continue
-        totals = []
-        for cfg in configs:
-            if triton.next_power_of_2(m) * cfg.BN * cfg.BK > 32768:  # too many registers a program
-                continue
-            tot = 0.0
-            for sh in shapes:
-                x = torch.randn(m, sh.K, device=dev).to(torch.bfloat16)
-                assert check_variant(sh, x, "gemv", cfg) < 1e-2
-                tot += time_variant(sh, x, "gemv", timer, cfg)
-            totals.append((tot, cfg))
-        totals.sort(key=lambda t: t[0])
-        default = sum(time_variant(sh, torch.randn(m, sh.K, device=dev).to(torch.bfloat16), "gemv", timer)
-                      for sh in shapes)  # default_gemv_config: its tile by M and N
-        ROWS.append(dict(section="gemv_sweep", M=m, default_us=default * 1e3,
-                         best=[(t * 1e3, str(c)) for t, c in totals[:5]]))
-        log(f"gemv sweep M={m}: default configs {default * 1e3:.1f} us; best: "
-            + "; ".join(f"{t * 1e3:.1f} us {c}" for t, c in totals[:5]))
+    ROWS.append(dict(section="decode_sum", sums=sums, crossover_m=cross, w8a16_max_m=limit))
+    return limit
 
 
 def bench_gemm(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: float, log) -> None:
@@ -375,14 +340,12 @@ def print_tables(bw: float) -> None:
     dec = [r for r in ROWS if r["section"] == "decode_sum"]
     if dec:
         d = dec[0]
-        print("\n| M | gemv us (sum of shapes) | w8a16 us | w8a8 us | bf16 cuBLAS us | FP8 floor us | floor / best FP8 |"
-              "\n|---|---|---|---|---|---|---|")
+        print("\n| M | w8a16 us (sum of shapes) | w8a8 us | w8a8 / w8a16 | bf16 cuBLAS us | FP8 floor us | "
+              "floor / best FP8 |\n|---|---|---|---|---|---|---|")
         for m, s in d["sums"].items():
-            best = min(s["gemv"], s["w8a16"], s["w8a8"])
-            print(f"| {m} | {s['gemv'] * 1e3:.1f} | {s['w8a16'] * 1e3:.1f} | {s['w8a8'] * 1e3:.1f} | {s['bf16'] * 1e3:.1f} | "
-                  f"{s['floor'] * 1e3:.1f} | {s['floor'] / best:.0%} |")
-        print(f"decode crossover: w8a8 first faster at M = {d['crossover_m']}; GEMV_MAX_M = {d['gemv_max_m']}, "
-              f"W8A16_MAX_M = {d['w8a16_max_m']}")
+            print(f"| {m} | {s['w8a16'] * 1e3:.1f} | {s['w8a8'] * 1e3:.1f} | {s['w8a8'] / s['w8a16']:.2f} | "
+                  f"{s['bf16'] * 1e3:.1f} | {s['floor'] * 1e3:.1f} | {s['floor'] / min(s['w8a16'], s['w8a8']):.0%} |")
+        print(f"decode crossover: w8a8 first faster at M = {d['crossover_m']}; W8A16_MAX_M = {d['w8a16_max_m']}")
     g = [r for r in ROWS if r["section"] == "gemm"]
     if g:
         print("\n| shape | N | K | M | bf16 us | w8a16 us | w8a8 us | variant | FP8 TFLOP/s | bf16 TFLOP/s | speedup | "
@@ -403,8 +366,7 @@ def print_tables(bw: float) -> None:
             print(f"| {r['N']} | {r['experts_hit']:.1f} | {r['w8a16_ms'] * 1e3:.1f} | {r['w8a8_ms'] * 1e3:.1f} | "
                   f"{r['bf16_ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | {r['floor_share']:.0%} | "
                   f"{r['bf16_floor_ms'] * 1e3:.1f} | {r['w8a16_err']:.1e} | {r['w8a8_err']:.1e} |")
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; dispatcher: GEMV_MAX_M = {gemm_mod.GEMV_MAX_M}, "
-          f"W8A16_MAX_M = {gemm_mod.W8A16_MAX_M}, "
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; dispatcher: W8A16_MAX_M = {gemm_mod.W8A16_MAX_M}, "
           f"MOE_W8A16_MAX_TOKENS = {moe_mod.MOE_W8A16_MAX_TOKENS}")
     sys.stdout.flush()
 
@@ -414,8 +376,7 @@ def main() -> None:
     ap.add_argument("--m", default="1,64,4096")
     ap.add_argument("--decode-m", default="1,2,4,8,16,32,64")
     ap.add_argument("--moe-n", default="1,2,4,8,16,32,64,4096")
-    ap.add_argument("--only", default="decode,gemm,moe", help="sections among decode,gemm,moe,sweep,gemv "
-                    "(gemv: the GEMV's tile sweep at the decode M's up to its row limit)")
+    ap.add_argument("--only", default="decode,gemm,moe", help="sections among decode,gemm,moe,sweep")
     ap.add_argument("--sweep", action="store_true", help="add the tile sweeps (GEMM: three shapes; MoE) at the end")
     ap.add_argument("--w8a16-max-m", type=int, default=None, help="dispatcher threshold (default: the measured one)")
     ap.add_argument("--json", default=None)
@@ -444,15 +405,11 @@ def main() -> None:
                 json.dump(dict(env=env, rows=ROWS), f, indent=1, default=str)
 
     log(f"{env['device']}: copy {bw / 1e12:.3f} TB/s, torch {torch.__version__}, triton {triton.__version__}")
-    shapes = ([Shape(n, N, K, dev, a.smoke) for n, (N, K) in table.items()]
-              if only & {"decode", "gemm", "sweep", "gemv"} else [])
+    shapes = [Shape(n, N, K, dev, a.smoke) for n, (N, K) in table.items()] if only & {"decode", "gemm", "sweep"} else []
     if "decode" in only:
-        gemv_max, measured = bench_decode(shapes, [int(m) for m in a.decode_m.split(",")], timer, dev, bw, log)
-        log(f"decode: the GEMV fastest up to M = {gemv_max}, w8a16 no slower than w8a8 up to M = {measured} "
-            f"(summed over the shapes)")
-        gemm_mod.GEMV_MAX_M, gemm_mod.W8A16_MAX_M = gemv_max, measured
-    if "gemv" in only:
-        gemv_sweep(shapes, [int(m) for m in a.decode_m.split(",")], timer, dev, log)
+        measured = bench_decode(shapes, [int(m) for m in a.decode_m.split(",")], timer, dev, bw, log)
+        log(f"decode: w8a16 no slower than w8a8 up to M = {measured} (summed over the shapes)")
+        gemm_mod.W8A16_MAX_M = measured
     if a.w8a16_max_m is not None:
         gemm_mod.W8A16_MAX_M = a.w8a16_max_m
     if "gemm" in only:

@@ -5,8 +5,6 @@
 W dequantized in fp32, an fp32 matmul; exact up to fp32 rounding, and what CPU serving runs); on a
 GPU by the rows M = x.numel() / K (`fp8_variant`):
 
-    M <= GEMV_MAX_M    ->  gemv: one program per few output columns over the whole of K, CUDA
-                           cores, one launch (`fp8_gemv_triton.py`)
     M <= W8A16_MAX_M   ->  w8a16: the FP8 weights dequantized in the kernel against x as is
     M >= CUBLAS_MIN_M  ->  cublas: x quantized per 1×128 group, cuBLAS's blockwise-scaled FP8
                            GEMM (`fp8_gemm_cublas.py`), where the GPU and the shape allow it
@@ -26,9 +24,6 @@ import torch
 from glm53.kernels.dispatch import use_triton
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 
-# Rows up to which the GEMV runs (at most fp8_gemv_triton.GEMV_MAX_ROWS). Measured on the H200
-# (benchmarks/fp8_gemm.py): see the decode table there.
-GEMV_MAX_M = 4
 # Rows up to which the w8a16 (dequantize-in-kernel) variant runs; above it, w8a8. Measured on
 # the H200 (benchmarks/fp8_gemm.py, 2026-12-02, GLM-5 tp = 8 shapes summed): within 5% of each
 # other up to M = 16, w8a16 10% faster at M = 32, w8a8 7% faster at M = 64.
@@ -48,10 +43,8 @@ def fp8_gemm_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
 
 def fp8_variant(m: int, n: int | None = None, k: int | None = None, device: torch.device | None = None) -> str:
-    """The dispatcher's rule: "gemv" for m <= GEMV_MAX_M rows; "w8a16" for m <= W8A16_MAX_M; "cublas" from CUBLAS_MIN_M rows
+    """The dispatcher's rule: "w8a16" for m <= W8A16_MAX_M rows; "cublas" from CUBLAS_MIN_M rows
     when the weight [n, k] and the GPU `device` allow it; else "w8a8"."""
-    if m <= GEMV_MAX_M:
-        return "gemv"
     if m <= W8A16_MAX_M:
         return "w8a16"
     if m >= CUBLAS_MIN_M and n is not None and k is not None and device is not None and device.type == "cuda":
@@ -73,10 +66,6 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
     m = x.numel() // max(1, x.shape[-1])
     variant = fp8_variant(m, w.shape[0], w.shape[1], x.device)
-    if variant == "gemv":
-        from glm53.kernels.fp8_gemv_triton import fp8_gemv
-
-        return fp8_gemv(x, w, w_scale, out_dtype)
     if variant == "w8a16":
         return fp8_gemm_w8a16(x, w, w_scale, out_dtype)
     if variant == "cublas":

@@ -169,10 +169,6 @@ def fp8_gemm_key(M: int, s: ServeShape) -> tuple:
     from glm53.kernels.fp8_gemm_triton import default_config
 
     variant = fp8_variant(M)
-    if variant == "gemv":  # rows padded to a power of two; the K step and tile follow from it and N
-        import triton
-
-        return variant, triton.next_power_of_2(M)
     if variant == "w8a8" and M >= CUBLAS_MIN_M and s.cublas_fp8:
         # cuBLAS where the weight allows it, the Triton w8a8 kernel (same class) where not
         variant = "cublas"

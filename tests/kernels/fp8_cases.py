@@ -135,12 +135,11 @@ def check_quant(M: int, K: int, dtype, device="cpu", kind="ranges", group=128) -
 # ---- GEMM -------------------------------------------------------------------------------------
 def check_gemm(M, N, K, dtype, variant, w_kind="normal", x_kind="normal", device="cpu", config=None,
                out_dtype=None) -> float:
-    """The Triton variant ("gemv" / "w8a16" / "w8a8", or "dispatch": the public `fp8_gemm`) against the
+    """The Triton variant ("w8a16" / "w8a8", or "dispatch": the public `fp8_gemm`) against the
     dequantized reference; returns the largest per-block error."""
     from glm53.kernels.fp8_gemm import fp8_gemm, fp8_variant
     from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
     from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8, fp8_gemm_w8a16
-    from glm53.kernels.fp8_gemv_triton import fp8_gemv
 
     q, s = block_weight(N, K, w_kind, device)
     x = activations(M, K, dtype, x_kind, device)
@@ -150,8 +149,6 @@ def check_gemm(M, N, K, dtype, variant, w_kind="normal", x_kind="normal", device
         variant = fp8_variant(M, N, K, x.device)
     elif variant == "cublas":
         run = lambda: fp8_gemm_cublas(x, q, s, out_dtype)  # noqa: E731
-    elif variant == "gemv":
-        run = lambda: fp8_gemv(x, q, s, out_dtype, config=config)  # noqa: E731
     else:
         f = fp8_gemm_w8a16 if variant == "w8a16" else fp8_gemm_w8a8
         run = lambda: f(x, q, s, out_dtype, config=config)  # noqa: E731

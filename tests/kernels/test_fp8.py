@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from glm53.kernels import fp8_gemm, fp8_gemv_triton, fp8_quant, moe_fp8
+from glm53.kernels import fp8_gemm, fp8_quant, moe_fp8
 
 from . import fp8_cases
 
@@ -72,12 +72,9 @@ def test_cpu_tensors_take_the_references():
 
 
 def test_dispatch_rules_are_one_threshold(monkeypatch):
-    g, m = fp8_gemm.GEMV_MAX_M, fp8_gemm.W8A16_MAX_M
-    assert 0 <= g <= fp8_gemv_triton.GEMV_MAX_ROWS and g < m
-    assert fp8_gemm.fp8_variant(1) == fp8_gemm.fp8_variant(g) == "gemv" or g == 0
-    assert fp8_gemm.fp8_variant(g + 1) == fp8_gemm.fp8_variant(m) == "w8a16"
+    m = fp8_gemm.W8A16_MAX_M
+    assert fp8_gemm.fp8_variant(1) == fp8_gemm.fp8_variant(m) == "w8a16"
     assert fp8_gemm.fp8_variant(m + 1) == "w8a8"
-    monkeypatch.setattr(fp8_gemm, "GEMV_MAX_M", 0)
     monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", 0)
     assert fp8_gemm.fp8_variant(1) == "w8a8"
     n = moe_fp8.MOE_W8A16_MAX_TOKENS
@@ -101,7 +98,6 @@ def test_cublas_route_needs_rows_a_gpu_and_a_shape_it_takes(monkeypatch):
     assert fp8_gemm.fp8_variant(m - 1, 576, 6144, cuda) == "w8a8"
     assert fp8_gemm.fp8_variant(m, 6144, 256, cuda) == "w8a8"
     assert fp8_gemm.fp8_variant(32, 576, 6144, cuda) == "w8a16"
-    assert fp8_gemm.fp8_variant(1, 576, 6144, cuda) == ("gemv" if fp8_gemm.GEMV_MAX_M else "w8a16")
 
 
 def test_glm5_tp8_shapes():

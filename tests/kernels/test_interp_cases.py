@@ -423,32 +423,6 @@ def test_fp8_gemm(variant, M, N, K, dtype, w_kind, x_kind):
     fp8_cases.check_gemm(M, N, K, dtype, variant, w_kind, x_kind)
 
 
-GEMV_SHAPES = [  # M, N, K, dtype, weight scales, activations: rows 1..8 (padded to 1, 2, 4, 8)
-    (1, 576, 256, torch.bfloat16, "normal", "normal"),  # BK 512 > K: one partial step
-    (3, 200, 300, torch.float32, "tiny", "ranges"),  # partial last scale block, N past the last tile
-    (5, 1100, 640, torch.float32, "mixed", "normal"),  # 16-column tiles, two K steps, rows masked
-    (8, 96, 200, torch.bfloat16, "large", "ranges"),
-]
-
-
-@pytest.mark.parametrize("M,N,K,dtype,w_kind,x_kind", GEMV_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
-def test_fp8_gemv(M, N, K, dtype, w_kind, x_kind):
-    fp8_cases.check_gemm(M, N, K, dtype, "gemv", w_kind, x_kind)
-
-
-def test_fp8_gemv_tilings():
-    # 32- and 128-column tiles, a 256-wide K step ending exactly on K (EVEN_K) and not, fp32 output
-    # from bf16 activations; more rows than the GEMV takes is refused, not computed wrongly
-    from glm53.kernels.fp8_gemv_triton import GEMV_MAX_ROWS, GemvConfig, fp8_gemv
-
-    fp8_cases.check_gemm(2, 300, 512, torch.float32, "gemv", "mixed", config=GemvConfig(BN=32, BK=256, num_warps=1))
-    fp8_cases.check_gemm(7, 130, 400, torch.bfloat16, "gemv", "normal", out_dtype=torch.float32,
-                         config=GemvConfig(BN=128, BK=256, num_warps=1))
-    q, s = fp8_cases.block_weight(64, 128)
-    with pytest.raises(AssertionError, match="at most"):
-        fp8_gemv(torch.randn(GEMV_MAX_ROWS + 1, 128), q, s)
-
-
 @pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
 def test_fp8_gemm_tilings(variant):
     # 256-wide tiles (a scale per column), 32-wide tiles and K steps of 32/64 (several steps per
@@ -463,22 +437,17 @@ def test_fp8_gemm_tilings(variant):
 
 
 def test_fp8_gemm_dispatch_threshold(monkeypatch):
-    # the rules: rows <= GEMV_MAX_M -> gemv, <= W8A16_MAX_M -> w8a16, else w8a8 (bit-identical to
-    # calling that variant); x with leading dims; the variant functions never rely on the module
-    # defaults
+    # the one rule: rows <= W8A16_MAX_M -> w8a16, else w8a8 (bit-identical to calling that
+    # variant); x with leading dims; the variant functions never rely on the module default
     from glm53.kernels import fp8_gemm as mod
     from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8, fp8_gemm_w8a16
-    from glm53.kernels.fp8_gemv_triton import fp8_gemv
 
     q, s = fp8_cases.block_weight(72, 136)
     x = torch.randn(2, 3, 136, dtype=torch.bfloat16)
-    monkeypatch.setattr(mod, "GEMV_MAX_M", 4)
     for limit, variant in ((6, fp8_gemm_w8a16), (5, fp8_gemm_w8a8)):
         monkeypatch.setattr(mod, "W8A16_MAX_M", limit)
         y = mod.fp8_gemm(x, q, s)
         assert y.shape == (2, 3, 72) and torch.equal(y, variant(x, q, s))
-    monkeypatch.setattr(mod, "GEMV_MAX_M", 6)
-    assert torch.equal(mod.fp8_gemm(x, q, s), fp8_gemv(x, q, s))
     fp8_cases.check_gemm(3, 72, 136, torch.float32, "dispatch")
 
 
