@@ -57,8 +57,11 @@ class DSparkHeads(nn.Module):
 
 
 def block_hidden(draft: DraftTrainer, x, f, anchors, embed) -> torch.Tensor:
-    """The frozen draft's final-normed block hidden [R, N, B − 1, H] (its logits are lm_head of it)."""
-    return draft(x, f, anchors, embed, None)
+    """The frozen draft's final-normed block hidden [R, N, B − 1, H] in fp32 (its logits are lm_head
+    of it). On a GPU the draft runs under bf16 autocast, as distill_draft trains and replays it (the
+    features are stored bf16 there)."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+        return draft(x, f, anchors, embed, None).float()
 
 
 def heads_loss(heads: DSparkHeads, h: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor, anchors: torch.Tensor,
