@@ -17,11 +17,7 @@ weight tiles. Rows past M and columns past N are read modulo M / N (in bounds, n
 only K needs a mask (when K is not a multiple of BK: partial last blocks). BN <= 128 puts a tile in
 one scale row block (one scalar scale per K step); wider tiles load a scale per column.
 SPLIT_K > 1 (decode: few output tiles for 132 SMs) cuts K at scale-block boundaries over a second
-grid axis. Each split stores its fp32 partial [SPLIT_K, M, N] and counts itself in the tile's
-counter (zeroed per call); the split that counts last sums the partials in split order and writes
-y. So the result is deterministic (the same order whichever split ends last) and takes one launch
-(plus the counters' memset) where a torch sum and cast took two more: at decode sizes a launch
-costs about what the weight read does (the FP8 slice: 121 µs of sums and casts a step).
+grid axis; the splits' fp32 partials [SPLIT_K, M, N] are summed in a fixed order (deterministic).
 """
 
 from __future__ import annotations
@@ -89,14 +85,14 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
 
 # M (the tokens) and the split stride (M·N) vary with every batch: not specialized, so the tile
 # config (`default_config`, a few M classes) alone picks the compiled variant (kernels/variants.py).
-@triton.jit(do_not_specialize=["M", "n_split", "stride_psplit"])
+@triton.jit(do_not_specialize=["M", "stride_ysplit"])
 def _block_fp8_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, count_ptr,
-    M, N, K, k_per_split, n_split,
-    stride_am, stride_asm, stride_wn, stride_wsn, stride_ym, stride_psplit,
+    a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr,
+    M, N, K, k_per_split,
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_ym, stride_ysplit,
     A_FP8: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     sk = tl.program_id(1)
@@ -152,21 +148,8 @@ def _block_fp8_gemm_kernel(
                 acc += part * ws[None, :]
         a_ptrs += BK
         w_ptrs += BK
-    out_mask = (rm < M)[:, None] & (rn < N)[None, :]
-    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    if SPLIT:
-        # partials are [n_split, M, N] fp32, rows of stride N
-        p_off = rm[:, None].to(tl.int64) * N + rn[None, :]
-        tl.store(p_ptr + sk.to(tl.int64) * stride_psplit + p_off, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is issued before the tile's count moves
-        done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == n_split - 1:  # the last split of this tile: the sum, in split order
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(0, n_split):
-                total += tl.load(p_ptr + s * stride_psplit + p_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    y_ptrs = y_ptr + sk.to(tl.int64) * stride_ysplit + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, K: int) -> int:
@@ -185,22 +168,23 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
     split = max(1, min(cfg.SPLIT_K, k_blocks))
     k_per_split = triton.cdiv(k_blocks, split) * SB
     split = triton.cdiv(K, k_per_split)  # no empty split
-    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
-    y = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    if split > 1:  # the partials, and one arrival counter per tile (module doc)
-        p = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
-        counts = torch.zeros(tiles, dtype=torch.int32, device=a.device)
+    if split == 1:
+        y = torch.empty((M, N), dtype=out_dtype, device=a.device)
     else:
-        p, counts = y, y  # not read
+        y = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
     interp = triton_interpreting()
-    _block_fp8_gemm_kernel[(tiles, split)](
-        a, a_scale, w, w_scale, y, p, counts, M, N, K, k_per_split, split,
-        a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), y.stride(0), M * N,
+    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), split)
+    _block_fp8_gemm_kernel[grid](
+        a, a_scale, w, w_scale, y, M, N, K, k_per_split,
+        a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), y.stride(-2),
+        y.stride(0) if split > 1 else 0,
         A_FP8=a_fp8, SB=SB, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
         EVEN_K=K % cfg.BK == 0, DOT_F32=interp,
-        PRECISION=dot_precision(torch.float32 if interp else a.dtype), SPLIT=split > 1,
+        PRECISION=dot_precision(torch.float32 if interp else a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split > 1:  # the splits in a fixed order: deterministic
+        y = y.sum(0).to(out_dtype)
     return y
 
 
