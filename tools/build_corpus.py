@@ -48,31 +48,41 @@ def copy_tree(src: Path, dst: Path, cap_bytes: int) -> tuple[int, int]:
     return n, size
 
 
+def build(out: Path, stdlib: Path, site_dirs: list[Path], exclude: list[str], cap_bytes: int,
+          min_files: int) -> dict[str, int]:
+    """Write the tree; {name: files copied} for the stdlib and each package taken."""
+    if out.exists():
+        raise SystemExit(f"{out} exists")
+    taken = {}
+    n, size = copy_tree(stdlib, out / "stdlib", 1 << 40)
+    print(f"stdlib: {n} files, {size / 1e6:.1f} MB")
+    taken["stdlib"] = n
+    for sp in site_dirs:
+        for pkg in sorted(sp.glob("*/__init__.py")) if sp.is_dir() else []:
+            name = pkg.parent.name
+            # by prefix: a renamed copy (e.g. an `httpx2` fork) is the same code
+            if name in taken or name.startswith(("_", *exclude)):
+                continue
+            if sum(1 for _ in pkg.parent.rglob("*.py")) < min_files:
+                continue
+            n, size = copy_tree(pkg.parent, out / "pkgs" / name, cap_bytes)
+            print(f"{name}: {n} files, {size / 1e6:.1f} MB")
+            taken[name] = n
+    print(f"excluded: {', '.join(exclude)}")
+    return taken
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--exclude", nargs="*", default=list(EVAL_PACKAGES))
     ap.add_argument("--max-mb-per-package", type=float, default=8.0)
     ap.add_argument("--min-files", type=int, default=20, help="skip packages with fewer `*.py` files")
+    ap.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
+    ap.add_argument("--site", type=Path, nargs="*", help="package directories (default: this Python's site-packages)")
     a = ap.parse_args()
-    if a.out.exists():
-        raise SystemExit(f"{a.out} exists")
-    cap = int(a.max_mb_per_package * 1e6)
-    n, size = copy_tree(Path(sysconfig.get_paths()["stdlib"]), a.out / "stdlib", 1 << 40)
-    print(f"stdlib: {n} files, {size / 1e6:.1f} MB")
-    seen = set()
-    for sp in [*site.getsitepackages(), site.getusersitepackages()]:
-        for pkg in sorted(Path(sp).glob("*/__init__.py")) if Path(sp).is_dir() else []:
-            name = pkg.parent.name
-            # by prefix: a renamed copy (e.g. an `httpx2` fork) is the same code
-            if name in seen or name.startswith(("_", *a.exclude)):
-                continue
-            seen.add(name)
-            if sum(1 for _ in pkg.parent.rglob("*.py")) < a.min_files:
-                continue
-            n, size = copy_tree(pkg.parent, a.out / "pkgs" / name, cap)
-            print(f"{name}: {n} files, {size / 1e6:.1f} MB")
-    print(f"excluded: {', '.join(a.exclude)}")
+    sites = a.site if a.site is not None else [Path(p) for p in (*site.getsitepackages(), site.getusersitepackages())]
+    build(a.out, a.stdlib, sites, a.exclude, int(a.max_mb_per_package * 1e6), a.min_files)
 
 
 if __name__ == "__main__":
