@@ -1,6 +1,7 @@
 """GPU kernel time under `torch.profiler`: run a step function under the profiler (`profile`), sum
-and rank its CUDA kernels per step (`kernel_table`) and print them (`print_table`). Used by
-benchmarks/gpu_profile.py, benchmarks/spec_steps.py and tools/eval_dflash.py.
+and rank its CUDA kernels per step (`kernel_table`), count them (`launch_counts`) and print them
+(`print_table`). Used by benchmarks/gpu_profile.py, benchmarks/spec_steps.py and
+tools/eval_dflash.py.
 """
 
 from __future__ import annotations
@@ -8,14 +9,18 @@ from __future__ import annotations
 import torch
 
 
-def kernel_table(prof, steps: int, top: int) -> tuple[float, list[dict]]:
-    """(GPU kernel µs per step, [{name, us_per_step, calls_per_step}] largest first)."""
-    rows = []
+def _kernels(prof):
+    """(event, its total µs) of every CUDA kernel the profiler recorded (grouped by name)."""
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
-        if us <= 0 or ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        rows.append({"name": ev.key[:110], "us_per_step": us / steps, "calls_per_step": ev.count / steps})
+        if us > 0 and ev.device_type == torch.autograd.DeviceType.CUDA and ev.count:
+            yield ev, us
+
+
+def kernel_table(prof, steps: int, top: int) -> tuple[float, list[dict]]:
+    """(GPU kernel µs per step, [{name, us_per_step, calls_per_step}] largest first)."""
+    rows = [{"name": ev.key[:110], "us_per_step": us / steps, "calls_per_step": ev.count / steps}
+            for ev, us in _kernels(prof)]
     rows.sort(key=lambda r: -r["us_per_step"])
     return sum(r["us_per_step"] for r in rows), rows[:top]
 
@@ -24,10 +29,7 @@ def launch_counts(prof, steps: int, short_us: float = 8.0) -> dict:
     """Kernels per step, and how many of them (and their µs per step) average under `short_us`:
     a step made of many short kernels is bound by launch gaps, not by the bytes it reads."""
     calls = short = short_time = 0.0
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
-        if us <= 0 or ev.device_type != torch.autograd.DeviceType.CUDA or not ev.count:
-            continue
+    for ev, us in _kernels(prof):
         calls += ev.count
         if us / ev.count < short_us:
             short += ev.count
