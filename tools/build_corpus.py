@@ -29,7 +29,8 @@ EVAL_PACKAGES = ("httpx", "httpcore", "transformers", "starlette", "click", "uvi
 
 
 def copy_tree(src: Path, dst: Path, cap_bytes: int) -> tuple[int, int]:
-    """Copy src's `*.py` files (sorted, skipping tests and caches) until cap_bytes; (files, bytes)."""
+    """Copy src's `*.py` files (sorted; caches and nested site-packages skipped, as corpus.py skips
+    them) until cap_bytes; (files, bytes)."""
     n = size = 0
     for f in sorted(src.rglob("*.py")):
         rel = f.relative_to(src)
