@@ -36,6 +36,14 @@ R) and confidence head are trained on the same generated data (glm53/support/dsp
 OUT/dspark is the draft plus the heads. Held-out τ is the replayed greedy loop with the DSpark
 chain, beside the frozen DFlash draft's on the same sequences, per block size, and with the
 confidence cut at a few thresholds (τ and the drafts verified per step).
+With `--dspark-joint` the heads are instead trained together with a body (started from
+`--init-draft`, heads from `--init-dspark` or fresh at `--dspark-rank`) beside the DFlash drafts, on
+the same batches for the same steps: OUT/dspark is that body plus its heads, and the held-out
+tables give its DSpark τ beside the DFlash drafts' τ.
+
+`--held-package NAME ...`: held-out τ also on prompts from the middle of those installed
+packages' source files (third-party code; build the corpus without them, tools/build_corpus.py).
+`--seed`: the training prompts (a different seed gives new data for a draft already trained).
 """
 
 from __future__ import annotations
@@ -48,33 +56,50 @@ from pathlib import Path
 
 import torch
 
-from glm53.support.corpus import corpus_streams, held_file_prompts
+from glm53.support.corpus import corpus_streams, held_file_prompts, package_prompts
 from glm53.support.distill_data import Data, build, label_agreement
 from glm53.support.draft_distill import draft_feats, held_accept, init_from, replay_tau, sample_anchors
 from glm53.support.draft_trainer import DRAFT_DIMS, DraftTrainer, draft_config, draft_loss, save_draft
+from glm53.support.dspark_heads import (DSparkHeads, block_hidden, heads_loss, load_heads, replay_tau_dspark,
+                                        save_dspark)
 from glm53.support.training import StepBudget, log, lr_at
 
 KINDS = ("greedy", "sampled head", "greedy", "sampled head", "sampled")
 PROMPT_LENS = (32, 64, 128, 200, 256)
 
 
-def evaluate(drafts, held, w, a, device, blocks, tag: str, final: bool = False) -> dict:
+def evaluate(drafts, heads, helds: dict, w, a, device, blocks, tag: str, final: bool = False) -> dict:
+    """Held-out numbers per draft and block size on `helds` (name -> Data; "held" = the corpus's
+    held-out split, others = third-party packages, `--held-package`): loss, accepted and τ for a
+    DFlash draft, τ of the DSpark chain for a joint DSpark draft (`heads`)."""
     res = {}
-    for L, d in drafts.items():
+    for name, d in drafts.items():
         for B in blocks:
-            hl, ha = held_accept(d, held, w, a, device, B)
-            tau = replay_tau(d, held, w, device, B, a.held_new)
-            res[f"L{L}_B{B}"] = {"held_loss": round(hl, 4), "accepted": round(ha, 3), "tau": round(tau, 3)}
-            if final:  # the prompts tools/eval_dflash.py decodes at batch 16 (and one at a time)
-                res[f"L{L}_B{B}"]["tau_eval16"] = round(replay_tau(d, held.head(16), w, device, B, a.held_new), 3)
-    log(f"{tag}: " + "  ".join(f"{k} loss {v['held_loss']:.3f} acc {v['accepted']:.2f} tau {v['tau']:.2f}"
-                              + (f" ({v['tau_eval16']:.2f} on the eval's 16)" if final else "") for k, v in res.items()))
+            for hname, held in helds.items():
+                key = f"{name}_B{B}" + ("" if hname == "held" else f"_{hname}")
+                if name in heads:
+                    res[key] = {"tau": round(replay_tau_dspark(d, heads[name], held, w, device, B, a.held_new)[0], 3)}
+                    continue
+                tau = replay_tau(d, held, w, device, B, a.held_new)
+                if hname != "held":
+                    res[key] = {"tau": round(tau, 3)}
+                    continue
+                hl, ha = held_accept(d, held, w, a, device, B)
+                res[key] = {"held_loss": round(hl, 4), "accepted": round(ha, 3), "tau": round(tau, 3)}
+                if final:  # the prompts tools/eval_dflash.py decodes at batch 16 (and one at a time)
+                    res[key]["tau_eval16"] = round(replay_tau(d, held.head(16), w, device, B, a.held_new), 3)
+    log(f"{tag}: " + "  ".join(f"{k} " + " ".join(f"{m} {v:g}" for m, v in r.items()) for k, r in res.items()))
     return res
 
 
-def train(drafts: dict, data: Data, held: Data, w, a, device, save) -> None:
-    opts = {L: torch.optim.AdamW(d.parameters(), lr=a.draft_lr, betas=(0.9, 0.95), weight_decay=0.01,
-                                 fused=device.type == "cuda") for L, d in drafts.items()}
+def train(drafts: dict, heads: dict, data: Data, helds: dict, w, a, device, save) -> None:
+    """Every draft on the same batches; a DSpark draft (`heads[name]`) by the Markov CE plus the
+    confidence BCE through its body and heads (glm53/support/dspark_heads.py, joint)."""
+    def params(name):
+        return [*drafts[name].parameters(), *(heads[name].parameters() if name in heads else ())]
+
+    opts = {L: torch.optim.AdamW(params(L), lr=a.draft_lr, betas=(0.9, 0.95), weight_decay=0.01,
+                                 fused=device.type == "cuda") for L in drafts}
     g = torch.Generator(device=device).manual_seed(2)
     starts = data.starts.to(device)
     S = data.tokens.shape[1]
@@ -96,18 +121,23 @@ def train(drafts: dict, data: Data, held: Data, w, a, device, save) -> None:
                 grp["lr"] = lr
             d.B = B
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss, acc = draft_loss(d(x, f, anchors, *w), x, anchors, B)
+                if L in heads:
+                    ce, bce, acc = heads_loss(heads[L], d(x, f, anchors, w[0], None), w[1], x, anchors, B,
+                                              train_body=True)
+                    loss = ce + bce
+                else:
+                    loss, acc = draft_loss(d(x, f, anchors, *w), x, anchors, B)
             d.B = full_b
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params(L), 1.0)
             opts[L].step()
             opts[L].zero_grad(set_to_none=True)
             if step % 100 == 0 or step == budget.total - 1:
-                msg.append(f"L{L} loss {loss.item():.3f} acc {acc.item():.2f}")
+                msg.append(f"{L} loss {loss.item():.3f} acc {acc.item():.2f}")
         if msg:
             log(f"draft step {step:5d} (block {B:2d}) " + "  ".join(msg) + f" {budget.elapsed():.0f}s")
         if step in marks:
-            evaluate(drafts, held, w, a, device, (full_b,), f"held-out at step {step}")
+            evaluate(drafts, heads, helds, w, a, device, (full_b,), f"held-out at step {step}")
             save(drafts)  # a run cut short still leaves a draft
         step += 1
     log(f"draft: {step} steps in {budget.elapsed():.0f}s")
@@ -115,8 +145,6 @@ def train(drafts: dict, data: Data, held: Data, w, a, device, save) -> None:
 
 def distill_heads(a, device, data: Data, held: Data, w) -> None:
     """--dspark-rank: train DSpark's heads on the frozen --init-draft (module doc)."""
-    from glm53.support.dspark_heads import DSparkHeads, block_hidden, heads_loss, replay_tau_dspark, save_dspark
-
     dcfg = json.loads((a.init_draft / "config.json").read_text())
     draft = DraftTrainer({**dcfg, "block_size": a.block_size})
     init_from(draft, a.init_draft)
@@ -199,9 +227,18 @@ def main() -> None:
                     help="train DSpark's Markov (this rank) and confidence heads on the frozen --init-draft")
     ap.add_argument("--heads-batch", type=int, default=32, help="sequences per heads step (all their anchors)")
     ap.add_argument("--heads-wd", type=float, default=0.01)
+    ap.add_argument("--dspark-joint", action="store_true",
+                    help="beside the DFlash drafts, train a DSpark draft (body and heads together) on the same batches")
+    ap.add_argument("--init-dspark", type=Path, help="--dspark-joint: start the heads from this DSpark checkpoint's")
+    ap.add_argument("--seed", type=int, default=10, help="the training data's prompts and sampling")
+    ap.add_argument("--held-package", nargs="*", default=[],
+                    help="also report held-out τ on prompts from these installed packages (third-party code)")
+    ap.add_argument("--held-package-prompts", type=int, default=64)
     a = ap.parse_args()
-    if a.dspark_rank and a.init_draft is None:
+    if a.dspark_rank and a.init_draft is None and not a.dspark_joint:
         raise SystemExit("--dspark-rank trains heads on a frozen draft: give it with --init-draft")
+    if a.dspark_joint and not (a.dspark_rank or a.init_dspark):
+        raise SystemExit("--dspark-joint needs the heads' rank (--dspark-rank) or heads to start from (--init-dspark)")
     if a.corpus:
         os.environ["GLM53_CORPUS"] = str(a.corpus)
     if a.block_size not in a.blocks or max(a.blocks) > a.block_size:
@@ -212,7 +249,8 @@ def main() -> None:
     t0 = time.time()
     from glm53.models import ModelRunner
 
-    dcfg = json.loads((a.init_draft / "config.json").read_text()) if a.dspark_rank else draft_config(a.target)
+    frozen_heads = a.dspark_rank and not a.dspark_joint
+    dcfg = json.loads((a.init_draft / "config.json").read_text()) if frozen_heads else draft_config(a.target)
     ids = dcfg["dflash_config"]["target_layer_ids"]
     width = len(ids) * dcfg["hidden_size"]
     train_s, held_s = corpus_streams(a.target)
@@ -225,9 +263,16 @@ def main() -> None:
     build(runner, held_s, held, n=a.held_batch, seconds=0, rounds=1, seed=11, kinds=("greedy",),
           lens=(a.held_prompt,), layer_ids=ids, first=files)
     log(f"held-out: {len(files)} file-start prompts (tools/eval_dflash.py's), {a.held_batch - len(files)} random windows")
+    helds = {"held": held}
+    for pkg in a.held_package:
+        prompts = package_prompts(a.target, pkg, a.held_package_prompts, a.held_prompt, strict=False)
+        helds[pkg] = Data.empty(len(prompts), a.seq, width, device)
+        build(runner, held_s, helds[pkg], n=len(prompts), seconds=0, rounds=1, seed=11, kinds=("greedy",),
+              lens=(a.held_prompt,), layer_ids=ids, first=prompts)
+        log(f"held-out {pkg}: {len(prompts)} prompts from the middle of its source files")
     lens = [n for n in PROMPT_LENS if n + 24 + max(a.blocks) + a.anchors <= a.seq] or [a.seq // 4]
     data = Data.empty(a.max_rounds * a.gen_batch, a.seq, width, device)
-    build(runner, train_s, data, n=a.gen_batch, seconds=a.gen_seconds, rounds=a.gen_rounds, seed=10, kinds=KINDS,
+    build(runner, train_s, data, n=a.gen_batch, seconds=a.gen_seconds, rounds=a.gen_rounds, seed=a.seed, kinds=KINDS,
           lens=lens, layer_ids=ids)
     data = data.view()
     w = (runner.model.model.embed_tokens.weight.detach().clone(), runner.model.lm_head.weight.detach().clone())
@@ -241,29 +286,38 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = True
-    if a.dspark_rank:
+    if frozen_heads:
         distill_heads(a, device, data, held, w)
         log(f"total {time.time() - t0:.0f}s")
         return
     assert dcfg["intermediate_size"] == DRAFT_DIMS["intermediate_size"]
-    drafts, cfgs = {}, {}
+    drafts, cfgs, heads = {}, {}, {}
     for L in a.layers:
-        cfgs[L] = {**dcfg, "num_hidden_layers": L, "block_size": a.block_size}
+        cfgs[f"L{L}"] = {**dcfg, "num_hidden_layers": L, "block_size": a.block_size}
+    if a.dspark_joint:  # a body like the first DFlash draft's, trained with its heads
+        cfgs["dspark"] = cfgs[f"L{a.layers[0]}"]
+        heads["dspark"] = (load_heads(a.init_dspark) if a.init_dspark else
+                           DSparkHeads(dcfg["vocab_size"], dcfg["hidden_size"], a.dspark_rank)).to(device)
+    for name, cfg in cfgs.items():
         torch.manual_seed(7)
-        drafts[L] = DraftTrainer(cfgs[L])
-        init_from(drafts[L], a.init_draft)
-        drafts[L].to(device)
-        log(f"draft L{L}: {L} layers, block {a.block_size}, {sum(p.numel() for p in drafts[L].parameters()) / 1e6:.2f}M "
-            f"params, target_layer_ids {ids}")
+        drafts[name] = DraftTrainer(cfg)
+        init_from(drafts[name], a.init_draft)
+        drafts[name].to(device)
+        log(f"draft {name}: {cfg['num_hidden_layers']} layers, block {a.block_size}, "
+            f"{sum(p.numel() for p in drafts[name].parameters()) / 1e6:.2f}M params, target_layer_ids {ids}"
+            + (f", DSpark heads of rank {heads[name].markov_head.markov_w1.weight.shape[1]}" if name in heads else ""))
     log(f"training: batch {a.batch} sequences x {a.anchors} anchors, blocks {a.blocks}, lr {a.draft_lr}")
-    evaluate(drafts, held, w, a, device, (4, a.block_size), "held-out before")
-    def save(ds):
-        for L, d in ds.items():
-            save_draft(d, cfgs[L], a.out / f"draft-L{L}")
+    evaluate(drafts, heads, helds, w, a, device, (4, a.block_size), "held-out before")
 
-    train(drafts, data, held, w, a, device, save)
+    def save(ds):
+        for name, d in ds.items():
+            save_draft(d, cfgs[name], a.out / name.replace("L", "draft-L"))
+            if name in heads:
+                save_dspark(a.out / name, heads[name], a.out / name)
+
+    train(drafts, heads, data, helds, w, a, device, save)
     save(drafts)
-    res = evaluate(drafts, held, w, a, device, sorted({4, 8, a.block_size}), "held-out after", final=True)
+    res = evaluate(drafts, heads, helds, w, a, device, sorted({4, 8, a.block_size}), "held-out after", final=True)
     log("results " + json.dumps(res))
     log(f"total {time.time() - t0:.0f}s")
 
