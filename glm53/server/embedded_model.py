@@ -51,8 +51,10 @@ log = logging.getLogger(__name__)
 # layer trained on (2x the data, 122 steps; held-out httpx τ at 3 steps 1.55 -> 1.75); v8: that layer
 # trained on on the H200 (158K sequences, 4,468 steps of 64; httpx τ 1.75 -> 2.92); v9: the draft
 # distilled on for 226 s on the stdlib plus third-party sources (tools/build_corpus.py; held-out
-# transformers τ at block 16 3.09 -> 3.84, httpx 3.88 -> 4.22).
-EMBEDDED_VERSION = 9
+# transformers τ at block 16 3.09 -> 3.84, httpx 3.88 -> 4.22); v10: the draft distilled on jointly
+# with the DSpark draft (tools/distill_draft.py --dspark-joint; replayed transformers τ at block 16
+# 5.29 -> 5.47).
+EMBEDDED_VERSION = 10
 EMBEDDED_DIRNAME = f"tiny-glm5-v{EMBEDDED_VERSION}"
 EMBEDDED_DRAFT_DIRNAME = f"tiny-glm5-dflash-v{EMBEDDED_VERSION}"
 # The random model (its own version: bump when write_embedded_model's output changes).
