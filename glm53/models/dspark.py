@@ -40,13 +40,10 @@ class MarkovHead(nn.Module):
         self.markov_w2 = nn.Module()
         self.markov_w2.weight = param(vocab, rank, dtype=dtype)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """markov_w1[tokens], fp32 [..., r]."""
-        return self.markov_w1.weight[tokens].float()
-
-    def bias(self, embed: torch.Tensor) -> torch.Tensor:
-        """markov_w2 · embed, fp32 [..., V]."""
-        return embed @ self.markov_w2.weight.float().T
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(markov_w1 [V, r], markov_w2ᵀ [r, V]) in fp32: cast once per block, not once per
+        position (in a bf16 graph each cast is a kernel over the whole [V, r] weight)."""
+        return self.markov_w1.weight.float(), self.markov_w2.weight.float().T
 
 
 class ConfidenceHead(nn.Module):
@@ -132,9 +129,10 @@ def choose_block(logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tenso
         return BlockChoice(tokens, torch.full((r,), n, dtype=torch.long, device=logits.device), probs)
     prev = anchor
     toks, probs, confs = [], [], []
+    w1, w2t = markov.tables()
     for i in range(n):  # left to right: position i sees the token chosen at i − 1
-        e = markov.embed(prev)
-        lg = logits[:, i] + markov.bias(e)
+        e = w1[prev]  # markov_w1[token_{i−1}], fp32 [R, r]
+        lg = logits[:, i] + e @ w2t  # base_i + markov_w2 · e
         tok = lg.argmax(dim=-1)
         if sampling is not None:
             q = draft_probs(lg[:, None], sampling)[:, 0]

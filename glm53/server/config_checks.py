@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from glm53.server import nodes as nodes_lib
-from glm53.server.config_values import (EMBEDDED_DRAFT, EMBEDDED_MODEL, EMBEDDED_RANDOM, ROLES, ConfigError,
+from glm53.server.config_values import (EMBEDDED_DRAFTS, EMBEDDED_MODEL, EMBEDDED_RANDOM, ROLES, ConfigError,
                                         canonical_host)
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module to run the checks
@@ -97,10 +97,11 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
     # With speculation off the draft is neither checked nor loaded (`--speculative-algorithm none`
     # on a config that names one).
     draft = (spec.draft_model_path or "") if spec.enabled else ""
-    if draft.startswith("embedded:") and draft != EMBEDDED_DRAFT:
-        raise err("speculative.draft_model_path", f"unknown embedded draft {draft!r}; the only one is {EMBEDDED_DRAFT!r}")
-    if draft == EMBEDDED_DRAFT and cfg.model.path != EMBEDDED_MODEL:
-        raise err("speculative.draft_model_path", f"{EMBEDDED_DRAFT!r} is the draft of {EMBEDDED_MODEL!r}, "
+    if draft.startswith("embedded:") and draft not in EMBEDDED_DRAFTS:
+        raise err("speculative.draft_model_path", f"unknown embedded draft {draft!r}; there are "
+                  + " and ".join(repr(d) for d in EMBEDDED_DRAFTS))
+    if draft in EMBEDDED_DRAFTS and cfg.model.path != EMBEDDED_MODEL:
+        raise err("speculative.draft_model_path", f"{draft!r} is a draft of {EMBEDDED_MODEL!r}, "
                   f"not of {cfg.model.path!r} (--speculative-algorithm none turns speculation off)")
     _check_engine(cfg.defaults, "defaults", src)
 

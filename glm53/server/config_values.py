@@ -12,10 +12,12 @@ import typing
 from typing import Any, Literal
 
 # Names `up` materializes on first use (server/embedded_model.py): the trained tiny GLM-5, its
-# DFlash draft, and a random-weight tiny GLM-5 for tests.
+# DFlash and DSpark drafts, and a random-weight tiny GLM-5 for tests.
 EMBEDDED_MODEL = "embedded:tiny-glm5"
 EMBEDDED_RANDOM = "embedded:tiny-glm5-random"
 EMBEDDED_DRAFT = "embedded:tiny-glm5-dflash"
+EMBEDDED_DSPARK = "embedded:tiny-glm5-dspark"
+EMBEDDED_DRAFTS = (EMBEDDED_DRAFT, EMBEDDED_DSPARK)
 ROLES = ("prefill", "decode")
 
 

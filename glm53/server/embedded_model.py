@@ -5,8 +5,9 @@ DFlash draft, both shipped in `assets/` and installed into `$GLM53_CACHE` on fir
 out exactly like a Hugging Face GLM-5 checkpoint (config.json, generation_config.json,
 model.safetensors in bf16, tokenizer.json, tokenizer_config.json, chat_template.jinja), so
 everything that serves it serves the real model too. `embedded:tiny-glm5-dflash` is its trained
-DFlash draft (assets/tiny-glm5-dflash, the published DFlash layout, block size 16). Nothing is
-downloaded.
+DFlash draft (assets/tiny-glm5-dflash, the published DFlash layout, block size 16), and
+`embedded:tiny-glm5-dspark` its trained DSpark draft (assets/tiny-glm5-dspark: the same layout plus
+Markov and confidence heads). Nothing is downloaded.
 
 The random tiny model stays available (`ensure_random_model`, `write_embedded_model`): the same
 layout with deterministic random weights of `MODEL_DIMS`, for tests that need arbitrary configs.
@@ -35,7 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from glm53.server.config import EMBEDDED_DRAFT, EMBEDDED_MODEL, EMBEDDED_RANDOM, ClusterConfig, ConfigError
+from glm53.server.config import (EMBEDDED_DRAFT, EMBEDDED_DSPARK, EMBEDDED_MODEL, EMBEDDED_RANDOM, ClusterConfig,
+                                  ConfigError)
 
 if TYPE_CHECKING:  # imported lazily: resolving an existing model path must stay cheap
     import torch
@@ -54,9 +56,10 @@ log = logging.getLogger(__name__)
 # transformers τ at block 16 3.09 -> 3.84, httpx 3.88 -> 4.22); v10: the draft distilled on jointly
 # with the DSpark draft (tools/distill_draft.py --dspark-joint; replayed transformers τ at block 16
 # 5.29 -> 5.47).
-EMBEDDED_VERSION = 10
+EMBEDDED_VERSION = 10  # also names the DSpark draft's cache directory
 EMBEDDED_DIRNAME = f"tiny-glm5-v{EMBEDDED_VERSION}"
 EMBEDDED_DRAFT_DIRNAME = f"tiny-glm5-dflash-v{EMBEDDED_VERSION}"
+EMBEDDED_DSPARK_DIRNAME = f"tiny-glm5-dspark-v{EMBEDDED_VERSION}"
 # The random model (its own version: bump when write_embedded_model's output changes).
 RANDOM_VERSION = 1
 RANDOM_DIRNAME = f"tiny-glm5-random-v{RANDOM_VERSION}"
@@ -176,9 +179,11 @@ def resolve_model_path(path: str) -> Path:
 
 def resolve_draft_path(path: str) -> Path:
     """A config's speculative.draft_model_path as a directory, installing the embedded draft
-    when `embedded:tiny-glm5-dflash` is named."""
+    when `embedded:tiny-glm5-dflash` or `embedded:tiny-glm5-dspark` is named."""
     if path == EMBEDDED_DRAFT:
         return ensure_embedded_draft()
+    if path == EMBEDDED_DSPARK:
+        return ensure_embedded_dspark()
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"draft path {path!r} is not a draft directory (no config.json)")
@@ -219,6 +224,11 @@ def ensure_embedded_model(root: Path | None = None) -> Path:
 def ensure_embedded_draft(root: Path | None = None) -> Path:
     """The embedded model's trained DFlash draft, installed (once, atomically) if missing."""
     return _ensure(root, EMBEDDED_DRAFT_DIRNAME, lambda out: _copy_asset("tiny-glm5-dflash", out))
+
+
+def ensure_embedded_dspark(root: Path | None = None) -> Path:
+    """The embedded model's trained DSpark draft, installed (once, atomically) if missing."""
+    return _ensure(root, EMBEDDED_DSPARK_DIRNAME, lambda out: _copy_asset("tiny-glm5-dspark", out))
 
 
 def ensure_random_model(root: Path | None = None) -> Path:

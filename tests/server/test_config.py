@@ -437,6 +437,8 @@ def test_embedded_draft_names(tmp_path):
     d["model"] = {"path": "embedded:tiny-glm5"}
     d["speculative"] = {"algorithm": "DFLASH", "draft_model_path": "embedded:tiny-glm5-dflash"}
     assert load_config(write(tmp_path, d)).speculative.draft_model_path == "embedded:tiny-glm5-dflash"
+    d["speculative"] = {"algorithm": "DSPARK", "draft_model_path": "embedded:tiny-glm5-dspark"}
+    assert load_config(write(tmp_path, d)).speculative.draft_model_path == "embedded:tiny-glm5-dspark"
     d["speculative"]["draft_model_path"] = "embedded:nope"
     assert "unknown embedded draft" in str(error(tmp_path, d))
     d["model"] = {"path": "embedded:tiny-glm5-random"}

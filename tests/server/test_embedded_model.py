@@ -6,8 +6,8 @@ import pytest
 from safetensors import safe_open
 
 from glm53.server.embedded_model import (
-    ASSETS, EMBEDDED_DRAFT, MODEL_DIMS, SPECIAL_TOKENS, ensure_embedded_draft, ensure_embedded_model,
-    ensure_random_model, model_config, resolve_draft_path, weight_shapes, write_weights,
+    ASSETS, EMBEDDED_DRAFT, MODEL_DIMS, SPECIAL_TOKENS, ensure_embedded_draft, ensure_embedded_dspark,
+    ensure_embedded_model, ensure_random_model, model_config, resolve_draft_path, weight_shapes, write_weights,
 )
 
 
@@ -121,6 +121,17 @@ def test_embedded_draft_fits_the_embedded_model(tmp_path, model_dir):
     assert cfg.block_size == 16 and cfg.hidden_size == target.hidden_size
     load_draft_weights(DFlashDraft(cfg, target), d)  # none missing/unexpected
     assert EMBEDDED_DRAFT == "embedded:tiny-glm5-dflash"
+
+
+def test_embedded_dspark_fits_the_embedded_model(tmp_path, model_dir):
+    from glm53.models import DFlashDraft, GlmConfig, draft_config, load_draft_weights
+
+    d = ensure_embedded_dspark(tmp_path)
+    assert resolve_draft_path(str(d)) == d and d.name.startswith("tiny-glm5-dspark-v")
+    target = GlmConfig.from_dir(model_dir)
+    cfg = draft_config(d, target)
+    assert cfg.algorithm == "DSPARK" and cfg.block_size == 16 and cfg.markov_rank > 0
+    load_draft_weights(DFlashDraft(cfg, target), d)  # none missing/unexpected, the heads included
 
 
 def test_the_trained_model_writes_python(model_dir):
