@@ -127,8 +127,11 @@ def choose_block(logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tenso
             probs = draft_probs(logits, sampling)
             tokens = torch.where(sampling.rows[:, None], inverse_cdf(probs, sampling.uniforms), tokens)
         return BlockChoice(tokens, torch.full((r,), n, dtype=torch.long, device=logits.device), probs)
+    cut = confidence is not None and threshold > 0
+    if cut and hidden is None:
+        raise ValueError("the confidence head needs the draft's hidden states")
     prev = anchor
-    toks, probs, confs = [], [], []
+    toks, probs, embeds = [], [], []
     w1, w2t = markov.tables()
     for i in range(n):  # left to right: position i sees the token chosen at i − 1
         e = w1[prev]  # markov_w1[token_{i−1}], fp32 [R, r]
@@ -138,16 +141,15 @@ def choose_block(logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tenso
             q = draft_probs(lg[:, None], sampling)[:, 0]
             tok = torch.where(sampling.rows, inverse_cdf(q, sampling.uniforms[:, i]), tok)
             probs.append(q)
-        if confidence is not None and threshold > 0:
-            if hidden is None:
-                raise ValueError("the confidence head needs the draft's hidden states")
-            confs.append(confidence(hidden[:, i], e))
         toks.append(tok)
+        embeds.append(e)
         prev = tok
     tokens = torch.stack(toks, dim=1)
-    if confs:
+    if cut:
+        # Every position's confidence in one product once the chain is known (its inputs are).
         # Leading positions at or above the threshold: the block ends before the first below it.
-        keep = (torch.stack(confs, dim=1) >= threshold).long().cumprod(dim=1).sum(dim=1)
+        conf = confidence(hidden, torch.stack(embeds, dim=1))
+        keep = (conf >= threshold).long().cumprod(dim=1).sum(dim=1)
     else:
         keep = torch.full((r,), n, dtype=torch.long, device=logits.device)
     return BlockChoice(tokens, keep, torch.stack(probs, dim=1) if probs else None)
