@@ -75,8 +75,11 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
         v = getattr(spec, key)
         if v is not None and v < 2:
             raise err(f"speculative.{key}", f"must be >= 2 (the bonus slot and a draft), got {v}")
+    # With speculation off, keys of an algorithm are ignored like the draft (`--speculative-algorithm
+    # none` on a config written for DSPARK or NEXTN).
+    off = spec.algorithm == "none"
     dspark = spec.dspark_block_size is not None or spec.dspark_confidence_threshold != 0
-    if dspark and spec.algorithm != "DSPARK":
+    if dspark and not off and spec.algorithm != "DSPARK":
         key = "dspark_block_size" if spec.dspark_block_size is not None else "dspark_confidence_threshold"
         raise err(f"speculative.{key}", f"applies to algorithm DSPARK, not {spec.algorithm!r}")
     if not 0 <= spec.dspark_confidence_threshold < 1:
@@ -316,7 +319,7 @@ def _check_port(port: int, key: str, src: str) -> None:
 def _check_nextn(spec, err) -> None:
     """NEXTN / EAGLE: the target's own MTP layer, topk 1, num_steps + 1 tokens verified."""
     if not spec.nextn:
-        for key in ("num_steps", "eagle_topk"):
+        for key in () if spec.algorithm == "none" else ("num_steps", "eagle_topk"):
             if getattr(spec, key) is not None:
                 raise err(f"speculative.{key}", f"applies to algorithm NEXTN (or EAGLE), not {spec.algorithm!r}")
         return

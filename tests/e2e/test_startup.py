@@ -100,7 +100,7 @@ def test_two_default_servers_side_by_side(servers):
     assert a.complete() == b.complete()
     for u in (a, b):
         info = httpx.get(f"{u.url}/get_server_info", timeout=10).json()
-        assert info["speculative_algorithm"] == "DFLASH"
+        assert info["speculative_algorithm"] == "DSPARK"
         assert all(i["healthy"] for role in ("prefill", "decode") for i in info[role])
 
 

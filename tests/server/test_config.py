@@ -505,6 +505,22 @@ def test_dspark_keys_and_flags(tmp_path):
     assert (spec.algorithm, spec.verify_width, spec.dspark_confidence_threshold) == ("DSPARK", 5, 0.25)
 
 
+def test_speculation_off_ignores_the_keys_of_an_algorithm(tmp_path):
+    # `--speculative-algorithm none` on a config written for DSPARK or NEXTN (the shipped
+    # configs/local.yaml is a DSPARK one): its algorithm's keys are ignored, like its draft
+    for spec in ({"algorithm": "DSPARK", "draft_model_path": "/x", "dspark_block_size": 16,
+                  "dspark_confidence_threshold": 0.2},
+                 {"algorithm": "NEXTN", "num_steps": 3, "eagle_topk": 1}):
+        d = base()
+        d["speculative"] = spec
+        p = write(tmp_path, d)
+        args = build_parser().parse_args(["up", "--config", str(p), "--speculative-algorithm", "none"])
+        off = load_config(p, overrides_from_args(args)).speculative
+        assert off.algorithm == "none" and not off.enabled and not off.nextn, spec
+    d["speculative"] = {"algorithm": "DFLASH", "draft_model_path": "/x", "num_steps": 3}
+    assert error(tmp_path, d).key == "speculative.num_steps"  # still refused with speculation on
+
+
 def test_draft_family_is_checked_against_the_checkpoint_before_start(tmp_path, capsys):
     # model_fit reads the draft's config.json and its heads' tensor names: the algorithm asked for,
     # the verify width and a confidence cut are refused at config time, naming the key
