@@ -36,10 +36,10 @@ R) and confidence head are trained on the same generated data (glm53/support/dsp
 OUT/dspark is the draft plus the heads. Held-out τ is the replayed greedy loop with the DSpark
 chain, beside the frozen DFlash draft's on the same sequences, per block size, and with the
 confidence cut at a few thresholds (τ and the drafts verified per step).
-With `--dspark-joint` the heads are instead trained together with a body (started from
-`--init-draft`, heads from `--init-dspark` or fresh at `--dspark-rank`) beside the DFlash drafts, on
-the same batches for the same steps: OUT/dspark is that body plus its heads, and the held-out
-tables give its DSpark τ beside the DFlash drafts' τ.
+With `--dspark-joint` the heads are instead trained together with a body beside the DFlash drafts,
+on the same batches for the same steps (body and heads started from `--init-dspark`, or the body
+from `--init-draft` and fresh heads of `--dspark-rank`): OUT/dspark is that body plus its heads,
+and the held-out tables give its DSpark τ beside the DFlash drafts' τ.
 
 `--held-package NAME ...`: held-out τ also on prompts from the middle of those installed
 packages' source files (third-party code; build the corpus without them, tools/build_corpus.py).
@@ -229,7 +229,7 @@ def main() -> None:
     ap.add_argument("--heads-wd", type=float, default=0.01)
     ap.add_argument("--dspark-joint", action="store_true",
                     help="beside the DFlash drafts, train a DSpark draft (body and heads together) on the same batches")
-    ap.add_argument("--init-dspark", type=Path, help="--dspark-joint: start the heads from this DSpark checkpoint's")
+    ap.add_argument("--init-dspark", type=Path, help="--dspark-joint: start the body and heads from this DSpark checkpoint's")
     ap.add_argument("--seed", type=int, default=10, help="the training data's prompts and sampling")
     ap.add_argument("--held-package", nargs="*", default=[],
                     help="also report held-out τ on prompts from these installed packages (third-party code)")
@@ -301,7 +301,8 @@ def main() -> None:
     for name, cfg in cfgs.items():
         torch.manual_seed(7)
         drafts[name] = DraftTrainer(cfg)
-        init_from(drafts[name], a.init_draft)
+        # A DSpark checkpoint carries its own body (trained with its heads): continue from it.
+        init_from(drafts[name], a.init_dspark if name in heads and a.init_dspark else a.init_draft)
         drafts[name].to(device)
         log(f"draft {name}: {cfg['num_hidden_layers']} layers, block {a.block_size}, "
             f"{sum(p.numel() for p in drafts[name].parameters()) / 1e6:.2f}M params, target_layer_ids {ids}"

@@ -122,3 +122,17 @@ def test_replay_tau_is_the_greedy_decode_loop():
     got = replay_tau(ScriptedDraft(B, miss), held, (None, None), torch.device("cpu"), B, new, rows=2)
     assert toks == 3 * (new - 1)
     assert abs(got - toks / steps) < 1e-12
+
+
+def test_a_dspark_checkpoint_gives_its_own_body(tmp_path):
+    # --dspark-joint --init-dspark continues from the DSpark checkpoint's body (trained with its
+    # heads), whose file also holds the heads' tensors: those are skipped, the body copied whole
+    torch.manual_seed(2)
+    body = DraftTrainer(_cfg(2))
+    sd = {k: (v + 0.3 * torch.randn(v.shape)).contiguous() for k, v in body.state_dict().items()}
+    heads = {"markov_head.markov_w1.weight": torch.randn(64, 8), "markov_head.markov_w2.weight": torch.randn(64, 8)}
+    save_file({**sd, **heads}, str(tmp_path / "model.safetensors"))
+    fresh = DraftTrainer(_cfg(2))
+    init_from(fresh, tmp_path)
+    for k, v in fresh.state_dict().items():
+        torch.testing.assert_close(v, sd[k].float(), rtol=0, atol=0)
