@@ -77,9 +77,8 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
             raise err(f"speculative.{key}", f"must be >= 2 (the bonus slot and a draft), got {v}")
     # With speculation off, keys of an algorithm are ignored like the draft (`--speculative-algorithm
     # none` on a config written for DSPARK or NEXTN).
-    off = spec.algorithm == "none"
     dspark = spec.dspark_block_size is not None or spec.dspark_confidence_threshold != 0
-    if dspark and not off and spec.algorithm != "DSPARK":
+    if dspark and spec.algorithm not in ("none", "DSPARK"):
         key = "dspark_block_size" if spec.dspark_block_size is not None else "dspark_confidence_threshold"
         raise err(f"speculative.{key}", f"applies to algorithm DSPARK, not {spec.algorithm!r}")
     if not 0 <= spec.dspark_confidence_threshold < 1:
@@ -319,8 +318,8 @@ def _check_port(port: int, key: str, src: str) -> None:
 def _check_nextn(spec, err) -> None:
     """NEXTN / EAGLE: the target's own MTP layer, topk 1, num_steps + 1 tokens verified."""
     if not spec.nextn:
-        for key in () if spec.algorithm == "none" else ("num_steps", "eagle_topk"):
-            if getattr(spec, key) is not None:
+        for key in ("num_steps", "eagle_topk"):
+            if getattr(spec, key) is not None and spec.algorithm != "none":
                 raise err(f"speculative.{key}", f"applies to algorithm NEXTN (or EAGLE), not {spec.algorithm!r}")
         return
     if spec.draft_model_path:
