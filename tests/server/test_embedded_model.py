@@ -105,7 +105,7 @@ def test_the_embedded_model_is_the_shipped_trained_checkpoint(model_dir):
 def test_shipped_pair_is_bf16_and_small():
     total = sum(f.stat().st_size for d in ("tiny-glm5", "tiny-glm5-dflash") for f in (ASSETS / d).iterdir())
     assert total <= 28 * 2**20, total  # 25 MiB before the target's MTP layer (2.9 MB)
-    for d in ("tiny-glm5", "tiny-glm5-dflash"):
+    for d in ("tiny-glm5", "tiny-glm5-dflash", "tiny-glm5-dspark"):
         with safe_open(str(ASSETS / d / "model.safetensors"), "pt") as f:
             dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
         assert dtypes <= {"BF16", "F32"} and "BF16" in dtypes
