@@ -36,8 +36,8 @@ from typing import Any, Literal
 from glm53.server import nodes as nodes_lib
 # The embedded model names and ROLES live in config_values, below this module, config_checks and
 # config_parse (which reads a YAML file into these dataclasses); they are still importable from here.
-from glm53.server.config_values import (EMBEDDED_DRAFT, EMBEDDED_DRAFTS, EMBEDDED_DSPARK, EMBEDDED_MODEL,  # noqa: F401
-                                        EMBEDDED_RANDOM, ROLES, ConfigError, canonical_host, is_local_host)
+from glm53.server.config_values import (EMBEDDED_DRAFT, EMBEDDED_DSPARK, EMBEDDED_MODEL, EMBEDDED_RANDOM,  # noqa: F401
+                                        ROLES, ConfigError, canonical_host, is_local_host)
 
 PAIRING_POLICIES = ("round_robin", "least_loaded", "random")
 # Backends the transport layer implements.

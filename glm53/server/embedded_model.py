@@ -1,5 +1,5 @@
 """The embedded default model: a tiny GLM-5 (`glm_moe_dsa`) trained on Python source, and its
-DFlash draft, both shipped in `assets/` and installed into `$GLM53_CACHE` on first use.
+DFlash and DSpark drafts, all shipped in `assets/` and installed into `$GLM53_CACHE` on first use.
 
 `embedded:tiny-glm5` is the trained target (assets/tiny-glm5, made by tools/train_tiny.py): laid
 out exactly like a Hugging Face GLM-5 checkpoint (config.json, generation_config.json,
