@@ -12,7 +12,9 @@ Sections, in order (the tables are printed again at the end):
 2. gemm: M = 1, 64, 4096: bf16 `x @ w.T` (cuBLAS), w8a16, w8a8 (quantization included; at
    M >= 1024 also the GEMM alone on pre-quantized x), the dispatched variant's TFLOP/s and its
    speedup over bf16, and at M <= 64 the HBM floor (FP8 weight + scale + x + y bytes over the
-   copy bandwidth measured here); the target is speedup >= 1.5 at M = 4096;
+   copy bandwidth measured here); the target is speedup >= 1.5 at M = 4096. `--table layers`:
+   one product per checkpoint linear; `served`: the products the model runs (`models/fused`: the
+   linears that share an input stacked, one quantization each), bf16 on the same stacked shapes;
 3. moe: GLM-5's routed experts per rank (E 256, H 6144, I 2048 / 8 = 256, top-8) at decode sizes
    N = 1..64 (and 4096): FP8 w8a16 and w8a8, the bf16 fused kernel, and the HBM floor (bytes of
    the experts the batch hits, fp8 + scales, + x + out, over the copy bandwidth); the MoE
@@ -25,6 +27,7 @@ not read a warm L2; the MoE rotates its routing (random ids per set) over 1.2 GB
 
     python benchmarks/fp8_gemm.py [--m 1,64,4096] [--decode-m 1,2,4,8,16,32,64] [--moe-n 1,2,4,8,16,32,64,4096]
                                   [--only decode,gemm,moe,sweep] [--sweep] [--w8a16-max-m N] [--json out.json]
+                                  [--table layers,served]
     TRITON_INTERPRET=1 python benchmarks/fp8_gemm.py --smoke   # tiny shapes on CPU: checks that it runs
 """
 
@@ -68,6 +71,20 @@ GLM5_TP8 = {
     "shared gate_up": (512, 6144),
     "shared down": (6144, 256),
 }
+# The same layer's FP8 products as the served model runs them (models/fused): the linears that
+# share an input stacked into one weight (each member's rows padded to whole 128-row blocks:
+# kv_a's 576 -> 640), one activation quantization each; kv_b_proj is no GEMM there (the absorbed
+# attention reads it dequantized). bf16 runs the same stacked shapes (a bf16 model fuses too).
+GLM5_TP8_SERVED = {
+    "q_a+kv_a+wk": (2048 + 640 + 128, 6144),
+    "q_b+wq_b": (2048 + 4096, 2048),
+    "o_proj": (6144, 2048),
+    "dense gate_up": (3072, 6144),
+    "dense down": (6144, 1536),
+    "shared gate_up": (512, 6144),
+    "shared down": (6144, 256),
+}
+TABLES = {"layers": GLM5_TP8, "served": GLM5_TP8_SERVED}
 MOE = dict(E=256, H=6144, I=256, k=8)
 SMOKE_SHAPES = {"tiny_576": (576, 256), "tiny_ragged": (200, 136)}
 SMOKE_MOE = dict(E=6, H=136, I=96, k=2)
@@ -181,14 +198,14 @@ def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw:
     return limit
 
 
-def bench_gemm(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: float, log) -> None:
+def bench_gemm(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: float, log, table: str = "layers") -> None:
     for m in ms:
         tot = {"bf16": 0.0, "fp8": 0.0, "flops": 0.0}
         for sh in shapes:
             x = torch.randn(m, sh.K, device=dev).to(torch.bfloat16)
             flops = 2 * m * sh.N * sh.K
             variant = gemm_mod.fp8_variant(m, sh.N, sh.K, torch.device(dev))
-            row = dict(section="gemm", shape=sh.name, N=sh.N, K=sh.K, M=m, variant=variant)
+            row = dict(section="gemm", table=table, shape=sh.name, N=sh.N, K=sh.K, M=m, variant=variant)
             row["bf16_ms"] = timer.ms([lambda i=i: x @ sh.wb[i].t() for i in range(len(sh.wb))])
             cublas = fp8_gemm_cublas_mod.supports(sh.N, sh.K) and fp8_gemm_cublas_mod.available(0)
             for v in ("w8a16", "w8a8", "cublas"):
@@ -220,7 +237,7 @@ def bench_gemm(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: f
             log(f"gemm {sh.name:>20} M={m:<5} bf16 {row['bf16_ms'] * 1e3:9.1f} us  w8a16 {row['w8a16_ms'] * 1e3:9.1f}  "
                 f"w8a8 {row['w8a8_ms'] * 1e3:9.1f}{extra}  -> {row['variant']} {row['fp8_tflops']:7.1f} TFLOP/s "
                 f"(bf16 {row['bf16_tflops']:6.1f}), x{row['speedup']:.2f}")
-        ROWS.append(dict(section="gemm_sum", M=m, bf16_ms=tot["bf16"], fp8_ms=tot["fp8"],
+        ROWS.append(dict(section="gemm_sum", table=table, M=m, bf16_ms=tot["bf16"], fp8_ms=tot["fp8"],
                          speedup=tot["bf16"] / tot["fp8"], fp8_tflops=tot["flops"] / (tot["fp8"] * 1e-3) / 1e12,
                          bf16_tflops=tot["flops"] / (tot["bf16"] * 1e-3) / 1e12))
 
@@ -348,15 +365,17 @@ def print_tables(bw: float) -> None:
         print(f"decode crossover: w8a8 first faster at M = {d['crossover_m']}; W8A16_MAX_M = {d['w8a16_max_m']}")
     g = [r for r in ROWS if r["section"] == "gemm"]
     if g:
-        print("\n| shape | N | K | M | bf16 us | w8a16 us | w8a8 us | variant | FP8 TFLOP/s | bf16 TFLOP/s | speedup | "
-              "floor us | err |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| table | shape | N | K | M | bf16 us | w8a16 us | w8a8 us | cuBLAS us (GEMM alone) | variant | FP8 TFLOP/s | "
+              "bf16 TFLOP/s | speedup | floor us | err |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in g:
             err = r[f"{r['variant']}_err"]
-            print(f"| {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {r['bf16_ms'] * 1e3:.1f} | {r['w8a16_ms'] * 1e3:.1f} | "
-                  f"{r['w8a8_ms'] * 1e3:.1f} | {r['variant']} | {r['fp8_tflops']:.1f} | {r['bf16_tflops']:.1f} | "
-                  f"{r['speedup']:.2f} | {r['floor_ms'] * 1e3:.1f} | {err:.1e} |")
+            cub = (f"{r['cublas_ms'] * 1e3:.1f}" if "cublas_ms" in r else "-") + \
+                (f" ({r['cublas_gemm_only_ms'] * 1e3:.1f})" if "cublas_gemm_only_ms" in r else "")
+            print(f"| {r['table']} | {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {r['bf16_ms'] * 1e3:.1f} | "
+                  f"{r['w8a16_ms'] * 1e3:.1f} | {r['w8a8_ms'] * 1e3:.1f} | {cub} | {r['variant']} | {r['fp8_tflops']:.1f} | "
+                  f"{r['bf16_tflops']:.1f} | {r['speedup']:.2f} | {r['floor_ms'] * 1e3:.1f} | {err:.1e} |")
         for r in (r for r in ROWS if r["section"] == "gemm_sum"):
-            print(f"all shapes, M={r['M']}: FP8 {r['fp8_tflops']:.1f} TFLOP/s, bf16 {r['bf16_tflops']:.1f}, "
+            print(f"all shapes ({r['table']}), M={r['M']}: FP8 {r['fp8_tflops']:.1f} TFLOP/s, bf16 {r['bf16_tflops']:.1f}, "
                   f"speedup x{r['speedup']:.2f}")
     m = [r for r in ROWS if r["section"] == "moe"]
     if m:
@@ -379,6 +398,8 @@ def main() -> None:
     ap.add_argument("--only", default="decode,gemm,moe", help="sections among decode,gemm,moe,sweep")
     ap.add_argument("--sweep", action="store_true", help="add the tile sweeps (GEMM: three shapes; MoE) at the end")
     ap.add_argument("--w8a16-max-m", type=int, default=None, help="dispatcher threshold (default: the measured one)")
+    ap.add_argument("--table", default="layers",
+                    help="gemm shapes: layers (one per checkpoint linear), served (as the model fuses them), or both")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one rep, on CPU under TRITON_INTERPRET=1")
     a = ap.parse_args()
@@ -413,7 +434,12 @@ def main() -> None:
     if a.w8a16_max_m is not None:
         gemm_mod.W8A16_MAX_M = a.w8a16_max_m
     if "gemm" in only:
-        bench_gemm(shapes, [int(m) for m in a.m.split(",")], timer, dev, bw, log)
+        for name in a.table.split(","):
+            if name == "layers" or a.smoke:  # (smoke: the tiny shapes stand in for either table)
+                tshapes = shapes
+            else:
+                tshapes = [Shape(n, N, K, dev, a.smoke) for n, (N, K) in TABLES[name].items()]
+            bench_gemm(tshapes, [int(m) for m in a.m.split(",")], timer, dev, bw, log, table=name)
     moe_cfg = SMOKE_MOE if a.smoke else MOE
     weights = moe_weights(moe_cfg, dev) if only & {"moe", "sweep"} else None
     if "moe" in only:

@@ -17,7 +17,8 @@ weight tiles. Rows past M and columns past N are read modulo M / N (in bounds, n
 only K needs a mask (when K is not a multiple of BK: partial last blocks). BN <= 128 puts a tile in
 one scale row block (one scalar scale per K step); wider tiles load a scale per column.
 SPLIT_K > 1 (decode: few output tiles for 132 SMs) cuts K at scale-block boundaries over a second
-grid axis; the splits' fp32 partials [SPLIT_K, M, N] are summed in a fixed order (deterministic).
+grid axis; the splits' fp32 partials [SPLIT_K, M, N] are summed in a fixed order (deterministic) and
+cast in one more launch (`_sum_splits`).
 """
 
 from __future__ import annotations
@@ -183,9 +184,33 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
         PRECISION=dot_precision(torch.float32 if interp else a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:  # the splits in a fixed order: deterministic
-        y = y.sum(0).to(out_dtype)
+    if split > 1:
+        y = _sum_splits(y, out_dtype)
     return y
+
+
+@triton.jit(do_not_specialize=["total"])
+def _sum_splits_kernel(p_ptr, y_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < total
+    acc = tl.load(p_ptr + offs, mask=m, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + s * total + offs, mask=m, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _sum_splits(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """parts [SPLIT, M, N] fp32 (contiguous) -> their sum in out_dtype, split 0 first, then 1, ...
+    (a fixed order: deterministic), in one launch where a torch sum and a cast take two."""
+    split, M, N = parts.shape
+    # The interpreter's fp32 -> bf16 cast truncates (a GPU's rounds to nearest even): there the
+    # kernel writes fp32 and torch casts.
+    interp = triton_interpreting()
+    y = torch.empty((M, N), dtype=torch.float32 if interp else out_dtype, device=parts.device)
+    total = M * N
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(total, block),)](parts, y, total, SPLIT=split, BLOCK=block, num_warps=4)
+    return y.to(out_dtype)
 
 
 def fp8_gemm_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

@@ -22,6 +22,7 @@ from torch import nn
 from glm53.kernels.fp8_gemm import fp8_gemm
 from glm53.kernels.moe import swiglu_mlp
 from glm53.models.config import ConfigError
+from glm53.models.fused import FusedLinear
 from glm53.models.parallel import TPGroup
 from glm53.models.sharding import REPLICATED, Shard, shard_of
 
@@ -194,10 +195,20 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inter, dtype, tp)
         self.up_proj = ColumnParallelLinear(hidden, inter, dtype, tp)
         self.down_proj = RowParallelLinear(inter, hidden, dtype, tp)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse_projections_(self) -> int:
+        """gate and up as one product (`models/fused`)."""
+        if self.gate_up is None:
+            self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj])
+        return int(self.gate_up is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        if g.fp8 or u.fp8 or d.fp8:  # block-FP8 products (each layer's own form)
+        if self.gate_up is not None:
+            gx, ux = self.gate_up(x)
+            out = d.matmul(F.silu(gx) * ux)
+        elif g.fp8 or u.fp8 or d.fp8:  # block-FP8 products (each layer's own form)
             out = d.matmul(F.silu(g.matmul(x)) * u.matmul(x))
         else:
             out = swiglu_mlp(x, g.weight, u.weight, d.weight)

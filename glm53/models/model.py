@@ -36,6 +36,7 @@ from glm53.kernels.variants import logits_width
 from glm53.models.config import FULL, SHARED, ConfigError, GlmConfig
 from glm53.models.ep_dispatch import ep_moe
 from glm53.models.expert_parallel import expert_placement
+from glm53.models.fused import FusedLinear
 from glm53.models.kv_cache import INDEX_K, LATENT, KVPools
 from glm53.models.layers import (
     MLP, SCALE_SUFFIX, ColumnParallelLinear, Linear, Norm, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
@@ -125,11 +126,14 @@ class Indexer(nn.Module):
             rot = self._hadamard()
         self.hadamard = rot.to(device) if rot is not None else None
 
-    def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPools, layer: int) -> torch.Tensor:
+    def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPools, layer: int,
+                q_raw: torch.Tensor | None = None, k_raw: torch.Tensor | None = None) -> torch.Tensor:
+        """`q_raw` = wq_b(q_resid) and `k_raw` = wk(x) when the caller computed them in its fused
+        products (`Attention.fuse_projections_`); else they are computed here."""
         cfg = self.cfg
         n, rope = x.shape[0], cfg.qk_rope_head_dim
-        q = self.wq_b(q_resid).view(n, cfg.index_n_heads, cfg.index_head_dim)
-        k = layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_KEY_NORM_EPS)
+        q = (self.wq_b(q_resid) if q_raw is None else q_raw).view(n, cfg.index_n_heads, cfg.index_head_dim)
+        k = layer_norm(self.wk(x) if k_raw is None else k_raw, self.k_norm.weight, self.k_norm.bias, INDEXER_KEY_NORM_EPS)
         # The indexer's head layout is [rope | nope], the opposite of MLA's; rotated in place.
         il = cfg.indexer_rope_interleave
         apply_rope(q[..., :rope], cos, sin, il, out=q[..., :rope])
@@ -187,16 +191,37 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(h * cfg.v_head_dim, cfg.hidden_size, dtype, tp)
         self.indexer = Indexer(cfg, dtype) if cfg.indexer_types[layer] == FULL else None
         self.latent_fp8 = latent_cache_fp8.LatentLayout.for_config(cfg) if cfg.kv_lora_rank % 4 == 0 else None
+        # q_a, kv_a and the indexer's wk read x; q_b and the indexer's wq_b read q_resid
+        self.proj_x: FusedLinear | None = None
+        self.proj_q: FusedLinear | None = None
+
+    def fuse_projections_(self) -> int:
+        """The projections that share an input as one product each (`models/fused`)."""
+        ind = self.indexer
+        if self.proj_x is None:
+            self.proj_x = FusedLinear.of([self.q_a_proj, self.kv_a_proj_with_mqa] + ([ind.wk] if ind else []))
+        if self.proj_q is None and ind is not None:
+            self.proj_q = FusedLinear.of([self.q_b_proj, ind.wq_b])
+        return int(self.proj_x is not None) + int(self.proj_q is not None)
 
     def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPools, topk_slots: torch.Tensor | None):
         cfg = self.cfg
         n, h = x.shape[0], self.n_heads
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        q_resid = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LATENT_NORM_EPS)
-        q = self.q_b_proj(q_resid).view(n, h, cfg.qk_head_dim)
+        k_idx = q_idx = None  # the indexer's wk(x) and wq_b(q_resid), when fused here
+        if self.proj_x is not None:
+            qa, ckv, *k_idx = self.proj_x(x)
+            k_idx = k_idx[0] if k_idx else None
+        else:
+            qa, ckv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        q_resid = rms_norm(qa, self.q_a_layernorm.weight, LATENT_NORM_EPS)
+        if self.proj_q is not None:
+            q, q_idx = self.proj_q(q_resid)
+        else:
+            q = self.q_b_proj(q_resid)
+        q = q.view(n, h, cfg.qk_head_dim)
         # The latent row [norm(c) | rope(k_pe)] is built in place in the projection's output and
         # the query [W_UK q_nope | rope(q_pe)] in one buffer: no cats (each a launch and a copy).
-        ckv = self.kv_a_proj_with_mqa(x)
         rms_norm(ckv[:, :r], self.kv_a_layernorm.weight, LATENT_NORM_EPS, out=ckv[:, :r])
         apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave, out=ckv[:, r:])
         cache = kv.view(LATENT, self.layer)
@@ -206,7 +231,7 @@ class Attention(nn.Module):
             kv.write(cache, batch.out_slots, ckv)
 
         if self.indexer is not None:
-            topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer)
+            topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer, q_raw=q_idx, k_raw=k_idx)
         elif topk_slots is None:
             raise RuntimeError(f"layer {self.layer} shares top-k but no full layer ran before it")
 

@@ -39,6 +39,7 @@ import torch
 from glm53.models.config import GlmConfig
 from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.draft_weights import build_draft, load_draft_projection
+from glm53.models.fused import fuse_projections_
 from glm53.models.dspark import BlockChoice
 from glm53.models.graph import DecodeGraphs, GraphConfig
 from glm53.models.readback import readback
@@ -128,6 +129,11 @@ class ModelRunner:
         self.cfg: GlmConfig = model.cfg
         self.model = model
         self.draft = draft
+        # Projections that share an input become one product each (models/fused), before any
+        # graph is captured: fewer launches a layer, one activation quantization under FP8.
+        for m in (model, draft, mtp):
+            if m is not None:
+                fuse_projections_(m)
         self.device = torch.device(device)
         self.tp: TPGroup = model.tp
         self.pools: KVPools = target_pools(

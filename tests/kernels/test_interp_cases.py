@@ -434,6 +434,21 @@ def test_fp8_gemm_tilings(variant):
                          config=GemmConfig(16, 256, 64, GROUP_M=3, SPLIT_K=2, num_warps=1, num_stages=1))
     fp8_cases.check_gemm(17, 100, 400, torch.bfloat16, variant, "normal", out_dtype=torch.float32,
                          config=GemmConfig(32, 32, 32, GROUP_M=2, SPLIT_K=3, num_warps=1, num_stages=1))
+    fp8_cases.check_gemm(5, 72, 520, torch.bfloat16, variant, "mixed",
+                         config=GemmConfig(16, 64, 128, SPLIT_K=4, num_warps=1, num_stages=1))
+
+
+def test_fp8_gemm_split_sum():
+    # the split-K epilogue: partials summed split 0, 1, 2, ... in fp32 and cast once, in one launch
+    from glm53.kernels.fp8_gemm_triton import _sum_splits
+
+    for split, m, n in ((2, 3, 5), (5, 7, 300), (16, 1, 1100)):
+        parts = torch.randn(split, m, n) * torch.logspace(-3, 3, n)
+        acc = parts[0].clone()
+        for i in range(1, split):
+            acc += parts[i]
+        for dt in (torch.float32, torch.bfloat16):
+            assert torch.equal(_sum_splits(parts, dt), acc.to(dt))
 
 
 def test_fp8_gemm_dispatch_threshold(monkeypatch):
@@ -499,10 +514,11 @@ def test_fp8_benchmark_smoke(monkeypatch, capsys):
 
     monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", fp8_gemm.W8A16_MAX_M)
     monkeypatch.setattr(moe_fp8, "MOE_W8A16_MAX_TOKENS", moe_fp8.MOE_W8A16_MAX_TOKENS)
-    monkeypatch.setattr(sys, "argv", ["fp8_gemm.py", "--smoke"])
+    monkeypatch.setattr(sys, "argv", ["fp8_gemm.py", "--smoke", "--table", "layers,served"])
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gemm.py"), run_name="__main__")
     out = capsys.readouterr().out
-    assert "decode crossover" in out and "all shapes, M=3" in out and "| N | experts hit |" in out, out[-2000:]
+    assert "decode crossover" in out and "| N | experts hit |" in out, out[-2000:]
+    assert "all shapes (layers), M=3" in out and "all shapes (served), M=3" in out, out[-2000:]
 
 
 # ---- bucket edges of the count classes (kernels/variants.py) ---------------------------------

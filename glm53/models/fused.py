@@ -1,0 +1,100 @@
+"""Linears that read one input, computed as one product.
+
+Several projections of a layer take the same input: q_a, kv_a and the indexer's wk the normed
+hidden state; q_b and the indexer's wq_b q_a's normed output; an MLP's gate and up its input.
+`FusedLinear.of` stacks their weights in one tensor (rows; under block-FP8 each member's rows
+padded to whole 128-row blocks, so every member keeps its own scale rows) and makes each member's
+parameters views of it. Checkpoint names, shard rules and the loader stay as they are; the fused
+product costs one launch where the members cost one each, and under block-FP8 one activation
+quantization (prefill) and one split-K reduction (decode) instead of one per member.
+
+Each output column is its own dot product over the same input, so a member's slice of the fused
+output is that member's product; only the GEMM's accumulation order may differ (on CPU the
+block-FP8 reference multiplies in fp32).
+
+Fuse after the model is on its device (`fuse_projections_`: the runner does it before capturing
+graphs): moving a module afterwards would give the members new storage and leave the fused weight
+behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm53.kernels.fp8_gemm import fp8_gemm
+from glm53.kernels.fp8_quant import GROUP
+from glm53.models.sharding import shard_of
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class FusedLinear:
+    """The members' weights stacked on rows, `weight` [Σ rows, K] (FP8: `scale` [Σ rows / 128,
+    ceil(K / 128)]); member i's output is columns [starts[i], starts[i] + widths[i]) of the product."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    starts: tuple[int, ...]
+    widths: tuple[int, ...]
+    dtype: torch.dtype  # the output's (the members' `dtype`)
+
+    @classmethod
+    def of(cls, linears: list[nn.Module]) -> "FusedLinear | None":
+        """Fuses `linears` (the `layers.Linear` family, same input width, all block-FP8 or all in
+        one dtype) in place; None, touching nothing, when they cannot share one product."""
+        if len(linears) < 2:
+            return None
+        first = linears[0]
+        fp8 = first.fp8
+        k = first.weight.shape[1]
+        if any(m.fp8 != fp8 or m.weight.dtype != first.weight.dtype or m.dtype != first.dtype
+               or m.weight.shape[1] != k or m.weight.device != first.weight.device for m in linears):
+            return None
+        pad = GROUP if fp8 else 1
+        widths = tuple(m.weight.shape[0] for m in linears)
+        rows = [_cdiv(n, pad) * pad for n in widths]
+        starts = tuple(sum(rows[:i]) for i in range(len(rows)))
+        dev = first.weight.device
+        weight = torch.zeros(sum(rows), k, dtype=first.weight.dtype, device=dev)
+        scale = None
+        if fp8:
+            kb = first.weight_scale_inv.shape[1]
+            scale = torch.ones(sum(rows) // GROUP, kb, dtype=torch.float32, device=dev)
+        for m, a, n in zip(linears, starts, widths):
+            weight[a : a + n].copy_(m.weight)
+            m.weight = _view_param(weight[a : a + n], m.weight)
+            if fp8:
+                s = m.weight_scale_inv
+                if s.shape != (_cdiv(n, GROUP), kb):
+                    raise ValueError(f"block-FP8 scales {tuple(s.shape)} for a [{n}, {k}] weight: not 128×128 blocks")
+                b = a // GROUP
+                scale[b : b + s.shape[0]].copy_(s)
+                m.weight_scale_inv = _view_param(scale[b : b + s.shape[0]], s)
+        return cls(weight, scale, starts, widths, first.dtype)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's product x @ W_i^T (no communication), as views of one output."""
+        if self.scale is not None:
+            y = fp8_gemm(x.to(self.dtype), self.weight, self.scale, self.dtype)
+        else:
+            y = F.linear(x.to(self.weight.dtype), self.weight)
+        return [y[..., a : a + n] for a, n in zip(self.starts, self.widths)]
+
+
+def _view_param(view: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
+    p = nn.Parameter(view, requires_grad=False)
+    p.shard = shard_of(old)
+    return p
+
+
+def fuse_projections_(module: nn.Module) -> int:
+    """Fuses every layer of `module` that can (each submodule's `fuse_projections_`); returns how
+    many fused products it made."""
+    return sum(m.fuse_projections_() for m in module.modules() if hasattr(m, "fuse_projections_"))
