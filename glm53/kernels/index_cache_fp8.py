@@ -61,15 +61,19 @@ def split_view(cache: torch.Tensor, dim: int = 128) -> tuple[torch.Tensor, torch
     return keys, scales
 
 
-def store(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, ue8m0: bool = True) -> None:
-    """Quantize keys k [N, D] and write them at physical slots [N] (page * page_size + offset)."""
+def store(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, ue8m0: bool = True,
+          coords: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Quantize keys k [N, D] and write them at physical slots [N] (page * page_size + offset);
+    `coords` = (slots // page_size, slots % page_size) when the caller already has them."""
     dim = k.shape[-1]
     keys, scales = split_view(cache, dim)
     page_size = keys.shape[1]
     q, s = quantize(k, ue8m0)
-    slots = slots.to(torch.long)
-    keys[slots // page_size, slots % page_size] = q
-    scales[slots // page_size, slots % page_size] = s
+    if coords is None:
+        slots = slots.to(torch.long)
+        coords = (slots // page_size, slots % page_size)
+    keys[coords] = q
+    scales[coords] = s
 
 
 def dequantize(cache: torch.Tensor, dim: int = 128) -> torch.Tensor:

@@ -99,12 +99,16 @@ def dequantize_rows(rows: torch.Tensor, layout: LatentLayout) -> torch.Tensor:
     return torch.cat([c * col_scale, rope], dim=-1)
 
 
-def store(cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, layout: LatentLayout) -> None:
+def store(cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, layout: LatentLayout,
+          coords: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Quantize `latent` [N, R + P] and write the rows at physical slots [N] of one layer's cache
-    [num_pages, page_size, bytes_per_token] uint8 (page * page_size + offset)."""
-    page_size = cache.shape[1]
-    slots = slots.to(torch.long)
-    cache[slots // page_size, slots % page_size] = quantize(latent, layout)
+    [num_pages, page_size, bytes_per_token] uint8 (page * page_size + offset); `coords` =
+    (slots // page_size, slots % page_size) when the caller already has them."""
+    if coords is None:
+        page_size = cache.shape[1]
+        slots = slots.to(torch.long)
+        coords = (slots // page_size, slots % page_size)
+    cache[coords] = quantize(latent, layout)
 
 
 def gather(cache: torch.Tensor, slots: torch.Tensor, layout: LatentLayout) -> torch.Tensor:

@@ -245,10 +245,13 @@ class KVPools:
         return sum(p.bytes_per_page() for p in self._pools.values())
 
     @staticmethod
-    def write(view: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Stores values[i] at flat slot slots[i] (= page * page_size + offset) of a layer view."""
+    def write(view: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+              coords: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Stores values[i] at flat slot slots[i] (= page * page_size + offset) of a layer view;
+        `coords` = (slots // page_size, slots % page_size) when the caller already has them."""
         ps = view.shape[1]
-        view[slots // ps, slots % ps] = values.to(view.dtype)
+        page, off = coords if coords is not None else (slots // ps, slots % ps)
+        view[page, off] = values.to(view.dtype)
 
 
 FP8 = torch.float8_e4m3fn  # the `kv_dtype` that selects the FP8 layouts

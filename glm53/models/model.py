@@ -19,7 +19,7 @@ exception: the absorbed attention reads its W_UK / W_UV slices directly, so it i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -64,6 +64,16 @@ class ForwardBatch:
     # selects them): a draft layer's KV that was never written there (the MTP draft on decode
     # when prefill did not send its KV). None: every position < context_lens is visible.
     ctx_start: torch.Tensor | None = None
+    _coords: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def out_coords(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) of each token's KV slot, `out_slots` split by `page_size`: computed at
+        the first layer's KV write and reused by every other (two launches a step, not two a
+        layer). A batch lives for one forward (a graph replays the split with the forward)."""
+        c = self._coords.get(page_size)
+        if c is None:
+            c = self._coords[page_size] = (self.out_slots // page_size, self.out_slots % page_size)
+        return c
 
 
 @dataclass
@@ -148,10 +158,10 @@ class Indexer(nn.Module):
                 q = (q.float() @ self.hadamard).to(q.dtype)
                 k = k.float() @ self.hadamard
             cache = cache.flatten(1)  # [num_pages, page_size * (D + 4)]: the page item per layer
-            index_cache_fp8.store(cache, batch.out_slots, k)
+            index_cache_fp8.store(cache, batch.out_slots, k, coords=batch.out_coords(kv.page_size))
             logits = indexer_logits_fp8(q, weights, cache, *args)
         else:
-            kv.write(cache, batch.out_slots, k)
+            kv.write(cache, batch.out_slots, k, coords=batch.out_coords(kv.page_size))
             logits = indexer_logits(q, weights, cache, *args)
         if batch.ctx_start is not None:
             return self._topk_from(logits, batch, kv.page_size)
@@ -226,9 +236,9 @@ class Attention(nn.Module):
         apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave, out=ckv[:, r:])
         cache = kv.view(LATENT, self.layer)
         if cache.dtype == torch.uint8:  # the FP8 latent rows (kernels/latent_cache_fp8)
-            latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8)
+            latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8, coords=batch.out_coords(kv.page_size))
         else:
-            kv.write(cache, batch.out_slots, ckv)
+            kv.write(cache, batch.out_slots, ckv, coords=batch.out_coords(kv.page_size))
 
         if self.indexer is not None:
             topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer, q_raw=q_idx, k_raw=k_idx)

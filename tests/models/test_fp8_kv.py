@@ -62,10 +62,10 @@ def test_fp8_latent_path_equals_attention_over_quantized_values(runners, monkeyp
     lay = latent_cache_fp8.LatentLayout.for_config(cfg)
     write = KVPools.write
 
-    def quantized_write(view, slots, values):
+    def quantized_write(view, slots, values, coords=None):
         if view.shape[-1] == cfg.latent_dim:
             values = latent_cache_fp8.dequantize_rows(latent_cache_fp8.quantize(values, lay), lay)
-        write(view, slots, values)
+        write(view, slots, values, coords=coords)
 
     monkeypatch.setattr(KVPools, "write", staticmethod(quantized_write))
     want = ref.forward([SeqChunk(seq, 0, pages, all_logits=True)])[0]

@@ -122,3 +122,21 @@ def test_fp8_target_pools_are_bytes_and_the_buffer_table_sees_the_real_row():
     assert kv_bytes_per_token(cfg, torch.bfloat16, kv_dtype=FP8) == 4 * 656 + 3 * 132
     with pytest.raises(ValueError, match="model dtype or FP8"):
         target_pools(cfg, range(4), 3, 64, torch.bfloat16, device="meta", kv_dtype=torch.float32)
+
+
+def test_batch_splits_its_slots_once():
+    # every layer's KV write takes the batch's (page, offset) split: computed once, on first use
+    from glm53.models.model import ForwardBatch
+
+    slots = torch.randint(0, 1000, (37,))
+    b = ForwardBatch(input_ids=slots, positions=slots, out_slots=slots, page_table=slots[:, None].int(),
+                     context_lens=slots.int(), max_context=1000)
+    page, off = b.out_coords(16)
+    assert torch.equal(page, slots // 16) and torch.equal(off, slots % 16)
+    assert b.out_coords(16)[0] is page and b.out_coords(64)[0] is not page
+    view = torch.zeros(63, 16, 3)
+    vals = torch.randn(37, 3)
+    KVPools.write(view, slots, vals, coords=(page, off))
+    want = torch.zeros(63, 16, 3)
+    KVPools.write(want, slots, vals)
+    assert torch.equal(view, want)
