@@ -19,7 +19,7 @@ behind.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +39,8 @@ class FusedLinear:
     """The members' weights stacked on rows, `weight` [Σ rows, K] (FP8: `scale` [Σ rows / 128,
     ceil(K / 128)]); member i's output is columns [starts[i], starts[i] + widths[i]) of the product."""
 
-    weight: torch.Tensor
-    scale: torch.Tensor | None
+    weight: torch.Tensor = field(repr=False)
+    scale: torch.Tensor | None = field(repr=False)
     starts: tuple[int, ...]
     widths: tuple[int, ...]
     dtype: torch.dtype  # the output's (the members' `dtype`)
