@@ -58,7 +58,10 @@ class Cluster:
 
     def add_prefill(self, name: str) -> "Cluster":
         """One more prefill instance like the first (call before start)."""
-        port, boot = free_ports(2)
+        named = [self.cfg["router"]["port"], self.cfg["router"]["result_port"]] + [
+            inst[k] for pool in ("prefill", "decode") for inst in self.cfg[pool]
+            for k in ("port", "bootstrap_port") if k in inst]
+        port, boot = free_ports(2, exclude=named)
         self.cfg["prefill"].append({**self.cfg["prefill"][0], "name": name, "port": port, "bootstrap_port": boot})
         self.config_path.write_text(yaml.safe_dump(self.cfg))
         return self
