@@ -48,8 +48,9 @@ class FusedLinear:
     @classmethod
     def of(cls, linears: list[nn.Module]) -> "FusedLinear | None":
         """Fuses `linears` (the `layers.Linear` family, same input width, all block-FP8 or all in
-        one dtype) in place; None, touching nothing, when they cannot share one product."""
-        if len(linears) < 2:
+        one dtype) in place; None, touching nothing, when they cannot share one product. A
+        trainable member is never fused: the product of the stacked copy would cut its gradient."""
+        if len(linears) < 2 or any(m.weight.requires_grad for m in linears):
             return None
         first = linears[0]
         fp8 = first.fp8

@@ -101,6 +101,9 @@ def test_fused_linear_fp8_padding_and_refusals():
     assert FusedLinear.of([a, members[0]]) is None  # fp32 with block-FP8
     assert FusedLinear.of([a, Linear(k + 1, 8, torch.float32)]) is None  # another input width
     assert FusedLinear.of([a]) is None
+    b.weight.requires_grad_(True)
+    assert FusedLinear.of([a, b]) is None  # trainable: the stacked copy would cut its gradient
+    b.weight.requires_grad_(False)
     before = a.weight
     f = FusedLinear.of([a, b])
     assert f is not None and a.weight is not before and torch.equal(a.weight, before)
