@@ -95,6 +95,17 @@ def _view_param(view: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
     return p
 
 
+def padding_bytes(module: nn.Module) -> int:
+    """Bytes the fused weights in `module` hold beyond their members' parameters: the rows that pad
+    block-FP8 members to whole 128-row blocks (what `glm53-serve plan` adds to the parameters)."""
+    total = 0
+    for m in module.modules():
+        for f in vars(m).values():
+            if isinstance(f, FusedLinear):
+                total += (f.weight.shape[0] - sum(f.widths)) * f.weight.shape[1] * f.weight.element_size()
+    return total
+
+
 def fuse_projections_(module: nn.Module) -> int:
     """Fuses every layer of `module` that can (each submodule's `fuse_projections_`); returns how
     many fused products it made."""

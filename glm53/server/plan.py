@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from glm53.models.config import GlmConfig
+from glm53.models.fused import fuse_projections_, padding_bytes
 from glm53.models.parallel import TPGroup
 
 GIB = 2**30
@@ -135,8 +136,11 @@ def _gib(n: float) -> str:
 
 
 def _nbytes(module: torch.nn.Module) -> int:
+    """What `module` holds as served: its parameters and buffers, and the padding rows of the
+    products it fuses as the runner does (`models/fused`)."""
+    fuse_projections_(module)
     tensors = list(module.parameters()) + list(module.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors) + padding_bytes(module)
 
 
 def activation_bytes(cfg: GlmConfig, lay: Layout, context: int, tp: int, block: int) -> int:
