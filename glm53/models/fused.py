@@ -30,10 +30,6 @@ from glm53.kernels.fp8_quant import GROUP
 from glm53.models.sharding import shard_of
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass
 class FusedLinear:
     """The members' weights stacked on rows, `weight` [Σ rows, K] (FP8: `scale` [Σ rows / 128,
@@ -60,7 +56,7 @@ class FusedLinear:
             return None
         pad = GROUP if fp8 else 1
         widths = tuple(m.weight.shape[0] for m in linears)
-        rows = [_cdiv(n, pad) * pad for n in widths]
+        rows = [-(-n // pad) * pad for n in widths]
         starts = tuple(sum(rows[:i]) for i in range(len(rows)))
         dev = first.weight.device
         weight = torch.zeros(sum(rows), k, dtype=first.weight.dtype, device=dev)
@@ -73,7 +69,7 @@ class FusedLinear:
             m.weight = _view_param(weight[a : a + n], m.weight)
             if fp8:
                 s = m.weight_scale_inv
-                if s.shape != (_cdiv(n, GROUP), kb):
+                if s.shape != (-(-n // GROUP), kb):
                     raise ValueError(f"block-FP8 scales {tuple(s.shape)} for a [{n}, {k}] weight: not 128×128 blocks")
                 b = a // GROUP
                 scale[b : b + s.shape[0]].copy_(s)

@@ -136,9 +136,8 @@ def _gib(n: float) -> str:
 
 
 def _nbytes(module: torch.nn.Module) -> int:
-    """What `module` holds as served: its parameters and buffers, and the padding rows of the
-    products it fuses as the runner does (`models/fused`)."""
-    fuse_projections_(module)
+    """What `module` holds: its parameters and buffers, and the padding rows of its fused products
+    (`models/fused`)."""
     tensors = list(module.parameters()) + list(module.buffers())
     return sum(t.numel() * t.element_size() for t in tensors) + padding_bytes(module)
 
@@ -183,7 +182,9 @@ def _nextn_bytes(model_dir: Path, cfg: GlmConfig, lay: Layout, dtype: torch.dtyp
         last = f"model.layers.{L - 1}."
         fp8 = frozenset(n.replace(last, f"model.layers.{L}.", 1) for n in target_fp8 if n.startswith(last))
         spec = NextNSpec(L, moe=cfg.mlp_layer_types[-1] == "sparse", own_head=True, own_embed=True, fp8=bool(fp8))
-    return _nbytes(nextn_on_meta(cfg, spec, fp8, dtype=dtype, tp=tp, ep=lay.ep, embed=lay.pp > 1))
+    layer = nextn_on_meta(cfg, spec, fp8, dtype=dtype, tp=tp, ep=lay.ep, embed=lay.pp > 1)
+    fuse_projections_(layer)  # as the runner serves it
+    return _nbytes(layer)
 
 
 def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
@@ -226,6 +227,7 @@ def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
     for k, layers in enumerate(ranges):
         with torch.device("meta"):
             model = GlmForCausalLM(cfg, dtype=dtype, layers=layers, tp=tp, fp8=fp8, ep=lay.ep)
+            fuse_projections_(model)  # as the runner serves it: block-FP8 members padded to whole blocks
             draft_bytes = 0
             if draft_cfg is not None and k == len(ranges) - 1:
                 draft_bytes = _nbytes(DFlashDraft(draft_cfg, cfg, dtype=dtype, tp=tp))
