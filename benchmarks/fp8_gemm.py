@@ -15,7 +15,13 @@ Sections, in order (the tables are printed again at the end):
    copy bandwidth measured here); the target is speedup >= 1.5 at M = 4096. `--table layers`:
    one product per checkpoint linear; `served`: the products the model runs (`models/fused`: the
    linears that share an input stacked, one quantization each), bf16 on the same stacked shapes;
-3. moe: GLM-5's routed experts per rank (E 256, H 6144, I 2048 / 8 = 256, top-8) at decode sizes
+3. chain (`--only chain`): each served product with the kernel that produces its input, at
+   M = 4096 (`--chain-m`): bf16 = the producer (RMSNorm, or SwiGLU's silu(g)·u) + the bf16
+   matmul; FP8 "separate" = the same producer + the FP8 product quantizing its input (before
+   `fp8_act`); FP8 "fused" = the producer writing the quantized rows itself (`fp8_act`) + the
+   product on them, as the served model runs it. Ratios with and without the producer's plain
+   time (the norm or SwiGLU bf16 runs too); o_proj's input comes from the attention (no producer);
+4. moe: GLM-5's routed experts per rank (E 256, H 6144, I 2048 / 8 = 256, top-8) at decode sizes
    N = 1..64 (and 4096): FP8 w8a16 and w8a8, the bf16 fused kernel, and the HBM floor (bytes of
    the experts the batch hits, fp8 + scales, + x + out, over the copy bandwidth); the MoE
    crossover (`MOE_W8A16_MAX_TOKENS`).
@@ -46,6 +52,8 @@ import triton
 from glm53.kernels import fp8_gemm as gemm_mod
 from glm53.kernels import moe_fp8 as moe_mod
 from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.fp8_act import rms_norm_fp8, silu_mul_fp8
+from glm53.kernels.norm import rms_norm
 from glm53.kernels import fp8_gemm_cublas as fp8_gemm_cublas_mod
 from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
 from glm53.kernels.fp8_gemm_triton import GemmConfig, fp8_gemm_w8a8, fp8_gemm_w8a16
@@ -85,6 +93,18 @@ GLM5_TP8_SERVED = {
     "shared down": (6144, 256),
 }
 TABLES = {"layers": GLM5_TP8, "served": GLM5_TP8_SERVED}
+# What produces each served product's input (`chain`): "norm" an RMSNorm over K (dense: its output
+# is also read as is: the indexer's gates on full layers, the router and routed experts in a MoE
+# layer), "silu" SwiGLU over the gate_up halves, None the attention output (quantized by the product).
+GLM5_TP8_PRODUCERS = {
+    "q_a+kv_a+wk": ("norm", True),
+    "q_b+wq_b": ("norm", False),
+    "o_proj": (None, False),
+    "dense gate_up": ("norm", False),
+    "dense down": ("silu", False),
+    "shared gate_up": ("norm", True),
+    "shared down": ("silu", False),
+}
 MOE = dict(E=256, H=6144, I=256, k=8)
 SMOKE_SHAPES = {"tiny_576": (576, 256), "tiny_ragged": (200, 136)}
 SMOKE_MOE = dict(E=6, H=136, I=96, k=2)
@@ -220,7 +240,7 @@ def bench_gemm(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: f
                 if cublas:
                     qs = fp8_gemm_cublas_mod.quantize_rows(x)
                     row["cublas_gemm_only_ms"] = timer.ms([
-                        lambda i=i: fp8_gemm_cublas_mod.scaled_mm(*qs, sh.q[i], sh.s[i], torch.bfloat16)
+                        lambda i=i: fp8_gemm_cublas_mod.scaled_mm(qs.q, qs.scale, sh.q[i], sh.s[i], torch.bfloat16)
                         for i in range(len(sh.q))])
                     row["cublas_gemm_only_speedup"] = row["bf16_ms"] / row["cublas_gemm_only_ms"]
             fp8 = row[f"{row['variant']}_ms"]
@@ -240,6 +260,54 @@ def bench_gemm(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: f
         ROWS.append(dict(section="gemm_sum", table=table, M=m, bf16_ms=tot["bf16"], fp8_ms=tot["fp8"],
                          speedup=tot["bf16"] / tot["fp8"], fp8_tflops=tot["flops"] / (tot["fp8"] * 1e-3) / 1e12,
                          bf16_tflops=tot["flops"] / (tot["bf16"] * 1e-3) / 1e12))
+
+
+def bench_chain(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, log, producers: dict) -> None:
+    """Each product with its input's producer (module docstring, section 3)."""
+    for m in ms:
+        tot = {"bf16": 0.0, "separate": 0.0, "fused": 0.0, "producer": 0.0}
+        for sh in shapes:
+            kind, dense = producers[sh.name]
+            h = torch.randn(m, sh.K, device=dev).to(torch.bfloat16)
+            norm_w = (torch.rand(sh.K, device=dev) + 0.5).to(torch.bfloat16)
+            gu = torch.randn(m, 2 * sh.K, device=dev).to(torch.bfloat16)
+            g, u = gu[:, : sh.K], gu[:, sh.K :]
+            if kind == "norm":
+                plain = lambda: rms_norm(h, norm_w, 1e-6)  # noqa: E731
+                quantized = lambda: rms_norm_fp8(h, norm_w, 1e-6, dense=dense)[1]  # noqa: E731
+            elif kind == "silu":
+                plain = lambda: torch.nn.functional.silu(g) * u  # noqa: E731
+                quantized = lambda: silu_mul_fp8(g, u)  # noqa: E731
+            else:
+                plain = quantized = lambda: h  # noqa: E731
+            row = dict(section="chain", shape=sh.name, N=sh.N, K=sh.K, M=m, producer=kind or "-", dense=dense)
+            # the reference: the dequantized product of the fused path's own input
+            ref = plain().float() @ sh.w32.t()
+            if kind is None:
+                row["fused_err"] = rel(gemm_mod.fp8_gemm(h, sh.q[0], sh.s[0]), ref)
+            else:
+                row["fused_err"] = rel(gemm_mod.fp8_gemm_rows(quantized(), sh.q[0], sh.s[0], torch.bfloat16), ref)
+            row["producer_ms"] = timer.ms([plain]) if kind else 0.0
+            row["bf16_ms"] = timer.ms([lambda i=i: plain() @ sh.wb[i].t() for i in range(len(sh.wb))])
+            row["separate_ms"] = timer.ms([lambda i=i: gemm_mod.fp8_gemm(plain(), sh.q[i], sh.s[i])
+                                           for i in range(len(sh.q))])
+            if kind is None:
+                row["fused_ms"] = row["separate_ms"]
+            else:
+                row["fused_ms"] = timer.ms([lambda i=i: gemm_mod.fp8_gemm_rows(quantized(), sh.q[i], sh.s[i], torch.bfloat16)
+                                            for i in range(len(sh.q))])
+            for k in tot:
+                tot[k] += row[f"{k}_ms"]
+            ROWS.append(row)
+            p = row["producer_ms"]
+            log(f"chain {sh.name:>16} M={m:<5} producer {row['producer']:>4} {p * 1e3:6.1f} us  bf16 {row['bf16_ms'] * 1e3:7.1f}  "
+                f"FP8 separate {row['separate_ms'] * 1e3:7.1f}  fused {row['fused_ms'] * 1e3:7.1f} (err {row['fused_err']:.1e})  "
+                f"x{row['bf16_ms'] / row['fused_ms']:.2f} with the producer, "
+                f"x{(row['bf16_ms'] - p) / (row['fused_ms'] - p):.2f} without")
+        p = tot["producer"]
+        ROWS.append(dict(section="chain_sum", M=m, **{f"{k}_ms": v for k, v in tot.items()},
+                         speedup=tot["bf16"] / tot["fused"], speedup_products=(tot["bf16"] - p) / (tot["fused"] - p),
+                         speedup_separate=(tot["bf16"] - p) / (tot["separate"] - p)))
 
 
 def _moe_sets(N: int, cfg: dict, dev: str, sets: int):
@@ -377,6 +445,20 @@ def print_tables(bw: float) -> None:
         for r in (r for r in ROWS if r["section"] == "gemm_sum"):
             print(f"all shapes ({r['table']}), M={r['M']}: FP8 {r['fp8_tflops']:.1f} TFLOP/s, bf16 {r['bf16_tflops']:.1f}, "
                   f"speedup x{r['speedup']:.2f}")
+    c = [r for r in ROWS if r["section"] == "chain"]
+    if c:
+        print("\n| product (N, K) | M | producer | producer us | bf16 us | FP8 separate us | FP8 fused us | "
+              "fused / bf16 with producer | without | err |\n|---|---|---|---|---|---|---|---|---|---|")
+        for r in c:
+            p = r["producer_ms"]
+            print(f"| {r['shape']} ({r['N']}, {r['K']}) | {r['M']} | {r['producer']}{' +dense' if r['dense'] else ''} | "
+                  f"{p * 1e3:.1f} | {r['bf16_ms'] * 1e3:.1f} | {r['separate_ms'] * 1e3:.1f} | {r['fused_ms'] * 1e3:.1f} | "
+                  f"{r['bf16_ms'] / r['fused_ms']:.2f} | {(r['bf16_ms'] - p) / (r['fused_ms'] - p):.2f} | {r['fused_err']:.1e} |")
+        for r in (r for r in ROWS if r["section"] == "chain_sum"):
+            print(f"chain, M={r['M']}: bf16 {r['bf16_ms'] * 1e3:.1f} us, FP8 separate {r['separate_ms'] * 1e3:.1f}, fused "
+                  f"{r['fused_ms'] * 1e3:.1f}; producers {r['producer_ms'] * 1e3:.1f}. Speed-up over bf16 with the producers "
+                  f"x{r['speedup']:.2f}; products alone (producers' plain time taken out) x{r['speedup_products']:.2f} "
+                  f"(separate quantization: x{r['speedup_separate']:.2f})")
     m = [r for r in ROWS if r["section"] == "moe"]
     if m:
         print("\n| N | experts hit | w8a16 us | w8a8 us | bf16 us | FP8 floor us | floor / best FP8 | bf16 floor us | "
@@ -395,7 +477,8 @@ def main() -> None:
     ap.add_argument("--m", default="1,64,4096")
     ap.add_argument("--decode-m", default="1,2,4,8,16,32,64")
     ap.add_argument("--moe-n", default="1,2,4,8,16,32,64,4096")
-    ap.add_argument("--only", default="decode,gemm,moe", help="sections among decode,gemm,moe,sweep")
+    ap.add_argument("--only", default="decode,gemm,moe", help="sections among decode,gemm,chain,moe,sweep")
+    ap.add_argument("--chain-m", default="4096")
     ap.add_argument("--sweep", action="store_true", help="add the tile sweeps (GEMM: three shapes; MoE) at the end")
     ap.add_argument("--w8a16-max-m", type=int, default=None, help="dispatcher threshold (default: the measured one)")
     ap.add_argument("--table", default="layers",
@@ -426,7 +509,7 @@ def main() -> None:
                 json.dump(dict(env=env, rows=ROWS), f, indent=1, default=str)
 
     log(f"{env['device']}: copy {bw / 1e12:.3f} TB/s, torch {torch.__version__}, triton {triton.__version__}")
-    shapes = [Shape(n, N, K, dev, a.smoke) for n, (N, K) in table.items()] if only & {"decode", "gemm", "sweep"} else []
+    shapes = [Shape(n, N, K, dev, a.smoke) for n, (N, K) in table.items()] if only & {"decode", "gemm", "sweep", "chain"} else []
     if "decode" in only:
         measured = bench_decode(shapes, [int(m) for m in a.decode_m.split(",")], timer, dev, bw, log)
         log(f"decode: w8a16 no slower than w8a8 up to M = {measured} (summed over the shapes)")
@@ -440,6 +523,14 @@ def main() -> None:
             else:
                 tshapes = [Shape(n, N, K, dev, a.smoke) for n, (N, K) in TABLES[name].items()]
             bench_gemm(tshapes, [int(m) for m in a.m.split(",")], timer, dev, bw, log, table=name)
+    if "chain" in only:
+        if a.smoke:
+            cshapes, producers = shapes, dict(zip(SMOKE_SHAPES, [("norm", True), ("silu", False)]))
+        else:
+            cshapes = [Shape(n, N, K, dev, a.smoke) for n, (N, K) in GLM5_TP8_SERVED.items()]
+            producers = GLM5_TP8_PRODUCERS
+        # (smoke: 40 rows, past the w8a16 sizes where no producer quantizes)
+        bench_chain(cshapes, [int(m) for m in ("40" if a.smoke else a.chain_m).split(",")], timer, dev, log, producers)
     moe_cfg = SMOKE_MOE if a.smoke else MOE
     weights = moe_weights(moe_cfg, dev) if only & {"moe", "sweep"} else None
     if "moe" in only:

@@ -12,7 +12,9 @@ GPU by the rows M = x.numel() / K (`fp8_variant`):
 
 Decode reads the weights and little else, so the variant that wastes no launch and no rounding
 on the activations should win there, and the FP8 tensor cores (twice the bf16 rate) win once the
-product is compute-bound. `W8A16_MAX_M` is that crossover: module state read at every call, so
+product is compute-bound. An input a producer already quantized (`fp8_act.Fp8Rows`: RMSNorm or SwiGLU wrote the e4m3
+codes in its own pass) goes to `fp8_gemm_rows`, which runs the w8a8 or cuBLAS variant on it.
+`W8A16_MAX_M` is that crossover: module state read at every call, so
 `benchmarks/fp8_gemm.py` can set it and prints the value it measured (both variants at M = 1..64,
 per GLM-5 tp = 8 shape); the default below is a guess until that run.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from glm53.kernels.dispatch import use_triton
+from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 
 # Rows up to which the w8a16 (dequantize-in-kernel) variant runs; above it, w8a8. Measured on
@@ -73,3 +76,23 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
         return fp8_gemm_cublas(x, w, w_scale, out_dtype)
     return fp8_gemm_w8a8(x, w, w_scale, out_dtype)
+
+
+def fp8_gemm_rows(x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [m, N] = rows @ dequant(w, w_scale)^T for rows a producer quantized (`fp8_act`): cuBLAS
+    or the Triton w8a8 GEMM by `fp8_variant` (never w8a16: `fp8_act.takes_fp8_rows` quantizes
+    only for the other two); off the GPU, the dequantized rows times the dequantized weight."""
+    out_dtype = out_dtype or x.dtype
+    q, s = x.rows()
+    if not use_triton(q):
+        return fp8_gemm_reference(x.dequantize(), w, w_scale, out_dtype)
+    variant = fp8_variant(x.m, w.shape[0], w.shape[1], x.device)
+    assert variant != "w8a16", f"{x.m} rows are multiplied w8a16: the producer should not have quantized them"
+    if variant == "cublas":
+        from glm53.kernels.fp8_gemm_cublas import scaled_mm
+
+        return scaled_mm(x.q, x.scale, w, w_scale, out_dtype)[: x.m]
+    from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8_quantized
+
+    return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype)

@@ -19,10 +19,8 @@ import functools
 
 import torch
 
-from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton
-
-M_ALIGN = 16
-
+from glm53.kernels.fp8_act import Fp8Rows, empty_rows
+from glm53.kernels.fp8_quant import GROUP, quantize_fp8_groups_triton
 
 @functools.lru_cache(maxsize=None)
 def available(index: int) -> bool:
@@ -38,20 +36,17 @@ def supports(n: int, k: int) -> bool:
     return n % 16 == 0 and k % GROUP == 0 and (k // GROUP) % 4 == 0
 
 
-def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [M, K] -> (q [Mp, K] e4m3, scale [Mp, K/128] fp32 column-major), Mp = M rounded up to
-    M_ALIGN; rows from M on are left unwritten (their products are dropped)."""
-    M, K = x2.shape
-    Mp = -(-M // M_ALIGN) * M_ALIGN
-    q = torch.empty((Mp, K), dtype=FP8, device=x2.device)
-    s = torch.empty((K // GROUP, Mp), dtype=torch.float32, device=x2.device).t()
-    quantize_fp8_groups_triton(x2, GROUP, out=(q[:M], s[:M]))
-    return q, s
+def quantize_rows(x2: torch.Tensor) -> Fp8Rows:
+    """x2 [M, K] -> its rows quantized into the padded, column-major-scale layout cuBLAS reads
+    (`fp8_act.Fp8Rows`; rows from M on are left unwritten, their products dropped)."""
+    rows = empty_rows(x2.shape[0], x2.shape[1], x2.dtype, x2.device)
+    quantize_fp8_groups_triton(x2, GROUP, out=rows.rows())
+    return rows
 
 
 def scaled_mm(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """cuBLAS's product of `quantize_rows`'s output with the block-FP8 weight: [Mp, N]."""
+    """cuBLAS's product of an `Fp8Rows`' padded (q, scale) with the block-FP8 weight: [Mp, N]."""
     return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=w_scale.t(), out_dtype=out_dtype)
 
 
@@ -62,6 +57,6 @@ def fp8_gemm_cublas(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     contiguous (its transpose is the layout cuBLAS reads)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
-    q, s = quantize_rows(x2)
-    y = scaled_mm(q, s, w, w_scale, out_dtype or x.dtype)
+    rows = quantize_rows(x2)
+    y = scaled_mm(rows.q, rows.scale, w, w_scale, out_dtype or x.dtype)
     return y[: x2.shape[0]].reshape(*x.shape[:-1], w.shape[0])

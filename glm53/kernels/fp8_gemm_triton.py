@@ -90,7 +90,7 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
 def _block_fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr,
     M, N, K, k_per_split,
-    stride_am, stride_asm, stride_wn, stride_wsn, stride_ym, stride_ysplit,
+    stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_ym, stride_ysplit,
     A_FP8: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
@@ -137,7 +137,7 @@ def _block_fp8_gemm_kernel(
         kb = k0 // SB
         ws = tl.load(ws_row + kb)
         if A_FP8:
-            xs = tl.load(as_row + kb)
+            xs = tl.load(as_row + kb * stride_ask)
             if BN <= SB:
                 acc += part * (xs * ws)[:, None]
             else:
@@ -177,7 +177,7 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), split)
     _block_fp8_gemm_kernel[grid](
         a, a_scale, w, w_scale, y, M, N, K, k_per_split,
-        a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), y.stride(-2),
+        a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0), w_scale.stride(0), y.stride(-2),
         y.stride(0) if split > 1 else 0,
         A_FP8=a_fp8, SB=SB, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
         EVEN_K=K % cfg.BK == 0, DOT_F32=interp,
@@ -238,16 +238,21 @@ def fp8_gemm_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     GEMM. x [..., K] any float dtype; `x_fp8` = (q [M, K] e4m3, scale [M, ceil(K/128)] fp32) when
     the caller already holds x quantized (then x only gives the shape and default out dtype)."""
     lead, K = x.shape[:-1], x.shape[-1]
+    q, s = quantize_fp8_groups_triton(x.reshape(-1, K), SB) if x_fp8 is None else x_fp8
+    assert q.shape[0] == x.numel() // K, (q.shape, x.shape)
+    return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype or x.dtype, config).view(*lead, w.shape[0])
+
+
+def fp8_gemm_w8a8_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                            out_dtype: torch.dtype, config: GemmConfig | None = None) -> torch.Tensor:
+    """The block-scaled FP8 GEMM on activations already quantized: q [M, K] e4m3 (unit column
+    stride), s [M, ceil(K/128)] fp32 (any strides: `fp8_act.Fp8Rows` holds them column-major)
+    -> [M, N] in out_dtype."""
+    M, K = q.shape
     N = _check_weight(w, w_scale, K)
-    out_dtype = out_dtype or x.dtype
-    if x_fp8 is None:
-        q, s = quantize_fp8_groups_triton(x.reshape(-1, K), SB)
-    else:
-        q, s = x_fp8
-        assert q.dtype == FP8 and q.shape == (x.numel() // K, K) and q.stride(1) == 1, (q.dtype, q.shape)
-        assert s.shape == (q.shape[0], triton.cdiv(K, SB)) and s.dtype == torch.float32 and s.stride(1) == 1
-    M = q.shape[0]
+    assert q.dtype == FP8 and q.stride(1) == 1, (q.dtype, q.stride())
+    assert s.shape == (M, triton.cdiv(K, SB)) and s.dtype == torch.float32, (s.shape, s.dtype)
     if M == 0:
-        return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
-    cfg = config or default_config(M, N, K, a_fp8=True, device=x.device)
-    return _launch(q, s, w, w_scale, M, N, K, out_dtype, cfg, a_fp8=True).view(*lead, N)
+        return torch.empty((0, N), dtype=out_dtype, device=q.device)
+    cfg = config or default_config(M, N, K, a_fp8=True, device=q.device)
+    return _launch(q, s, w, w_scale, M, N, K, out_dtype, cfg, a_fp8=True)

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm53.kernels.fp8_gemm import fp8_gemm
+from glm53.kernels.fp8_act import Fp8Rows, takes_fp8_rows
+from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows
 from glm53.kernels.fp8_quant import GROUP
 from glm53.models.sharding import shard_of
 
@@ -76,9 +77,16 @@ class FusedLinear:
                 m.weight_scale_inv = _view_param(scale[b : b + s.shape[0]], s)
         return cls(weight, scale, starts, widths, first.dtype)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each member's product x @ W_i^T (no communication), as views of one output."""
-        if self.scale is not None:
+    def takes_fp8_rows(self, m: int) -> bool:
+        """Whether the product of m rows reads its input quantized (`fp8_act`)."""
+        return takes_fp8_rows(m, *self.weight.shape, self.weight.device, self.scale is not None)
+
+    def __call__(self, x: torch.Tensor | Fp8Rows) -> list[torch.Tensor]:
+        """Each member's product x @ W_i^T (no communication), as views of one output; x dense, or
+        its rows a producer quantized when `takes_fp8_rows`."""
+        if isinstance(x, Fp8Rows):
+            y = fp8_gemm_rows(x, self.weight, self.scale, self.dtype)
+        elif self.scale is not None:
             y = fp8_gemm(x.to(self.dtype), self.weight, self.scale, self.dtype)
         else:
             y = F.linear(x.to(self.weight.dtype), self.weight)

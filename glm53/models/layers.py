@@ -10,7 +10,9 @@ Block-FP8 (DESIGN §4.8): a linear whose checkpoint tensor is block-FP8 can hold
 each parameter with its own shard rule (the scale's cuts the same dimension into the blocks of
 the weight's part, so a part must span whole blocks: a `ConfigError` names the layer and tp
 otherwise), and its product runs `kernels.fp8_gemm.fp8_gemm` (CPU: the exact dequantized
-reference). `materialize_` allocates a model built on the meta device on its target device.
+reference). Where that product quantizes its input (prefill sizes on a GPU), the producer before
+it writes the input quantized instead (`kernels.fp8_act`: `norm_for`, and the MLP's SwiGLU), and the
+layer takes the `Fp8Rows`. `materialize_` allocates a model built on the meta device on its target device.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm53.kernels.fp8_gemm import fp8_gemm
+from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8, silu_mul_fp8, takes_fp8_rows
+from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows
 from glm53.kernels.moe import swiglu_mlp
+from glm53.kernels.norm import rms_norm
 from glm53.models.config import ConfigError
 from glm53.models.fused import FusedLinear
 from glm53.models.parallel import TPGroup
@@ -110,13 +114,20 @@ class Linear(nn.Module):
         self.weight, self.weight_scale_inv = fp8_pair(self.weight, name, block)
         return {name}
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's product x @ W^T (no communication)."""
+    def takes_fp8_rows(self, m: int) -> bool:
+        """Whether this layer's product of m rows reads its input quantized (`fp8_act`)."""
+        return takes_fp8_rows(m, *self.weight.shape, self.weight.device, self.fp8)
+
+    def matmul(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """This rank's product x @ W^T (no communication); x dense, or its rows a producer
+        quantized when `takes_fp8_rows`."""
+        if isinstance(x, Fp8Rows):
+            return fp8_gemm_rows(x, self.weight, self.weight_scale_inv, self.dtype)
         if self.weight_scale_inv is not None:
             return fp8_gemm(x.to(self.dtype), self.weight, self.weight_scale_inv, self.dtype)
         return F.linear(x.to(self.weight.dtype), self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.matmul(x)
 
 
@@ -139,7 +150,7 @@ class RowParallelLinear(Linear):
         n = split(in_features, tp, "input features")
         self._init(dtype, param(out_features, n, dtype=dtype, shard=Shard(1, tp.rank, tp.size)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.tp.all_reduce(self.matmul(x))
 
 
@@ -203,13 +214,36 @@ class MLP(nn.Module):
             self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj])
         return int(self.gate_up is not None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+    # the input as `norm_for` hands it: quantized rows when every product reading it takes them
+    reads_dense = False
+
+    def takes_fp8_rows(self, m: int) -> bool:
         if self.gate_up is not None:
-            gx, ux = self.gate_up(x)
-            out = d.matmul(F.silu(gx) * ux)
-        elif g.fp8 or u.fp8 or d.fp8:  # block-FP8 products (each layer's own form)
-            out = d.matmul(F.silu(g.matmul(x)) * u.matmul(x))
+            return self.gate_up.takes_fp8_rows(m)
+        return self.gate_proj.takes_fp8_rows(m) and self.up_proj.takes_fp8_rows(m)
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if self.gate_up is not None or isinstance(x, Fp8Rows) or g.fp8 or u.fp8 or d.fp8:
+            gx, ux = self.gate_up(x) if self.gate_up is not None else (g.matmul(x), u.matmul(x))
+            # the down product's input quantized by the SwiGLU itself where it would be anyway
+            h = silu_mul_fp8(gx, ux) if gx.dim() == 2 and d.takes_fp8_rows(gx.shape[0]) else F.silu(gx) * ux
+            out = d.matmul(h)
         else:
             out = swiglu_mlp(x, g.weight, u.weight, d.weight)
         return self.tp.all_reduce(out) if self.reduce else out
+
+
+def rows_of(x: torch.Tensor | Fp8Rows) -> int:
+    return x.m if isinstance(x, Fp8Rows) else x.shape[0]
+
+
+def norm_for(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             consumer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | Fp8Rows]:
+    """RMSNorm of x [m, D] as `consumer` (a module with `takes_fp8_rows(m)` and `reads_dense`)
+    reads it: (the dense norm, None when only quantized rows are needed; the consumer's input, the
+    dense norm or its rows quantized in the same pass)."""
+    if consumer.takes_fp8_rows(x.shape[0]):
+        return rms_norm_fp8(x, weight, eps, dense=consumer.reads_dense)
+    y = rms_norm(x, weight, eps)
+    return y, y

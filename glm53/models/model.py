@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from glm53.kernels import index_cache_fp8, latent_cache_fp8
+from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
 from glm53.kernels.moe import moe_experts, route
 from glm53.kernels.moe_fp8 import moe_experts_fp8
@@ -40,7 +41,7 @@ from glm53.models.fused import FusedLinear
 from glm53.models.kv_cache import INDEX_K, LATENT, KVPools
 from glm53.models.layers import (
     MLP, SCALE_SUFFIX, ColumnParallelLinear, Linear, Norm, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-    fp8_pair, param, split,
+    fp8_pair, norm_for, param, rows_of, split,
 )
 from glm53.models.parallel import TPGroup, check_tp
 from glm53.models.sharding import Shard
@@ -205,6 +206,19 @@ class Attention(nn.Module):
         self.proj_x: FusedLinear | None = None
         self.proj_q: FusedLinear | None = None
 
+    @property
+    def reads_dense(self) -> bool:
+        """Whether the normed input is read as is besides its products: the indexer's head gates
+        (fp32 weights) read it (`norm_for`)."""
+        return self.indexer is not None
+
+    def takes_fp8_rows(self, m: int) -> bool:
+        """Whether the products that read the normed input take it quantized (`norm_for`)."""
+        if self.proj_x is not None:
+            return self.proj_x.takes_fp8_rows(m)
+        readers = [self.q_a_proj, self.kv_a_proj_with_mqa] + ([self.indexer.wk] if self.indexer else [])
+        return all(p.takes_fp8_rows(m) for p in readers)
+
     def fuse_projections_(self) -> int:
         """The projections that share an input as one product each (`models/fused`)."""
         ind = self.indexer
@@ -214,21 +228,34 @@ class Attention(nn.Module):
             self.proj_q = FusedLinear.of([self.q_b_proj, ind.wq_b])
         return int(self.proj_x is not None) + int(self.proj_q is not None)
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPools, topk_slots: torch.Tensor | None):
+    def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPools, topk_slots: torch.Tensor | None,
+                x_in: torch.Tensor | Fp8Rows | None = None):
+        """x: the normed hidden state; `x_in` its rows quantized for the input products when
+        `norm_for` made them (then x may be None unless `reads_dense`)."""
         cfg = self.cfg
-        n, h = x.shape[0], self.n_heads
+        x_in = x if x_in is None else x_in
+        n, h = rows_of(x_in), self.n_heads
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         k_idx = q_idx = None  # the indexer's wk(x) and wq_b(q_resid), when fused here
         if self.proj_x is not None:
-            qa, ckv, *k_idx = self.proj_x(x)
+            qa, ckv, *k_idx = self.proj_x(x_in)
             k_idx = k_idx[0] if k_idx else None
         else:
-            qa, ckv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-        q_resid = rms_norm(qa, self.q_a_layernorm.weight, LATENT_NORM_EPS)
-        if self.proj_q is not None:
-            q, q_idx = self.proj_q(q_resid)
+            qa, ckv = self.q_a_proj(x_in), self.kv_a_proj_with_mqa(x_in)
+            if isinstance(x_in, Fp8Rows) and self.indexer is not None:
+                k_idx = self.indexer.wk(x_in)
+        # q_resid feeds q_b (and the indexer's wq_b): quantized in the norm where they take it so;
+        # the indexer reads it dense only when its wq_b is not fused into proj_q
+        q_reader = self.proj_q if self.proj_q is not None else self.q_b_proj
+        q_resid = None
+        if q_reader.takes_fp8_rows(n) and (self.proj_q is not None or self.indexer is None):
+            _, q_in = rms_norm_fp8(qa, self.q_a_layernorm.weight, LATENT_NORM_EPS)
         else:
-            q = self.q_b_proj(q_resid)
+            q_resid = q_in = rms_norm(qa, self.q_a_layernorm.weight, LATENT_NORM_EPS)
+        if self.proj_q is not None:
+            q, q_idx = self.proj_q(q_in)
+        else:
+            q = self.q_b_proj(q_in)
         q = q.view(n, h, cfg.qk_head_dim)
         # The latent row [norm(c) | rope(k_pe)] is built in place in the projection's output and
         # the query [W_UK q_nope | rope(q_pe)] in one buffer: no cats (each a launch and a copy).
@@ -331,7 +358,15 @@ class MoE(nn.Module):
             width = cfg.moe_intermediate_size * cfg.n_shared_experts
             self.shared_experts = MLP(cfg.hidden_size, width, dtype, tp, reduce=False)
 
-    def forward(self, x):
+    # the router and the routed experts read the normed input as is; the shared expert's products
+    # may take it quantized (`norm_for`)
+    reads_dense = True
+
+    def takes_fp8_rows(self, m: int) -> bool:
+        return self.shared_experts is not None and self.shared_experts.takes_fp8_rows(m)
+
+    def forward(self, x, x_in: torch.Tensor | Fp8Rows | None = None):
+        """x: the normed hidden state; `x_in` its quantized rows for the shared expert (`norm_for`)."""
         cfg = self.cfg
         weights, ids = route(
             x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
@@ -340,7 +375,7 @@ class MoE(nn.Module):
         e = self.experts
         out = ep_moe(x, weights, ids, e.placement, self.tp, e) if e.placement.ep > 1 else e(x, weights, ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x if x_in is None else x_in)
         return self.tp.all_reduce(out)
 
 
@@ -355,9 +390,12 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x, cos, sin, batch, kv, topk_slots):
-        a, topk_slots = self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, batch, kv, topk_slots)
+        # each norm writes its output as the products after it read it (`layers.norm_for`)
+        h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn)
+        a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in)
         x = x + a
-        x = x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+        h, h_in = norm_for(x, self.post_attention_layernorm.weight, self.eps, self.mlp)
+        x = x + (self.mlp(h, h_in) if isinstance(self.mlp, MoE) else self.mlp(h_in))
         return x, topk_slots
 
 

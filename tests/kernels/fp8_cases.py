@@ -254,3 +254,79 @@ def check_moe_fp8(N, H, I, E, k, dtype, variant, device="cpu", n_empty=0, fused=
     if torch.device(device).type == "cuda":  # (the interpreter runs programs one by one)
         assert torch.equal(run(), out), "two runs differ: the result must be deterministic"
     return max(errs)
+
+
+# ---- producers that quantize (kernels/fp8_act) ------------------------------------------------
+def check_rms_norm_fp8(M: int, D: int, dtype, device="cpu", col0: int = 3, dense: bool = True) -> None:
+    """RMSNorm quantized in one pass against the two Triton kernels it replaces (`rms_norm`, then
+    `quantize_fp8_groups`): dense output, e4m3 codes and scales bit-identical (D >= 128: both sum
+    the row over the same block); against the torch reference within one rounding of the norm.
+    Rows are a column slice (strided, as q_a's output in the fused product); the weight spans
+    groups from 1e-6 to 1e3 with one group of zeros."""
+    from glm53.kernels.fp8_act import rms_norm_fp8, rms_norm_fp8_reference
+    from glm53.kernels.norm import rms_norm
+
+    base = (torch.randn(M, col0 + D + 5, device=device) * 3).to(dtype)
+    x = base[:, col0 : col0 + D]
+    w = activations(1, D, torch.float32, "ranges", device)[0].abs().to(dtype) if D > 128 else \
+        (torch.rand(D, device=device) + 0.5).to(dtype)
+    y, rows = rms_norm_fp8(x, w, 1e-6, dense=dense)
+    assert (y is not None) == dense and rows.m == M and rows.k == D and rows.q.shape[0] % 16 == 0
+    assert rows.scale.stride(0) == 1, "scales column-major (cuBLAS's layout)"
+    ref_y = rms_norm(x, w, 1e-6)
+    q_ref, s_ref = quantize_fp8_groups(ref_y)
+    q, s = rows.rows()
+    if dense:
+        assert torch.equal(y, ref_y), "dense output differs from rms_norm"
+    assert torch.equal(s, s_ref), "scales differ from rms_norm then quantize_fp8_groups"
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), \
+        f"{(q.view(torch.uint8) != q_ref.view(torch.uint8)).sum().item()} codes differ"
+    _, exact = rms_norm_fp8_reference(x, w, 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    xs = exact.scale[:M].repeat_interleave(128, dim=1)[:, :D]
+    deq, deq_ref = rows.dequantize(), exact.dequantize()
+    assert torch.all((deq - deq_ref).abs() <= deq_ref.abs() * (2 * tol + 2.0**-3) + xs * 2.0**-9), \
+        (deq - deq_ref).abs().max()
+
+
+def check_silu_mul_fp8(M: int, inter: int, dtype, device="cpu") -> None:
+    """SwiGLU quantized in one pass against the torch reference (silu(gate) · up, then the groups):
+    scales within two roundings of the dtype, values within e4m3's bound; gate and up are the two
+    halves of one fused product's output (strided rows)."""
+    from glm53.kernels.fp8_act import silu_mul_fp8, silu_mul_fp8_reference
+
+    pad = -inter % 128 + 128  # up starts at a whole 128-row block, as FusedLinear pads members
+    gu = activations(M, inter + pad + inter, torch.float32, "normal", device) * 4
+    gu[:, inter + pad :] *= torch.exp(torch.empty(M, 1, device=device).uniform_(math.log(1e-4), math.log(1e2)))
+    gu = gu.to(dtype)
+    gate, up = gu[:, :inter], gu[:, inter + pad :]
+    rows = silu_mul_fp8(gate, up)
+    ref = silu_mul_fp8_reference(gate, up)
+    assert rows.m == M and rows.k == inter and rows.dtype == dtype
+    s, s_ref = rows.rows()[1], ref.rows()[1]
+    # bf16: two roundings (silu, the product), each up to 2^-7 where the interpreter truncates
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-6
+    assert torch.all((s - s_ref).abs() <= s_ref * tol + 1e-30), ((s - s_ref).abs() / s_ref).max()
+    h = (torch.nn.functional.silu(gate) * up).float()
+    deq = rows.dequantize()
+    se = s_ref.repeat_interleave(128, dim=1)[:, :inter]
+    assert torch.all((deq - h).abs() <= h.abs() * (2.0**-4 + 2 * tol) + se * 2.0**-9), (deq - h).abs().max()
+    if torch.device(device).type == "cuda":
+        assert torch.equal(silu_mul_fp8(gate, up).q.view(torch.uint8)[:M], rows.q.view(torch.uint8)[:M])
+
+
+def check_gemm_rows(M: int, N: int, K: int, device="cpu") -> None:
+    """A product of rows a producer quantized (`fp8_gemm_rows`: column-major scales in a padded
+    buffer) against the same product quantizing its own input (`fp8_gemm`): bit-identical, the
+    variant either way being the dispatcher's."""
+    from glm53.kernels.fp8_act import rms_norm_fp8
+    from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows
+    from glm53.kernels.norm import rms_norm
+
+    q, s = block_weight(N, K, "mixed", device)
+    x = activations(M, K, torch.bfloat16, "normal", device)
+    w = torch.rand(K, device=device).to(torch.bfloat16) + 0.5
+    _, rows = rms_norm_fp8(x, w, 1e-6)
+    y = fp8_gemm_rows(rows, q, s, torch.bfloat16)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    assert torch.equal(y, fp8_gemm(rms_norm(x, w, 1e-6), q, s, torch.bfloat16))

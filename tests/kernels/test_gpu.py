@@ -246,6 +246,21 @@ def test_fp8_gemm_cublas_ragged_rows_and_fp32(M):
     fp8_cases.check_gemm(M, 512, 1024, torch.float32, "cublas", "tiny", "normal", device=DEV)
 
 
+@pytest.mark.parametrize("M", [1, 33, 4096])
+def test_fp8_producers_glm5(M):
+    # RMSNorm over the hidden and q_lora widths, SwiGLU over the dense and shared intermediates
+    fp8_cases.check_rms_norm_fp8(M, 6144, torch.bfloat16, device=DEV, dense=True)
+    fp8_cases.check_rms_norm_fp8(M, 2048, torch.bfloat16, device=DEV, dense=False)
+    fp8_cases.check_silu_mul_fp8(M, 1536, torch.bfloat16, device=DEV)
+    fp8_cases.check_silu_mul_fp8(M, 256, torch.bfloat16, device=DEV)
+
+
+@pytest.mark.parametrize("M", [33, 130, 4096])  # Triton w8a8, then cuBLAS where the shape allows
+@pytest.mark.parametrize("N,K", [(2816, 6144), (6144, 2048), (6144, 256)])
+def test_fp8_gemm_rows_glm5(M, N, K):
+    fp8_cases.check_gemm_rows(M, N, K, device=DEV)
+
+
 @pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("M", [3, 130])
 @pytest.mark.parametrize("w_kind,x_kind", [("tiny", "ranges"), ("large", "ranges"), ("mixed", "normal")])

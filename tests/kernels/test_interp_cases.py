@@ -514,11 +514,12 @@ def test_fp8_benchmark_smoke(monkeypatch, capsys):
 
     monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", fp8_gemm.W8A16_MAX_M)
     monkeypatch.setattr(moe_fp8, "MOE_W8A16_MAX_TOKENS", moe_fp8.MOE_W8A16_MAX_TOKENS)
-    monkeypatch.setattr(sys, "argv", ["fp8_gemm.py", "--smoke", "--table", "layers,served"])
+    monkeypatch.setattr(sys, "argv", ["fp8_gemm.py", "--smoke", "--table", "layers,served", "--only", "decode,gemm,chain,moe"])
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gemm.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "decode crossover" in out and "| N | experts hit |" in out, out[-2000:]
     assert "all shapes (layers), M=3" in out and "all shapes (served), M=3" in out, out[-2000:]
+    assert "chain, M=40" in out, out[-2000:]
 
 
 # ---- bucket edges of the count classes (kernels/variants.py) ---------------------------------
@@ -568,3 +569,20 @@ def test_tracked_operands_train_through_the_reference():
     (gu,) = torch.autograd.grad(moe_experts(x, weights, ids, gate, up, down).sum(), up)
     (gu_ref,) = torch.autograd.grad(moe_experts_reference(x, weights, ids, gate, up, down).sum(), up)
     assert gu.abs().sum() > 0 and torch.allclose(gu, gu_ref)
+
+
+# ---- producers that quantize for the w8a8 products after them (kernels/fp8_act) ---------------
+@pytest.mark.parametrize("M,D,dtype,dense", [(5, 300, torch.bfloat16, True), (17, 576, torch.float32, False),
+                                             (2, 256, torch.bfloat16, False)])
+def test_rms_norm_fp8(M, D, dtype, dense):
+    fp8_cases.check_rms_norm_fp8(M, D, dtype, dense=dense)
+
+
+@pytest.mark.parametrize("M,inter,dtype", [(7, 256, torch.bfloat16), (40, 200, torch.float32), (1, 96, torch.bfloat16)])
+def test_silu_mul_fp8(M, inter, dtype):
+    fp8_cases.check_silu_mul_fp8(M, inter, dtype)
+
+
+@pytest.mark.parametrize("M", [33, 70])  # w8a8 (the interpreter has no cuBLAS)
+def test_fp8_gemm_rows(M):
+    fp8_cases.check_gemm_rows(M, 136, 300)

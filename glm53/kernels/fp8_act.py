@@ -1,0 +1,212 @@
+"""Activations handed to block-FP8 products already quantized, by the kernel that produces them.
+
+A w8a8 product (cuBLAS blockwise or the Triton w8a8 GEMM, `fp8_gemm`) reads its input quantized
+per 1×128 group (`fp8_quant`). Quantizing in a launch of its own reads the whole activation back
+and writes it again: at prefill sizes 6-24 µs a product on the H200 (GLM-5 tp = 8, M = 4096),
+a sixth of the FP8 GEMM's time. Here the producers write the e4m3 codes and scales in their own
+pass instead:
+
+- `rms_norm_fp8`: RMSNorm, then the groups of its (rounded) output; optionally the dense output
+  too, for consumers that read it as is (the router, the indexer's head gates, the MoE);
+- `silu_mul_fp8`: SwiGLU's h = silu(gate) · up, quantized for the down projection.
+
+Both quantize exactly what the two-step path quantizes: the producer's output rounded to its
+dtype first (RMSNorm: bit-identical to `rms_norm` then `quantize_fp8_groups`). The result is an
+`Fp8Rows`, laid out as cuBLAS reads it (rows padded to 16, scales column-major); the Triton w8a8
+GEMM reads the same buffers (`fp8_gemm.fp8_gemm_rows`).
+
+Which producer quantizes is decided by the consumer's variant (`takes_fp8_rows`): only where the
+product would quantize anyway (w8a8 or cuBLAS rows, on a GPU). CPU serving multiplies the dense
+activation by the dequantized weight (the reference) and never builds an `Fp8Rows`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from glm53.kernels.dispatch import triton_interpreting, use_triton
+from glm53.kernels.fp8_quant import FP8, GROUP, _to_e4m3, quantize_fp8_groups_reference
+from glm53.kernels.norm import rms_norm_reference
+
+M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8_gemm_cublas pads
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """x [m, K] quantized per 1×128 group: `q` [Mp, K] e4m3 and `scale` [Mp, ceil(K/128)] fp32
+    column-major, Mp = m rounded up to M_ALIGN (rows from m on are unwritten padding; a product's
+    padding rows are computed and dropped, one row never mixes with another). `dtype` is the dense
+    activation's: a product's output dtype when none is given."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    m: int
+    dtype: torch.dtype
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The m real rows (q, scale): what a product reads."""
+        return self.q[: self.m], self.scale[: self.m]
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [m, K] (tests; the reference of a product that reads these rows)."""
+        q, s = self.rows()
+        return q.float() * s.repeat_interleave(GROUP, dim=1)[:, : self.k]
+
+
+def empty_rows(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp8Rows:
+    mp = -(-m // M_ALIGN) * M_ALIGN
+    q = torch.empty((mp, k), dtype=FP8, device=device)
+    s = torch.empty((-(-k // GROUP), mp), dtype=torch.float32, device=device).t()
+    return Fp8Rows(q, s, m, dtype)
+
+
+def takes_fp8_rows(m: int, n: int, k: int, device: torch.device, fp8: bool) -> bool:
+    """Whether a product of m rows with a [n, k] weight (block-FP8 when `fp8`) on `device` reads
+    its input quantized: w8a8 and cuBLAS do (`fp8_gemm.fp8_variant`), w8a16 (decode sizes), bf16
+    weights and the CPU reference do not."""
+    if not fp8 or m == 0 or not (device.type == "cuda" or triton_interpreting()):
+        return False
+    from glm53.kernels.fp8_gemm import fp8_variant
+
+    return fp8_variant(m, n, k, device) != "w8a16"
+
+
+def _pack(y: torch.Tensor) -> Fp8Rows:
+    """Reference: y [m, K] quantized (`quantize_fp8_groups_reference`) into the padded layout."""
+    m, k = y.shape
+    rows = empty_rows(m, k, y.dtype, y.device)
+    q, s = quantize_fp8_groups_reference(y)
+    rows.q[:m].copy_(q)
+    rows.scale[:m].copy_(s)
+    return rows
+
+
+# ---- RMSNorm, quantized ------------------------------------------------------------------------
+def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           dense: bool = False) -> tuple[torch.Tensor | None, Fp8Rows]:
+    """`rms_norm_reference` then `quantize_fp8_groups_reference`: (y or None, its rows)."""
+    y = rms_norm_reference(x, weight, eps)
+    return (y if dense else None), _pack(y.reshape(-1, y.shape[-1]))
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, D, stride_x, stride_y, stride_q, stride_sm, stride_sg, eps,
+    G: tl.constexpr, BLOCK_D: tl.constexpr, DENSE: tl.constexpr, EXACT_RNE: tl.constexpr,
+):
+    """One program per row, the row in registers: the norm as `norm_triton` computes it (rounded
+    to y's dtype), then each 1×G group's scale and codes as `fp8_quant` computes them."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    xf = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
+    n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    y = (w * n).to(y_ptr.dtype.element_ty)
+    if DENSE:
+        tl.store(y_ptr + row * stride_y + d, y, mask=mask)
+    yg = tl.reshape(y.to(tl.float32), (BLOCK_D // G, G))  # masked columns are 0: no effect on amax
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yg), axis=1), 1e-10), 448.0)
+    v = tl.math.div_rn(yg, scale[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(q_ptr + row * stride_q + d, tl.reshape(_to_e4m3(v, EXACT_RNE), (BLOCK_D,)), mask=mask)
+    g = tl.arange(0, BLOCK_D // G)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
+
+
+def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        dense: bool = False) -> tuple[torch.Tensor | None, Fp8Rows]:
+    """x [m, D] (unit last stride; rows may be strided, e.g. a column slice of a fused product),
+    weight [D] -> (the norm [m, D] in torch's promoted dtype when `dense`, else None; its rows)."""
+    m, D = x.shape
+    assert weight.shape == (D,) and x.stride(1) == 1, (x.shape, x.stride(), weight.shape)
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    rows = empty_rows(m, D, dtype, x.device)
+    y = torch.empty((m, D) if dense else (1, 1), dtype=dtype, device=x.device)
+    if m:
+        block_d = max(GROUP, triton.next_power_of_2(D))
+        _rms_norm_fp8_kernel[(m,)](
+            x, weight, y, rows.q, rows.scale, D, x.stride(0), y.stride(0), rows.q.stride(0),
+            rows.scale.stride(0), rows.scale.stride(1), eps,
+            G=GROUP, BLOCK_D=block_d, DENSE=dense, EXACT_RNE=triton_interpreting(),
+            num_warps=max(1, min(16, block_d // 256)),
+        )
+    return (y if dense else None), rows
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 dense: bool = False) -> tuple[torch.Tensor | None, Fp8Rows]:
+    """RMSNorm of x [m, D] quantized for a w8a8 product: (the dense norm when `dense`, else None;
+    the quantized rows). Triton where `dispatch.use_triton` says so, else the reference."""
+    if use_triton(x, weight) and x.stride(1) == 1:
+        return rms_norm_fp8_triton(x, weight, eps, dense)
+    return rms_norm_fp8_reference(x, weight, eps, dense)
+
+
+# ---- SwiGLU, quantized -------------------------------------------------------------------------
+def silu_mul_fp8_reference(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
+    """h = silu(gate) · up in the inputs' dtype (as `MLP.forward` computes it), quantized."""
+    return _pack(F.silu(gate) * up)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _silu_mul_fp8_kernel(
+    g_ptr, u_ptr, q_ptr, s_ptr, M, I, stride_g, stride_u, stride_q, stride_sm, stride_sg,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, EXACT_RNE: tl.constexpr,
+):
+    """One program: BLOCK_M rows × one group of G columns of h. silu rounds to the dtype before
+    the product, and the product rounds again, as torch's two bf16 ops do."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    grp = tl.program_id(1)
+    cols = grp * G + tl.arange(0, G)
+    rm = rows < M
+    m = rm[:, None] & (cols < I)[None, :]
+    r64 = rows[:, None].to(tl.int64)
+    g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=m, other=0.0)
+    u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    s = tl.math.div_rn(gf, 1.0 + tl.exp(-gf)).to(g_ptr.dtype.element_ty).to(tl.float32)
+    h = (s * u).to(g_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
+    v = tl.math.div_rn(h, scale[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(q_ptr + r64 * stride_q + cols[None, :], _to_e4m3(v, EXACT_RNE), mask=m)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + grp * stride_sg, scale, mask=rm)
+
+
+def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
+    """gate, up [m, I] (same dtype; unit last stride, rows may be strided: the halves of a fused
+    gate_up product) -> h = silu(gate) · up as `Fp8Rows`."""
+    m, inter = gate.shape
+    assert up.shape == gate.shape and up.dtype == gate.dtype, (gate.shape, up.shape, gate.dtype, up.dtype)
+    assert gate.stride(1) == 1 and up.stride(1) == 1, (gate.stride(), up.stride())
+    rows = empty_rows(m, inter, gate.dtype, gate.device)
+    if m:
+        block_m = max(1, min(32, triton.next_power_of_2(m)))
+        _silu_mul_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(inter, GROUP))](
+            gate, up, rows.q, rows.scale, m, inter, gate.stride(0), up.stride(0), rows.q.stride(0),
+            rows.scale.stride(0), rows.scale.stride(1),
+            G=GROUP, BLOCK_M=block_m, EXACT_RNE=triton_interpreting(), num_warps=4,
+        )
+    return rows
+
+
+def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
+    """silu(gate) · up quantized for a w8a8 product; Triton where `dispatch.use_triton` says so."""
+    if use_triton(gate, up) and gate.stride(1) == 1 and up.stride(1) == 1:
+        return silu_mul_fp8_triton(gate, up)
+    return silu_mul_fp8_reference(gate, up)
