@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from glm53.kernels.dispatch import use_triton
+from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 from glm53.kernels.moe import moe_experts_reference
 
@@ -70,14 +71,18 @@ def moe_experts_fp8(
     up_scale: torch.Tensor | None,
     down: torch.Tensor,
     down_scale: torch.Tensor,
+    x_rows: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """Routed experts over block-FP8 weights, summed over each token's k experts with its routing
     weights: x [N, H]; weights/ids [N, k]; gate/up [E, I, H] e4m3 + scales [E, ceil(I/128),
     ceil(H/128)] (or gate = fused [E, 2I, H] with up = up_scale = None); down [E, H, I] + scales
-    [E, ceil(H/128), ceil(I/128)]. Returns [N, H] in x's dtype."""
+    [E, ceil(H/128), ceil(I/128)]. Returns [N, H] in x's dtype. `x_rows`: x as the norm before it
+    quantized it (`fp8_act`), read instead of quantizing x again where the variant is w8a8."""
     args = (x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
     if use_triton(x):
         from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 
-        return moe_experts_fp8_triton(*args, variant=moe_fp8_variant(x.shape[0]))
+        variant = moe_fp8_variant(x.shape[0])
+        x_fp8 = x_rows.rows() if x_rows is not None and variant == "w8a8" else None
+        return moe_experts_fp8_triton(*args, variant=variant, x_fp8=x_fp8)
     return moe_experts_fp8_reference(*args)

@@ -58,7 +58,7 @@ def default_fp8_config(n_pairs: int, n_experts: int, variant: str) -> MoEConfig:
 def _gate_up_fp8_kernel(
     x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, hs_ptr, order_ptr, seg_ptr, cum_ptr,
     n_blocks, H, I, TOPK, UP_ROW0,
-    stride_xn, stride_xsn, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_hsm,
+    stride_xn, stride_xsn, stride_xsk, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_hsm,
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     A_FP8: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
@@ -115,7 +115,7 @@ def _gate_up_fp8_kernel(
             gs = tl.load(sg_row + kb)[None, :]
             us = tl.load(su_row + kb)[None, :]
         if A_FP8:
-            xs = tl.load(xs_row + kb)[:, None]
+            xs = tl.load(xs_row + kb * stride_xsk)[:, None]
             acc_g += pg * (xs * gs)
             acc_u += pu * (xs * us)
         else:
@@ -217,10 +217,12 @@ def moe_experts_fp8_triton(
     down_scale: torch.Tensor,
     variant: str = "w8a16",
     config: MoEConfig | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [N, H] (bf16/fp16/fp32); weights [N, k] fp32; ids [N, k] in [0, E) (not checked: that
     would need a host sync); experts in the module docstring's layouts; variant "w8a16" or
-    "w8a8". Returns [N, H] in x's dtype."""
+    "w8a8". Returns [N, H] in x's dtype. `x_fp8` = x already quantized per 1×128 group (q [N, H]
+    e4m3, scales [N, ceil(H/128)] fp32, any strides: `fp8_act.Fp8Rows.rows()`), read by w8a8."""
     assert variant in VARIANTS, variant
     N, H = x.shape
     k = ids.shape[1]
@@ -251,7 +253,8 @@ def moe_experts_fp8_triton(
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     interp = triton_interpreting()
     if a_fp8:
-        xa, xs = quantize_fp8_groups_triton(x, SB)
+        xa, xs = quantize_fp8_groups_triton(x, SB) if x_fp8 is None else x_fp8
+        assert xa.shape == x.shape and xa.stride(1) == 1 and xs.shape == (N, triton.cdiv(H, SB)), (xa.shape, xs.shape)
         h = torch.empty((M, I), dtype=FP8, device=x.device)
         hs = torch.empty((M, triton.cdiv(I, SB)), dtype=torch.float32, device=x.device)
     else:
@@ -265,7 +268,7 @@ def moe_experts_fp8_triton(
     _gate_up_fp8_kernel[(plan.n_blocks * triton.cdiv(I, cfg.BN1),)](
         xa, xs, gate, up, gate_scale, up_scale, h, hs, plan.order, plan.seg, plan.cum,
         plan.n_blocks, H, I, k, up_row0,
-        xa.stride(0), xs.stride(0), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1),
+        xa.stride(0), xs.stride(0), xs.stride(1), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1),
         h.stride(0), hs.stride(0),
         BN=cfg.BN1, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
         EXACT_RNE=interp, **common,

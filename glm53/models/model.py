@@ -315,12 +315,13 @@ class Experts(nn.Module):
         for proj in self.PROJS:
             self.register_parameter(proj + SCALE_SUFFIX, None)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                x_rows: Fp8Rows | None = None) -> torch.Tensor:
         """Σ over each row's slots of weight · expert(x) for this rank's experts and width part;
-        `ids` [N, k] index the local stacks."""
+        `ids` [N, k] index the local stacks. `x_rows`: x quantized by its norm (`fp8_act`)."""
         if self.fp8:
             return moe_experts_fp8(x, weights, ids, self.gate_proj, self.gate_proj_scale_inv, self.up_proj,
-                                   self.up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv)
+                                   self.up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv, x_rows=x_rows)
         return moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
 
     @property
@@ -366,14 +367,18 @@ class MoE(nn.Module):
         return self.shared_experts is not None and self.shared_experts.takes_fp8_rows(m)
 
     def forward(self, x, x_in: torch.Tensor | Fp8Rows | None = None):
-        """x: the normed hidden state; `x_in` its quantized rows for the shared expert (`norm_for`)."""
+        """x: the normed hidden state; `x_in` its quantized rows for the shared expert and the
+        routed experts' w8a8 kernel (`norm_for`)."""
         cfg = self.cfg
         weights, ids = route(
             x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
             cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
         e = self.experts
-        out = ep_moe(x, weights, ids, e.placement, self.tp, e) if e.placement.ep > 1 else e(x, weights, ids)
+        if e.placement.ep > 1:
+            out = ep_moe(x, weights, ids, e.placement, self.tp, e)
+        else:  # the routed experts read the norm's quantized rows too, where they quantize x
+            out = e(x, weights, ids, x_rows=x_in if isinstance(x_in, Fp8Rows) else None)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x if x_in is None else x_in)
         return self.tp.all_reduce(out)

@@ -330,3 +330,17 @@ def check_gemm_rows(M: int, N: int, K: int, device="cpu") -> None:
     y = fp8_gemm_rows(rows, q, s, torch.bfloat16)
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
     assert torch.equal(y, fp8_gemm(rms_norm(x, w, 1e-6), q, s, torch.bfloat16))
+
+
+def check_moe_rows(N: int, H: int, I: int, E: int, k: int, device="cpu") -> None:
+    """The routed experts' w8a8 kernel reading x as its norm quantized it (`Fp8Rows`: column-major
+    scales in a padded buffer) against the same kernel quantizing x itself: bit-identical."""
+    from glm53.kernels.fp8_act import rms_norm_fp8
+    from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
+
+    inputs = list(moe_fp8_inputs(N, H, I, E, k, torch.bfloat16, device))
+    w = (torch.rand(H, device=device) + 0.5).to(torch.bfloat16)
+    y, rows = rms_norm_fp8(inputs[0], w, 1e-6, dense=True)
+    inputs[0] = y
+    out = moe_experts_fp8_triton(*inputs, variant="w8a8", x_fp8=rows.rows())
+    assert torch.equal(out, moe_experts_fp8_triton(*inputs, variant="w8a8"))

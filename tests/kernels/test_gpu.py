@@ -261,6 +261,12 @@ def test_fp8_gemm_rows_glm5(M, N, K):
     fp8_cases.check_gemm_rows(M, N, K, device=DEV)
 
 
+@pytest.mark.parametrize("N", [65, 4096])  # the routed experts' w8a8 sizes
+def test_moe_fp8_reads_norm_rows_glm5(N):
+    c = fp8_cases.GLM5_TP8_EXPERTS
+    fp8_cases.check_moe_rows(N, c["H"], c["I"], c["E"], c["k"], device=DEV)
+
+
 @pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("M", [3, 130])
 @pytest.mark.parametrize("w_kind,x_kind", [("tiny", "ranges"), ("large", "ranges"), ("mixed", "normal")])

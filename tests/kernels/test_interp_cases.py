@@ -586,3 +586,7 @@ def test_silu_mul_fp8(M, inter, dtype):
 @pytest.mark.parametrize("M", [33, 70])  # w8a8 (the interpreter has no cuBLAS)
 def test_fp8_gemm_rows(M):
     fp8_cases.check_gemm_rows(M, 136, 300)
+
+
+def test_moe_fp8_reads_norm_rows():
+    fp8_cases.check_moe_rows(19, 256, 128, 4, 2)
