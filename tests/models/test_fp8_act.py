@@ -93,5 +93,8 @@ def test_gpu_quantizing_producers_match_products_that_quantize(tmp_path, monkeyp
                 mp.setattr(fused_mod, "takes_fp8_rows", lambda *a: False)
             outs.append(scenario(ModelRunner(model, num_pages=PAGES, page_size=PAGE), greedy))
     ref, out = outs
-    for a, b in zip(out["logits"], ref["logits"]):
-        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+    a = torch.cat([t.float().flatten() for t in out["logits"]])
+    b = torch.cat([t.float().flatten() for t in ref["logits"]])
+    rel = ((a - b).norm() / b.norm()).item()
+    print(f"logits: relative difference {rel:.2e}, max abs {(a - b).abs().max().item():.3f} of {b.abs().max().item():.3f}")
+    assert rel < 2e-2, rel
