@@ -11,7 +11,7 @@ pass instead:
 - `silu_mul_fp8`: SwiGLU's h = silu(gate) · up, quantized for the down projection.
 
 Both quantize what the two-step path quantizes: the producer's output rounded to its dtype first
-(RMSNorm sums each row's squares in 128-wide tiles, so its norm may differ from `rms_norm`'s by a
+(RMSNorm sums each row's squares in another order, so its norm may differ from `rms_norm`'s by a
 unit in the last place, and a code by one e4m3 step where that unit crosses a rounding boundary). The result is an
 `Fp8Rows`, laid out as cuBLAS reads it (rows padded to 16, scales column-major); the Triton w8a8
 GEMM reads the same buffers (`fp8_gemm.fp8_gemm_rows`).
@@ -103,49 +103,37 @@ def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (y if dense else None), _pack(y.reshape(-1, y.shape[-1]))
 
 
-@triton.jit(do_not_specialize=["M"])  # the rows follow the token count
+@triton.jit
 def _rms_norm_fp8_kernel(
-    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, M, D, stride_x, stride_y, stride_q, stride_sm, stride_sg, eps,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, DENSE: tl.constexpr, EXACT_RNE: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, D, stride_x, stride_y, stride_q, stride_sm, stride_sg, eps,
+    G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, EXACT_RNE: tl.constexpr,
 ):
-    """One program: BLOCK_M rows, in two sweeps of 1×G column tiles (the quantizer's tile shape;
-    a whole row in registers cut into groups needs a layout shuffle that cost twice the norm).
-    First the rows' sums of squares, then per tile: the norm rounded to y's dtype as `rms_norm`
-    rounds it, times the weight, the tile's scale and codes as `fp8_quant` computes them. The
-    second sweep re-reads x from L2 (BLOCK_M rows of x stay there between the sweeps)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rm = rows < M
-    r64 = rows[:, None].to(tl.int64)
-    cols = tl.arange(0, G)
-    acc = tl.zeros((BLOCK_M, G), dtype=tl.float32)
-    for k0 in range(0, D, G):
-        m = rm[:, None] & (k0 + cols < D)[None, :]
-        xf = tl.load(x_ptr + r64 * stride_x + (k0 + cols)[None, :], mask=m, other=0.0).to(tl.float32)
-        acc += xf * xf
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, 1) / D + eps)
-    for k0 in range(0, D, G):
-        cm = k0 + cols < D
-        m = rm[:, None] & cm[None, :]
-        xf = tl.load(x_ptr + r64 * stride_x + (k0 + cols)[None, :], mask=m, other=0.0).to(tl.float32)
-        n = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + k0 + cols, mask=cm, other=0.0).to(tl.float32)
-        y = (w[None, :] * n).to(y_ptr.dtype.element_ty)
-        if DENSE:
-            tl.store(y_ptr + r64 * stride_y + (k0 + cols)[None, :], y, mask=m)
-        yf = y.to(tl.float32)  # masked columns are 0: no effect on the amax
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10), 448.0)
-        v = tl.math.div_rn(yf, scale[:, None])
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        tl.store(q_ptr + r64 * stride_q + (k0 + cols)[None, :], _to_e4m3(v, EXACT_RNE), mask=m)
-        tl.store(s_ptr + rows.to(tl.int64) * stride_sm + (k0 // G) * stride_sg, scale, mask=rm)
-
-
-# rows per program, warps (a guess until benchmarks/fp8_gemm.py's chain section measured it)
-NORM_BLOCK_M, NORM_WARPS = 8, 4
+    """One program per row, the row loaded straight into a [NG, G] tile (group g = columns
+    [g·G, (g+1)·G)), so each group's amax is a reduction along the tile's second axis: a row
+    loaded flat and reshaped into groups costs a layout shuffle (measured: twice the plain norm).
+    The norm is rounded to y's dtype as `rms_norm` rounds it (its sum of squares in another order),
+    then each group's scale and codes as `fp8_quant` computes them."""
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
+    mask = col < D
+    xf = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, 1), 0) / D + eps)
+    n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    y = (w * n).to(y_ptr.dtype.element_ty)
+    if DENSE:
+        tl.store(y_ptr + row * stride_y + col, y, mask=mask)
+    yf = y.to(tl.float32)  # masked columns are 0: no effect on the amax
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10), 448.0)
+    v = tl.math.div_rn(yf, scale[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(q_ptr + row * stride_q + col, _to_e4m3(v, EXACT_RNE), mask=mask)
+    g = tl.arange(0, NG)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
 
 
 def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense: bool = False,
-                        block_m: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor | None, Fp8Rows]:
+                        num_warps: int | None = None) -> tuple[torch.Tensor | None, Fp8Rows]:
     """x [m, D] (unit last stride; rows may be strided, e.g. a column slice of a fused product),
     weight [D] -> (the norm [m, D] in torch's promoted dtype when `dense`, else None; its rows)."""
     m, D = x.shape
@@ -154,11 +142,12 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense
     rows = empty_rows(m, D, dtype, x.device)
     y = torch.empty((m, D) if dense else (1, 1), dtype=dtype, device=x.device)
     if m:
-        bm = block_m or (max(1, min(16, triton.next_power_of_2(m))) if triton_interpreting() else NORM_BLOCK_M)
-        _rms_norm_fp8_kernel[(triton.cdiv(m, bm),)](
-            x, weight, y, rows.q, rows.scale, m, D, x.stride(0), y.stride(0), rows.q.stride(0),
+        ng = triton.next_power_of_2(triton.cdiv(D, GROUP))
+        _rms_norm_fp8_kernel[(m,)](
+            x, weight, y, rows.q, rows.scale, D, x.stride(0), y.stride(0), rows.q.stride(0),
             rows.scale.stride(0), rows.scale.stride(1), eps,
-            G=GROUP, BLOCK_M=bm, DENSE=dense, EXACT_RNE=triton_interpreting(), num_warps=num_warps or NORM_WARPS,
+            G=GROUP, NG=ng, DENSE=dense, EXACT_RNE=triton_interpreting(),
+            num_warps=num_warps or max(1, min(16, ng * GROUP // 512)),
         )
     return (y if dense else None), rows
 

@@ -79,6 +79,10 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, 64)
         return GemmConfig(BM=bm, BN=64, BK=128, GROUP_M=8, SPLIT_K=_split_k(tiles, kb, device),
                           num_warps=4, num_stages=4)
+    if a_fp8 and kb <= 3:  # a short K (the shared expert's down, K = 256 at tp = 8): a program is
+        # mostly its epilogue, so smaller tiles and two stages keep more programs per SM (H200,
+        # M = 4096, N = 6144, K = 256: 44.0 µs against 51.2 for the 128×128 tile below)
+        return GemmConfig(BM=64, BN=128, BK=128, GROUP_M=8, num_warps=4, num_stages=2)
     if a_fp8:  # 32 KB a stage
         return GemmConfig(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)
     return GemmConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)  # 24 KB a stage

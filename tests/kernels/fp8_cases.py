@@ -259,7 +259,7 @@ def check_moe_fp8(N, H, I, E, k, dtype, variant, device="cpu", n_empty=0, fused=
 # ---- producers that quantize (kernels/fp8_act) ------------------------------------------------
 def check_rms_norm_fp8(M: int, D: int, dtype, device="cpu", col0: int = 3, dense: bool = True) -> None:
     """RMSNorm quantized in one pass: its codes and scales bit-identical to `quantize_fp8_groups` of
-    its own dense output (the same kernel with dense=True), that output within one rounding of
+    its own dense output (the same kernel with dense=True), that output within two roundings of
     `rms_norm`'s (the sums of squares run in another order), and the dequantized rows within
     e4m3's bound of the torch reference's. Rows are a column slice (strided, as q_a's output in the
     fused product); the weight spans groups from 1e-6 to 1e3 with one group of zeros."""
@@ -275,7 +275,7 @@ def check_rms_norm_fp8(M: int, D: int, dtype, device="cpu", col0: int = 3, dense
     assert rows.scale.stride(0) == 1, "scales column-major (cuBLAS's layout)"
     if y is None:
         y = rms_norm_fp8(x, w, 1e-6, dense=True)[0]
-    tol = 1e-6 if dtype == torch.float32 else 2.0**-7  # one rounding (the interpreter truncates)
+    tol = 1e-6 if dtype == torch.float32 else 2.0**-6  # n's rounding and y's (the interpreter truncates)
     ref_y = rms_norm(x, w, 1e-6)
     assert y.dtype == ref_y.dtype and torch.all((y.float() - ref_y.float()).abs() <= ref_y.float().abs() * tol), \
         ((y.float() - ref_y.float()).abs() / ref_y.float().abs().clamp_min(1e-30)).max()

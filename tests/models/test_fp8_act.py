@@ -91,7 +91,7 @@ def test_gpu_quantizing_producers_match_products_that_quantize(tmp_path, monkeyp
             if not rows:
                 mp.setattr(layers_mod, "takes_fp8_rows", lambda *a: False)
                 mp.setattr(fused_mod, "takes_fp8_rows", lambda *a: False)
-            outs.append(scenario(ModelRunner(model, num_pages=PAGES, page_size=PAGE), greedy))
+            outs.append(scenario(ModelRunner(model, num_pages=PAGES, page_size=PAGE, device="cuda"), greedy))
     ref, out = outs
     a = torch.cat([t.float().flatten() for t in out["logits"]])
     b = torch.cat([t.float().flatten() for t in ref["logits"]])
