@@ -105,18 +105,25 @@ def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rms_norm_fp8_kernel(
-    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, D, stride_x, stride_y, stride_q, stride_sm, stride_sg, eps,
-    G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, EXACT_RNE: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm, stride_sg,
+    stride_a, stride_r, eps,
+    G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, EXACT_RNE: tl.constexpr,
 ):
     """One program per row, the row loaded straight into a [NG, G] tile (group g = columns
     [g·G, (g+1)·G)), so each group's amax is a reduction along the tile's second axis: a row
     loaded flat and reshaped into groups costs a layout shuffle (measured: twice the plain norm).
     The norm is rounded to y's dtype as `rms_norm` rounds it (its sum of squares in another order),
-    then each group's scale and codes as `fp8_quant` computes them."""
+    then each group's scale and codes as `fp8_quant` computes them. ADD: the residual sum
+    x + a, rounded to x's dtype, is written to r and normalised."""
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = col < D
-    xf = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
+    if ADD:
+        a = tl.load(a_ptr + row * stride_a + col, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(r_ptr + row * stride_r + col, x, mask=mask)
+    xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, 1), 0) / D + eps)
     n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
@@ -133,23 +140,29 @@ def _rms_norm_fp8_kernel(
 
 
 def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense: bool = False,
-                        num_warps: int | None = None) -> tuple[torch.Tensor | None, Fp8Rows]:
+                        num_warps: int | None = None, add: torch.Tensor | None = None):
     """x [m, D] (unit last stride; rows may be strided, e.g. a column slice of a fused product),
-    weight [D] -> (the norm [m, D] in torch's promoted dtype when `dense`, else None; its rows)."""
+    weight [D] -> (the norm [m, D] in torch's promoted dtype when `dense`, else None; its rows).
+    With `add` (x's shape and dtype): (s = x + add, then the same two) for the norm of s."""
     m, D = x.shape
     assert weight.shape == (D,) and x.stride(1) == 1, (x.shape, x.stride(), weight.shape)
     dtype = torch.promote_types(x.dtype, weight.dtype)
     rows = empty_rows(m, D, dtype, x.device)
     y = torch.empty((m, D) if dense else (1, 1), dtype=dtype, device=x.device)
+    a = r = y  # unused without `add`
+    if add is not None:
+        assert add.shape == x.shape and add.dtype == x.dtype and add.stride(1) == 1, (add.shape, add.dtype)
+        a, r = add, torch.empty((m, D), dtype=x.dtype, device=x.device)
     if m:
         ng = triton.next_power_of_2(triton.cdiv(D, GROUP))
         _rms_norm_fp8_kernel[(m,)](
-            x, weight, y, rows.q, rows.scale, D, x.stride(0), y.stride(0), rows.q.stride(0),
-            rows.scale.stride(0), rows.scale.stride(1), eps,
-            G=GROUP, NG=ng, DENSE=dense, EXACT_RNE=triton_interpreting(),
+            x, weight, y, rows.q, rows.scale, a, r, D, x.stride(0), y.stride(0), rows.q.stride(0),
+            rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), eps,
+            G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, EXACT_RNE=triton_interpreting(),
             num_warps=num_warps or max(1, min(16, ng * GROUP // 512)),
         )
-    return (y if dense else None), rows
+    out = (y if dense else None), rows
+    return out if add is None else (r, *out)
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -159,6 +172,16 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if use_triton(x, weight) and x.stride(1) == 1:
         return rms_norm_fp8_triton(x, weight, eps, dense)
     return rms_norm_fp8_reference(x, weight, eps, dense)
+
+
+def add_rms_norm_fp8(x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float,
+                     dense: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Rows]:
+    """The residual add before the norm in the same pass: (s = x + add, then `rms_norm_fp8(s)`'s
+    two results)."""
+    if use_triton(x, add, weight) and x.stride(1) == 1 and add.stride(1) == 1 and add.dtype == x.dtype:
+        return rms_norm_fp8_triton(x, weight, eps, dense, add=add)
+    s = x + add
+    return (s, *rms_norm_fp8(s, weight, eps, dense))
 
 
 # ---- SwiGLU, quantized -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Normalisations: RMSNorm (model, MLA latents) and LayerNorm with bias (indexer keys).
+"""Normalisations: RMSNorm (model, MLA latents; `add_rms_norm` with the residual add before it) and
+LayerNorm with bias (indexer keys).
 
 `rms_norm` runs the Triton kernel (`norm_triton.py`) where `dispatch.use_triton` says so and the
 weight is one vector; the reference (`rms_norm_reference`) otherwise."""
@@ -26,6 +27,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         return rms_norm_triton(x, weight, eps, out)
     y = rms_norm_reference(x, weight, eps)
     return y if out is None else out.copy_(y)
+
+
+def add_rms_norm(x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s = x + add, RMSNorm(s)): a residual add and the norm after it, in one kernel where
+    `dispatch.use_triton` says so (bit-identical to the two ops: the sum is rounded to x's dtype
+    before the norm reads it)."""
+    if use_triton(x, add, weight) and weight.dim() == 1 and x.stride(-1) == 1 and add.stride(-1) == 1 \
+            and add.shape == x.shape and add.dtype == x.dtype:
+        from glm53.kernels.norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, add=add)
+    s = x + add
+    return s, rms_norm(s, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

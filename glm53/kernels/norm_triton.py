@@ -13,11 +13,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, a_ptr, s_ptr, D, stride_x, stride_o, stride_a, stride_s, eps,
+                     BLOCK_D: tl.constexpr, ADD: tl.constexpr):
+    """ADD: the residual sum s = x + a (rounded to x's dtype, as torch's add) is written to s and
+    normalised: one pass where an add and a norm read the sum twice."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
     x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0)
+    if ADD:
+        a = tl.load(a_ptr + row * stride_a + d, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * stride_s + d, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
     n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -25,9 +32,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, BLOCK_D:
     tl.store(out_ptr + row * stride_o + d, (w * n).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                    add: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] with a unit last stride (rows may be strided, e.g. a column slice); weight [D].
-    Returns (or writes `out`, which may be x itself) in the dtype torch's promotion gives."""
+    Returns (or writes `out`, which may be x itself) in the dtype torch's promotion gives. With
+    `add` (x's shape and dtype): (s = x + add, the norm of s)."""
     D = x.shape[-1]
     assert weight.shape == (D,) and x.stride(-1) == 1, (x.shape, x.stride(), weight.shape)
     rows = x.view(-1, D) if x.dim() != 2 else x
@@ -36,8 +45,14 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
     assert out.shape == x.shape and out.dtype == dtype and out.stride(-1) == 1
     o = out.view(-1, D) if out.dim() != 2 else out
+    a = s = o  # unused without `add`
+    if add is not None:
+        assert add.shape == x.shape and add.dtype == x.dtype and add.stride(-1) == 1, (add.shape, add.dtype)
+        a = add.reshape(-1, D)
+        s = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         BLOCK_D = triton.next_power_of_2(D)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, o, D, rows.stride(0), o.stride(0), eps, BLOCK_D=BLOCK_D,
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, o, a, s, D, rows.stride(0), o.stride(0), a.stride(0), s.stride(0),
+                                           eps, BLOCK_D=BLOCK_D, ADD=add is not None,
                                            num_warps=max(1, min(16, BLOCK_D // 256)))
-    return out
+    return out if add is None else (s.view(x.shape), out)

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8, silu_mul_fp8, takes_fp8_rows
+from glm53.kernels.fp8_act import Fp8Rows, add_rms_norm_fp8, rms_norm_fp8, silu_mul_fp8, takes_fp8_rows
 from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows
 from glm53.kernels.moe import swiglu_mlp
-from glm53.kernels.norm import rms_norm
+from glm53.kernels.norm import add_rms_norm, rms_norm
 from glm53.models.config import ConfigError
 from glm53.models.fused import FusedLinear
 from glm53.models.parallel import TPGroup
@@ -238,12 +238,15 @@ def rows_of(x: torch.Tensor | Fp8Rows) -> int:
     return x.m if isinstance(x, Fp8Rows) else x.shape[0]
 
 
-def norm_for(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             consumer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | Fp8Rows]:
-    """RMSNorm of x [m, D] as `consumer` (a module with `takes_fp8_rows(m)` and `reads_dense`)
-    reads it: (the dense norm, None when only quantized rows are needed; the consumer's input, the
-    dense norm or its rows quantized in the same pass)."""
+def norm_for(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: nn.Module,
+             add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | Fp8Rows]:
+    """RMSNorm of x [m, D] (of x + `add`, the residual add in the same pass) as `consumer` (a
+    module with `takes_fp8_rows(m)` and `reads_dense`) reads it: (the residual sum, x itself
+    without `add`; the dense norm, None when only quantized rows are needed; the consumer's input,
+    the dense norm or its rows quantized in the same pass)."""
     if consumer.takes_fp8_rows(x.shape[0]):
-        return rms_norm_fp8(x, weight, eps, dense=consumer.reads_dense)
-    y = rms_norm(x, weight, eps)
-    return y, y
+        if add is None:
+            return (x, *rms_norm_fp8(x, weight, eps, dense=consumer.reads_dense))
+        return add_rms_norm_fp8(x, add, weight, eps, dense=consumer.reads_dense)
+    s, y = (x, rms_norm(x, weight, eps)) if add is None else add_rms_norm(x, add, weight, eps)
+    return s, y, y

@@ -395,11 +395,11 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x, cos, sin, batch, kv, topk_slots):
-        # each norm writes its output as the products after it read it (`layers.norm_for`)
-        h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn)
+        # each norm writes its output as the products after it read it, the second one with the
+        # residual add before it in the same pass (`layers.norm_for`)
+        _, h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn)
         a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in)
-        x = x + a
-        h, h_in = norm_for(x, self.post_attention_layernorm.weight, self.eps, self.mlp)
+        x, h, h_in = norm_for(x, self.post_attention_layernorm.weight, self.eps, self.mlp, add=a)
         x = x + (self.mlp(h, h_in) if isinstance(self.mlp, MoE) else self.mlp(h_in))
         return x, topk_slots
 

@@ -345,3 +345,27 @@ def check_moe_rows(N: int, H: int, I: int, E: int, k: int, device="cpu") -> None
     inputs[0] = y
     out = moe_experts_fp8_triton(*inputs, variant="w8a8", x_fp8=rows.rows())
     assert torch.equal(out, moe_experts_fp8_triton(*inputs, variant="w8a8"))
+
+
+def check_add_norms(M: int, D: int, dtype, device="cpu") -> None:
+    """The residual add fused into the norm after it (`add_rms_norm`, `add_rms_norm_fp8`) against
+    the add and the norm run apart: the sum as torch's add rounds it, and the norm, codes and
+    scales bit-identical to the norms of that sum run alone."""
+    from glm53.kernels.fp8_act import add_rms_norm_fp8, rms_norm_fp8
+    from glm53.kernels.norm import add_rms_norm, rms_norm
+
+    base = (torch.randn(M, D + 7, device=device) * 3).to(dtype)
+    x = base[:, 2 : 2 + D]  # strided rows
+    a = (torch.randn(M, D, device=device) * 2).to(dtype)
+    w = (torch.rand(D, device=device) + 0.5).to(dtype)
+    s_ref = x + a
+    s, y = add_rms_norm(x, a, w, 1e-6)
+    # the sum: as torch's add (the interpreter's fp32 -> bf16 cast truncates: one unit there)
+    ulp = 0.0 if dtype == torch.float32 or torch.device(device).type == "cuda" else 2.0**-7
+    assert torch.all((s.float() - s_ref.float()).abs() <= s_ref.float().abs() * ulp), "the residual sum"
+    assert torch.equal(y, rms_norm(s, w, 1e-6)), "the norm of the sum"
+    s8, y8, rows = add_rms_norm_fp8(x, a, w, 1e-6, dense=True)
+    y_ref, rows_ref = rms_norm_fp8(s, w, 1e-6, dense=True)
+    assert torch.equal(s8, s) and torch.equal(y8, y_ref)
+    assert torch.equal(rows.rows()[1], rows_ref.rows()[1])
+    assert torch.equal(rows.rows()[0].view(torch.uint8), rows_ref.rows()[0].view(torch.uint8))

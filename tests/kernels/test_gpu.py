@@ -253,6 +253,7 @@ def test_fp8_producers_glm5(M):
     fp8_cases.check_rms_norm_fp8(M, 2048, torch.bfloat16, device=DEV, dense=False)
     fp8_cases.check_silu_mul_fp8(M, 1536, torch.bfloat16, device=DEV)
     fp8_cases.check_silu_mul_fp8(M, 256, torch.bfloat16, device=DEV)
+    fp8_cases.check_add_norms(M, 6144, torch.bfloat16, device=DEV)
 
 
 @pytest.mark.parametrize("M", [33, 130, 4096])  # Triton w8a8, then cuBLAS where the shape allows

@@ -590,3 +590,8 @@ def test_fp8_gemm_rows(M):
 
 def test_moe_fp8_reads_norm_rows():
     fp8_cases.check_moe_rows(19, 256, 128, 4, 2)
+
+
+@pytest.mark.parametrize("M,D,dtype", [(5, 300, torch.bfloat16), (3, 256, torch.float32)])
+def test_add_norms(M, D, dtype):
+    fp8_cases.check_add_norms(M, D, dtype)
