@@ -16,7 +16,8 @@ Sections, in order (the tables are printed again at the end):
    one product per checkpoint linear; `served`: the products the model runs (`models/fused`: the
    linears that share an input stacked, one quantization each), bf16 on the same stacked shapes;
 3. chain (`--only chain`): each served product with the kernel that produces its input, at
-   M = 4096 (`--chain-m`): bf16 = the producer (RMSNorm, or SwiGLU's silu(g)·u) + the bf16
+   M = 4096 (`--chain-m`): bf16 = the producer (RMSNorm, the residual add + RMSNorm in one
+   kernel, or SwiGLU's silu(g)·u) + the bf16
    matmul; FP8 "separate" = the same producer + the FP8 product quantizing its input (before
    `fp8_act`); FP8 "fused" = the producer writing the quantized rows itself (`fp8_act`) + the
    product on them, as the served model runs it. Ratios with and without the producer's plain
@@ -52,8 +53,8 @@ import triton
 from glm53.kernels import fp8_gemm as gemm_mod
 from glm53.kernels import moe_fp8 as moe_mod
 from glm53.kernels.dispatch import triton_interpreting
-from glm53.kernels.fp8_act import rms_norm_fp8, silu_mul_fp8
-from glm53.kernels.norm import rms_norm
+from glm53.kernels.fp8_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul_fp8
+from glm53.kernels.norm import add_rms_norm, rms_norm
 from glm53.kernels import fp8_gemm_cublas as fp8_gemm_cublas_mod
 from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
 from glm53.kernels.fp8_gemm_triton import GemmConfig, fp8_gemm_w8a8, fp8_gemm_w8a16
@@ -93,16 +94,17 @@ GLM5_TP8_SERVED = {
     "shared down": (6144, 256),
 }
 TABLES = {"layers": GLM5_TP8, "served": GLM5_TP8_SERVED}
-# What produces each served product's input (`chain`): "norm" an RMSNorm over K (dense: its output
-# is also read as is: the indexer's gates on full layers, the router and routed experts in a MoE
-# layer), "silu" SwiGLU over the gate_up halves, None the attention output (quantized by the product).
+# What produces each served product's input (`chain`): "norm" an RMSNorm over K, "addnorm" the
+# residual add and the norm in one kernel (the post-attention norm; dense: the output is also read
+# as is: the indexer's gates on full layers, the router and routed experts in a MoE layer), "silu"
+# SwiGLU over the gate_up halves, None the attention output (quantized by the product).
 GLM5_TP8_PRODUCERS = {
     "q_a+kv_a+wk": ("norm", True),
     "q_b+wq_b": ("norm", False),
     "o_proj": (None, False),
-    "dense gate_up": ("norm", False),
+    "dense gate_up": ("addnorm", False),
     "dense down": ("silu", False),
-    "shared gate_up": ("norm", True),
+    "shared gate_up": ("addnorm", True),
     "shared down": ("silu", False),
 }
 MOE = dict(E=256, H=6144, I=256, k=8)
@@ -275,6 +277,10 @@ def bench_chain(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, log,
             if kind == "norm":
                 plain = lambda: rms_norm(h, norm_w, 1e-6)  # noqa: E731
                 quantized = lambda: rms_norm_fp8(h, norm_w, 1e-6, dense=dense)[1]  # noqa: E731
+            elif kind == "addnorm":
+                res = torch.randn_like(h)
+                plain = lambda: add_rms_norm(h, res, norm_w, 1e-6)[1]  # noqa: E731
+                quantized = lambda: add_rms_norm_fp8(h, res, norm_w, 1e-6, dense=dense)[2]  # noqa: E731
             elif kind == "silu":
                 plain = lambda: torch.nn.functional.silu(g) * u  # noqa: E731
                 quantized = lambda: silu_mul_fp8(g, u)  # noqa: E731
