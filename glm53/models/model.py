@@ -394,14 +394,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, dtype, tp, ep) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x, cos, sin, batch, kv, topk_slots):
-        # each norm writes its output as the products after it read it, the second one with the
-        # residual add before it in the same pass (`layers.norm_for`)
-        _, h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn)
+    def forward(self, x, cos, sin, batch, kv, topk_slots, pending: torch.Tensor | None = None, defer: bool = False):
+        """The residual stream after this layer, and the top-k it hands on. `pending`: the previous
+        layer's MLP output not yet added to x; with `defer` this layer's is returned that way too
+        (x, mlp_out, top-k), and each residual add runs inside the norm after it."""
+        # each norm writes its output as the products after it read it, with the residual add
+        # before it in the same pass (`layers.norm_for`)
+        x, h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn, add=pending)
         a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in)
         x, h, h_in = norm_for(x, self.post_attention_layernorm.weight, self.eps, self.mlp, add=a)
-        x = x + (self.mlp(h, h_in) if isinstance(self.mlp, MoE) else self.mlp(h_in))
-        return x, topk_slots
+        out = self.mlp(h, h_in) if isinstance(self.mlp, MoE) else self.mlp(h_in)
+        return (x, out, topk_slots) if defer else (x + out, topk_slots)
 
 
 class Backbone(nn.Module):
@@ -550,11 +553,15 @@ class GlmForCausalLM(nn.Module):
             x, topk_slots = inputs.hidden, inputs.topk_slots
         captures: dict[int, torch.Tensor] = {}
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
+        pending = None  # a layer's MLP output, added inside the next layer's first norm
         for layer in self.model.layers.values():
-            x, topk_slots = layer(x, cos, sin, batch, kv, topk_slots)
+            x, pending, topk_slots = layer(x, cos, sin, batch, kv, topk_slots, pending=pending, defer=True)
             if want and layer.layer in want:
+                x, pending = x + pending, None
                 last = layer.layer == self.cfg.num_hidden_layers - 1
                 captures[layer.layer] = self.final_norm(x) if last else x
+        if pending is not None:
+            x = x + pending
         return StageOutput(x, topk_slots if self.hands_on_topk else None, captures)
 
     def forward(self, batch: ForwardBatch, kv: KVPools, logit_rows: torch.Tensor) -> torch.Tensor:
