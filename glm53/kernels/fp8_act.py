@@ -105,9 +105,11 @@ def _over_scale(y, scale, EXACT_RNE: tl.constexpr):
     (H200); this costs two fmas. The interpreter has no fused multiply-add: it divides."""
     if EXACT_RNE:
         return tl.math.div_rn(y, scale[:, None])
-    r = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    # tl.fma does not broadcast its operands: every one at y's shape
+    r = tl.broadcast_to(tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None], y.shape)
+    b = tl.broadcast_to(scale[:, None], y.shape)
     q = y * r
-    return tl.fma(tl.fma(-q, scale[:, None], y), r, q)
+    return tl.fma(tl.fma(-q, b, y), r, q)
 
 
 def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
