@@ -12,13 +12,13 @@ pass instead:
 
 Both quantize what the two-step path quantizes: the producer's output rounded to its dtype first
 (RMSNorm sums each row's squares in another order, so its norm may differ from `rms_norm`'s by a
-unit in the last place, and a code by one e4m3 step where that unit crosses a rounding boundary). The result is an
-`Fp8Rows`, laid out as cuBLAS reads it (rows padded to 16, scales column-major); the Triton w8a8
+unit in the last place, and a code by one e4m3 step where that unit crosses a rounding boundary).
+The result is an `Fp8Rows`, laid out as cuBLAS reads it (rows padded to 16, scales column-major); the Triton w8a8
 GEMM reads the same buffers (`fp8_gemm.fp8_gemm_rows`).
 
-Which producer quantizes is decided by the consumer's variant (`takes_fp8_rows`): only where the
-product would quantize anyway (w8a8 or cuBLAS rows, on a GPU). CPU serving multiplies the dense
-activation by the dequantized weight (the reference) and never builds an `Fp8Rows`.
+Which producer quantizes is decided by the consumer's variant (`fp8_gemm.takes_fp8_rows`): only
+where the product would quantize anyway (w8a8 or cuBLAS rows, on a GPU). CPU serving multiplies
+the dense activation by the dequantized weight (the reference) and never builds an `Fp8Rows`.
 """
 
 from __future__ import annotations
@@ -72,17 +72,6 @@ def empty_rows(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp8R
     q = torch.empty((mp, k), dtype=FP8, device=device)
     s = torch.empty((-(-k // GROUP), mp), dtype=torch.float32, device=device).t()
     return Fp8Rows(q, s, m, dtype)
-
-
-def takes_fp8_rows(m: int, n: int, k: int, device: torch.device, fp8: bool) -> bool:
-    """Whether a product of m rows with a [n, k] weight (block-FP8 when `fp8`) on `device` reads
-    its input quantized: w8a8 and cuBLAS do (`fp8_gemm.fp8_variant`), w8a16 (decode sizes), bf16
-    weights and the CPU reference do not."""
-    if not fp8 or m == 0 or not (device.type == "cuda" or triton_interpreting()):
-        return False
-    from glm53.kernels.fp8_gemm import fp8_variant
-
-    return fp8_variant(m, n, k, device) != "w8a16"
 
 
 def _pack(y: torch.Tensor) -> Fp8Rows:

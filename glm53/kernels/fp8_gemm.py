@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from glm53.kernels.dispatch import use_triton
+from glm53.kernels.dispatch import triton_interpreting, use_triton
 from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 
@@ -59,6 +59,15 @@ def fp8_variant(m: int, n: int | None = None, k: int | None = None, device: torc
     return "w8a8"
 
 
+def takes_fp8_rows(m: int, n: int, k: int, device: torch.device, fp8: bool) -> bool:
+    """Whether a product of m rows with a [n, k] weight (block-FP8 when `fp8`) on `device` reads
+    its input quantized: w8a8 and cuBLAS do (`fp8_variant`), w8a16 (decode sizes), bf16
+    weights and the CPU reference do not."""
+    if not fp8 or m == 0 or not (device.type == "cuda" or triton_interpreting()):
+        return False
+    return fp8_variant(m, n, k, device) != "w8a16"
+
+
 def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ dequant(w, w_scale)^T; shapes as `fp8_gemm_reference`. Triton where
@@ -81,7 +90,7 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 def fp8_gemm_rows(x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y [m, N] = rows @ dequant(w, w_scale)^T for rows a producer quantized (`fp8_act`): cuBLAS
-    or the Triton w8a8 GEMM by `fp8_variant` (never w8a16: `fp8_act.takes_fp8_rows` quantizes
+    or the Triton w8a8 GEMM by `fp8_variant` (never w8a16: `takes_fp8_rows` quantizes
     only for the other two); off the GPU, the dequantized rows times the dequantized weight."""
     out_dtype = out_dtype or x.dtype
     q, s = x.rows()

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm53.kernels.fp8_act import Fp8Rows, takes_fp8_rows
-from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows
+from glm53.kernels.fp8_act import Fp8Rows
+from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows, takes_fp8_rows
 from glm53.kernels.fp8_quant import GROUP
 from glm53.models.sharding import shard_of
 

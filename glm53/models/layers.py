@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm53.kernels.fp8_act import Fp8Rows, add_rms_norm_fp8, rms_norm_fp8, silu_mul_fp8, takes_fp8_rows
-from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows
+from glm53.kernels.fp8_act import Fp8Rows, add_rms_norm_fp8, rms_norm_fp8, silu_mul_fp8
+from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows, takes_fp8_rows
 from glm53.kernels.moe import swiglu_mlp
 from glm53.kernels.norm import add_rms_norm, rms_norm
 from glm53.models.config import ConfigError
