@@ -13,8 +13,8 @@ pass instead:
 Both quantize what the two-step path quantizes: the producer's output rounded to its dtype first
 (RMSNorm sums each row's squares in another order, so its norm may differ from `rms_norm`'s by a
 unit in the last place, and a code by one e4m3 step where that unit crosses a rounding boundary).
-The result is an `Fp8Rows`, laid out as cuBLAS reads it (rows padded to 16, scales column-major); the Triton w8a8
-GEMM reads the same buffers (`fp8_gemm.fp8_gemm_rows`).
+The result is an `Fp8Rows`, laid out as cuBLAS reads it (rows padded to 16, scales column-major);
+the Triton w8a8 GEMM reads the same buffers (`fp8_gemm.fp8_gemm_rows`).
 
 Which producer quantizes is decided by the consumer's variant (`fp8_gemm.takes_fp8_rows`): only
 where the product would quantize anyway (w8a8 or cuBLAS rows, on a GPU). CPU serving multiplies
