@@ -85,22 +85,6 @@ def _pack(y: torch.Tensor) -> Fp8Rows:
 
 
 # ---- RMSNorm, quantized ------------------------------------------------------------------------
-@triton.jit
-def _over_scale(y, scale, EXACT_RNE: tl.constexpr):
-    """y [R, C] / scale[:, None], rounded to nearest as `div_rn` rounds it (what `fp8_quant`
-    divides), from one IEEE reciprocal per group: q = y·r is within an ulp of the quotient, the
-    remainder y − q·scale is exact in an fma, and q + remainder·r is then the correctly rounded
-    quotient (Markstein). An IEEE division per element made the fused norm twice the plain one
-    (H200); this costs two fmas. The interpreter has no fused multiply-add: it divides."""
-    if EXACT_RNE:
-        return tl.math.div_rn(y, scale[:, None])
-    # tl.fma does not broadcast its operands: every one at y's shape
-    r = tl.broadcast_to(tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None], y.shape)
-    b = tl.broadcast_to(scale[:, None], y.shape)
-    q = y * r
-    return tl.fma(tl.fma(-q, b, y), r, q)
-
-
 def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                            dense: bool = False) -> tuple[torch.Tensor | None, Fp8Rows]:
     """`rms_norm_reference` then `quantize_fp8_groups_reference`: (y or None, its rows)."""
@@ -137,7 +121,7 @@ def _rms_norm_fp8_kernel(
         tl.store(y_ptr + row * stride_y + col, y, mask=mask)
     yf = y.to(tl.float32)  # masked columns are 0: no effect on the amax
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10), 448.0)
-    v = _over_scale(yf, scale, EXACT_RNE)
+    v = tl.math.div_rn(yf, scale[:, None])  # IEEE, as fp8_quant divides (bit-identical codes)
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     tl.store(q_ptr + row * stride_q + col, _to_e4m3(v, EXACT_RNE), mask=mask)
     g = tl.arange(0, NG)
@@ -211,12 +195,10 @@ def _silu_mul_fp8_kernel(
     g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=m, other=0.0)
     u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=m, other=0.0).to(tl.float32)
     gf = g.to(tl.float32)
-    # silu to within an ulp or two of torch's before its rounding to the dtype (not bit-exact:
-    # an IEEE division here would double the kernel's time)
-    s = (gf / (1.0 + tl.exp(-gf))).to(g_ptr.dtype.element_ty).to(tl.float32)
+    s = tl.math.div_rn(gf, 1.0 + tl.exp(-gf)).to(g_ptr.dtype.element_ty).to(tl.float32)
     h = (s * u).to(g_ptr.dtype.element_ty).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
-    v = _over_scale(h, scale, EXACT_RNE)
+    v = tl.math.div_rn(h, scale[:, None])
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     tl.store(q_ptr + r64 * stride_q + cols[None, :], _to_e4m3(v, EXACT_RNE), mask=m)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + grp * stride_sg, scale, mask=rm)
