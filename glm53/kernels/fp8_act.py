@@ -33,6 +33,7 @@ import triton.language as tl
 from glm53.kernels.dispatch import triton_interpreting, use_triton
 from glm53.kernels.fp8_quant import FP8, GROUP, _to_e4m3, quantize_fp8_groups_reference
 from glm53.kernels.norm import rms_norm_reference
+from glm53.kernels.norm_triton import load_residual_sum
 
 M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8_gemm_cublas pads
 
@@ -107,11 +108,8 @@ def _rms_norm_fp8_kernel(
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = col < D
-    x = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
-    if ADD:
-        a = tl.load(a_ptr + row * stride_a + col, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + a.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(r_ptr + row * stride_r + col, x, mask=mask)
+    x = load_residual_sum(x_ptr, a_ptr, r_ptr, row * stride_x + col, row * stride_a + col, row * stride_r + col,
+                          mask, ADD)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, 1), 0) / D + eps)
     n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)

@@ -13,6 +13,18 @@ import triton.language as tl
 
 
 @triton.jit
+def load_residual_sum(x_ptr, a_ptr, s_ptr, x_off, a_off, s_off, mask, ADD: tl.constexpr):
+    """x at `x_off`; with ADD the residual sum x + a instead, rounded to x's dtype as torch's add
+    rounds it, and written to s (the norms that take the add before them: here and `fp8_act`)."""
+    x = tl.load(x_ptr + x_off, mask=mask, other=0.0)
+    if ADD:
+        a = tl.load(a_ptr + a_off, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(s_ptr + s_off, x, mask=mask)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, a_ptr, s_ptr, D, stride_x, stride_o, stride_a, stride_s, eps,
                      BLOCK_D: tl.constexpr, ADD: tl.constexpr):
     """ADD: the residual sum s = x + a (rounded to x's dtype, as torch's add) is written to s and
@@ -20,11 +32,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, a_ptr, s_ptr, D, stride_x, stride_o,
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
-    x = tl.load(x_ptr + row * stride_x + d, mask=mask, other=0.0)
-    if ADD:
-        a = tl.load(a_ptr + row * stride_a + d, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + a.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(s_ptr + row * stride_s + d, x, mask=mask)
+    x = load_residual_sum(x_ptr, a_ptr, s_ptr, row * stride_x + d, row * stride_a + d, row * stride_s + d, mask, ADD)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
     n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
