@@ -10,9 +10,10 @@ Block-FP8 (DESIGN §4.8): a linear whose checkpoint tensor is block-FP8 can hold
 each parameter with its own shard rule (the scale's cuts the same dimension into the blocks of
 the weight's part, so a part must span whole blocks: a `ConfigError` names the layer and tp
 otherwise), and its product runs `kernels.fp8_gemm.fp8_gemm` (CPU: the exact dequantized
-reference). Where that product quantizes its input (prefill sizes on a GPU), the producer before
-it writes the input quantized instead (`kernels.fp8_act`: `norm_for`, and the MLP's SwiGLU), and the
-layer takes the `Fp8Rows`. `materialize_` allocates a model built on the meta device on its target device.
+reference). Where that product quantizes its input (prefill sizes on a GPU), the kernel before it
+writes the input quantized instead (`kernels.fp8_act`, through `norm_for` and the MLP's SwiGLU) and
+the layer takes the `Fp8Rows`. `materialize_` allocates a model built on the meta device on its
+target device.
 """
 
 from __future__ import annotations
