@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting, use_triton
-from glm53.kernels.fp8_quant import FP8, GROUP, _to_e4m3, quantize_fp8_groups_reference
+from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_reference, quantize_tile
 from glm53.kernels.norm import rms_norm_reference
 from glm53.kernels.norm_triton import load_residual_sum
 
@@ -117,11 +117,8 @@ def _rms_norm_fp8_kernel(
     y = (w * n).to(y_ptr.dtype.element_ty)
     if DENSE:
         tl.store(y_ptr + row * stride_y + col, y, mask=mask)
-    yf = y.to(tl.float32)  # masked columns are 0: no effect on the amax
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), axis=1), 1e-10), 448.0)
-    v = tl.math.div_rn(yf, scale[:, None])  # IEEE, as fp8_quant divides (bit-identical codes)
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_ptr + row * stride_q + col, _to_e4m3(v, EXACT_RNE), mask=mask)
+    codes, scale = quantize_tile(y.to(tl.float32), EXACT_RNE)  # masked columns are 0
+    tl.store(q_ptr + row * stride_q + col, codes, mask=mask)
     g = tl.arange(0, NG)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
 
@@ -195,10 +192,8 @@ def _silu_mul_fp8_kernel(
     gf = g.to(tl.float32)
     s = tl.math.div_rn(gf, 1.0 + tl.exp(-gf)).to(g_ptr.dtype.element_ty).to(tl.float32)
     h = (s * u).to(g_ptr.dtype.element_ty).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
-    v = tl.math.div_rn(h, scale[:, None])
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_ptr + r64 * stride_q + cols[None, :], _to_e4m3(v, EXACT_RNE), mask=m)
+    codes, scale = quantize_tile(h, EXACT_RNE)
+    tl.store(q_ptr + r64 * stride_q + cols[None, :], codes, mask=m)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + grp * stride_sg, scale, mask=rm)
 
 

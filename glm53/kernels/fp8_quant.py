@@ -104,6 +104,16 @@ def _to_e4m3(v, EXACT_RNE: tl.constexpr):
     return v.to(tl.float8e4nv)
 
 
+@triton.jit
+def quantize_tile(x, EXACT_RNE: tl.constexpr):
+    """x [R, G] fp32, each row one group -> (e4m3 codes [R, G], scales [R]) by the module
+    docstring's rule (IEEE divisions, clamp, round to nearest even); masked-off elements must be 0."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), 448.0)
+    v = tl.math.div_rn(x, scale[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    return _to_e4m3(v, EXACT_RNE), scale
+
+
 @triton.jit(do_not_specialize=["M"])  # the rows follow the token count
 def _quant_groups_kernel(
     x_ptr, q_ptr, s_ptr, M, K,
@@ -119,11 +129,8 @@ def _quant_groups_kernel(
     cm = (tl.arange(0, BLOCK_G) < G) & (cols < K)
     m = rm[:, None] & cm[None, :]
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
-    v = tl.math.div_rn(x, scale[:, None])
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], _to_e4m3(v, EXACT_RNE), mask=m)
+    codes, scale = quantize_tile(x, EXACT_RNE)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], codes, mask=m)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g * stride_sg, scale, mask=rm)
 
 
