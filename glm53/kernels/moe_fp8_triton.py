@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
-from glm53.kernels.fp8_quant import FP8, GROUP, _to_e4m3, quantize_fp8_groups_triton
+from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton, quantize_tile
 from glm53.kernels.moe_triton import MoEConfig, block_tile, plan_routing
 
 SB = GROUP
@@ -128,11 +128,8 @@ def _gate_up_fp8_kernel(
     keep = valid[:, None] & (n < I)[None, :]
     h_ptrs = h_ptr + pos[:, None].to(tl.int64) * stride_hm + n[None, :]
     if A_FP8:  # quantize h: this tile (BN = 128) is group nt of each of its rows
-        h = tl.where((n < I)[None, :], h, 0.0)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), 1e-10), 448.0)
-        v = tl.math.div_rn(h, scale[:, None])
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        tl.store(h_ptrs, _to_e4m3(v, EXACT_RNE), mask=keep)
+        codes, scale = quantize_tile(tl.where((n < I)[None, :], h, 0.0), EXACT_RNE)
+        tl.store(h_ptrs, codes, mask=keep)
         tl.store(hs_ptr + pos.to(tl.int64) * stride_hsm + nt, scale, mask=valid)
     else:
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=keep)

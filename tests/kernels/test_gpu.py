@@ -218,7 +218,7 @@ def test_draft_attention_slice_widths(R, B):
 # ---- block-FP8 (GLM-5-FP8) at GLM-5's tp = 8 per-rank shapes -----------------------------------
 @pytest.mark.parametrize("M", [1, 64, 4096])
 def test_fp8_quant_groups_glm5(M):
-    # bit-identical to the torch reference (IEEE divisions, RNE cast) at the hidden and q_lora widths
+    # bit-identical to the torch reference (IEEE reciprocal, one product, RNE cast) at the hidden and q_lora widths
     fp8_cases.check_quant(M, 6144, torch.bfloat16, device=DEV)
     fp8_cases.check_quant(M, 2048, torch.float32, device=DEV, kind="normal")
 
