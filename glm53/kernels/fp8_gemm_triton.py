@@ -77,8 +77,13 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
     if M <= 64:
         bm = max(16, triton.next_power_of_2(M))
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, 64)
-        return GemmConfig(BM=bm, BN=64, BK=128, GROUP_M=8, SPLIT_K=_split_k(tiles, kb, device),
-                          num_warps=4, num_stages=4)
+        # Split K only where each split still has a long walk: the splits' sum is one more launch,
+        # which a short K (two blocks) never pays back, nor a w8a8 product under 32 blocks (H200,
+        # GLM-5 tp = 8 shapes: K = 256 at M = 1 / 32 / 64 4.0 / 3.9 / 4.5 µs unsplit against 5.3 /
+        # 6.1 / 7.7 split in two; at M = 64, K = 2048 and 1536 9.8-10.7 / 8.9-9.4 µs against 13.4
+        # / 12.5 split in three)
+        split = 1 if kb <= 2 or (a_fp8 and kb < 32) else _split_k(tiles, kb, device)
+        return GemmConfig(BM=bm, BN=64, BK=128, GROUP_M=8, SPLIT_K=split, num_warps=4, num_stages=4)
     if a_fp8 and kb <= 3:  # a short K (the shared expert's down, K = 256 at tp = 8): a program is
         # mostly its epilogue, so smaller tiles and two stages keep more programs per SM (H200,
         # M = 4096, N = 6144, K = 256: 44.0 µs against 51.2 for the 128×128 tile below)
