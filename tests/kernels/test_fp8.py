@@ -106,3 +106,19 @@ def test_glm5_tp8_shapes():
     assert sh["kv_a_proj_with_mqa"] == (576, 6144) and sh["q_b_proj"] == (2048, 2048)
     assert sh["kv_b_proj"] == (3584, 512) and sh["o_proj"] == (6144, 2048)
     assert fp8_cases.GLM5_TP8_EXPERTS == dict(E=256, H=6144, I=256, k=8)
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="the interpreter has its own tiles")
+def test_decode_split_rule(monkeypatch):
+    # decode tiles on a 132-SM GPU (no GPU needed: the rule reads the SM count only): K split to
+    # fill the SMs, except a two-block K (never) and a w8a8 product under 32 blocks (never)
+    from glm53.kernels import fp8_gemm_triton as t
+
+    monkeypatch.setattr(t, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    split = lambda m, n, k, a8: t.default_config(m, n, k, a8, cuda).SPLIT_K  # noqa: E731
+    assert split(1, 6144, 2048, False) == 3 and split(32, 3072, 6144, False) == 6
+    assert split(1, 6144, 256, False) == split(64, 6144, 256, True) == 1
+    assert split(64, 6144, 2048, True) == split(64, 6144, 1536, True) == 1
+    assert split(64, 2816, 6144, True) == 6 and split(64, 512, 6144, True) == 16
+    assert split(1, 24576, 6144, False) == 1  # enough tiles already
