@@ -3,7 +3,7 @@ decode scheduler's real loop (DFlash off vs on, greedy; the outputs must be iden
 
     PYTHONPATH=. python tools/eval_dflash.py --model DIR --draft DIR [DIR ...] [--device cpu|cuda] [--batch 1 16]
         [--new 128] [--block 4 8 16] [--repeat 1] [--singles 1] [--clock wall|cpu] [--graphs on|off|both]
-        [--context N] [--package httpx] [--e2e] [--threshold T] [--steady K]
+        [--context N] [--package httpx] [--e2e] [--threshold T] [--steady K] [--overlap on|off|both]
 
 Several `--draft`s (DFlash or DSpark: the algorithm follows the checkpoint; `--threshold` is a
 DSpark draft's confidence cut) each get a row per block size, named by their directory.
@@ -30,7 +30,9 @@ server's steady batch, glm53/support/decode_loop.decode_run's `running`).
 On CUDA, plain decoding (`off`) replays its CUDA graphs; `--graphs` says whether the DFlash modes
 replay theirs (`on`, the default, as served), run eagerly (`off`), or both (`dflash N eager` rows
 beside `dflash N`). Graphs are captured for batches up to the largest `--batch` and requests up to
-`--context` tokens (default: the model's context length).
+`--context` tokens (default: the model's context length). `--overlap` says whether the DFlash
+modes launch a graphed step before reading the one before it (`on`, the default, as served:
+engine/overlap.py), run each step synchronously (`off`, rows named `... sync`), or both.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--graphs", choices=["on", "off", "both"], default="on", help="CUDA graphs of the DFlash step")
+    ap.add_argument("--overlap", choices=["on", "off", "both"], default="on",
+                    help="overlapped speculative steps (graphed greedy rows)")
     ap.add_argument("--context", type=int, default=None, help="longest request the graphs hold (tokens)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--steady", type=int, default=1, metavar="K",
@@ -70,6 +74,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: after the table, one more batch-1 run of each mode under torch.profiler: GPU kernel "
                          "time and wall time per decode step")
+    ap.add_argument("--profile-top", type=int, default=12, help="kernels listed per mode under --profile")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.device == "cpu":
@@ -89,15 +94,17 @@ def main() -> None:
         groups = [[p] for p in all_prompts[: a.singles]] if batch == 1 else [all_prompts[: batch * a.steady]]
         running = batch if batch > 1 and a.steady > 1 else None
         kinds = {"on": [True], "off": [False], "both": [False, True]}[a.graphs]
-        modes = [("off", None, True, None)] + [
-            (f"{d.name if len(a.draft) > 1 else 'dflash'} {b}" + ("" if g else " eager"), b, g, d)
-            for d in a.draft for b in a.block for g in kinds]
+        overlaps = {"on": [True], "off": [False], "both": [False, True]}[a.overlap]
+        modes = [("off", None, True, None, True)] + [
+            (f"{d.name if len(a.draft) > 1 else 'dflash'} {b}" + ("" if g else " eager") + ("" if o else " sync"),
+             b, g, d, o)
+            for d in a.draft for b in a.block for g in kinds for o in overlaps]
         rates: dict[str, list[float]] = {m[0]: [] for m in modes}
         taus, ref, differs, loops = {}, None, set(), {}
         for _ in range(a.repeat):
-            for mode, block, graphs, draft in modes:
-                sched = scheduler(a.model, draft, a.device, block, graphs=graphs,
-                                  max_running=max(a.batch), context=a.context, dtype=a.dtype, threshold=a.threshold)
+            for mode, block, graphs, draft, overlap in modes:
+                sched = scheduler(a.model, draft, a.device, block, graphs=graphs, max_running=max(a.batch),
+                                  context=a.context, dtype=a.dtype, threshold=a.threshold, overlap=overlap)
                 dt = toks = verify = 0
                 outs = []
                 loop = {"steps": 0, "rows": 0, "spec_s": 0.0, "wall_s": 0.0}
@@ -118,7 +125,7 @@ def main() -> None:
                 taus[mode] = f"{toks / verify:.2f}" if verify else "-"
                 loops[mode] = loop
         med = {m: statistics.median(r) for m, r in rates.items()}
-        for mode, _, captured, _ in modes:
+        for mode, _, captured, _, _ in modes:
             ratios = [x / y for x, y in zip(rates[mode], rates["off"])]
             lp = loops[mode]  # the last repeat's decode loop, wall clock
             per = lp["wall_s"] / lp["steps"] * 1e3
@@ -150,7 +157,7 @@ def profile_steps(a, prompt: list[int]) -> None:
             sched.close()
         _, toks, verify, _ = runs[0]
         steps = verify or toks
-        gpu_us, rows = kernel_table(prof, steps, 12)
+        gpu_us, rows = kernel_table(prof, steps, a.profile_top)
         print_table(f"{'off' if block is None else f'dflash {block}'}: {steps} steps, wall {wall / steps * 1e3:.2f} "
                     f"ms/step under the profiler", gpu_us, rows)
 

@@ -64,6 +64,9 @@ class DraftBlock:
     # The MTP draft's seed on a request's first decode step: the target's final-normed hidden
     # row [H] at position start_pos − 1 (the prompt's last), sent by prefill in the metadata row.
     seed_hidden: torch.Tensor | None = None
+    # The position the request's tokens stop before (prompt + max_new_tokens): a graphed step's
+    # device-side advance to the next step keeps every verify inside it (models/spec_state.py).
+    end_pos: int | None = None
 
 
 @dataclass(frozen=True)

@@ -379,6 +379,31 @@ class ModelRunner:
             r += len(lg)
         return SpecOutput(drafts, logits, greedy, probs if any(p is not None for p in probs) else None)
 
+    @property
+    def spec_overlap(self) -> bool:
+        """Whether `spec_launch` can hold a step (DFlash step graphs: the whole model and its draft)."""
+        return self.spec_graphs is not None
+
+    @torch.inference_mode()
+    def spec_launch(self, blocks: list[DraftBlock]) -> torch.Tensor | None:
+        """Launch `spec_step`'s step for `blocks` from the graphs without waiting for it: its
+        tokens [len(blocks), 2K] on the device (the drafts, the K verify argmaxes, the verified
+        count; valid until the next launch), or None when no graph holds the batch. The state's
+        rows then sit at the step after it as greedy acceptance moves them, which `spec_relaunch`
+        runs."""
+        hit = self.spec_graphs.bucket(blocks) if self.spec_graphs is not None else None
+        if hit is None:
+            return None
+        return self.spec_graphs.launch(*hit)[0][: len(blocks)]
+
+    @torch.inference_mode()
+    def spec_relaunch(self, m: int, reach: int) -> torch.Tensor | None:
+        """The next step of the last `spec_launch`'s `m` requests, whose inputs never left the
+        device; None when no graph's width covers `reach` (the host's bound on the position the
+        step's tokens stop before)."""
+        out = self.spec_graphs.relaunch(m, reach)
+        return None if out is None else out[0][:m]
+
     @torch.inference_mode()
     def _mtp_step(self, blocks: list[DraftBlock]) -> SpecOutput:
         """The MTP draft's speculative step for `blocks` (the whole target on this runner):

@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 def step_rows(blocks: Sequence[DraftBlock], draft_block: int) -> list[StepRow]:
     """The blocks as host rows (a block without `block_size` verifies the draft's `draft_block`)."""
-    return [StepRow(b.last_token, b.start_pos, b.ctx_start, b.block_size or draft_block, tuple(b.page_table))
-            for b in blocks]
+    return [StepRow(b.last_token, b.start_pos, b.ctx_start, b.block_size or draft_block, tuple(b.page_table),
+                    b.end_pos) for b in blocks]
 
 
 def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +45,8 @@ def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.T
     then the tokens each row verified — its n, or fewer when DSpark's confidence cut ended the
     block early, which only masks more verify positions, so one graph serves every cut; the
     verify logits [bs·K, vocab] fp32). Writes the verify tokens' target KV and draft context KV
-    (padding tokens on the padding page)."""
+    (padding tokens on the padding page), then moves the state's rows to the next step as greedy
+    acceptance would (`SpecState.advance`)."""
     draft, model = runner.draft, runner.model
     d = state.draft_inputs(bs, width)
     ctx = draft.paged_context(d.table, d.mask, runner.pools)  # read in place by the draft attention
@@ -54,7 +55,9 @@ def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.T
     n = state.verify_n(bs, choice.keep + 1)
     out = runner.forward_batch(state.verify_batch(bs, width, choice.tokens, n))
     logits = model.logits(out.hidden)
-    return torch.cat([choice.tokens, logits.argmax(dim=-1).view(bs, state.k), n[:, None]], dim=1), logits
+    tokens = torch.cat([choice.tokens, logits.argmax(dim=-1).view(bs, state.k), n[:, None]], dim=1)
+    state.advance(bs, tokens)  # the next step's rows, for a launch before the host reads this one
+    return tokens, logits
 
 
 def split_output(rows: Sequence[StepRow], k: int, tokens: list[list[int]], logits: torch.Tensor) -> SpecOutput:
@@ -70,11 +73,13 @@ def split_output(rows: Sequence[StepRow], k: int, tokens: list[list[int]], logit
 
 
 class SpecGraphs:
-    """The captured DFlash step graphs of one runner (whole model and its draft, one CUDA rank)."""
+    """The captured DFlash step graphs of one runner (whole model and its draft, one CUDA rank).
+    `capture=False` captures nothing: every launch runs the step the graphs hold eagerly on the
+    state, on any device (how the CPU tests drive the overlapped loop through this code)."""
 
-    def __init__(self, runner, cfg: GraphConfig, pad_page: int):
+    def __init__(self, runner, cfg: GraphConfig, pad_page: int, capture: bool = True):
         model, draft = runner.model, runner.draft
-        if runner.device.type != "cuda":
+        if capture and runner.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         if draft is None or not (model.is_first and model.is_last) or model.tp.size != 1:
             raise ValueError("DFlash step graphs hold the whole model and its draft on one rank")
@@ -90,7 +95,10 @@ class SpecGraphs:
                                model.cfg.max_position_embeddings, runner.device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.replays = 0
-        self.capture()
+        self.chained = 0  # launches on rows the device advanced (`relaunch`)
+        self._rows_held = 0  # requests of the last `launch`: what `relaunch` runs again
+        if capture:
+            self.capture()
 
     @torch.inference_mode()
     def run_eager(self, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +133,28 @@ class SpecGraphs:
         """State update and replay, no host sync: the graph's (tokens, logits) outputs, valid
         until the next replay."""
         self.state.update(rows)
+        self._rows_held = len(rows)
+        return self._replay(key)
+
+    def relaunch(self, m: int, reach: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step after the last one for the same `m` requests, on the rows the device moved
+        there (`SpecState.advance`), with no host update and no sync; None when no graph's
+        width covers `reach`, the host's bound on the position any row's tokens stop before."""
+        if m != self._rows_held:
+            raise ValueError(f"relaunch of {m} requests after a launch of {self._rows_held}")
+        bs = pick(self.sizes, m)
+        width = pick(self.widths, -(-reach // self.runner.page_size))
+        if bs is None or width is None:
+            return None
+        self.chained += 1
+        return self._replay((bs, width))
+
+    def _replay(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.replays += 1
+        if not self.graphs:  # capture=False
+            return self.run_eager(*key)
         g, out = self.graphs[key]
         g.replay()
-        self.replays += 1
         return out
 
     def step(self, rows: list[StepRow], key: tuple[int, int]) -> SpecOutput:

@@ -7,12 +7,14 @@ proposes from [last, MASK × (K − 1)] at positions start .. start + K − 1 ov
 [ctx_start, start); the target verifies [last, d_1 .. d_{n−1}] at start .. start + n − 1.
 
 Static buffers of `max_bs` rows (models/decode_state.py does the same for plain decode):
-- `rows` [max_bs, 4] long: last token, start, ctx_start, n. Every request's start moves by what it
-  accepted, which only the host knows, so the active rows travel every step in one small pinned,
-  non-blocking copy (rows that left go back to the padding request in the same copy);
+- `rows` [max_bs, 5] long: last token, start, ctx_start, n, end (positions stop before it: prompt
+  + max_new_tokens). Every request's start moves by what it accepted: the host sends the active
+  rows in one small pinned, non-blocking copy (rows that left go back to the padding request in
+  the same copy), or, for an overlapped step, `advance` moves them on the device from the step
+  before it (greedy acceptance, the host's rule for n);
 - `page_table` [max_bs, max_pages] int32, a row rewritten only when its pages change (host mirror).
-The padding request: last token 0, start 0, ctx_start 0, n 1, pages [pad_page]; everything it
-writes lands on the reserved padding page.
+The padding request: last token 0, start 0, ctx_start 0, n 1, end 1, pages [pad_page]; everything
+it writes lands on the reserved padding page, and `advance` leaves it where it is.
 
 At a fixed (batch size, width) everything else is derived on the device, so a CUDA graph captured
 on it replays correctly for any contents:
@@ -34,7 +36,7 @@ import torch
 
 from glm53.models.model import ForwardBatch
 
-PAD = (0, 0, 0, 1)  # the padding request's row: last token 0, start 0, ctx_start 0, n 1
+PAD = (0, 0, 0, 1, 1)  # the padding request's row: last token 0, start 0, ctx_start 0, n 1, end 1
 
 
 @dataclass
@@ -47,13 +49,20 @@ class DraftInputs:
 
 @dataclass(frozen=True)
 class StepRow:
-    """One request of a step, as host ints (a `DraftBlock` with its verify width resolved)."""
+    """One request of a step, as host ints (a `DraftBlock` with its verify width resolved).
+    `end`: the position the request's tokens stop before (prompt + max_new_tokens; None: start +
+    n, i.e. no step after this one)."""
 
     last_token: int
     start: int
     ctx_start: int
     n: int
     pages: tuple[int, ...]
+    end: int | None = None
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.n if self.end is None else self.end
 
 
 class SpecState:
@@ -91,6 +100,8 @@ class SpecState:
             if not 0 <= r.ctx_start <= r.start:
                 raise ValueError(f"ctx_start {r.ctx_start} must lie in [0, start={r.start}]")
             end = r.start + r.n
+            if r.end is not None and r.end < end:
+                raise ValueError(f"end {r.end} before start + n = {end}")
             if end > self.max_position:
                 raise ValueError(f"position {end - 1} outside [0, {self.max_position})")
             if -(-end // ps) > len(r.pages):
@@ -104,7 +115,7 @@ class SpecState:
         self.check(rows)
         n = len(rows)
         top = max(n, self.active)
-        values = [[r.last_token, r.start, r.ctx_start, r.n] for r in rows] + [list(PAD)] * (top - n)
+        values = [[r.last_token, r.start, r.ctx_start, r.n, min(r.stop, self.max_position)] for r in rows] + [list(PAD)] * (top - n)
         self.rows[:top].copy_(self._host(values), non_blocking=True)
         changed: list[tuple[int, tuple[int, ...]]] = []
         for i, r in enumerate(rows):
@@ -140,7 +151,7 @@ class SpecState:
         return self.rows[:bs].unbind(1)
 
     def draft_inputs(self, bs: int, width: int) -> DraftInputs:
-        last, start, ctx0, n = self._fields(bs, width)
+        last, start, ctx0, n, _ = self._fields(bs, width)
         j = self._j
         ids = torch.cat([last[:, None], self._masks[:bs]], dim=1)
         positions = (start[:, None] + j).reshape(-1)
@@ -159,7 +170,7 @@ class SpecState:
         """The verify forward's batch: bs·K tokens, [last, drafts] per row (`drafts` [bs, K − 1]).
         `n` [bs]: the tokens each row verifies when the draft cut its block (≤ the row's n; a
         device tensor, so a cut block replays the same graph)."""
-        last, start, _, rows_n = self._fields(bs, width)
+        last, start, _, rows_n, _ = self._fields(bs, width)
         n = rows_n if n is None else torch.minimum(n, rows_n)
         k, ps = self.k, self.page_size
         valid = self._j < n[:, None]  # [bs, K]
@@ -175,6 +186,28 @@ class SpecState:
             context_lens=(pos + 1).to(torch.int32),
             max_context=width * ps,
         )
+
+    def advance(self, bs: int, tokens: torch.Tensor) -> None:
+        """Move rows [0, bs) to the step after the one whose output is `tokens` [bs, 2K] (the K − 1
+        drafts, the K verify argmaxes, the verified count; `spec_graph.spec_forward`), as the
+        host would after greedy acceptance: start moves past the accepted drafts and the target's
+        token, which becomes the last token, and n = min(K, end − start − 1) (the host's
+        min(block, max_new_tokens − output length)). A row with no token left to verify stays
+        where it is: the padding request, or a request finished by length, whose step the host
+        drops. Device ops only (an overlapped step launches on these rows before the host has
+        read this step)."""
+        k = self.k
+        last, start, ctx0, _, end = self.rows[:bs].unbind(1)
+        drafts, target, verified = tokens[:, : k - 1], tokens[:, k - 1 : 2 * k - 1], tokens[:, 2 * k - 1]
+        match = (drafts == target[:, : k - 1]) & (self._j[: k - 1] < (verified - 1)[:, None])
+        accepted = match.cumprod(dim=1).sum(dim=1)
+        nxt = start + accepted + 1
+        left = end - nxt - 1  # tokens the next step may verify
+        live = left > 0
+        new = torch.stack([torch.where(live, target.gather(1, accepted[:, None]).squeeze(1), last),
+                           torch.where(live, nxt, start), ctx0,
+                           torch.where(live, left.clamp(max=k), self.rows[:bs, 3]), end], dim=1)
+        self.rows[:bs].copy_(new)
 
 
 @dataclass

@@ -246,9 +246,10 @@ class EngineConfig:
     # disable_cuda_graph: never capture (SGLang's --disable-cuda-graph).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
-    # Decode instances with tp 1 and pp 1 launch plain greedy steps one ahead of reading their
-    # tokens back (engine/overlap.py); disable_overlap_schedule runs every step synchronously
-    # (SGLang's --disable-overlap-schedule).
+    # Decode instances with tp 1 and pp 1 launch plain steps one ahead of reading their tokens
+    # back, and graphed speculative steps of greedy rows one ahead of reading what they accepted
+    # (engine/overlap.py); disable_overlap_schedule runs every step synchronously (SGLang's
+    # --disable-overlap-schedule).
     disable_overlap_schedule: bool = False
     # Prefill instances keep the full KV pages of earlier prompts and reuse them for a prompt that
     # starts with the same tokens (engine/prefix_cache.py); disable_radix_cache turns that off

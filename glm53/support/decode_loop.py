@@ -23,18 +23,19 @@ from glm53.support.ports import free_ports
 
 def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | None, graphs: bool = True,
               max_running: int = 64, dtype: str = "float32", context: int | None = None,
-              threshold: float = 0.0) -> DecodeScheduler:
+              threshold: float = 0.0, overlap: bool = True) -> DecodeScheduler:
     """A decode scheduler on one in-process rank (no prefill instance is started). On CUDA it
     captures its decode graphs (with a draft: of the DFlash step) for batches up to
     `max_running` and requests up to `context` tokens (None: the model's) unless `graphs` is False.
     The algorithm follows the draft: DSPARK for one with a Markov head (cutting its blocks at
-    confidence `threshold`), else DFLASH."""
+    confidence `threshold`), else DFLASH. `overlap` False runs every step synchronously
+    (`disable_overlap_schedule`)."""
     ports = free_ports(4)
     raw = {
         "model": {"path": str(model_dir), **({"context_length": context} if context else {})},
         "defaults": {"device": device, "dtype": dtype, "page_size": 16, "num_pages": 2048,
                      "stream_interval": 1000, "max_running_requests": max_running,
-                     "disable_cuda_graph": not graphs},
+                     "disable_cuda_graph": not graphs, "disable_overlap_schedule": not overlap},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
         "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2], **({"devices": [0]} if device == "cuda" else {})}],
     }
@@ -109,7 +110,7 @@ def decode_run(sched: DecodeScheduler, prompts: list[list[int]], new: int,
     t0 = t_pre if prefill else clock()
     t_wall = time.perf_counter()
     try:
-        while sched.running or queue:
+        while sched.running or queue or sched.inflight is not None:  # an overlapped step in flight
             adopt()
             rows += len(sched.running)
             steps += 1

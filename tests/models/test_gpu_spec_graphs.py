@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from glm53.models import DraftBlock, ModelRunner, PageAllocator, SeqChunk
-from glm53.models.graph import GraphConfig
-from glm53.models.spec_graph import split_output
+from glm53.models.graph import GraphConfig, pick
+from glm53.models.spec_graph import split_output, step_rows
 from glm53.support.oracle import make_checkpoint
 from tests.models.draft_oracle import make_draft_checkpoint
 
@@ -76,7 +76,10 @@ def test_spec_graph_replay_equals_eager_and_syncs_nothing(ckpts, dtype):
         # the same step eagerly on the same state (rewrites the same KV): the same bits for the
         # requests' tokens (a row's padding tokens all write one slot of the padding page, in no
         # fixed order, so their own outputs are not compared)
+        moved = graphs.state.rows.clone()  # the replay left its rows at the next step (advance)
+        graphs.state.update(rows)  # back to the rows the replay ran on
         same_t, same_l = graphs.run_eager(*key)
+        assert torch.equal(graphs.state.rows, moved)
         verified = tokens[:n, -1].tolist()  # each row's n, or fewer where the confidence cut ended it
         cut |= any(v < r.n for v, r in zip(verified, rows))
         real = torch.tensor([i * K + j for i, v in enumerate(verified) for j in range(v)], device="cuda")
@@ -107,19 +110,21 @@ def test_spec_graph_replay_equals_eager_and_syncs_nothing(ckpts, dtype):
 
 
 def test_greedy_dflash_with_graphs_equals_off_and_cpu():
-    """The embedded trained pair through the decode scheduler's real loop (fp32, greedy)."""
-    from glm53.server.embedded_model import ensure_embedded_draft, ensure_embedded_model
+    """The embedded trained pair (and its DSpark draft) through the decode scheduler's real loop
+    (fp32, greedy; with graphs, overlapped)."""
+    from glm53.server.embedded_model import ensure_embedded_draft, ensure_embedded_dspark, ensure_embedded_model
     from glm53.server.offline import greedy_generate
     from glm53.support.decode_loop import decode_run, scheduler
 
     root = Path(tempfile.mkdtemp(prefix="spec-graphs-"))
     model, draft = ensure_embedded_model(root), ensure_embedded_draft(root)
+    dspark = ensure_embedded_dspark(root)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (90, 40, 170)]
     new = 40
     cpu = ModelRunner.from_dir(model, page_size=16, num_pages=256, progress=False)
     want = greedy_generate(cpu, PageAllocator(256), prompts, new, ignore_eos=True)
-    for draft_dir, graphs in ((None, True), (draft, True), (draft, False)):
+    for draft_dir, graphs in ((None, True), (draft, True), (draft, False), (dspark, True)):
         sched = scheduler(model, draft_dir, "cuda", 4, graphs=graphs, max_running=4)
         try:
             runner = sched.workers.rank.runner
@@ -128,7 +133,53 @@ def test_greedy_dflash_with_graphs_equals_off_and_cpu():
             if draft_dir is not None:
                 assert toks / verify > 1.3  # the drafts were accepted: multi-token steps ran
                 assert (runner.spec_graphs is not None and runner.spec_graphs.replays > 0) == graphs
+                if graphs:  # the overlapped loop launched steps on the rows the device moved
+                    assert runner.spec_graphs.chained > 0
             else:
                 assert runner.graphs.replays > 0
         finally:
             sched.close()
+
+
+def test_relaunch_equals_a_launch_from_the_host_rows_and_syncs_nothing(ckpts):
+    """The overlapped loop's chain: a replay on the rows the last step moved on the device
+    (`relaunch`) gives what a launch from the host's rows after greedy acceptance gives, with no
+    host sync in the launch, the relaunches or the copies back."""
+    from glm53.server.engine.overlap import InflightSpec
+
+    runner = _runner(ckpts, torch.float32, GraphConfig(max_bs=4, max_context=400, block=K))
+    g = torch.Generator().manual_seed(9)
+    alloc = PageAllocator(PAGES)
+    blocks = []
+    for n, new in [(40, 30), (150, 3), (9, 12)]:  # 3 new: the second row reaches its end on the way
+        pages = alloc.alloc(runner.pages_needed(n + new))
+        prompt = torch.randint(0, runner.cfg.vocab_size, (n,), generator=g).tolist()
+        tok = int(runner.forward([SeqChunk(prompt, 0, pages)])[0][-1].argmax())
+        blocks.append(DraftBlock(tok, n, pages, ctx_start=n // 3, block_size=min(K, new - 1), end_pos=n + new))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        steps = [InflightSpec.launch(blocks, runner.spec_launch(blocks), [b.start_pos for b in blocks])]
+        for _ in range(3):
+            steps.append(InflightSpec.launch(blocks, runner.spec_relaunch(len(blocks), 400), []))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    chained = [s.host.tolist() for s in steps]
+    # The same chain from the host: each step launched from the rows greedy acceptance gives (a
+    # row with nothing left to verify keeps its rows, as `SpecState.advance` keeps them).
+    graphs = runner.spec_graphs
+    wide = (pick(graphs.sizes, len(blocks)), pick(graphs.widths, -(-400 // PS)))  # the chain's graph
+    host, ended = list(blocks), False
+    for k, want in enumerate(chained):
+        got = graphs.launch(step_rows(host, K), wide)[0][: len(host)].cpu().tolist()
+        assert got == want, k
+        nxt = []
+        for b, acc in zip(host, InflightSpec(host, torch.tensor(got), None, []).result()):
+            start = b.start_pos + len(acc)
+            left = b.end_pos - start - 1
+            ended |= left <= 0
+            nxt.append(DraftBlock(acc[-1], start, b.page_table, ctx_start=b.ctx_start, block_size=min(K, left),
+                                  end_pos=b.end_pos) if left > 0 else b)
+        host = nxt
+    assert ended

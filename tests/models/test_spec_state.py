@@ -16,6 +16,7 @@ from glm53.models import DraftBlock, ModelRunner, PageAllocator, SeqChunk
 from glm53.models.graph import batch_buckets, pick
 from glm53.models.spec_graph import spec_forward, split_output, step_rows
 from glm53.models.spec_state import SpecState, StepRow
+from glm53.server.engine.spec import greedy_prefix
 from glm53.support.oracle import make_checkpoint
 from tests.models.draft_oracle import make_draft_checkpoint
 
@@ -65,7 +66,8 @@ def test_static_step_equals_the_eager_step(runner):
         if not running:
             break
         blocks = [DraftBlock(r["out"][-1], r["plen"] + len(r["out"]) - 1, r["pages"], ctx_start=r["ctx_start"],
-                             block_size=min(K, r["max_new"] - len(r["out"]))) for r in running]
+                             block_size=min(K, r["max_new"] - len(r["out"])), end_pos=r["plen"] + r["max_new"])
+                  for r in running]
         rows = step_rows(blocks, runner.draft.cfg.block_size)
         checked_short |= any(r.n < K for r in rows)
         state.update(rows)
@@ -73,9 +75,21 @@ def test_static_step_equals_the_eager_step(runner):
         bs = pick(batch_buckets(6), n)
         width = state.width_needed(rows) + step % 3  # wider than needed: fixed widths are free
 
+        before = state.rows.clone()
         tokens, logits = spec_forward(runner, state, bs, width)
         assert tokens.shape == (bs, 2 * K) and logits.shape == (bs * K, vocab)
         got = split_output(rows, K, tokens[:n].tolist(), logits)
+        # The step left its rows where greedy acceptance moves them (the overlapped loop's next
+        # step); the padding rows where they were.
+        want = []
+        for row, d, am in zip(rows, got.drafts, got.greedy):
+            g = greedy_prefix(d, am)
+            start = row.start + len(g)
+            left = row.end - start - 1
+            want.append([g[-1], start, row.ctx_start, min(K, left), row.end] if left > 0 else list(before[len(want)]))
+        assert state.rows[:n].tolist() == want
+        assert torch.equal(state.rows[n:], before[n:])
+        state.rows.copy_(before)  # the host's rows, to rebuild the verify batch below
 
         # The static verify batch's real tokens are build_batch's for the eager chunks.
         chunks = [SeqChunk([b.last_token, *d], b.start_pos, b.page_table, all_logits=True)
@@ -116,12 +130,13 @@ def test_state_rows_written_only_on_change_and_checks(runner):
     a = StepRow(5, 9, 0, 4, (0, 1, 2, 4))
     b = StepRow(6, 2, 1, 2, (3,))
     state.update([a, b])
-    assert state.rows_written == 2 and state.rows[:3].tolist() == [[5, 9, 0, 4], [6, 2, 1, 2], [0, 0, 0, 1]]
+    assert state.rows_written == 2 and state.rows[:3].tolist() == [[5, 9, 0, 4, 13], [6, 2, 1, 2, 4],
+                                                                   [0, 0, 0, 1, 1]]
     state.update([StepRow(7, 11, 0, 4, a.pages), StepRow(8, 1, 0, 1, b.pages)])  # positions move: no page write
     assert state.rows_written == 2
     state.update([StepRow(8, 2, 0, 1, b.pages)])  # a leaves, b moves to row 0: both rows rewritten
     assert state.rows_written == 4
-    assert state.rows[:2].tolist() == [[8, 2, 0, 1], [0, 0, 0, 1]]
+    assert state.rows[:2].tolist() == [[8, 2, 0, 1, 3], [0, 0, 0, 1, 1]]
     assert state.page_table[:2].tolist() == [[3, -1, -1, -1], [PAGES, -1, -1, -1]]
     assert state.width_needed([a, b]) == 4  # positions 9 .. 12 reach page 3
     d = state.draft_inputs(2, 2)
@@ -131,7 +146,8 @@ def test_state_rows_written_only_on_change_and_checks(runner):
     assert d.mask[1].tolist() == [False] * 8 + [True, False, False, False]
     for bad, match in [([a] * 4, "holds 1 .. 3"), ([StepRow(1, 0, 0, 5, (0,))], "verifies 1 .. 4"),
                        ([StepRow(1, 2, 3, 1, (0,))], "ctx_start"), ([StepRow(1, 4, 0, 1, (0,))], "cannot hold"),
-                       ([StepRow(1, 0, 0, 1, (0, 1, 2, 3, 4))], "exceeds the state's width")]:
+                       ([StepRow(1, 0, 0, 1, (0, 1, 2, 3, 4))], "exceeds the state's width"),
+                       ([StepRow(1, 2, 0, 2, (0,), end=3)], "end 3 before")]:
         with pytest.raises(ValueError, match=match):
             state.check(bad)
     with pytest.raises(ValueError, match="outside"):

@@ -46,7 +46,7 @@ from glm53.server.engine.scheduler import (Scheduler, TrackedRequest, instance_b
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.engine.logprobs import rows_logprobs, unpack_first
 from glm53.server.engine.mtp_seed import split_payload
-from glm53.server.engine.overlap import InflightStep, overlappable
+from glm53.server.engine.overlap import InflightSpec, InflightStep, overlappable
 from glm53.server.engine.spec import accept, draft_sampling, greedy_prefix
 from glm53.server.engine.stops import StopStrings, StopText
 from glm53.server.sampling import TokenHistory, sample, step_generator
@@ -142,7 +142,10 @@ class DecodeScheduler(Scheduler):
         self.stop_strings = StopStrings(cluster)
         # Overlapped plain decoding (engine/overlap.py): the step launched and not yet read back.
         self.overlap = self.workers.device_tokens and not self.block_size and not inst.engine.disable_overlap_schedule
-        self.inflight: InflightStep | None = None
+        # Overlapped speculative decoding for greedy rows (engine/overlap.py): from graphs only.
+        self.spec_overlap = bool(self.block_size) and self.workers.spec_overlap and \
+            not inst.engine.disable_overlap_schedule
+        self.inflight: InflightStep | InflightSpec | None = None
 
     # -- intake ------------------------------------------------------------------------------
     def on_request(self, req: GenerateRequest) -> None:
@@ -284,7 +287,7 @@ class DecodeScheduler(Scheduler):
 
     def _decode(self) -> bool:
         if self.block_size:
-            return self._decode_speculative() if self.running else False
+            return self._decode_speculative()
         if self.overlap and self.running and all(overlappable(r) for r in self.running):
             return self._decode_overlapped()
         drained = self._drain()
@@ -333,7 +336,10 @@ class DecodeScheduler(Scheduler):
         step, self.inflight = self.inflight, None
         if step is None:
             return False
-        self._resolve(step)
+        if isinstance(step, InflightSpec):
+            self._resolve_spec(step)
+        else:
+            self._resolve(step)
         return True
 
     def _resolve(self, step: InflightStep) -> None:
@@ -346,32 +352,29 @@ class DecodeScheduler(Scheduler):
             if not r.finished:
                 self._commit(r, [tok])
                 n += 1
+        self._free_after(step)
+        self.count_tokens(n)
+
+    def _free_after(self, step: InflightStep | InflightSpec) -> None:
+        """Free the pages of `step`'s released rows that no step in flight still writes."""
         for r in step.batch:
             if r.free_after_step and not (self.inflight is not None and self.inflight.holds(r)):
                 r.free_after_step = False
                 self._free_pages(r)
-        self.count_tokens(n)
 
     def _decode_speculative(self) -> bool:
         """One DFlash step for the whole batch: the draft proposes, the target verifies every
-        request's block in one forward, each request commits its accepted prefix + one token."""
+        request's block in one forward, each request commits its accepted prefix + one token.
+        Overlapped when the graphs hold the batch and every row is plain greedy."""
+        if self.spec_overlap and self.running and \
+                all(plain_greedy(r) and r.req.spec.logprobs < 0 for r in self.running):
+            if self._speculate_overlapped():
+                return True
+        drained = self._drain()
+        if not self.running:
+            return drained
         batch = list(self.running)
-        blocks = []
-        for r in batch:
-            out_len = len(r.output)
-            params = r.params
-            # Never verify past max_new_tokens: a block of n commits at most n tokens, so its
-            # positions stay inside the pages allocated for prompt + max_new_tokens.
-            n = min(self.block_size, params.max_new_tokens - out_len)
-            if r.spec_key < 0:
-                r.spec_key = next(self.spec_keys)
-            # The MTP's seed drives the request's first step only (position prompt_len − 1).
-            seed = r.seed_hidden if out_len == 1 else None
-            r.seed_hidden = None
-            blocks.append(DraftBlock(last_token=r.output[-1], start_pos=r.prompt_len + out_len - 1, page_table=r.pages,
-                                     ctx_start=r.ctx_start, block_size=n, key=r.spec_key, seed_hidden=seed,
-                                     sampling=draft_sampling(params, out_len, r.index, self.draft_rng)
-                                     if self.sampled_drafting and not params.greedy else None))
+        blocks = self._blocks(batch)
         out = self.workers.spec_step(blocks)
         greedy = out.greedy or [None] * len(batch)
         probs = out.probs or [None] * len(batch)
@@ -390,6 +393,67 @@ class DecodeScheduler(Scheduler):
             n_out += self._commit(r, toks, *(lp or (None, None)), verified=True)
         self.count_tokens(n_out)
         return True
+
+    def _blocks(self, batch: list[DecodeRequest]) -> list[DraftBlock]:
+        """Each request's next draft block, from what it has committed."""
+        blocks = []
+        for r in batch:
+            out_len = len(r.output)
+            params = r.params
+            # Never verify past max_new_tokens: a block of n commits at most n tokens, so its
+            # positions stay inside the pages allocated for prompt + max_new_tokens.
+            n = min(self.block_size, params.max_new_tokens - out_len)
+            if r.spec_key < 0:
+                r.spec_key = next(self.spec_keys)
+            # The MTP's seed drives the request's first step only (position prompt_len − 1).
+            seed = r.seed_hidden if out_len == 1 else None
+            r.seed_hidden = None
+            blocks.append(DraftBlock(last_token=r.output[-1], start_pos=r.prompt_len + out_len - 1, page_table=r.pages,
+                                     ctx_start=r.ctx_start, block_size=n, key=r.spec_key, seed_hidden=seed,
+                                     sampling=draft_sampling(params, out_len, r.index, self.draft_rng)
+                                     if self.sampled_drafting and not params.greedy else None,
+                                     end_pos=r.prompt_len + params.max_new_tokens))
+        return blocks
+
+    def _speculate_overlapped(self) -> bool:
+        """Launch the next speculative step, then read back and commit the one before it. The
+        next step runs on the rows the last one left on the device when the batch is the same
+        (a join, a finish or an abort changes it: drain, then launch from the host's rows).
+        False: no graph holds the batch (nothing launched; the caller runs the step)."""
+        prev = self.inflight
+        batch = list(self.running)
+        # Chain only while some row surely outlives `prev` (it commits at most k tokens): a row
+        # that prev may end by length would spend a whole step whose result is dropped.
+        if isinstance(prev, InflightSpec) and prev.same_batch(batch) and \
+                any(len(r.output) + prev.k < r.params.max_new_tokens for r in batch):
+            k = prev.k
+            ends = [r.prompt_len + r.params.max_new_tokens for r in batch]
+            starts = [min(s + k, e - 1) for s, e in zip(prev.starts, ends)]
+            tokens = self.workers.spec_relaunch(len(batch), max(min(s + k, e) for s, e in zip(starts, ends)))
+            if tokens is not None:
+                self.inflight = InflightSpec.launch(batch, tokens, starts)
+                self._resolve_spec(prev)
+                return True
+        self._drain()
+        batch = list(self.running)
+        if not batch:
+            return True
+        blocks = self._blocks(batch)
+        tokens = self.workers.spec_launch(blocks)
+        if tokens is None:
+            return False
+        self.inflight = InflightSpec.launch(batch, tokens, [b.start_pos for b in blocks])
+        return True
+
+    def _resolve_spec(self, step: InflightSpec) -> None:
+        """Commit an overlapped speculative step's accepted tokens (rows released since it
+        launched drop theirs), then free what no step in flight still writes."""
+        n_out = 0
+        for r, toks in zip(step.batch, step.result()):
+            if not r.finished:
+                n_out += self._commit(r, toks, verified=True)
+        self._free_after(step)
+        self.count_tokens(n_out)
 
     # -- the one place a request finishes, the one place it is released -------------------
     def _commit(self, r: DecodeRequest, toks: list[int], lps: list[float] | None = None,

@@ -53,6 +53,21 @@ class WorkerGroup(abc.ABC):
         """Decode with a draft: propose, then verify in one target forward (ModelRunner.spec_step);
         the drafts, the verify logits and (when computed) their argmaxes per request."""
 
+    @property
+    def spec_overlap(self) -> bool:
+        """Whether `spec_launch` and `spec_relaunch` exist (the overlapped speculative loop)."""
+        return False
+
+    def spec_launch(self, blocks: list[DraftBlock]) -> torch.Tensor | None:
+        """A speculative step launched without waiting (greedy acceptance assumed for the next
+        one): its tokens [len(blocks), 2K] on the device, or None when it must run as
+        `spec_step` (ModelRunner.spec_launch)."""
+        raise NotImplementedError
+
+    def spec_relaunch(self, m: int, reach: int) -> torch.Tensor | None:
+        """The step after the last launch, its inputs from the device (ModelRunner.spec_relaunch)."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:
         """Prefill: one sender per rank for `room`, combined."""
@@ -107,6 +122,16 @@ class LocalWorkers(WorkerGroup):
 
     def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
         return self.rank.spec_step(blocks)
+
+    @property
+    def spec_overlap(self) -> bool:
+        return self.rank.runner.spec_overlap
+
+    def spec_launch(self, blocks: list[DraftBlock]) -> torch.Tensor | None:
+        return self.rank.spec_launch(blocks)
+
+    def spec_relaunch(self, m: int, reach: int) -> torch.Tensor | None:
+        return self.rank.spec_relaunch(m, reach)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         self.rank.copy_pages(src, dst)

@@ -1,4 +1,5 @@
-"""The overlapped decode loop's unit: one plain decode step launched and not yet read back.
+"""The overlapped decode loop's units: one decode step launched and not yet read back (plain:
+`InflightStep`; speculative: `InflightSpec`).
 
 A GPU decode step is short (~2 ms on the GLM-5 slice) and the scheduler's host work around it
 (building the batch, reading tokens back, committing and streaming them) is not: done in series,
@@ -11,6 +12,12 @@ step k (a stop token) has already been launched into step k + 1, whose result fo
 its pages are freed only once step k + 1 has run, since that step still writes them. Only plain
 rows overlap, greedy or sampled without a seed (no penalties, logprobs or grammar: those need
 each step's tokens on the host before the next step); any other row drains the pipeline first.
+
+A speculative step (DFlash, DSpark) overlaps the same way for greedy rows: its graph leaves the
+state's rows where greedy acceptance moves them (models/spec_state.py, `advance`), so step k + 1
+launches on the device's rows while the host reads and commits step k's accepted tokens, which are
+the same ones (`greedy_prefix` of the same drafts and argmaxes). The host only bounds where the
+rows can be (each step moves a row by at most K) to pick a graph wide enough.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm53.server.engine.spec import greedy_prefix
 from glm53.server.sampling import sample
 
 
@@ -54,6 +62,47 @@ class InflightStep:
         if self.done is not None:
             self.done.synchronize()
         return self.host.tolist()
+
+
+@dataclass
+class InflightSpec:
+    batch: list  # the step's requests, in row order
+    host: torch.Tensor  # [n, 2K] long on the host (pinned on CUDA): drafts, verify argmaxes, verified count
+    done: torch.cuda.Event | None  # recorded after the copy (CUDA); None: the copy was synchronous
+    starts: list[int]  # per row: the host's bound on the step's start position (exact on a fresh launch)
+
+    @classmethod
+    def launch(cls, batch: list, tokens: torch.Tensor, starts: list[int]) -> "InflightSpec":
+        """Queue the copy of a launched step's `tokens` [n, 2K] to the host (before the next
+        launch overwrites the graph's output); returns at once on CUDA."""
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return cls(batch, host, done, starts)
+        return cls(batch, tokens.clone(), None, starts)
+
+    @property
+    def k(self) -> int:
+        return self.host.shape[1] // 2
+
+    def holds(self, r) -> bool:
+        return any(x is r for x in self.batch)
+
+    def same_batch(self, batch: list) -> bool:
+        return len(batch) == len(self.batch) and all(a is b for a, b in zip(batch, self.batch))
+
+    def result(self) -> list[list[int]]:
+        """Per row, the tokens greedy acceptance commits, waiting for the GPU if it is still running."""
+        if self.done is not None:
+            self.done.synchronize()
+        k = self.k
+        out = []
+        for t in self.host.tolist():
+            n = t[-1]
+            out.append(greedy_prefix(t[: n - 1], t[k - 1 : k - 1 + n]))
+        return out
 
 
 def overlappable(r) -> bool:

@@ -348,6 +348,12 @@ class RankWorker:
         """One speculative step for a batch (`ModelRunner.spec_step`: graphs when they hold it)."""
         return self.runner.spec_step(blocks)
 
+    def spec_launch(self, blocks: list[DraftBlock]) -> torch.Tensor | None:
+        return self.runner.spec_launch(blocks)
+
+    def spec_relaunch(self, m: int, reach: int) -> torch.Tensor | None:
+        return self.runner.spec_relaunch(m, reach)
+
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy KV pages src[i] -> dst[i] in every pool (target, indexer, draft): page is dim 0."""
         if not src:
