@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from glm53.kernels.markov_chain import markov_chain
 from glm53.kernels.sampling_filter import filter_logits
 from glm53.models.layers import param
 
@@ -130,25 +131,24 @@ def choose_block(logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tenso
     cut = confidence is not None and threshold > 0
     if cut and hidden is None:
         raise ValueError("the confidence head needs the draft's hidden states")
-    prev = anchor
-    toks, probs, embeds = [], [], []
-    w1, w2t = markov.tables()
-    for i in range(n):  # left to right: position i sees the token chosen at i − 1
-        e = w1[prev]  # markov_w1[token_{i−1}], fp32 [R, r]
-        lg = logits[:, i] + e @ w2t  # base_i + markov_w2 · e
-        tok = lg.argmax(dim=-1)
-        if sampling is not None:
+    probs = []
+    if sampling is None:  # greedy: the chain alone (on a GPU one kernel launch a position)
+        tokens = markov_chain(logits, anchor, markov.markov_w1.weight, markov.markov_w2.weight)
+    else:
+        prev, toks = anchor, []
+        w1, w2t = markov.tables()
+        for i in range(n):  # left to right: position i sees the token chosen at i − 1
+            lg = logits[:, i] + w1[prev] @ w2t  # base_i + markov_w2 · markov_w1[token_{i−1}]
             q = draft_probs(lg[:, None], sampling)[:, 0]
-            tok = torch.where(sampling.rows, inverse_cdf(q, sampling.uniforms[:, i]), tok)
+            prev = torch.where(sampling.rows, inverse_cdf(q, sampling.uniforms[:, i]), lg.argmax(dim=-1))
+            toks.append(prev)
             probs.append(q)
-        toks.append(tok)
-        embeds.append(e)
-        prev = tok
-    tokens = torch.stack(toks, dim=1)
+        tokens = torch.stack(toks, dim=1)
     if cut:
         # Every position's confidence in one product once the chain is known (its inputs are).
         # Leading positions at or above the threshold: the block ends before the first below it.
-        conf = confidence(hidden, torch.stack(embeds, dim=1))
+        before = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)  # token_{i−1} of each position
+        conf = confidence(hidden, markov.markov_w1.weight[before].float())
         keep = (conf >= threshold).long().cumprod(dim=1).sum(dim=1)
     else:
         keep = torch.full((r,), n, dtype=torch.long, device=logits.device)

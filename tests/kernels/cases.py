@@ -315,3 +315,27 @@ def check_route(N, H, E, k, norm=True, device="cpu"):
     assert ids.dtype == ids_ref.dtype and w.dtype == torch.float32
     assert torch.equal(ids, ids_ref)
     assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6), (w - w_ref).abs().max()
+
+
+def check_markov_chain(R, n, V, r, device="cpu", scale=1.0):
+    """DSpark's greedy Markov chain (Triton here) against the torch reference on random logits
+    and heads (V not a multiple of the kernel's slice): the same tokens, and each token the best
+    score of its position in float64 given the kernel's own token before it (so a near-tie flip,
+    were one to happen, would still be caught only if it is not a tie)."""
+    from glm53.kernels.markov_chain import markov_chain, markov_chain_reference
+
+    base = torch.randn(R, n, V, device=device) * 3 * scale
+    w1 = (torch.randn(V, r, device=device) * 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(V, r, device=device) * 0.5).to(torch.bfloat16)
+    anchor = torch.randint(0, V, (R,), device=device)
+    got = markov_chain(base, anchor, w1, w2)
+    want = markov_chain_reference(base, anchor, w1, w2)
+    assert got.dtype == torch.long and got.shape == (R, n)
+    assert torch.equal(got, want)
+    prev = torch.cat([anchor[:, None], got[:, :-1]], dim=1)
+    score = base.double() + torch.einsum("rnk,vk->rnv", w1.double()[prev], w2.double())
+    chosen = score.gather(2, got[..., None]).squeeze(2)
+    assert torch.all(chosen >= score.amax(dim=2) - 1e-4)
+    # a base of one value everywhere but the heads: ties in the base, the heads decide
+    flat = torch.zeros(R, n, V, device=device)
+    assert torch.equal(markov_chain(flat, anchor, w1, w2), markov_chain_reference(flat, anchor, w1, w2))

@@ -199,6 +199,11 @@ def test_route_glm5(N, E):
     cases.check_route(N, 6144, E, 8, device=DEV)
 
 
+@pytest.mark.parametrize("R, V, r", [(1, 4160, 64), (16, 4160, 64), (4, 154880, 64)])
+def test_markov_chain(R, V, r):  # the embedded DSpark draft's heads; GLM-5's vocabulary
+    cases.check_markov_chain(R, 15, V, r, device=DEV)
+
+
 # ---- paged DFlash draft attention at the slice's draft widths (48 query / 8 KV heads of 128) ---
 @pytest.mark.parametrize("R", [1, 64])
 @pytest.mark.parametrize("B", [4, 16])

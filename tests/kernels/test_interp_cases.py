@@ -340,6 +340,11 @@ def test_route_against_reference(N, E, k, norm):
     cases.check_route(N, 32, E, k, norm)  # E and k not powers of two in places
 
 
+@pytest.mark.parametrize("R, n, V, r", [(1, 15, 700, 16), (3, 4, 1100, 8), (2, 1, 513, 32)])
+def test_markov_chain_against_reference(R, n, V, r):
+    cases.check_markov_chain(R, n, V, r)  # V not a multiple of the 512-token slice
+
+
 # ---- sparse MLA over the FP8 latent cache (656 B/token layout, kernels/latent_cache_fp8) ----
 @pytest.mark.parametrize("shape", [
     dict(H=4, R=96, P=32, K=70, page_size=16),  # the tiny model's: one tile of 96

@@ -1,0 +1,71 @@
+"""DSpark's greedy Markov chain as one Triton launch per block position.
+
+Position i's proposal is argmax_v(base[i, v] + markov_w2[v] · markov_w1[token_{i−1}]), token_{−1}
+the anchor. In torch that is four kernels a position (the w1 row's gather, the [r] × [r, V]
+product, the add, the argmax), ~60 launches a block of 16 on a vocabulary that one launch covers.
+Here a launch for position i has a program per (row, slice of BLOCK_V tokens): it first reduces
+position i − 1's per-slice maxima to that position's token (the chain's only dependency, read
+from the previous launch's output), then scores its slice and writes its own maximum and where
+it lies. Ties pick the lowest token id, as torch.argmax does. A last launch reduces the final
+position. The sums run in fp32 like the reference's product, in another order: a token may differ
+from the reference only where two scores lie within fp32 rounding of each other.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["i"])  # one compiled kernel for every position
+def _markov_step_kernel(base_ptr, anchor_ptr, w1_ptr, w2_ptr, best_ptr, where_ptr, tok_ptr, i, n, V, NB,
+                        stride_br, stride_bi, R: tl.constexpr, BLOCK_V: tl.constexpr, NB_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    sl = tl.program_id(1)
+    part = row * n * NB  # this row's [n, NB] maxima and their token ids
+    if i == 0:
+        prev = tl.load(anchor_ptr + row)
+    else:
+        b = tl.arange(0, NB_PAD)
+        live = b < NB
+        best = tl.load(best_ptr + part + (i - 1) * NB + b, mask=live, other=float("-inf"))
+        at = tl.load(where_ptr + part + (i - 1) * NB + b, mask=live, other=V)
+        top = tl.max(best, 0)
+        prev = tl.min(tl.where(best == top, at, V), 0).to(tl.int64)
+        if sl == 0:
+            tl.store(tok_ptr + row * n + i - 1, prev)
+    if i < n:
+        k = tl.arange(0, R)
+        e = tl.load(w1_ptr + prev * R + k).to(tl.float32)
+        v = sl * BLOCK_V + tl.arange(0, BLOCK_V)
+        ok = v < V
+        w = tl.load(w2_ptr + v[:, None].to(tl.int64) * R + k[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        score = tl.sum(w * e[None, :], 1) + tl.load(base_ptr + row * stride_br + i * stride_bi + v, mask=ok,
+                                                     other=0.0)
+        score = tl.where(ok, score, float("-inf"))
+        top = tl.max(score, 0)
+        tl.store(best_ptr + part + i * NB + sl, top)
+        tl.store(where_ptr + part + i * NB + sl, tl.min(tl.where(score == top, v, V), 0))
+
+
+def markov_chain_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                        block_v: int = 512) -> torch.Tensor:
+    """base [R, n, V] fp32 (rows contiguous in V), anchor [R] long, w1 / w2 [V, r] (r a power of
+    two) -> tokens [R, n] long."""
+    R_, n, V = base.shape
+    r = w1.shape[1]
+    assert base.dtype == torch.float32 and base.stride(2) == 1 and w1.shape == w2.shape == (V, r)
+    assert r & (r - 1) == 0, f"the Markov rank must be a power of two here, got {r}"
+    tokens = torch.empty((R_, n), dtype=torch.long, device=base.device)
+    if R_ == 0 or n == 0:
+        return tokens
+    nb = triton.cdiv(V, block_v)
+    best = torch.empty((R_, n, nb), dtype=torch.float32, device=base.device)
+    where = torch.empty((R_, n, nb), dtype=torch.int32, device=base.device)
+    w1, w2, anchor = w1.contiguous(), w2.contiguous(), anchor.contiguous()
+    for i in range(n + 1):  # launch n reduces the last position only
+        _markov_step_kernel[(R_, nb if i < n else 1)](
+            base, anchor, w1, w2, best, where, tokens, i, n, V, nb, base.stride(0), base.stride(1),
+            R=r, BLOCK_V=block_v, NB_PAD=triton.next_power_of_2(nb), num_warps=4)
+    return tokens
