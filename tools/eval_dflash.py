@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--graphs", choices=["on", "off", "both"], default="on", help="CUDA graphs of the DFlash step")
     ap.add_argument("--overlap", choices=["on", "off", "both"], default="on",
                     help="overlapped speculative steps (graphed greedy rows)")
+    ap.add_argument("--prefill-graphs", choices=["on", "off"], default="on",
+                    help="CUDA: prompts of up to 256 tokens replay a prefill graph, as a prefill rank's do")
     ap.add_argument("--context", type=int, default=None, help="longest request the graphs hold (tokens)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--steady", type=int, default=1, metavar="K",
@@ -104,7 +106,8 @@ def main() -> None:
         for _ in range(a.repeat):
             for mode, block, graphs, draft, overlap in modes:
                 sched = scheduler(a.model, draft, a.device, block, graphs=graphs, max_running=max(a.batch),
-                                  context=a.context, dtype=a.dtype, threshold=a.threshold, overlap=overlap)
+                                  context=a.context, dtype=a.dtype, threshold=a.threshold, overlap=overlap,
+                                  prefill_graphs=a.prefill_graphs == "on")
                 dt = toks = verify = 0
                 outs = []
                 loop = {"steps": 0, "rows": 0, "spec_s": 0.0, "wall_s": 0.0}

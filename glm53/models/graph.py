@@ -59,13 +59,16 @@ def width_buckets(max_pages: int, page_size: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """`max_bs`: the largest captured batch; `max_context`: the longest request (tokens) a graph
-    must hold (the model's context length or less); `block`: with a DFlash draft, the tokens a
-    verify step checks, the bonus slot included (None: the draft's block size)."""
+    """`max_bs`: the largest captured decode batch (0: no decode graphs); `max_context`: the
+    longest request (tokens) a graph must hold (the model's context length or less); `block`: with
+    a DFlash draft, the tokens a verify step checks, the bonus slot included (None: the draft's
+    block size); `prefill_tokens`: the longest prompt chunk of one request a prefill graph holds
+    (0: none; models/prefill_graph.py)."""
 
     max_bs: int
     max_context: int
     block: int | None = None
+    prefill_tokens: int = 0
 
 
 def pick(buckets: Sequence[int], n: int) -> int | None:

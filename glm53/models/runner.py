@@ -24,7 +24,9 @@ With `graphs` (a whole model on one CUDA rank), decode batches of one-token chun
 graphs over a device-resident batch state (models/graph.py, decode_state.py), or, with a draft,
 DFlash steps (`spec_step`) replay graphs of propose + verify (models/spec_graph.py,
 spec_state.py), or, with the MTP draft, graphs of its chained step (models/mtp_graph.py,
-mtp_state.py); everything else runs eagerly through `build_batch`.
+mtp_state.py), and a prompt chunk of one request up to `GraphConfig.prefill_tokens` tokens
+replays a prefill graph (models/prefill_graph.py); everything else runs eagerly through
+`build_batch`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from glm53.models.fused import fuse_projections_
 from glm53.models.dspark import BlockChoice
 from glm53.models.graph import DecodeGraphs, GraphConfig
 from glm53.models.readback import readback
+from glm53.models.prefill_graph import PrefillGraphs
 from glm53.models.spec_graph import SpecGraphs
 from glm53.models.spec_state import SpecOutput
 from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
@@ -115,7 +118,8 @@ class ModelRunner:
         """`mtp`: GLM-5's own MTP layer as the draft (models/mtp.py; last stage; its pools are
         added, every prompt forward writes its KV, and `spec_step` runs its chained step, from
         CUDA graphs with `graphs`).
-        `graphs`: capture CUDA graphs of the decode step (models/graph.py); the pools then
+        `graphs`: capture CUDA graphs of the decode step (models/graph.py) and of short prompt
+        chunks (`prefill_tokens`, models/prefill_graph.py); the pools then
         get one more page than `num_pages`, the padding page that padded graph rows write, which
         no page allocator over `num_pages` ever hands out. `kv_dtype`: the target KV cache's
         dtype, the model's (None) or `kv_cache.FP8` (the FP8 layouts; the draft's KV keeps the
@@ -162,12 +166,16 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.spec_graphs: SpecGraphs | None = None
         self.mtp_graphs: MTPGraphs | None = None
-        if graphs is not None and mtp is not None:
+        self.prefill_graphs: PrefillGraphs | None = None
+        decode = graphs is not None and graphs.max_bs > 0
+        if decode and mtp is not None:
             self.mtp_graphs = MTPGraphs(self, graphs, pad_page=num_pages)
-        elif graphs is not None and draft is not None:
+        elif decode and draft is not None:
             self.spec_graphs = SpecGraphs(self, graphs, pad_page=num_pages)
-        elif graphs is not None:
+        elif decode:
             self.graphs = DecodeGraphs(self, graphs, pad_page=num_pages)
+        if graphs is not None and graphs.prefill_tokens and mtp is None:
+            self.prefill_graphs = PrefillGraphs(self, graphs.prefill_tokens, graphs.max_context, pad_page=num_pages)
 
     @staticmethod
     def kv_bytes_per_token(
@@ -492,6 +500,10 @@ class ModelRunner:
             key = self.graphs.bucket(chunks)
             if key is not None:
                 return self.graphs.forward(chunks, key, tokens)
+        if self.prefill_graphs is not None and inputs is None and tokens is None:
+            key = self.prefill_graphs.bucket(chunks)
+            if key is not None:
+                return ChunkLogits(self.prefill_graphs.forward(chunks, key))
         if tokens is not None:
             return self._forward_with(chunks, tokens)
         out = self.forward_stage(chunks, inputs)

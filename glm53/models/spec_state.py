@@ -172,20 +172,8 @@ class SpecState:
         device tensor, so a cut block replays the same graph)."""
         last, start, _, rows_n, _ = self._fields(bs, width)
         n = rows_n if n is None else torch.minimum(n, rows_n)
-        k, ps = self.k, self.page_size
-        valid = self._j < n[:, None]  # [bs, K]
-        pos = torch.where(valid, start[:, None] + self._j, 0).reshape(-1)
-        table = torch.where(valid[..., None], self.page_table[:bs, None, :width], self._pad_row[:width])
-        table = table.reshape(bs * k, width)
-        page = table.gather(1, (pos // ps)[:, None]).squeeze(1).to(torch.long)
-        return ForwardBatch(
-            input_ids=torch.cat([last[:, None], drafts], dim=1).reshape(-1),
-            positions=pos,
-            out_slots=page * ps + pos % ps,
-            page_table=table,
-            context_lens=(pos + 1).to(torch.int32),
-            max_context=width * ps,
-        )
+        return padded_batch(torch.cat([last[:, None], drafts], dim=1), start, n, self.page_table[:bs],
+                            self._pad_row, width, self.page_size)
 
     def advance(self, bs: int, tokens: torch.Tensor) -> None:
         """Move rows [0, bs) to the step after the one whose output is `tokens` [bs, 2K] (the K − 1
@@ -208,6 +196,23 @@ class SpecState:
                            torch.where(live, nxt, start), ctx0,
                            torch.where(live, left.clamp(max=k), self.rows[:bs, 3]), end], dim=1)
         self.rows[:bs].copy_(new)
+
+
+def padded_batch(ids: torch.Tensor, start: torch.Tensor, n: torch.Tensor, table: torch.Tensor, pad_row: torch.Tensor,
+                 width: int, page_size: int) -> ForwardBatch:
+    """A static batch of bs rows of K tokens (`ids` [bs, K]), flattened to bs·K: row i's token
+    j < n[i] at position start[i] + j in its pages (`table` [bs, ≥ width] int32), token j ≥ n[i]
+    a padding token (position 0 on the padding page, `pad_row`), so nothing outside a request's
+    pages is read or written. Device ops only (CUDA graphs capture it)."""
+    bs, k = ids.shape
+    ps = page_size
+    j = torch.arange(k, device=ids.device)
+    valid = j < n[:, None]  # [bs, K]
+    pos = torch.where(valid, start[:, None] + j, 0).reshape(-1)
+    rows = torch.where(valid[..., None], table[:, None, :width], pad_row[:width]).reshape(bs * k, width)
+    page = rows.gather(1, (pos // ps)[:, None]).squeeze(1).to(torch.long)
+    return ForwardBatch(input_ids=ids.reshape(-1), positions=pos, out_slots=page * ps + pos % ps, page_table=rows,
+                        context_lens=(pos + 1).to(torch.int32), max_context=width * ps)
 
 
 @dataclass

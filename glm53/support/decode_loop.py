@@ -14,8 +14,10 @@ import torch
 
 from glm53.kernels.compile_watch import WATCH
 from glm53.models import SeqChunk
+from glm53.models.prefill_graph import PrefillGraphs
 from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
+from glm53.server.engine.worker import PREFILL_GRAPH_TOKENS
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
 from glm53.support.ports import free_ports
@@ -23,13 +25,15 @@ from glm53.support.ports import free_ports
 
 def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | None, graphs: bool = True,
               max_running: int = 64, dtype: str = "float32", context: int | None = None,
-              threshold: float = 0.0, overlap: bool = True) -> DecodeScheduler:
+              threshold: float = 0.0, overlap: bool = True, prefill_graphs: bool = True) -> DecodeScheduler:
     """A decode scheduler on one in-process rank (no prefill instance is started). On CUDA it
     captures its decode graphs (with a draft: of the DFlash step) for batches up to
     `max_running` and requests up to `context` tokens (None: the model's) unless `graphs` is False.
     The algorithm follows the draft: DSPARK for one with a Markov head (cutting its blocks at
     confidence `threshold`), else DFLASH. `overlap` False runs every step synchronously
-    (`disable_overlap_schedule`)."""
+    (`disable_overlap_schedule`). The prompts' forwards (`decode_run`) stand in for a prefill
+    instance's: with graphs on CUDA (and `prefill_graphs`), a prompt chunk of up to
+    PREFILL_GRAPH_TOKENS replays a prefill graph, as a prefill rank's does."""
     ports = free_ports(4)
     raw = {
         "model": {"path": str(model_dir), **({"context_length": context} if context else {})},
@@ -48,7 +52,13 @@ def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | Non
         raw["speculative"] = {"algorithm": algo, "draft_model_path": str(draft), "num_draft_tokens": block,
                               **({"dspark_confidence_threshold": threshold} if threshold and algo == "DSPARK" else {})}
     cfg = parse_config(raw)
-    return DecodeScheduler(cfg, cfg.decode[0])
+    sched = DecodeScheduler(cfg, cfg.decode[0])
+    runner = sched.workers.rank.runner
+    if device == "cuda" and graphs and prefill_graphs and runner.mtp is None:
+        longest = min(context or runner.cfg.max_position_embeddings, sched.workers.num_pages * sched.workers.page_size)
+        # The pools' padding page (page num_pages, which no allocator hands out) is the graphs'.
+        runner.prefill_graphs = PrefillGraphs(runner, PREFILL_GRAPH_TOKENS, longest, pad_page=sched.workers.num_pages)
+    return sched
 
 
 def decode_run(sched: DecodeScheduler, prompts: list[list[int]], new: int,

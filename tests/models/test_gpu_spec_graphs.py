@@ -137,6 +137,8 @@ def test_greedy_dflash_with_graphs_equals_off_and_cpu():
                     assert runner.spec_graphs.chained > 0
             else:
                 assert runner.graphs.replays > 0
+            if graphs:  # the prompts' forwards (< 256 tokens) replayed prefill graphs
+                assert runner.prefill_graphs.replays >= len(prompts)
         finally:
             sched.close()
 
@@ -173,7 +175,10 @@ def test_relaunch_equals_a_launch_from_the_host_rows_and_syncs_nothing(ckpts):
     host, ended = list(blocks), False
     for k, want in enumerate(chained):
         got = graphs.launch(step_rows(host, K), wide)[0][: len(host)].cpu().tolist()
-        assert got == want, k
+        # what a row's step decides: its n drafts and argmaxes and its n (the argmaxes of its
+        # padding tokens, past n, race on the padding page's slot)
+        used = lambda t: (t[: t[-1] - 1], t[K - 1 : K - 1 + t[-1]], t[-1])  # noqa: E731
+        assert [used(t) for t in got] == [used(t) for t in want], k
         nxt = []
         for b, acc in zip(host, InflightSpec(host, torch.tensor(got), None, []).result()):
             start = b.start_pos + len(acc)

@@ -40,6 +40,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 KV_DTYPES = {"fp8_e4m3": FP8}
 # KV capacity on CPU when neither num_pages nor max_total_tokens is set.
 CPU_DEFAULT_KV_TOKENS = 65536
+# The longest prompt chunk a prefill rank's graphs hold: a short prompt's forward is bound by the
+# host's launches (the embedded pair's 200 tokens: ~1 ms of GPU work, ~17 ms eager on the H200);
+# past a few hundred tokens the GPU's own time dominates and a graph's pool would only grow.
+PREFILL_GRAPH_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,13 @@ class RankSpec:
         if any) on one rank."""
         return (self.cuda_graph_max_bs > 0 and self.role == "decode" and self.device.startswith("cuda")
                 and self.tp_size == 1 and self.pp_size == 1)
+
+    @property
+    def prefill_graphs(self) -> bool:
+        """Whether this rank captures graphs of short prompt chunks (models/prefill_graph.py):
+        prefill, CUDA graphs not disabled, the whole model on one rank, no MTP layer."""
+        return (self.cuda_graph_max_bs > 0 and self.role == "prefill" and self.device.startswith("cuda")
+                and self.tp_size == 1 and self.pp_size == 1 and self.nextn_steps is None)
 
     @property
     def last_stage(self) -> bool:
@@ -214,6 +225,7 @@ class RankWorker:
         same (`RankSpec.same_weights`; a colocated pair): one copy on the GPU instead of two. The
         modules are only read by a forward, so both ranks' loops may run them at once."""
         self.spec = spec
+        self.colocated = weights_from is not None  # a colocated pair's prefill rank (engine/colocate.py)
         self.device = torch.device(spec.device)
         self.reserved_before = 0
         if self.device.type == "cuda":
@@ -295,6 +307,9 @@ class RankWorker:
             if self.draft is not None:  # a wider ask is the decode scheduler's error, not the capture's
                 block = min(spec.num_draft_tokens or self.draft.cfg.block_size, self.draft.cfg.block_size)
             graphs = GraphConfig(max_bs=spec.cuda_graph_max_bs, max_context=longest, block=block)
+        elif spec.prefill_graphs and not self.colocated:  # (a colocated prefill runs on a green context)
+            graphs = GraphConfig(max_bs=0, max_context=longest,
+                                 prefill_tokens=min(PREFILL_GRAPH_TOKENS, spec.warmup_tokens or PREFILL_GRAPH_TOKENS))
         self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
                                   draft=self.draft, draft_projection=self.projection, graphs=graphs,
                                   kv_dtype=KV_DTYPES.get(spec.kv_cache_dtype), mtp=self.mtp)
