@@ -69,3 +69,36 @@ def test_prefill_graph_replay_equals_eager_and_syncs_nothing(tmp_path, dtype):
             assert rel <= tol, (name, rel)
         alloc.free(mine)
         alloc.free(ref)
+
+
+def test_prefill_graph_captures_fp8_weights_and_fp8_kv(tmp_path):
+    """A block-FP8 checkpoint served FP8 (w8a8 products with quantizing producers at these
+    sizes, cuBLAS's from 128 rows) with the FP8 KV cache: the prefill graphs capture and replay
+    what the eager forward computes."""
+    from glm53.models.kv_cache import FP8
+    from glm53.support.oracle import FP8_WIDTHS, quantise_fp8_
+
+    make_checkpoint(tmp_path / "ckpt", seed=83, **FP8_WIDTHS)
+    quantise_fp8_(tmp_path / "ckpt", block=128)
+    r = ModelRunner.from_dir(tmp_path / "ckpt", page_size=PS, num_pages=1, device="cuda", dtype=torch.bfloat16,
+                             progress=False, fp8=True)
+    runner = ModelRunner(r.model, num_pages=PAGES, page_size=PS, device="cuda", kv_dtype=FP8,
+                         graphs=GraphConfig(max_bs=0, max_context=600, prefill_tokens=256))
+    graphs = runner.prefill_graphs
+    g = torch.Generator().manual_seed(6)
+    alloc = PageAllocator(PAGES)
+    for n in (40, 150, 256):
+        prompt = torch.randint(0, runner.cfg.vocab_size, (n,), generator=g).tolist()
+        mine, ref = alloc.alloc(runner.pages_needed(n)), alloc.alloc(runner.pages_needed(n))
+        replays = graphs.replays
+        got = runner.forward([SeqChunk(prompt, 0, mine)])[0]
+        assert graphs.replays == replays + 1
+        runner.prefill_graphs = None
+        try:
+            want = runner.forward([SeqChunk(prompt, 0, ref)])[0]
+        finally:
+            runner.prefill_graphs = graphs
+        rel = float((got - want).norm() / want.norm())
+        assert rel <= 3e-2, (n, rel)
+        alloc.free(mine)
+        alloc.free(ref)
