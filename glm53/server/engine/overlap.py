@@ -30,6 +30,18 @@ from glm53.server.engine.spec import greedy_prefix
 from glm53.server.sampling import sample
 
 
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A copy of `t` on the host and the event after which it is valid: on CUDA a pinned,
+    non-blocking copy queued behind the work that writes `t` (no sync); else a plain copy."""
+    if not t.is_cuda:
+        return t.clone(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 @dataclass
 class InflightStep:
     batch: list  # the step's requests, in row order
@@ -42,13 +54,7 @@ class InflightStep:
         """Queue the samples of `logits` [n, vocab] (each row by its request's params) and their
         copy to the host; returns at once on CUDA."""
         tokens = sample(logits, [r.params for r in batch])
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return cls(batch, tokens, host, done)
-        return cls(batch, tokens, tokens, None)
+        return cls(batch, tokens, *to_host(tokens))
 
     def row_of(self) -> dict[int, int]:
         """id(request) -> its row."""
@@ -75,13 +81,7 @@ class InflightSpec:
     def launch(cls, batch: list, tokens: torch.Tensor, starts: list[int]) -> "InflightSpec":
         """Queue the copy of a launched step's `tokens` [n, 2K] to the host (before the next
         launch overwrites the graph's output); returns at once on CUDA."""
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return cls(batch, host, done, starts)
-        return cls(batch, tokens.clone(), None, starts)
+        return cls(batch, *to_host(tokens), starts)
 
     @property
     def k(self) -> int:
