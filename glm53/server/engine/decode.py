@@ -46,8 +46,8 @@ from glm53.server.engine.scheduler import (Scheduler, TrackedRequest, instance_b
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.engine.logprobs import rows_logprobs, unpack_first
 from glm53.server.engine.mtp_seed import split_payload
-from glm53.server.engine.overlap import InflightSpec, InflightStep, overlappable
-from glm53.server.engine.spec import accept, draft_sampling, greedy_prefix
+from glm53.server.engine.overlap import InflightSpec, InflightStep, overlappable, spec_overlappable
+from glm53.server.engine.spec import accept, draft_sampling, greedy_prefix, plain_greedy
 from glm53.server.engine.stops import StopStrings, StopText
 from glm53.server.sampling import TokenHistory, sample, step_generator
 from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer, TransferError
@@ -105,13 +105,6 @@ class DecodeRequest(TrackedRequest):
             self._prompt_ids = torch.tensor(sorted(set(self.req.spec.input_ids)), dtype=torch.long, device=device)
             self._stop_ids = sorted(self.req.spec.stop_ids)
         return TokenHistory(self._prompt_ids, self.output, self._stop_ids)
-
-
-def plain_greedy(r: DecodeRequest) -> bool:
-    """A greedy request whose verify rows nothing adjusts or masks: it accepts from the argmaxes
-    the step read back (`spec.accept`'s own shortcut, taken without calling it)."""
-    p = r.params
-    return r.constraint is None and p.temperature == 0.0 and not p.adjusts
 
 
 class DecodeScheduler(Scheduler):
@@ -366,8 +359,7 @@ class DecodeScheduler(Scheduler):
         """One DFlash step for the whole batch: the draft proposes, the target verifies every
         request's block in one forward, each request commits its accepted prefix + one token.
         Overlapped when the graphs hold the batch and every row is plain greedy."""
-        if self.spec_overlap and self.running and \
-                all(plain_greedy(r) and r.req.spec.logprobs < 0 for r in self.running):
+        if self.spec_overlap and self.running and all(spec_overlappable(r) for r in self.running):
             if self._speculate_overlapped():
                 return True
         drained = self._drain()

@@ -61,12 +61,13 @@ class WorkerGroup(abc.ABC):
     def spec_launch(self, blocks: list[DraftBlock]) -> torch.Tensor | None:
         """A speculative step launched without waiting (greedy acceptance assumed for the next
         one): its tokens [len(blocks), 2K] on the device, or None when it must run as
-        `spec_step` (ModelRunner.spec_launch)."""
-        raise NotImplementedError
+        `spec_step` (ModelRunner.spec_launch; a group without `spec_overlap`: always None)."""
+        return None
 
     def spec_relaunch(self, m: int, reach: int) -> torch.Tensor | None:
-        """The step after the last launch, its inputs from the device (ModelRunner.spec_relaunch)."""
-        raise NotImplementedError
+        """The step after the last launch, its inputs from the device (ModelRunner.spec_relaunch);
+        None: launch from the host's rows instead."""
+        return None
 
     @abc.abstractmethod
     def create_senders(self, room: Room, decode_instance: str) -> RoomTransfer:

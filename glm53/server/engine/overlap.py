@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm53.server.engine.spec import greedy_prefix
+from glm53.server.engine.spec import greedy_prefix, plain_greedy
 from glm53.server.sampling import sample
 
 
@@ -112,3 +112,10 @@ def overlappable(r) -> bool:
     the CPU)."""
     p = r.params
     return (p.greedy or p.seed is None) and not p.adjusts and r.constraint is None and r.req.spec.logprobs < 0
+
+
+def spec_overlappable(r) -> bool:
+    """A decode request whose speculative steps can overlap: plain greedy (it commits
+    `greedy_prefix` of a step's drafts and argmaxes, which is what `SpecState.advance` assumed on
+    the device) and no logprobs to read from each step's logits."""
+    return plain_greedy(r) and r.req.spec.logprobs < 0

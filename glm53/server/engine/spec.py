@@ -48,6 +48,14 @@ def draft_sampling(params: SamplingParams, step: int, choice: int, rng: random.R
     return DraftSampling(params.temperature, max(params.top_k, 0), params.top_p, params.min_p, seed)
 
 
+def plain_greedy(r) -> bool:
+    """A greedy request (engine/decode.DecodeRequest) whose verify rows nothing adjusts or masks:
+    it accepts from the argmaxes the step read back (`accept`'s own shortcut, taken without
+    calling it)."""
+    p = r.params
+    return r.constraint is None and p.temperature == 0.0 and not p.adjusts
+
+
 def greedy_prefix(drafts: Sequence[int], target: Sequence[int]) -> list[int]:
     """Greedy verification from the target's argmax of each verify row (`target`, n + 1 of them):
     the drafts up to the first that differs from the target's token, then the target's token
