@@ -65,6 +65,7 @@ class PrefillGraphs:
         self.table = torch.full((1, self.max_pages), -1, dtype=torch.int32, device=dev)
         self.table[0, 0] = pad_page
         self._pad_row = self.table[0].clone()
+        self._j = torch.arange(self.sizes[-1], device=dev)  # a constant of the batch's derivation
         self._pin = dev.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
@@ -79,7 +80,7 @@ class PrefillGraphs:
         """The forward the graphs hold, on the static buffers: the chunk's last logits [1, vocab] fp32."""
         r = self.runner
         start, n = self.meta[0:1], self.meta[1:2]
-        batch = padded_batch(self.ids[None, :tokens], start, n, self.table, self._pad_row, width, r.page_size)
+        batch = padded_batch(self.ids[None, :tokens], start, n, self.table, self._pad_row, width, r.page_size, self._j)
         hidden = r.forward_batch(batch).hidden
         return r.model.logits(hidden.index_select(0, n - 1))
 

@@ -115,7 +115,8 @@ class SpecState:
         self.check(rows)
         n = len(rows)
         top = max(n, self.active)
-        values = [[r.last_token, r.start, r.ctx_start, r.n, min(r.stop, self.max_position)] for r in rows] + [list(PAD)] * (top - n)
+        values = [[r.last_token, r.start, r.ctx_start, r.n, min(r.stop, self.max_position)] for r in rows]
+        values += [list(PAD)] * (top - n)
         self.rows[:top].copy_(self._host(values), non_blocking=True)
         changed: list[tuple[int, tuple[int, ...]]] = []
         for i, r in enumerate(rows):
@@ -173,7 +174,7 @@ class SpecState:
         last, start, _, rows_n, _ = self._fields(bs, width)
         n = rows_n if n is None else torch.minimum(n, rows_n)
         return padded_batch(torch.cat([last[:, None], drafts], dim=1), start, n, self.page_table[:bs],
-                            self._pad_row, width, self.page_size)
+                            self._pad_row, width, self.page_size, self._j)
 
     def advance(self, bs: int, tokens: torch.Tensor) -> None:
         """Move rows [0, bs) to the step after the one whose output is `tokens` [bs, 2K] (the K − 1
@@ -185,7 +186,7 @@ class SpecState:
         drops. Device ops only (an overlapped step launches on these rows before the host has
         read this step)."""
         k = self.k
-        last, start, ctx0, _, end = self.rows[:bs].unbind(1)
+        last, start, ctx0, n, end = self.rows[:bs].unbind(1)
         drafts, target, verified = tokens[:, : k - 1], tokens[:, k - 1 : 2 * k - 1], tokens[:, 2 * k - 1]
         match = (drafts == target[:, : k - 1]) & (self._j[: k - 1] < (verified - 1)[:, None])
         accepted = match.cumprod(dim=1).sum(dim=1)
@@ -194,19 +195,20 @@ class SpecState:
         live = left > 0
         new = torch.stack([torch.where(live, target.gather(1, accepted[:, None]).squeeze(1), last),
                            torch.where(live, nxt, start), ctx0,
-                           torch.where(live, left.clamp(max=k), self.rows[:bs, 3]), end], dim=1)
+                           torch.where(live, left.clamp(max=k), n), end], dim=1)
         self.rows[:bs].copy_(new)
 
 
 def padded_batch(ids: torch.Tensor, start: torch.Tensor, n: torch.Tensor, table: torch.Tensor, pad_row: torch.Tensor,
-                 width: int, page_size: int) -> ForwardBatch:
+                 width: int, page_size: int, j: torch.Tensor) -> ForwardBatch:
     """A static batch of bs rows of K tokens (`ids` [bs, K]), flattened to bs·K: row i's token
     j < n[i] at position start[i] + j in its pages (`table` [bs, ≥ width] int32), token j ≥ n[i]
     a padding token (position 0 on the padding page, `pad_row`), so nothing outside a request's
-    pages is read or written. Device ops only (CUDA graphs capture it)."""
+    pages is read or written. `j`: arange(K) on the device, the caller's constant (a graph would
+    otherwise replay an arange kernel). Device ops only (CUDA graphs capture it)."""
     bs, k = ids.shape
     ps = page_size
-    j = torch.arange(k, device=ids.device)
+    j = j[:k]
     valid = j < n[:, None]  # [bs, K]
     pos = torch.where(valid, start[:, None] + j, 0).reshape(-1)
     rows = torch.where(valid[..., None], table[:, None, :width], pad_row[:width]).reshape(bs * k, width)

@@ -42,8 +42,26 @@ def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     return host, done
 
 
+class _Launched:
+    """What both in-flight kinds share: the step's requests in row order (`batch`) and the host
+    copy of its output (`host`, valid once `done` has run; `done` None: the copy was synchronous)."""
+
+    batch: list
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def holds(self, r) -> bool:
+        return any(x is r for x in self.batch)
+
+    def _read(self) -> list:
+        """The host copy as lists, waiting for the GPU if it is still running."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 @dataclass
-class InflightStep:
+class InflightStep(_Launched):
     batch: list  # the step's requests, in row order
     tokens: torch.Tensor  # [n] long on the device: each row's sample
     host: torch.Tensor  # [n] long on the host (pinned on CUDA): their copy, valid once `done` ran
@@ -60,18 +78,13 @@ class InflightStep:
         """id(request) -> its row."""
         return {id(r): i for i, r in enumerate(self.batch)}
 
-    def holds(self, r) -> bool:
-        return any(x is r for x in self.batch)
-
     def result(self) -> list[int]:
         """The step's tokens, waiting for the GPU if it is still running."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
+        return self._read()
 
 
 @dataclass
-class InflightSpec:
+class InflightSpec(_Launched):
     batch: list  # the step's requests, in row order
     host: torch.Tensor  # [n, 2K] long on the host (pinned on CUDA): drafts, verify argmaxes, verified count
     done: torch.cuda.Event | None  # recorded after the copy (CUDA); None: the copy was synchronous
@@ -87,19 +100,14 @@ class InflightSpec:
     def k(self) -> int:
         return self.host.shape[1] // 2
 
-    def holds(self, r) -> bool:
-        return any(x is r for x in self.batch)
-
     def same_batch(self, batch: list) -> bool:
         return len(batch) == len(self.batch) and all(a is b for a, b in zip(batch, self.batch))
 
     def result(self) -> list[list[int]]:
         """Per row, the tokens greedy acceptance commits, waiting for the GPU if it is still running."""
-        if self.done is not None:
-            self.done.synchronize()
         k = self.k
         out = []
-        for t in self.host.tolist():
+        for t in self._read():
             n = t[-1]
             out.append(greedy_prefix(t[: n - 1], t[k - 1 : k - 1 + n]))
         return out
