@@ -229,7 +229,8 @@ def main() -> None:
     ap.add_argument("--heads-wd", type=float, default=0.01)
     ap.add_argument("--dspark-joint", action="store_true",
                     help="beside the DFlash drafts, train a DSpark draft (body and heads together) on the same batches")
-    ap.add_argument("--init-dspark", type=Path, help="--dspark-joint: start the body and heads from this DSpark checkpoint's")
+    ap.add_argument("--init-dspark", type=Path, help="--dspark-joint: start the body and heads from this DSpark checkpoint's"
+                    " (with a --dspark-rank above its own, the Markov head widened to it, same function)")
     ap.add_argument("--seed", type=int, default=10, help="the training data's prompts and sampling")
     ap.add_argument("--held-package", nargs="*", default=[],
                     help="also report held-out τ on prompts from these installed packages (third-party code)")
@@ -296,7 +297,7 @@ def main() -> None:
         cfgs[f"L{L}"] = {**dcfg, "num_hidden_layers": L, "block_size": a.block_size}
     if a.dspark_joint:  # a body like the first DFlash draft's, trained with its heads
         cfgs["dspark"] = cfgs[f"L{a.layers[0]}"]
-        heads["dspark"] = (load_heads(a.init_dspark) if a.init_dspark else
+        heads["dspark"] = (load_heads(a.init_dspark, a.dspark_rank) if a.init_dspark else
                            DSparkHeads(dcfg["vocab_size"], dcfg["hidden_size"], a.dspark_rank)).to(device)
     for name, cfg in cfgs.items():
         torch.manual_seed(7)

@@ -136,22 +136,38 @@ def replay_tau_dspark(draft: DraftTrainer, heads: DSparkHeads | None, held: Data
     return toks / steps, drafted / steps
 
 
-def load_heads(src: Path) -> DSparkHeads:
+def load_heads(src: Path, rank: int = 0) -> DSparkHeads:
     """The heads of the DSpark checkpoint at `src` (rank from `markov_w1`; the confidence head
-    zero when the checkpoint has none), in fp32 for training."""
+    zero when the checkpoint has none), in fp32 for training. `rank` above the checkpoint's widens
+    the Markov head without changing what it computes (`widen`)."""
     from safetensors.torch import load_file
 
     sd = {k: v.float() for k, v in load_file(str(src / "model.safetensors")).items()
           if k.startswith(("markov_head.", "confidence_head."))}
     if "markov_head.markov_w1.weight" not in sd:
         raise ValueError(f"{src}: no markov_head.markov_w1.weight (not a DSpark checkpoint)")
-    vocab, rank = sd["markov_head.markov_w1.weight"].shape
+    vocab, own = sd["markov_head.markov_w1.weight"].shape
     hidden = json.loads((src / "config.json").read_text())["hidden_size"]
-    heads = DSparkHeads(vocab, hidden, rank)
+    heads = DSparkHeads(vocab, hidden, own)
     missing, unexpected = heads.load_state_dict(sd, strict=False)
     if unexpected or any(not k.startswith("confidence_head.") for k in missing):
-        raise ValueError(f"{src}: heads tensors do not fit rank {rank}: missing {missing}, unexpected {unexpected}")
-    return heads
+        raise ValueError(f"{src}: heads tensors do not fit rank {own}: missing {missing}, unexpected {unexpected}")
+    return widen(heads, rank) if rank > own else heads
+
+
+def widen(heads: DSparkHeads, rank: int, seed: int = 0) -> DSparkHeads:
+    """The same heads at a higher Markov rank: the new columns of `markov_w1` random (as a fresh
+    head's), those of `markov_w2` and the confidence head's weights on them zero, so the bias and
+    the confidence are unchanged until training moves them (a trained head keeps what it learnt)."""
+    w1, w2 = heads.markov_head.markov_w1.weight.data, heads.markov_head.markov_w2.weight.data
+    (vocab, old), hidden = w1.shape, heads.confidence_head.proj.weight.shape[1] - w1.shape[1]
+    out = DSparkHeads(vocab, hidden, rank, seed=seed)
+    with torch.no_grad():
+        out.markov_head.markov_w1.weight[:, :old] = w1
+        out.markov_head.markov_w2.weight[:, :old] = w2
+        out.confidence_head.proj.weight[:, : hidden + old] = heads.confidence_head.proj.weight
+        out.confidence_head.proj.bias.copy_(heads.confidence_head.proj.bias)
+    return out
 
 
 def save_dspark(draft_dir: Path, heads: DSparkHeads, out: Path, dtype=torch.bfloat16) -> None:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from glm53.support.distill_data import Data
 from glm53.support.draft_trainer import draft_loss
-from glm53.support.dspark_heads import DSparkHeads, heads_loss, load_heads, replay_tau_dspark, save_dspark
+from glm53.support.dspark_heads import DSparkHeads, heads_loss, load_heads, replay_tau_dspark, save_dspark, widen
 
 V, H, R = 40, 12, 5
 
@@ -136,3 +136,24 @@ def test_heads_saved_with_a_body_load_back(tmp_path):
     back = load_heads(body)
     for (k, a), (k2, b) in zip(heads.state_dict().items(), back.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
+    base, prev = torch.randn(6, V), torch.randint(0, V, (6,))
+    wide = load_heads(body, 2 * R)  # a joint run's --dspark-rank above the checkpoint's
+    assert wide.markov_head.markov_w1.weight.shape == (V, 2 * R)
+    torch.testing.assert_close(wide.logits(base, prev), heads.logits(base, prev))
+
+
+def test_widened_heads_compute_what_they_did():
+    """load_heads(..., rank) above the checkpoint's: same Markov logits and confidence on fresh
+    inputs, the new columns of markov_w1 not zero (training can use them at once)."""
+    g = torch.Generator().manual_seed(8)
+    heads = DSparkHeads(V, H, R, seed=5)
+    with torch.no_grad():
+        heads.markov_head.markov_w2.weight.normal_(generator=g)
+        heads.confidence_head.proj.weight.normal_(generator=g)
+        heads.confidence_head.proj.bias.normal_(generator=g)
+    wide = widen(heads, 4 * R)
+    assert wide.markov_head.markov_w1.weight.shape == (V, 4 * R)
+    assert wide.markov_head.markov_w1.weight[:, R:].abs().sum() > 0
+    base, prev, h = torch.randn(6, V, generator=g), torch.randint(0, V, (6,), generator=g), torch.randn(6, H, generator=g)
+    torch.testing.assert_close(wide.logits(base, prev), heads.logits(base, prev))
+    torch.testing.assert_close(wide.confidence_logit(h, prev), heads.confidence_logit(h, prev))
