@@ -292,10 +292,6 @@ class RankWorker:
         would read (decode builds its own); its prompt forwards skip the draft's context KV."""
         return self.spec.role != "prefill" or self.spec.send_draft_kv
 
-    def _fp8_forms(self) -> bool:
-        """Whether this rank serves FP8 weights or the FP8 KV cache."""
-        return self.spec.kv_cache_dtype in KV_DTYPES or any(p.dtype == FP8 for p in self.model.parameters())
-
     def capacity(self) -> int:
         """KV pages this rank can hold once its weights are loaded."""
         return kv_pages(self.spec, self.cfg, self.dtype, self.draft, self.reserved_before)
@@ -311,9 +307,7 @@ class RankWorker:
             if self.draft is not None:  # a wider ask is the decode scheduler's error, not the capture's
                 block = min(spec.num_draft_tokens or self.draft.cfg.block_size, self.draft.cfg.block_size)
             graphs = GraphConfig(max_bs=spec.cuda_graph_max_bs, max_context=longest, block=block)
-        elif spec.prefill_graphs and not self.colocated and not self._fp8_forms():
-            # (A colocated prefill runs on a green context. With FP8 weights or the FP8 KV cache
-            # the static forward has run on the CPU only, never captured on a GPU: eager until it has.)
+        elif spec.prefill_graphs and not self.colocated:  # (a colocated prefill runs on a green context)
             graphs = GraphConfig(max_bs=0, max_context=longest,
                                  prefill_tokens=min(PREFILL_GRAPH_TOKENS, spec.warmup_tokens or PREFILL_GRAPH_TOKENS))
         self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
