@@ -28,6 +28,12 @@ import torch
 from glm53.models.graph import capture_buckets, pick, width_buckets
 from glm53.models.spec_state import padded_batch
 
+# The longest prompt chunk a prefill rank's graphs hold (engine/worker.py; server/plan.py reserves
+# their pool): a short prompt's forward is bound by the host's launches (the embedded pair's 200
+# tokens: ~1 ms of GPU work, ~17 ms eager on the H200); past a few hundred tokens the GPU's own
+# time dominates and a graph's pool would only grow.
+PREFILL_GRAPH_TOKENS = 256
+
 log = logging.getLogger(__name__)
 
 MIN_TOKENS = 32  # the smallest bucket; one-token chunks are decode's

@@ -27,6 +27,7 @@ import torch
 from glm53.models.config import GlmConfig
 from glm53.models.fused import fuse_projections_, padding_bytes
 from glm53.models.parallel import TPGroup
+from glm53.models.prefill_graph import PREFILL_GRAPH_TOKENS
 
 GIB = 2**30
 GB = 10**9
@@ -58,6 +59,7 @@ class Layout:
     nextn: bool = False  # NEXTN: the checkpoint's MTP layer drafts on the last stage (its weights, its pools)
     shares_weights: bool = False  # a colocated instance using its partner's copy of the weights
     others_fraction: float = 0.0  # mem_fraction_static of the other instances on the same GPUs
+    prefill_graph_tokens: int = 0  # a prefill instance's graphs of chunks up to this many tokens (their pool)
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ class Plan:
         out.append(f"reserve outside mem_fraction_static: {_gib(self.reserve_bytes)} for activations, CUDA graphs "
                    f"and buffers; a step needs about {_gib(self.activation_bytes)} (prefill chunk of "
                    f"{lay.chunked_prefill_size} tokens over {self._context()} of context, "
-                   f"{_gib(FIXED_RESERVE_BYTES)} fixed)")
+                   + (f"the prefill graphs' pool of a {lay.prefill_graph_tokens}-token chunk, "
+                      if lay.prefill_graph_tokens else "") + f"{_gib(FIXED_RESERVE_BYTES)} fixed)")
         out.append(f"instance: {self.max_kv_tokens} KV tokens" + (" (fixed by the config)" if lay.kv_tokens else ""))
         if not self.fits:
             out.append(f"does not fit: {self.reason()}")
@@ -143,19 +146,26 @@ def _nbytes(module: torch.nn.Module) -> int:
 
 
 def activation_bytes(cfg: GlmConfig, lay: Layout, context: int, tp: int, block: int) -> int:
-    """An estimate of the most a step allocates beyond weights and KV: a prefill chunk's indexer
-    scores (fp32, chunk × context), its residual stream and layer outputs (8 fp32 rows of the
-    hidden width per token), its routed rows through gate/up and down, and a decode step's fp32
-    logits (every running request × the verify block × the vocabulary); plus the fixed part."""
-    c = lay.chunked_prefill_size
+    """An estimate of the most a step allocates beyond weights and KV: a prefill chunk's
+    (`chunk_bytes`) and a decode step's fp32 logits (every running request × the verify block × the
+    vocabulary), plus the fixed part; a prefill instance's graphs (`prefill_graph_tokens`) keep
+    their largest chunk's activations in a pool of their own, on top."""
+    logits = lay.max_running_requests * block * cfg.vocab_size * 4
+    graphs = chunk_bytes(cfg, lay, lay.prefill_graph_tokens, context, tp) if lay.prefill_graph_tokens else 0
+    return chunk_bytes(cfg, lay, lay.chunked_prefill_size, context, tp) + logits + graphs + FIXED_RESERVE_BYTES
+
+
+def chunk_bytes(cfg: GlmConfig, lay: Layout, c: int, context: int, tp: int) -> int:
+    """A prompt chunk of `c` tokens: its indexer scores (fp32, chunk × context), its residual
+    stream and layer outputs (8 fp32 rows of the hidden width per token), its routed rows through
+    gate/up and down."""
     width = 2  # bf16 activations
     scores = c * context * 4
     hidden = 8 * c * cfg.hidden_size * 4
     # routed rows through gate/up (the width a rank holds: tp / ep ranks split an expert) and down;
     # under EP a rank's rows are its experts' share of every rank's tokens, about as many
     moe = c * cfg.num_experts_per_tok * (2 * cfg.moe_intermediate_size * lay.ep // tp + cfg.hidden_size) * width
-    logits = lay.max_running_requests * block * cfg.vocab_size * 4
-    return scores + hidden + moe + logits + FIXED_RESERVE_BYTES
+    return scores + hidden + moe
 
 
 def _nextn_bytes(model_dir: Path, cfg: GlmConfig, lay: Layout, dtype: torch.dtype, tp: TPGroup,
@@ -306,11 +316,17 @@ def instance_layout(cluster, inst, gpu_bytes: int) -> Layout:
     others = sum(o.engine.mem_fraction_static for o in cluster.instances
                  if o is not inst and o.host == inst.host and o.engine.device == "cuda" and mine & set(o.devices))
     spec = cluster.speculative
+    # engine/worker.py RankSpec.prefill_graphs, for an instance not colocated (a colocated prefill
+    # runs eagerly on a green context)
+    graphs = (inst.role == "prefill" and eng.device != "cpu" and not eng.disable_cuda_graph
+              and eng.cuda_graph_max_bs > 0 and inst.tp == inst.pp == 1 and inst.colocate is None
+              and not (spec.enabled and spec.nextn))
     return Layout(tp=inst.tp, pp=inst.pp, ep=inst.ep, dtype=eng.dtype, kv_cache_dtype=eng.kv_cache_dtype, gpu_bytes=gpu_bytes,
                   mem_fraction_static=eng.mem_fraction_static, context_length=cluster.model.context_length,
                   chunked_prefill_size=eng.chunked_prefill_size, max_running_requests=eng.max_running_requests,
                   kv_tokens=kv_tokens, draft_path=spec.draft_model_path if spec.enabled and not spec.nextn else None,
-                  nextn=spec.enabled and spec.nextn, shares_weights=shares, others_fraction=others)
+                  nextn=spec.enabled and spec.nextn, shares_weights=shares, others_fraction=others,
+                  prefill_graph_tokens=min(PREFILL_GRAPH_TOKENS, eng.chunked_prefill_size) if graphs else 0)
 
 
 def plan_cluster(cluster, model_dir: str | Path, gpu_bytes: int | None = None) -> dict[str, Plan]:

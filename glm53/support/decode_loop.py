@@ -14,10 +14,9 @@ import torch
 
 from glm53.kernels.compile_watch import WATCH
 from glm53.models import SeqChunk
-from glm53.models.prefill_graph import PrefillGraphs
+from glm53.models.prefill_graph import PREFILL_GRAPH_TOKENS, PrefillGraphs
 from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
-from glm53.server.engine.worker import PREFILL_GRAPH_TOKENS
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
 from glm53.support.ports import free_ports

@@ -224,3 +224,31 @@ def test_a_tp_that_cuts_fp8_blocks_is_a_config_error_on_any_device(capsys, tmp_p
     err = capsys.readouterr().err
     assert "prefill[0].tp" in err and "128" in err and "bfloat16" in err, err
     assert main(["config", "--config", config("bfloat16")]) == 0  # dequantized: any split of the width
+
+
+def test_a_prefill_instance_with_prefill_graphs_reserves_their_pool(glm5_fp8):
+    """A prefill instance on one GPU captures graphs of chunks up to PREFILL_GRAPH_TOKENS
+    (engine/worker.py): their pool holds such a chunk's activations on top of the eager chunk's,
+    so its plan needs that much more reserve; decode, tp > 1 and disable_cuda_graph add nothing."""
+    from glm53.models.prefill_graph import PREFILL_GRAPH_TOKENS
+    from glm53.server.config_parse import parse_config
+    from glm53.server.plan import chunk_bytes, instance_layout
+
+    def cluster(**prefill):
+        return parse_config({
+            "model": {"path": str(glm5_fp8)}, "router": {"port": 0}, "defaults": {"device": "cuda"},
+            "prefill": [{"name": "p0", "host": "127.0.0.1", "devices": list(range(prefill.get("tp", 1))), **prefill}],
+            "decode": [{"name": "d0", "host": "127.0.0.1", "devices": [7]}]})
+
+    c = cluster()
+    pre, dec = instance_layout(c, c.prefill[0], 8 * GB), instance_layout(c, c.decode[0], 8 * GB)
+    assert pre.prefill_graph_tokens == PREFILL_GRAPH_TOKENS and dec.prefill_graph_tokens == 0
+    for off in (cluster(tp=2), cluster(disable_cuda_graph=True)):
+        assert instance_layout(off, off.prefill[0], 8 * GB).prefill_graph_tokens == 0
+    small = cluster(chunked_prefill_size=128)  # a graph never holds more than a chunk
+    assert instance_layout(small, small.prefill[0], 8 * GB).prefill_graph_tokens == 128
+    with_graphs = plan_instance(glm5_fp8, Layout(tp=8, prefill_graph_tokens=PREFILL_GRAPH_TOKENS))
+    without = plan_instance(glm5_fp8, Layout(tp=8))
+    context = GLM5["max_position_embeddings"]
+    pool = chunk_bytes(GlmConfig.from_dict(GLM5), Layout(tp=8), PREFILL_GRAPH_TOKENS, context, 8)
+    assert with_graphs.activation_bytes - without.activation_bytes == pool > 256 * context * 4

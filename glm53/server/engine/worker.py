@@ -22,6 +22,7 @@ from glm53.models.mtp_weights import build_nextn
 from glm53.models.draft_weights import build_draft, draft_config, load_draft_projection
 from glm53.models.graph import GraphConfig
 from glm53.models.kv_cache import FP8
+from glm53.models.prefill_graph import PREFILL_GRAPH_TOKENS
 from glm53.models.spec_state import SpecOutput
 from glm53.models.warmup import warm_up
 from glm53.models.weights import load_model
@@ -40,10 +41,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 KV_DTYPES = {"fp8_e4m3": FP8}
 # KV capacity on CPU when neither num_pages nor max_total_tokens is set.
 CPU_DEFAULT_KV_TOKENS = 65536
-# The longest prompt chunk a prefill rank's graphs hold: a short prompt's forward is bound by the
-# host's launches (the embedded pair's 200 tokens: ~1 ms of GPU work, ~17 ms eager on the H200);
-# past a few hundred tokens the GPU's own time dominates and a graph's pool would only grow.
-PREFILL_GRAPH_TOKENS = 256
 
 
 @dataclass(frozen=True)
