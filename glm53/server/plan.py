@@ -27,7 +27,6 @@ import torch
 from glm53.models.config import GlmConfig
 from glm53.models.fused import fuse_projections_, padding_bytes
 from glm53.models.parallel import TPGroup
-from glm53.models.prefill_graph import PREFILL_GRAPH_TOKENS
 
 GIB = 2**30
 GB = 10**9
@@ -315,18 +314,16 @@ def instance_layout(cluster, inst, gpu_bytes: int) -> Layout:
     mine = set(inst.devices)
     others = sum(o.engine.mem_fraction_static for o in cluster.instances
                  if o is not inst and o.host == inst.host and o.engine.device == "cuda" and mine & set(o.devices))
+    from glm53.server.engine.worker import prefill_graph_tokens
+
     spec = cluster.speculative
-    # engine/worker.py RankSpec.prefill_graphs, for an instance not colocated (a colocated prefill
-    # runs eagerly on a green context)
-    graphs = (inst.role == "prefill" and eng.device != "cpu" and not eng.disable_cuda_graph
-              and eng.cuda_graph_max_bs > 0 and inst.tp == inst.pp == 1 and inst.colocate is None
-              and not (spec.enabled and spec.nextn))
     return Layout(tp=inst.tp, pp=inst.pp, ep=inst.ep, dtype=eng.dtype, kv_cache_dtype=eng.kv_cache_dtype, gpu_bytes=gpu_bytes,
                   mem_fraction_static=eng.mem_fraction_static, context_length=cluster.model.context_length,
                   chunked_prefill_size=eng.chunked_prefill_size, max_running_requests=eng.max_running_requests,
                   kv_tokens=kv_tokens, draft_path=spec.draft_model_path if spec.enabled and not spec.nextn else None,
                   nextn=spec.enabled and spec.nextn, shares_weights=shares, others_fraction=others,
-                  prefill_graph_tokens=min(PREFILL_GRAPH_TOKENS, eng.chunked_prefill_size) if graphs else 0)
+                  prefill_graph_tokens=prefill_graph_tokens(cluster, inst))
+
 
 
 def plan_cluster(cluster, model_dir: str | Path, gpu_bytes: int | None = None) -> dict[str, Plan]:

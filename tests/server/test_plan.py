@@ -19,7 +19,7 @@ from glm53.models.model import GlmForCausalLM
 from glm53.models.parallel import TPGroup
 from glm53.models.weights import checkpoint_files, fp8_param_names, glm5_fp8_param_names, load_model
 from glm53.server.cli import main
-from glm53.server.engine.worker import DTYPES, stage_layers
+from glm53.server.engine.worker import DTYPES, rank_specs, stage_layers
 from glm53.server.plan import GB, Layout, plan_instance
 from glm53.models.mtp_weights import build_nextn
 from glm53.support.glm5_slice import FP8_QUANTIZATION_CONFIG, slice_config
@@ -243,6 +243,8 @@ def test_a_prefill_instance_with_prefill_graphs_reserves_their_pool(glm5_fp8):
     c = cluster()
     pre, dec = instance_layout(c, c.prefill[0], 8 * GB), instance_layout(c, c.decode[0], 8 * GB)
     assert pre.prefill_graph_tokens == PREFILL_GRAPH_TOKENS and dec.prefill_graph_tokens == 0
+    # the rank that captures them reads the same rule
+    assert [s.prefill_graph_tokens for s in rank_specs(c, c.prefill[0], str(glm5_fp8), 4)] == [PREFILL_GRAPH_TOKENS]
     for off in (cluster(tp=2), cluster(disable_cuda_graph=True)):
         assert instance_layout(off, off.prefill[0], 8 * GB).prefill_graph_tokens == 0
     small = cluster(chunked_prefill_size=128)  # a graph never holds more than a chunk

@@ -84,6 +84,9 @@ class RankSpec:
     # (prefill: chunked_prefill_size; decode: max_running_requests, times the verify width with a
     # draft); every Triton variant up to it is compiled before the instance is ready. 0: none.
     warmup_tokens: int = 0
+    # Prefill: graphs of one request's prompt chunk up to this many tokens (models/prefill_graph.py;
+    # `prefill_graph_tokens` below; server/plan.py reserves their pool). 0: none.
+    prefill_graph_tokens: int = 0
 
     def same_weights(self, other: "RankSpec") -> bool:
         """Whether a rank built from `other` holds exactly this rank's weights (model, dtype,
@@ -100,13 +103,6 @@ class RankSpec:
         if any) on one rank."""
         return (self.cuda_graph_max_bs > 0 and self.role == "decode" and self.device.startswith("cuda")
                 and self.tp_size == 1 and self.pp_size == 1)
-
-    @property
-    def prefill_graphs(self) -> bool:
-        """Whether this rank captures graphs of short prompt chunks (models/prefill_graph.py):
-        prefill, CUDA graphs not disabled, the whole model on one rank, no MTP layer."""
-        return (self.cuda_graph_max_bs > 0 and self.role == "prefill" and self.device.startswith("cuda")
-                and self.tp_size == 1 and self.pp_size == 1 and self.nextn_steps is None)
 
     @property
     def last_stage(self) -> bool:
@@ -175,8 +171,21 @@ def rank_specs(cluster: ClusterConfig, inst: InstanceConfig, model_path: str, nu
                 num_draft_tokens=spec.verify_width if spec.enabled else None,
                 draft_algorithm=spec.algorithm, confidence_threshold=spec.dspark_confidence_threshold,
                 nextn_steps=spec.nextn_steps if spec.nextn else None,
-                warmup_tokens=eng.chunked_prefill_size if inst.role == "prefill" else eng.max_running_requests))
+                warmup_tokens=eng.chunked_prefill_size if inst.role == "prefill" else eng.max_running_requests,
+                prefill_graph_tokens=prefill_graph_tokens(cluster, inst)))
     return specs
+
+
+def prefill_graph_tokens(cluster: ClusterConfig, inst: InstanceConfig) -> int:
+    """The longest prompt chunk an instance's prefill graphs hold (models/prefill_graph.py; its
+    rank captures them, and its plan reserves their pool, server/plan.py), 0 for none: a prefill
+    instance on CUDA holding the whole model on one rank, graphs not disabled, no MTP layer, not
+    colocated (a colocated prefill runs eagerly on a green context)."""
+    eng, spec = inst.engine, cluster.speculative
+    graphs = (inst.role == "prefill" and eng.device != "cpu" and not eng.disable_cuda_graph
+              and eng.cuda_graph_max_bs > 0 and inst.tp == inst.pp == 1 and inst.colocate is None
+              and not (spec.enabled and spec.nextn))
+    return min(PREFILL_GRAPH_TOKENS, eng.chunked_prefill_size) if graphs else 0
 
 
 def kv_pages(spec: RankSpec, cfg: GlmConfig, dtype: torch.dtype, draft: DFlashDraft | None = None,
@@ -222,7 +231,6 @@ class RankWorker:
         same (`RankSpec.same_weights`; a colocated pair): one copy on the GPU instead of two. The
         modules are only read by a forward, so both ranks' loops may run them at once."""
         self.spec = spec
-        self.colocated = weights_from is not None  # a colocated pair's prefill rank (engine/colocate.py)
         self.device = torch.device(spec.device)
         self.reserved_before = 0
         if self.device.type == "cuda":
@@ -304,9 +312,8 @@ class RankWorker:
             if self.draft is not None:  # a wider ask is the decode scheduler's error, not the capture's
                 block = min(spec.num_draft_tokens or self.draft.cfg.block_size, self.draft.cfg.block_size)
             graphs = GraphConfig(max_bs=spec.cuda_graph_max_bs, max_context=longest, block=block)
-        elif spec.prefill_graphs and not self.colocated:  # (a colocated prefill runs on a green context)
-            graphs = GraphConfig(max_bs=0, max_context=longest,
-                                 prefill_tokens=min(PREFILL_GRAPH_TOKENS, spec.warmup_tokens or PREFILL_GRAPH_TOKENS))
+        elif spec.prefill_graph_tokens:
+            graphs = GraphConfig(max_bs=0, max_context=longest, prefill_tokens=spec.prefill_graph_tokens)
         self.runner = ModelRunner(self.model, num_pages=num_pages, page_size=spec.page_size, device=self.device,
                                   draft=self.draft, draft_projection=self.projection, graphs=graphs,
                                   kv_dtype=KV_DTYPES.get(spec.kv_cache_dtype), mtp=self.mtp)
