@@ -5,10 +5,15 @@ them into a config that another process binds seconds later; in between, every s
 without a port (a zmq random port, a gloo or UCX connection, an HTTP client) takes one from the
 ephemeral range, and one of those took a chosen port in CI ("cannot bind: Address already in
 use"). A port below that range can only be taken by a process that names it.
+
+The router's default HTTP port is never drawn: a config that writes chosen ports for its
+instances and leaves the router at its default would clash with itself (a CI run drew 30000).
 """
 
 import random
 import socket
+
+from glm53.server.config import RouterConfig
 
 LOWEST = 10_000
 
@@ -27,7 +32,7 @@ def free_ports(n: int, exclude=()) -> list[int]:
     hi = _ephemeral_start()
     socks: list[socket.socket] = []
     ports: list[int] = []
-    taken = set(exclude)
+    taken = {*exclude, RouterConfig.port}
     try:
         if hi - LOWEST >= 1000:
             rng = random.Random()  # seeded from the OS: concurrent choosers draw differently

@@ -30,3 +30,13 @@ def test_a_held_port_is_never_handed_out(monkeypatch):
         assert got != [p]
     finally:
         held.close()
+
+
+def test_the_routers_default_port_is_never_handed_out(monkeypatch):
+    # a config naming chosen instance ports leaves the router at its default (30000): never drawn
+    from glm53.server.config import RouterConfig
+
+    draws = iter([RouterConfig.port, RouterConfig.port, *range(20_000, 20_200)])
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 65536)
+    monkeypatch.setattr(ports.random.Random, "randrange", lambda self, a, b: next(draws))
+    assert RouterConfig.port not in ports.free_ports(2)
