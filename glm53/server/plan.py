@@ -302,6 +302,8 @@ def gpu_bytes_here(device: int = 0) -> int | None:
 
 def instance_layout(cluster, inst, gpu_bytes: int) -> Layout:
     """The `Layout` of one GPU instance of a cluster config (config.ClusterConfig / InstanceConfig)."""
+    from glm53.server.engine.worker import prefill_graph_tokens  # lazy, as plan_instance's: the engine's modules
+
     eng = inst.engine
     kv_tokens = eng.num_pages * eng.page_size if eng.num_pages is not None else eng.max_total_tokens
     partner = None
@@ -314,8 +316,6 @@ def instance_layout(cluster, inst, gpu_bytes: int) -> Layout:
     mine = set(inst.devices)
     others = sum(o.engine.mem_fraction_static for o in cluster.instances
                  if o is not inst and o.host == inst.host and o.engine.device == "cuda" and mine & set(o.devices))
-    from glm53.server.engine.worker import prefill_graph_tokens
-
     spec = cluster.speculative
     return Layout(tp=inst.tp, pp=inst.pp, ep=inst.ep, dtype=eng.dtype, kv_cache_dtype=eng.kv_cache_dtype, gpu_bytes=gpu_bytes,
                   mem_fraction_static=eng.mem_fraction_static, context_length=cluster.model.context_length,
@@ -323,7 +323,6 @@ def instance_layout(cluster, inst, gpu_bytes: int) -> Layout:
                   kv_tokens=kv_tokens, draft_path=spec.draft_model_path if spec.enabled and not spec.nextn else None,
                   nextn=spec.enabled and spec.nextn, shares_weights=shares, others_fraction=others,
                   prefill_graph_tokens=prefill_graph_tokens(cluster, inst))
-
 
 
 def plan_cluster(cluster, model_dir: str | Path, gpu_bytes: int | None = None) -> dict[str, Plan]:
