@@ -10,6 +10,7 @@ Serving never meets this: model parameters never require grad and forwards run i
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -33,3 +34,15 @@ def dot_precision(dtype: torch.dtype) -> str:
     tf32 perturbs index scores by ~1e-3, enough to flip near-tie top-k selections against the
     reference; 16- and 8-bit operands are exact in the tf32 path anyway."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA `device`; 0 for any other (no kernel sizes its grid to it there)."""
+    if device.type != "cuda":
+        return 0
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

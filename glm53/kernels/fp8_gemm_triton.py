@@ -23,14 +23,13 @@ cast in one more launch (`_sum_splits`).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
@@ -50,16 +49,11 @@ class GemmConfig:
     num_stages: int = 3
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _split_k(tiles: int, k_blocks: int, device: torch.device, cap: int = 16) -> int:
     """Splits so that ~2 programs per SM run when the output has fewer tiles than SMs."""
-    if device.type != "cuda":
+    sms = sm_count(device)
+    if not sms:
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if tiles >= sms:
         return 1
     return max(1, min(k_blocks, cap, triton.cdiv(2 * sms, tiles)))

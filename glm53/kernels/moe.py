@@ -23,15 +23,21 @@ def route(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    shared: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (weights [N, top_k] fp32, expert ids [N, top_k] int64). After the router GEMM, the
-    Triton kernel (`route_triton.py`) where `use_triton` says so and selection is not grouped."""
+    Triton kernel (`route_triton.py`) where `use_triton` says so and selection is not grouped.
+    `shared`: an expert id every token takes at weight 1 as slot top_k (the shared expert held in
+    the routed experts' stack, `model.MoE.fuse_projections_`): [N, top_k + 1] then."""
     if use_triton(x, gate_weight) and n_group <= 1:
         from glm53.kernels.route_triton import route_triton
 
         logits = F.linear(x.float(), gate_weight.float())
-        return route_triton(logits, correction_bias.float(), top_k, norm_topk_prob, scaling)
-    return route_reference(x, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
+        return route_triton(logits, correction_bias.float(), top_k, norm_topk_prob, scaling, shared)
+    w, ids = route_reference(x, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
+    if shared is None:
+        return w, ids
+    return torch.cat([w, w.new_ones(w.shape[0], 1)], 1), torch.cat([ids, ids.new_full((ids.shape[0], 1), shared)], 1)
 
 
 def route_reference(

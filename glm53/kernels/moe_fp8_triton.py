@@ -28,46 +28,72 @@ import torch
 import triton
 import triton.language as tl
 
-from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton, quantize_tile
 from glm53.kernels.moe_triton import MoEConfig, block_tile, plan_routing
 
 SB = GROUP
 VARIANTS = ("w8a16", "w8a8")
+# The gate+up kernel at decode sizes (H200, benchmarks/moe_decode.py, 2026-12-03, GLM-5's tp = 8
+# stacks and the slice's, each with the shared expert as one more): K split in a power of two up to
+# SPLIT_MAX until the grid's tiles are about one per SM (GLM-5, 1 token: 51 µs split in 4 against
+# 70 unsplit, 54 in 12; from 4 tokens on, and on the slice's 16 column tiles an expert, no split
+# wins), at least SPLIT_MIN_BLOCKS scale blocks of K a split; 3 pipeline stages, 2 once an expert
+# has 4 rows on average (the slice at 8 / 16 tokens: 208 / 222 µs against 231 / 246; 4 stages,
+# the old default, lost everywhere but by a little at 8 tokens on GLM-5's).
+SPLIT_MAX = 4
+SPLIT_MIN_BLOCKS = 4
 
 
-def default_fp8_config(n_pairs: int, n_experts: int, variant: str) -> MoEConfig:
+def decode_split(n_pairs: int, n_experts: int, bm: int, bn1: int, inter: int, hidden: int, sms: int) -> int:
+    """K splits of the gate+up kernel for n_pairs (token, expert) pairs: its grid's tile bound
+    (`plan_routing`'s row blocks times the column tiles) against the SMs."""
+    if not (inter and hidden and sms):
+        return 1
+    blocks = triton.cdiv(n_pairs, bm) + min(n_experts, n_pairs)
+    tiles = blocks * triton.cdiv(inter, bn1)
+    most = min(SPLIT_MAX, triton.cdiv(hidden, SB) // SPLIT_MIN_BLOCKS, sms // tiles)
+    return 1 << (most.bit_length() - 1) if most > 1 else 1
+
+
+def default_fp8_config(n_pairs: int, n_experts: int, variant: str, inter: int = 0, hidden: int = 0,
+                       sms: int = 0) -> MoEConfig:
     """Tiles by expected rows per expert, as `moe_triton.default_config`; K steps of one scale
     block (128; 64 for bf16 activations past decode); w8a8 fixes BN1 = 128 (the epilogue quantizes
     one 128-wide group of h per row). Each K step keeps a partial product beside each accumulator
     (scaled, then added), so the gate+up kernel holds four [BM, BN1] fp32 tiles: BM·BN1 / (32 ·
-    warps) registers each, at most 32 here. Guesses until benchmarks/fp8_gemm.py has run on the
-    H200."""
+    warps) registers each, at most 32 here. At decode sizes the gate+up kernel splits K when its
+    tiles leave SMs idle (`decode_split`: needs the experts' width `inter`, `hidden` and the
+    GPU's `sms`; none given, no split)."""
     bn1 = 128 if variant == "w8a8" else None
     rows = n_pairs / max(1, n_experts)
     if triton_interpreting():  # the interpreter pays per program and per multiply-add of padding
         bm = min(64, max(16, triton.next_power_of_2(int(rows))))
         return MoEConfig(BM=bm, BN1=bn1 or 64, BN2=64, BK=128, GROUP_M=4, num_warps=1, num_stages=1)
     if rows <= 16:  # decode: 16-row blocks, the weight stream is the cost
-        return MoEConfig(BM=16, BN1=bn1 or 64, BN2=64, BK=128, num_warps=4, num_stages=4)
+        bn1 = bn1 or 64
+        split = decode_split(n_pairs, n_experts, 16, bn1, inter, hidden, sms)
+        return MoEConfig(BM=16, BN1=bn1, BN2=64, BK=128, num_warps=4, num_stages=2 if rows >= 4 else 3, SPLIT_K=split)
     # 40 KB a stage (w8a8: an fp8 x tile and two fp8 weight tiles), 24 KB for bf16 x with K steps of 64
     return MoEConfig(BM=64, BN1=128, BN2=128, BK=128 if variant == "w8a8" else 64, num_warps=8, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["n_blocks"])  # follows the token count
 def _gate_up_fp8_kernel(
-    x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, hs_ptr, order_ptr, seg_ptr, cum_ptr,
-    n_blocks, H, I, TOPK, UP_ROW0,
+    x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, hs_ptr, order_ptr, seg_ptr, cum_ptr, part_ptr, cnt_ptr,
+    n_blocks, H, I, TOPK, UP_ROW0, k_per_split,
     stride_xn, stride_xsn, stride_xsk, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_hsm,
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FP8: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr,
 ):
-    e, nt, pos, valid = block_tile(tl.program_id(0), n_blocks, (I + BN - 1) // BN, seg_ptr, cum_ptr,
+    tile = tl.program_id(0)
+    e, nt, pos, valid = block_tile(tile, n_blocks, (I + BN - 1) // BN, seg_ptr, cum_ptr,
                                    E, BLOCK_E, BM, GROUP_M)
     if e >= E:  # past the last block (the grid is an upper bound)
         return
+    k_lo = tl.program_id(1) * k_per_split  # this split's K range (whole scale blocks)
     # rows past the expert's segment read pair 0's token (in bounds) and are never stored
     pair = tl.load(order_ptr + pos, mask=valid, other=0)
     tok = (pair // TOPK).to(tl.int64)
@@ -75,8 +101,8 @@ def _gate_up_fp8_kernel(
     n_in = n % I  # columns past I re-read real rows (no mask); they are not stored
     k = tl.arange(0, BK)
     e64 = e.to(tl.int64)
-    a_ptrs = x_ptr + tok[:, None] * stride_xn + k[None, :]
-    w_off = e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wi + k[:, None]
+    a_ptrs = x_ptr + tok[:, None] * stride_xn + k_lo + k[None, :]
+    w_off = e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wi + k_lo + k[:, None]
     g_ptrs = wg_ptr + w_off
     u_ptrs = wu_ptr + w_off
     if SCALAR_S:  # BN <= 128 and up's rows aligned to scale blocks: one scale per tile and K step
@@ -88,7 +114,7 @@ def _gate_up_fp8_kernel(
     xs_row = xs_ptr + tok * stride_xsn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
+    for k0 in range(k_lo, tl.minimum(H, k_lo + k_per_split), BK):
         if EVEN_K:
             a = tl.load(a_ptrs)
             wg = tl.load(g_ptrs)
@@ -124,6 +150,25 @@ def _gate_up_fp8_kernel(
         a_ptrs += BK
         g_ptrs += BK
         u_ptrs += BK
+    if SPLIT_K > 1:
+        # Each split leaves its partials in its slot of the tile's workspace and counts itself in;
+        # the last to arrive sums the SPLIT_K slots in split order (deterministic whatever the
+        # arrival order) and runs the epilogue. The barriers order every thread's stores before
+        # the release and the acquire before every thread's loads; ".cg" reads around L1.
+        r = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        tile_ws = part_ptr + tile.to(tl.int64) * (SPLIT_K * 2 * BM * BN)
+        mine = tile_ws + tl.program_id(1) * (2 * BM * BN)
+        tl.store(mine + r, acc_g)
+        tl.store(mine + BM * BN + r, acc_u)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") != SPLIT_K - 1:
+            return
+        tl.debug_barrier()
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc_g += tl.load(tile_ws + s * (2 * BM * BN) + r, cache_modifier=".cg")
+            acc_u += tl.load(tile_ws + s * (2 * BM * BN) + BM * BN + r, cache_modifier=".cg")
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     keep = valid[:, None] & (n < I)[None, :]
     h_ptrs = h_ptr + pos[:, None].to(tl.int64) * stride_hm + n[None, :]
@@ -242,7 +287,7 @@ def moe_experts_fp8_triton(
     if x.stride(1) != 1:
         x = x.contiguous()
     M = N * k
-    cfg = config or default_fp8_config(M, E, variant)
+    cfg = config or default_fp8_config(M, E, variant, I, H, sm_count(x.device))
     a_fp8 = variant == "w8a8"
     assert SB % cfg.BK == 0, f"BK must divide {SB}: {cfg}"
     assert not a_fp8 or cfg.BN1 == SB, f"w8a8 quantizes h in 128-wide column tiles: BN1 must be {SB}"
@@ -262,12 +307,21 @@ def moe_experts_fp8_triton(
     common = dict(E=E, BLOCK_E=plan.block_e, SB=SB, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M, A_FP8=a_fp8,
                   DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _gate_up_fp8_kernel[(plan.n_blocks * triton.cdiv(I, cfg.BN1),)](
-        xa, xs, gate, up, gate_scale, up_scale, h, hs, plan.order, plan.seg, plan.cum,
-        plan.n_blocks, H, I, k, up_row0,
+    tiles = plan.n_blocks * triton.cdiv(I, cfg.BN1)
+    k_blocks = triton.cdiv(H, SB)
+    k_per_split = triton.cdiv(k_blocks, max(1, min(cfg.SPLIT_K, k_blocks))) * SB
+    split = triton.cdiv(H, k_per_split)  # no empty split
+    if split > 1:  # each tile's partials, and how many of its splits are in (the last sums them)
+        part = torch.empty((tiles, split, 2, cfg.BM, cfg.BN1), dtype=torch.float32, device=x.device)
+        count = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    else:
+        part = count = rw  # unused
+    _gate_up_fp8_kernel[(tiles, split)](
+        xa, xs, gate, up, gate_scale, up_scale, h, hs, plan.order, plan.seg, plan.cum, part, count,
+        plan.n_blocks, H, I, k, up_row0, k_per_split,
         xa.stride(0), xs.stride(0), xs.stride(1), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1),
         h.stride(0), hs.stride(0),
-        BN=cfg.BN1, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
+        BN=cfg.BN1, SPLIT_K=split, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
         EXACT_RNE=interp, **common,
     )
     _down_fp8_kernel[(plan.n_blocks * triton.cdiv(H, cfg.BN2),)](

@@ -42,7 +42,8 @@ from glm53.kernels.dispatch import dot_precision, triton_interpreting
 class MoEConfig:
     """Tile shapes and schedule: BM pairs per row block; BN1/BN2 output columns of the gate+up
     and the down kernel; BK the K step; GROUP_M row blocks swept per column tile before moving on
-    (keeps the weight tiles of one column stripe hot in L2 while the row blocks stream past)."""
+    (keeps the weight tiles of one column stripe hot in L2 while the row blocks stream past);
+    SPLIT_K slices of the gate+up kernel's K (block-FP8 kernel only: decode, few tiles for the SMs)."""
 
     BM: int
     BN1: int
@@ -51,6 +52,7 @@ class MoEConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    SPLIT_K: int = 1
 
 
 def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfig:

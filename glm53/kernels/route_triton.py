@@ -13,8 +13,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scaling,
-                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scaling, SHARED,
+                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
+                  K_OUT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     live = e < E
@@ -32,20 +33,27 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scaling,
         choice = tl.where(e == pick, float("-inf"), choice)
     if NORM:
         ws = ws / (tl.sum(ws, 0) + 1e-20)
-    keep = slot < K
-    tl.store(w_ptr + row * K + slot, ws * scaling, mask=keep)
-    tl.store(ids_ptr + row * K + slot, ids, mask=keep)
+    ws = ws * scaling
+    if K_OUT > K:  # the shared expert's slot: always on, weight 1
+        ws = tl.where(slot == K, 1.0, ws)
+        ids = tl.where(slot == K, SHARED, ids)
+    keep = slot < K_OUT
+    tl.store(w_ptr + row * K_OUT + slot, ws, mask=keep)
+    tl.store(ids_ptr + row * K_OUT + slot, ids, mask=keep)
 
 
 def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, E] (the router GEMM's output, fp32), bias [E] -> (weights [N, k] fp32, ids [N, k] int64)."""
+                 scaling: float, shared: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] (the router GEMM's output, fp32), bias [E] -> (weights [N, k] fp32, ids [N, k]
+    int64); with `shared`, one more slot k holding that expert id at weight 1 ([N, k + 1])."""
     N, E = logits.shape
     assert correction_bias.shape == (E,) and logits.stride(1) == 1 and 0 < top_k <= E
-    w = torch.empty((N, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((N, top_k), dtype=torch.int64, device=logits.device)
+    k_out = top_k + (shared is not None)
+    w = torch.empty((N, k_out), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((N, k_out), dtype=torch.int64, device=logits.device)
     if N:
-        _route_kernel[(N,)](logits, correction_bias, w, ids, E, logits.stride(0), float(scaling), K=top_k,
-                            K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
-                            NORM=norm_topk_prob, num_warps=1 if E <= 256 else 4)
+        _route_kernel[(N,)](logits, correction_bias, w, ids, E, logits.stride(0), float(scaling),
+                            -1 if shared is None else shared, K=top_k, K_PAD=triton.next_power_of_2(k_out),
+                            BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob, K_OUT=k_out,
+                            num_warps=1 if E <= 256 else 4)
     return w, ids

@@ -64,8 +64,10 @@ class ServeShape:
     qk_rope_head_dim: int
     index_topk: int
     dtype: torch.dtype  # the model's activations
-    n_experts: int = 0  # routed experts this rank holds (0: no MoE layer)
-    experts_per_token: int = 1
+    n_experts: int = 0  # experts the fused MoE kernel's stacks hold on this rank (0: no MoE layer)
+    experts_per_token: int = 1  # slots a token takes in it (the shared expert's included where stacked)
+    expert_inter: int = 0  # an expert's width on this rank
+    hidden: int = 0
     fp8_linear: bool = False  # block-FP8 linear layers
     fp8_experts: bool = False  # block-FP8 routed experts
     fp8_kv: bool = False  # the FP8 latent cache
@@ -145,7 +147,8 @@ def moe_key(N: int, s: ServeShape) -> tuple:
 
         variant = moe_fp8_variant(N)
         quant = quant_block_m(N) if variant == "w8a8" else 0
-        return variant, default_fp8_config(pairs, s.n_experts, variant), quant
+        cfg = default_fp8_config(pairs, s.n_experts, variant, s.expert_inter, s.hidden, s.num_sms)
+        return variant, cfg, quant
     from glm53.kernels.moe_triton import default_config
 
     return ("bf16", default_config(pairs, s.n_experts, s.dtype))

@@ -12,6 +12,11 @@ Each output column is its own dot product over the same input, so a member's sli
 output is that member's product; only the GEMM's accumulation order may differ (on CPU the
 block-FP8 reference multiplies in fp32).
 
+A MoE layer's shared expert, where it has one routed expert's per-rank shapes (GLM-5 at tp = 8:
+[256, 6144] and [6144, 256]), joins the routed experts' stacks as one more expert
+(`append_to_stack_`, `model.Experts.absorb_`): every token routes to it at weight 1, and one fused
+MoE launch computes both, where the shared SwiGLU cost three products, a SwiGLU and an add.
+
 Fuse after the model is on its device (`fuse_projections_`: the runner does it before capturing
 graphs): moving a module afterwards would give the members new storage and leave the fused weight
 behind.
@@ -67,14 +72,14 @@ class FusedLinear:
             scale = torch.ones(sum(rows) // GROUP, kb, dtype=torch.float32, device=dev)
         for m, a, n in zip(linears, starts, widths):
             weight[a : a + n].copy_(m.weight)
-            m.weight = _view_param(weight[a : a + n], m.weight)
+            m.weight = view_param(weight[a : a + n], m.weight)
             if fp8:
                 s = m.weight_scale_inv
                 if s.shape != (-(-n // GROUP), kb):
                     raise ValueError(f"block-FP8 scales {tuple(s.shape)} for a [{n}, {k}] weight: not 128×128 blocks")
                 b = a // GROUP
                 scale[b : b + s.shape[0]].copy_(s)
-                m.weight_scale_inv = _view_param(scale[b : b + s.shape[0]], s)
+                m.weight_scale_inv = view_param(scale[b : b + s.shape[0]], s)
         return cls(weight, scale, starts, widths, first.dtype)
 
     def takes_fp8_rows(self, m: int) -> bool:
@@ -93,10 +98,25 @@ class FusedLinear:
         return [y[..., a : a + n] for a, n in zip(self.starts, self.widths)]
 
 
-def _view_param(view: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
+def view_param(view: torch.Tensor, old: nn.Parameter) -> nn.Parameter:
+    """`view` as a frozen parameter with `old`'s shard rule (the loader's and `plan`'s view of it)."""
     p = nn.Parameter(view, requires_grad=False)
     p.shard = shard_of(old)
     return p
+
+
+def append_to_stack_(stack_owner: nn.Module, name: str, owner: nn.Module, member: str) -> torch.Tensor:
+    """One [E + 1, ...] tensor holding `stack_owner.<name>` [E, ...] and then `owner.<member>`
+    [...]; both attributes become parameter views of it (shard rules kept, so names, the loader
+    and `plan`'s byte count are unchanged). Returns the new stack."""
+    stack, one = getattr(stack_owner, name), getattr(owner, member)
+    E = stack.shape[0]
+    out = torch.empty((E + 1, *stack.shape[1:]), dtype=stack.dtype, device=stack.device)
+    out[:E].copy_(stack)
+    out[E].copy_(one)
+    setattr(stack_owner, name, view_param(out[:E], stack))
+    setattr(owner, member, view_param(out[E], one))
+    return out
 
 
 def padding_bytes(module: nn.Module) -> int:

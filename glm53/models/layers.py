@@ -208,10 +208,13 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, inter, dtype, tp)
         self.down_proj = RowParallelLinear(inter, hidden, dtype, tp)
         self.gate_up: FusedLinear | None = None
+        # a MoE's shared expert held in the routed experts' stacks (`model.Experts.absorb_`): the
+        # MoE computes it there, this module only names its parameters
+        self.in_expert_stack = False
 
     def fuse_projections_(self) -> int:
         """gate and up as one product (`models/fused`)."""
-        if self.gate_up is None:
+        if self.gate_up is None and not self.in_expert_stack:
             self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj])
         return int(self.gate_up is not None)
 

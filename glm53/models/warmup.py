@@ -52,7 +52,9 @@ def serve_shape(runner: ModelRunner, max_tokens: int, max_context: int) -> varia
     attn = next((layer.self_attn for layer in model.model.layers.values()), None)
     experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
     e = experts[0] if experts else None
-    n_experts = e.gate_proj.shape[0] if e is not None else 0
+    # the fused kernel's stacks and slots: the shared expert among them where it was absorbed
+    n_experts = e.kernel_experts if e is not None else 0
+    slots = cfg.num_experts_per_tok + (e.shared_id is not None) if n_experts else 1
     fp8_linear = any(getattr(m, "weight_scale_inv", None) is not None for m in model.modules()
                      if type(m).__name__ not in ("Experts",))
     fp8_experts = e is not None and e.gate_proj.dtype == torch.float8_e4m3fn
@@ -67,7 +69,8 @@ def serve_shape(runner: ModelRunner, max_tokens: int, max_context: int) -> varia
         max_tokens=max_tokens, max_context=max_context, num_sms=props.multi_processor_count if props else 4,
         heads=attn.n_heads if attn is not None else cfg.num_attention_heads, kv_lora_rank=cfg.kv_lora_rank,
         qk_rope_head_dim=cfg.qk_rope_head_dim, index_topk=cfg.index_topk, dtype=model.dtype,
-        n_experts=n_experts, experts_per_token=cfg.num_experts_per_tok if n_experts else 1,
+        n_experts=n_experts, experts_per_token=slots, expert_inter=e.gate_proj.shape[1] if n_experts else 0,
+        hidden=cfg.hidden_size,
         fp8_linear=fp8_linear, fp8_experts=fp8_experts, fp8_kv=latent is not None and latent.dtype == torch.uint8,
         hopper=props is not None and props.major == 9, cublas_fp8=cublas)
 

@@ -315,6 +315,10 @@ def check_route(N, H, E, k, norm=True, device="cpu"):
     assert ids.dtype == ids_ref.dtype and w.dtype == torch.float32
     assert torch.equal(ids, ids_ref)
     assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6), (w - w_ref).abs().max()
+    # the shared expert as slot k (id E, weight 1), the k routed slots unchanged
+    ws, ids_s = route(*args, shared=E)
+    assert ids_s.shape == (N, k + 1) and torch.equal(ids_s[:, :k], ids) and torch.equal(ws[:, :k], w)
+    assert (ids_s[:, k] == E).all() and (ws[:, k] == 1).all(), (ids_s[:, k], ws[:, k])
 
 
 def check_markov_chain(R, n, V, r, device="cpu", scale=1.0):

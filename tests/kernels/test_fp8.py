@@ -112,9 +112,9 @@ def test_glm5_tp8_shapes():
 def test_decode_split_rule(monkeypatch):
     # decode tiles on a 132-SM GPU (no GPU needed: the rule reads the SM count only): K split to
     # fill the SMs, except a two-block K (never) and a w8a8 product under 32 blocks (never)
-    from glm53.kernels import fp8_gemm_triton as t
+    from glm53.kernels import dispatch, fp8_gemm_triton as t
 
-    monkeypatch.setattr(t, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(dispatch, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
     split = lambda m, n, k, a8: t.default_config(m, n, k, a8, cuda).SPLIT_K  # noqa: E731
     assert split(1, 6144, 2048, False) == 3 and split(32, 3072, 6144, False) == 6

@@ -302,6 +302,20 @@ def test_moe_fp8_glm5(N, variant):
                             n_empty=8 if N > 1 else 0, fused=N == 64)
 
 
+@pytest.mark.parametrize("split", [2, 5, 12, 16])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_moe_fp8_split_k_glm5(split, stages):
+    # GLM-5's stacks at tp = 8 with the shared expert as one more (257 experts, 9 slots), decode
+    # tiles, the gate+up kernel's K cut in `split` slices (5: uneven, 12: 4 blocks each)
+    from glm53.kernels.moe_triton import MoEConfig
+
+    c = fp8_cases.GLM5_TP8_EXPERTS
+    cfg = MoEConfig(BM=16, BN1=128, BN2=64, BK=128, num_warps=4, num_stages=stages, SPLIT_K=split)
+    for N in (1, 3):
+        fp8_cases.check_moe_fp8(N, c["H"], c["I"], c["E"] + 1, c["k"] + 1, torch.bfloat16, "w8a8", device=DEV,
+                                config=cfg)
+
+
 @pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
 def test_moe_fp8_odd_shapes(variant):
     # I not a multiple of 128 in the fused layout, partial K blocks, fp32, mixed scales, int32 ids

@@ -497,6 +497,35 @@ def test_moe_fp8_small_tiles(variant):
                             ids_dtype=torch.int32)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_moe_fp8_split_k(variant, split):
+    # the gate+up kernel's K cut in 2 (3 + 2 scale blocks), 3 (2 + 2 + 1) or 8 (one block each:
+    # more splits asked than K has blocks) slices, the last slice's K partial, two K steps a
+    # block; the last split to arrive sums the partials: against the same reference as unsplit
+    from glm53.kernels.moe_triton import MoEConfig
+
+    cfg = MoEConfig(BM=16, BN1=64 if variant == "w8a16" else 128, BN2=64, BK=64, GROUP_M=2, num_warps=1,
+                    num_stages=1, SPLIT_K=split)
+    fp8_cases.check_moe_fp8(6, 600, 160, 5, 3, torch.float32, variant, n_empty=1, kind="mixed", config=cfg)
+
+
+def test_moe_fp8_decode_split_rule():
+    # K split in a power of two (at most 4) only where the decode grid has fewer tiles than SMs,
+    # down to 4 scale blocks a split
+    from glm53.kernels.moe_fp8_triton import decode_split, default_fp8_config
+
+    glm5, the_slice = dict(inter=256, hidden=6144), dict(inter=2048, hidden=6144)
+    assert decode_split(9, 257, 16, 128, sms=132, **glm5) == 4  # 10 row blocks x 2 tiles: 132 // 20 = 6
+    assert decode_split(18, 257, 16, 128, sms=132, **glm5) == 2  # 19 x 2 tiles: 3
+    assert decode_split(36, 257, 16, 128, sms=132, **glm5) == 1  # 39 x 2: 1
+    assert decode_split(9, 17, 16, 128, sms=132, **the_slice) == 1  # 160 tiles fill the SMs
+    assert decode_split(9, 257, 16, 128, 256, 512, 132) == 1  # K of 4 blocks: one split of 4
+    assert decode_split(9, 257, 16, 128, 0, 0, 0) == 1  # no GPU: no split
+    assert default_fp8_config(9, 257, "w8a8").SPLIT_K == 1
+
+
 def test_moe_fp8_dispatch_threshold(monkeypatch):
     from glm53.kernels import moe_fp8 as mod
     from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
@@ -600,3 +629,45 @@ def test_moe_fp8_reads_norm_rows():
 @pytest.mark.parametrize("M,D,dtype", [(5, 300, torch.bfloat16), (3, 256, torch.float32)])
 def test_add_norms(M, D, dtype):
     fp8_cases.check_add_norms(M, D, dtype)
+
+
+# ---- a MoE layer's shared expert held as the routed stacks' last expert (model.Experts.absorb_) ----
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "block-fp8"])
+def test_moe_layer_shared_expert_in_stack(tmp_path, monkeypatch, fp8):
+    # One fused launch over the k routed slots and the shared slot against the routed kernel plus
+    # the shared SwiGLU, on a fresh random checkpoint: fp32 to fp32 rounding; block-FP8 with every
+    # product weight-only (no activation rounding on either side), then w8a8 against the same
+    # rounding of x and h emulated over the layer's own stacks.
+    from glm53.kernels import fp8_gemm, moe_fp8
+    from glm53.models.weights import load_model
+    from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
+
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(ckpt, seed=zlib.crc32(b"shared-in-stack") + fp8, **FP8_WIDTHS)
+    if fp8:
+        quantise_fp8_(ckpt, block=128)
+    model = load_model(ckpt, dtype=torch.float32, fp8=fp8, progress=False)
+    moe = next(layer.mlp for layer in model.model.layers.values() if hasattr(layer.mlp, "experts"))
+    e = moe.experts
+    assert e.fp8 == fp8 and moe.shared_experts is not None
+    x = torch.randn(6, model.cfg.hidden_size)
+    monkeypatch.setattr(moe_fp8, "MOE_W8A16_MAX_TOKENS", 1 << 20)
+    monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", 1 << 20)
+    ref = moe(x)
+    assert moe.fuse_projections_() == 1 and e.shared_id == e.gate_proj.shape[0] and e.kernel_experts == e.shared_id + 1
+    torch.testing.assert_close(moe(x), ref, rtol=1e-5, atol=1e-5)
+    if fp8:
+        monkeypatch.setattr(moe_fp8, "MOE_W8A16_MAX_TOKENS", 0)
+        assert moe.takes_fp8_rows(6)
+        from glm53.kernels.moe import route
+
+        cfg = model.cfg
+        weights, ids = route(x, moe.gate.weight, moe.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+                             cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, shared=e.shared_id)
+        st = e.stacks
+        emulated = fp8_cases._moe_emulated((x, weights, ids, st["gate_proj"], st["gate_proj_scale_inv"], st["up_proj"],
+                                            st["up_proj_scale_inv"], st["down_proj"], st["down_proj_scale_inv"]),
+                                           True, torch.float32)
+        errs = fp8_cases.block_rel_errs(moe(x), emulated)
+        assert max(errs) <= 1e-4, errs

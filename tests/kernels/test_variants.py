@@ -24,8 +24,8 @@ BF16_HOPPER = v.ServeShape(max_tokens=300, max_context=20000, num_sms=132, heads
                            qk_rope_head_dim=64, index_topk=2048, dtype=torch.bfloat16, n_experts=16,
                            experts_per_token=8, hopper=True)
 FP8_ALL = v.ServeShape(max_tokens=300, max_context=20000, num_sms=132, heads=8, kv_lora_rank=512,
-                       qk_rope_head_dim=64, index_topk=2048, dtype=torch.bfloat16, n_experts=256,
-                       experts_per_token=8, fp8_linear=True, fp8_experts=True, fp8_kv=True, hopper=True,
+                       qk_rope_head_dim=64, index_topk=2048, dtype=torch.bfloat16, n_experts=257,
+                       experts_per_token=9, expert_inter=256, hidden=6144, fp8_linear=True, fp8_experts=True, fp8_kv=True, hopper=True,
                        cublas_fp8=True)
 
 
