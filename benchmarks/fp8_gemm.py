@@ -83,15 +83,15 @@ GLM5_TP8 = {
 # The same layer's FP8 products as the served model runs them (models/fused): the linears that
 # share an input stacked into one weight (each member's rows padded to whole 128-row blocks:
 # kv_a's 576 -> 640), one activation quantization each; kv_b_proj is no GEMM there (the absorbed
-# attention reads it dequantized). bf16 runs the same stacked shapes (a bf16 model fuses too).
+# attention reads it dequantized), nor is the shared expert's: it runs as the routed experts' last
+# expert in their fused kernel (`model.Experts.absorb_`; benchmarks/moe_fp8_layer.py times that
+# layer against bf16). bf16 runs the same stacked shapes (a bf16 model fuses too).
 GLM5_TP8_SERVED = {
     "q_a+kv_a+wk": (2048 + 640 + 128, 6144),
     "q_b+wq_b": (2048 + 4096, 2048),
     "o_proj": (6144, 2048),
     "dense gate_up": (3072, 6144),
     "dense down": (6144, 1536),
-    "shared gate_up": (512, 6144),
-    "shared down": (6144, 256),
 }
 TABLES = {"layers": GLM5_TP8, "served": GLM5_TP8_SERVED}
 # What produces each served product's input (`chain`): "norm" an RMSNorm over K, "addnorm" the
@@ -104,8 +104,6 @@ GLM5_TP8_PRODUCERS = {
     "o_proj": (None, False),
     "dense gate_up": ("addnorm", False),
     "dense down": ("silu", False),
-    "shared gate_up": ("addnorm", True),
-    "shared down": ("silu", False),
 }
 MOE = dict(E=256, H=6144, I=256, k=8)
 SMOKE_SHAPES = {"tiny_576": (576, 256), "tiny_ragged": (200, 136)}

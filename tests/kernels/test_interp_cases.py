@@ -556,6 +556,18 @@ def test_fp8_benchmark_smoke(monkeypatch, capsys):
     assert "chain, M=40" in out, out[-2000:]
 
 
+def test_moe_layer_benchmark_smoke(monkeypatch, capsys):
+    # benchmarks/moe_fp8_layer.py --smoke: bf16, separate, fused and the split sweep on tiny shapes
+    import runpy
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setattr(sys, "argv", ["moe_fp8_layer.py", "--smoke"])
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "moe_fp8_layer.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "| tiny | 1 |" in out and "| tiny | 3 |" in out, out[-2000:]
+
+
 # ---- bucket edges of the count classes (kernels/variants.py) ---------------------------------
 # widths rounded up to 16 past every length, widths at the scan's block edge, a one-row batch,
 # and the FP8 GEMM's rows at its variant and tile edges: the counts that no longer specialize
