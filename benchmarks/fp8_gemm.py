@@ -93,7 +93,16 @@ GLM5_TP8_SERVED = {
     "dense gate_up": (3072, 6144),
     "dense down": (6144, 1536),
 }
-TABLES = {"layers": GLM5_TP8, "served": GLM5_TP8_SERVED}
+# The FP8 slice's served products on one GPU (tp = 1: tools/make_slice.py's GLM-5 widths, 64 heads,
+# the dense MLP of layer 0), what its decode ITL reads
+SLICE_TP1_SERVED = {
+    "q_a+kv_a+wk": (2048 + 640 + 128, 6144),
+    "q_b+wq_b": (64 * 256 + 32 * 128, 2048),
+    "o_proj": (6144, 64 * 256),
+    "dense gate_up": (2 * 12288, 6144),
+    "dense down": (6144, 12288),
+}
+TABLES = {"layers": GLM5_TP8, "served": GLM5_TP8_SERVED, "slice": SLICE_TP1_SERVED}
 # What produces each served product's input (`chain`): "norm" an RMSNorm over K, "addnorm" the
 # residual add and the norm in one kernel (the post-attention norm; dense: the output is also read
 # as is: the indexer's gates on full layers, the router and routed experts in a MoE layer), "silu"
@@ -109,7 +118,9 @@ MOE = dict(E=256, H=6144, I=256, k=8)
 SMOKE_SHAPES = {"tiny_576": (576, 256), "tiny_ragged": (200, 136)}
 SMOKE_MOE = dict(E=6, H=136, I=96, k=2)
 ROWS: list[dict] = []
-SWEEP_DECODE = [GemmConfig(16, bn, 128, SPLIT_K=sk, num_warps=4, num_stages=4) for bn in (32, 64, 128) for sk in (1, 2, 4, 8)]
+SWEEP_DECODE = [GemmConfig(16, bn, 128, SPLIT_K=sk, num_warps=4, num_stages=4) for bn in (32, 64, 128) for sk in (1, 2, 4, 8)] + \
+    [GemmConfig(16, bn, 128, SPLIT_K=sk, num_warps=w, num_stages=st) for bn, w, st in ((64, 4, 6), (128, 4, 6), (128, 8, 4))
+     for sk in (1, 2, 4)]
 # (none of these spills registers on sm_90 with Triton 3.9: 128x256 and 128-row MoE tiles did, so they are out)
 SWEEP_PREFILL = [GemmConfig(128, 128, 128, num_warps=8, num_stages=3), GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
                  GemmConfig(128, 128, 128, GROUP_M=16, num_warps=8, num_stages=4), GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
@@ -365,14 +376,16 @@ def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: flo
     return limit
 
 
-def sweep(shapes: list[Shape], timer: Timer, dev: str, smoke: bool, log) -> None:
-    """Every sweep config on three shapes (a wide and a narrow one, kv_a's partial block) at M =
-    1 and 64 (decode configs, both variants) and 4096 (prefill configs, w8a8)."""
-    picks = [s for s in shapes if s.name in ("q_a_proj", "o_proj", "kv_a_proj_with_mqa")] or shapes[:1]
+def sweep(shapes: list[Shape], timer: Timer, dev: str, smoke: bool, log, ms=(1, 64, 4096)) -> None:
+    """Every sweep config on three shapes of the layers table (a wide and a narrow one, kv_a's
+    partial block; another table: all its shapes) at M = 1 and 64 (decode configs, both variants)
+    and 4096 (prefill configs, w8a8), those of `ms`."""
+    picks = [s for s in shapes if s.name in ("q_a_proj", "o_proj", "kv_a_proj_with_mqa")] or shapes
     plan = [(1, SWEEP_DECODE, ("w8a16", "w8a8")),
             (64, [GemmConfig(64, c.BN, c.BK, SPLIT_K=c.SPLIT_K, num_warps=4, num_stages=4) for c in SWEEP_DECODE],
              ("w8a16", "w8a8")),
             (4096, SWEEP_PREFILL, ("w8a8",))]
+    plan = [p for p in plan if p[0] in ms]
     if smoke:  # the code path only
         plan = [(1, SWEEP_DECODE[:2], ("w8a16", "w8a8")), (3, SWEEP_PREFILL[:1], ("w8a8",))]
     for sh in picks:
@@ -487,6 +500,8 @@ def main() -> None:
     ap.add_argument("--w8a16-max-m", type=int, default=None, help="dispatcher threshold (default: the measured one)")
     ap.add_argument("--table", default="layers",
                     help="gemm shapes: layers (one per checkpoint linear), served (as the model fuses them), or both")
+    ap.add_argument("--decode-table", default="layers", help="decode and sweep shapes: layers, served or slice")
+    ap.add_argument("--sweep-m", default="1,64,4096", help="the sweep's row counts, among 1, 64 and 4096")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one rep, on CPU under TRITON_INTERPRET=1")
     a = ap.parse_args()
@@ -499,7 +514,7 @@ def main() -> None:
     else:
         if not torch.cuda.is_available():
             sys.exit("needs a CUDA device (or --smoke with TRITON_INTERPRET=1)")
-        dev, table = "cuda", GLM5_TP8
+        dev, table = "cuda", TABLES[a.decode_table]
     only = set(a.only.split(",")) | ({"sweep"} if a.sweep else set())
     timer = Timer(dev == "cuda")
     bw = copy_bandwidth(dev)
@@ -522,7 +537,7 @@ def main() -> None:
         gemm_mod.W8A16_MAX_M = a.w8a16_max_m
     if "gemm" in only:
         for name in a.table.split(","):
-            if name == "layers" or a.smoke:  # (smoke: the tiny shapes stand in for either table)
+            if name == a.decode_table or a.smoke:  # (smoke: the tiny shapes stand in for either table)
                 tshapes = shapes
             else:
                 tshapes = [Shape(n, N, K, dev, a.smoke) for n, (N, K) in TABLES[name].items()]
@@ -542,7 +557,7 @@ def main() -> None:
         log(f"moe: w8a16 no slower than w8a8 up to N = {moe_limit}")
         moe_mod.MOE_W8A16_MAX_TOKENS = moe_limit
     if "sweep" in only:
-        sweep(shapes, timer, dev, a.smoke, log)
+        sweep(shapes, timer, dev, a.smoke, log, [int(m) for m in a.sweep_m.split(",")] if not a.smoke else (1, 64, 4096))
         moe_sweep(weights, moe_cfg, timer, dev, a.smoke, log)
     log("done")
     print_tables(bw)

@@ -27,10 +27,15 @@ from glm53.kernels.dispatch import triton_interpreting, use_triton
 from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 
-# Rows up to which the w8a16 (dequantize-in-kernel) variant runs; above it, w8a8. Measured on
-# the H200 (benchmarks/fp8_gemm.py, 2026-12-02, GLM-5 tp = 8 shapes summed): within 5% of each
-# other up to M = 16, w8a16 10% faster at M = 32, w8a8 7% faster at M = 64.
-W8A16_MAX_M = 32
+# Rows up to which the w8a16 (dequantize-in-kernel) variant runs; above it, w8a8: none, w8a8 at
+# every size. Measured on the H200 (benchmarks/fp8_gemm.py): GLM-5's tp = 8 shapes summed within
+# 5 % of each other up to M = 16, w8a16 10 % faster at M = 32, w8a8 7 % faster at M = 64
+# (2026-12-02); the slice's one-GPU products (17-101 MB each, `--decode-table slice`), w8a8
+# 1.28 / 1.42 / 1.41x faster at M = 1 / 4 / 16, on every shape (2026-12-03): widening e4m3 to
+# bf16 in registers costs more than the activation's 1x128 quantization, which the producers
+# (norms, SwiGLU) then do in their own pass. Rounding the activations at decode costs greedy
+# agreement on the tiny model (benchmarks/RESULTS.md); SGLang and vLLM serve these checkpoints so.
+W8A16_MAX_M = 0
 # Rows from which cuBLAS's blockwise FP8 GEMM runs (quantization included), where it can. Measured
 # on the H200 (2026-12-02, GLM-5 tp = 8 shapes summed): 216 µs against the Triton w8a8's 267 at
 # M = 128, 215 against 187 at M = 64.

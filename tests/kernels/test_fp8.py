@@ -72,13 +72,13 @@ def test_cpu_tensors_take_the_references():
 
 
 def test_dispatch_rules_are_one_threshold(monkeypatch):
-    m = fp8_gemm.W8A16_MAX_M
-    assert fp8_gemm.fp8_variant(1) == fp8_gemm.fp8_variant(m) == "w8a16"
-    assert fp8_gemm.fp8_variant(m + 1) == "w8a8"
-    monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", 0)
-    assert fp8_gemm.fp8_variant(1) == "w8a8"
-    n = moe_fp8.MOE_W8A16_MAX_TOKENS
-    assert moe_fp8.moe_fp8_variant(n) == "w8a16" and moe_fp8.moe_fp8_variant(n + 1) == "w8a8"
+    # measured: w8a8 at every size, for the linears and the experts alike
+    assert fp8_gemm.W8A16_MAX_M == moe_fp8.MOE_W8A16_MAX_TOKENS == 0
+    assert fp8_gemm.fp8_variant(1) == moe_fp8.moe_fp8_variant(1) == "w8a8"
+    monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", 32)
+    monkeypatch.setattr(moe_fp8, "MOE_W8A16_MAX_TOKENS", 32)
+    assert fp8_gemm.fp8_variant(1) == fp8_gemm.fp8_variant(32) == "w8a16" and fp8_gemm.fp8_variant(33) == "w8a8"
+    assert moe_fp8.moe_fp8_variant(32) == "w8a16" and moe_fp8.moe_fp8_variant(33) == "w8a8"
 
 
 def test_cublas_route_needs_rows_a_gpu_and_a_shape_it_takes(monkeypatch):
