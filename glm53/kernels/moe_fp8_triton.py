@@ -34,7 +34,7 @@ from glm53.kernels.moe_triton import MoEConfig, block_tile, plan_routing
 
 SB = GROUP
 VARIANTS = ("w8a16", "w8a8")
-# The gate+up kernel at decode sizes (H200, benchmarks/moe_decode.py, 2026-12-03, GLM-5's tp = 8
+# The gate+up kernel at decode sizes (H200, benchmarks/moe_fp8_layer.py, 2026-12-03, GLM-5's tp = 8
 # stacks and the slice's, each with the shared expert as one more): K split in a power of two up to
 # SPLIT_MAX until the grid's tiles are about one per SM (GLM-5, 1 token: 51 µs split in 4 against
 # 70 unsplit, 54 in 12; from 4 tokens on, and on the slice's 16 column tiles an expert, no split
