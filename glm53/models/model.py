@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from glm53.kernels import index_cache_fp8, latent_cache_fp8
+from glm53.kernels.dispatch import triton_interpreting
 from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
 from glm53.kernels.moe import moe_experts, route
-from glm53.kernels.dispatch import triton_interpreting
 from glm53.kernels.moe_fp8 import moe_experts_fp8, moe_fp8_variant
 from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -349,9 +349,10 @@ class Experts(nn.Module):
     def absorb_(self, shared: MLP) -> bool:
         """Holds `shared` (this rank's part of the shared expert) as one more expert of the stacks,
         id `shared_id` = E, so one fused launch computes it with the routed ones (`route(shared=E)`
-        gives every token that slot at weight 1). False, touching nothing, unless it has one routed
-        expert's per-rank shapes, dtype, device and FP8 form (GLM-5 at tp = 8: width 2048 / 8 both),
-        with expert parallelism (the shared expert is no part of the all-to-all), or when trainable."""
+        gives every token that slot at weight 1). False, touching nothing, where its per-rank shapes,
+        dtype, device or FP8 form differ from one routed expert's (GLM-5 at tp = 8: 2048 / 8 wide
+        both), under expert parallelism (the shared expert is no part of the all-to-all), or when
+        trainable."""
         lins = dict(zip(self.PROJS, (shared.gate_proj, shared.up_proj, shared.down_proj)))
         if self.placement.ep > 1 or self.shared_id is not None or shared.gate_up is not None:
             return False
