@@ -84,7 +84,7 @@ GLM5_TP8 = {
 # share an input stacked into one weight (each member's rows padded to whole 128-row blocks:
 # kv_a's 576 -> 640), one activation quantization each; kv_b_proj is no GEMM there (the absorbed
 # attention reads it dequantized), nor is the shared expert's: it runs as the routed experts' last
-# expert in their fused kernel (`model.Experts.absorb_`; benchmarks/moe_fp8_layer.py times that
+# expert in their fused kernel (`moe.Experts.absorb_`; benchmarks/moe_fp8_layer.py times that
 # layer against bf16). bf16 runs the same stacked shapes (a bf16 model fuses too).
 GLM5_TP8_SERVED = {
     "q_a+kv_a+wk": (2048 + 640 + 128, 6144),

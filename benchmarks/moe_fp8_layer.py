@@ -1,6 +1,6 @@
 """The block-FP8 MoE layer, shared expert included (issue 29): the routed kernel plus the shared
 SwiGLU as separate products (how the layer ran before) against one fused launch with the shared
-expert as the stacks' last expert (`model.Experts.absorb_`), and against bf16 (the bf16 fused
+expert as the stacks' last expert (`moe.Experts.absorb_`), and against bf16 (the bf16 fused
 kernel over the dequantized routed experts plus torch's bf16 matmuls for the shared one). At
 decode sizes the gate+up kernel's K splits and pipeline stages are swept too. Every variant is
 checked against the dequantized reference and timed in CUDA graphs over several routing draws,

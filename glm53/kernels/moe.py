@@ -28,7 +28,7 @@ def route(
     """Returns (weights [N, top_k] fp32, expert ids [N, top_k] int64). After the router GEMM, the
     Triton kernel (`route_triton.py`) where `use_triton` says so and selection is not grouped.
     `shared`: an expert id every token takes at weight 1 as slot top_k (the shared expert held in
-    the routed experts' stack, `model.MoE.fuse_projections_`): [N, top_k + 1] then."""
+    the routed experts' stack, `moe.MoE.fuse_projections_`): [N, top_k + 1] then."""
     if use_triton(x, gate_weight) and n_group <= 1:
         from glm53.kernels.route_triton import route_triton
 

@@ -1,6 +1,6 @@
 """Expert parallelism (EP): which routed experts, and which part of their intermediate width, each
 rank of a tensor-parallel group holds. A pure function of the config and (tp, ep, rank), shared by
-the model (`model.Experts` builds its stacks from it, and their shard rules tell the loader what
+the model (`moe.Experts` builds its stacks from it, and their shard rules tell the loader what
 to read) and by the memory planner (`expert_placement(...).shapes()`: a rank's expert bytes).
 
 Layout (docs/ARCHITECTURE.md, "Expert parallelism"): the `tp` ranks of a stage form `ep` expert

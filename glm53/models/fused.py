@@ -14,7 +14,7 @@ block-FP8 reference multiplies in fp32).
 
 A MoE layer's shared expert, where it has one routed expert's per-rank shapes (GLM-5 at tp = 8:
 [256, 6144] and [6144, 256]), joins the routed experts' stacks as one more expert
-(`append_to_stack_`, `model.Experts.absorb_`): every token routes to it at weight 1, and one fused
+(`append_to_stack_`, `moe.Experts.absorb_`): every token routes to it at weight 1, and one fused
 MoE launch computes both, where the shared SwiGLU cost three products, a SwiGLU and an add.
 
 Fuse after the model is on its device (`fuse_projections_`: the runner does it before capturing

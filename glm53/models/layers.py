@@ -208,7 +208,7 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, inter, dtype, tp)
         self.down_proj = RowParallelLinear(inter, hidden, dtype, tp)
         self.gate_up: FusedLinear | None = None
-        # a MoE's shared expert held in the routed experts' stacks (`model.Experts.absorb_`): the
+        # a MoE's shared expert held in the routed experts' stacks (`moe.Experts.absorb_`): the
         # MoE computes it there, this module only names its parameters
         self.in_expert_stack = False
 

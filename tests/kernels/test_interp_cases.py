@@ -643,7 +643,7 @@ def test_add_norms(M, D, dtype):
     fp8_cases.check_add_norms(M, D, dtype)
 
 
-# ---- a MoE layer's shared expert held as the routed stacks' last expert (model.Experts.absorb_) ----
+# ---- a MoE layer's shared expert held as the routed stacks' last expert (moe.Experts.absorb_) ----
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "block-fp8"])
 def test_moe_layer_shared_expert_in_stack(tmp_path, monkeypatch, fp8):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import glm53.models.layers as layers_mod
-import glm53.models.model as model_mod
+import glm53.models.moe as moe_mod
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 from glm53.models import ConfigError, GlmConfig, GlmForCausalLM, ModelRunner, check_tp
 from glm53.models.sharding import shard_of
@@ -76,7 +76,7 @@ def test_fp8_model_equals_the_dequantized_model(tmp_path, monkeypatch):
         return wrap
 
     monkeypatch.setattr(layers_mod, "fp8_gemm", counted("gemm", layers_mod.fp8_gemm))
-    monkeypatch.setattr(model_mod, "moe_experts_fp8", counted("moe", model_mod.moe_experts_fp8))
+    monkeypatch.setattr(moe_mod, "moe_experts_fp8", counted("moe", moe_mod.moe_experts_fp8))
     a = scenario(fp8, greedy)
     gemm, moe = calls["gemm"], calls["moe"]
     assert gemm > 0 and moe > 0  # the FP8 forward ran the FP8 products
