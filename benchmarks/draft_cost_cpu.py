@@ -62,7 +62,7 @@ SPLIT_PARTS = [
     ("glm53.models.draft", "DFlashDraft.write_context", "verify: draft context K/V write"),
     ("glm53.models.draft", "DFlashDraft.partial_projection", "verify: draft context projection"),
     ("glm53.models.draft", "DFlashDraft.context", "verify: draft context norm"),
-    ("glm53.models.model", "moe_experts", "target: routed experts"),
+    ("glm53.models.moe", "moe_experts", "target: routed experts"),
     ("glm53.models.model", "dsa_topk_paged", "target: indexer top-k"),
     ("glm53.models.model", "Indexer.forward", "target: indexer (rest)"),
     ("glm53.models.model", "sparse_mla", "target: sparse MLA"),

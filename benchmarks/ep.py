@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from glm53.models import GlmConfig, ModelRunner, PageAllocator, SeqChunk, TPGroup
-from glm53.models.model import MoE
+from glm53.models.moe import MoE
 from glm53.models.sharding import shard_of
 from glm53.models.weights import load_model
 
