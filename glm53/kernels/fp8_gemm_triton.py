@@ -166,12 +166,17 @@ def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, K: int) -> int:
     return N
 
 
+def k_splits(K: int, split_k: int) -> tuple[int, int]:
+    """(splits, K per split) for cutting K into at most `split_k` slices of whole scale blocks, none
+    empty (shared by this GEMM and the block-FP8 MoE's gate+up kernel)."""
+    k_blocks = triton.cdiv(K, SB)
+    k_per_split = triton.cdiv(k_blocks, max(1, min(split_k, k_blocks))) * SB
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
 def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: bool) -> torch.Tensor:
     assert SB % cfg.BK == 0 and cfg.BN & (cfg.BN - 1) == 0, cfg
-    k_blocks = triton.cdiv(K, SB)
-    split = max(1, min(cfg.SPLIT_K, k_blocks))
-    k_per_split = triton.cdiv(k_blocks, split) * SB
-    split = triton.cdiv(K, k_per_split)  # no empty split
+    split, k_per_split = k_splits(K, cfg.SPLIT_K)
     if split == 1:
         y = torch.empty((M, N), dtype=out_dtype, device=a.device)
     else:

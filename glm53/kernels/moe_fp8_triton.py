@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
+from glm53.kernels.fp8_gemm_triton import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton, quantize_tile
-from glm53.kernels.moe_triton import MoEConfig, block_tile, plan_routing
+from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing
 
 SB = GROUP
 VARIANTS = ("w8a16", "w8a8")
@@ -50,8 +51,7 @@ def decode_split(n_pairs: int, n_experts: int, bm: int, bn1: int, inter: int, hi
     (`plan_routing`'s row blocks times the column tiles) against the SMs."""
     if not (inter and hidden and sms):
         return 1
-    blocks = triton.cdiv(n_pairs, bm) + min(n_experts, n_pairs)
-    tiles = blocks * triton.cdiv(inter, bn1)
+    tiles = block_bound(n_pairs, n_experts, bm) * triton.cdiv(inter, bn1)
     most = min(SPLIT_MAX, triton.cdiv(hidden, SB) // SPLIT_MIN_BLOCKS, sms // tiles)
     return 1 << (most.bit_length() - 1) if most > 1 else 1
 
@@ -308,9 +308,7 @@ def moe_experts_fp8_triton(
                   DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     tiles = plan.n_blocks * triton.cdiv(I, cfg.BN1)
-    k_blocks = triton.cdiv(H, SB)
-    k_per_split = triton.cdiv(k_blocks, max(1, min(cfg.SPLIT_K, k_blocks))) * SB
-    split = triton.cdiv(H, k_per_split)  # no empty split
+    split, k_per_split = k_splits(H, cfg.SPLIT_K)
     if split > 1:  # each tile's partials, and how many of its splits are in (the last sums them)
         part = torch.empty((tiles, split, 2, cfg.BM, cfg.BN1), dtype=torch.float32, device=x.device)
         count = torch.zeros(tiles, dtype=torch.int32, device=x.device)

@@ -230,6 +230,11 @@ class RoutingPlan:
         return triton.next_power_of_2(self.n_experts)
 
 
+def block_bound(n_pairs: int, n_experts: int, BM: int) -> int:
+    """The grid's bound on Σ_e ⌈c_e / BM⌉ row blocks for n_pairs pairs over n_experts (module docstring)."""
+    return triton.cdiv(n_pairs, BM) + min(n_experts, n_pairs)
+
+
 def plan_routing(ids: torch.Tensor, n_experts: int, BM: int) -> RoutingPlan:
     """Sort the (token, slot) pairs of `ids` [N, k] by expert and count BM-row blocks, on the
     device (a sort, a searchsorted and one tiny launch; no host sync)."""
@@ -237,7 +242,7 @@ def plan_routing(ids: torch.Tensor, n_experts: int, BM: int) -> RoutingPlan:
     cum = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
     _plan_kernel[(1,)](seg, cum, E=n_experts, BLOCK_E=triton.next_power_of_2(n_experts), BM=BM)
     M = ids.numel()
-    n_blocks = triton.cdiv(M, BM) + min(n_experts, M)  # bound on Σ_e ⌈c_e / BM⌉ (module docstring)
+    n_blocks = block_bound(M, n_experts, BM)
     return RoutingPlan(order, seg, cum, n_blocks, n_experts, BM)
 
 
