@@ -212,8 +212,13 @@ class DFlashDraft(nn.Module):
 
     def __init__(
         self, cfg: DFlashConfig, target_cfg: GlmConfig, dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
-        confidence_threshold: float = 0.0,
+        confidence_threshold: float = 0.0, cpu_bf16: bool = False,
     ):
+        """`cpu_bf16`: for blocks without sampled rows, an fp32 draft's CPU drafting path
+        (`_layers_fused`, `_logits_cpu`) multiplies in bf16 (inputs rounded to bf16, weight copies
+        held bf16, fp32 out; norms, RoPE, attention and the draft KV stay fp32): 2–3× faster
+        products where the CPU multiplies bf16 natively. Only greedy proposals can change, and
+        the target verifies every one."""
         super().__init__()
         if not 0 <= confidence_threshold < 1:
             raise ValueError(f"confidence_threshold must lie in [0, 1), got {confidence_threshold}")
@@ -234,6 +239,7 @@ class DFlashDraft(nn.Module):
         if cfg.confidence_head and not r:
             raise ValueError("a confidence head needs a Markov head (its input is [h, markov_w1[token]])")
         self.confidence_threshold = confidence_threshold
+        self.cpu_bf16 = cpu_bf16
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
     # --- the draft KV pool ---
@@ -344,16 +350,19 @@ class DFlashDraft(nn.Module):
             raise ValueError("drafting uses the target's embedding and lm_head: it needs the whole target model")
         b = self._block_size(blocks)
         dev = self.inv_freq.device
-        r = len(blocks)
         # Built on the host in a few ops (per op, host cost is most of a small block's on a CPU).
         ids = torch.tensor([[blk.last_token] + [self.cfg.mask_token_id] * (b - 1) for blk in blocks]).to(dev)
         positions = torch.tensor([p for blk in blocks for p in range(blk.start_pos, blk.start_pos + b)]).to(dev)
         # Every block query sees the request's valid context and all B block positions.
         table, mask = self._context_pages(blocks, pools.page_size, b)
         ctx = self.paged_context(table.to(dev), mask.to(dev), pools)
-        h = self.block_hidden(target, ids, positions, ctx)
-        logits = self.logits_of(target, h) if use_triton(h) else self._logits_cpu(target, h)
-        return self.choose(logits, ids[:, 0], h, self.block_sampling(blocks, b - 1, dev)), logits
+        sampling = self.block_sampling(blocks, b - 1, dev)
+        # bf16 products for greedy batches only: a sampled row's proposals follow q itself, so they
+        # keep the draft's own arithmetic.
+        products = torch.bfloat16 if self.cpu_bf16 and sampling is None and self.dtype == torch.float32 else None
+        h = self.block_hidden(target, ids, positions, ctx, products)
+        logits = self.logits_of(target, h) if use_triton(h) else self._logits_cpu(target, h, products)
+        return self.choose(logits, ids[:, 0], h, sampling), logits
 
     def choose(self, logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tensor,
                sampling: BlockSampling | None = None) -> BlockChoice:
@@ -385,15 +394,15 @@ class DFlashDraft(nn.Module):
             sort=any(s.top_k > 0 or s.top_p < 1 for s in sampled), use_min_p=any(s.min_p > 0 for s in sampled))
 
     def block_hidden(self, target: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
-                     ctx: PagedContext) -> torch.Tensor:
+                     ctx: PagedContext, products: torch.dtype | None = None) -> torch.Tensor:
         """The drafting forward on device tensors only (no host reads: CUDA graphs capture it,
         models/spec_graph.py): blocks `ids` [R, B] at `positions` [R·B] over the paged context
         `ctx` (its mask [R, W·page_size + B]); the final-normed hidden [R, B − 1, H] of block
-        positions 1 .. B − 1."""
+        positions 1 .. B − 1. `products`: the CPU path's product dtype (None: the draft's)."""
         r, b = ids.shape
         x = target.embed(ids.reshape(-1)).to(self.dtype)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
-        fused = None if use_triton(x) else self._fused_weights()
+        fused = None if use_triton(x) else self._fused_weights(products or self.dtype)
         if fused is not None:
             x = self._layers_fused(x, cos, sin, ctx, fused)
         else:
@@ -402,10 +411,11 @@ class DFlashDraft(nn.Module):
         norm = rms_norm if fused is None else _rms  # `_rms`: the reference's values in one op on the CPU
         return norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
 
-    def _fused_weights(self) -> list[FusedLayer] | None:
-        """Per layer, the weights of the CPU drafting path (`FusedLayer`); None when a weight is
-        block-FP8 (the modules' own products then). Rebuilt whenever a weight was replaced or
-        changed in place (loading), as `_stacked_kv`."""
+    def _fused_weights(self, dtype: torch.dtype | None = None) -> list[FusedLayer] | None:
+        """Per layer, the weights of the CPU drafting path (`FusedLayer`), products' weights in
+        `dtype` (None: the draft's); None when a weight is block-FP8 (the modules' own products
+        then). Rebuilt whenever a weight was replaced or changed in place (loading), as
+        `_stacked_kv`."""
         src = getattr(self, "_fused_src", None)
         if src is None:  # the modules never change, only their parameters (replaced or written)
             mods = [(la.self_attn, la.mlp) for la in self.layers]
@@ -414,11 +424,13 @@ class DFlashDraft(nn.Module):
             src = self._fused_src = (lins, lins + [n for a, _ in mods for n in (a.q_norm, a.k_norm)])
         if any(m._parameters["weight_scale_inv"] is not None for m in src[0]):
             return None
+        dtype = dtype or self.dtype
         key = tuple((w.data_ptr(), w._version) for w in (m._parameters["weight"] for m in src[1]))
-        if getattr(self, "_fused_key", None) != key:
-            t = lambda *w: torch.cat(w).T.contiguous()  # noqa: E731
+        cache = self.__dict__.setdefault("_fused_by_dtype", {})  # one copy per product dtype in use
+        if cache.get(dtype, (None,))[0] != key:
+            t = lambda *w: torch.cat(w).T.to(dtype).contiguous()  # noqa: E731
             mods = [(la.self_attn, la.mlp) for la in self.layers]
-            self._fused = [
+            cache[dtype] = key, [
                 FusedLayer(
                     qkv=t(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                     qk_norm=torch.cat([a.q_norm.weight.expand(a.n_heads, -1), a.k_norm.weight.expand(a.n_kv, -1)]),
@@ -426,8 +438,7 @@ class DFlashDraft(nn.Module):
                     down=t(mlp.down_proj.weight))
                 for a, mlp in mods
             ]
-            self._fused_key = key
-        return self._fused
+        return cache[dtype][1]
 
     def _layers_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedContext,
                       fused: list[FusedLayer]) -> torch.Tensor:
@@ -439,6 +450,7 @@ class DFlashDraft(nn.Module):
         half the time of one by [out, in]; the values match to rounding)."""
         r = ctx.table.shape[0]
         n, hd, eps, tp = x.shape[0], self.cfg.head_dim, self.cfg.rms_norm_eps, self.tp
+        mm = _mm_out_of(x.dtype)
         b = n // r
         kv_buf = gather_context(ctx.pool, ctx.table, ctx.mask, b)
         bias = attention_bias(ctx.mask)
@@ -446,7 +458,7 @@ class DFlashDraft(nn.Module):
         half = hd // 2
         for i, (layer, f) in enumerate(zip(self.layers, fused)):
             hq, hk = layer.self_attn.n_heads, layer.self_attn.n_kv
-            qkv = _rms(x, layer.input_layernorm.weight, eps) @ f.qkv
+            qkv = mm(_rms(x, layer.input_layernorm.weight, eps), f.qkv)
             qk = _rms(qkv[:, : (hq + hk) * hd].view(n, hq + hk, hd), None, eps) * f.qk_norm
             qk = qk * cos2 + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin2
             v = qkv[:, (hq + hk) * hd :].view(r, b, hk, hd)
@@ -454,25 +466,26 @@ class DFlashDraft(nn.Module):
             g = hq // hk
             q = qk[:, :hq].reshape(r, b, hk, g, hd).permute(0, 2, 3, 1, 4).reshape(r, hk, g * b, hd)
             o = draft_attention_gathered(q, kv_buf, i, qk[:, hq:].reshape(r, b, hk, hd), v, bias)
-            x = x + tp.all_reduce(o.view(r, hk, g, b, hd).permute(0, 3, 1, 2, 4).reshape(n, hq * hd) @ f.o)
-            gu = _rms(x, layer.post_attention_layernorm.weight, eps) @ f.gate_up
+            x = x + tp.all_reduce(mm(o.view(r, hk, g, b, hd).permute(0, 3, 1, 2, 4).reshape(n, hq * hd), f.o))
+            gu = mm(_rms(x, layer.post_attention_layernorm.weight, eps), f.gate_up)
             w = gu.shape[1] // 2
-            x = x + tp.all_reduce((F.silu(gu[:, :w]) * gu[:, w:]) @ f.down)
+            x = x + tp.all_reduce(mm(F.silu(gu[:, :w]) * gu[:, w:], f.down))
         return x
 
-    def _logits_cpu(self, target: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def _logits_cpu(self, target: nn.Module, h: torch.Tensor, products: torch.dtype | None = None) -> torch.Tensor:
         """`logits_of` on the CPU: the product by a transposed copy of the target's lm_head
         weight (twice as fast for the B − 1 rows of a block), kept while that weight is unchanged
         and small enough that the copy is cheap next to the model (a CPU run's tiny model)."""
         w = target.lm_head.weight
         if w.numel() * w.element_size() > LM_HEAD_COPY_MAX_BYTES or w.dtype != h.dtype:
             return self.logits_of(target, h)
-        key = (w.data_ptr(), w._version, w.device)
-        if getattr(self, "_lm_head_key", None) != key:
-            self._lm_head_t = w.T.contiguous()
-            self._lm_head_key = key
+        dtype, key = products or w.dtype, (w.data_ptr(), w._version, w.device)
+        cache = self.__dict__.setdefault("_lm_head_by_dtype", {})
+        if cache.get(dtype, (None,))[0] != key:
+            cache[dtype] = key, w.T.to(dtype).contiguous()
         r, n, _ = h.shape
-        return target.lm_head.tp.all_gather(h.reshape(r * n, -1) @ self._lm_head_t, dim=-1).float().view(r, n, -1)
+        y = _mm_out_of(h.dtype)(h.reshape(r * n, -1), cache[dtype][1])
+        return target.lm_head.tp.all_gather(y, dim=-1).float().view(r, n, -1)
 
     @staticmethod
     def logits_of(target: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -527,6 +540,16 @@ class DFlashDraft(nn.Module):
         if block:
             mask[:, s:] = True
         return table, mask
+
+
+def _mm_out_of(dtype: torch.dtype):
+    """x @ w for weights held in another dtype (`DFlashDraft.cpu_bf16`): x cast to w's dtype,
+    the product cast back to `dtype`; the plain product when they match."""
+
+    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w if w.dtype == x.dtype else (x.to(w.dtype) @ w).to(dtype)
+
+    return mm
 
 
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

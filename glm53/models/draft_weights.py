@@ -93,11 +93,12 @@ def draft_config(draft_dir: str | Path, target: GlmConfig) -> DFlashConfig:
 
 
 def build_draft(draft_dir: str | Path, target: GlmConfig, dtype: torch.dtype = torch.float32,
-                tp: TPGroup | None = None, confidence_threshold: float = 0.0) -> DFlashDraft:
+                tp: TPGroup | None = None, confidence_threshold: float = 0.0, cpu_bf16: bool = False) -> DFlashDraft:
     """The draft at `draft_dir` (DFlash or DSpark, this rank's shard under `tp`), loaded. A
-    DSpark draft cuts its blocks at `confidence_threshold` (0: never)."""
+    DSpark draft cuts its blocks at `confidence_threshold` (0: never); `cpu_bf16` as
+    `DFlashDraft`'s."""
     draft = DFlashDraft(draft_config(draft_dir, target), target, dtype=dtype, tp=tp,
-                        confidence_threshold=confidence_threshold)
+                        confidence_threshold=confidence_threshold, cpu_bf16=cpu_bf16)
     load_draft_weights(draft, draft_dir)
     return draft
 

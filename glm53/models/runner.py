@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from glm53.kernels.dispatch import cpu_multiplies_bf16
 from glm53.models.config import GlmConfig
 from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.draft_weights import build_draft, load_draft_projection
@@ -201,6 +202,7 @@ class ModelRunner:
         fp8: bool = False,
         confidence_threshold: float = 0.0,
         nextn_steps: int | None = None,
+        draft_cpu_bf16: bool | None = None,
     ) -> "ModelRunner":
         """Loads the stage holding `layers` (the whole model by default) from a checkpoint, straight
         onto `device` (`weights.load_model`); with `tp`, this rank's shard of it (reading only its
@@ -208,7 +210,8 @@ class ModelRunner:
         their scales (the rest in `dtype`); by default they are dequantised to `dtype`. With
         `draft_dir`, also the DFlash or DSpark draft there (its config checked against the target's;
         same dtype and `tp`; a DSpark draft cuts at `confidence_threshold`), on the last stage;
-        a non-last stage gets its `DraftProjection`. `nextn_steps`: the checkpoint's own MTP layer
+        a non-last stage gets its `DraftProjection`. `draft_cpu_bf16` (`DFlashDraft.cpu_bf16`; None:
+        where an fp32 draft drafts on a CPU that multiplies bf16 natively, without TP). `nextn_steps`: the checkpoint's own MTP layer
         as the draft, chaining that many proposals per verify (last stage)."""
         cfg = GlmConfig.from_dir(model_dir)
         if dtype is None:
@@ -216,7 +219,13 @@ class ModelRunner:
         model = load_model(model_dir, dtype=dtype, device=device, layers=layers, tp=tp, fp8=fp8, progress=progress)
         draft = projection = None
         if draft_dir is not None and model.is_last:
-            draft = build_draft(draft_dir, cfg, dtype=dtype, tp=model.tp, confidence_threshold=confidence_threshold)
+            if draft_cpu_bf16 is None:
+                # Not under TP: bf16 partial products summed across ranks round unlike one whole
+                # product, and every rank count must propose the same tokens.
+                draft_cpu_bf16 = (torch.device(device).type == "cpu" and dtype == torch.float32
+                                  and model.tp.size == 1 and cpu_multiplies_bf16())
+            draft = build_draft(draft_dir, cfg, dtype=dtype, tp=model.tp, confidence_threshold=confidence_threshold,
+                                cpu_bf16=draft_cpu_bf16)
             draft.to(device)
         elif draft_dir is not None:
             projection = load_draft_projection(draft_dir, cfg, model.layer_range, dtype).to(device)

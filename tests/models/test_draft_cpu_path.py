@@ -1,7 +1,7 @@
 """The draft's CPU drafting path (models/draft.py `_layers_fused`, `_logits_cpu`: fused products on
 transposed weight copies, the context gathered once per forward) against the modules' own forward
 on random weights and a pool that is NaN wherever no request sees, and its weight cache following
-a weight changed in place."""
+a weight changed in place; its bf16 products (`cpu_bf16`) for greedy blocks."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def models(tmp_path_factory):
 def module_path(draft: DFlashDraft, target, blocks, pools):
     """draft_block's hidden and logits through the modules (DraftLayer.forward, the lm_head)."""
     fused, logits_cpu = draft._fused_weights, draft._logits_cpu
-    draft._fused_weights = lambda: None
-    draft._logits_cpu = lambda t, h: DFlashDraft.logits_of(t, h)
+    draft._fused_weights = lambda dtype=None: None
+    draft._logits_cpu = lambda t, h, products=None: DFlashDraft.logits_of(t, h)
     try:
         return draft.draft_block(target, blocks, pools)[1]
     finally:
@@ -88,3 +88,25 @@ def test_cpu_path_follows_weights_changed_in_place(models):
         draft.layers[0].self_attn.k_proj.weight.copy_(saved[0])
         draft.layers[1].mlp.up_proj.weight.copy_(saved[1])
         target.lm_head.weight.copy_(saved[2])
+
+
+def test_bf16_products_for_greedy_blocks_only(models):
+    """`cpu_bf16`: greedy blocks multiply bf16 copies of the weights (near the fp32 logits, not
+    equal to them); a batch with a sampled row keeps the fp32 products bit for bit."""
+    from glm53.models.draft import DraftSampling
+
+    target, draft = models
+    pools, blocks = setup_pools(draft, torch.Generator().manual_seed(4))
+    for b in blocks:
+        b.block_size = 5
+    want = draft.draft_block(target, blocks, pools)[1]
+    draft.cpu_bf16 = True
+    try:
+        got = draft.draft_block(target, blocks, pools)[1]
+        assert draft._fused_weights(torch.bfloat16)[0].qkv.dtype == torch.bfloat16
+        assert not torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+        blocks[1].sampling = DraftSampling(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+        torch.testing.assert_close(draft.draft_block(target, blocks, pools)[1], want, rtol=0, atol=0)
+    finally:
+        draft.cpu_bf16 = False

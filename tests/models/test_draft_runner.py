@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from glm53.kernels.dispatch import cpu_multiplies_bf16
 from glm53.models import DRAFT_KV, DraftBlock, DraftProjection, ModelRunner, PageAllocator, SeqChunk, StageInput
 from glm53.support.oracle import make_checkpoint
 from glm53.transport.buffers import BufferSpec, BufferTable
@@ -155,7 +156,8 @@ def _rank_main(tp, target_dir: str, draft_dir: str, out: str) -> None:
 
 
 def test_tp2_proposals_and_draft_kv_shards_match_tp1(ckpts, tmp_path):
-    ref = scenario(runner(ckpts), lambda rows: [int(x.argmax()) for x in rows])
+    # tp = 1 in fp32 products, as every tp > 1 drafts (`from_dir`'s bf16 rule skips TP)
+    ref = scenario(runner(ckpts, draft_cpu_bf16=False), lambda rows: [int(x.argmax()) for x in rows])
     run_ranks(2, _rank_main, str(ckpts[0]), str(ckpts[1]), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert [r["head_range"] for r in ranks] == [(0, 2), (2, 4)]
@@ -191,3 +193,28 @@ def transfer_pages(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> list[t
             src = as_bytes(srcs[s])[:, seg.src_off : seg.src_off + seg.length]
             as_bytes(outs[d])[:, seg.dst_off : seg.dst_off + seg.length] = src
     return outs
+
+
+def test_bf16_drafting_keeps_greedy_output(ckpts):
+    """The CPU drafting path in bf16 products (`DFlashDraft.cpu_bf16`; `from_dir` turns it on by
+    itself where the CPU multiplies bf16 natively) proposes other tokens now and then; the output
+    of speculative greedy decoding still equals plain greedy decoding."""
+    assert runner(ckpts).draft.cpu_bf16 == cpu_multiplies_bf16()
+    r = runner(ckpts, draft_cpu_bf16=True)
+    assert r.draft.cpu_bf16
+    prompts, pages = prompts_and_pages([19, 11], extra=40)
+    plain_pages = prompts_and_pages([19, 11], extra=40)[1]
+    new = 24
+    for p, pg, ppg in zip(prompts, pages, plain_pages):
+        plain = [int(r.forward([SeqChunk(p, 0, ppg)])[0][-1].argmax())]
+        while len(plain) < new:
+            plain.append(int(r.forward([SeqChunk(plain[-1:], len(p) + len(plain) - 1, ppg)])[0][-1].argmax()))
+        out = [int(r.forward([SeqChunk(p, 0, pg)])[0][-1].argmax())]
+        while len(out) < new:
+            res = r.spec_step([DraftBlock(out[-1], len(p) + len(out) - 1, pg, block_size=min(B, new - len(out) + 1))])
+            d, am = res.drafts[0], res.greedy[0]
+            a = 0
+            while a < len(d) and d[a] == am[a]:
+                a += 1
+            out += d[:a] + [am[a]]
+        assert out[:new] == plain
