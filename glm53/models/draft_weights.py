@@ -19,6 +19,7 @@ import dataclasses
 import torch
 from safetensors import safe_open
 
+from glm53.kernels.dispatch import cpu_multiplies_bf16
 from glm53.models.config import GlmConfig
 from glm53.models.draft import DFlashDraft, DraftProjection
 from glm53.models.draft_config import DFlashConfig
@@ -90,6 +91,13 @@ def draft_config(draft_dir: str | Path, target: GlmConfig) -> DFlashConfig:
         missing = [k for k, c in zip(_CONFIDENCE, conf) if not c]
         raise WeightError(f"{draft_dir}: tensors missing from the draft checkpoint: {_names(missing)}")
     return dataclasses.replace(cfg, markov_rank=w1[1], confidence_head=all(conf))
+
+
+def cpu_bf16_drafting(device: torch.device | str, dtype: torch.dtype, tp_size: int) -> bool:
+    """The default of `DFlashDraft.cpu_bf16`: an fp32 draft on a CPU that multiplies bf16
+    natively, without TP (bf16 partial products summed across ranks round unlike one whole
+    product, and every rank count must propose the same tokens)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and tp_size == 1 and cpu_multiplies_bf16()
 
 
 def build_draft(draft_dir: str | Path, target: GlmConfig, dtype: torch.dtype = torch.float32,

@@ -38,10 +38,9 @@ from pathlib import Path
 
 import torch
 
-from glm53.kernels.dispatch import cpu_multiplies_bf16
 from glm53.models.config import GlmConfig
 from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
-from glm53.models.draft_weights import build_draft, load_draft_projection
+from glm53.models.draft_weights import build_draft, cpu_bf16_drafting, load_draft_projection
 from glm53.models.fused import fuse_projections_
 from glm53.models.dspark import BlockChoice
 from glm53.models.graph import DecodeGraphs, GraphConfig
@@ -210,8 +209,7 @@ class ModelRunner:
         their scales (the rest in `dtype`); by default they are dequantised to `dtype`. With
         `draft_dir`, also the DFlash or DSpark draft there (its config checked against the target's;
         same dtype and `tp`; a DSpark draft cuts at `confidence_threshold`), on the last stage;
-        a non-last stage gets its `DraftProjection`. `draft_cpu_bf16` (`DFlashDraft.cpu_bf16`; None:
-        where an fp32 draft drafts on a CPU that multiplies bf16 natively, without TP). `nextn_steps`: the checkpoint's own MTP layer
+        a non-last stage gets its `DraftProjection`. `draft_cpu_bf16`: `DFlashDraft.cpu_bf16` (None: `cpu_bf16_drafting`'s rule). `nextn_steps`: the checkpoint's own MTP layer
         as the draft, chaining that many proposals per verify (last stage)."""
         cfg = GlmConfig.from_dir(model_dir)
         if dtype is None:
@@ -220,10 +218,7 @@ class ModelRunner:
         draft = projection = None
         if draft_dir is not None and model.is_last:
             if draft_cpu_bf16 is None:
-                # Not under TP: bf16 partial products summed across ranks round unlike one whole
-                # product, and every rank count must propose the same tokens.
-                draft_cpu_bf16 = (torch.device(device).type == "cpu" and dtype == torch.float32
-                                  and model.tp.size == 1 and cpu_multiplies_bf16())
+                draft_cpu_bf16 = cpu_bf16_drafting(device, dtype, model.tp.size)
             draft = build_draft(draft_dir, cfg, dtype=dtype, tp=model.tp, confidence_threshold=confidence_threshold,
                                 cpu_bf16=draft_cpu_bf16)
             draft.to(device)

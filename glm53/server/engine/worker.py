@@ -19,7 +19,7 @@ from glm53.models import GlmConfig, ModelRunner, SeqChunk
 from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection
 from glm53.models.mtp import MTP_POOLS, NextNDraft
 from glm53.models.mtp_weights import build_nextn
-from glm53.models.draft_weights import build_draft, draft_config, load_draft_projection
+from glm53.models.draft_weights import build_draft, cpu_bf16_drafting, draft_config, load_draft_projection
 from glm53.models.graph import GraphConfig
 from glm53.models.kv_cache import FP8
 from glm53.models.prefill_graph import PREFILL_GRAPH_TOKENS
@@ -278,7 +278,8 @@ class RankWorker:
                 raise ValueError(f"speculative.dspark_confidence_threshold {spec.confidence_threshold}: "
                                  f"{spec.draft_path} has no confidence head (confidence_head.proj.*)")
             self.draft = build_draft(spec.draft_path, self.cfg, dtype=self.dtype, tp=self.tp,
-                                     confidence_threshold=spec.confidence_threshold)
+                                     confidence_threshold=spec.confidence_threshold,
+                                     cpu_bf16=cpu_bf16_drafting(self.device, self.dtype, self.tp.size))
             self.draft.to(self.device)
         elif spec.draft_path:
             self.projection = load_draft_projection(spec.draft_path, self.cfg, spec.layers, self.dtype).to(self.device)
