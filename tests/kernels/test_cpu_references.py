@@ -1,7 +1,8 @@
 """The CPU (torch reference) paths' cheaper forms against the formulas, on fresh random inputs:
 MoE's experts (rows gathered and added back once for all experts), the indexer's logits (keys
 gathered once per run of rows that share a page table: a verify block, a prefill chunk) and the
-latent rows sparse MLA gathers (one index_select over a page-major layer view)."""
+latent rows sparse MLA gathers (one index_select over a page-major layer view) and the DSA top-k
+by selection (the reference's output exactly, ties included)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from glm53.kernels.indexer_logits import indexer_logits_reference, row_runs
 from glm53.kernels.moe import moe_experts_reference
 from glm53.kernels.sparse_mla import gather_slots
+from glm53.kernels.topk import dsa_topk, dsa_topk_reference, dsa_topk_select
 
 
 def test_moe_experts_match_the_per_token_sum():
@@ -69,3 +71,20 @@ def test_gather_slots_matches_the_two_index_gather():
     odd = pool[:, 0].transpose(1, 2)  # [9, 10, 4], rows not contiguous: the two-index gather
     slots = torch.randint(0, 9 * 10, (5, 7), generator=g)
     assert torch.equal(gather_slots(odd, slots), odd[slots // 10, slots % 10])
+
+
+def test_topk_select_is_the_reference_exactly():
+    """Same positions in the same order (score descending, a tie by the lower position), short
+    rows padded with -1, -inf scores, k above the row length; and `dsa_topk` on a CPU takes the
+    select for long rows with the same result."""
+    g = torch.Generator().manual_seed(17)
+    for trial in range(300):
+        B, L, k = (int(torch.randint(1, n, (1,), generator=g)) for n in (20, 400, 100))
+        x = torch.randint(-5, 5, (B, L), generator=g).float() if trial % 2 else torch.randn(B, L, generator=g)
+        if trial % 5 == 0:
+            x[0, :3] = float("-inf")
+        lens = torch.randint(0, L + 1, (B,), generator=g).int()
+        assert torch.equal(dsa_topk_select(x, lens, k), dsa_topk_reference(x, lens, k)), (trial, B, L, k)
+    x = torch.randint(-40, 40, (3, 5000), generator=g).float()  # many ties
+    lens = torch.tensor([5000, 4100, 30], dtype=torch.int32)
+    assert torch.equal(dsa_topk(x, lens, 64), dsa_topk_reference(x, lens, 64))
