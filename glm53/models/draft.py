@@ -450,7 +450,6 @@ class DFlashDraft(nn.Module):
         half the time of one by [out, in]; the values match to rounding)."""
         r = ctx.table.shape[0]
         n, hd, eps, tp = x.shape[0], self.cfg.head_dim, self.cfg.rms_norm_eps, self.tp
-        mm = _mm_out_of(x.dtype)
         b = n // r
         kv_buf = gather_context(ctx.pool, ctx.table, ctx.mask, b)
         bias = attention_bias(ctx.mask)
@@ -458,7 +457,7 @@ class DFlashDraft(nn.Module):
         half = hd // 2
         for i, (layer, f) in enumerate(zip(self.layers, fused)):
             hq, hk = layer.self_attn.n_heads, layer.self_attn.n_kv
-            qkv = mm(_rms(x, layer.input_layernorm.weight, eps), f.qkv)
+            qkv = _mm(_rms(x, layer.input_layernorm.weight, eps), f.qkv)
             qk = _rms(qkv[:, : (hq + hk) * hd].view(n, hq + hk, hd), None, eps) * f.qk_norm
             qk = qk * cos2 + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin2
             v = qkv[:, (hq + hk) * hd :].view(r, b, hk, hd)
@@ -466,10 +465,10 @@ class DFlashDraft(nn.Module):
             g = hq // hk
             q = qk[:, :hq].reshape(r, b, hk, g, hd).permute(0, 2, 3, 1, 4).reshape(r, hk, g * b, hd)
             o = draft_attention_gathered(q, kv_buf, i, qk[:, hq:].reshape(r, b, hk, hd), v, bias)
-            x = x + tp.all_reduce(mm(o.view(r, hk, g, b, hd).permute(0, 3, 1, 2, 4).reshape(n, hq * hd), f.o))
-            gu = mm(_rms(x, layer.post_attention_layernorm.weight, eps), f.gate_up)
+            x = x + tp.all_reduce(_mm(o.view(r, hk, g, b, hd).permute(0, 3, 1, 2, 4).reshape(n, hq * hd), f.o))
+            gu = _mm(_rms(x, layer.post_attention_layernorm.weight, eps), f.gate_up)
             w = gu.shape[1] // 2
-            x = x + tp.all_reduce(mm(F.silu(gu[:, :w]) * gu[:, w:], f.down))
+            x = x + tp.all_reduce(_mm(F.silu(gu[:, :w]) * gu[:, w:], f.down))
         return x
 
     def _logits_cpu(self, target: nn.Module, h: torch.Tensor, products: torch.dtype | None = None) -> torch.Tensor:
@@ -484,7 +483,7 @@ class DFlashDraft(nn.Module):
         if cache.get(dtype, (None,))[0] != key:
             cache[dtype] = key, w.T.to(dtype).contiguous()
         r, n, _ = h.shape
-        y = _mm_out_of(h.dtype)(h.reshape(r * n, -1), cache[dtype][1])
+        y = _mm(h.reshape(r * n, -1), cache[dtype][1])
         return target.lm_head.tp.all_gather(y, dim=-1).float().view(r, n, -1)
 
     @staticmethod
@@ -542,14 +541,10 @@ class DFlashDraft(nn.Module):
         return table, mask
 
 
-def _mm_out_of(dtype: torch.dtype):
-    """x @ w for weights held in another dtype (`DFlashDraft.cpu_bf16`): x cast to w's dtype,
-    the product cast back to `dtype`; the plain product when they match."""
-
-    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x @ w if w.dtype == x.dtype else (x.to(w.dtype) @ w).to(dtype)
-
-    return mm
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w, for a weight copy held in another dtype (`DFlashDraft.cpu_bf16`) in w's dtype and
+    cast back to x's."""
+    return x @ w if w.dtype == x.dtype else (x.to(w.dtype) @ w).to(x.dtype)
 
 
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
