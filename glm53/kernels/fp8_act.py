@@ -17,7 +17,11 @@ The result is an `Fp8Rows`, laid out as cuBLAS reads it (rows padded to 16, scal
 the Triton w8a8 GEMM reads the same buffers (`fp8_gemm.fp8_gemm_rows`).
 
 Which producer quantizes is decided by the consumer's variant (`fp8_gemm.takes_fp8_rows`): only
-where the product would quantize anyway (w8a8 or cuBLAS rows, on a GPU). CPU serving multiplies
+where the product would quantize anyway (w8a8 or cuBLAS rows, on a GPU). At decode sizes
+(`two_terms`: m <= TWO_TERM_MAX_M rows) the producers also write a second term, the residual's own
+e4m3 codes and scales (`fp8_quant`), which the Triton w8a8 GEMM and MoE multiply by the same
+weight tile: a product as cheap as one term there (the weight stream is the cost) and about as
+accurate as bf16 activations. CPU serving multiplies
 the dense activation by the dequantized weight (the reference) and never builds an `Fp8Rows`.
 """
 
@@ -31,11 +35,23 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting, use_triton
-from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_reference, quantize_tile
+from glm53.kernels.fp8_quant import (FP8, GROUP, dequantize_fp8_groups, quantize_fp8_groups_reference,
+                                     quantize_residual_reference, quantize_residual_tile, quantize_tile)
 from glm53.kernels.norm import rms_norm_reference
 from glm53.kernels.norm_triton import load_residual_sum
 
 M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8_gemm_cublas pads
+# Rows up to which w8a8 activations carry a second e4m3 term (`two_terms`). Greedy agreement with
+# the fp32 dequantized reference at decode steps (the trained tiny target in the GLM-5-FP8 layout,
+# 16 third-party files, CPU emulation, 2026-12-04): one term 96.3 % (fp32) / 95.5 % (bf16), two
+# terms 100.0 % / 99.7 %, weights dequantized 100.0 % / 99.6 %. Prefill sizes keep one term: there
+# the FP8 products are compute-bound and cuBLAS reads one.
+TWO_TERM_MAX_M = 64
+
+
+def two_terms(m: int) -> bool:
+    """Whether m rows quantized for a w8a8 product carry the second term (decode sizes)."""
+    return 0 < m <= TWO_TERM_MAX_M
 
 
 @dataclass(frozen=True)
@@ -43,12 +59,15 @@ class Fp8Rows:
     """x [m, K] quantized per 1×128 group: `q` [Mp, K] e4m3 and `scale` [Mp, ceil(K/128)] fp32
     column-major, Mp = m rounded up to M_ALIGN (rows from m on are unwritten padding; a product's
     padding rows are computed and dropped, one row never mixes with another). `dtype` is the dense
-    activation's: a product's output dtype when none is given."""
+    activation's: a product's output dtype when none is given. `q_lo`, `scale_lo` (same layouts):
+    the second term (`two_terms`), or None."""
 
     q: torch.Tensor
     scale: torch.Tensor
     m: int
     dtype: torch.dtype
+    q_lo: torch.Tensor | None = None
+    scale_lo: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -62,27 +81,45 @@ class Fp8Rows:
         """The m real rows (q, scale): what a product reads."""
         return self.q[: self.m], self.scale[: self.m]
 
+    def lo_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The second term's m real rows (q_lo, scale_lo), or None."""
+        return None if self.q_lo is None else (self.q_lo[: self.m], self.scale_lo[: self.m])
+
     def dequantize(self) -> torch.Tensor:
-        """fp32 [m, K] (tests; the reference of a product that reads these rows)."""
-        q, s = self.rows()
-        return q.float() * s.repeat_interleave(GROUP, dim=1)[:, : self.k]
+        """fp32 [m, K] (tests; the reference of a product that reads these rows): both terms."""
+        y = dequantize_fp8_groups(*self.rows())
+        lo = self.lo_rows()
+        return y if lo is None else y + dequantize_fp8_groups(*lo)
 
 
-def empty_rows(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp8Rows:
+def empty_rows(m: int, k: int, dtype: torch.dtype, device: torch.device, lo: bool = False) -> Fp8Rows:
     mp = -(-m // M_ALIGN) * M_ALIGN
-    q = torch.empty((mp, k), dtype=FP8, device=device)
-    s = torch.empty((-(-k // GROUP), mp), dtype=torch.float32, device=device).t()
-    return Fp8Rows(q, s, m, dtype)
+
+    def buffers():
+        return (torch.empty((mp, k), dtype=FP8, device=device),
+                torch.empty((-(-k // GROUP), mp), dtype=torch.float32, device=device).t())
+
+    return Fp8Rows(*buffers(), m, dtype, *(buffers() if lo else (None, None)))
 
 
 def _pack(y: torch.Tensor) -> Fp8Rows:
-    """Reference: y [m, K] quantized (`quantize_fp8_groups_reference`) into the padded layout."""
+    """Reference: y [m, K] quantized (`quantize_fp8_groups_reference`, and the second term where
+    `two_terms`) into the padded layout."""
     m, k = y.shape
-    rows = empty_rows(m, k, y.dtype, y.device)
+    rows = empty_rows(m, k, y.dtype, y.device, lo=two_terms(m))
     q, s = quantize_fp8_groups_reference(y)
     rows.q[:m].copy_(q)
     rows.scale[:m].copy_(s)
+    if rows.q_lo is not None:
+        ql, sl = quantize_residual_reference(y, q, s)
+        rows.q_lo[:m].copy_(ql)
+        rows.scale_lo[:m].copy_(sl)
     return rows
+
+
+def _lo_args(rows: Fp8Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second term's buffers for a kernel (the first term's when there is none: unread)."""
+    return (rows.q, rows.scale) if rows.q_lo is None else (rows.q_lo, rows.scale_lo)
 
 
 # ---- RMSNorm, quantized ------------------------------------------------------------------------
@@ -95,16 +132,17 @@ def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rms_norm_fp8_kernel(
-    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm, stride_sg,
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm, stride_sg,
     stride_a, stride_r, eps,
-    G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, EXACT_RNE: tl.constexpr,
+    G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, LO: tl.constexpr,
+    EXACT_RNE: tl.constexpr,
 ):
     """One program per row, the row loaded straight into a [NG, G] tile (group g = columns
     [g·G, (g+1)·G)), so each group's amax is a reduction along the tile's second axis: a row
     loaded flat and reshaped into groups costs a layout shuffle (measured: twice the plain norm).
     The norm is rounded to y's dtype as `rms_norm` rounds it (its sum of squares in another order),
     then each group's scale and codes as `fp8_quant` computes them. ADD: the residual sum
-    x + a, rounded to x's dtype, is written to r and normalised."""
+    x + a, rounded to x's dtype, is written to r and normalised. LO: the second term into ql/sl."""
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = col < D
@@ -117,10 +155,15 @@ def _rms_norm_fp8_kernel(
     y = (w * n).to(y_ptr.dtype.element_ty)
     if DENSE:
         tl.store(y_ptr + row * stride_y + col, y, mask=mask)
-    codes, scale = quantize_tile(y.to(tl.float32), EXACT_RNE)  # masked columns are 0
+    yf = y.to(tl.float32)
+    codes, scale = quantize_tile(yf, EXACT_RNE)  # masked columns are 0
     tl.store(q_ptr + row * stride_q + col, codes, mask=mask)
     g = tl.arange(0, NG)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
+    if LO:
+        codes, scale = quantize_residual_tile(yf, codes, scale, EXACT_RNE)
+        tl.store(ql_ptr + row * stride_q + col, codes, mask=mask)
+        tl.store(sl_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
 
 
 def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense: bool = False,
@@ -131,7 +174,7 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense
     m, D = x.shape
     assert weight.shape == (D,) and x.stride(1) == 1, (x.shape, x.stride(), weight.shape)
     dtype = torch.promote_types(x.dtype, weight.dtype)
-    rows = empty_rows(m, D, dtype, x.device)
+    rows = empty_rows(m, D, dtype, x.device, lo=two_terms(m))
     y = torch.empty((m, D) if dense else (1, 1), dtype=dtype, device=x.device)
     a = r = y  # unused without `add`
     if add is not None:
@@ -140,9 +183,10 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense
     if m:
         ng = triton.next_power_of_2(triton.cdiv(D, GROUP))
         _rms_norm_fp8_kernel[(m,)](
-            x, weight, y, rows.q, rows.scale, a, r, D, x.stride(0), y.stride(0), rows.q.stride(0),
+            x, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, D, x.stride(0), y.stride(0), rows.q.stride(0),
             rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), eps,
-            G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, EXACT_RNE=triton_interpreting(),
+            G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, LO=rows.q_lo is not None,
+            EXACT_RNE=triton_interpreting(),
             num_warps=num_warps or max(1, min(16, ng * GROUP // 512)),
         )
     out = (y if dense else None), rows
@@ -176,11 +220,12 @@ def silu_mul_fp8_reference(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
 
 @triton.jit(do_not_specialize=["M"])
 def _silu_mul_fp8_kernel(
-    g_ptr, u_ptr, q_ptr, s_ptr, M, I, stride_g, stride_u, stride_q, stride_sm, stride_sg,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, EXACT_RNE: tl.constexpr,
+    g_ptr, u_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, M, I, stride_g, stride_u, stride_q, stride_sm, stride_sg,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, LO: tl.constexpr, EXACT_RNE: tl.constexpr,
 ):
     """One program: BLOCK_M rows × one group of G columns of h. silu rounds to the dtype before
-    the product, and the product rounds again, as torch's two bf16 ops do."""
+    the product, and the product rounds again, as torch's two bf16 ops do. LO: the second term
+    into ql/sl."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     grp = tl.program_id(1)
     cols = grp * G + tl.arange(0, G)
@@ -195,6 +240,10 @@ def _silu_mul_fp8_kernel(
     codes, scale = quantize_tile(h, EXACT_RNE)
     tl.store(q_ptr + r64 * stride_q + cols[None, :], codes, mask=m)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + grp * stride_sg, scale, mask=rm)
+    if LO:
+        codes, scale = quantize_residual_tile(h, codes, scale, EXACT_RNE)
+        tl.store(ql_ptr + r64 * stride_q + cols[None, :], codes, mask=m)
+        tl.store(sl_ptr + rows.to(tl.int64) * stride_sm + grp * stride_sg, scale, mask=rm)
 
 
 def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
@@ -203,13 +252,13 @@ def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
     m, inter = gate.shape
     assert up.shape == gate.shape and up.dtype == gate.dtype, (gate.shape, up.shape, gate.dtype, up.dtype)
     assert gate.stride(1) == 1 and up.stride(1) == 1, (gate.stride(), up.stride())
-    rows = empty_rows(m, inter, gate.dtype, gate.device)
+    rows = empty_rows(m, inter, gate.dtype, gate.device, lo=two_terms(m))
     if m:
         block_m = max(1, min(32, triton.next_power_of_2(m)))
         _silu_mul_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(inter, GROUP))](
-            gate, up, rows.q, rows.scale, m, inter, gate.stride(0), up.stride(0), rows.q.stride(0),
+            gate, up, rows.q, rows.scale, *_lo_args(rows), m, inter, gate.stride(0), up.stride(0), rows.q.stride(0),
             rows.scale.stride(0), rows.scale.stride(1),
-            G=GROUP, BLOCK_M=block_m, EXACT_RNE=triton_interpreting(), num_warps=4,
+            G=GROUP, BLOCK_M=block_m, LO=rows.q_lo is not None, EXACT_RNE=triton_interpreting(), num_warps=4,
         )
     return rows
 

@@ -9,6 +9,7 @@ GPU by the rows M = x.numel() / K (`fp8_variant`):
     M >= CUBLAS_MIN_M  ->  cublas: x quantized per 1×128 group, cuBLAS's blockwise-scaled FP8
                            GEMM (`fp8_gemm_cublas.py`), where the GPU and the shape allow it
     otherwise          ->  w8a8: x quantized per 1×128 group, the block-scaled Triton FP8 GEMM
+                           (at decode sizes with a second e4m3 term, `fp8_act.two_terms`)
 
 Decode reads the weights and little else, so the variant that wastes no launch and no rounding
 on the activations should win there, and the FP8 tensor cores (twice the bf16 rate) win once the
@@ -94,9 +95,10 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
 def fp8_gemm_rows(x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y [m, N] = rows @ dequant(w, w_scale)^T for rows a producer quantized (`fp8_act`): cuBLAS
-    or the Triton w8a8 GEMM by `fp8_variant` (never w8a16: `takes_fp8_rows` quantizes
-    only for the other two); off the GPU, the dequantized rows times the dequantized weight."""
+    """y [m, N] = rows @ dequant(w, w_scale)^T for rows a producer quantized (`fp8_act`; both terms
+    where it wrote two): cuBLAS or the Triton w8a8 GEMM by `fp8_variant` (never w8a16:
+    `takes_fp8_rows` quantizes only for the other two); off the GPU, the dequantized rows times
+    the dequantized weight."""
     out_dtype = out_dtype or x.dtype
     q, s = x.rows()
     if not use_triton(q):
@@ -106,7 +108,12 @@ def fp8_gemm_rows(x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
     if variant == "cublas":
         from glm53.kernels.fp8_gemm_cublas import scaled_mm
 
-        return scaled_mm(x.q, x.scale, w, w_scale, out_dtype)[: x.m]
+        if x.q_lo is None:
+            return scaled_mm(x.q, x.scale, w, w_scale, out_dtype)[: x.m]
+        # rows with a second term reach cuBLAS only where TWO_TERM_MAX_M was raised past
+        # CUBLAS_MIN_M: two products (cuBLAS's blockwise scaling writes bf16), summed in fp32
+        hi = scaled_mm(x.q, x.scale, w, w_scale, out_dtype)[: x.m]
+        return (hi.float() + scaled_mm(x.q_lo, x.scale_lo, w, w_scale, out_dtype)[: x.m].float()).to(out_dtype)
     from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8_quantized
 
-    return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype)
+    return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype, lo=x.lo_rows())

@@ -7,6 +7,9 @@ One kernel, two operand modes (a constexpr), so the two decode candidates differ
   partial product (fp32) is scaled by a_scale[m, kb] · w_scale[nb, kb] and added to an fp32
   accumulator (DeepSeek-V3's promotion: Hopper's FP8 MMA accumulates with reduced precision, so
   no partial sum spans more than one scale block);
+  With LO the activation carries a second term (its residual's e4m3 codes and scales, `fp8_act`,
+  decode sizes): each K step multiplies the same weight tile by both codes, and the two partials,
+  each scaled by its own activation scale, join the accumulator together;
 - w8a16 (`fp8_gemm_w8a16`, dequantize in the kernel): x stays in its dtype (bf16), the e4m3
   weight tile is widened to it in registers (exact) and each block's partial product is scaled by
   w_scale[nb, kb]; no activation rounding, no extra launch.
@@ -30,6 +33,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
+from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
@@ -91,10 +95,10 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
 # config (`default_config`, a few M classes) alone picks the compiled variant (kernels/variants.py).
 @triton.jit(do_not_specialize=["M", "stride_ysplit"])
 def _block_fp8_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, y_ptr,
+    a_ptr, as_ptr, al_ptr, als_ptr, w_ptr, ws_ptr, y_ptr,
     M, N, K, k_per_split,
     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_ym, stride_ysplit,
-    A_FP8: tl.constexpr, SB: tl.constexpr,
+    A_FP8: tl.constexpr, LO: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -115,25 +119,34 @@ def _block_fp8_gemm_kernel(
     rk = tl.arange(0, BK)
     k_lo = sk * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    a_ptrs = a_ptr + rm_in[:, None] * stride_am + (k_lo + rk)[None, :]
+    a_off = rm_in[:, None] * stride_am + (k_lo + rk)[None, :]
+    a_ptrs = a_ptr + a_off
+    al_ptrs = al_ptr + a_off  # the second term: a's layout (read only with LO)
     w_ptrs = w_ptr + rn_in[None, :] * stride_wn + (k_lo + rk)[:, None]
     if BN <= SB:  # the tile lies in one scale row block: one scalar per K step
         ws_row = ws_ptr + (pn * BN // SB).to(tl.int64) * stride_wsn
     else:
         ws_row = ws_ptr + (rn_in // SB) * stride_wsn
     as_row = as_ptr + rm_in * stride_asm
+    als_row = als_ptr + rm_in * stride_asm
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
+            if LO:
+                al = tl.load(al_ptrs)
         else:
             kin = (k0 + rk) < K
             a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
+            if LO:
+                al = tl.load(al_ptrs, mask=kin[None, :], other=0.0)
         if DOT_F32:  # the interpreter: widen both (exact) and multiply in fp32
             a = a.to(tl.float32)
             w = w.to(tl.float32)
+            if LO:
+                al = al.to(tl.float32)
         elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             w = w.to(a_ptr.dtype.element_ty)
         part = tl.dot(a, w, input_precision=PRECISION)
@@ -141,7 +154,14 @@ def _block_fp8_gemm_kernel(
         ws = tl.load(ws_row + kb)
         if A_FP8:
             xs = tl.load(as_row + kb * stride_ask)
-            if BN <= SB:
+            if LO:  # both terms' partials, each by its own scale, join the accumulator together
+                part = part * xs[:, None] + tl.dot(al, w, input_precision=PRECISION) * tl.load(
+                    als_row + kb * stride_ask)[:, None]
+                if BN <= SB:
+                    acc += part * ws
+                else:
+                    acc += part * ws[None, :]
+            elif BN <= SB:
                 acc += part * (xs * ws)[:, None]
             else:
                 acc += part * xs[:, None] * ws[None, :]
@@ -151,6 +171,7 @@ def _block_fp8_gemm_kernel(
             else:
                 acc += part * ws[None, :]
         a_ptrs += BK
+        al_ptrs += BK
         w_ptrs += BK
     y_ptrs = y_ptr + sk.to(tl.int64) * stride_ysplit + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
@@ -174,8 +195,12 @@ def k_splits(K: int, split_k: int) -> tuple[int, int]:
     return triton.cdiv(K, k_per_split), k_per_split
 
 
-def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: bool) -> torch.Tensor:
+def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: bool,
+            lo: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     assert SB % cfg.BK == 0 and cfg.BN & (cfg.BN - 1) == 0, cfg
+    if lo is not None:
+        assert lo[0].shape == a.shape and lo[0].stride() == a.stride() and lo[0].dtype == a.dtype, "lo codes: a's layout"
+        assert lo[1].shape == a_scale.shape and lo[1].stride() == a_scale.stride(), "lo scales: a_scale's layout"
     split, k_per_split = k_splits(K, cfg.SPLIT_K)
     if split == 1:
         y = torch.empty((M, N), dtype=out_dtype, device=a.device)
@@ -184,10 +209,10 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
     interp = triton_interpreting()
     grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), split)
     _block_fp8_gemm_kernel[grid](
-        a, a_scale, w, w_scale, y, M, N, K, k_per_split,
+        a, a_scale, *(lo or (a, a_scale)), w, w_scale, y, M, N, K, k_per_split,
         a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0), w_scale.stride(0), y.stride(-2),
         y.stride(0) if split > 1 else 0,
-        A_FP8=a_fp8, SB=SB, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        A_FP8=a_fp8, LO=lo is not None, SB=SB, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
         EVEN_K=K % cfg.BK == 0, DOT_F32=interp,
         PRECISION=dot_precision(torch.float32 if interp else a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -241,21 +266,33 @@ def fp8_gemm_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
 def fp8_gemm_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                   out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
-                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Activations quantized per 1×128 group (`quantize_fp8_groups`), then the block-scaled FP8
-    GEMM. x [..., K] any float dtype; `x_fp8` = (q [M, K] e4m3, scale [M, ceil(K/128)] fp32) when
-    the caller already holds x quantized (then x only gives the shape and default out dtype)."""
+                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  lo: bool | None = None) -> torch.Tensor:
+    """Activations quantized per 1×128 group (`quantize_fp8_groups`; with the second term where
+    `lo`, by default `fp8_act.two_terms(M)`), then the block-scaled FP8 GEMM. x [..., K] any float
+    dtype; `x_fp8` = (q [M, K] e4m3, scale [M, ceil(K/128)] fp32) when the caller already holds x
+    quantized (then x only gives the shape and default out dtype, and one term is read)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    q, s = quantize_fp8_groups_triton(x.reshape(-1, K), SB) if x_fp8 is None else x_fp8
+    x_lo = None
+    if x_fp8 is None:
+        x2 = x.reshape(-1, K)
+        q = torch.empty((x2.shape[0], K), dtype=FP8, device=x.device)
+        s = torch.empty((x2.shape[0], triton.cdiv(K, SB)), dtype=torch.float32, device=x.device)
+        if two_terms(x2.shape[0]) if lo is None else lo:
+            x_lo = (torch.empty_like(q), torch.empty_like(s))
+        quantize_fp8_groups_triton(x2, SB, out=(q, s), lo=x_lo)
+    else:
+        q, s = x_fp8
     assert q.shape[0] == x.numel() // K, (q.shape, x.shape)
-    return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype or x.dtype, config).view(*lead, w.shape[0])
+    return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype or x.dtype, config, lo=x_lo).view(*lead, w.shape[0])
 
 
 def fp8_gemm_w8a8_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                            out_dtype: torch.dtype, config: GemmConfig | None = None) -> torch.Tensor:
+                            out_dtype: torch.dtype, config: GemmConfig | None = None,
+                            lo: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The block-scaled FP8 GEMM on activations already quantized: q [M, K] e4m3 (unit column
     stride), s [M, ceil(K/128)] fp32 (any strides: `fp8_act.Fp8Rows` holds them column-major)
-    -> [M, N] in out_dtype."""
+    -> [M, N] in out_dtype. `lo`: the second term (q's and s's layouts), multiplied too."""
     M, K = q.shape
     N = _check_weight(w, w_scale, K)
     assert q.dtype == FP8 and q.stride(1) == 1, (q.dtype, q.stride())
@@ -263,4 +300,4 @@ def fp8_gemm_w8a8_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w
     if M == 0:
         return torch.empty((0, N), dtype=out_dtype, device=q.device)
     cfg = config or default_config(M, N, K, a_fp8=True, device=q.device)
-    return _launch(q, s, w, w_scale, M, N, K, out_dtype, cfg, a_fp8=True)
+    return _launch(q, s, w, w_scale, M, N, K, out_dtype, cfg, a_fp8=True, lo=lo)

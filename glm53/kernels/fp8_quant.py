@@ -23,6 +23,15 @@ backend rounds an fp32 product the same way, and an IEEE division per element ma
 RMSNorm cost twice the plain one on the H200 (51 vs 24 µs at 4096 × 6144). Scales
 are [M, ceil(K/G)] fp32, row-major.
 
+A second term (decode sizes, `fp8_act.two_terms`): the residual r = x - q · scale (fp32) quantized
+by the same rule into its own codes and scales (`quantize_residual_reference`), so that
+x ≈ q · scale + q_lo · scale_lo with a relative error of about 2^-8, bf16's, where one term keeps
+2^-4. A w8a8 product then multiplies the same FP8 weight tile by both codes: twice the (idle)
+tensor-core work, the same weight bytes. The kernels compute r with the GPU's multiply-add, which may
+round the product q · scale differently from the reference's separate product and difference: a
+code of the second term may then differ by one step, an error of 2^-4 of a residual that is itself
+2^-4 of x (the tests compare the second term's dequantized values, not its codes).
+
 The Triton kernel computes the same two divisions with IEEE rounding (`tl.math.div_rn`), the same
 product and the same e4m3 conversion, so its q and scales are bit-identical to the reference. (Under
 TRITON_INTERPRET=1 the interpreter's fp32 → e4m3 cast mis-rounds a value whose rounding carries
@@ -88,6 +97,12 @@ def quantize_fp8_groups_reference(x: torch.Tensor, group: int = GROUP) -> tuple[
     return q.contiguous(), scale
 
 
+def quantize_residual_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                                group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second term: r = x - dequant(q, scale) in fp32, quantized by the same rule."""
+    return quantize_fp8_groups_reference(x.float() - dequantize_fp8_groups(q, scale, group), group)
+
+
 def dequantize_fp8_groups(q: torch.Tensor, scale: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """(q [M, K] e4m3, scale [M, ceil(K/group)]) -> fp32 [M, K]."""
     K = q.shape[-1]
@@ -121,13 +136,21 @@ def quantize_tile(x, EXACT_RNE: tl.constexpr):
     return _to_e4m3(v, EXACT_RNE), scale
 
 
+@triton.jit
+def quantize_residual_tile(x, codes, scale, EXACT_RNE: tl.constexpr):
+    """The second term of x [R, G] fp32 after `quantize_tile` gave (codes, scale): the residual
+    x - codes · scale quantized by the same rule -> (codes [R, G], scales [R])."""
+    return quantize_tile(x - codes.to(tl.float32) * scale[:, None], EXACT_RNE)
+
+
 @triton.jit(do_not_specialize=["M"])  # the rows follow the token count
 def _quant_groups_kernel(
-    x_ptr, q_ptr, s_ptr, M, K,
+    x_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, M, K,
     stride_xm, stride_qm, stride_sm, stride_sg,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, EXACT_RNE: tl.constexpr,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, LO: tl.constexpr, EXACT_RNE: tl.constexpr,
 ):
-    """One program: BLOCK_M rows × one group of G columns (BLOCK_G = next_pow2(G))."""
+    """One program: BLOCK_M rows × one group of G columns (BLOCK_G = next_pow2(G)). LO: the second
+    term too, into ql/sl (the strides of q/s)."""
     pm = tl.program_id(0)
     g = tl.program_id(1)
     rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -139,14 +162,21 @@ def _quant_groups_kernel(
     codes, scale = quantize_tile(x, EXACT_RNE)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], codes, mask=m)
     tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g * stride_sg, scale, mask=rm)
+    if LO:
+        codes, scale = quantize_residual_tile(x, codes, scale, EXACT_RNE)
+        tl.store(ql_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], codes, mask=m)
+        tl.store(sl_ptr + rows.to(tl.int64) * stride_sm + g * stride_sg, scale, mask=rm)
 
 
 def quantize_fp8_groups_triton(
-    x: torch.Tensor, group: int = GROUP, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    x: torch.Tensor, group: int = GROUP, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lo: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel: same contract and bits as `quantize_fp8_groups_reference`. `out` = (q, scale)
     preallocated (q [M, K] e4m3 with unit column stride, scale [M, ceil(K/group)] fp32, any strides:
-    cuBLAS's blockwise FP8 GEMM wants the scales column-major, `fp8_gemm_cublas`)."""
+    cuBLAS's blockwise FP8 GEMM wants the scales column-major, `fp8_gemm_cublas`). `lo` = buffers
+    of q's and scale's shapes and strides for the second term (`quantize_residual_reference`),
+    written in the same pass."""
     M, K = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -158,14 +188,18 @@ def quantize_fp8_groups_triton(
         q, s = out
         assert q.shape == (M, K) and q.dtype == FP8 and q.stride(1) == 1, (q.shape, q.dtype, q.stride())
         assert s.shape == (M, kb) and s.dtype == torch.float32, (s.shape, s.dtype)
+    if lo is not None:
+        assert lo[0].shape == q.shape and lo[0].stride() == q.stride() and lo[0].dtype == FP8, "lo codes: q's layout"
+        assert lo[1].shape == s.shape and lo[1].stride() == s.stride(), "lo scales: scale's layout"
+    ql, sl = lo if lo is not None else (q, s)
     if M == 0 or K == 0:
         return q, s
     block_g = triton.next_power_of_2(group)
     # the interpreter pays per program: one row tile of up to 256 rows there
     block_m = max(1, min(256 if triton_interpreting() else 4096 // block_g, triton.next_power_of_2(M)))
     _quant_groups_kernel[(triton.cdiv(M, block_m), kb)](
-        x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-        G=group, BLOCK_M=block_m, BLOCK_G=block_g, EXACT_RNE=triton_interpreting(), num_warps=4,
+        x, q, s, ql, sl, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+        G=group, BLOCK_M=block_m, BLOCK_G=block_g, LO=lo is not None, EXACT_RNE=triton_interpreting(), num_warps=4,
     )
     return q, s
 

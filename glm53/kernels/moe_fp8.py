@@ -87,6 +87,7 @@ def moe_experts_fp8(
         from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 
         variant = moe_fp8_variant(x.shape[0])
-        x_fp8 = x_rows.rows() if x_rows is not None and variant == "w8a8" else None
-        return moe_experts_fp8_triton(*args, variant=variant, x_fp8=x_fp8)
+        if x_rows is None or variant != "w8a8":
+            return moe_experts_fp8_triton(*args, variant=variant)
+        return moe_experts_fp8_triton(*args, variant=variant, x_fp8=x_rows.rows(), x_lo=x_rows.lo_rows())
     return moe_experts_fp8_reference(*args)

@@ -13,7 +13,10 @@ as `fp8_gemm_triton` (the choice at decode sizes is measured by benchmarks/fp8_g
 - "w8a8": x is quantized per 1×128 group once per token (`quantize_fp8_groups`, before the
   gather); the gate+up kernel quantizes h in its epilogue (its column tile is one 128-wide group,
   so BN1 = 128) and writes h as e4m3 plus [N·k, ceil(I/128)] scales; both GEMMs multiply FP8 by FP8
-  and scale each K block's partial by a_scale[row, kb] · w_scale[nb, kb].
+  and scale each K block's partial by a_scale[row, kb] · w_scale[nb, kb]. At decode sizes
+  (`fp8_act.two_terms` of the token count) x and h carry a second e4m3 term (the residual's codes
+  and scales, `fp8_quant`): each K step multiplies the weight tiles by both, each partial scaled by
+  its own activation scale; the gate+up epilogue writes h's two terms.
 
 Weight layouts: gate and up [E, I, H] with scales [E, ceil(I/128), ceil(H/128)] each (the model's
 `Experts`), or one fused gate_up [E, 2I, H] (gate rows, then up rows) with scales
@@ -29,8 +32,9 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
+from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_gemm_triton import k_splits
-from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton, quantize_tile
+from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton, quantize_residual_tile, quantize_tile
 from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing
 
 SB = GROUP
@@ -80,12 +84,12 @@ def default_fp8_config(n_pairs: int, n_experts: int, variant: str, inter: int = 
 
 @triton.jit(do_not_specialize=["n_blocks"])  # follows the token count
 def _gate_up_fp8_kernel(
-    x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, hs_ptr, order_ptr, seg_ptr, cum_ptr, part_ptr, cnt_ptr,
+    x_ptr, xs_ptr, xl_ptr, xls_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, hs_ptr, hl_ptr, hls_ptr, order_ptr, seg_ptr, cum_ptr, part_ptr, cnt_ptr,
     n_blocks, H, I, TOPK, UP_ROW0, k_per_split,
     stride_xn, stride_xsn, stride_xsk, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_hsm,
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-    A_FP8: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
+    A_FP8: tl.constexpr, X_LO: tl.constexpr, H_LO: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -101,7 +105,9 @@ def _gate_up_fp8_kernel(
     n_in = n % I  # columns past I re-read real rows (no mask); they are not stored
     k = tl.arange(0, BK)
     e64 = e.to(tl.int64)
-    a_ptrs = x_ptr + tok[:, None] * stride_xn + k_lo + k[None, :]
+    a_off = tok[:, None] * stride_xn + k_lo + k[None, :]
+    a_ptrs = x_ptr + a_off
+    al_ptrs = xl_ptr + a_off  # x's second term: x's layout (read only with X_LO)
     w_off = e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wi + k_lo + k[:, None]
     g_ptrs = wg_ptr + w_off
     u_ptrs = wu_ptr + w_off
@@ -112,6 +118,7 @@ def _gate_up_fp8_kernel(
         sg_row = sg_ptr + e64 * stride_se + (n_in // SB) * stride_si
         su_row = su_ptr + e64 * stride_se + ((UP_ROW0 + n_in) // SB) * stride_si
     xs_row = xs_ptr + tok * stride_xsn
+    xls_row = xls_ptr + tok * stride_xsn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(H, k_lo + k_per_split), BK):
@@ -119,15 +126,21 @@ def _gate_up_fp8_kernel(
             a = tl.load(a_ptrs)
             wg = tl.load(g_ptrs)
             wu = tl.load(u_ptrs)
+            if X_LO:
+                al = tl.load(al_ptrs)
         else:
             kin = (k0 + k) < H
             a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=kin[:, None], other=0.0)
             wu = tl.load(u_ptrs, mask=kin[:, None], other=0.0)
+            if X_LO:
+                al = tl.load(al_ptrs, mask=kin[None, :], other=0.0)
         if DOT_F32:  # the interpreter: widen (exact), multiply in fp32
             a = a.to(tl.float32)
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
+            if X_LO:
+                al = al.to(tl.float32)
         elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             wg = wg.to(x_ptr.dtype.element_ty)
             wu = wu.to(x_ptr.dtype.element_ty)
@@ -140,7 +153,12 @@ def _gate_up_fp8_kernel(
         else:
             gs = tl.load(sg_row + kb)[None, :]
             us = tl.load(su_row + kb)[None, :]
-        if A_FP8:
+        if X_LO:  # both terms' partials, each by its own scale, then the weight's
+            xs = tl.load(xs_row + kb * stride_xsk)[:, None]
+            xls = tl.load(xls_row + kb * stride_xsk)[:, None]
+            acc_g += (pg * xs + tl.dot(al, wg, input_precision=PRECISION) * xls) * gs
+            acc_u += (pu * xs + tl.dot(al, wu, input_precision=PRECISION) * xls) * us
+        elif A_FP8:
             xs = tl.load(xs_row + kb * stride_xsk)[:, None]
             acc_g += pg * (xs * gs)
             acc_u += pu * (xs * us)
@@ -148,6 +166,7 @@ def _gate_up_fp8_kernel(
             acc_g += pg * gs
             acc_u += pu * us
         a_ptrs += BK
+        al_ptrs += BK
         g_ptrs += BK
         u_ptrs += BK
     if SPLIT_K > 1:
@@ -173,21 +192,27 @@ def _gate_up_fp8_kernel(
     keep = valid[:, None] & (n < I)[None, :]
     h_ptrs = h_ptr + pos[:, None].to(tl.int64) * stride_hm + n[None, :]
     if A_FP8:  # quantize h: this tile (BN = 128) is group nt of each of its rows
-        codes, scale = quantize_tile(tl.where((n < I)[None, :], h, 0.0), EXACT_RNE)
+        h = tl.where((n < I)[None, :], h, 0.0)
+        codes, scale = quantize_tile(h, EXACT_RNE)
         tl.store(h_ptrs, codes, mask=keep)
         tl.store(hs_ptr + pos.to(tl.int64) * stride_hsm + nt, scale, mask=valid)
+        if H_LO:  # and its second term
+            codes, scale = quantize_residual_tile(h, codes, scale, EXACT_RNE)
+            tl.store(hl_ptr + pos[:, None].to(tl.int64) * stride_hm + n[None, :], codes, mask=keep)
+            tl.store(hls_ptr + pos.to(tl.int64) * stride_hsm + nt, scale, mask=valid)
     else:
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _down_fp8_kernel(
-    h_ptr, hs_ptr, wd_ptr, sd_ptr, y_ptr, rw_ptr, order_ptr, seg_ptr, cum_ptr,
+    h_ptr, hs_ptr, hl_ptr, hls_ptr, wd_ptr, sd_ptr, y_ptr, rw_ptr, order_ptr, seg_ptr, cum_ptr,
     n_blocks, H, I,
     stride_hm, stride_hsm, stride_we, stride_wh, stride_se, stride_sh, stride_ym,
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    A_FP8: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    A_FP8: tl.constexpr, H_LO: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     e, nt, pos, valid = block_tile(tl.program_id(0), n_blocks, (H + BN - 1) // BN, seg_ptr, cum_ptr,
                                    E, BLOCK_E, BM, GROUP_M)
@@ -200,24 +225,32 @@ def _down_fp8_kernel(
     pos64 = pos.to(tl.int64)
     # a last block's rows past the segment (and past N·k) are masked: never read, never stored
     a_ptrs = h_ptr + pos64[:, None] * stride_hm + k[None, :]
+    al_ptrs = hl_ptr + pos64[:, None] * stride_hm + k[None, :]  # h's second term (H_LO)
     w_ptrs = wd_ptr + e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wh + k[:, None]
     if BN <= SB:
         sd_row = sd_ptr + e64 * stride_se + (nt * BN // SB) * stride_sh
     else:
         sd_row = sd_ptr + e64 * stride_se + (n_in // SB) * stride_sh
     hs_row = hs_ptr + pos64 * stride_hsm
+    hls_row = hls_ptr + pos64 * stride_hsm
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             w = tl.load(w_ptrs)
+            if H_LO:
+                al = tl.load(al_ptrs, mask=valid[:, None], other=0.0)
         else:
             kin = (k0 + k) < I
             a = tl.load(a_ptrs, mask=valid[:, None] & kin[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
+            if H_LO:
+                al = tl.load(al_ptrs, mask=valid[:, None] & kin[None, :], other=0.0)
         if DOT_F32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
+            if H_LO:
+                al = al.to(tl.float32)
         elif not A_FP8:
             w = w.to(h_ptr.dtype.element_ty)
         part = tl.dot(a, w, input_precision=PRECISION)
@@ -226,11 +259,16 @@ def _down_fp8_kernel(
             ws = tl.load(sd_row + kb)
         else:
             ws = tl.load(sd_row + kb)[None, :]
-        if A_FP8:
+        if H_LO:
+            part = part * tl.load(hs_row + kb, mask=valid, other=0.0)[:, None] + tl.dot(
+                al, w, input_precision=PRECISION) * tl.load(hls_row + kb, mask=valid, other=0.0)[:, None]
+            acc += part * ws
+        elif A_FP8:
             acc += part * (tl.load(hs_row + kb, mask=valid, other=0.0)[:, None] * ws)
         else:
             acc += part * ws
         a_ptrs += BK
+        al_ptrs += BK
         w_ptrs += BK
     pair = tl.load(order_ptr + pos, mask=valid, other=0)
     rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
@@ -260,11 +298,15 @@ def moe_experts_fp8_triton(
     variant: str = "w8a16",
     config: MoEConfig | None = None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x_lo: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lo: bool | None = None,
 ) -> torch.Tensor:
     """x [N, H] (bf16/fp16/fp32); weights [N, k] fp32; ids [N, k] in [0, E) (not checked: that
     would need a host sync); experts in the module docstring's layouts; variant "w8a16" or
     "w8a8". Returns [N, H] in x's dtype. `x_fp8` = x already quantized per 1×128 group (q [N, H]
-    e4m3, scales [N, ceil(H/128)] fp32, any strides: `fp8_act.Fp8Rows.rows()`), read by w8a8."""
+    e4m3, scales [N, ceil(H/128)] fp32, any strides: `fp8_act.Fp8Rows.rows()`), read by w8a8;
+    `x_lo` its second term (`Fp8Rows.lo_rows()`), if any. `lo` (default `two_terms(N)`): w8a8
+    carries the second term of h, and of x where this function quantizes it."""
     assert variant in VARIANTS, variant
     N, H = x.shape
     k = ids.shape[1]
@@ -294,15 +336,26 @@ def moe_experts_fp8_triton(
     plan = plan_routing(ids, E, cfg.BM)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     interp = triton_interpreting()
+    lo = a_fp8 and (two_terms(N) if lo is None else lo)
     if a_fp8:
-        xa, xs = quantize_fp8_groups_triton(x, SB) if x_fp8 is None else x_fp8
+        if x_fp8 is None:
+            xa = torch.empty((N, H), dtype=FP8, device=x.device)
+            xs = torch.empty((N, triton.cdiv(H, SB)), dtype=torch.float32, device=x.device)
+            x_lo = (torch.empty_like(xa), torch.empty_like(xs)) if lo else None
+            quantize_fp8_groups_triton(x, SB, out=(xa, xs), lo=x_lo)
+        else:
+            xa, xs = x_fp8
         assert xa.shape == x.shape and xa.stride(1) == 1 and xs.shape == (N, triton.cdiv(H, SB)), (xa.shape, xs.shape)
+        if x_lo is not None:
+            assert x_lo[0].stride() == xa.stride() and x_lo[1].stride() == xs.stride(), "x_lo: x_fp8's layout"
         h = torch.empty((M, I), dtype=FP8, device=x.device)
         hs = torch.empty((M, triton.cdiv(I, SB)), dtype=torch.float32, device=x.device)
     else:
         xa, xs = x, x  # xs unused
         h = torch.empty((M, I), dtype=x.dtype, device=x.device)
         hs = h  # unused
+        x_lo = None
+    hl, hls = (torch.empty_like(h), torch.empty_like(hs)) if lo else (h, hs)  # unread without H_LO
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     common = dict(E=E, BLOCK_E=plan.block_e, SB=SB, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M, A_FP8=a_fp8,
                   DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
@@ -315,19 +368,19 @@ def moe_experts_fp8_triton(
     else:
         part = count = rw  # unused
     _gate_up_fp8_kernel[(tiles, split)](
-        xa, xs, gate, up, gate_scale, up_scale, h, hs, plan.order, plan.seg, plan.cum, part, count,
+        xa, xs, *(x_lo or (xa, xs)), gate, up, gate_scale, up_scale, h, hs, hl, hls, plan.order, plan.seg, plan.cum, part, count,
         plan.n_blocks, H, I, k, up_row0, k_per_split,
         xa.stride(0), xs.stride(0), xs.stride(1), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1),
         h.stride(0), hs.stride(0),
-        BN=cfg.BN1, SPLIT_K=split, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
+        BN=cfg.BN1, SPLIT_K=split, X_LO=x_lo is not None, H_LO=lo, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
         EXACT_RNE=interp, **common,
     )
     _down_fp8_kernel[(plan.n_blocks * triton.cdiv(H, cfg.BN2),)](
-        h, hs, down, down_scale, y, rw, plan.order, plan.seg, plan.cum,
+        h, hs, hl, hls, down, down_scale, y, rw, plan.order, plan.seg, plan.cum,
         plan.n_blocks, H, I,
         h.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         y.stride(0),
-        BN=cfg.BN2, EVEN_K=I % cfg.BK == 0, **common,
+        BN=cfg.BN2, H_LO=lo, EVEN_K=I % cfg.BK == 0, **common,
     )
     # the k contributions of each token, summed in fp32 in a fixed order (deterministic)
     return y.view(N, k, H).sum(1, dtype=torch.float32).to(x.dtype)

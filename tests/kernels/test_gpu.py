@@ -267,7 +267,7 @@ def test_fp8_gemm_rows_glm5(M, N, K):
     fp8_cases.check_gemm_rows(M, N, K, device=DEV)
 
 
-@pytest.mark.parametrize("N", [65, 4096])  # the routed experts' w8a8 sizes
+@pytest.mark.parametrize("N", [8, 65, 4096])  # the routed experts' w8a8 sizes (8: two terms)
 def test_moe_fp8_reads_norm_rows_glm5(N):
     c = fp8_cases.GLM5_TP8_EXPERTS
     fp8_cases.check_moe_rows(N, c["H"], c["I"], c["E"], c["k"], device=DEV)

@@ -619,7 +619,7 @@ def test_tracked_operands_train_through_the_reference():
 
 # ---- producers that quantize for the w8a8 products after them (kernels/fp8_act) ---------------
 @pytest.mark.parametrize("M,D,dtype,dense", [(5, 300, torch.bfloat16, True), (17, 576, torch.float32, False),
-                                             (2, 256, torch.bfloat16, False)])
+                                             (2, 256, torch.bfloat16, False), (70, 256, torch.float32, True)])
 def test_rms_norm_fp8(M, D, dtype, dense):
     fp8_cases.check_rms_norm_fp8(M, D, dtype, dense=dense)
 
@@ -629,13 +629,24 @@ def test_silu_mul_fp8(M, inter, dtype):
     fp8_cases.check_silu_mul_fp8(M, inter, dtype)
 
 
-@pytest.mark.parametrize("M", [33, 70])  # w8a8 (the interpreter has no cuBLAS)
+@pytest.mark.parametrize("M", [33, 70])  # w8a8 (the interpreter has no cuBLAS): two terms, one
 def test_fp8_gemm_rows(M):
     fp8_cases.check_gemm_rows(M, 136, 300)
 
 
-def test_moe_fp8_reads_norm_rows():
-    fp8_cases.check_moe_rows(19, 256, 128, 4, 2)
+@pytest.mark.parametrize("N", [19, 70])  # two terms, one
+def test_moe_fp8_reads_norm_rows(N):
+    fp8_cases.check_moe_rows(N, 256, 128, 4, 2)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("lo", [False, True])
+def test_fp8_w8a8_terms_either_way(lo):
+    # the second term forced off and on at a size the rule gives two (5) and one (70): each against
+    # its own emulation, and with two terms within 1e-2 of the exact product (one term: ~2.5e-2)
+    fp8_cases.check_gemm(5, 200, 300, torch.float32, "w8a8", "mixed", lo=lo)
+    fp8_cases.check_gemm(70, 72, 256, torch.bfloat16, "w8a8", lo=lo)
+    fp8_cases.check_moe_fp8(5, 200, 96, 8, 3, torch.float32, "w8a8", fused=True, n_empty=2, lo=lo)
 
 
 @pytest.mark.parametrize("M,D,dtype", [(5, 300, torch.bfloat16), (3, 256, torch.float32)])
@@ -680,6 +691,6 @@ def test_moe_layer_shared_expert_in_stack(tmp_path, monkeypatch, fp8):
         st = e.stacks
         emulated = fp8_cases._moe_emulated((x, weights, ids, st["gate_proj"], st["gate_proj_scale_inv"], st["up_proj"],
                                             st["up_proj_scale_inv"], st["down_proj"], st["down_proj_scale_inv"]),
-                                           True, torch.float32)
+                                           True, torch.float32, lo=True)  # 6 tokens: two terms
         errs = fp8_cases.block_rel_errs(moe(x), emulated)
         assert max(errs) <= 1e-4, errs

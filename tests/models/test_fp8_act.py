@@ -17,18 +17,20 @@ import glm53.models.fused as fused_mod
 import glm53.models.layers as layers_mod
 import glm53.models.model as model_mod
 import glm53.models.moe as moe_mod
+from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_gemm import fp8_gemm_reference
-from glm53.kernels.fp8_quant import dequantize_fp8_groups, quantize_fp8_groups_reference
 from glm53.models import ModelRunner
 from glm53.models.weights import load_model
 from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
+from tests.kernels.fp8_cases import emulate_groups
 from tests.models.tp_harness import PAGE, PAGES, greedy, scenario
 
 
 def _emulated_w8a8(x, w, w_scale, out_dtype=None):
-    """An FP8 product that quantizes its own input (per 1×128 group) and multiplies exactly."""
+    """An FP8 product that quantizes its own input (per 1×128 group; two terms at decode sizes,
+    `two_terms`) and multiplies exactly."""
     x2 = x.reshape(-1, x.shape[-1])
-    xq = dequantize_fp8_groups(*quantize_fp8_groups_reference(x2)).view(x.shape)
+    xq = emulate_groups(x2, two_terms(x2.shape[0])).view(x.shape)
     return fp8_gemm_reference(xq, w, w_scale, out_dtype or x.dtype)
 
 
