@@ -5,7 +5,8 @@ per-rank shapes, every figure and ratio measured in one run on one GPU.
 Sections, in order (the tables are printed again at the end):
 
 1. decode: both decode candidates, w8a16 (FP8 weights dequantized in the kernel) and w8a8 (x
-   quantized per 1×128 group, one more launch, then FP8 × FP8), at M = 1..64 for every shape; per
+   quantized per 1×128 group, one more launch, then FP8 × FP8; at these sizes with the second
+   e4m3 term, `fp8_act.two_terms`, and beside it "w8a8_1" with one term), at M = 1..64 for every shape; per
    M the sum over the shapes (one layer's linears); the crossover M and the `W8A16_MAX_M` it
    implies, which this run then sets for the dispatcher (`--w8a16-max-m` overrides it); bf16
    cuBLAS and the FP8 HBM floor beside them;
@@ -23,7 +24,8 @@ Sections, in order (the tables are printed again at the end):
    product on them, as the served model runs it. Ratios with and without the producer's plain
    time (the norm or SwiGLU bf16 runs too); o_proj's input comes from the attention (no producer);
 4. moe: GLM-5's routed experts per rank (E 256, H 6144, I 2048 / 8 = 256, top-8) at decode sizes
-   N = 1..64 (and 4096): FP8 w8a16 and w8a8, the bf16 fused kernel, and the HBM floor (bytes of
+   N = 1..64 (and 4096): FP8 w8a16, w8a8 (two terms where the rule gives them) and w8a8_1 (one
+   term), the bf16 fused kernel, and the HBM floor (bytes of
    the experts the batch hits, fp8 + scales, + x + out, over the copy bandwidth); the MoE
    crossover (`MOE_W8A16_MAX_TOKENS`).
 
@@ -187,6 +189,8 @@ class Shape:
 def _variant_fn(variant: str, config=None):
     if variant == "cublas":
         return lambda x, q, s: fp8_gemm_cublas(x, q, s)
+    if variant == "w8a8_1":  # one activation term whatever the size
+        return lambda x, q, s: fp8_gemm_w8a8(x, q, s, config=config, lo=False)
     f = {"w8a16": fp8_gemm_w8a16, "w8a8": fp8_gemm_w8a8}[variant]
     return lambda x, q, s: f(x, q, s, config=config)
 
@@ -203,7 +207,7 @@ def check_variant(sh: Shape, x: torch.Tensor, variant: str, config=None) -> floa
 def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: float, log) -> int:
     """Both decode variants at every M, with bf16 cuBLAS and the FP8 HBM floor beside them;
     returns the W8A16_MAX_M the sums imply."""
-    sums = {m: {"w8a16": 0.0, "w8a8": 0.0, "bf16": 0.0, "floor": 0.0} for m in ms}
+    sums = {m: {"w8a16": 0.0, "w8a8": 0.0, "w8a8_1": 0.0, "bf16": 0.0, "floor": 0.0} for m in ms}
     for sh in shapes:
         for m in ms:
             x = torch.randn(m, sh.K, device=dev).to(torch.bfloat16)
@@ -211,13 +215,14 @@ def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw:
             row["bf16_ms"] = timer.ms([lambda i=i: x @ sh.wb[i].t() for i in range(len(sh.wb))])
             sums[m]["bf16"] += row["bf16_ms"]
             sums[m]["floor"] += row["floor_ms"]
-            for v in ("w8a16", "w8a8"):
+            for v in ("w8a16", "w8a8", "w8a8_1"):
                 row[f"{v}_err"] = check_variant(sh, x, v)
                 row[f"{v}_ms"] = t = time_variant(sh, x, v, timer)
                 sums[m][v] += t
             ROWS.append(row)
             log(f"decode {sh.name:>20} M={m:<3} w8a16 {row['w8a16_ms'] * 1e3:8.1f} us (err {row['w8a16_err']:.1e})  "
-                f"w8a8 {row['w8a8_ms'] * 1e3:8.1f} us (err {row['w8a8_err']:.1e})  bf16 {row['bf16_ms'] * 1e3:7.1f} us  "
+                f"w8a8 {row['w8a8_ms'] * 1e3:8.1f} us (err {row['w8a8_err']:.1e})  "
+                f"one term {row['w8a8_1_ms'] * 1e3:8.1f} us (err {row['w8a8_1_err']:.1e})  bf16 {row['bf16_ms'] * 1e3:7.1f} us  "
                 f"floor {row['floor_ms'] * 1e3:5.1f} us")
     limit = 0
     for m in ms:  # the largest M below which w8a16 never loses (summed over the shapes)
@@ -355,9 +360,10 @@ def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: flo
         x, w, ids = sets[0]
         ref = moe_mod.moe_experts_fp8_reference(x.float(), w, ids, *fp8)
         row = dict(section="moe", N=N, **cfg)
-        for v in ("w8a16", "w8a8"):
-            row[f"{v}_err"] = rel(moe_experts_fp8_triton(x, w, ids, *fp8, variant=v), ref)
-            row[f"{v}_ms"] = timer.ms([lambda s=s, v=v: moe_experts_fp8_triton(*s, *fp8, variant=v) for s in sets])
+        for v, lo in (("w8a16", None), ("w8a8", None), ("w8a8_1", False)):
+            kv = dict(variant="w8a8" if v == "w8a8_1" else v, lo=lo)
+            row[f"{v}_err"] = rel(moe_experts_fp8_triton(x, w, ids, *fp8, **kv), ref)
+            row[f"{v}_ms"] = timer.ms([lambda s=s, kv=kv: moe_experts_fp8_triton(*s, *fp8, **kv) for s in sets])
         row["bf16_ms"] = timer.ms([lambda s=s: moe_experts_triton(*s, gb[:, :I], gb[:, I:], db) for s in sets])
         hit = statistics.mean(int(torch.unique(s[2]).numel()) for s in sets)
         row["experts_hit"] = hit
@@ -371,7 +377,8 @@ def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: flo
             lost = True
         ROWS.append(row)
         log(f"moe N={N:<5} hit {hit:6.1f}  w8a16 {row['w8a16_ms'] * 1e3:9.1f} us (err {row['w8a16_err']:.1e})  "
-            f"w8a8 {row['w8a8_ms'] * 1e3:9.1f} us (err {row['w8a8_err']:.1e})  bf16 {row['bf16_ms'] * 1e3:9.1f} us  "
+            f"w8a8 {row['w8a8_ms'] * 1e3:9.1f} us (err {row['w8a8_err']:.1e})  "
+            f"one term {row['w8a8_1_ms'] * 1e3:9.1f} us (err {row['w8a8_1_err']:.1e})  bf16 {row['bf16_ms'] * 1e3:9.1f} us  "
             f"floor {row['floor_ms'] * 1e3:8.1f} us ({row['floor_share']:.0%} of it)")
     return limit
 
@@ -442,10 +449,11 @@ def print_tables(bw: float) -> None:
     dec = [r for r in ROWS if r["section"] == "decode_sum"]
     if dec:
         d = dec[0]
-        print("\n| M | w8a16 us (sum of shapes) | w8a8 us | w8a8 / w8a16 | bf16 cuBLAS us | FP8 floor us | "
-              "floor / best FP8 |\n|---|---|---|---|---|---|---|")
+        print("\n| M | w8a16 us (sum of shapes) | w8a8 us | w8a8 one term us | w8a8 / w8a16 | bf16 cuBLAS us | "
+              "FP8 floor us | floor / best FP8 |\n|---|---|---|---|---|---|---|---|")
         for m, s in d["sums"].items():
-            print(f"| {m} | {s['w8a16'] * 1e3:.1f} | {s['w8a8'] * 1e3:.1f} | {s['w8a8'] / s['w8a16']:.2f} | "
+            print(f"| {m} | {s['w8a16'] * 1e3:.1f} | {s['w8a8'] * 1e3:.1f} | {s['w8a8_1'] * 1e3:.1f} | "
+                  f"{s['w8a8'] / s['w8a16']:.2f} | "
                   f"{s['bf16'] * 1e3:.1f} | {s['floor'] * 1e3:.1f} | {s['floor'] / min(s['w8a16'], s['w8a8']):.0%} |")
         print(f"decode crossover: w8a8 first faster at M = {d['crossover_m']}; W8A16_MAX_M = {d['w8a16_max_m']}")
     g = [r for r in ROWS if r["section"] == "gemm"]
@@ -478,10 +486,11 @@ def print_tables(bw: float) -> None:
                   f"(separate quantization: x{r['speedup_separate']:.2f})")
     m = [r for r in ROWS if r["section"] == "moe"]
     if m:
-        print("\n| N | experts hit | w8a16 us | w8a8 us | bf16 us | FP8 floor us | floor / best FP8 | bf16 floor us | "
-              "err w8a16 | err w8a8 |\n|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| N | experts hit | w8a16 us | w8a8 us | w8a8 one term us | bf16 us | FP8 floor us | floor / best FP8 | "
+              "bf16 floor us | err w8a16 | err w8a8 |\n|---|---|---|---|---|---|---|---|---|---|---|")
         for r in m:
             print(f"| {r['N']} | {r['experts_hit']:.1f} | {r['w8a16_ms'] * 1e3:.1f} | {r['w8a8_ms'] * 1e3:.1f} | "
+                  f"{r['w8a8_1_ms'] * 1e3:.1f} | "
                   f"{r['bf16_ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | {r['floor_share']:.0%} | "
                   f"{r['bf16_floor_ms'] * 1e3:.1f} | {r['w8a16_err']:.1e} | {r['w8a8_err']:.1e} |")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; dispatcher: W8A16_MAX_M = {gemm_mod.W8A16_MAX_M}, "
