@@ -8,8 +8,9 @@ One kernel, two operand modes (a constexpr), so the two decode candidates differ
   accumulator (DeepSeek-V3's promotion: Hopper's FP8 MMA accumulates with reduced precision, so
   no partial sum spans more than one scale block);
   With LO the activation carries a second term (its residual's e4m3 codes and scales, `fp8_act`,
-  decode sizes): each K step multiplies the same weight tile by both codes, and the two partials,
-  each scaled by its own activation scale, join the accumulator together;
+  decode sizes): the tile's rows are then virtual, a row's two terms side by side, so one product
+  per K step multiplies the weight tile by both (each partial row scaled by its own activation
+  scale) and the epilogue adds each pair;
 - w8a16 (`fp8_gemm_w8a16`, dequantize in the kernel): x stays in its dtype (bf16), the e4m3
   weight tile is widened to it in registers (exact) and each block's partial product is scaled by
   w_scale[nb, kb]; no activation rounding, no extra launch.
@@ -63,16 +64,20 @@ def _split_k(tiles: int, k_blocks: int, device: torch.device, cap: int = 16) -> 
     return max(1, min(k_blocks, cap, triton.cdiv(2 * sms, tiles)))
 
 
-def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | None = None) -> GemmConfig:
+def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | None = None,
+                   lo: bool = False) -> GemmConfig:
     """Tiles by M: decode (M <= 64) -> short row tiles, 64 columns, split-K to fill the SMs (the
-    weights are what is read); prefill -> 128×128 tiles (FP8 products compute-bound). Guesses until
-    `benchmarks/fp8_gemm.py --sweep` has run on the H200."""
+    weights are what is read); prefill -> 128×128 tiles (FP8 products compute-bound). `lo`: the
+    activations carry two terms, so a tile's rows are 2M virtual ones (decode class all the same).
+    Guesses until `benchmarks/fp8_gemm.py --sweep` has run on the H200."""
+    decode = M <= 64
+    M = 2 * M if lo else M
     if triton_interpreting():  # the interpreter's cost is per program and per K step
         return GemmConfig(BM=min(128, max(16, triton.next_power_of_2(M))), BN=128 if N > 64 else 64, BK=128,
                           GROUP_M=4, num_warps=1, num_stages=1)
     device = device or torch.device("cuda")
     kb = triton.cdiv(K, SB)
-    if M <= 64:
+    if decode:
         bm = max(16, triton.next_power_of_2(M))
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, 64)
         # Split K only where each split still has a long walk: the splits' sum is one more launch,
@@ -104,7 +109,12 @@ def _block_fp8_gemm_kernel(
 ):
     pid = tl.program_id(0)
     sk = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
+    # LO: the tile's rows are virtual, two per output row (its first term, then its second), so one
+    # product per K step multiplies the weight tile by both terms (a decode tile's rows are mostly
+    # padding anyway); each virtual row's partial takes its own activation scale, and the epilogue
+    # adds each pair of rows
+    ROWS: tl.constexpr = 2 if LO else 1
+    num_m = tl.cdiv(M * ROWS, BM)
     num_n = tl.cdiv(N, BN)
     width = GROUP_M * num_n
     first_m = pid // width * GROUP_M
@@ -112,41 +122,39 @@ def _block_fp8_gemm_kernel(
     rows_here = tl.minimum(num_m - first_m, GROUP_M)
     pm = first_m + local % rows_here
     pn = local // rows_here
-    rm = pm * BM + tl.arange(0, BM)
+    rv = pm * BM + tl.arange(0, BM)  # virtual rows
     rn = pn * BN + tl.arange(0, BN)
-    rm_in = (rm % M).to(tl.int64)
+    rm_in = (rv // ROWS % M).to(tl.int64)
     rn_in = (rn % N).to(tl.int64)
     rk = tl.arange(0, BK)
     k_lo = sk * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     a_off = rm_in[:, None] * stride_am + (k_lo + rk)[None, :]
-    a_ptrs = a_ptr + a_off
-    al_ptrs = al_ptr + a_off  # the second term: a's layout (read only with LO)
+    as_off = rm_in * stride_asm
+    if LO:  # the second term has the first's layout
+        first = rv % 2 == 0
+        a_ptrs = tl.where(first[:, None], a_ptr + a_off, al_ptr + a_off)
+        as_row = tl.where(first, as_ptr + as_off, als_ptr + as_off)
+    else:
+        a_ptrs = a_ptr + a_off
+        as_row = as_ptr + as_off
     w_ptrs = w_ptr + rn_in[None, :] * stride_wn + (k_lo + rk)[:, None]
     if BN <= SB:  # the tile lies in one scale row block: one scalar per K step
         ws_row = ws_ptr + (pn * BN // SB).to(tl.int64) * stride_wsn
     else:
         ws_row = ws_ptr + (rn_in // SB) * stride_wsn
-    as_row = as_ptr + rm_in * stride_asm
-    als_row = als_ptr + rm_in * stride_asm
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
-            if LO:
-                al = tl.load(al_ptrs)
         else:
             kin = (k0 + rk) < K
             a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
-            if LO:
-                al = tl.load(al_ptrs, mask=kin[None, :], other=0.0)
         if DOT_F32:  # the interpreter: widen both (exact) and multiply in fp32
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-            if LO:
-                al = al.to(tl.float32)
         elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             w = w.to(a_ptr.dtype.element_ty)
         part = tl.dot(a, w, input_precision=PRECISION)
@@ -154,14 +162,7 @@ def _block_fp8_gemm_kernel(
         ws = tl.load(ws_row + kb)
         if A_FP8:
             xs = tl.load(as_row + kb * stride_ask)
-            if LO:  # both terms' partials, each by its own scale, join the accumulator together
-                part = part * xs[:, None] + tl.dot(al, w, input_precision=PRECISION) * tl.load(
-                    als_row + kb * stride_ask)[:, None]
-                if BN <= SB:
-                    acc += part * ws
-                else:
-                    acc += part * ws[None, :]
-            elif BN <= SB:
+            if BN <= SB:
                 acc += part * (xs * ws)[:, None]
             else:
                 acc += part * xs[:, None] * ws[None, :]
@@ -171,8 +172,10 @@ def _block_fp8_gemm_kernel(
             else:
                 acc += part * ws[None, :]
         a_ptrs += BK
-        al_ptrs += BK
         w_ptrs += BK
+    if LO:
+        acc = tl.sum(tl.reshape(acc, (BM // 2, 2, BN)), axis=1)
+    rm = pm * (BM // ROWS) + tl.arange(0, BM // ROWS)
     y_ptrs = y_ptr + sk.to(tl.int64) * stride_ysplit + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
@@ -207,7 +210,7 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
     else:
         y = torch.empty((split, M, N), dtype=torch.float32, device=a.device)
     interp = triton_interpreting()
-    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN), split)
+    grid = (triton.cdiv(M * (2 if lo is not None else 1), cfg.BM) * triton.cdiv(N, cfg.BN), split)
     _block_fp8_gemm_kernel[grid](
         a, a_scale, *(lo or (a, a_scale)), w, w_scale, y, M, N, K, k_per_split,
         a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0), w_scale.stride(0), y.stride(-2),
@@ -299,5 +302,5 @@ def fp8_gemm_w8a8_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w
     assert s.shape == (M, triton.cdiv(K, SB)) and s.dtype == torch.float32, (s.shape, s.dtype)
     if M == 0:
         return torch.empty((0, N), dtype=out_dtype, device=q.device)
-    cfg = config or default_config(M, N, K, a_fp8=True, device=q.device)
+    cfg = config or default_config(M, N, K, a_fp8=True, device=q.device, lo=lo is not None)
     return _launch(q, s, w, w_scale, M, N, K, out_dtype, cfg, a_fp8=True, lo=lo)
