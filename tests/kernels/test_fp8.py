@@ -122,3 +122,7 @@ def test_decode_split_rule(monkeypatch):
     assert split(64, 6144, 2048, True) == split(64, 6144, 1536, True) == 1
     assert split(64, 2816, 6144, True) == 6 and split(64, 512, 6144, True) == 16
     assert split(1, 24576, 6144, False) == 1  # enough tiles already
+    # two activation terms: 2M virtual rows a tile, 64-row tiles of 128 columns past 32 rows
+    tile = lambda m: (lambda c: (c.BM, c.BN))(t.default_config(m, 6144, 16384, True, cuda, lo=True))  # noqa: E731
+    assert tile(1) == tile(8) == (16, 64) and tile(16) == (32, 64) and tile(64) == (64, 128)
+    assert t.default_config(64, 6144, 16384, True, cuda, lo=True).SPLIT_K == 3  # 2 x 48 tiles: ~2 programs an SM
