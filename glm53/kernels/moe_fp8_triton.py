@@ -84,7 +84,8 @@ def default_fp8_config(n_pairs: int, n_experts: int, variant: str, inter: int = 
 
 @triton.jit(do_not_specialize=["n_blocks"])  # follows the token count
 def _gate_up_fp8_kernel(
-    x_ptr, xs_ptr, xl_ptr, xls_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, hs_ptr, hl_ptr, hls_ptr, order_ptr, seg_ptr, cum_ptr, part_ptr, cnt_ptr,
+    x_ptr, xs_ptr, xl_ptr, xls_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr, hs_ptr, hl_ptr, hls_ptr,
+    order_ptr, seg_ptr, cum_ptr, part_ptr, cnt_ptr,
     n_blocks, H, I, TOPK, UP_ROW0, k_per_split,
     stride_xn, stride_xsn, stride_xsk, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_hsm,
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,

@@ -232,7 +232,6 @@ def test_without_prompt_kv_the_mask_hides_it(ckpt):
     runs = []
     for fill in ("zero", "rand"):
         r = runner(ckpt)
-        pages = [list(range(i * 16, i * 16 + 16)) for i in range(len(prompts))]
         real = r.forward  # prefill without the MTP pools' contents: overwrite the prompt's rows
 
         def forward(chunks, _real=real, _r=r, _fill=fill):
