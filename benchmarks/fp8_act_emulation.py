@@ -1,6 +1,7 @@
 """What rounding the w8a8 products' activations to e4m3 costs greedy top-1, emulated on the CPU
-(issue 29): the trained tiny target in the GLM-5-FP8 layout (`gpu_e2e.quantized_tiny`), 16
-`transformers` source files (third-party code it never trained on) teacher-forced over 192
+(issue 29): the trained tiny target in the GLM-5-FP8 layout (`oracle.quantised_embedded_model`), 16
+`transformers` source files (third-party code it never trained on; the same prompts as
+`gpu_e2e.py`'s) teacher-forced over 192
 prompt positions, then 64 decode steps fed the reference's greedy tokens; agreement with the
 fp32 reference whose weights are dequantized and whose activations are exact.
 
@@ -17,20 +18,16 @@ nothing but the activations' rounding in play.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import gpu_e2e  # noqa: E402
-
-from glm53.kernels import fp8_gemm, moe as moe_kernels  # noqa: E402
-from glm53.kernels.fp8_quant import (dequantize_fp8_groups, quantize_fp8_groups_reference,  # noqa: E402
-                                     quantize_residual_reference)
-from glm53.models import ModelRunner, SeqChunk  # noqa: E402
+from glm53.kernels import fp8_gemm, moe as moe_kernels
+from glm53.kernels.fp8_quant import dequantize_fp8_groups, quantize_fp8_groups_reference, quantize_residual_reference
+from glm53.models import ModelRunner, SeqChunk
+from glm53.support.corpus import package_head_prompts
+from glm53.support.oracle import quantised_embedded_model
 
 
 class Rounding:
@@ -69,8 +66,8 @@ def main() -> None:
         return rnd(F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
 
     moe_kernels.swiglu_mlp = swiglu
-    model_dir = gpu_e2e.quantized_tiny(Path(a.model))
-    prompts = gpu_e2e.third_party_prompts(model_dir, a.seqs, a.prompt_len)
+    model_dir = quantised_embedded_model(Path(a.model))
+    prompts = package_head_prompts(model_dir, "transformers", a.seqs, a.prompt_len)
     n, L = len(prompts), a.prompt_len
     per = -(-(L + a.steps + 1) // 64)
     pages = [list(range(i * per, (i + 1) * per)) for i in range(n)]

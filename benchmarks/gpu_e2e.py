@@ -35,10 +35,12 @@ from pathlib import Path
 
 import torch
 
+from glm53.support.corpus import package_head_prompts
 from glm53.support.glm5_slice import ensure_slice
 from glm53.support.gpu_server import Server, cluster_config
 from glm53.support.greedy import PROMPT_LENS, cpu_reference, served_greedy
 from glm53.support.hbm_floor import copy_bandwidth, step_bytes
+from glm53.support.oracle import quantised_embedded_model
 from glm53.support.serving_sweep import sweep_point
 
 
@@ -134,36 +136,6 @@ def exact_check(out: Path, modes: tuple[bool, ...] = (True, False), new: int = 2
 
 
 # -- FP8 weights against their dequantized reference -------------------------------------------
-def third_party_prompts(tokenizer_dir: Path, n: int, length: int) -> list[list[int]]:
-    """The first `length` tokens of `n` source files of the `transformers` package (third-party code
-    the tiny model never trained on: it trained on the standard library)."""
-    import transformers
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    out = []
-    for f in sorted(Path(transformers.__file__).parent.rglob("*.py")):
-        ids = tok.encode(f.read_text(errors="replace")).ids
-        if len(ids) >= length:
-            out.append(ids[:length])
-        if len(out) == n:
-            return out
-    raise RuntimeError(f"fewer than {n} files of {length} tokens")
-
-
-def quantized_tiny(dst: Path) -> Path:
-    """The embedded trained tiny model, rewritten block-FP8 in the GLM-5-FP8 layout (oracle.quantise_fp8_)."""
-    import shutil
-
-    from glm53.server.embedded_model import ensure_embedded_model
-    from glm53.support.oracle import quantise_fp8_
-
-    if not (dst / "config.json").exists():
-        shutil.copytree(ensure_embedded_model(), dst)
-        quantise_fp8_(dst)
-    return dst
-
-
 def fp8_checks(model_dir: Path, prompts: list[list[int]], steps: int, prefill_len: int = 4096,
                ref_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Memory, a `prefill_len`-token prefill and greedy top-1 agreement with the same checkpoint
@@ -319,8 +291,9 @@ def main() -> None:
         rand = [torch.randint(10, 4000, (64,), generator=g).tolist() for _ in range(a.agree_seqs)]
         report["fp8"] = {"slice": fp8_checks(slice_dir, rand, a.agree_steps)}
         save()
-        tiny = quantized_tiny(Path("/tmp/tiny-glm5-fp8"))
-        report["fp8"]["tiny"] = fp8_checks(tiny, third_party_prompts(tiny, a.agree_seqs, 192), a.agree_steps,
+        tiny = quantised_embedded_model(Path("/tmp/tiny-glm5-fp8"))
+        # the first 192 tokens of `transformers` files: third-party code the tiny model never saw
+        report["fp8"]["tiny"] = fp8_checks(tiny, package_head_prompts(tiny, "transformers", a.agree_seqs, 192), a.agree_steps,
                                            ref_dtype=torch.float32)
         torch.cuda.empty_cache()
         save()

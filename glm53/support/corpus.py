@@ -71,11 +71,9 @@ def held_file_prompts(tdir, n: int, length: int) -> list[list[int]]:
     return out
 
 
-def package_prompts(tdir, package: str, n: int, length: int, strict: bool = True) -> list[list[int]]:
-    """`length` tokens from the middle of the first `n` source files (sorted by path) of the
-    installed third-party `package` that have 2·`length` tokens: code neither the embedded
-    target nor its drafts trained on (they trained on the standard library, site-packages
-    excluded), for held-out speed and τ. Fewer files than `n`: an error if `strict`, else all."""
+def _package_token_files(tdir, package: str):
+    """The token ids of each source file (sorted by path) of the installed `package`, by the
+    tokenizer in `tdir`, one file at a time."""
     import importlib.util
 
     from tokenizers import Tokenizer
@@ -84,9 +82,17 @@ def package_prompts(tdir, package: str, n: int, length: int, strict: bool = True
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"{package!r} is not an installed package")
     tok = Tokenizer.from_file(str(Path(tdir) / "tokenizer.json"))
-    out = []
     for f in sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.py")):
-        ids = tok.encode(f.read_text(encoding="utf-8", errors="replace")).ids
+        yield tok.encode(f.read_text(encoding="utf-8", errors="replace")).ids
+
+
+def package_prompts(tdir, package: str, n: int, length: int, strict: bool = True) -> list[list[int]]:
+    """`length` tokens from the middle of the first `n` source files (sorted by path) of the
+    installed third-party `package` that have 2·`length` tokens: code neither the embedded
+    target nor its drafts trained on (they trained on the standard library, site-packages
+    excluded), for held-out speed and τ. Fewer files than `n`: an error if `strict`, else all."""
+    out = []
+    for ids in _package_token_files(tdir, package):
         if len(ids) >= 2 * length:
             mid = (len(ids) - length) // 2
             out.append(ids[mid: mid + length])
@@ -95,3 +101,16 @@ def package_prompts(tdir, package: str, n: int, length: int, strict: bool = True
     if strict or not out:
         raise ValueError(f"{package}: fewer than {n} files of {2 * length} tokens")
     return out
+
+
+def package_head_prompts(tdir, package: str, n: int, length: int) -> list[list[int]]:
+    """The first `length` tokens of the first `n` source files (sorted by path) of the installed
+    `package` that have that many: the FP8 agreement checks' prompts (benchmarks/gpu_e2e.py,
+    benchmarks/fp8_act_emulation.py). Fewer files than `n`: an error."""
+    out = []
+    for ids in _package_token_files(tdir, package):
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == n:
+            return out
+    raise ValueError(f"{package}: fewer than {n} files of {length} tokens")

@@ -72,6 +72,19 @@ def make_checkpoint(path: Path, seed: int = 0, sharded: bool = False, **override
     return model
 
 
+def quantised_embedded_model(dst: Path) -> Path:
+    """The embedded trained tiny model copied to `dst` and rewritten block-FP8 in the GLM-5-FP8
+    layout (`quantise_fp8_`), once: an existing `dst` is returned as it is."""
+    import shutil
+
+    from glm53.server.embedded_model import ensure_embedded_model
+
+    if not (dst / "config.json").exists():
+        shutil.copytree(ensure_embedded_model(), dst)
+        quantise_fp8_(dst)
+    return dst
+
+
 def quantise_fp8_(path: Path, block: int = 128) -> None:
     """Rewrites the single-file checkpoint at `path` as block-FP8 in the GLM-5-FP8 layout
     (`weights.fp8_in_glm5`: the MLA projections, the indexer's wq_b and wk, every MLP and
