@@ -20,8 +20,8 @@ Which producer quantizes is decided by the consumer's variant (`fp8_gemm.takes_f
 where the product would quantize anyway (w8a8 or cuBLAS rows, on a GPU). At decode sizes
 (`two_terms`: m <= TWO_TERM_MAX_M rows) the producers also write a second term, the residual's own
 e4m3 codes and scales (`fp8_quant`), which the Triton w8a8 GEMM and MoE multiply by the same
-weight tile: a product as cheap as one term there (the weight stream is the cost) and about as
-accurate as bf16 activations. CPU serving multiplies
+weight tile: about as accurate as bf16 activations, for no extra weight bytes (on the H200 the
+products cost nothing more at 1-4 rows, 16-26 % more at 16-64). CPU serving multiplies
 the dense activation by the dequantized weight (the reference) and never builds an `Fp8Rows`.
 """
 
@@ -47,7 +47,8 @@ M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8
 # dequantized in the kernels: 100 %); the CPU emulation (benchmarks/fp8_act_emulation.py) 98.8 %
 # (fp32) / 99.5 % (bf16) against 95.3 % / 97.2 %. The cost (H200, the slice's decode products a
 # layer): none at M <= 4, +16 % at 16, +26 % at 64; the routed experts +12 %. Prefill sizes keep
-# one term: there the FP8 products are compute-bound and cuBLAS reads one.
+# one term: there the FP8 products are compute-bound and cuBLAS reads one (so this stays below
+# fp8_gemm.CUBLAS_MIN_M).
 TWO_TERM_MAX_M = 64
 
 
@@ -134,8 +135,8 @@ def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rms_norm_fp8_kernel(
-    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm, stride_sg,
-    stride_a, stride_r, eps,
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm,
+    stride_sg, stride_a, stride_r, eps,
     G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, LO: tl.constexpr,
     EXACT_RNE: tl.constexpr,
 ):
@@ -185,8 +186,8 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense
     if m:
         ng = triton.next_power_of_2(triton.cdiv(D, GROUP))
         _rms_norm_fp8_kernel[(m,)](
-            x, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, D, x.stride(0), y.stride(0), rows.q.stride(0),
-            rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), eps,
+            x, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, D, x.stride(0), y.stride(0),
+            rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), eps,
             G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, LO=rows.q_lo is not None,
             EXACT_RNE=triton_interpreting(),
             num_warps=num_warps or max(1, min(16, ng * GROUP // 512)),
@@ -258,8 +259,8 @@ def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
     if m:
         block_m = max(1, min(32, triton.next_power_of_2(m)))
         _silu_mul_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(inter, GROUP))](
-            gate, up, rows.q, rows.scale, *_lo_args(rows), m, inter, gate.stride(0), up.stride(0), rows.q.stride(0),
-            rows.scale.stride(0), rows.scale.stride(1),
+            gate, up, rows.q, rows.scale, *_lo_args(rows), m, inter, gate.stride(0), up.stride(0),
+            rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),
             G=GROUP, BLOCK_M=block_m, LO=rows.q_lo is not None, EXACT_RNE=triton_interpreting(), num_warps=4,
         )
     return rows

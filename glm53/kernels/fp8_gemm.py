@@ -96,9 +96,9 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 def fp8_gemm_rows(x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y [m, N] = rows @ dequant(w, w_scale)^T for rows a producer quantized (`fp8_act`; both terms
-    where it wrote two): cuBLAS or the Triton w8a8 GEMM by `fp8_variant` (never w8a16:
-    `takes_fp8_rows` quantizes only for the other two); off the GPU, the dequantized rows times
-    the dequantized weight."""
+    where it wrote two, which only the Triton GEMM reads): cuBLAS or the Triton w8a8 GEMM by
+    `fp8_variant` (never w8a16: `takes_fp8_rows` quantizes only for the other two); off the GPU,
+    the dequantized rows times the dequantized weight."""
     out_dtype = out_dtype or x.dtype
     q, s = x.rows()
     if not use_triton(q):
@@ -108,12 +108,8 @@ def fp8_gemm_rows(x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
     if variant == "cublas":
         from glm53.kernels.fp8_gemm_cublas import scaled_mm
 
-        if x.q_lo is None:
-            return scaled_mm(x.q, x.scale, w, w_scale, out_dtype)[: x.m]
-        # rows with a second term reach cuBLAS only where TWO_TERM_MAX_M was raised past
-        # CUBLAS_MIN_M: two products (cuBLAS's blockwise scaling writes bf16), summed in fp32
-        hi = scaled_mm(x.q, x.scale, w, w_scale, out_dtype)[: x.m]
-        return (hi.float() + scaled_mm(x.q_lo, x.scale_lo, w, w_scale, out_dtype)[: x.m].float()).to(out_dtype)
+        assert x.q_lo is None, f"{x.m} rows in two terms reach cuBLAS: fp8_act.TWO_TERM_MAX_M must stay below {CUBLAS_MIN_M}"
+        return scaled_mm(x.q, x.scale, w, w_scale, out_dtype)[: x.m]
     from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8_quantized
 
     return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype, lo=x.lo_rows())
