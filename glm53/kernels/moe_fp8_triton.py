@@ -15,8 +15,10 @@ as `fp8_gemm_triton` (the choice at decode sizes is measured by benchmarks/fp8_g
   so BN1 = 128) and writes h as e4m3 plus [N·k, ceil(I/128)] scales; both GEMMs multiply FP8 by FP8
   and scale each K block's partial by a_scale[row, kb] · w_scale[nb, kb]. At decode sizes
   (`fp8_act.two_terms` of the token count) x and h carry a second e4m3 term (the residual's codes
-  and scales, `fp8_quant`): each K step multiplies the weight tiles by both, each partial scaled by
-  its own activation scale; the gate+up epilogue writes h's two terms.
+  and scales, `fp8_quant`): a tile's rows are then virtual, each (token, expert) pair's two terms
+  side by side (the plan's blocks hold BM / 2 pairs), so one product per K step reads both, each
+  partial row scaled by its own activation scale, and each pair of rows is added after the K loop;
+  the gate+up epilogue writes h's two terms.
 
 Weight layouts: gate and up [E, I, H] with scales [E, ceil(I/128), ceil(H/128)] each (the model's
 `Experts`), or one fused gate_up [E, 2I, H] (gate rows, then up rows) with scales
@@ -61,14 +63,15 @@ def decode_split(n_pairs: int, n_experts: int, bm: int, bn1: int, inter: int, hi
 
 
 def default_fp8_config(n_pairs: int, n_experts: int, variant: str, inter: int = 0, hidden: int = 0,
-                       sms: int = 0) -> MoEConfig:
+                       sms: int = 0, lo: bool = False) -> MoEConfig:
     """Tiles by expected rows per expert, as `moe_triton.default_config`; K steps of one scale
     block (128; 64 for bf16 activations past decode); w8a8 fixes BN1 = 128 (the epilogue quantizes
     one 128-wide group of h per row). Each K step keeps a partial product beside each accumulator
     (scaled, then added), so the gate+up kernel holds four [BM, BN1] fp32 tiles: BM·BN1 / (32 ·
     warps) registers each, at most 32 here. At decode sizes the gate+up kernel splits K when its
     tiles leave SMs idle (`decode_split`: needs the experts' width `inter`, `hidden` and the
-    GPU's `sms`; none given, no split)."""
+    GPU's `sms`; none given, no split). `lo` (w8a8 with two activation terms): a tile's BM rows
+    are virtual, BM / 2 pairs' two terms each."""
     bn1 = 128 if variant == "w8a8" else None
     rows = n_pairs / max(1, n_experts)
     if triton_interpreting():  # the interpreter pays per program and per multiply-add of padding
@@ -76,7 +79,7 @@ def default_fp8_config(n_pairs: int, n_experts: int, variant: str, inter: int = 
         return MoEConfig(BM=bm, BN1=bn1 or 64, BN2=64, BK=128, GROUP_M=4, num_warps=1, num_stages=1)
     if rows <= 16:  # decode: 16-row blocks, the weight stream is the cost
         bn1 = bn1 or 64
-        split = decode_split(n_pairs, n_experts, 16, bn1, inter, hidden, sms)
+        split = decode_split(n_pairs, n_experts, 8 if lo else 16, bn1, inter, hidden, sms)
         return MoEConfig(BM=16, BN1=bn1, BN2=64, BK=128, num_warps=4, num_stages=2 if rows >= 4 else 3, SPLIT_K=split)
     # 40 KB a stage (w8a8: an fp8 x tile and two fp8 weight tiles), 24 KB for bf16 x with K steps of 64
     return MoEConfig(BM=64, BN1=128, BN2=128, BK=128 if variant == "w8a8" else 64, num_warps=8, num_stages=3)
@@ -90,12 +93,17 @@ def _gate_up_fp8_kernel(
     stride_xn, stride_xsn, stride_xsk, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_hsm,
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-    A_FP8: tl.constexpr, X_LO: tl.constexpr, H_LO: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
+    A_FP8: tl.constexpr, LO: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr,
 ):
+    # LO: x and h in two terms; the tile's BM rows are virtual, each of its BR (token, expert)
+    # pairs' two terms side by side, so one product per K step reads both (a decode tile's rows
+    # are mostly padding), and each pair of rows is added after the loop
+    ROWS: tl.constexpr = 2 if LO else 1
+    BR: tl.constexpr = BM // ROWS
     tile = tl.program_id(0)
     e, nt, pos, valid = block_tile(tile, n_blocks, (I + BN - 1) // BN, seg_ptr, cum_ptr,
-                                   E, BLOCK_E, BM, GROUP_M)
+                                   E, BLOCK_E, BR, GROUP_M)
     if e >= E:  # past the last block (the grid is an upper bound)
         return
     k_lo = tl.program_id(1) * k_per_split  # this split's K range (whole scale blocks)
@@ -106,9 +114,15 @@ def _gate_up_fp8_kernel(
     n_in = n % I  # columns past I re-read real rows (no mask); they are not stored
     k = tl.arange(0, BK)
     e64 = e.to(tl.int64)
-    a_off = tok[:, None] * stride_xn + k_lo + k[None, :]
-    a_ptrs = x_ptr + a_off
-    al_ptrs = xl_ptr + a_off  # x's second term: x's layout (read only with X_LO)
+    if LO:  # x's second term has x's layout
+        tok = tl.reshape(tl.join(tok, tok), (BM,))
+        first = tl.arange(0, BM) % 2 == 0
+        a_off = tok[:, None] * stride_xn + k_lo + k[None, :]
+        a_ptrs = tl.where(first[:, None], x_ptr + a_off, xl_ptr + a_off)
+        xs_row = tl.where(first, xs_ptr + tok * stride_xsn, xls_ptr + tok * stride_xsn)
+    else:
+        a_ptrs = x_ptr + tok[:, None] * stride_xn + k_lo + k[None, :]
+        xs_row = xs_ptr + tok * stride_xsn
     w_off = e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wi + k_lo + k[:, None]
     g_ptrs = wg_ptr + w_off
     u_ptrs = wu_ptr + w_off
@@ -118,8 +132,6 @@ def _gate_up_fp8_kernel(
     else:
         sg_row = sg_ptr + e64 * stride_se + (n_in // SB) * stride_si
         su_row = su_ptr + e64 * stride_se + ((UP_ROW0 + n_in) // SB) * stride_si
-    xs_row = xs_ptr + tok * stride_xsn
-    xls_row = xls_ptr + tok * stride_xsn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(H, k_lo + k_per_split), BK):
@@ -127,21 +139,15 @@ def _gate_up_fp8_kernel(
             a = tl.load(a_ptrs)
             wg = tl.load(g_ptrs)
             wu = tl.load(u_ptrs)
-            if X_LO:
-                al = tl.load(al_ptrs)
         else:
             kin = (k0 + k) < H
             a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=kin[:, None], other=0.0)
             wu = tl.load(u_ptrs, mask=kin[:, None], other=0.0)
-            if X_LO:
-                al = tl.load(al_ptrs, mask=kin[None, :], other=0.0)
         if DOT_F32:  # the interpreter: widen (exact), multiply in fp32
             a = a.to(tl.float32)
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
-            if X_LO:
-                al = al.to(tl.float32)
         elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             wg = wg.to(x_ptr.dtype.element_ty)
             wu = wu.to(x_ptr.dtype.element_ty)
@@ -154,12 +160,7 @@ def _gate_up_fp8_kernel(
         else:
             gs = tl.load(sg_row + kb)[None, :]
             us = tl.load(su_row + kb)[None, :]
-        if X_LO:  # both terms' partials, each by its own scale, then the weight's
-            xs = tl.load(xs_row + kb * stride_xsk)[:, None]
-            xls = tl.load(xls_row + kb * stride_xsk)[:, None]
-            acc_g += (pg * xs + tl.dot(al, wg, input_precision=PRECISION) * xls) * gs
-            acc_u += (pu * xs + tl.dot(al, wu, input_precision=PRECISION) * xls) * us
-        elif A_FP8:
+        if A_FP8:
             xs = tl.load(xs_row + kb * stride_xsk)[:, None]
             acc_g += pg * (xs * gs)
             acc_u += pu * (xs * us)
@@ -167,28 +168,30 @@ def _gate_up_fp8_kernel(
             acc_g += pg * gs
             acc_u += pu * us
         a_ptrs += BK
-        al_ptrs += BK
         g_ptrs += BK
         u_ptrs += BK
+    if LO:
+        acc_g = tl.sum(tl.reshape(acc_g, (BR, 2, BN)), axis=1)
+        acc_u = tl.sum(tl.reshape(acc_u, (BR, 2, BN)), axis=1)
     if SPLIT_K > 1:
         # Each split leaves its partials in its slot of the tile's workspace and counts itself in;
         # the last to arrive sums the SPLIT_K slots in split order (deterministic whatever the
         # arrival order) and runs the epilogue. The barriers order every thread's stores before
         # the release and the acquire before every thread's loads; ".cg" reads around L1.
-        r = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-        tile_ws = part_ptr + tile.to(tl.int64) * (SPLIT_K * 2 * BM * BN)
-        mine = tile_ws + tl.program_id(1) * (2 * BM * BN)
+        r = tl.arange(0, BR)[:, None] * BN + tl.arange(0, BN)[None, :]
+        tile_ws = part_ptr + tile.to(tl.int64) * (SPLIT_K * 2 * BR * BN)
+        mine = tile_ws + tl.program_id(1) * (2 * BR * BN)
         tl.store(mine + r, acc_g)
-        tl.store(mine + BM * BN + r, acc_u)
+        tl.store(mine + BR * BN + r, acc_u)
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") != SPLIT_K - 1:
             return
         tl.debug_barrier()
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_g = tl.zeros((BR, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BR, BN), dtype=tl.float32)
         for s in tl.static_range(SPLIT_K):
-            acc_g += tl.load(tile_ws + s * (2 * BM * BN) + r, cache_modifier=".cg")
-            acc_u += tl.load(tile_ws + s * (2 * BM * BN) + BM * BN + r, cache_modifier=".cg")
+            acc_g += tl.load(tile_ws + s * (2 * BR * BN) + r, cache_modifier=".cg")
+            acc_u += tl.load(tile_ws + s * (2 * BR * BN) + BR * BN + r, cache_modifier=".cg")
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     keep = valid[:, None] & (n < I)[None, :]
     h_ptrs = h_ptr + pos[:, None].to(tl.int64) * stride_hm + n[None, :]
@@ -197,7 +200,7 @@ def _gate_up_fp8_kernel(
         codes, scale = quantize_tile(h, EXACT_RNE)
         tl.store(h_ptrs, codes, mask=keep)
         tl.store(hs_ptr + pos.to(tl.int64) * stride_hsm + nt, scale, mask=valid)
-        if H_LO:  # and its second term
+        if LO:  # and its second term
             codes, scale = quantize_residual_tile(h, codes, scale, EXACT_RNE)
             tl.store(hl_ptr + pos[:, None].to(tl.int64) * stride_hm + n[None, :], codes, mask=keep)
             tl.store(hls_ptr + pos.to(tl.int64) * stride_hsm + nt, scale, mask=valid)
@@ -212,11 +215,14 @@ def _down_fp8_kernel(
     stride_hm, stride_hsm, stride_we, stride_wh, stride_se, stride_sh, stride_ym,
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    A_FP8: tl.constexpr, H_LO: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    A_FP8: tl.constexpr, LO: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # LO: h in two terms, read as the gate+up kernel reads x (virtual rows, pairs added after)
+    ROWS: tl.constexpr = 2 if LO else 1
+    BR: tl.constexpr = BM // ROWS
     e, nt, pos, valid = block_tile(tl.program_id(0), n_blocks, (H + BN - 1) // BN, seg_ptr, cum_ptr,
-                                   E, BLOCK_E, BM, GROUP_M)
+                                   E, BLOCK_E, BR, GROUP_M)
     if e >= E:  # past the last block (the grid is an upper bound)
         return
     n = nt * BN + tl.arange(0, BN)
@@ -225,33 +231,35 @@ def _down_fp8_kernel(
     e64 = e.to(tl.int64)
     pos64 = pos.to(tl.int64)
     # a last block's rows past the segment (and past N·k) are masked: never read, never stored
-    a_ptrs = h_ptr + pos64[:, None] * stride_hm + k[None, :]
-    al_ptrs = hl_ptr + pos64[:, None] * stride_hm + k[None, :]  # h's second term (H_LO)
+    if LO:  # h's second term has h's layout
+        pv = tl.reshape(tl.join(pos64, pos64), (BM,))
+        vi = valid.to(tl.int32)
+        rows_in = tl.reshape(tl.join(vi, vi), (BM,)) != 0
+        first = tl.arange(0, BM) % 2 == 0
+        a_off = pv[:, None] * stride_hm + k[None, :]
+        a_ptrs = tl.where(first[:, None], h_ptr + a_off, hl_ptr + a_off)
+        hs_row = tl.where(first, hs_ptr + pv * stride_hsm, hls_ptr + pv * stride_hsm)
+    else:
+        rows_in = valid
+        a_ptrs = h_ptr + pos64[:, None] * stride_hm + k[None, :]
+        hs_row = hs_ptr + pos64 * stride_hsm
     w_ptrs = wd_ptr + e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wh + k[:, None]
     if BN <= SB:
         sd_row = sd_ptr + e64 * stride_se + (nt * BN // SB) * stride_sh
     else:
         sd_row = sd_ptr + e64 * stride_se + (n_in // SB) * stride_sh
-    hs_row = hs_ptr + pos64 * stride_hsm
-    hls_row = hls_ptr + pos64 * stride_hsm
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=rows_in[:, None], other=0.0)
             w = tl.load(w_ptrs)
-            if H_LO:
-                al = tl.load(al_ptrs, mask=valid[:, None], other=0.0)
         else:
             kin = (k0 + k) < I
-            a = tl.load(a_ptrs, mask=valid[:, None] & kin[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=rows_in[:, None] & kin[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
-            if H_LO:
-                al = tl.load(al_ptrs, mask=valid[:, None] & kin[None, :], other=0.0)
         if DOT_F32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-            if H_LO:
-                al = al.to(tl.float32)
         elif not A_FP8:
             w = w.to(h_ptr.dtype.element_ty)
         part = tl.dot(a, w, input_precision=PRECISION)
@@ -260,17 +268,14 @@ def _down_fp8_kernel(
             ws = tl.load(sd_row + kb)
         else:
             ws = tl.load(sd_row + kb)[None, :]
-        if H_LO:
-            part = part * tl.load(hs_row + kb, mask=valid, other=0.0)[:, None] + tl.dot(
-                al, w, input_precision=PRECISION) * tl.load(hls_row + kb, mask=valid, other=0.0)[:, None]
-            acc += part * ws
-        elif A_FP8:
-            acc += part * (tl.load(hs_row + kb, mask=valid, other=0.0)[:, None] * ws)
+        if A_FP8:
+            acc += part * (tl.load(hs_row + kb, mask=rows_in, other=0.0)[:, None] * ws)
         else:
             acc += part * ws
         a_ptrs += BK
-        al_ptrs += BK
         w_ptrs += BK
+    if LO:
+        acc = tl.sum(tl.reshape(acc, (BR, 2, BN)), axis=1)
     pair = tl.load(order_ptr + pos, mask=valid, other=0)
     rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
     y = acc * rw[:, None]
@@ -330,14 +335,15 @@ def moe_experts_fp8_triton(
     if x.stride(1) != 1:
         x = x.contiguous()
     M = N * k
-    cfg = config or default_fp8_config(M, E, variant, I, H, sm_count(x.device))
     a_fp8 = variant == "w8a8"
+    lo = a_fp8 and (two_terms(N) if lo is None else lo)
+    rows = 2 if lo else 1  # a tile's rows per (token, expert) pair
+    cfg = config or default_fp8_config(M, E, variant, I, H, sm_count(x.device), lo=lo)
     assert SB % cfg.BK == 0, f"BK must divide {SB}: {cfg}"
     assert not a_fp8 or cfg.BN1 == SB, f"w8a8 quantizes h in 128-wide column tiles: BN1 must be {SB}"
-    plan = plan_routing(ids, E, cfg.BM)
+    plan = plan_routing(ids, E, cfg.BM // rows)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     interp = triton_interpreting()
-    lo = a_fp8 and (two_terms(N) if lo is None else lo)
     if a_fp8:
         if x_fp8 is None:
             xa = torch.empty((N, H), dtype=FP8, device=x.device)
@@ -347,7 +353,8 @@ def moe_experts_fp8_triton(
         else:
             xa, xs = x_fp8
         assert xa.shape == x.shape and xa.stride(1) == 1 and xs.shape == (N, triton.cdiv(H, SB)), (xa.shape, xs.shape)
-        if x_lo is not None:
+        assert (x_lo is not None) == lo, f"x quantized in {2 if x_lo is not None else 1} terms, the rule gives {rows}"
+        if lo:
             assert x_lo[0].stride() == xa.stride() and x_lo[1].stride() == xs.stride(), "x_lo: x_fp8's layout"
         h = torch.empty((M, I), dtype=FP8, device=x.device)
         hs = torch.empty((M, triton.cdiv(I, SB)), dtype=torch.float32, device=x.device)
@@ -356,7 +363,7 @@ def moe_experts_fp8_triton(
         h = torch.empty((M, I), dtype=x.dtype, device=x.device)
         hs = h  # unused
         x_lo = None
-    hl, hls = (torch.empty_like(h), torch.empty_like(hs)) if lo else (h, hs)  # unread without H_LO
+    hl, hls = (torch.empty_like(h), torch.empty_like(hs)) if lo else (h, hs)  # unread without LO
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     common = dict(E=E, BLOCK_E=plan.block_e, SB=SB, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M, A_FP8=a_fp8,
                   DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
@@ -364,7 +371,7 @@ def moe_experts_fp8_triton(
     tiles = plan.n_blocks * triton.cdiv(I, cfg.BN1)
     split, k_per_split = k_splits(H, cfg.SPLIT_K)
     if split > 1:  # each tile's partials, and how many of its splits are in (the last sums them)
-        part = torch.empty((tiles, split, 2, cfg.BM, cfg.BN1), dtype=torch.float32, device=x.device)
+        part = torch.empty((tiles, split, 2, cfg.BM // rows, cfg.BN1), dtype=torch.float32, device=x.device)
         count = torch.zeros(tiles, dtype=torch.int32, device=x.device)
     else:
         part = count = rw  # unused
@@ -373,7 +380,7 @@ def moe_experts_fp8_triton(
         plan.n_blocks, H, I, k, up_row0, k_per_split,
         xa.stride(0), xs.stride(0), xs.stride(1), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1),
         h.stride(0), hs.stride(0),
-        BN=cfg.BN1, SPLIT_K=split, X_LO=x_lo is not None, H_LO=lo, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
+        BN=cfg.BN1, SPLIT_K=split, LO=lo, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
         EXACT_RNE=interp, **common,
     )
     _down_fp8_kernel[(plan.n_blocks * triton.cdiv(H, cfg.BN2),)](
@@ -381,7 +388,7 @@ def moe_experts_fp8_triton(
         plan.n_blocks, H, I,
         h.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         y.stride(0),
-        BN=cfg.BN2, H_LO=lo, EVEN_K=I % cfg.BK == 0, **common,
+        BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, **common,
     )
     # the k contributions of each token, summed in fp32 in a fixed order (deterministic)
     return y.view(N, k, H).sum(1, dtype=torch.float32).to(x.dtype)
