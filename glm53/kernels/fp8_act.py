@@ -46,7 +46,7 @@ M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8
 # 16 third-party files): as served on the H200 99.22 % against 96.39 % with one term (weights
 # dequantized in the kernels: 100 %); the CPU emulation (benchmarks/fp8_act_emulation.py) 98.8 %
 # (fp32) / 99.5 % (bf16) against 95.3 % / 97.2 %. The cost (H200, the slice's decode products a
-# layer): none at M <= 4, +16 % at 16, +26 % at 64; the routed experts +12 %. Prefill sizes keep
+# layer): none at M <= 4, +16 % at 16, +26 % at 64; the routed experts +3-5 %. Prefill sizes keep
 # one term: there the FP8 products are compute-bound and cuBLAS reads one (so this stays below
 # fp8_gemm.CUBLAS_MIN_M).
 TWO_TERM_MAX_M = 64
