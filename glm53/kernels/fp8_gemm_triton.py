@@ -35,7 +35,7 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
-from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton
+from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
 
@@ -282,16 +282,11 @@ def fp8_gemm_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     dtype; `x_fp8` = (q [M, K] e4m3, scale [M, ceil(K/128)] fp32) when the caller already holds x
     quantized (then x only gives the shape and default out dtype, and one term is read)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    x_lo = None
     if x_fp8 is None:
         x2 = x.reshape(-1, K)
-        q = torch.empty((x2.shape[0], K), dtype=FP8, device=x.device)
-        s = torch.empty((x2.shape[0], triton.cdiv(K, SB)), dtype=torch.float32, device=x.device)
-        if two_terms(x2.shape[0]) if lo is None else lo:
-            x_lo = (torch.empty_like(q), torch.empty_like(s))
-        quantize_fp8_groups_triton(x2, SB, out=(q, s), lo=x_lo)
+        q, s, x_lo = quantize_fp8_terms_triton(x2, two_terms(x2.shape[0]) if lo is None else lo, SB)
     else:
-        q, s = x_fp8
+        (q, s), x_lo = x_fp8, None
     assert q.shape[0] == x.numel() // K, (q.shape, x.shape)
     return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype or x.dtype, config, lo=x_lo).view(*lead, w.shape[0])
 

@@ -205,6 +205,18 @@ def quantize_fp8_groups_triton(
     return q, s
 
 
+def quantize_fp8_terms_triton(x: torch.Tensor, two: bool, group: int = GROUP
+                              ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """x [M, K] -> (q, scale, the second term (q_lo, scale_lo) where `two`, else None), fresh
+    buffers, one launch of `quantize_fp8_groups_triton`."""
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=FP8, device=x.device)
+    s = torch.empty((M, _cdiv(K, group)), dtype=torch.float32, device=x.device)
+    lo = (torch.empty_like(q), torch.empty_like(s)) if two else None
+    quantize_fp8_groups_triton(x, group, out=(q, s), lo=lo)
+    return q, s, lo
+
+
 def quantize_fp8_groups(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] e4m3, scale [M, ceil(K/group)] fp32), 1×group dynamic quantization
     (module docstring); Triton where `dispatch.use_triton` says so, else the torch reference."""

@@ -36,7 +36,7 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_gemm_triton import k_splits
-from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_groups_triton, quantize_residual_tile, quantize_tile
+from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
 from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing
 
 SB = GROUP
@@ -346,10 +346,7 @@ def moe_experts_fp8_triton(
     interp = triton_interpreting()
     if a_fp8:
         if x_fp8 is None:
-            xa = torch.empty((N, H), dtype=FP8, device=x.device)
-            xs = torch.empty((N, triton.cdiv(H, SB)), dtype=torch.float32, device=x.device)
-            x_lo = (torch.empty_like(xa), torch.empty_like(xs)) if lo else None
-            quantize_fp8_groups_triton(x, SB, out=(xa, xs), lo=x_lo)
+            xa, xs, x_lo = quantize_fp8_terms_triton(x, lo, SB)
         else:
             xa, xs = x_fp8
         assert xa.shape == x.shape and xa.stride(1) == 1 and xs.shape == (N, triton.cdiv(H, SB)), (xa.shape, xs.shape)

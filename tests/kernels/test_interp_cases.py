@@ -663,6 +663,7 @@ def test_moe_layer_shared_expert_in_stack(tmp_path, monkeypatch, fp8):
     # product weight-only (no activation rounding on either side), then w8a8 against the same
     # rounding of x and h emulated over the layer's own stacks.
     from glm53.kernels import fp8_gemm, moe_fp8
+    from glm53.kernels.fp8_act import two_terms
     from glm53.models.weights import load_model
     from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
 
@@ -691,6 +692,6 @@ def test_moe_layer_shared_expert_in_stack(tmp_path, monkeypatch, fp8):
         st = e.stacks
         emulated = fp8_cases._moe_emulated((x, weights, ids, st["gate_proj"], st["gate_proj_scale_inv"], st["up_proj"],
                                             st["up_proj_scale_inv"], st["down_proj"], st["down_proj_scale_inv"]),
-                                           True, torch.float32, lo=True)  # 6 tokens: two terms
+                                           True, torch.float32, lo=two_terms(x.shape[0]))
         errs = fp8_cases.block_rel_errs(moe(x), emulated)
         assert max(errs) <= 1e-4, errs
