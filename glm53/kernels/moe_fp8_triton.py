@@ -37,7 +37,7 @@ from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_gemm_triton import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
-from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing
+from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, sum_slots
 
 SB = GROUP
 VARIANTS = ("w8a16", "w8a8")
@@ -387,5 +387,4 @@ def moe_experts_fp8_triton(
         y.stride(0),
         BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, **common,
     )
-    # the k contributions of each token, summed in fp32 in a fixed order (deterministic)
-    return y.view(N, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+    return sum_slots(y, N, k)  # in a fixed order: deterministic

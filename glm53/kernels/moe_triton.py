@@ -4,13 +4,13 @@
 
 Layout, all of it computed on the device (no host sync, so the op can sit in a CUDA graph):
 
-- The N·k (token, slot) pairs are sorted by expert (`torch.sort`, stable) and each expert's
-  segment start is found with `searchsorted` on the sorted ids: `seg[e] .. seg[e+1]` are expert
+- The N·k (token, slot) pairs are sorted by expert, stably: `seg[e] .. seg[e+1]` are expert
   e's pairs in sorted order. An expert's segment is cut into row blocks of BM pairs; block b of
-  the launch belongs to the expert whose cumulative block count first exceeds b. One tiny
-  program writes those cumulative counts (`_plan_kernel`); each GEMM program finds its expert
-  with one comparison over the E counts, so there is no padded index array to build (and no
-  nested jit helpers beyond `block_tile`, once per program). The grid is sized by the bound
+  the launch belongs to the expert whose cumulative block count first exceeds b. One launch
+  (`_plan_kernel`, a program per expert: a counting sort) writes the order, the segments and
+  those cumulative counts; `sort_pairs` (`torch.sort` + `searchsorted`) is its reference. Each
+  GEMM program finds its expert with one comparison over the E counts, so there is no padded
+  index array to build (and no nested jit helpers beyond `block_tile`, once per program). The grid is sized by the bound
   Σ_e ⌈c_e / BM⌉ ≤ ⌈N·k / BM⌉ + min(E, N·k); programs past the real count return at once.
   `plan_routing` builds this plan (`RoutingPlan`) and `block_tile` reads it inside a kernel: the
   block-FP8 kernels (`moe_fp8_triton.py`) run on the same two.
@@ -19,8 +19,8 @@ Layout, all of it computed on the device (no host sync, so the op can sit in a C
   the input dtype at the pairs' sorted positions: h [N·k, I].
 - Kernel 2 (down): h rows of one block (contiguous) times down[e]^T, scaled by the pairs'
   routing weights in fp32, stored at the pair's own index (t·k + j): y [N·k, H].
-- The k rows of each token are summed in fp32 (`y.view(N, k, H).sum(1)`): a second pass instead
-  of atomics, so the result is deterministic (bit-identical from run to run).
+- The k rows of each token are summed in fp32 in slot order (`sum_slots`, one launch): a second
+  pass instead of atomics, so the result is deterministic (bit-identical from run to run).
 
 Weights are read K-contiguous ([E, I, H] and [E, H, I] as stored), the B tile loaded as its
 transpose. Out-of-range columns are read modulo the width (always in bounds, never stored) so
@@ -75,13 +75,36 @@ def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfi
 
 
 @triton.jit
-def _plan_kernel(seg_ptr, cum_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr):
-    """One program: cum[e] = Σ_{e' <= e} ⌈(seg[e'+1] - seg[e']) / BM⌉, the row blocks of
-    experts 0..e (one tiny launch instead of a cumsum in every GEMM program)."""
+def _plan_kernel(ids_ptr, order_ptr, seg_ptr, cum_ptr, P, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BM: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Program e: expert e's part of the routing plan from the P = N·k ids (a counting sort, in
+    one launch where a radix sort, a searchsorted and the casts took six). Pass 1 counts the
+    pairs of lower experts (seg[e]) and every expert's pairs (for cum[e] = Σ_{e' <= e}
+    ⌈c_e' / BM⌉, the row blocks of experts 0..e); pass 2 writes e's pair indices in ascending
+    order from seg[e] (a stable sort). An id outside [0, E) joins no segment."""
+    e = tl.program_id(0)
     ev = tl.arange(0, BLOCK_E)
-    lo = tl.load(seg_ptr + ev, mask=ev < E, other=0)
-    hi = tl.load(seg_ptr + ev + 1, mask=ev < E, other=0)
-    tl.store(cum_ptr + ev, tl.cumsum((hi - lo + BM - 1) // BM, 0), mask=ev < E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    below = 0
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        v = tl.load(ids_ptr + p, mask=p < P, other=E).to(tl.int32)
+        v = tl.where((v >= 0) & (v < E), v, E)  # bin E (BLOCK_E > E) holds padding and strays
+        below += tl.sum((v < e).to(tl.int32), 0)
+        counts += tl.histogram(v, BLOCK_E)
+    blocks = tl.where(ev < E, (counts + BM - 1) // BM, 0)
+    tl.store(cum_ptr + e, tl.sum(tl.where(ev <= e, blocks, 0), 0))
+    mine = tl.sum(tl.where(ev == e, counts, 0), 0)
+    tl.store(seg_ptr + e, below)
+    if e == E - 1:
+        tl.store(seg_ptr + E, below + mine)
+    at = below
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        hit = (tl.load(ids_ptr + p, mask=p < P, other=E).to(tl.int32) == e) & (p < P)
+        rank = tl.cumsum(hit.to(tl.int32), 0)
+        tl.store(order_ptr + at + rank - 1, p, mask=hit)
+        at += tl.sum(hit.to(tl.int32), 0)
 
 
 @triton.jit
@@ -201,15 +224,43 @@ def _down_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (n < H)[None, :])
 
 
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = h < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(y_ptr + (t * K + j) * H + h, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def sum_slots(y: torch.Tensor, N: int, k: int) -> torch.Tensor:
+    """y [N·k, H] (contiguous) -> [N, H]: each token's k slot rows summed in fp32, slot 0 first,
+    rounded once to y's dtype (one launch where torch's sum and cast took two)."""
+    H = y.shape[1]
+    assert y.shape[0] == N * k and y.is_contiguous(), (y.shape, N, k)
+    out = torch.empty((N, H), dtype=y.dtype, device=y.device)
+    if N:
+        block = min(1024, triton.next_power_of_2(H))
+        _sum_slots_kernel[(N, triton.cdiv(H, block))](y, out, H, K=k, BLOCK_H=block, num_warps=4 if block >= 512 else 1)
+    return out
+
+
 def sort_pairs(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, seg): `order[p]` is the pair index (t·k + j) at sorted position p (experts
     ascending, tokens ascending within an expert); expert e owns positions seg[e] .. seg[e+1].
-    Device-side only (sort + searchsorted; no bincount, whose CUDA version reads the max back)."""
-    flat = ids.reshape(-1).to(torch.int32)  # 32-bit keys: half the radix passes of int64 ids
+    The reference `_plan_kernel` is checked against (torch.sort + searchsorted, on the device)."""
+    flat = ids.reshape(-1).to(torch.int32)
     sorted_ids, order = torch.sort(flat, stable=True)
     bounds = torch.arange(n_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
     seg = torch.searchsorted(sorted_ids, bounds, out_int32=True)
     return order.to(torch.int32), seg
+
+
+def plan_cum_reference(seg: torch.Tensor, BM: int) -> torch.Tensor:
+    """cum[e] = Σ_{e' <= e} ⌈(seg[e'+1] - seg[e']) / BM⌉ (the reference of `_plan_kernel`'s)."""
+    return torch.cumsum((seg[1:] - seg[:-1] + BM - 1) // BM, 0).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -235,15 +286,24 @@ def block_bound(n_pairs: int, n_experts: int, BM: int) -> int:
     return triton.cdiv(n_pairs, BM) + min(n_experts, n_pairs)
 
 
+# pairs a program reads per step; at decode (N·k <= 64 × 9) one step
+PLAN_BLOCK_P = 1024
+
+
 def plan_routing(ids: torch.Tensor, n_experts: int, BM: int) -> RoutingPlan:
     """Sort the (token, slot) pairs of `ids` [N, k] by expert and count BM-row blocks, on the
-    device (a sort, a searchsorted and one tiny launch; no host sync)."""
-    order, seg = sort_pairs(ids, n_experts)
+    device in one launch (`_plan_kernel`; no host sync)."""
+    flat = ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    P = flat.numel()
+    order = torch.empty(P, dtype=torch.int32, device=ids.device)
+    seg = torch.empty(n_experts + 1, dtype=torch.int32, device=ids.device)
     cum = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
-    _plan_kernel[(1,)](seg, cum, E=n_experts, BLOCK_E=triton.next_power_of_2(n_experts), BM=BM)
-    M = ids.numel()
-    n_blocks = block_bound(M, n_experts, BM)
-    return RoutingPlan(order, seg, cum, n_blocks, n_experts, BM)
+    block_p = min(PLAN_BLOCK_P, max(16, triton.next_power_of_2(P)))
+    _plan_kernel[(n_experts,)](flat, order, seg, cum, P, E=n_experts, BLOCK_E=triton.next_power_of_2(n_experts + 1),
+                               BM=BM, BLOCK_P=block_p, num_warps=4 if block_p >= 512 else 1)
+    return RoutingPlan(order, seg, cum, block_bound(P, n_experts, BM), n_experts, BM)
 
 
 def moe_experts_triton(
@@ -292,5 +352,4 @@ def moe_experts_triton(
         h.stride(0), down.stride(0), down.stride(1), y.stride(0),
         BN=cfg.BN2, EVEN_K=I % cfg.BK == 0, **common,
     )
-    # the k contributions of each token, summed in fp32 in a fixed order (deterministic)
-    return y.view(N, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+    return sum_slots(y, N, k)  # in a fixed order: deterministic

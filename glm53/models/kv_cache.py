@@ -244,15 +244,6 @@ class KVPools:
         """Bytes one page costs summed over every pool (each pool counts all its layers)."""
         return sum(p.bytes_per_page() for p in self._pools.values())
 
-    @staticmethod
-    def write(view: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
-              coords: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Stores values[i] at flat slot slots[i] (= page * page_size + offset) of a layer view;
-        `coords` = (slots // page_size, slots % page_size) when the caller already has them."""
-        ps = view.shape[1]
-        page, off = coords if coords is not None else (slots // ps, slots % ps)
-        view[page, off] = values.to(view.dtype)
-
 
 FP8 = torch.float8_e4m3fn  # the `kv_dtype` that selects the FP8 layouts
 

@@ -27,6 +27,7 @@ from torch import nn
 from glm53.kernels import index_cache_fp8, latent_cache_fp8
 from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
+from glm53.kernels.kv_rows import store_rows
 from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.sparse_mla import sparse_mla
@@ -140,25 +141,28 @@ class Indexer(nn.Module):
         cfg = self.cfg
         n, rope = x.shape[0], cfg.qk_rope_head_dim
         q = (self.wq_b(q_resid) if q_raw is None else q_raw).view(n, cfg.index_n_heads, cfg.index_head_dim)
-        k = layer_norm(self.wk(x) if k_raw is None else k_raw, self.k_norm.weight, self.k_norm.bias, INDEXER_KEY_NORM_EPS)
+        k = self.wk(x) if k_raw is None else k_raw
         # The indexer's head layout is [rope | nope], the opposite of MLA's; rotated in place.
         il = cfg.indexer_rope_interleave
         apply_rope(q[..., :rope], cos, sin, il, out=q[..., :rope])
-        apply_rope(k[..., :rope], cos, sin, il, out=k[..., :rope])
         cache = kv.view(INDEX_K, layer)
+        coords = batch.out_coords(kv.page_size)
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
         weights = self.weights_proj(x).float() * scale
         # the logits width rounded up (kernels/variants.logits_width): one divisibility class for top-k
         args = (batch.page_table, batch.context_lens, logits_width(batch.max_context))
         if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
+            k = layer_norm(k, self.k_norm.weight, self.k_norm.bias, INDEXER_KEY_NORM_EPS)
+            apply_rope(k[..., :rope], cos, sin, il, out=k[..., :rope])
             if self.hadamard is not None:
                 q = (q.float() @ self.hadamard).to(q.dtype)
                 k = k.float() @ self.hadamard
             cache = cache.flatten(1)  # [num_pages, page_size * (D + 4)]: the page item per layer
-            index_cache_fp8.store(cache, batch.out_slots, k, coords=batch.out_coords(kv.page_size))
+            index_cache_fp8.store(cache, batch.out_slots, k, coords=coords)
             logits = indexer_logits_fp8(q, weights, cache, *args)
-        else:
-            kv.write(cache, batch.out_slots, k, coords=batch.out_coords(kv.page_size))
+        else:  # the key normed, rotated and stored in one op (k is not read after it)
+            store_rows(k, cache, coords, self.k_norm.weight, INDEXER_KEY_NORM_EPS, cos, sin, norm_d=k.shape[1],
+                       rope_lo=0, interleave=il, bias=self.k_norm.bias)
             logits = indexer_logits(q, weights, cache, *args)
         if batch.ctx_start is not None:
             return self._topk_from(logits, batch, kv.page_size)
@@ -253,15 +257,17 @@ class Attention(nn.Module):
         else:
             q = self.q_b_proj(q_in)
         q = q.view(n, h, cfg.qk_head_dim)
-        # The latent row [norm(c) | rope(k_pe)] is built in place in the projection's output and
-        # the query [W_UK q_nope | rope(q_pe)] in one buffer: no cats (each a launch and a copy).
-        rms_norm(ckv[:, :r], self.kv_a_layernorm.weight, LATENT_NORM_EPS, out=ckv[:, :r])
-        apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave, out=ckv[:, r:])
+        # The latent row [norm(c) | rope(k_pe)] is finished in the projection's output (or on its
+        # way to the cache) and the query [W_UK q_nope | rope(q_pe)] built in one buffer: no cats.
         cache = kv.view(LATENT, self.layer)
+        coords = batch.out_coords(kv.page_size)
         if cache.dtype == torch.uint8:  # the FP8 latent rows (kernels/latent_cache_fp8)
-            latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8, coords=batch.out_coords(kv.page_size))
-        else:
-            kv.write(cache, batch.out_slots, ckv, coords=batch.out_coords(kv.page_size))
+            rms_norm(ckv[:, :r], self.kv_a_layernorm.weight, LATENT_NORM_EPS, out=ckv[:, :r])
+            apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave, out=ckv[:, r:])
+            latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8, coords=coords)
+        else:  # normed, rotated and stored in one op (ckv is not read after it)
+            store_rows(ckv, cache, coords, self.kv_a_layernorm.weight, LATENT_NORM_EPS, cos, sin, norm_d=r, rope_lo=r,
+                       interleave=cfg.rope_interleave)
 
         if self.indexer is not None:
             topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer, q_raw=q_idx, k_raw=k_idx)

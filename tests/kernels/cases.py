@@ -258,6 +258,68 @@ def check_moe(N, H, I, E, k, dtype=torch.bfloat16, device="cpu", n_empty=0, ids_
     return err
 
 
+def check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype, device="cpu", page_size=16):
+    """`kv_rows.store_rows` (one kernel) against its reference (norm, rope, indexed store): rows
+    that are a column slice of a wider tensor, slots scattered over the pages, the other slots
+    untouched. RMSNorm rows bit-identical (the same roundings as the norm and rope kernels);
+    LayerNorm (torch's in the reference) within a rounding of the dtype, carried through the
+    rotation (the interpreter's bf16 casts truncate where torch's round to nearest)."""
+    from glm53.kernels.kv_rows import store_rows, store_rows_reference
+    from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
+
+    wide = torch.randn(N, W + 7, device=device).to(dtype) * 2
+    x = wide[:, 5:5 + W]
+    w = (1 + 0.3 * torch.randn(norm_d, device=device)).to(dtype)
+    b = (0.2 * torch.randn(norm_d, device=device)).to(dtype) if layer else None
+    cos, sin = rope_cos_sin(torch.randint(0, 5000, (N,), device=device), rope_inv_freq(rope, 10000.0, device))
+    pages = -(-2 * N // page_size) + 1
+    slots = torch.randperm(pages * page_size, device=device)[:N]
+    coords = (slots // page_size, slots % page_size)
+    fill = torch.randn(pages, page_size, W, device=device).to(dtype)
+    got, want = fill.clone(), fill.clone()
+    store_rows(x.clone(), got, coords, w, 1e-6, cos, sin, norm_d=norm_d, rope_lo=rope_lo, interleave=interleave, bias=b)
+    store_rows_reference(x.clone(), want, coords, w, 1e-6, cos, sin, norm_d=norm_d, rope_lo=rope_lo,
+                         interleave=interleave, bias=b)
+    kept = torch.ones(pages * page_size, dtype=torch.bool, device=device)
+    kept[slots] = False
+    assert torch.equal(got.view(-1, W)[kept], fill.view(-1, W)[kept]), "a slot outside the batch was written"
+    if layer:
+        bf16 = dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7 if bf16 else 1e-5, atol=0.05 if bf16 else 1e-5)
+    else:
+        assert torch.equal(got, want), (got - want).abs().max()
+
+
+def check_routing_plan(N, k, E, device="cpu", n_empty=0, strays=0, shared=False, ids_dtype=torch.int64):
+    """`plan_routing` (one Triton launch) against `sort_pairs` + `plan_cum_reference` (torch.sort):
+    the same order (stable: tokens ascending within an expert), segments and row-block counts for
+    several BM. `n_empty` experts get no pair; `strays` ids fall outside [0, E) (they join no
+    segment: compared on the pairs inside); `shared`: the last column is expert E - 1 for every
+    token (the absorbed shared expert)."""
+    from glm53.kernels.moe_triton import plan_cum_reference, plan_routing, sort_pairs
+
+    live = torch.randperm(E)[: E - n_empty]
+    ids = live[torch.randint(0, live.numel(), (N, k))]
+    if shared:
+        ids[:, -1] = E - 1
+    if strays:
+        flat = ids.view(-1)
+        at = torch.randperm(flat.numel())[:strays]
+        flat[at] = torch.where(torch.rand(strays) < 0.5, -1, E + 3)
+    ids = ids.to(device=device, dtype=ids_dtype)
+    for BM in (1, 8, 16, 64):
+        plan = plan_routing(ids, E, BM)
+        inside = ((ids >= 0) & (ids < E)).view(-1)
+        order, seg = sort_pairs(torch.where(ids < 0, E + 1, ids), E)  # strays sort past seg[E]
+        assert plan.order.dtype == plan.seg.dtype == plan.cum.dtype == torch.int32
+        assert torch.equal(plan.seg.cpu(), seg.cpu()), (plan.seg, seg)
+        live_n = int(inside.sum())
+        assert int(seg[E]) == live_n
+        assert torch.equal(plan.order[:live_n].cpu(), order[:live_n].cpu())
+        assert torch.equal(plan.cum.cpu(), plan_cum_reference(seg, BM).cpu())
+        assert plan.n_blocks >= int(plan.cum[-1])
+
+
 def check_rms_norm(N, D, dtype, device="cpu", w_dtype=None, col0=0):
     """The public op (Triton here) on rows that are a column slice of a wider tensor (strided
     rows, as the MLA latent's norm runs), new and in place, against the reference: equal up to

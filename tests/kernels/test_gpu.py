@@ -173,6 +173,18 @@ def test_moe_glm5(N, E):
     cases.check_moe(N, 6144, 2048, E, 8, dtype=torch.bfloat16, device=DEV, n_empty=2 if N > 1 else 0)
 
 
+@pytest.mark.parametrize("N", [1, 64, 4096])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_store_rows_glm5(N, interleave):  # the latent (512 + 64) and the indexer key (128, rope 64)
+    cases.check_store_rows(N, 576, 512, 64, 512, False, interleave, torch.bfloat16, device=DEV, page_size=64)
+    cases.check_store_rows(N, 128, 128, 64, 0, True, interleave, torch.bfloat16, device=DEV, page_size=64)
+
+
+@pytest.mark.parametrize("N,k,E", [(1, 9, 17), (64, 9, 17), (64, 9, 257), (4096, 9, 257), (4096, 8, 16)])
+def test_moe_routing_plan_gpu(N, k, E):
+    cases.check_routing_plan(N, k, E, device=DEV, n_empty=2, strays=3, shared=True)
+
+
 def test_moe_fp32_and_odd_shapes():
     cases.check_moe(200, 320, 96, 12, 6, dtype=torch.float32, device=DEV, n_empty=3)
     cases.check_moe(33, 6144, 2048, 16, 8, dtype=torch.bfloat16, device=DEV, ids_dtype=torch.int32)

@@ -322,6 +322,33 @@ def test_moe_small_tiles_many_blocks():
     cases.check_moe(24, 80, 48, 4, 2, dtype=torch.bfloat16, n_empty=1, ids_dtype=torch.int32, config=cfg)
 
 
+# A cache row finished and stored in one kernel: the MLA latent [RMSNorm(c) | rope(k_pe)] and the
+# indexer key rope(LayerNorm(k)) in both rope forms, bf16 and fp32, one token to a few dozen
+@pytest.mark.parametrize("N,W,norm_d,rope,rope_lo,layer", [
+    (1, 96 + 32, 96, 32, 96, False),
+    (37, 80 + 16, 80, 16, 80, False),
+    (5, 64, 64, 32, 0, True),
+    (19, 48, 48, 16, 0, True),
+])
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype):
+    cases.check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype)
+
+
+# The routing plan in one launch (a counting sort per expert) against torch.sort: one token to
+# several 1,024-pair steps, empty experts, the shared expert's column, ids outside [0, E), int32 ids
+@pytest.mark.parametrize("N,k,E,n_empty,strays,shared,ids_dtype", [
+    (1, 9, 17, 0, 0, True, torch.int64),
+    (7, 3, 5, 2, 0, False, torch.int32),
+    (64, 9, 17, 3, 5, True, torch.int64),
+    (260, 8, 257, 40, 0, False, torch.int64),
+    (301, 9, 33, 4, 7, True, torch.int32),
+])
+def test_moe_routing_plan(N, k, E, n_empty, strays, shared, ids_dtype):
+    cases.check_routing_plan(N, k, E, n_empty=n_empty, strays=strays, shared=shared, ids_dtype=ids_dtype)
+
+
 # ---- RMSNorm and RoPE (one kernel each instead of ~8 and ~10 elementwise ones) ---------------
 @pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)])
 def test_rms_norm_against_reference(dtype, w_dtype):

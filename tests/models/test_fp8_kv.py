@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from glm53.kernels import latent_cache_fp8
+from glm53.kernels.kv_rows import store_rows
+from glm53.models import model as model_mod
 from glm53.models import ModelRunner, PageAllocator, SeqChunk
 from glm53.models.kv_cache import FP8, INDEX_K, LATENT, KVPools
 from glm53.server.embedded_model import ensure_embedded_model
@@ -60,14 +62,14 @@ def test_fp8_latent_path_equals_attention_over_quantized_values(runners, monkeyp
     pages = PageAllocator(64).alloc(-(-len(seq) // 16))
     got = mixed.forward([SeqChunk(seq, 0, pages, all_logits=True)])[0]
     lay = latent_cache_fp8.LatentLayout.for_config(cfg)
-    write = KVPools.write
 
-    def quantized_write(view, slots, values, coords=None):
-        if view.shape[-1] == cfg.latent_dim:
-            values = latent_cache_fp8.dequantize_rows(latent_cache_fp8.quantize(values, lay), lay)
-        write(view, slots, values, coords=coords)
+    def quantized_store(x, cache, coords, *args, **kw):  # the row finished and stored, then rounded
+        store_rows(x, cache, coords, *args, **kw)
+        if cache.shape[-1] == cfg.latent_dim:
+            page, off = coords
+            cache[page, off] = latent_cache_fp8.dequantize_rows(latent_cache_fp8.quantize(cache[page, off], lay), lay)
 
-    monkeypatch.setattr(KVPools, "write", staticmethod(quantized_write))
+    monkeypatch.setattr(model_mod, "store_rows", quantized_store)
     want = ref.forward([SeqChunk(seq, 0, pages, all_logits=True)])[0]
     assert torch.equal(got, want)
 
