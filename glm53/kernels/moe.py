@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from glm53.kernels.dispatch import use_triton
+from glm53.kernels.linear_f32 import linear_f32
 
 
 def route(
@@ -32,7 +33,7 @@ def route(
     if use_triton(x, gate_weight) and n_group <= 1:
         from glm53.kernels.route_triton import route_triton
 
-        logits = F.linear(x.float(), gate_weight.float())
+        logits = linear_f32(x, gate_weight)
         return route_triton(logits, correction_bias.float(), top_k, norm_topk_prob, scaling, shared)
     w, ids = route_reference(x, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
     if shared is None:

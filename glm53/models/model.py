@@ -28,6 +28,7 @@ from glm53.kernels import index_cache_fp8, latent_cache_fp8
 from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
 from glm53.kernels.kv_rows import store_rows
+from glm53.kernels.linear_f32 import linear_f32
 from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.sparse_mla import sparse_mla
@@ -148,7 +149,8 @@ class Indexer(nn.Module):
         cache = kv.view(INDEX_K, layer)
         coords = batch.out_coords(kv.page_size)
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
-        weights = self.weights_proj(x).float() * scale
+        gates = self.weights_proj
+        weights = gates(x).float() * scale if gates.fp8 else linear_f32(x, gates.weight, scale)
         # the logits width rounded up (kernels/variants.logits_width): one divisibility class for top-k
         args = (batch.page_table, batch.context_lens, logits_width(batch.max_context))
         if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
@@ -280,8 +282,10 @@ class Attention(nn.Module):
         torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope], out=q_all[..., :r].transpose(0, 1))
         apply_rope(q[..., nope:], cos, sin, cfg.rope_interleave, out=q_all[..., r:])
         o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r)
-        o = torch.einsum("nhr,hvr->nhv", o_lat, w[:, nope:])
-        return self.o_proj(o.reshape(n, h * cfg.v_head_dim)), topk_slots
+        # o [n, h, v] written by the batched product itself (an einsum's [h, n, v] result is a copy more)
+        o = torch.empty(n, h, cfg.v_head_dim, dtype=o_lat.dtype, device=o_lat.device)
+        torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2), out=o.transpose(0, 1))
+        return self.o_proj(o.view(n, h * cfg.v_head_dim)), topk_slots
 
 
 class DecoderLayer(nn.Module):

@@ -88,3 +88,22 @@ def test_topk_select_is_the_reference_exactly():
     x = torch.randint(-40, 40, (3, 5000), generator=g).float()  # many ties
     lens = torch.tensor([5000, 4100, 30], dtype=torch.int32)
     assert torch.equal(dsa_topk(x, lens, 64), dsa_topk_reference(x, lens, 64))
+
+
+def test_linear_f32_on_cpu_tensors_is_the_reference():
+    """`linear_f32` on CPU tensors takes torch's product (the Triton kernel, for CUDA tensors, is
+    tested under the interpreter): F.linear in fp32 on x widened, strided rows too, the scale
+    applied only where it is not 1."""
+    import pytest
+
+    from glm53.kernels.dispatch import triton_interpreting
+    from glm53.kernels.linear_f32 import TRITON_MAX_ROWS, linear_f32
+
+    if triton_interpreting():
+        pytest.skip("under TRITON_INTERPRET=1 CPU tensors run the kernel (test_interp_cases.py)")
+    g = torch.Generator().manual_seed(19)
+    w = torch.randn(16, 96, generator=g)
+    for M, scale in ((1, 1.0), (5, 0.25), (TRITON_MAX_ROWS + 1, -3.0)):
+        x = torch.randn(M, 104, generator=g).bfloat16()[:, 4:100]
+        want = F.linear(x.float(), w)
+        assert torch.equal(linear_f32(x, w, scale), want * scale if scale != 1.0 else want)

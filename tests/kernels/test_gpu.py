@@ -334,3 +334,28 @@ def test_moe_fp8_odd_shapes(variant):
     fp8_cases.check_moe_fp8(200, 320, 160, 12, 6, torch.float32, variant, device=DEV, n_empty=3, fused=True,
                             kind="mixed", ids_dtype=torch.int32)
     fp8_cases.check_moe_fp8(33, 6144, 256, 16, 8, torch.bfloat16, variant, device=DEV, kind="tiny")
+
+
+# ---- fp32 small-N linear (router logits, indexer head gates: kernels/linear_f32) ----------------
+def test_linear_f32_gpu(monkeypatch):
+    from glm53.kernels import linear_f32_triton as lft
+    from glm53.kernels.linear_f32 import TRITON_MAX_ROWS, linear_f32
+
+    def check(y, x, w, scale):
+        want = x.double() @ w.double().T * scale
+        # fp64 differs from an IEEE fp32 product only by fp32 rounding of the sum: bound it by
+        # the dot product's own scale, |x_m| |w_n| (a dropped or tf32-rounded term is far above)
+        tol = 1e-5 * abs(scale) * x.double().norm(dim=1, keepdim=True) * w.double().norm(dim=1)
+        assert y.dtype == torch.float32 and y.shape == want.shape
+        assert ((y.double() - want).abs() <= tol).all(), ((y.double() - want).abs() / tol).max()
+
+    K = 6144
+    for M in (1, 8, 64):
+        for N in (16, 32, 256):
+            x = torch.randn(M, K + 128, device=DEV).bfloat16()[:, 64:64 + K]  # rows strided
+            w = torch.randn(N, K, device=DEV)
+            check(lft.linear_f32_triton(x, w, 0.0625), x, w, 0.0625)
+            check(lft.linear_f32_triton(x.float(), w), x.float(), w, 1.0)
+    x, w = torch.randn(TRITON_MAX_ROWS + 1, K, device=DEV).bfloat16(), torch.randn(256, K, device=DEV)
+    monkeypatch.setattr(lft, "linear_f32_triton", None)  # past TRITON_MAX_ROWS: the torch path
+    check(linear_f32(x, w, 0.5), x, w, 0.5)

@@ -722,3 +722,56 @@ def test_moe_layer_shared_expert_in_stack(tmp_path, monkeypatch, fp8):
                                            True, torch.float32, lo=two_terms(x.shape[0]))
         errs = fp8_cases.block_rel_errs(moe(x), emulated)
         assert max(errs) <= 1e-4, errs
+
+
+# ---- fp32 small-N linear (router logits, indexer head gates: kernels/linear_f32) ---------------
+def _check_linear_f32(M, N, K, dtype, scale=1.0, lead=0, tiles=None, w_dtype=torch.float32):
+    from glm53.kernels.linear_f32_triton import linear_f32_triton
+
+    x = torch.randn(M, K + 2 * lead).to(dtype)[:, lead:lead + K]  # lead > 0: rows strided
+    w = torch.randn(N, K).to(w_dtype)
+    y = linear_f32_triton(x, w, scale, tiles=tiles)
+    want = x.double() @ w.double().T * scale
+    # fp64 differs from an IEEE fp32 product only by fp32 rounding of the sum: bound it by the
+    # dot product's own scale, |x_m| |w_n| (one dropped or doubled term is far above)
+    tol = 1e-5 * abs(scale) * x.double().norm(dim=1, keepdim=True) * w.double().norm(dim=1)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert ((y.double() - want).abs() <= tol).all(), ((y.double() - want).abs() / tol).max()
+
+
+@pytest.mark.parametrize("M,N,K,dtype,scale,lead", [
+    (1, 16, 300, torch.bfloat16, 1.0, 0), (1, 257, 2048, torch.float32, 0.125, 32),
+    (3, 257, 1000, torch.bfloat16, 0.37, 32), (17, 32, 2048, torch.float32, -2.0, 0),
+    (17, 16, 1000, torch.float16, 0.5, 8), (64, 32, 300, torch.bfloat16, 0.0625, 32),
+    (64, 257, 2048, torch.bfloat16, 3.0, 0),
+])
+def test_linear_f32_against_fp64(M, N, K, dtype, scale, lead):
+    _check_linear_f32(M, N, K, dtype, scale, lead)  # the interpreter's tiles
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 16, 2500), (3, 257, 2500), (17, 32, 2500), (64, 16, 2500), (64, 64, 1000)])
+def test_linear_f32_gpu_tiles(M, N, K):
+    # the tiles a GPU takes (one or two columns a program, 3 load stages), K past one step
+    from glm53.kernels.linear_f32_triton import default_tiles
+
+    _check_linear_f32(M, N, K, torch.bfloat16, 0.25, lead=32, tiles=default_tiles(M, N, K, interp=False))
+
+
+def test_linear_f32_small_tiles_and_bf16_weight():
+    # every edge ragged (rows, columns, the last K step) across many steps; a bf16 W widened
+    _check_linear_f32(5, 7, 1000, torch.bfloat16, 0.5, lead=3, tiles=(2, 2, 128, 4, 3), w_dtype=torch.bfloat16)
+
+
+def test_linear_f32_dispatch(monkeypatch):
+    from glm53.kernels import linear_f32 as lf, linear_f32_triton as lft
+
+    rows, real = [], lft.linear_f32_triton
+    monkeypatch.setattr(lft, "linear_f32_triton", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    w = torch.randn(16, 300)
+    for M in (lf.TRITON_MAX_ROWS, lf.TRITON_MAX_ROWS + 1):  # past TRITON_MAX_ROWS: the torch path
+        x = torch.randn(M, 300).bfloat16()
+        torch.testing.assert_close(lf.linear_f32(x, w, 0.5), lf.linear_f32_reference(x, w, 0.5), rtol=1e-5, atol=1e-5)
+    lf.linear_f32(torch.randn(8, 300), w, max_rows=4)
+    lf.linear_f32(torch.randn(8, 300), w.clone().requires_grad_())  # autograd: the reference
+    assert rows == [lf.TRITON_MAX_ROWS]
+    assert lft.linear_f32_triton(torch.randn(0, 300), w).shape == (0, 16)
