@@ -261,9 +261,11 @@ def check_moe(N, H, I, E, k, dtype=torch.bfloat16, device="cpu", n_empty=0, ids_
 def check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype, device="cpu", page_size=16):
     """`kv_rows.store_rows` (one kernel) against its reference (norm, rope, indexed store): rows
     that are a column slice of a wider tensor, slots scattered over the pages, the other slots
-    untouched. RMSNorm rows bit-identical (the same roundings as the norm and rope kernels);
-    LayerNorm (torch's in the reference) within a rounding of the dtype, carried through the
-    rotation (the interpreter's bf16 casts truncate where torch's round to nearest)."""
+    untouched. Under the interpreter RMSNorm rows are bit-identical (the norm and rope kernels'
+    roundings, the same sums); on a GPU the fused row's sum of squares runs in another order, and
+    LayerNorm (torch's in the reference) differs anyway: there each element within a rounding of
+    the dtype carried through the rotation (the interpreter's bf16 casts truncate where torch's
+    round to nearest), and RMSNorm rows with only a few elements off at all."""
     from glm53.kernels.kv_rows import store_rows, store_rows_reference
     from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
 
@@ -283,11 +285,14 @@ def check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype, devi
     kept = torch.ones(pages * page_size, dtype=torch.bool, device=device)
     kept[slots] = False
     assert torch.equal(got.view(-1, W)[kept], fill.view(-1, W)[kept]), "a slot outside the batch was written"
-    if layer:
-        bf16 = dtype == torch.bfloat16
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7 if bf16 else 1e-5, atol=0.05 if bf16 else 1e-5)
-    else:
+    if not layer and torch.device(device).type == "cpu":
         assert torch.equal(got, want), (got - want).abs().max()
+        return
+    bf16 = dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7 if bf16 else 1e-5, atol=0.05 if bf16 else 1e-5)
+    if not layer:  # the same ops, only the sum's order differs: a rounding here and there
+        off = (got != want).sum().item()
+        assert off <= 0.05 * N * W, f"{off} of {N * W} elements differ"
 
 
 def check_routing_plan(N, k, E, device="cpu", n_empty=0, strays=0, shared=False, ids_dtype=torch.int64):
