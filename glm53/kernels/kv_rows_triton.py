@@ -4,8 +4,7 @@ The row is loaded whole; the norm's statistics come from its first `norm_d` colu
 column's partner (the other element of its pair) is loaded again from x and normed the same
 way, so no value moves between threads and x is never written. Roundings follow the torch ops
 the reference runs on a GPU: RMSNorm as `norm_triton` (normalise in fp32, round, times the
-weight, round), LayerNorm in fp32 rounded once, the rotation as `rope_triton` (each product and
-the sum rounded to the row's dtype)."""
+weight, round), LayerNorm in fp32 rounded once, the rotation as `rope_triton` (`rotate_pair`)."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.kernels.rope_triton import rotate_pair
 
 @triton.jit
 def _normed(x, w_ptr, b_ptr, col, mask, mean, rstd, LAYER: tl.constexpr, dt: tl.constexpr):
@@ -61,12 +61,9 @@ def _store_rows_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, cache_ptr, page_pt
     xb = tl.where(b_col < NORM_D, _normed(xb, w_ptr, b_ptr, b_col, rot & (b_col < NORM_D), mean, rstd, LAYER, dt), xb)
     c = tl.load(cos_ptr + t * stride_c + i, mask=rot, other=0.0).to(dt).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_c + i, mask=rot, other=0.0).to(dt).to(tl.float32)
-    # o1 = x1·c − x2·s, o2 = x2·c + x1·s with x1 = xa, x2 = xb, each product rounded
-    p = tl.where(first, xa, xb) * c
-    q = tl.where(first, xb, xa) * s
-    p = p.to(dt).to(tl.float32)
-    q = q.to(dt).to(tl.float32)
-    v = tl.where(rot, tl.where(first, p - q, p + q), v)
+    # o1 = x1·c − x2·s, o2 = x2·c + x1·s with x1 = xa, x2 = xb, rounded as `rope_triton` rounds
+    o = rotate_pair(tl.where(first, xa, xb), tl.where(first, xb, xa), c, tl.where(first, s, -s), dt)
+    v = tl.where(rot, o.to(tl.float32), v)
 
     page = tl.load(page_ptr + t).to(tl.int64)
     off = tl.load(off_ptr + t).to(tl.int64)

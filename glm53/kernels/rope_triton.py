@@ -2,15 +2,26 @@
 
 The torch reference (`rope.apply_rope`) is ~10 kernels (casts, strided slices, four products,
 the sum, the difference and a cat); it runs 14 times in a GLM-5 decode step of 4 layers. The
-kernel rounds like the reference: cos/sin rounded to x's dtype, each product and the final
-sum/difference rounded to it. A program loads its whole rows before storing, so `out` may be
-`x` itself (in place)."""
+kernel rounds cos/sin to x's dtype like the reference, then o1 = x1·c − round(x2·s) and
+o2 = x2·c + round(x1·s) each as one fma, rounded once (`rotate_pair`); the reference rounds
+x1·c and x2·c too. That is what the compiler made of this kernel written with the reference's
+four roundings (it contracted the product and the difference; on the H200 identical at 8,192
+of 8,192 elements), spelled out so that every kernel rotating a row (`kv_rows_triton`) and the
+interpreter round as the served path always has. A program loads its whole rows before
+storing, so `out` may be `x` itself (in place)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def rotate_pair(u, w, c, s, dt: tl.constexpr):
+    """u·c − round(w·s) in one fma, rounded to dt: o1 = rotate_pair(x1, x2, c, s), o2 =
+    rotate_pair(x2, x1, c, −s); fp32 operands, c and s already rounded to dt."""
+    return tl.fma(u, c, -(w * s).to(dt).to(tl.float32)).to(dt)
 
 
 @triton.jit
@@ -32,12 +43,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xn, stride_xh, stri
     s = tl.load(sin_ptr + t * stride_c + j).to(dt).to(tl.float32)[None, :]
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    a = (x1 * c).to(dt).to(tl.float32)
-    b = (x2 * s).to(dt).to(tl.float32)
-    o1 = (a - b).to(dt)
-    a = (x2 * c).to(dt).to(tl.float32)
-    b = (x1 * s).to(dt).to(tl.float32)
-    o2 = (a + b).to(dt)
+    o1 = rotate_pair(x1, x2, c, s, dt)
+    o2 = rotate_pair(x2, x1, c, -s, dt)
     obase = out_ptr + t * stride_on + h[:, None].to(tl.int64) * stride_oh
     tl.store(obase + j[None, :], o1, mask=hm)
     tl.store(obase + HALF + j[None, :], o2, mask=hm)
