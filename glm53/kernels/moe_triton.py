@@ -74,7 +74,9 @@ def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfi
     return MoEConfig(BM=128, BN1=128, BN2=128, BK=64 // half, num_warps=8, num_stages=3)
 
 
-@triton.jit
+# P (the pairs) varies with every batch: not specialized, and the step is fixed, so the config's
+# BM alone picks the compiled variant (kernels/variants.py)
+@triton.jit(do_not_specialize=["P"])
 def _plan_kernel(ids_ptr, order_ptr, seg_ptr, cum_ptr, P, E: tl.constexpr, BLOCK_E: tl.constexpr,
                  BM: tl.constexpr, BLOCK_P: tl.constexpr):
     """Program e: expert e's part of the routing plan from the P = N·k ids (a counting sort, in
@@ -286,7 +288,7 @@ def block_bound(n_pairs: int, n_experts: int, BM: int) -> int:
     return triton.cdiv(n_pairs, BM) + min(n_experts, n_pairs)
 
 
-# pairs a program reads per step; at decode (N·k <= 64 × 9) one step
+# pairs a program reads per step: a decode step's (N·k <= 64 × 9) in one
 PLAN_BLOCK_P = 1024
 
 
@@ -300,9 +302,8 @@ def plan_routing(ids: torch.Tensor, n_experts: int, BM: int) -> RoutingPlan:
     order = torch.empty(P, dtype=torch.int32, device=ids.device)
     seg = torch.empty(n_experts + 1, dtype=torch.int32, device=ids.device)
     cum = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
-    block_p = min(PLAN_BLOCK_P, max(16, triton.next_power_of_2(P)))
     _plan_kernel[(n_experts,)](flat, order, seg, cum, P, E=n_experts, BLOCK_E=triton.next_power_of_2(n_experts + 1),
-                               BM=BM, BLOCK_P=block_p, num_warps=4 if block_p >= 512 else 1)
+                               BM=BM, BLOCK_P=PLAN_BLOCK_P, num_warps=4)
     return RoutingPlan(order, seg, cum, block_bound(P, n_experts, BM), n_experts, BM)
 
 
