@@ -1,8 +1,8 @@
 """Triton DSA top-k: sample-bracketed exact select, one streaming pass over the logits.
 
 Contract: `kernels/topk.py` (the set of the k best positions of each row's valid prefix, ties by
-lowest position, -1 padding when length <= k). Rows past SHORT_MAX_L: three launches with grids
-fixed by the shapes (lengths are read on the device, so the op is CUDA-graph safe):
+lowest position, -1 padding when length <= k). Three launches with grids fixed by the shapes
+(lengths are read on the device, so the op is CUDA-graph safe):
 
 1. `_bracket_kernel`, grid (B): a *bracket* [lo, hi] per row from a fixed sample of the row
    (SAMPLE scores in groups of G, evenly spaced; the whole row when it is no longer than SAMPLE):
@@ -25,12 +25,6 @@ fixed by the shapes (lengths are read on the device, so the op is CUDA-graph saf
    When it missed low, or the candidates overflow (heavy ties, adversarial rows), it selects
    exactly by streaming over the row itself: slower, equally exact. The bracket's lower margin is
    the wider one for that reason.
-
-Rows no wider than SHORT_MAX_L (a decode step's contexts up to 8K) take one launch instead
-(`_short_kernel`, grid (B)): a program holds its whole row in registers and finds the exact k-th
-key by radix rounds of 4 bits (16-bin histograms over the keys still tied with it), then writes
-the positions above it and the lowest-positioned ties. At these widths the three launches' fixed
-costs are most of the time (H200, one row of 4,096: ~20 µs a layer).
 
 With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while its
 predecessor runs: the scan loads its first block(s) and the finish writes its short rows before
@@ -71,7 +65,6 @@ LOGB = 8  # the scan's histogram of each row's candidates has 2^LOGB bins over t
 NBIN = 1 << LOGB
 SELECT_TILE = 64  # the finish ranks this many keys of the k-th score's bin pairwise (rounds narrow larger bins)
 FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
-SHORT_MAX_L = 8192  # rows up to this width take `_short_kernel` (the whole row in one program's registers)
 
 
 @triton.jit
@@ -574,61 +567,6 @@ def _finish_kernel(
                 written += tl.sum(sel.to(tl.int32), axis=0)
 
 
-@triton.jit
-def _short_kernel(x_ptr, len_ptr, out_ptr, pt_ptr, L, stride_x, stride_o, stride_ptb, stride_ptp, PAGE_SIZE,
-                  K: tl.constexpr, LP: tl.constexpr, KP: tl.constexpr, PAGED: tl.constexpr):
-    """One row in one program: the exact k-th key by eight 4-bit radix rounds over the keys still
-    tied with it, then the keys above it and the lowest-positioned ties (the contract's set)."""
-    b = tl.program_id(0).to(tl.int64)
-    n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
-    need = tl.minimum(n, K)
-    pos = tl.arange(0, LP)
-    valid = pos < n
-    x = tl.load(x_ptr + b * stride_x + pos, mask=valid, other=0.0).to(tl.float32)
-    key = _ukey(x, valid)
-    cand = valid
-    left = need  # keys still to take among `cand`
-    kth = 0  # the k-th key's bits, four at a time from the top
-    bins = tl.arange(0, 32)
-    for r in tl.static_range(8):
-        digit = (key >> (28 - 4 * r)) & 15
-        hist = tl.histogram(tl.where(cand, digit, 16), 32)  # bin 16: keys out of the race
-        t, above, _ = _threshold(tl.where(bins < 16, hist, 0), left, 32)
-        left -= above
-        cand = cand & (digit == t)
-        kth = kth | (t << (28 - 4 * r))
-    gt = valid & ((key ^ -2147483648) > (kth ^ -2147483648))
-    tie = cand  # the keys equal to the k-th, in position order
-    sel = gt | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= left))  # none when n = 0: nothing is valid
-    slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    out_row = out_ptr + b * stride_o
-    tl.store(out_row + slot, _to_out(tl.where(sel, pos, 0), pt_ptr + b * stride_ptb, stride_ptp, PAGE_SIZE, PAGED),
-             mask=sel)
-    j = tl.arange(0, KP)
-    tl.store(out_row + j, -1, mask=(j >= need) & (j < K))
-
-
-def run_short(logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, k: int,
-              page_table: torch.Tensor | None = None, page_size: int = 1) -> None:
-    """`_short_kernel` over the rows of `logits` (width <= SHORT_MAX_L, unit column stride)."""
-    B, L = logits.shape
-    assert L <= SHORT_MAX_L, f"rows of {L} are past the short path's {SHORT_MAX_L}"
-    if page_table is not None:
-        pt = page_table.to(device=logits.device, dtype=torch.int32)
-        spb, spp = pt.stride(0), pt.stride(1)
-    else:
-        pt, spb, spp = lengths, 0, 0  # never read
-    LP = max(16, triton.next_power_of_2(L))
-    _short_kernel[(B,)](logits, lengths, out, pt, L, logits.stride(0), out.stride(0), spb, spp, page_size,
-                        K=k, LP=LP, KP=triton.next_power_of_2(k), PAGED=page_table is not None,
-                        num_warps=short_warps(L))
-
-
-def short_warps(L: int) -> int:
-    """Warps of `_short_kernel` for rows of width L: ~16 scores a thread, 1 to 16 warps."""
-    return max(1, min(16, triton.next_power_of_2(max(L, 16)) // 512))
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -795,12 +733,10 @@ def topk_triton(
     scan_prefetch: int = SCAN_PREFETCH,
     finish_split: bool | None = None,
     chunks: int | None = None,
-    short: bool | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
-    margins to force the overflow, re-selection and fallback paths. `short` (default: rows of at
-    most SHORT_MAX_L) takes the one-launch path; the other knobs are the three-launch path's."""
+    margins to force the overflow, re-selection and fallback paths."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert rbits in (1, 2, 4, 8) and sample % GROUP == 0 and sample & (sample - 1) == 0
     B, L = logits.shape
@@ -810,9 +746,6 @@ def topk_triton(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
-    if L <= SHORT_MAX_L if short is None else short:
-        run_short(logits, lengths, out, k, page_table, page_size)
-        return out
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks, chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
              num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,

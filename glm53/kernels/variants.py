@@ -106,16 +106,9 @@ def topk_key(B: int, L: int, s: ServeShape) -> tuple:
     """DSA top-k over B rows of width L (topk_triton.run_topk's launches): the plan's constexprs
     and int classes, the finish split, and the class of the width (= the row stride). The page
     table's row stride is a multiple of 16 (ModelRunner.build_batch pads it; a graph's is fixed)."""
-    import triton
-
-    from glm53.kernels import topk_triton as tt
-
-    if L <= tt.SHORT_MAX_L:  # one launch, a program a row: its row held whole (`_short_kernel`)
-        return ("short", max(16, triton.next_power_of_2(L)), spec_class(L))
     p = topk_plan(B, L, s.index_topk, s.num_sms)
     return (p["CB"], p["TA"], p["TC"], p["CAPA"], p["CAPG"], p["SCR"], spec_class(p["C"]), spec_class(p["chunk"]),
             2 * B <= s.num_sms, spec_class(L))
-
 
 
 def sparse_mla_key(T: int, s: ServeShape) -> tuple:
@@ -222,14 +215,8 @@ def topk_widths(s: ServeShape) -> list[int]:
     def tile(L: int) -> int:
         return _cand_tile(L, s.index_topk, SAMPLE, MARGIN)
 
-    from glm53.kernels.topk_triton import SHORT_MAX_L
-
     a, top = LOGITS_ALIGN, s.max_width
     pts = {a, top}
-    P = 16  # the short path's rows: each power of two's range of widths (its register tile)
-    while P <= min(SHORT_MAX_L, 2 * top):
-        pts |= {w for w in (max(a, (P // 2 // a + 1) * a), P) if w <= min(top, SHORT_MAX_L)}
-        P *= 2
     lo = a
     while lo <= top:
         hi = min(top, (lo // BLOCK + 1) * BLOCK)  # the last width with lo's block count

@@ -49,7 +49,7 @@ def test_topk_heavy_ties_overflow_path():
 @pytest.mark.parametrize("kind", ["randn", "ties", "special", "trend"])
 def test_topk_fallback_path(kind):
     # a tiny candidate budget forces the streaming fallback on every row with length > k
-    cases.check_topk(3, 7000, 256, [7000, 5000, 300], kind=kind, cand_total=16, short=False)
+    cases.check_topk(3, 7000, 256, [7000, 5000, 300], kind=kind, cand_total=16)
 
 
 @pytest.mark.parametrize("kind", ["randn", "coarse", "trend"])
@@ -88,29 +88,7 @@ def test_topk_finish_split(split):
     cases.check_topk(3, 9000, 256, [9000, 8500, 4100], kind="trend", cand_total=256, max_chunks=8, block=512,
                      finish_split=split)
     cases.check_topk(3, 9000, 256, [9000, 8000, 4097], margin=-1.0, margin_lo=8.0, finish_split=split)
-    cases.check_topk(2, 7000, 256, [7000, 5000], cand_total=16, finish_split=split, short=False)
-
-
-# Rows of at most SHORT_MAX_L in one launch (`_short_kernel`): every kind of row (heavy ties,
-# NaN / ±inf / ±0, a trend, coarse values), lengths 0, < k, = k, > L, widths that are not powers of
-# two, k that is not, paged output, bf16
-@pytest.mark.parametrize("kind", ["randn", "ties", "special", "trend", "coarse"])
-def test_topk_short_rows(kind):
-    cases.check_topk(6, 3000, 256, [3000, 2999, 256, 255, 0, 9000], kind=kind, short=True)
-    cases.check_topk(3, 517, 100, [517, 300, 99], kind=kind, dtype=torch.bfloat16, short=True)
-    cases.check_topk(3, 8192, 2048, [8192, 4097, 2048], kind=kind, paged=True, page_size=64, short=True)
-
-
-def test_topk_short_is_the_default_up_to_its_width(monkeypatch):
-    from glm53.kernels import topk_triton as tt
-
-    calls = []
-    monkeypatch.setattr(tt, "run_short", lambda *a, **kw: calls.append(a[0].shape))
-    monkeypatch.setattr(tt, "run_topk", lambda *a, **kw: calls.append("long"))
-    lens = torch.tensor([5], dtype=torch.int32)
-    tt.topk_triton(torch.randn(1, tt.SHORT_MAX_L), lens, 4)
-    tt.topk_triton(torch.randn(1, tt.SHORT_MAX_L + 16), lens, 4)
-    assert calls == [(1, tt.SHORT_MAX_L), "long"]
+    cases.check_topk(2, 7000, 256, [7000, 5000], cand_total=16, finish_split=split)
 
 
 def test_topk_special_values():
@@ -135,7 +113,7 @@ def test_topk_scan_layouts(block, scan_v, prefetch):
     cases.check_topk(4, 9001, 256, [9001, 8999, 4100, 300], block=block, scan_v=scan_v, max_chunks=4,
                      scan_prefetch=prefetch)
     cases.check_topk(2, 6000, 200, [6000, 5000], kind="coarse", dtype=torch.bfloat16, block=block,
-                     scan_v=scan_v, scan_prefetch=prefetch, short=False)
+                     scan_v=scan_v, scan_prefetch=prefetch)
 
 
 @pytest.mark.parametrize("warps,block,chunks", [(2, 512, 16), (1, 256, 64)])

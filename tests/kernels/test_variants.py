@@ -110,7 +110,7 @@ def recorded(monkeypatch):
                sparse_mla_fp8_triton._sparse_mla_fp8_kernel, fp8_gemm_triton._block_fp8_gemm_kernel,
                fp8_quant._quant_groups_kernel, moe_triton._plan_kernel, moe_triton._gate_up_kernel,
                moe_triton._down_kernel, moe_triton._sum_slots_kernel, topk_triton._bracket_kernel,
-               topk_triton._scan_kernel, topk_triton._finish_kernel, topk_triton._short_kernel, draft_attention_triton._draft_attn_kernel,
+               topk_triton._scan_kernel, topk_triton._finish_kernel, draft_attention_triton._draft_attn_kernel,
                draft_attention_triton._combine_kernel]
     for fn in kernels:
         def run(*args, grid, warmup, _fn=fn, **kwargs):
