@@ -39,10 +39,10 @@ def store_rows(x: torch.Tensor, cache: torch.Tensor, coords: tuple[torch.Tensor,
                          interleave=interleave, bias=bias)
 
 
-def store_rows_reference(x: torch.Tensor, cache: torch.Tensor, coords: tuple[torch.Tensor, torch.Tensor],
-                         weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *, norm_d: int,
-                         rope_lo: int, interleave: bool, bias: torch.Tensor | None = None) -> None:
-    """The three ops in turn, finishing x in place."""
+def finish_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,
+                norm_d: int, rope_lo: int, interleave: bool, bias: torch.Tensor | None = None) -> None:
+    """The row finished in place, without the store: the norm, then the rotation (what the FP8
+    caches' own stores take, and the reference's first two steps)."""
     normed = x[:, :norm_d]
     if bias is None:
         rms_norm(normed, weight, eps, out=normed)
@@ -50,5 +50,12 @@ def store_rows_reference(x: torch.Tensor, cache: torch.Tensor, coords: tuple[tor
         normed.copy_(layer_norm(normed, weight, bias, eps))
     part = x[:, rope_lo:rope_lo + 2 * cos.shape[1]]
     apply_rope(part, cos, sin, interleave, out=part)
+
+
+def store_rows_reference(x: torch.Tensor, cache: torch.Tensor, coords: tuple[torch.Tensor, torch.Tensor],
+                         weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *, norm_d: int,
+                         rope_lo: int, interleave: bool, bias: torch.Tensor | None = None) -> None:
+    """The three ops in turn, finishing x in place."""
+    finish_rows(x, weight, eps, cos, sin, norm_d=norm_d, rope_lo=rope_lo, interleave=interleave, bias=bias)
     page, off = coords
     cache[page, off] = x

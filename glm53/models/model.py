@@ -27,9 +27,9 @@ from torch import nn
 from glm53.kernels import index_cache_fp8, latent_cache_fp8
 from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
-from glm53.kernels.kv_rows import store_rows
+from glm53.kernels.kv_rows import finish_rows, store_rows
 from glm53.kernels.linear_f32 import linear_f32
-from glm53.kernels.norm import layer_norm, rms_norm
+from glm53.kernels.norm import rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.sparse_mla import sparse_mla
 from glm53.kernels.topk import dsa_topk, dsa_topk_paged, positions_to_slots
@@ -154,8 +154,8 @@ class Indexer(nn.Module):
         # the logits width rounded up (kernels/variants.logits_width): one divisibility class for top-k
         args = (batch.page_table, batch.context_lens, logits_width(batch.max_context))
         if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
-            k = layer_norm(k, self.k_norm.weight, self.k_norm.bias, INDEXER_KEY_NORM_EPS)
-            apply_rope(k[..., :rope], cos, sin, il, out=k[..., :rope])
+            finish_rows(k, self.k_norm.weight, INDEXER_KEY_NORM_EPS, cos, sin, norm_d=k.shape[1], rope_lo=0,
+                        interleave=il, bias=self.k_norm.bias)
             if self.hadamard is not None:
                 q = (q.float() @ self.hadamard).to(q.dtype)
                 k = k.float() @ self.hadamard
@@ -264,8 +264,8 @@ class Attention(nn.Module):
         cache = kv.view(LATENT, self.layer)
         coords = batch.out_coords(kv.page_size)
         if cache.dtype == torch.uint8:  # the FP8 latent rows (kernels/latent_cache_fp8)
-            rms_norm(ckv[:, :r], self.kv_a_layernorm.weight, LATENT_NORM_EPS, out=ckv[:, :r])
-            apply_rope(ckv[:, r:], cos, sin, cfg.rope_interleave, out=ckv[:, r:])
+            finish_rows(ckv, self.kv_a_layernorm.weight, LATENT_NORM_EPS, cos, sin, norm_d=r, rope_lo=r,
+                        interleave=cfg.rope_interleave)
             latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8, coords=coords)
         else:  # normed, rotated and stored in one op (ckv is not read after it)
             store_rows(ckv, cache, coords, self.kv_a_layernorm.weight, LATENT_NORM_EPS, cos, sin, norm_d=r, rope_lo=r,
