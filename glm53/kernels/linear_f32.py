@@ -14,21 +14,17 @@ from glm53.kernels.dispatch import use_triton
 # Rows up to which the Triton kernel runs: a decode step's tokens (speculative ones included).
 TRITON_MAX_ROWS = 64
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def linear_f32_reference(x: torch.Tensor, w: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     y = F.linear(x.float(), w.float())
     return y * scale if scale != 1.0 else y
 
 
-def linear_f32(x: torch.Tensor, w: torch.Tensor, scale: float = 1.0, max_rows: int | None = None) -> torch.Tensor:
-    """scale * (x @ w^T) in fp32: x [M, K], w [N, K] -> [M, N] fp32 (a new tensor). `max_rows`:
-    the most rows the Triton kernel takes (default `TRITON_MAX_ROWS`)."""
-    limit = TRITON_MAX_ROWS if max_rows is None else max_rows
-    if use_triton(x, w) and x.dim() == 2 and x.shape[0] <= limit and x.stride(1) == 1 and w.stride(1) == 1 \
-            and x.dtype in _DTYPES and w.dtype in _DTYPES:
-        from glm53.kernels.linear_f32_triton import linear_f32_triton
+def linear_f32(x: torch.Tensor, w: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """scale * (x @ w^T) in fp32: x [M, K], w [N, K] -> [M, N] fp32 (a new tensor)."""
+    if use_triton(x, w) and x.dim() == 2 and x.shape[0] <= TRITON_MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1:
+        from glm53.kernels.linear_f32_triton import DTYPES, linear_f32_triton
 
-        return linear_f32_triton(x, w, scale)
+        if x.dtype in DTYPES and w.dtype in DTYPES:
+            return linear_f32_triton(x, w, scale)
     return linear_f32_reference(x, w, scale)

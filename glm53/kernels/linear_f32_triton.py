@@ -16,7 +16,8 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # either operand, widened in registers
+
 
 
 @triton.jit
