@@ -4,6 +4,7 @@ top-k selections and of what the loader reads from safetensors files."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -32,7 +33,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
     )
     try:
         fn(TPGroup.from_process_group(), *args)
+        # Every rank done before any tears down: a rank that shuts gloo down while its peer
+        # is still in a collective or its own teardown can abort that peer (seen once in CI:
+        # "terminate called without an active exception").
+        dist.barrier()
     finally:
+        gc.collect()  # the model's reference cycles go now, not in interpreter finalization
         dist.destroy_process_group()
 
 
