@@ -110,3 +110,37 @@ def test_bf16_products_for_greedy_blocks_only(models):
         torch.testing.assert_close(draft.draft_block(target, blocks, pools)[1], want, rtol=0, atol=0)
     finally:
         draft.cpu_bf16 = False
+
+
+def test_bf16_context_kv_product(models):
+    """`cpu_bf16`: `write_context` multiplies the context rows by a bf16 copy of the stacked K/V
+    weights (every row, greedy or sampled: the KV serves both); the K it stores is still normed
+    and rotated in fp32, so it is near the fp32 one, and it follows a weight changed in place."""
+    _, draft = models
+    g = torch.Generator().manual_seed(21)
+    c = draft.context(torch.randn(37, draft.cfg.hidden_size, generator=g))
+    slots = torch.randperm(PAGES * PAGE, generator=g)[:37]
+
+    def written() -> torch.Tensor:
+        pools = KVPools(PAGES, PAGE)
+        add_draft_pools(pools, draft)
+        draft.write_context(c, torch.arange(5, 42), slots, pools)
+        return draft._all_layers(pools["draft_kv"])[slots // PAGE, slots % PAGE].clone()
+
+    want = written()
+    draft.cpu_bf16 = True
+    k = draft.layers[1].self_attn.k_proj.weight
+    saved = k.clone()
+    try:
+        got = written()
+        assert draft._stacked_kv_t(torch.bfloat16).dtype == torch.bfloat16
+        assert torch.isfinite(got).all() and not torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+        k.mul_(-1)
+        draft.cpu_bf16 = False
+        want = written()
+        draft.cpu_bf16 = True
+        torch.testing.assert_close(written(), want, rtol=0, atol=0.03 * want.abs().max().item())
+    finally:
+        k.copy_(saved)
+        draft.cpu_bf16 = False

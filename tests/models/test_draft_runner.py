@@ -64,8 +64,10 @@ def draft_kv_at(r: ModelRunner, pages, n) -> torch.Tensor:
 
 
 def test_chunked_prefill_writes_the_one_shot_draft_kv(ckpts):
+    # fp32 products: rounding the context rows to bf16 (`cpu_bf16`) turns their last-bit
+    # differences between chunkings into bf16 ones (tests/models/test_draft_cpu_path.py checks it)
     prompts, pages = prompts_and_pages([19, 11])
-    chunked, whole = runner(ckpts), runner(ckpts)
+    chunked, whole = runner(ckpts, draft_cpu_bf16=False), runner(ckpts, draft_cpu_bf16=False)
     last_c = prefill(chunked, prompts, pages, chunk=5)
     last_w = prefill(whole, prompts, pages, chunk=64)
     for p, pg in zip(prompts, pages):
@@ -94,7 +96,7 @@ def test_chunked_prefill_writes_the_one_shot_draft_kv(ckpts):
     verify = [SeqChunk([t] + pr.tolist(), len(p), pg, all_logits=True) for t, pr, p, pg in zip(first, props, prompts, pages)]
     chunked.forward(verify)
     longer = [p + c.token_ids for p, c in zip(prompts, verify)]
-    again = runner(ckpts)
+    again = runner(ckpts, draft_cpu_bf16=False)
     prefill(again, longer, pages, chunk=64)
     for p, pg in zip(longer, pages):
         torch.testing.assert_close(draft_kv_at(chunked, pg, len(p)), draft_kv_at(again, pg, len(p)), rtol=1e-5, atol=1e-5)
