@@ -4,7 +4,9 @@ per-rank shapes, every figure and ratio measured in one run on one GPU.
 
 Sections, in order (the tables are printed again at the end):
 
-1. decode: both decode candidates, w8a16 (FP8 weights dequantized in the kernel) and w8a8 (x
+1. decode: both decode candidates, w8a16 (FP8 weights dequantized in the kernel: up to
+   `GEMV_MAX_M` rows the CUDA-core GEMV, `fp8_gemv_triton`, with the tile kernel's w8a16 mode
+   beside it as "tile") and w8a8 (x
    quantized per 1×128 group, one more launch, then FP8 × FP8; at these sizes with the second
    e4m3 term, `fp8_act.two_terms`, and beside it "w8a8_1" with one term), at M = 1..64 for every shape; per
    M the sum over the shapes (one layer's linears); the crossover M and the `W8A16_MAX_M` it
@@ -59,7 +61,8 @@ from glm53.kernels.fp8_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul_fp8
 from glm53.kernels.norm import add_rms_norm, rms_norm
 from glm53.kernels import fp8_gemm_cublas as fp8_gemm_cublas_mod
 from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
-from glm53.kernels.fp8_gemm_triton import GemmConfig, fp8_gemm_w8a8, fp8_gemm_w8a16
+from glm53.kernels.fp8_gemm_triton import GemmConfig, default_config, fp8_gemm_w8a8, fp8_gemm_w8a16
+from glm53.kernels.fp8_gemv_triton import GemvConfig
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks, quantize_fp8_blocks, quantize_fp8_groups_triton
 from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 from glm53.kernels.moe_triton import MoEConfig, moe_experts_triton
@@ -127,6 +130,9 @@ SWEEP_DECODE = [GemmConfig(16, bn, 128, SPLIT_K=sk, num_warps=4, num_stages=4) f
 SWEEP_PREFILL = [GemmConfig(128, 128, 128, num_warps=8, num_stages=3), GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
                  GemmConfig(128, 128, 128, GROUP_M=16, num_warps=8, num_stages=4), GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
                  GemmConfig(128, 64, 128, num_warps=4, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=4)]
+# The GEMV (w8a16 up to GEMV_MAX_M rows) at M = 1: column blocks, split-K caps, warps.
+SWEEP_GEMV = [GemvConfig(BM=1, BN=bn, BK=128, SPLIT_K=sk, num_warps=w, num_stages=3)
+              for bn in (32, 64, 128) for sk in (2, 6, 16) for w in (4, 8)]
 
 
 class Timer:
@@ -191,6 +197,9 @@ def _variant_fn(variant: str, config=None):
         return lambda x, q, s: fp8_gemm_cublas(x, q, s)
     if variant == "w8a8_1":  # one activation term whatever the size
         return lambda x, q, s: fp8_gemm_w8a8(x, q, s, config=config, lo=False)
+    if variant == "w8a16_tile":  # the tile kernel's w8a16 mode where w8a16 runs the GEMV
+        return lambda x, q, s: fp8_gemm_w8a16(x, q, s, config=config or default_config(
+            x.shape[0], q.shape[0], q.shape[1], a_fp8=False, device=x.device))
     f = {"w8a16": fp8_gemm_w8a16, "w8a8": fp8_gemm_w8a8}[variant]
     return lambda x, q, s: f(x, q, s, config=config)
 
@@ -207,7 +216,7 @@ def check_variant(sh: Shape, x: torch.Tensor, variant: str, config=None) -> floa
 def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: float, log) -> int:
     """Both decode variants at every M, with bf16 cuBLAS and the FP8 HBM floor beside them;
     returns the W8A16_MAX_M the sums imply."""
-    sums = {m: {"w8a16": 0.0, "w8a8": 0.0, "w8a8_1": 0.0, "bf16": 0.0, "floor": 0.0} for m in ms}
+    sums = {m: {"w8a16": 0.0, "w8a16_tile": 0.0, "w8a8": 0.0, "w8a8_1": 0.0, "bf16": 0.0, "floor": 0.0} for m in ms}
     for sh in shapes:
         for m in ms:
             x = torch.randn(m, sh.K, device=dev).to(torch.bfloat16)
@@ -215,12 +224,13 @@ def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw:
             row["bf16_ms"] = timer.ms([lambda i=i: x @ sh.wb[i].t() for i in range(len(sh.wb))])
             sums[m]["bf16"] += row["bf16_ms"]
             sums[m]["floor"] += row["floor_ms"]
-            for v in ("w8a16", "w8a8", "w8a8_1"):
+            for v in ("w8a16", "w8a16_tile", "w8a8", "w8a8_1"):
                 row[f"{v}_err"] = check_variant(sh, x, v)
                 row[f"{v}_ms"] = t = time_variant(sh, x, v, timer)
                 sums[m][v] += t
             ROWS.append(row)
             log(f"decode {sh.name:>20} M={m:<3} w8a16 {row['w8a16_ms'] * 1e3:8.1f} us (err {row['w8a16_err']:.1e})  "
+                f"tile {row['w8a16_tile_ms'] * 1e3:8.1f} us  "
                 f"w8a8 {row['w8a8_ms'] * 1e3:8.1f} us (err {row['w8a8_err']:.1e})  "
                 f"one term {row['w8a8_1_ms'] * 1e3:8.1f} us (err {row['w8a8_1_err']:.1e})  bf16 {row['bf16_ms'] * 1e3:7.1f} us  "
                 f"floor {row['floor_ms'] * 1e3:5.1f} us")
@@ -385,16 +395,19 @@ def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: flo
 
 def sweep(shapes: list[Shape], timer: Timer, dev: str, smoke: bool, log, ms=(1, 64, 4096)) -> None:
     """Every sweep config on three shapes of the layers table (a wide and a narrow one, kv_a's
-    partial block; another table: all its shapes) at M = 1 and 64 (decode configs, both variants)
-    and 4096 (prefill configs, w8a8), those of `ms`."""
+    partial block; another table: all its shapes) at M = 1 (the GEMV's configs, then the tile
+    kernel's decode configs in both modes), 64 (decode tiles, both modes) and 4096 (prefill
+    configs, w8a8), those of `ms`."""
     picks = [s for s in shapes if s.name in ("q_a_proj", "o_proj", "kv_a_proj_with_mqa")] or shapes
-    plan = [(1, SWEEP_DECODE, ("w8a16", "w8a8")),
+    plan = [(1, SWEEP_GEMV, ("w8a16",)),
+            (1, SWEEP_DECODE, ("w8a16_tile", "w8a8")),
             (64, [GemmConfig(64, c.BN, c.BK, SPLIT_K=c.SPLIT_K, num_warps=4, num_stages=4) for c in SWEEP_DECODE],
              ("w8a16", "w8a8")),
             (4096, SWEEP_PREFILL, ("w8a8",))]
     plan = [p for p in plan if p[0] in ms]
     if smoke:  # the code path only
-        plan = [(1, SWEEP_DECODE[:2], ("w8a16", "w8a8")), (3, SWEEP_PREFILL[:1], ("w8a8",))]
+        plan = [(1, SWEEP_GEMV[:2], ("w8a16",)), (1, SWEEP_DECODE[:2], ("w8a16_tile", "w8a8")),
+                (3, SWEEP_PREFILL[:1], ("w8a8",))]
     for sh in picks:
         for m, cfgs, variants in plan:
             x = torch.randn(m, sh.K, device=dev).to(torch.bfloat16)
@@ -449,10 +462,10 @@ def print_tables(bw: float) -> None:
     dec = [r for r in ROWS if r["section"] == "decode_sum"]
     if dec:
         d = dec[0]
-        print("\n| M | w8a16 us (sum of shapes) | w8a8 us | w8a8 one term us | w8a8 / w8a16 | bf16 cuBLAS us | "
-              "FP8 floor us | floor / best FP8 |\n|---|---|---|---|---|---|---|---|")
+        print("\n| M | w8a16 us (sum of shapes) | w8a16 tile kernel us | w8a8 us | w8a8 one term us | w8a8 / w8a16 | "
+              "bf16 cuBLAS us | FP8 floor us | floor / best FP8 |\n|---|---|---|---|---|---|---|---|---|")
         for m, s in d["sums"].items():
-            print(f"| {m} | {s['w8a16'] * 1e3:.1f} | {s['w8a8'] * 1e3:.1f} | {s['w8a8_1'] * 1e3:.1f} | "
+            print(f"| {m} | {s['w8a16'] * 1e3:.1f} | {s['w8a16_tile'] * 1e3:.1f} | {s['w8a8'] * 1e3:.1f} | {s['w8a8_1'] * 1e3:.1f} | "
                   f"{s['w8a8'] / s['w8a16']:.2f} | "
                   f"{s['bf16'] * 1e3:.1f} | {s['floor'] * 1e3:.1f} | {s['floor'] / min(s['w8a16'], s['w8a8']):.0%} |")
         print(f"decode crossover: w8a8 first faster at M = {d['crossover_m']}; W8A16_MAX_M = {d['w8a16_max_m']}")

@@ -22,7 +22,7 @@ only K needs a mask (when K is not a multiple of BK: partial last blocks). BN <=
 one scale row block (one scalar scale per K step); wider tiles load a scale per column.
 SPLIT_K > 1 (decode: few output tiles for 132 SMs) cuts K at scale-block boundaries over a second
 grid axis; the splits' fp32 partials [SPLIT_K, M, N] are summed in a fixed order (deterministic) and
-cast in one more launch (`_sum_splits`).
+cast in one more launch (`fp8_split_k.sum_splits`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
+from glm53.kernels.fp8_gemv_triton import GEMV_MAX_M, GemvConfig, fp8_gemv
+from glm53.kernels.fp8_split_k import check_fp8_weight, k_splits, sum_splits
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
 
@@ -186,22 +188,6 @@ def _block_fp8_gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, K: int) -> int:
-    N, Kw = w.shape
-    assert Kw == K, f"x has K={K}, the weight {tuple(w.shape)}"
-    assert w.dtype == FP8 and w.stride(1) == 1, (w.dtype, w.stride())
-    assert w_scale.shape == (triton.cdiv(N, SB), triton.cdiv(K, SB)) and w_scale.dtype == torch.float32, \
-        (tuple(w_scale.shape), w_scale.dtype, "scales must be fp32 [ceil(N/128), ceil(K/128)]")
-    assert w_scale.stride(1) == 1, w_scale.stride()
-    return N
-
-
-def k_splits(K: int, split_k: int) -> tuple[int, int]:
-    """(splits, K per split) for cutting K into at most `split_k` slices of whole scale blocks, none
-    empty (shared by this GEMM and the block-FP8 MoE's gate+up kernel)."""
-    k_blocks = triton.cdiv(K, SB)
-    k_per_split = triton.cdiv(k_blocks, max(1, min(split_k, k_blocks))) * SB
-    return triton.cdiv(K, k_per_split), k_per_split
 
 
 def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: bool,
@@ -227,44 +213,26 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
-        y = _sum_splits(y, out_dtype)
+        y = sum_splits(y, out_dtype)
     return y
 
 
-@triton.jit(do_not_specialize=["total"])
-def _sum_splits_kernel(p_ptr, y_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < total
-    acc = tl.load(p_ptr + offs, mask=m, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(p_ptr + s * total + offs, mask=m, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
-
-
-def _sum_splits(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """parts [SPLIT, M, N] fp32 (contiguous) -> their sum in out_dtype, split 0 first, then 1, ...
-    (a fixed order: deterministic), in one launch where a torch sum and a cast take two."""
-    split, M, N = parts.shape
-    # The interpreter's fp32 -> bf16 cast truncates (a GPU's rounds to nearest even): there the
-    # kernel writes fp32 and torch casts.
-    interp = triton_interpreting()
-    y = torch.empty((M, N), dtype=torch.float32 if interp else out_dtype, device=parts.device)
-    total = M * N
-    block = 1024
-    _sum_splits_kernel[(triton.cdiv(total, block),)](parts, y, total, SPLIT=split, BLOCK=block, num_warps=4)
-    return y.to(out_dtype)
-
 
 def fp8_gemm_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                   out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, config: GemmConfig | GemvConfig | None = None
+                   ) -> torch.Tensor:
     """Dequantize-in-kernel: x [..., K] (bf16/fp16/fp32, kept as is), w [N, K] e4m3, w_scale
-    [ceil(N/128), ceil(K/128)] fp32 -> [..., N] in out_dtype (default x's dtype)."""
+    [ceil(N/128), ceil(K/128)] fp32 -> [..., N] in out_dtype (default x's dtype). Up to
+    `GEMV_MAX_M` rows (or with a `GemvConfig`) the CUDA-core GEMV (`fp8_gemv_triton`), else (or
+    with a `GemmConfig`) the tile kernel."""
+    if isinstance(config, GemvConfig) or (config is None and 0 < x.numel() // max(1, x.shape[-1]) <= GEMV_MAX_M):
+        return fp8_gemv(x, w, w_scale, out_dtype, config)
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    N = _check_weight(w, w_scale, K)
+    N = check_fp8_weight(w, w_scale, K)
     out_dtype = out_dtype or x.dtype
     if M == 0:
         return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
@@ -298,7 +266,7 @@ def fp8_gemm_w8a8_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w
     stride), s [M, ceil(K/128)] fp32 (any strides: `fp8_act.Fp8Rows` holds them column-major)
     -> [M, N] in out_dtype. `lo`: the second term (q's and s's layouts), multiplied too."""
     M, K = q.shape
-    N = _check_weight(w, w_scale, K)
+    N = check_fp8_weight(w, w_scale, K)
     assert q.dtype == FP8 and q.stride(1) == 1, (q.dtype, q.stride())
     assert s.shape == (M, triton.cdiv(K, SB)) and s.dtype == torch.float32, (s.shape, s.dtype)
     if M == 0:

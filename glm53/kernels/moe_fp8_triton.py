@@ -35,7 +35,7 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
-from glm53.kernels.fp8_gemm_triton import k_splits
+from glm53.kernels.fp8_split_k import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
 from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, sum_slots
 

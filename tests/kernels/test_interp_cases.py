@@ -472,7 +472,7 @@ def test_fp8_gemm_tilings(variant):
 
 def test_fp8_gemm_split_sum():
     # the split-K epilogue: partials summed split 0, 1, 2, ... in fp32 and cast once, in one launch
-    from glm53.kernels.fp8_gemm_triton import _sum_splits
+    from glm53.kernels.fp8_split_k import sum_splits
 
     for split, m, n in ((2, 3, 5), (5, 7, 300), (16, 1, 1100)):
         parts = torch.randn(split, m, n) * torch.logspace(-3, 3, n)
@@ -480,7 +480,7 @@ def test_fp8_gemm_split_sum():
         for i in range(1, split):
             acc += parts[i]
         for dt in (torch.float32, torch.bfloat16):
-            assert torch.equal(_sum_splits(parts, dt), acc.to(dt))
+            assert torch.equal(sum_splits(parts, dt), acc.to(dt))
 
 
 def test_fp8_gemm_dispatch_threshold(monkeypatch):
@@ -777,3 +777,24 @@ def test_linear_f32_dispatch(monkeypatch):
     lf.linear_f32(torch.randn(8, 300), w)  # past the limit, read at call time: the reference
     assert rows == [limit]
     assert lft.linear_f32_triton(torch.randn(0, 300), w).shape == (0, 16)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 8])
+def test_fp8_gemv_rows(M):
+    # the CUDA-core GEMV that `fp8_gemm_w8a16` runs up to GEMV_MAX_M rows: ragged N, K past a
+    # whole scale block, every weight-scale kind, bf16 and fp32 activations
+    fp8_cases.check_gemm(M, 200, 300, torch.float32, "w8a16", "tiny", "ranges")
+    fp8_cases.check_gemm(M, 136, 384, torch.bfloat16, "w8a16", "mixed", "normal")
+
+
+def test_fp8_gemv_configs():
+    # rows fewer than BM, columns narrower and wider than a scale block, K steps of 32 and 64
+    # (several a scale block), split-K over 3 and 5 slices (the last partial), fp32 out from bf16
+    from glm53.kernels.fp8_gemv_triton import GemvConfig
+
+    fp8_cases.check_gemm(3, 300, 520, torch.float32, "w8a16", "large",
+                         config=GemvConfig(BM=4, BN=256, BK=64, SPLIT_K=3, num_warps=1, num_stages=1))
+    fp8_cases.check_gemm(5, 100, 700, torch.bfloat16, "w8a16", "normal", out_dtype=torch.float32,
+                         config=GemvConfig(BM=8, BN=16, BK=32, SPLIT_K=5, num_warps=1, num_stages=1))
+    fp8_cases.check_gemm(1, 72, 128, torch.bfloat16, "w8a16", "mixed",
+                         config=GemvConfig(BM=1, BN=32, BK=128, SPLIT_K=1, num_warps=1, num_stages=1))

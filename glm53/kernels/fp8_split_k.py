@@ -1,0 +1,59 @@
+"""What the block-FP8 GEMM (`fp8_gemm_triton`), the GEMV (`fp8_gemv_triton`) and the FP8 MoE's
+gate+up kernel share about K: the weight checks, cutting K into split-K slices of whole 128-wide
+scale blocks, and summing the slices' fp32 partials in a fixed order (deterministic) in one
+launch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.fp8_quant import FP8, GROUP
+
+SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
+
+
+def check_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor, K: int) -> int:
+    """N of a block-FP8 weight w [N, K] e4m3 with its scales [ceil(N/128), ceil(K/128)] fp32 (unit
+    column strides), asserting that layout."""
+    N, Kw = w.shape
+    assert Kw == K, f"x has K={K}, the weight {tuple(w.shape)}"
+    assert w.dtype == FP8 and w.stride(1) == 1, (w.dtype, w.stride())
+    assert w_scale.shape == (triton.cdiv(N, SB), triton.cdiv(K, SB)) and w_scale.dtype == torch.float32, \
+        (tuple(w_scale.shape), w_scale.dtype, "scales must be fp32 [ceil(N/128), ceil(K/128)]")
+    assert w_scale.stride(1) == 1, w_scale.stride()
+    return N
+
+
+def k_splits(K: int, split_k: int) -> tuple[int, int]:
+    """(splits, K per split) for cutting K into at most `split_k` slices of whole scale blocks, none
+    empty."""
+    k_blocks = triton.cdiv(K, SB)
+    k_per_split = triton.cdiv(k_blocks, max(1, min(split_k, k_blocks))) * SB
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
+@triton.jit(do_not_specialize=["total"])
+def _sum_splits_kernel(p_ptr, y_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < total
+    acc = tl.load(p_ptr + offs, mask=m, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + s * total + offs, mask=m, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def sum_splits(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """parts [SPLIT, M, N] fp32 (contiguous) -> their sum in out_dtype, split 0 first, then 1, ...
+    (a fixed order: deterministic), in one launch where a torch sum and a cast take two."""
+    split, M, N = parts.shape
+    # The interpreter's fp32 -> bf16 cast truncates (a GPU's rounds to nearest even): there the
+    # kernel writes fp32 and torch casts.
+    interp = triton_interpreting()
+    y = torch.empty((M, N), dtype=torch.float32 if interp else out_dtype, device=parts.device)
+    total = M * N
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(total, block),)](parts, y, total, SPLIT=split, BLOCK=block, num_warps=4)
+    return y.to(out_dtype)
