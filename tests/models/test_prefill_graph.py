@@ -23,8 +23,10 @@ def runner(tmp_path_factory):
     root = tmp_path_factory.mktemp("prefill_graph")
     make_checkpoint(root / "target", seed=71, index_topk_freq=2, index_skip_topk_offset=2)
     make_draft_checkpoint(root / "draft", root / "target", seed=72, target_layer_ids=[1, 2, 4], block_size=4)
+    # fp32 draft products: the static and eager forwards' context rows differ in their last bits,
+    # which bf16 products (`cpu_bf16`, a CPU-only path; graphs are CUDA's) would turn into bf16 ones
     r = ModelRunner.from_dir(root / "target", page_size=PS, num_pages=PAGES + 1, progress=False,
-                             draft_dir=root / "draft")
+                             draft_dir=root / "draft", draft_cpu_bf16=False)
     r.prefill_graphs = PrefillGraphs(r, 64, 200, pad_page=PAGES, capture=False)
     return r
 
