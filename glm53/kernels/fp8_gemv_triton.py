@@ -4,10 +4,10 @@
 At decode a linear reads its weight and little else, so the product should run at the weight's
 read rate. The tile GEMM (`fp8_gemm_triton`) pads M to 16 rows for the tensor cores and widens a
 [BK, BN] weight tile for them; here each program owns BN weight rows and a slice of K, reads each
-row's 128-byte scale block contiguously, widens the codes to fp32 and multiplies on the CUDA
-cores, every one of the M rows against the same registers (the weight is read once for all M).
-Each 128-wide K block's partial sums are scaled by their weight scale and added to an fp32
-accumulator, as the tile GEMM's w8a16 mode does; no activation rounding.
+row's 128-byte scale block contiguously, widens the codes to fp32, scales them by their block's
+scale and multiplies on the CUDA cores, every one of the M rows against the same registers (the
+weight is read once for all M); the products accumulate element-wise in fp32 and are summed over
+K once, after the last step (no reduction across threads per step). No activation rounding.
 
 SPLIT_K > 1 cuts K at scale-block boundaries over a second grid axis (decode shapes have few
 column blocks for 132 SMs), and the splits' fp32 partials are summed in a fixed order in one more
@@ -45,8 +45,9 @@ class GemvConfig:
 
 def gemv_config(M: int, N: int, K: int, device: torch.device | None = None) -> GemvConfig:
     """BM by M's power-of-two class; BN halves with every doubling of BM past 2 (the [BM, BN, BK]
-    product stays ~16K fp32 values a step); K split so that ~4 programs run per SM. Guesses until
-    `benchmarks/fp8_gemm.py`'s decode section has run on the H200."""
+    accumulator stays at 8-16K fp32 values: 64-128 registers a thread at 4 warps); K split so that
+    ~4 programs run per SM. Guesses until `benchmarks/fp8_gemm.py`'s decode section has run on the
+    H200."""
     assert 1 <= M <= GEMV_MAX_M, M
     bm = triton.next_power_of_2(M)
     bn = 64 if bm <= 2 else 128 // bm
@@ -82,7 +83,9 @@ def _fp8_gemv_kernel(
     w_ptrs = w_ptr + rn_in[:, None] * stride_wn + (k_lo + rk)[None, :]
     x_ptrs = x_ptr + rm_in[:, None] * stride_xm + (k_lo + rk)[None, :]
     ws_rows = ws_ptr + (rn_in // SB) * stride_wsn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # Products accumulate element-wise over the K steps and are summed over K once at the end: a
+    # reduction across threads every step would cost more than the step's arithmetic.
+    acc = tl.zeros((BM, BN, BK), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -91,13 +94,12 @@ def _fp8_gemv_kernel(
             kin = (k0 + rk) < K
             w = tl.load(w_ptrs, mask=kin[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=kin[None, :], other=0.0)
-        w = w.to(tl.float32)  # e4m3 -> fp32: exact
-        x = x.to(tl.float32)
-        part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
         ws = tl.load(ws_rows + k0 // SB)
-        acc += part * ws[None, :]
+        w = w.to(tl.float32) * ws[:, None]  # e4m3 -> fp32 (exact), times its block's scale
+        acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
         w_ptrs += BK
         x_ptrs += BK
+    acc = tl.sum(acc, axis=2)  # [BM, BN]
     y_ptrs = y_ptr + sk.to(tl.int64) * stride_ysplit + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
