@@ -81,5 +81,12 @@ def settle() -> None:
     them as a leak (~27 lines a process at each shutdown)."""
     freeze()
     PauseLog.install()
-    atexit.unregister(thaw)  # once, however often a process settles
-    atexit.register(thaw)
+    atexit.unregister(release)  # once, however often a process settles
+    atexit.register(release)
+
+
+def release() -> None:
+    """At exit, when no loop runs any more: the pause log goes (the final collections stall
+    nothing) and the heap thaws."""
+    gc.callbacks[:] = [cb for cb in gc.callbacks if not isinstance(cb, PauseLog)]
+    thaw()
