@@ -188,8 +188,6 @@ def _block_fp8_gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-
-
 def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: bool,
             lo: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     assert SB % cfg.BK == 0 and cfg.BN & (cfg.BN - 1) == 0, cfg
@@ -215,7 +213,6 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
     if split > 1:
         y = sum_splits(y, out_dtype)
     return y
-
 
 
 def fp8_gemm_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

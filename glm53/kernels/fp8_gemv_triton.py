@@ -24,7 +24,7 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import sm_count, triton_interpreting
 from glm53.kernels.fp8_split_k import check_fp8_weight, k_splits, sum_splits
-from glm53.kernels.fp8_quant import FP8, GROUP
+from glm53.kernels.fp8_quant import GROUP
 
 SB = GROUP  # scale block edge
 GEMV_MAX_M = 8  # rows one program multiplies against its weight registers
@@ -114,7 +114,6 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype:
         x2 = x2.contiguous()
     M = x2.shape[0]
     N = check_fp8_weight(w, w_scale, K)
-    assert w.dtype == FP8
     out_dtype = out_dtype or x.dtype
     if M == 0:
         return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
