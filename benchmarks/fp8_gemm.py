@@ -26,8 +26,9 @@ Sections, in order (the tables are printed again at the end):
    product on them, as the served model runs it. Ratios with and without the producer's plain
    time (the norm or SwiGLU bf16 runs too); o_proj's input comes from the attention (no producer);
 4. moe: GLM-5's routed experts per rank (E 256, H 6144, I 2048 / 8 = 256, top-8) at decode sizes
-   N = 1..64 (and 4096): FP8 w8a16, w8a8 (two terms where the rule gives them) and w8a8_1 (one
-   term), the bf16 fused kernel, and the HBM floor (bytes of
+   N = 1..64 (and 4096): FP8 w8a16 (up to `MOE_GEMV_MAX_TOKENS` tokens the per-pair GEMVs,
+   `moe_fp8_gemv_triton`, with the tile kernels' w8a16 beside them as "tiles"), w8a8 (two terms
+   where the rule gives them) and w8a8_1 (one term), the bf16 fused kernel, and the HBM floor (bytes of
    the experts the batch hits, fp8 + scales, + x + out, over the copy bandwidth); the MoE
    crossover (`MOE_W8A16_MAX_TOKENS`).
 
@@ -56,7 +57,7 @@ import triton
 
 from glm53.kernels import fp8_gemm as gemm_mod
 from glm53.kernels import moe_fp8 as moe_mod
-from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.dispatch import sm_count, triton_interpreting
 from glm53.kernels.fp8_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul_fp8
 from glm53.kernels.norm import add_rms_norm, rms_norm
 from glm53.kernels import fp8_gemm_cublas as fp8_gemm_cublas_mod
@@ -64,7 +65,7 @@ from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
 from glm53.kernels.fp8_gemm_triton import GemmConfig, default_config, fp8_gemm_w8a8, fp8_gemm_w8a16
 from glm53.kernels.fp8_gemv_triton import GemvConfig
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks, quantize_fp8_blocks, quantize_fp8_groups_triton
-from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
+from glm53.kernels.moe_fp8_triton import default_fp8_config, moe_experts_fp8_triton
 from glm53.kernels.moe_triton import MoEConfig, moe_experts_triton
 from glm53.support.cuda_timing import graph_ms
 
@@ -370,8 +371,11 @@ def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: flo
         x, w, ids = sets[0]
         ref = moe_mod.moe_experts_fp8_reference(x.float(), w, ids, *fp8)
         row = dict(section="moe", N=N, **cfg)
-        for v, lo in (("w8a16", None), ("w8a8", None), ("w8a8_1", False)):
-            kv = dict(variant="w8a8" if v == "w8a8_1" else v, lo=lo)
+        tile = default_fp8_config(N * ids.shape[1], g.shape[0], "w8a16", I, H, sm_count(x.device))
+        for v, lo in (("w8a16", None), ("w8a16_tile", None), ("w8a8", None), ("w8a8_1", False)):
+            # w8a16_tile: the tile kernels where w8a16 runs the per-pair GEMVs (a few tokens)
+            kv = dict(variant={"w8a8_1": "w8a8", "w8a16_tile": "w8a16"}.get(v, v), lo=lo,
+                      config=tile if v == "w8a16_tile" else None)
             row[f"{v}_err"] = rel(moe_experts_fp8_triton(x, w, ids, *fp8, **kv), ref)
             row[f"{v}_ms"] = timer.ms([lambda s=s, kv=kv: moe_experts_fp8_triton(*s, *fp8, **kv) for s in sets])
         row["bf16_ms"] = timer.ms([lambda s=s: moe_experts_triton(*s, gb[:, :I], gb[:, I:], db) for s in sets])
@@ -387,6 +391,7 @@ def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: flo
             lost = True
         ROWS.append(row)
         log(f"moe N={N:<5} hit {hit:6.1f}  w8a16 {row['w8a16_ms'] * 1e3:9.1f} us (err {row['w8a16_err']:.1e})  "
+            f"tiles {row['w8a16_tile_ms'] * 1e3:9.1f} us  "
             f"w8a8 {row['w8a8_ms'] * 1e3:9.1f} us (err {row['w8a8_err']:.1e})  "
             f"one term {row['w8a8_1_ms'] * 1e3:9.1f} us (err {row['w8a8_1_err']:.1e})  bf16 {row['bf16_ms'] * 1e3:9.1f} us  "
             f"floor {row['floor_ms'] * 1e3:8.1f} us ({row['floor_share']:.0%} of it)")
@@ -499,10 +504,11 @@ def print_tables(bw: float) -> None:
                   f"(separate quantization: x{r['speedup_separate']:.2f})")
     m = [r for r in ROWS if r["section"] == "moe"]
     if m:
-        print("\n| N | experts hit | w8a16 us | w8a8 us | w8a8 one term us | bf16 us | FP8 floor us | floor / best FP8 | "
-              "bf16 floor us | err w8a16 | err w8a8 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| N | experts hit | w8a16 us | w8a16 tiles us | w8a8 us | w8a8 one term us | bf16 us | FP8 floor us | "
+              "floor / best FP8 | bf16 floor us | err w8a16 | err w8a8 |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in m:
-            print(f"| {r['N']} | {r['experts_hit']:.1f} | {r['w8a16_ms'] * 1e3:.1f} | {r['w8a8_ms'] * 1e3:.1f} | "
+            print(f"| {r['N']} | {r['experts_hit']:.1f} | {r['w8a16_ms'] * 1e3:.1f} | {r['w8a16_tile_ms'] * 1e3:.1f} | "
+                  f"{r['w8a8_ms'] * 1e3:.1f} | "
                   f"{r['w8a8_1_ms'] * 1e3:.1f} | "
                   f"{r['bf16_ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | {r['floor_share']:.0%} | "
                   f"{r['bf16_floor_ms'] * 1e3:.1f} | {r['w8a16_err']:.1e} | {r['w8a8_err']:.1e} |")

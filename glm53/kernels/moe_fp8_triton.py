@@ -37,6 +37,7 @@ from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_split_k import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
+from glm53.kernels.moe_fp8_gemv_triton import MOE_GEMV_MAX_TOKENS, MoEGemvConfig, moe_experts_fp8_gemv
 from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, sum_slots
 
 SB = GROUP
@@ -302,14 +303,15 @@ def moe_experts_fp8_triton(
     down: torch.Tensor,
     down_scale: torch.Tensor,
     variant: str = "w8a16",
-    config: MoEConfig | None = None,
+    config: MoEConfig | MoEGemvConfig | None = None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     x_lo: tuple[torch.Tensor, torch.Tensor] | None = None,
     lo: bool | None = None,
 ) -> torch.Tensor:
     """x [N, H] (bf16/fp16/fp32); weights [N, k] fp32; ids [N, k] in [0, E) (not checked: that
     would need a host sync); experts in the module docstring's layouts; variant "w8a16" or
-    "w8a8". Returns [N, H] in x's dtype. `x_fp8` = x already quantized per 1×128 group (q [N, H]
+    "w8a8" (w8a16 up to MOE_GEMV_MAX_TOKENS tokens, or with a `MoEGemvConfig`: the per-pair
+    GEMVs of `moe_fp8_gemv_triton`). Returns [N, H] in x's dtype. `x_fp8` = x already quantized per 1×128 group (q [N, H]
     e4m3, scales [N, ceil(H/128)] fp32, any strides: `fp8_act.Fp8Rows.rows()`), read by w8a8;
     `x_lo` its second term (`Fp8Rows.lo_rows()`), if any. `lo` (default `two_terms(N)`): w8a8
     carries the second term of h, and of x where this function quantizes it."""
@@ -334,6 +336,8 @@ def moe_experts_fp8_triton(
         return torch.zeros_like(x)
     if x.stride(1) != 1:
         x = x.contiguous()
+    if variant == "w8a16" and (isinstance(config, MoEGemvConfig) or (config is None and N <= MOE_GEMV_MAX_TOKENS)):
+        return moe_experts_fp8_gemv(x, weights, ids, gate, gate_scale, up, up_scale, up_row0, down, down_scale, config)
     M = N * k
     a_fp8 = variant == "w8a8"
     lo = a_fp8 and (two_terms(N) if lo is None else lo)

@@ -538,6 +538,22 @@ def test_moe_fp8_split_k(variant, split):
     fp8_cases.check_moe_fp8(6, 600, 160, 5, 3, torch.float32, variant, n_empty=1, kind="mixed", config=cfg)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("N,H,I,E,k,dtype,fused,kind", [
+    (4, 200, 160, 5, 3, torch.float32, True, "mixed"),  # fused, I = 160: a scale block holds gate and up rows; K partial
+    (2, 256, 96, 7, 2, torch.bfloat16, False, "large"),
+    (3, 136, 128, 4, 4, torch.float32, False, "tiny"),  # k = E: every expert in every token
+])
+def test_moe_fp8_gemv(N, H, I, E, k, dtype, fused, kind):
+    # the per-pair GEMVs `moe_experts_fp8_triton` runs as w8a16 up to MOE_GEMV_MAX_TOKENS tokens,
+    # then with narrower rows, K steps of 32 (four a scale block) and int32 ids
+    from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig
+
+    fp8_cases.check_moe_fp8(N, H, I, E, k, dtype, "w8a16", fused=fused, kind=kind)
+    fp8_cases.check_moe_fp8(N, H, I, E, k, dtype, "w8a16", fused=fused, kind=kind, ids_dtype=torch.int32,
+                            config=MoEGemvConfig(BN1=8, BN2=16, BK=32, num_warps=1, num_stages=1))
+
+
 def test_moe_fp8_decode_split_rule():
     # K split in a power of two (at most 4) only where the decode grid has fewer tiles than SMs,
     # down to 4 scale blocks a split

@@ -15,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("records real JIT launches (not the interpreter's)", allow_module_level=True)
 
 from glm53.kernels import fp8_gemm_triton, fp8_gemv_triton, fp8_quant, fp8_split_k, moe_triton, sparse_mla_fp8_triton, sparse_mla_triton, topk_triton  # noqa: E402
-from glm53.kernels import draft_attention_triton  # noqa: E402
+from glm53.kernels import draft_attention_triton, moe_fp8_gemv_triton, moe_fp8_triton  # noqa: E402
 from glm53.kernels import variants as v  # noqa: E402
 from glm53.kernels.fp8_quant import quantize_fp8_blocks  # noqa: E402
 from glm53.kernels.latent_cache_fp8 import LatentLayout  # noqa: E402
@@ -110,7 +110,9 @@ def recorded(monkeypatch):
                sparse_mla_fp8_triton._sparse_mla_fp8_kernel, fp8_gemm_triton._block_fp8_gemm_kernel,
                fp8_split_k._sum_splits_kernel, fp8_gemv_triton._fp8_gemv_kernel,
                fp8_quant._quant_groups_kernel, moe_triton._plan_kernel, moe_triton._gate_up_kernel,
-               moe_triton._down_kernel, moe_triton._sum_slots_kernel, topk_triton._bracket_kernel,
+               moe_triton._down_kernel, moe_triton._sum_slots_kernel, moe_fp8_triton._gate_up_fp8_kernel,
+               moe_fp8_triton._down_fp8_kernel, moe_fp8_gemv_triton._gate_up_gemv_kernel,
+               moe_fp8_gemv_triton._down_gemv_kernel, topk_triton._bracket_kernel,
                topk_triton._scan_kernel, topk_triton._finish_kernel, draft_attention_triton._draft_attn_kernel,
                draft_attention_triton._combine_kernel]
     for fn in kernels:
@@ -186,6 +188,23 @@ def test_moe_same_key_same_launch(recorded):
         calls.append((v.moe_key(N, s), lambda x=x, ids=ids: moe_triton.moe_experts_triton(
             x, torch.rand(ids.shape), ids, gate, up, down)))
     assert len(_same_key_same_launch(recorded, calls)) == 3
+
+
+@pytest.mark.parametrize("w8a16_max_tokens", [0, 8])
+def test_moe_fp8_same_key_same_launch(recorded, monkeypatch, w8a16_max_tokens):
+    # 8: the per-pair GEMVs up to MOE_GEMV_MAX_TOKENS tokens, then the w8a16 tiles, then w8a8
+    from glm53.kernels import moe_fp8
+
+    from . import fp8_cases
+
+    monkeypatch.setattr(moe_fp8, "MOE_W8A16_MAX_TOKENS", w8a16_max_tokens)
+    s = _cpu_shape(n_experts=4, experts_per_token=2, expert_inter=128, hidden=256, fp8_experts=True)
+    calls = []
+    for N in range(1, 40, 3):
+        inputs = fp8_cases.moe_fp8_inputs(N, 256, 128, 4, 2, torch.bfloat16)
+        variant = moe_fp8.moe_fp8_variant(N)  # the dispatcher's rule (CPU tensors take the reference)
+        calls.append((v.moe_key(N, s), lambda a=inputs, var=variant: moe_fp8_triton.moe_experts_fp8_triton(*a, variant=var)))
+    assert len(_same_key_same_launch(recorded, calls)) >= (3 if w8a16_max_tokens else 2)
 
 
 def test_topk_same_key_same_launch(recorded):

@@ -1,0 +1,167 @@
+"""Block-FP8 routed experts for a few tokens as GEMVs: each (token, slot) pair multiplies its own
+expert's rows on the CUDA cores, the `fp8_gemv_triton` scheme applied to the MoE (the w8a16
+mode of `moe_fp8_triton`: x and h stay in x's dtype, no activation rounding).
+
+At decode a token's k experts are distinct, so the tile kernels' routing plan (pairs sorted by
+expert, 16-row blocks for the tensor cores) buys nothing: every weight row is read by one pair.
+Here the grid is pairs × row blocks, with no plan and no sort:
+
+- gate+up: program (p, nb) reads BN rows of gate and of up of expert ids[p] against x[p // k],
+  accumulates element-wise in fp32 over H and sums once; h[p, nb·BN : (nb+1)·BN] = silu(g)·u;
+- down: program (p, hb) reads BN rows of down against h[p] and writes y[p] times the routing
+  weight;
+- `moe_triton.sum_slots` adds each token's k rows in slot order (deterministic), as the tile path.
+
+Each 128-wide K block's codes are scaled by their block's scale as they are widened. Layouts as
+`moe_fp8_triton`: gate/up [E, I, H] (or one fused gate_up [E, 2I, H], up row n at fused row I + n
+with scale row (I + n) // 128), down [E, H, I]; ids in [0, E) (not checked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glm53.kernels.dispatch import sm_count, triton_interpreting
+from glm53.kernels.fp8_quant import GROUP
+from glm53.kernels.moe_triton import sum_slots
+
+SB = GROUP
+MOE_GEMV_MAX_TOKENS = 4  # past a few tokens, pairs share experts and the tile kernels read them once
+
+
+@dataclass(frozen=True)
+class MoEGemvConfig:
+    """BN1 rows of gate (and of up) per gate+up program, BN2 rows of down per down program, K steps
+    of BK (divides 128)."""
+
+    BN1: int = 32
+    BN2: int = 64
+    BK: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_gemv_config(pairs: int, inter: int, sms: int) -> MoEGemvConfig:
+    """BN1 so that the gate+up grid has about two programs an SM (GLM-5's tp = 8 experts are 256
+    rows wide: 8-row blocks at 9 pairs), at most 32 rows (two [32, 128] fp32 accumulators, 64
+    registers a thread at 4 warps). Guesses until `benchmarks/fp8_gemm.py`'s MoE section has run on
+    the H200."""
+    if triton_interpreting():
+        return MoEGemvConfig(BN1=16, BN2=32, num_warps=1, num_stages=1)
+    bn1 = 32
+    while bn1 > 8 and pairs * triton.cdiv(inter, bn1) < 2 * sms:
+        bn1 //= 2
+    return MoEGemvConfig(BN1=bn1)
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, ids_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
+    H, I, k, up_row0,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+    SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    n = nb * BN + tl.arange(0, BN)
+    n_in = (n % I).to(tl.int64)  # rows past I re-read real ones (in bounds) and are not stored
+    rk = tl.arange(0, BK)
+    x_ptrs = x_ptr + (p // k).to(tl.int64) * stride_xm + rk
+    g_ptrs = wg_ptr + e * stride_we + n_in[:, None] * stride_wn + rk[None, :]
+    u_ptrs = wu_ptr + e * stride_we + n_in[:, None] * stride_wn + rk[None, :]
+    sg_rows = sg_ptr + e * stride_se + (n_in // SB) * stride_sn
+    su_rows = su_ptr + e * stride_se + ((up_row0 + n_in) // SB) * stride_sn
+    acc_g = tl.zeros((BN, BK), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            kin = (k0 + rk) < H
+            x = tl.load(x_ptrs, mask=kin, other=0.0)
+            g = tl.load(g_ptrs, mask=kin[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=kin[None, :], other=0.0)
+        x = x.to(tl.float32)[None, :]
+        kb = k0 // SB
+        acc_g += g.to(tl.float32) * tl.load(sg_rows + kb)[:, None] * x
+        acc_u += u.to(tl.float32) * tl.load(su_rows + kb)[:, None] * x
+        x_ptrs += BK
+        g_ptrs += BK
+        u_ptrs += BK
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + p.to(tl.int64) * stride_hm + n, h.to(h_ptr.dtype.element_ty), mask=n < I)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    h_ptr, ids_ptr, rw_ptr, wd_ptr, sd_ptr, y_ptr,
+    H, I,
+    stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+    SB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    p = tl.program_id(0)
+    hb = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    n = hb * BN + tl.arange(0, BN)
+    n_in = (n % H).to(tl.int64)
+    rk = tl.arange(0, BK)
+    h_ptrs = h_ptr + p.to(tl.int64) * stride_hm + rk
+    d_ptrs = wd_ptr + e * stride_we + n_in[:, None] * stride_wn + rk[None, :]
+    s_rows = sd_ptr + e * stride_se + (n_in // SB) * stride_sn
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        if EVEN_K:
+            h = tl.load(h_ptrs)
+            d = tl.load(d_ptrs)
+        else:
+            kin = (k0 + rk) < I
+            h = tl.load(h_ptrs, mask=kin, other=0.0)
+            d = tl.load(d_ptrs, mask=kin[None, :], other=0.0)
+        acc += d.to(tl.float32) * tl.load(s_rows + k0 // SB)[:, None] * h.to(tl.float32)[None, :]
+        h_ptrs += BK
+        d_ptrs += BK
+    y = tl.sum(acc, axis=1) * tl.load(rw_ptr + p)
+    tl.store(y_ptr + p.to(tl.int64) * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n < H)
+
+
+def moe_experts_fp8_gemv(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor, up_scale: torch.Tensor, up_row0: int,
+    down: torch.Tensor, down_scale: torch.Tensor, config: MoEGemvConfig | None = None,
+) -> torch.Tensor:
+    """x [N, H] contiguous rows; weights/ids [N, k]; gate/up [E, I, H] e4m3 views with their scale
+    tensors (`up_row0`: the fused layout's I, whose up rows read scale rows (I + n) // 128; else 0);
+    down [E, H, I] + scales. Shapes checked by the caller (`moe_fp8_triton.moe_experts_fp8_triton`).
+    Returns [N, H] in x's dtype."""
+    N, H = x.shape
+    k = ids.shape[1]
+    I = gate.shape[1]
+    M = N * k
+    cfg = config or moe_gemv_config(M, I, sm_count(x.device))
+    assert SB % cfg.BK == 0, cfg
+    assert up.stride() == gate.stride() and up_scale.stride() == gate_scale.stride()
+    flat_ids = ids.reshape(-1).contiguous()
+    rw = weights.reshape(-1).to(torch.float32).contiguous()
+    h = torch.empty((M, I), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, H), dtype=x.dtype, device=x.device)
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gate_up_gemv_kernel[(M, triton.cdiv(I, cfg.BN1))](
+        x, flat_ids, gate, up, gate_scale, up_scale, h, H, I, k, up_row0,
+        x.stride(0), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1), h.stride(0),
+        SB=SB, BN=cfg.BN1, BK=cfg.BK, EVEN_K=H % cfg.BK == 0, **opts,
+    )
+    _down_gemv_kernel[(M, triton.cdiv(H, cfg.BN2))](
+        h, flat_ids, rw, down, down_scale, y, H, I,
+        h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), y.stride(0),
+        SB=SB, BN=cfg.BN2, BK=cfg.BK, EVEN_K=I % cfg.BK == 0, **opts,
+    )
+    return sum_slots(y, N, k)  # in a fixed order: deterministic
