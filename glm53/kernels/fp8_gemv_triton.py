@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import sm_count, triton_interpreting
-from glm53.kernels.fp8_split_k import check_fp8_weight, k_splits, sum_splits
+from glm53.kernels.fp8_split_k import fp8_rows, k_splits, sum_splits
 from glm53.kernels.fp8_quant import GROUP
 
 SB = GROUP  # scale block edge
@@ -108,13 +108,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype:
              config: GemvConfig | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32, at most GEMV_MAX_M rows, kept as is), w [N, K] e4m3, w_scale
     [ceil(N/128), ceil(K/128)] fp32 -> [..., N] in out_dtype (default x's dtype)."""
-    lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    N = check_fp8_weight(w, w_scale, K)
-    out_dtype = out_dtype or x.dtype
+    lead, x2, N, out_dtype = fp8_rows(x, w, w_scale, out_dtype)
+    M, K = x2.shape
     if M == 0:
         return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
     cfg = config or gemv_config(M, N, K, x.device)

@@ -72,8 +72,9 @@ def _gate_up_gemv_kernel(
     n_in = (n % I).to(tl.int64)  # rows past I re-read real ones (in bounds) and are not stored
     rk = tl.arange(0, BK)
     x_ptrs = x_ptr + (p // k).to(tl.int64) * stride_xm + rk
-    g_ptrs = wg_ptr + e * stride_we + n_in[:, None] * stride_wn + rk[None, :]
-    u_ptrs = wu_ptr + e * stride_we + n_in[:, None] * stride_wn + rk[None, :]
+    w_off = e * stride_we + n_in[:, None] * stride_wn + rk[None, :]  # gate's and up's rows alike
+    g_ptrs = wg_ptr + w_off
+    u_ptrs = wu_ptr + w_off
     sg_rows = sg_ptr + e * stride_se + (n_in // SB) * stride_sn
     su_rows = su_ptr + e * stride_se + ((up_row0 + n_in) // SB) * stride_sn
     acc_g = tl.zeros((BN, BK), dtype=tl.float32)
