@@ -121,6 +121,7 @@ GLM5_TP8_PRODUCERS = {
     "dense down": ("silu", False),
 }
 MOE = dict(E=256, H=6144, I=256, k=8)
+MOE_SLICE = dict(E=16, H=6144, I=2048, k=8)  # the FP8 slice's routed experts (tools/make_slice.py, tp = 1)
 SMOKE_SHAPES = {"tiny_576": (576, 256), "tiny_ragged": (200, 136)}
 SMOKE_MOE = dict(E=6, H=136, I=96, k=2)
 ROWS: list[dict] = []
@@ -463,6 +464,35 @@ def moe_sweep(weights, cfg: dict, timer: Timer, dev: str, smoke: bool, log) -> N
                 log(f"moe sweep N={N:<5} {v}: best {best[0] * 1e3:.1f} us (err {best[2]:.1e}) with {best[1]}")
 
 
+def moe_gemv_sweep(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, smoke: bool, log) -> None:
+    """The per-pair GEMVs (w8a16 at a few tokens): gate+up rows a program, H slices, down rows,
+    beside the dispatched w8a8 tiles in the same run."""
+    from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig, moe_gemv_config
+
+    fp8 = weights[0]
+    grid = [MoEGemvConfig(BN1=bn1, BN2=bn2, SPLIT=sp) for bn1 in (8, 16, 32) for sp in (1, 2, 4, 8, 16)
+            for bn2 in (64, 128)]
+    if smoke:
+        grid = [MoEGemvConfig(BN1=16, BN2=32, BK=64, num_warps=1, num_stages=1, SPLIT=sp) for sp in (1, 2)]
+        ns = ns[:1]
+    for N in ns:
+        sets = _moe_sets(N, cfg, dev, 1 if smoke else 8)
+        x, w, ids = sets[0]
+        ref = moe_mod.moe_experts_fp8_reference(x.float(), w, ids, *fp8)
+        w8a8 = timer.ms([lambda s=s: moe_experts_fp8_triton(*s, *fp8, variant="w8a8") for s in sets])
+        rule = moe_gemv_config(N * cfg["k"], cfg["I"], cfg["H"], sm_count(x.device))
+        res = []
+        for c in [rule] + grid:
+            e = rel(moe_experts_fp8_triton(x, w, ids, *fp8, variant="w8a16", config=c), ref)
+            t = timer.ms([lambda s=s: moe_experts_fp8_triton(*s, *fp8, variant="w8a16", config=c) for s in sets])
+            res.append((t, c, e))
+        best = min(res, key=lambda r: r[0])
+        ROWS.append(dict(section="moe_gemv_sweep", N=N, w8a8_ms=w8a8, rule_ms=res[0][0], rule=rule.__dict__,
+                         results=[dict(config=c.__dict__, ms=t, err=e) for t, c, e in res]))
+        log(f"moe gemv N={N:<3} w8a8 {w8a8 * 1e3:.1f} us  rule {res[0][0] * 1e3:.1f} us ({rule})  "
+            f"best {best[0] * 1e3:.1f} us (err {best[2]:.1e}) with {best[1]}")
+
+
 def print_tables(bw: float) -> None:
     dec = [r for r in ROWS if r["section"] == "decode_sum"]
     if dec:
@@ -522,7 +552,7 @@ def main() -> None:
     ap.add_argument("--m", default="1,64,4096")
     ap.add_argument("--decode-m", default="1,2,4,8,16,32,64")
     ap.add_argument("--moe-n", default="1,2,4,8,16,32,64,4096")
-    ap.add_argument("--only", default="decode,gemm,moe", help="sections among decode,gemm,chain,moe,sweep")
+    ap.add_argument("--only", default="decode,gemm,moe", help="sections among decode,gemm,chain,moe,sweep,moe_gemv")
     ap.add_argument("--chain-m", default="4096")
     ap.add_argument("--sweep", action="store_true", help="add the tile sweeps (GEMM: three shapes; MoE) at the end")
     ap.add_argument("--w8a16-max-m", type=int, default=None, help="dispatcher threshold (default: the measured one)")
@@ -530,6 +560,8 @@ def main() -> None:
                     help="gemm shapes: layers (one per checkpoint linear), served (as the model fuses them), or both")
     ap.add_argument("--decode-table", default="layers", help="decode and sweep shapes: layers, served or slice")
     ap.add_argument("--sweep-m", default="1,64,4096", help="the sweep's row counts, among 1, 64 and 4096")
+    ap.add_argument("--moe-table", default="glm5", choices=("glm5", "slice"),
+                    help="the MoE sections' experts: GLM-5's at tp = 8 or the FP8 slice's at tp = 1")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one rep, on CPU under TRITON_INTERPRET=1")
     a = ap.parse_args()
@@ -578,8 +610,8 @@ def main() -> None:
             producers = GLM5_TP8_PRODUCERS
         # (smoke: 40 rows, past the w8a16 sizes where no producer quantizes)
         bench_chain(cshapes, [int(m) for m in ("40" if a.smoke else a.chain_m).split(",")], timer, dev, log, producers)
-    moe_cfg = SMOKE_MOE if a.smoke else MOE
-    weights = moe_weights(moe_cfg, dev) if only & {"moe", "sweep"} else None
+    moe_cfg = SMOKE_MOE if a.smoke else MOE_SLICE if a.moe_table == "slice" else MOE
+    weights = moe_weights(moe_cfg, dev) if only & {"moe", "sweep", "moe_gemv"} else None
     if "moe" in only:
         moe_limit = bench_moe([int(n) for n in a.moe_n.split(",")], weights, moe_cfg, timer, dev, bw, a.smoke, log)
         log(f"moe: w8a16 no slower than w8a8 up to N = {moe_limit}")
@@ -587,6 +619,8 @@ def main() -> None:
     if "sweep" in only:
         sweep(shapes, timer, dev, a.smoke, log, [int(m) for m in a.sweep_m.split(",")] if not a.smoke else (1, 64, 4096))
         moe_sweep(weights, moe_cfg, timer, dev, a.smoke, log)
+    if "moe_gemv" in only:
+        moe_gemv_sweep([int(n) for n in a.moe_n.split(",")], weights, moe_cfg, timer, dev, a.smoke, log)
     log("done")
     print_tables(bw)
 

@@ -3,13 +3,18 @@
 `moe_experts_fp8` dispatches by `dispatch.use_triton`: on CPU the torch reference
 (`moe_experts_fp8_reference`: the experts a batch hits dequantized in fp32, then `moe.py`'s
 per-expert loop in fp32; what CPU serving runs), on a GPU the fused kernels of `moe_fp8_triton.py`
-on the bf16 kernel's routing plan, in one of two variants by one rule on the token count N:
+on the bf16 kernel's routing plan, in one of two variants by one rule on the token count N and
+the experts' width I on this rank:
 
-    N <= MOE_W8A16_MAX_TOKENS  ->  "w8a16": weights dequantized in the kernel against x as is
-    N >  MOE_W8A16_MAX_TOKENS  ->  "w8a8": x and h quantized per 1×128 group, FP8 × FP8 products
+    N <= MOE_GEMV_MAX_TOKENS and I <= MOE_GEMV_MAX_INTER  ->  "w8a16" as per-pair GEMVs
+    N <= MOE_W8A16_MAX_TOKENS                             ->  "w8a16": weights dequantized in the
+                                                              kernel against x as is
+    otherwise                                             ->  "w8a8": x and h quantized per 1×128
+                                                              group, FP8 × FP8 products
 
-The threshold is module state read at every call (benchmarks/fp8_gemm.py measures both variants
-at decode sizes, prints the crossover, and can set it); measured, it is 0: w8a8 at every size.
+The thresholds are module state read at every call (benchmarks/fp8_gemm.py measures the variants
+at decode sizes, prints the crossover, and can set MOE_W8A16_MAX_TOKENS; its `moe_gemv` section
+times the GEMVs); measured, the tile kernels' w8a16 never wins (0), the GEMVs do on narrow experts.
 Weight layouts (separate gate/up, or one fused gate_up with `up=None`) as in `moe_fp8_triton`.
 """
 
@@ -31,10 +36,23 @@ from glm53.kernels.moe import moe_experts_reference
 # checkpoints. (The GPU check of w8a8 against its emulation holds at the bf16 tolerance: the
 # tensor cores' accumulation moves some h elements across an e4m3 step; tests/kernels/fp8_cases.)
 MOE_W8A16_MAX_TOKENS = 0
+# Experts at most this wide on a rank run as per-pair GEMVs (`moe_fp8_gemv_triton`, H split into
+# slices) up to `moe_fp8_gemv_triton.MOE_GEMV_MAX_TOKENS` tokens. There the tile kernels are bound
+# by latency, not bytes: on the H200 (2026-12-04, `benchmarks/fp8_gemm.py --only moe_gemv,moe`)
+# GLM-5's tp = 8 experts (I 256, H 6144, top-8) took 21.3 / 37.4 / 68.2 µs at N = 1 / 2 / 4
+# against w8a8's 36.5 / 52.9 / 76.2 (and lost at 8: 121.1 vs 103.8). Wide experts are bound by
+# the GEMV's e4m3 widening on the CUDA cores instead: the slice's (I 2048) took 110–134 µs at N = 1
+# against 99.3, so they stay on the tiles.
+MOE_GEMV_MAX_INTER = 256
 
 
-def moe_fp8_variant(n_tokens: int) -> str:
-    """The dispatcher's rule: "w8a16" for n_tokens <= MOE_W8A16_MAX_TOKENS, else "w8a8"."""
+def moe_fp8_variant(n_tokens: int, inter: int = 0) -> str:
+    """The dispatcher's rule: "w8a16" for the GEMVs (n_tokens <= MOE_GEMV_MAX_TOKENS and experts
+    0 < `inter` <= MOE_GEMV_MAX_INTER wide) or for n_tokens <= MOE_W8A16_MAX_TOKENS, else "w8a8"."""
+    from glm53.kernels.moe_fp8_gemv_triton import MOE_GEMV_MAX_TOKENS
+
+    if n_tokens <= MOE_GEMV_MAX_TOKENS and 0 < inter <= MOE_GEMV_MAX_INTER:
+        return "w8a16"
     return "w8a16" if n_tokens <= MOE_W8A16_MAX_TOKENS else "w8a8"
 
 
@@ -86,7 +104,7 @@ def moe_experts_fp8(
     if use_triton(x):
         from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 
-        variant = moe_fp8_variant(x.shape[0])
+        variant = moe_fp8_variant(x.shape[0], down.shape[2])
         if x_rows is None or variant != "w8a8":
             return moe_experts_fp8_triton(*args, variant=variant)
         return moe_experts_fp8_triton(*args, variant=variant, x_fp8=x_rows.rows(), x_lo=x_rows.lo_rows())

@@ -147,9 +147,9 @@ def moe_key(N: int, s: ServeShape) -> tuple:
         from glm53.kernels.moe_fp8_gemv_triton import MOE_GEMV_MAX_TOKENS, moe_gemv_config
         from glm53.kernels.moe_fp8_triton import default_fp8_config
 
-        variant = moe_fp8_variant(N)
+        variant = moe_fp8_variant(N, s.expert_inter)
         if variant == "w8a16" and N <= MOE_GEMV_MAX_TOKENS:  # the per-pair GEMVs
-            return variant, moe_gemv_config(pairs, s.expert_inter, s.num_sms), 0
+            return variant, moe_gemv_config(pairs, s.expert_inter, s.hidden, s.num_sms), 0
         quant = quant_block_m(N) if variant == "w8a8" else 0
         cfg = default_fp8_config(pairs, s.n_experts, variant, s.expert_inter, s.hidden, s.num_sms)
         return variant, cfg, quant

@@ -84,7 +84,8 @@ class Experts(nn.Module):
     def takes_fp8_rows(self, m: int) -> bool:
         """Whether the fused kernel over m tokens reads x quantized (the w8a8 variant, `moe_fp8`)."""
         dev = self.gate_proj.device
-        return self.fp8 and m > 0 and (dev.type == "cuda" or triton_interpreting()) and moe_fp8_variant(m) == "w8a8"
+        return self.fp8 and m > 0 and (dev.type == "cuda" or triton_interpreting()) and \
+            moe_fp8_variant(m, self.down_proj.shape[2]) == "w8a8"
 
     def absorb_(self, shared: MLP) -> bool:
         """Holds `shared` (this rank's part of the shared expert) as one more expert of the stacks,

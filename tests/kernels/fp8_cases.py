@@ -274,7 +274,7 @@ def check_moe_fp8(N, H, I, E, k, dtype, variant, device="cpu", n_empty=0, fused=
     inputs = moe_fp8_inputs(N, H, I, E, k, dtype, device, n_empty, fused, kind, ids_dtype)
     if variant == "dispatch":
         run = lambda: moe_experts_fp8(*inputs)  # noqa: E731
-        variant = moe_fp8_variant(N)
+        variant = moe_fp8_variant(N, I)
     else:
         run = lambda: moe_experts_fp8_triton(*inputs, variant=variant, config=config, lo=lo)  # noqa: E731
     lo = variant == "w8a8" and (two_terms(N) if lo is None else lo)

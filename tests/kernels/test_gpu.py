@@ -328,6 +328,21 @@ def test_moe_fp8_split_k_glm5(split, stages):
                                 config=cfg)
 
 
+@pytest.mark.parametrize("split", [1, 4, 5, 16])
+def test_moe_fp8_gemv_glm5(split):
+    # the per-pair GEMVs (w8a16 at a few tokens) on GLM-5's stacks at tp = 8 with the shared expert
+    # as one more (257 experts, 9 slots), H in `split` slices (5: uneven), and the rule's own config
+    from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig
+
+    c = fp8_cases.GLM5_TP8_EXPERTS
+    for N in (1, 4):
+        for cfg in (MoEGemvConfig(BN1=16, BN2=128, SPLIT=split), None):
+            if cfg is None and split != 1:
+                continue
+            fp8_cases.check_moe_fp8(N, c["H"], c["I"], c["E"] + 1, c["k"] + 1, torch.bfloat16, "w8a16",
+                                    device=DEV, config=cfg, fused=N == 4)
+
+
 @pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
 def test_moe_fp8_odd_shapes(variant):
     # I not a multiple of 128 in the fused layout, partial K blocks, fp32, mixed scales, int32 ids

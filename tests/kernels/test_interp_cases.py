@@ -552,6 +552,11 @@ def test_moe_fp8_gemv(N, H, I, E, k, dtype, fused, kind):
     fp8_cases.check_moe_fp8(N, H, I, E, k, dtype, "w8a16", fused=fused, kind=kind)
     fp8_cases.check_moe_fp8(N, H, I, E, k, dtype, "w8a16", fused=fused, kind=kind, ids_dtype=torch.int32,
                             config=MoEGemvConfig(BN1=8, BN2=16, BK=32, num_warps=1, num_stages=1))
+    # H cut into slices of whole scale blocks (the last partial where H is), the down kernel
+    # summing their partials; more slices asked than H has blocks
+    for split in (2, 5):
+        fp8_cases.check_moe_fp8(N, H, I, E, k, dtype, "w8a16", fused=fused, kind=kind,
+                                config=MoEGemvConfig(BN1=16, BN2=32, BK=64, num_warps=1, num_stages=1, SPLIT=split))
 
 
 def test_moe_fp8_decode_split_rule():
@@ -574,6 +579,9 @@ def test_moe_fp8_dispatch_threshold(monkeypatch):
     from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 
     inputs = fp8_cases.moe_fp8_inputs(3, 64, 32, 6, 2, torch.bfloat16)
+    # 3 tokens on experts 32 wide: the per-pair GEMVs; none when no width qualifies
+    assert torch.equal(mod.moe_experts_fp8(*inputs), moe_experts_fp8_triton(*inputs, variant="w8a16"))
+    monkeypatch.setattr(mod, "MOE_GEMV_MAX_INTER", 0)
     for limit, variant in ((3, "w8a16"), (2, "w8a8")):
         monkeypatch.setattr(mod, "MOE_W8A16_MAX_TOKENS", limit)
         assert torch.equal(mod.moe_experts_fp8(*inputs), moe_experts_fp8_triton(*inputs, variant=variant))
@@ -591,12 +599,13 @@ def test_fp8_benchmark_smoke(monkeypatch, capsys):
 
     monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", fp8_gemm.W8A16_MAX_M)
     monkeypatch.setattr(moe_fp8, "MOE_W8A16_MAX_TOKENS", moe_fp8.MOE_W8A16_MAX_TOKENS)
-    monkeypatch.setattr(sys, "argv", ["fp8_gemm.py", "--smoke", "--table", "layers,served", "--only", "decode,gemm,chain,moe"])
+    monkeypatch.setattr(sys, "argv", ["fp8_gemm.py", "--smoke", "--table", "layers,served", "--only", "decode,gemm,chain,moe,moe_gemv"])
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gemm.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "decode crossover" in out and "| N | experts hit |" in out, out[-2000:]
     assert "all shapes (layers), M=3" in out and "all shapes (served), M=3" in out, out[-2000:]
     assert "chain, M=40" in out, out[-2000:]
+    assert "moe gemv N=1 " in out, out[-2000:]
 
 
 def test_moe_layer_benchmark_smoke(monkeypatch, capsys):

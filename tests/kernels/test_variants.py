@@ -192,7 +192,8 @@ def test_moe_same_key_same_launch(recorded):
 
 @pytest.mark.parametrize("w8a16_max_tokens", [0, 8])
 def test_moe_fp8_same_key_same_launch(recorded, monkeypatch, w8a16_max_tokens):
-    # 8: the per-pair GEMVs up to MOE_GEMV_MAX_TOKENS tokens, then the w8a16 tiles, then w8a8
+    # the per-pair GEMVs up to MOE_GEMV_MAX_TOKENS tokens (experts 128 wide), then (8) the w8a16
+    # tiles, then w8a8
     from glm53.kernels import moe_fp8
 
     from . import fp8_cases
@@ -202,7 +203,7 @@ def test_moe_fp8_same_key_same_launch(recorded, monkeypatch, w8a16_max_tokens):
     calls = []
     for N in range(1, 40, 3):
         inputs = fp8_cases.moe_fp8_inputs(N, 256, 128, 4, 2, torch.bfloat16)
-        variant = moe_fp8.moe_fp8_variant(N)  # the dispatcher's rule (CPU tensors take the reference)
+        variant = moe_fp8.moe_fp8_variant(N, 128)  # the dispatcher's rule (CPU tensors take the reference)
         calls.append((v.moe_key(N, s), lambda a=inputs, var=variant: moe_fp8_triton.moe_experts_fp8_triton(*a, variant=var)))
     assert len(_same_key_same_launch(recorded, calls)) >= (3 if w8a16_max_tokens else 2)
 

@@ -84,7 +84,7 @@ def test_prefill_graph_captures_fp8_weights_and_fp8_kv(tmp_path, monkeypatch):
     from glm53.support.oracle import FP8_WIDTHS, quantise_fp8_
 
     tiles = moe_fp8_triton.default_fp8_config
-    monkeypatch.setattr(moe_fp8_triton, "default_fp8_config", lambda n_pairs, *a: tiles(1 << 20, *a))
+    monkeypatch.setattr(moe_fp8_triton, "default_fp8_config", lambda n_pairs, *a, **kw: tiles(1 << 20, *a, **kw))
 
     make_checkpoint(tmp_path / "ckpt", seed=83, **FP8_WIDTHS)
     quantise_fp8_(tmp_path / "ckpt", block=128)
