@@ -4,9 +4,7 @@ per-rank shapes, every figure and ratio measured in one run on one GPU.
 
 Sections, in order (the tables are printed again at the end):
 
-1. decode: both decode candidates, w8a16 (FP8 weights dequantized in the kernel: up to
-   `GEMV_MAX_M` rows the CUDA-core GEMV, `fp8_gemv_triton`, with the tile kernel's w8a16 mode
-   beside it as "tile") and w8a8 (x
+1. decode: both decode candidates, w8a16 (FP8 weights dequantized in the kernel) and w8a8 (x
    quantized per 1×128 group, one more launch, then FP8 × FP8; at these sizes with the second
    e4m3 term, `fp8_act.two_terms`, and beside it "w8a8_1" with one term), at M = 1..64 for every shape; per
    M the sum over the shapes (one layer's linears); the crossover M and the `W8A16_MAX_M` it
@@ -30,7 +28,9 @@ Sections, in order (the tables are printed again at the end):
    `moe_fp8_gemv_triton`, with the tile kernels' w8a16 beside them as "tiles"), w8a8 (two terms
    where the rule gives them) and w8a8_1 (one term), the bf16 fused kernel, and the HBM floor (bytes of
    the experts the batch hits, fp8 + scales, + x + out, over the copy bandwidth); the MoE
-   crossover (`MOE_W8A16_MAX_TOKENS`).
+   crossover (`MOE_W8A16_MAX_TOKENS`); `--moe-table slice`: the FP8 slice's experts (16 of 2048);
+5. moe_gemv (`--only moe_gemv`): the per-pair GEMVs' rule (`moe_gemv_config`) and a sweep of their
+   configs (rows a program, H slices, down rows) beside w8a8 at each `--moe-n`.
 
 Every row is checked against the dequantized fp32 reference before it is timed (relative
 error printed). Timing: CUDA events around CUDA-graph replays (launch gaps amortised), each graph
@@ -38,8 +38,8 @@ running the op over several weight copies in turn (>= 4x the 60 MB L2 in total) 
 not read a warm L2; the MoE rotates its routing (random ids per set) over 1.2 GB of experts.
 
     python benchmarks/fp8_gemm.py [--m 1,64,4096] [--decode-m 1,2,4,8,16,32,64] [--moe-n 1,2,4,8,16,32,64,4096]
-                                  [--only decode,gemm,moe,sweep] [--sweep] [--w8a16-max-m N] [--json out.json]
-                                  [--table layers,served]
+                                  [--only decode,gemm,moe,sweep,moe_gemv] [--sweep] [--w8a16-max-m N] [--json out.json]
+                                  [--table layers,served] [--moe-table glm5|slice]
     TRITON_INTERPRET=1 python benchmarks/fp8_gemm.py --smoke   # tiny shapes on CPU: checks that it runs
 """
 
@@ -63,7 +63,6 @@ from glm53.kernels.norm import add_rms_norm, rms_norm
 from glm53.kernels import fp8_gemm_cublas as fp8_gemm_cublas_mod
 from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
 from glm53.kernels.fp8_gemm_triton import GemmConfig, default_config, fp8_gemm_w8a8, fp8_gemm_w8a16
-from glm53.kernels.fp8_gemv_triton import GemvConfig
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks, quantize_fp8_blocks, quantize_fp8_groups_triton
 from glm53.kernels.moe_fp8_triton import default_fp8_config, moe_experts_fp8_triton
 from glm53.kernels.moe_triton import MoEConfig, moe_experts_triton
@@ -132,9 +131,6 @@ SWEEP_DECODE = [GemmConfig(16, bn, 128, SPLIT_K=sk, num_warps=4, num_stages=4) f
 SWEEP_PREFILL = [GemmConfig(128, 128, 128, num_warps=8, num_stages=3), GemmConfig(128, 128, 128, num_warps=8, num_stages=4),
                  GemmConfig(128, 128, 128, GROUP_M=16, num_warps=8, num_stages=4), GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
                  GemmConfig(128, 64, 128, num_warps=4, num_stages=3), GemmConfig(128, 128, 64, num_warps=8, num_stages=4)]
-# The GEMV (w8a16 up to GEMV_MAX_M rows) at M = 1: column blocks, split-K caps, warps.
-SWEEP_GEMV = [GemvConfig(BM=1, BN=bn, BK=128, SPLIT_K=sk, num_warps=w, num_stages=3)
-              for bn in (32, 64, 128) for sk in (2, 6, 16) for w in (4, 8)]
 
 
 class Timer:
@@ -199,9 +195,6 @@ def _variant_fn(variant: str, config=None):
         return lambda x, q, s: fp8_gemm_cublas(x, q, s)
     if variant == "w8a8_1":  # one activation term whatever the size
         return lambda x, q, s: fp8_gemm_w8a8(x, q, s, config=config, lo=False)
-    if variant == "w8a16_tile":  # the tile kernel's w8a16 mode where w8a16 runs the GEMV
-        return lambda x, q, s: fp8_gemm_w8a16(x, q, s, config=config or default_config(
-            x.shape[0], q.shape[0], q.shape[1], a_fp8=False, device=x.device))
     f = {"w8a16": fp8_gemm_w8a16, "w8a8": fp8_gemm_w8a8}[variant]
     return lambda x, q, s: f(x, q, s, config=config)
 
@@ -218,7 +211,7 @@ def check_variant(sh: Shape, x: torch.Tensor, variant: str, config=None) -> floa
 def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw: float, log) -> int:
     """Both decode variants at every M, with bf16 cuBLAS and the FP8 HBM floor beside them;
     returns the W8A16_MAX_M the sums imply."""
-    sums = {m: {"w8a16": 0.0, "w8a16_tile": 0.0, "w8a8": 0.0, "w8a8_1": 0.0, "bf16": 0.0, "floor": 0.0} for m in ms}
+    sums = {m: {"w8a16": 0.0, "w8a8": 0.0, "w8a8_1": 0.0, "bf16": 0.0, "floor": 0.0} for m in ms}
     for sh in shapes:
         for m in ms:
             x = torch.randn(m, sh.K, device=dev).to(torch.bfloat16)
@@ -226,13 +219,12 @@ def bench_decode(shapes: list[Shape], ms: list[int], timer: Timer, dev: str, bw:
             row["bf16_ms"] = timer.ms([lambda i=i: x @ sh.wb[i].t() for i in range(len(sh.wb))])
             sums[m]["bf16"] += row["bf16_ms"]
             sums[m]["floor"] += row["floor_ms"]
-            for v in ("w8a16", "w8a16_tile", "w8a8", "w8a8_1"):
+            for v in ("w8a16", "w8a8", "w8a8_1"):
                 row[f"{v}_err"] = check_variant(sh, x, v)
                 row[f"{v}_ms"] = t = time_variant(sh, x, v, timer)
                 sums[m][v] += t
             ROWS.append(row)
             log(f"decode {sh.name:>20} M={m:<3} w8a16 {row['w8a16_ms'] * 1e3:8.1f} us (err {row['w8a16_err']:.1e})  "
-                f"tile {row['w8a16_tile_ms'] * 1e3:8.1f} us  "
                 f"w8a8 {row['w8a8_ms'] * 1e3:8.1f} us (err {row['w8a8_err']:.1e})  "
                 f"one term {row['w8a8_1_ms'] * 1e3:8.1f} us (err {row['w8a8_1_err']:.1e})  bf16 {row['bf16_ms'] * 1e3:7.1f} us  "
                 f"floor {row['floor_ms'] * 1e3:5.1f} us")
@@ -386,7 +378,8 @@ def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: flo
         row["bf16_floor_ms"] = (hit * 3 * I * H * 2 + N * H * 2 * 2) / bw * 1e3
         best = min(row["w8a16_ms"], row["w8a8_ms"])
         row["floor_share"] = row["floor_ms"] / best
-        if not lost and row["w8a16_ms"] <= row["w8a8_ms"]:
+        # MOE_W8A16_MAX_TOKENS is the tile kernels' crossover (the GEMVs have their own rule)
+        if not lost and row["w8a16_tile_ms"] <= row["w8a8_ms"]:
             limit = N
         else:
             lost = True
@@ -401,18 +394,16 @@ def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: flo
 
 def sweep(shapes: list[Shape], timer: Timer, dev: str, smoke: bool, log, ms=(1, 64, 4096)) -> None:
     """Every sweep config on three shapes of the layers table (a wide and a narrow one, kv_a's
-    partial block; another table: all its shapes) at M = 1 (the GEMV's configs, then the tile
-    kernel's decode configs in both modes), 64 (decode tiles, both modes) and 4096 (prefill
+    partial block; another table: all its shapes) at M = 1 (decode tiles, both modes), 64 (decode tiles, both modes) and 4096 (prefill
     configs, w8a8), those of `ms`."""
     picks = [s for s in shapes if s.name in ("q_a_proj", "o_proj", "kv_a_proj_with_mqa")] or shapes
-    plan = [(1, SWEEP_GEMV, ("w8a16",)),
-            (1, SWEEP_DECODE, ("w8a16_tile", "w8a8")),
+    plan = [(1, SWEEP_DECODE, ("w8a16", "w8a8")),
             (64, [GemmConfig(64, c.BN, c.BK, SPLIT_K=c.SPLIT_K, num_warps=4, num_stages=4) for c in SWEEP_DECODE],
              ("w8a16", "w8a8")),
             (4096, SWEEP_PREFILL, ("w8a8",))]
     plan = [p for p in plan if p[0] in ms]
     if smoke:  # the code path only
-        plan = [(1, SWEEP_GEMV[:2], ("w8a16",)), (1, SWEEP_DECODE[:2], ("w8a16_tile", "w8a8")),
+        plan = [(1, SWEEP_DECODE[:2], ("w8a16", "w8a8")),
                 (3, SWEEP_PREFILL[:1], ("w8a8",))]
     for sh in picks:
         for m, cfgs, variants in plan:
@@ -497,10 +488,10 @@ def print_tables(bw: float) -> None:
     dec = [r for r in ROWS if r["section"] == "decode_sum"]
     if dec:
         d = dec[0]
-        print("\n| M | w8a16 us (sum of shapes) | w8a16 tile kernel us | w8a8 us | w8a8 one term us | w8a8 / w8a16 | "
-              "bf16 cuBLAS us | FP8 floor us | floor / best FP8 |\n|---|---|---|---|---|---|---|---|---|")
+        print("\n| M | w8a16 us (sum of shapes) | w8a8 us | w8a8 one term us | w8a8 / w8a16 | "
+              "bf16 cuBLAS us | FP8 floor us | floor / best FP8 |\n|---|---|---|---|---|---|---|---|")
         for m, s in d["sums"].items():
-            print(f"| {m} | {s['w8a16'] * 1e3:.1f} | {s['w8a16_tile'] * 1e3:.1f} | {s['w8a8'] * 1e3:.1f} | {s['w8a8_1'] * 1e3:.1f} | "
+            print(f"| {m} | {s['w8a16'] * 1e3:.1f} | {s['w8a8'] * 1e3:.1f} | {s['w8a8_1'] * 1e3:.1f} | "
                   f"{s['w8a8'] / s['w8a16']:.2f} | "
                   f"{s['bf16'] * 1e3:.1f} | {s['floor'] * 1e3:.1f} | {s['floor'] / min(s['w8a16'], s['w8a8']):.0%} |")
         print(f"decode crossover: w8a8 first faster at M = {d['crossover_m']}; W8A16_MAX_M = {d['w8a16_max_m']}")
@@ -614,7 +605,7 @@ def main() -> None:
     weights = moe_weights(moe_cfg, dev) if only & {"moe", "sweep", "moe_gemv"} else None
     if "moe" in only:
         moe_limit = bench_moe([int(n) for n in a.moe_n.split(",")], weights, moe_cfg, timer, dev, bw, a.smoke, log)
-        log(f"moe: w8a16 no slower than w8a8 up to N = {moe_limit}")
+        log(f"moe: the w8a16 tiles no slower than w8a8 up to N = {moe_limit}")
         moe_mod.MOE_W8A16_MAX_TOKENS = moe_limit
     if "sweep" in only:
         sweep(shapes, timer, dev, a.smoke, log, [int(m) for m in a.sweep_m.split(",")] if not a.smoke else (1, 64, 4096))

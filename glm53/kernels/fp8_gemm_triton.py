@@ -36,7 +36,6 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
-from glm53.kernels.fp8_gemv_triton import GEMV_MAX_M, GemvConfig, fp8_gemv
 from glm53.kernels.fp8_split_k import check_fp8_weight, fp8_rows, k_splits, sum_splits
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
@@ -216,16 +215,11 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
 
 
 def fp8_gemm_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                   out_dtype: torch.dtype | None = None, config: GemmConfig | GemvConfig | None = None
-                   ) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """Dequantize-in-kernel: x [..., K] (bf16/fp16/fp32, kept as is), w [N, K] e4m3, w_scale
-    [ceil(N/128), ceil(K/128)] fp32 -> [..., N] in out_dtype (default x's dtype). Up to
-    `GEMV_MAX_M` rows (or with a `GemvConfig`) the CUDA-core GEMV (`fp8_gemv_triton`), else (or
-    with a `GemmConfig`) the tile kernel."""
+    [ceil(N/128), ceil(K/128)] fp32 -> [..., N] in out_dtype (default x's dtype)."""
     lead, x2, N, out_dtype = fp8_rows(x, w, w_scale, out_dtype)
     M, K = x2.shape
-    if isinstance(config, GemvConfig) or (config is None and 0 < M <= GEMV_MAX_M):
-        return fp8_gemv(x2, w, w_scale, out_dtype, config).view(*lead, N)
     if M == 0:
         return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
     cfg = config or default_config(M, N, K, a_fp8=False, device=x.device)

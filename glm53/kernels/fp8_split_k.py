@@ -1,5 +1,5 @@
-"""What the block-FP8 GEMM (`fp8_gemm_triton`), the GEMV (`fp8_gemv_triton`) and the FP8 MoE's
-gate+up kernel share: the weight checks and the activation rows, cutting K into split-K slices of
+"""What the block-FP8 GEMM (`fp8_gemm_triton`) and the FP8 MoE's gate+up kernels (the tiles'
+and the GEMVs') share: the weight checks and the activation rows, cutting K into split-K slices of
 whole 128-wide scale blocks, and summing the slices' fp32 partials in a fixed order
 (deterministic) in one launch."""
 

@@ -1,6 +1,6 @@
 """Block-FP8 routed experts for a few tokens as GEMVs: each (token, slot) pair multiplies its own
-expert's rows on the CUDA cores, the `fp8_gemv_triton` scheme applied to the MoE (the w8a16
-mode of `moe_fp8_triton`: x and h stay in x's dtype, no activation rounding).
+expert's rows on the CUDA cores (the w8a16 mode of `moe_fp8_triton`: x and h stay in x's dtype,
+no activation rounding).
 
 At decode a token's k experts are distinct, so the tile kernels' routing plan (pairs sorted by
 expert, 16-row blocks for the tensor cores) buys nothing: every weight row is read by one pair.

@@ -169,17 +169,13 @@ def quant_block_m(M: int) -> int:
 
 def fp8_gemm_key(M: int, s: ServeShape) -> tuple:
     """A block-FP8 linear over M rows: the variant (fp8_gemm.fp8_variant) and its tile config by
-    M (fp8_gemm_triton.default_config, or the GEMV's `gemv_config` for w8a16 up to GEMV_MAX_M
-    rows; split-K depends on the weight alone at decode sizes)."""
+    M (fp8_gemm_triton.default_config; split-K depends on the weight alone at decode sizes)."""
     if not s.fp8_linear:
         return ()
     from glm53.kernels.fp8_gemm import CUBLAS_MIN_M, fp8_variant
     from glm53.kernels.fp8_gemm_triton import default_config
-    from glm53.kernels.fp8_gemv_triton import GEMV_MAX_M, gemv_config
 
     variant = fp8_variant(M)
-    if variant == "w8a16" and M <= GEMV_MAX_M:  # the CUDA-core GEMV: its row class picks the variant
-        return variant, gemv_config(M, 128, 128, device=torch.device("cpu")), 0
     if variant == "w8a8" and M >= CUBLAS_MIN_M and s.cublas_fp8:
         # cuBLAS where the weight allows it, the Triton w8a8 kernel (same class) where not
         variant = "cublas"

@@ -802,24 +802,3 @@ def test_linear_f32_dispatch(monkeypatch):
     lf.linear_f32(torch.randn(8, 300), w)  # past the limit, read at call time: the reference
     assert rows == [limit]
     assert lft.linear_f32_triton(torch.randn(0, 300), w).shape == (0, 16)
-
-
-@pytest.mark.parametrize("M", [1, 2, 3, 8])
-def test_fp8_gemv_rows(M):
-    # the CUDA-core GEMV that `fp8_gemm_w8a16` runs up to GEMV_MAX_M rows: ragged N, K past a
-    # whole scale block, every weight-scale kind, bf16 and fp32 activations
-    fp8_cases.check_gemm(M, 200, 300, torch.float32, "w8a16", "tiny", "ranges")
-    fp8_cases.check_gemm(M, 136, 384, torch.bfloat16, "w8a16", "mixed", "normal")
-
-
-def test_fp8_gemv_configs():
-    # rows fewer than BM, columns narrower and wider than a scale block, K steps of 32 and 64
-    # (several a scale block), split-K over 3 and 5 slices (the last partial), fp32 out from bf16
-    from glm53.kernels.fp8_gemv_triton import GemvConfig
-
-    fp8_cases.check_gemm(3, 300, 520, torch.float32, "w8a16", "large",
-                         config=GemvConfig(BM=4, BN=256, BK=64, SPLIT_K=3, num_warps=1, num_stages=1))
-    fp8_cases.check_gemm(5, 100, 700, torch.bfloat16, "w8a16", "normal", out_dtype=torch.float32,
-                         config=GemvConfig(BM=8, BN=16, BK=32, SPLIT_K=5, num_warps=1, num_stages=1))
-    fp8_cases.check_gemm(1, 72, 128, torch.bfloat16, "w8a16", "mixed",
-                         config=GemvConfig(BM=1, BN=32, BK=128, SPLIT_K=1, num_warps=1, num_stages=1))

@@ -14,7 +14,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("records real JIT launches (not the interpreter's)", allow_module_level=True)
 
-from glm53.kernels import fp8_gemm_triton, fp8_gemv_triton, fp8_quant, fp8_split_k, moe_triton, sparse_mla_fp8_triton, sparse_mla_triton, topk_triton  # noqa: E402
+from glm53.kernels import fp8_gemm_triton, fp8_quant, fp8_split_k, moe_triton, sparse_mla_fp8_triton, sparse_mla_triton, topk_triton  # noqa: E402
 from glm53.kernels import draft_attention_triton, moe_fp8_gemv_triton, moe_fp8_triton  # noqa: E402
 from glm53.kernels import variants as v  # noqa: E402
 from glm53.kernels.fp8_quant import quantize_fp8_blocks  # noqa: E402
@@ -108,7 +108,7 @@ def recorded(monkeypatch):
     log: list[tuple] = []
     kernels = [sparse_mla_triton._sparse_mla_kernel, sparse_mla_triton._combine_kernel,
                sparse_mla_fp8_triton._sparse_mla_fp8_kernel, fp8_gemm_triton._block_fp8_gemm_kernel,
-               fp8_split_k._sum_splits_kernel, fp8_gemv_triton._fp8_gemv_kernel,
+               fp8_split_k._sum_splits_kernel,
                fp8_quant._quant_groups_kernel, moe_triton._plan_kernel, moe_triton._gate_up_kernel,
                moe_triton._down_kernel, moe_triton._sum_slots_kernel, moe_fp8_triton._gate_up_fp8_kernel,
                moe_fp8_triton._down_fp8_kernel, moe_fp8_gemv_triton._gate_up_gemv_kernel,
@@ -161,8 +161,8 @@ def test_sparse_mla_same_key_same_launch(recorded):
 
 @pytest.mark.parametrize("w8a16_max_m", [0, 24])
 def test_fp8_gemm_same_key_same_launch(recorded, monkeypatch, w8a16_max_m):
-    # 24: the GEMV up to GEMV_MAX_M rows, then the w8a16 tile kernel, then w8a8 (not served
-    # until benchmarks/fp8_gemm.py measures a crossover, but the keys must hold for any)
+    # 24: the w8a16 tile kernel, then w8a8 (not served until benchmarks/fp8_gemm.py measures a
+    # crossover, but the keys must hold for any)
     from glm53.kernels import fp8_gemm
 
     monkeypatch.setattr(fp8_gemm, "W8A16_MAX_M", w8a16_max_m)
