@@ -39,8 +39,9 @@ MOE_W8A16_MAX_TOKENS = 0
 # Experts at most this wide on a rank run as per-pair GEMVs (`moe_fp8_gemv_triton`, H split into
 # slices) up to `moe_fp8_gemv_triton.MOE_GEMV_MAX_TOKENS` tokens. There the tile kernels are bound
 # by latency, not bytes: on the H200 (2026-12-04, `benchmarks/fp8_gemm.py --only moe_gemv,moe`)
-# GLM-5's tp = 8 experts (I 256, H 6144, top-8) took 21.3 / 37.4 / 68.2 µs at N = 1 / 2 / 4
-# against w8a8's 36.5 / 52.9 / 76.2 (and lost at 8: 121.1 vs 103.8). Wide experts are bound by
+# GLM-5's tp = 8 routed experts (I 256, H 6144, top-8) took 21.3 / 37.4 / 68.2 µs at N = 1 / 2 / 4
+# against w8a8's 36.5 / 52.9 / 76.2 (and lost at 8: 121.1 vs 103.8); the layer with its shared
+# expert stacked, 27.0 / 45.3 / 79.4 against 37.6 / 53.4 / 77.3 (hence 2 tokens). Wide experts are bound by
 # the GEMV's e4m3 widening on the CUDA cores instead: the slice's (I 2048) took 110–134 µs at N = 1
 # against 99.3, so they stay on the tiles.
 MOE_GEMV_MAX_INTER = 256

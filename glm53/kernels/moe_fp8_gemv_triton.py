@@ -36,8 +36,11 @@ from glm53.kernels.fp8_split_k import k_splits
 from glm53.kernels.moe_triton import sum_slots
 
 SB = GROUP
-MOE_GEMV_MAX_TOKENS = 4  # past a few tokens, pairs share experts and the tile kernels read them once
-# (where the GEMVs run at all: `moe_fp8.moe_fp8_variant`, narrow experts)
+# Past a few tokens pairs share experts (the stacked shared expert: every token's), which the
+# tile kernels read once and the GEMVs once a pair. GLM-5's tp = 8 layer on the H200, shared expert
+# stacked (9 slots; `benchmarks/moe_fp8_layer.py`): 27.0 / 45.3 / 79.4 µs at N = 1 / 2 / 4 against
+# w8a8's 37.6 / 53.4 / 77.3. Where the GEMVs run at all: `moe_fp8.moe_fp8_variant` (narrow experts).
+MOE_GEMV_MAX_TOKENS = 2
 
 
 @dataclass(frozen=True)

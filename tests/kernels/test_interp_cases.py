@@ -545,8 +545,8 @@ def test_moe_fp8_split_k(variant, split):
     (3, 136, 128, 4, 4, torch.float32, False, "tiny"),  # k = E: every expert in every token
 ])
 def test_moe_fp8_gemv(N, H, I, E, k, dtype, fused, kind):
-    # the per-pair GEMVs `moe_experts_fp8_triton` runs as w8a16 up to MOE_GEMV_MAX_TOKENS tokens,
-    # then with narrower rows, K steps of 32 (four a scale block) and int32 ids
+    # w8a16 as dispatched (the per-pair GEMVs up to MOE_GEMV_MAX_TOKENS tokens, else the tiles),
+    # then the GEMVs by config: narrower rows, K steps of 32 (four a scale block), int32 ids
     from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig
 
     fp8_cases.check_moe_fp8(N, H, I, E, k, dtype, "w8a16", fused=fused, kind=kind)
@@ -578,9 +578,10 @@ def test_moe_fp8_dispatch_threshold(monkeypatch):
     from glm53.kernels import moe_fp8 as mod
     from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 
+    # 2 tokens on experts 32 wide: the per-pair GEMVs
+    two = fp8_cases.moe_fp8_inputs(2, 64, 32, 6, 2, torch.bfloat16)
+    assert torch.equal(mod.moe_experts_fp8(*two), moe_experts_fp8_triton(*two, variant="w8a16"))
     inputs = fp8_cases.moe_fp8_inputs(3, 64, 32, 6, 2, torch.bfloat16)
-    # 3 tokens on experts 32 wide: the per-pair GEMVs; none when no width qualifies
-    assert torch.equal(mod.moe_experts_fp8(*inputs), moe_experts_fp8_triton(*inputs, variant="w8a16"))
     monkeypatch.setattr(mod, "MOE_GEMV_MAX_INTER", 0)
     for limit, variant in ((3, "w8a16"), (2, "w8a8")):
         monkeypatch.setattr(mod, "MOE_W8A16_MAX_TOKENS", limit)
