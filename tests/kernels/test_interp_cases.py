@@ -483,6 +483,32 @@ def test_fp8_gemm_split_sum():
             assert torch.equal(sum_splits(parts, dt), acc.to(dt))
 
 
+@pytest.mark.parametrize("M", [1, 5, 17])
+def test_fp8_gemm_w8a16_f16_steps(M):
+    # bf16 x carried into f16 by a power of two per row and K step (the w8a16 tile kernel's f16
+    # products): exact against the fp32 product, rows past f16's range (1e6) and far below it
+    # (1e-6), a zero row, a row whose K steps differ by 1e9, K with a partial step, a split K
+    from glm53.kernels.fp8_gemm_triton import GemmConfig, fp8_gemm_w8a16
+    from glm53.kernels.fp8_quant import dequantize_fp8_blocks
+
+    q, s = fp8_cases.block_weight(200, 300, "mixed")
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 300, generator=g)
+    x[0] *= 1e6
+    if M > 1:
+        x[1] *= 1e-6
+        x[2] = 0.0
+        x[3, :128] *= 1e5
+        x[3, 128:] *= 1e-4
+    x = x.bfloat16()
+    exact = x.double() @ dequantize_fp8_blocks(q, s).double().t()
+    for cfg in (None, GemmConfig(BM=16, BN=64, BK=64, SPLIT_K=3, num_warps=1, num_stages=1)):
+        y = fp8_gemm_w8a16(x, q, s, torch.float32, config=cfg)
+        assert torch.isfinite(y).all()
+        err = (y.double() - exact).norm(dim=1) / exact.norm(dim=1).clamp_min(1e-300)
+        assert float(err.max()) <= 1e-5, err
+
+
 def test_fp8_gemm_dispatch_threshold(monkeypatch):
     # the one rule: rows <= W8A16_MAX_M -> w8a16, else w8a8 (bit-identical to calling that
     # variant); x with leading dims; the variant functions never rely on the module default
