@@ -62,7 +62,7 @@ from glm53.kernels.fp8_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul_fp8
 from glm53.kernels.norm import add_rms_norm, rms_norm
 from glm53.kernels import fp8_gemm_cublas as fp8_gemm_cublas_mod
 from glm53.kernels.fp8_gemm_cublas import fp8_gemm_cublas
-from glm53.kernels.fp8_gemm_triton import GemmConfig, default_config, fp8_gemm_w8a8, fp8_gemm_w8a16
+from glm53.kernels.fp8_gemm_triton import GemmConfig, fp8_gemm_w8a8, fp8_gemm_w8a16
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks, quantize_fp8_blocks, quantize_fp8_groups_triton
 from glm53.kernels.moe_fp8_triton import default_fp8_config, moe_experts_fp8_triton
 from glm53.kernels.moe_triton import MoEConfig, moe_experts_triton

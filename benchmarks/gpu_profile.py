@@ -166,11 +166,17 @@ def main() -> None:
                     "(issue 29); default slice dir /tmp/glm5-slice-fp8")
     ap.add_argument("--w8a16-max-m", type=int, default=None,
                     help="FP8 linears: w8a16 up to this many rows (fp8_gemm.W8A16_MAX_M; default the dispatcher's)")
+    ap.add_argument("--moe-w8a16-max-tokens", type=int, default=None,
+                    help="FP8 experts: w8a16 up to this many tokens (moe_fp8.MOE_W8A16_MAX_TOKENS; default the dispatcher's)")
     a = ap.parse_args()
     if a.w8a16_max_m is not None:
         from glm53.kernels import fp8_gemm
 
         fp8_gemm.W8A16_MAX_M = a.w8a16_max_m
+    if a.moe_w8a16_max_tokens is not None:
+        from glm53.kernels import moe_fp8
+
+        moe_fp8.MOE_W8A16_MAX_TOKENS = a.moe_w8a16_max_tokens
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     slice_dir = ensure_slice(Path(a.slice + "-fp8" if a.fp8 and a.slice == "/tmp/glm5-slice" else a.slice), fp8=a.fp8)

@@ -36,7 +36,7 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
-from glm53.kernels.fp8_split_k import check_fp8_weight, fp8_rows, k_splits, sum_splits
+from glm53.kernels.fp8_split_k import check_fp8_weight, f16_rows, fp8_rows, k_splits, sum_splits
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
 
@@ -159,15 +159,8 @@ def _block_fp8_gemm_kernel(
             kin = (k0 + rk) < K
             a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
-        if A_F16:
-            # bf16 x scaled per row by a power of two (exact) into f16, where every bf16 value of
-            # the step's 2^28 range below the row's largest is exact, and e4m3 -> f16 is one packed
-            # convert per two codes: e4m3 -> bf16 takes three converts, and bounds the kernel at
-            # decode sizes (H200)
-            xf = a.to(tl.float32)
-            amax = tl.max(tl.abs(xf), axis=1)
-            xs = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0)  # |x / xs| <= 2^15
-            a = (xf * (1.0 / xs)[:, None]).to(tl.float16)
+        if A_F16:  # bf16 x: f16 products (`f16_rows`)
+            a, xs = f16_rows(a)
             w = w.to(tl.float16)
         if DOT_F32:  # the interpreter: widen both (exact) and multiply in fp32
             a = a.to(tl.float32)

@@ -7,6 +7,7 @@ on the bf16 kernel's routing plan, in one of two variants by one rule on the tok
 the experts' width I on this rank:
 
     N <= MOE_GEMV_MAX_TOKENS and I <= MOE_GEMV_MAX_INTER  ->  "w8a16" as per-pair GEMVs
+                                                          (`moe_fp8_gemv_triton`)
     N <= MOE_W8A16_MAX_TOKENS                             ->  "w8a16": weights dequantized in the
                                                               kernel against x as is
     otherwise                                             ->  "w8a8": x and h quantized per 1×128
@@ -36,23 +37,15 @@ from glm53.kernels.moe import moe_experts_reference
 # checkpoints. (The GPU check of w8a8 against its emulation holds at the bf16 tolerance: the
 # tensor cores' accumulation moves some h elements across an e4m3 step; tests/kernels/fp8_cases.)
 MOE_W8A16_MAX_TOKENS = 0
-# Experts at most this wide on a rank run as per-pair GEMVs (`moe_fp8_gemv_triton`, H split into
-# slices) up to `moe_fp8_gemv_triton.MOE_GEMV_MAX_TOKENS` tokens. There the tile kernels are bound
-# by latency, not bytes: on the H200 (2026-12-04, `benchmarks/fp8_gemm.py --only moe_gemv,moe`)
-# GLM-5's tp = 8 routed experts (I 256, H 6144, top-8) took 21.3 / 37.4 / 68.2 µs at N = 1 / 2 / 4
-# against w8a8's 36.5 / 52.9 / 76.2 (and lost at 8: 121.1 vs 103.8); the layer with its shared
-# expert stacked, 27.0 / 45.3 / 79.4 against 37.6 / 53.4 / 77.3 (hence 2 tokens). Wide experts are bound by
-# the GEMV's e4m3 widening on the CUDA cores instead: the slice's (I 2048) took 110–134 µs at N = 1
-# against 99.3, so they stay on the tiles.
-MOE_GEMV_MAX_INTER = 256
 
 
 def moe_fp8_variant(n_tokens: int, inter: int = 0) -> str:
-    """The dispatcher's rule: "w8a16" for the GEMVs (n_tokens <= MOE_GEMV_MAX_TOKENS and experts
-    0 < `inter` <= MOE_GEMV_MAX_INTER wide) or for n_tokens <= MOE_W8A16_MAX_TOKENS, else "w8a8"."""
-    from glm53.kernels.moe_fp8_gemv_triton import MOE_GEMV_MAX_TOKENS
+    """The dispatcher's rule: "w8a16" where the per-pair GEMVs take the call
+    (`moe_fp8_gemv_triton.gemv_takes`: a few tokens on experts `inter` wide) or for n_tokens <=
+    MOE_W8A16_MAX_TOKENS, else "w8a8"."""
+    from glm53.kernels.moe_fp8_gemv_triton import gemv_takes
 
-    if n_tokens <= MOE_GEMV_MAX_TOKENS and 0 < inter <= MOE_GEMV_MAX_INTER:
+    if gemv_takes(n_tokens, inter):
         return "w8a16"
     return "w8a16" if n_tokens <= MOE_W8A16_MAX_TOKENS else "w8a8"
 

@@ -39,8 +39,19 @@ SB = GROUP
 # Past a few tokens pairs share experts (the stacked shared expert: every token's), which the
 # tile kernels read once and the GEMVs once a pair. GLM-5's tp = 8 layer on the H200, shared expert
 # stacked (9 slots; `benchmarks/moe_fp8_layer.py`): 27.0 / 45.3 / 79.4 µs at N = 1 / 2 / 4 against
-# w8a8's 37.6 / 53.4 / 77.3. Where the GEMVs run at all: `moe_fp8.moe_fp8_variant` (narrow experts).
+# w8a8's 37.6 / 53.4 / 77.3.
 MOE_GEMV_MAX_TOKENS = 2
+# Experts at most this wide on a rank. Narrow experts leave the tile kernels bound by latency, not
+# bytes: GLM-5's tp = 8 routed experts (I 256, H 6144, top-8) took 21.3 / 37.4 / 68.2 µs as GEMVs
+# at N = 1 / 2 / 4 against w8a8's 36.5 / 52.9 / 76.2 (H200, 2026-12-04). Wide ones bound the GEMVs
+# by the e4m3 widening on the CUDA cores: the slice's (I 2048) took 110–134 µs at N = 1 against 99.3.
+MOE_GEMV_MAX_INTER = 256
+
+
+def gemv_takes(n_tokens: int, inter: int) -> bool:
+    """Whether w8a16 over n_tokens on experts `inter` wide runs as the per-pair GEMVs (the limits
+    read at call time)."""
+    return n_tokens <= MOE_GEMV_MAX_TOKENS and 0 < inter <= MOE_GEMV_MAX_INTER
 
 
 @dataclass(frozen=True)

@@ -138,17 +138,17 @@ def sparse_mla_key(T: int, s: ServeShape) -> tuple:
 def moe_key(N: int, s: ServeShape) -> tuple:
     """Routed experts over N tokens: the variant (FP8) and tile config from the token count
     (moe_triton.default_config / moe_fp8_triton.default_fp8_config, or the per-pair GEMVs'
-    `moe_gemv_config` for w8a16 up to MOE_GEMV_MAX_TOKENS), the x quantizer's row tile."""
+    `moe_gemv_config` where `gemv_takes`), the x quantizer's row tile."""
     if not s.n_experts:
         return ()
     pairs = N * s.experts_per_token
     if s.fp8_experts:
         from glm53.kernels.moe_fp8 import moe_fp8_variant
-        from glm53.kernels.moe_fp8_gemv_triton import MOE_GEMV_MAX_TOKENS, moe_gemv_config
+        from glm53.kernels.moe_fp8_gemv_triton import gemv_takes, moe_gemv_config
         from glm53.kernels.moe_fp8_triton import default_fp8_config
 
         variant = moe_fp8_variant(N, s.expert_inter)
-        if variant == "w8a16" and N <= MOE_GEMV_MAX_TOKENS:  # the per-pair GEMVs
+        if variant == "w8a16" and gemv_takes(N, s.expert_inter):  # the per-pair GEMVs
             return variant, moe_gemv_config(pairs, s.expert_inter, s.hidden, s.num_sms), 0
         quant = quant_block_m(N) if variant == "w8a8" else 0
         cfg = default_fp8_config(pairs, s.n_experts, variant, s.expert_inter, s.hidden, s.num_sms)

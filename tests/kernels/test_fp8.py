@@ -84,9 +84,9 @@ def test_dispatch_rules_are_one_threshold(monkeypatch):
 def test_moe_gemv_rule_takes_narrow_experts_at_a_few_tokens():
     # the per-pair GEMVs (w8a16) where measured faster: up to MOE_GEMV_MAX_TOKENS tokens on experts
     # at most MOE_GEMV_MAX_INTER wide (GLM-5 at tp = 8: 256), not on the slice's 2048
-    from glm53.kernels.moe_fp8_gemv_triton import MOE_GEMV_MAX_TOKENS
+    from glm53.kernels.moe_fp8_gemv_triton import MOE_GEMV_MAX_INTER, MOE_GEMV_MAX_TOKENS
 
-    top, wide = MOE_GEMV_MAX_TOKENS, moe_fp8.MOE_GEMV_MAX_INTER
+    top, wide = MOE_GEMV_MAX_TOKENS, MOE_GEMV_MAX_INTER
     assert (top, wide) == (2, 256)
     assert [moe_fp8.moe_fp8_variant(n, 256) for n in (1, top, top + 1)] == ["w8a16", "w8a16", "w8a8"]
     assert moe_fp8.moe_fp8_variant(1, 2048) == moe_fp8.moe_fp8_variant(1, 0) == "w8a8"

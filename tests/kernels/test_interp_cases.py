@@ -585,6 +585,28 @@ def test_moe_fp8_gemv(N, H, I, E, k, dtype, fused, kind):
                                 config=MoEGemvConfig(BN1=16, BN2=32, BK=64, num_warps=1, num_stages=1, SPLIT=split))
 
 
+def test_moe_fp8_w8a16_f16_steps():
+    # the w8a16 tiles' f16 products (`f16_rows`) in both kernels: rows past f16's range (1e6), far
+    # below it (1e-6), a zero row, against the fp32 reference row by row (h rounds to bf16)
+    from glm53.kernels.moe_fp8 import moe_experts_fp8_reference
+    from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
+    from glm53.kernels.moe_triton import MoEConfig
+
+    x, w, ids, *experts = fp8_cases.moe_fp8_inputs(5, 300, 160, 6, 2, torch.bfloat16, kind="mixed")
+    x = x.float()
+    x[0] *= 1e6
+    x[1] *= 1e-6
+    x[2] = 0.0
+    x[3, :128] *= 1e4
+    x = x.bfloat16()
+    cfg = MoEConfig(BM=16, BN1=64, BN2=64, BK=64, GROUP_M=2, num_warps=1, num_stages=1)
+    out = moe_experts_fp8_triton(x, w, ids, *experts, variant="w8a16", config=cfg).float()
+    ref = moe_experts_fp8_reference(x.float(), w, ids, *experts).float()
+    assert torch.isfinite(out).all() and torch.equal(out[2], ref[2])
+    err = (out - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
+    assert float(err[[0, 1, 3, 4]].max()) <= 3e-2, err  # bf16 h and y (the interpreter truncates)
+
+
 def test_moe_fp8_decode_split_rule():
     # K split in a power of two (at most 4) only where the decode grid has fewer tiles than SMs,
     # down to 4 scale blocks a split
@@ -608,7 +630,9 @@ def test_moe_fp8_dispatch_threshold(monkeypatch):
     two = fp8_cases.moe_fp8_inputs(2, 64, 32, 6, 2, torch.bfloat16)
     assert torch.equal(mod.moe_experts_fp8(*two), moe_experts_fp8_triton(*two, variant="w8a16"))
     inputs = fp8_cases.moe_fp8_inputs(3, 64, 32, 6, 2, torch.bfloat16)
-    monkeypatch.setattr(mod, "MOE_GEMV_MAX_INTER", 0)
+    from glm53.kernels import moe_fp8_gemv_triton
+
+    monkeypatch.setattr(moe_fp8_gemv_triton, "MOE_GEMV_MAX_INTER", 0)
     for limit, variant in ((3, "w8a16"), (2, "w8a8")):
         monkeypatch.setattr(mod, "MOE_W8A16_MAX_TOKENS", limit)
         assert torch.equal(mod.moe_experts_fp8(*inputs), moe_experts_fp8_triton(*inputs, variant=variant))
