@@ -36,9 +36,9 @@ from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 # bf16 in registers costs more than the activation's 1x128 quantization, which the producers
 # (norms, SwiGLU) then do in their own pass. Rounding the activations at decode costs greedy
 # agreement on the tiny model (benchmarks/RESULTS.md); SGLang and vLLM serve these checkpoints so.
-# With f16 products in the w8a16 kernel (one packed convert an e4m3 pair, 2026-12-04) the slice's
-# decode step still ran slower with w8a16 linears: 1,078.9 / 1,573.1 / 2,857.2 µs of kernels at
-# batch 1 / 16 / 64 against 963.2 / 1,549.5 / 2,050.6.
+# (f16 products in the w8a16 kernel, each row's K step scaled into f16 by a power of two, were
+# tried on 2026-12-04 and backed out: the slice's decode step ran 1,078.9 / 1,573.1 / 2,857.2 µs
+# of kernels at batch 1 / 16 / 64 with w8a16 linears against 963.2 / 1,549.5 / 2,050.6.)
 W8A16_MAX_M = 0
 # Rows from which cuBLAS's blockwise FP8 GEMM runs (quantization included), where it can. Measured
 # on the H200 (2026-12-02, GLM-5 tp = 8 shapes summed): 216 µs against the Triton w8a8's 267 at

@@ -36,7 +36,7 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
-from glm53.kernels.fp8_split_k import check_fp8_weight, f16_rows, fp8_rows, k_splits, sum_splits
+from glm53.kernels.fp8_split_k import check_fp8_weight, fp8_rows, k_splits, sum_splits
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
 
@@ -110,7 +110,7 @@ def _block_fp8_gemm_kernel(
     a_ptr, as_ptr, al_ptr, als_ptr, w_ptr, ws_ptr, y_ptr,
     M, N, K, k_per_split,
     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_ym, stride_ysplit,
-    A_FP8: tl.constexpr, A_F16: tl.constexpr, LO: tl.constexpr, SB: tl.constexpr,
+    A_FP8: tl.constexpr, LO: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -159,13 +159,10 @@ def _block_fp8_gemm_kernel(
             kin = (k0 + rk) < K
             a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
-        if A_F16:  # bf16 x: f16 products (`f16_rows`)
-            a, xs = f16_rows(a)
-            w = w.to(tl.float16)
         if DOT_F32:  # the interpreter: widen both (exact) and multiply in fp32
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        elif not A_FP8 and not A_F16:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
+        elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             w = w.to(a_ptr.dtype.element_ty)
         part = tl.dot(a, w, input_precision=PRECISION)
         kb = k0 // SB
@@ -177,8 +174,6 @@ def _block_fp8_gemm_kernel(
             else:
                 acc += part * xs[:, None] * ws[None, :]
         else:
-            if A_F16:
-                part = part * xs[:, None]
             if BN <= SB:
                 acc += part * ws
             else:
@@ -209,7 +204,7 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
         a, a_scale, *(lo or (a, a_scale)), w, w_scale, y, M, N, K, k_per_split,
         a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0), w_scale.stride(0), y.stride(-2),
         y.stride(0) if split > 1 else 0,
-        A_FP8=a_fp8, A_F16=not a_fp8 and a.dtype == torch.bfloat16, LO=lo is not None, SB=SB, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
+        A_FP8=a_fp8, LO=lo is not None, SB=SB, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
         EVEN_K=K % cfg.BK == 0, DOT_F32=interp,
         PRECISION=dot_precision(torch.float32 if interp else a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

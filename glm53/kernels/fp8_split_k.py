@@ -1,7 +1,7 @@
-"""What the block-FP8 GEMM (`fp8_gemm_triton`) and the FP8 MoE's kernels (the tiles' and the
-GEMVs') share: the weight checks and the activation rows, cutting K into split-K slices of whole
-128-wide scale blocks, summing the slices' fp32 partials in a fixed order (deterministic) in one
-launch, and carrying a bf16 activation tile into f16 for the w8a16 products."""
+"""What the block-FP8 GEMM (`fp8_gemm_triton`) and the FP8 MoE's gate+up kernels (the tiles'
+and the GEMVs') share: the weight checks and the activation rows, cutting K into split-K slices of
+whole 128-wide scale blocks, and summing the slices' fp32 partials in a fixed order
+(deterministic) in one launch."""
 
 from __future__ import annotations
 
@@ -68,16 +68,3 @@ def sum_splits(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     block = 1024
     _sum_splits_kernel[(triton.cdiv(total, block),)](parts, y, total, SPLIT=split, BLOCK=block, num_warps=4)
     return y.to(out_dtype)
-
-
-@triton.jit
-def f16_rows(a):
-    """A bf16 tile [rows, K step] as f16 codes and a power of two per row (a = codes * scale):
-    each row scaled so its largest element lands near 2^14 (at most 2^15 if the log rounds), so
-    every bf16 value within 2^28 of it is exact in f16. The w8a16 products multiply these codes
-    by e4m3 weights widened to f16 (one packed convert per two codes; to bf16 it takes three,
-    which bounds the kernels at decode sizes on the H200) and take the scale back after."""
-    xf = a.to(tl.float32)
-    amax = tl.max(tl.abs(xf), axis=1)
-    scale = tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30))) - 14.0)
-    return (xf * (1.0 / scale)[:, None]).to(tl.float16), scale

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
-from glm53.kernels.fp8_split_k import f16_rows, k_splits
+from glm53.kernels.fp8_split_k import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
 from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig, gemv_takes, moe_experts_fp8_gemv
 from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, sum_slots
@@ -94,7 +94,7 @@ def _gate_up_fp8_kernel(
     stride_xn, stride_xsn, stride_xsk, stride_we, stride_wi, stride_se, stride_si, stride_hm, stride_hsm,
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-    A_FP8: tl.constexpr, A_F16: tl.constexpr, LO: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
+    A_FP8: tl.constexpr, LO: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr,
 ):
     # LO: x and h in two terms; the tile's BM rows are virtual, each of its BR (token, expert)
@@ -145,15 +145,11 @@ def _gate_up_fp8_kernel(
             a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=kin[:, None], other=0.0)
             wu = tl.load(u_ptrs, mask=kin[:, None], other=0.0)
-        if A_F16:  # bf16 x: f16 products (`f16_rows`)
-            a, xs = f16_rows(a)
-            wg = wg.to(tl.float16)
-            wu = wu.to(tl.float16)
         if DOT_F32:  # the interpreter: widen (exact), multiply in fp32
             a = a.to(tl.float32)
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
-        elif not A_FP8 and not A_F16:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
+        elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             wg = wg.to(x_ptr.dtype.element_ty)
             wu = wu.to(x_ptr.dtype.element_ty)
         pg = tl.dot(a, wg, input_precision=PRECISION)
@@ -170,9 +166,6 @@ def _gate_up_fp8_kernel(
             acc_g += pg * (xs * gs)
             acc_u += pu * (xs * us)
         else:
-            if A_F16:
-                pg = pg * xs[:, None]
-                pu = pu * xs[:, None]
             acc_g += pg * gs
             acc_u += pu * us
         a_ptrs += BK
@@ -223,7 +216,7 @@ def _down_fp8_kernel(
     stride_hm, stride_hsm, stride_we, stride_wh, stride_se, stride_sh, stride_ym,
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    A_FP8: tl.constexpr, A_F16: tl.constexpr, LO: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    A_FP8: tl.constexpr, LO: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # LO: h in two terms, read as the gate+up kernel reads x (virtual rows, pairs added after)
@@ -265,13 +258,10 @@ def _down_fp8_kernel(
             kin = (k0 + k) < I
             a = tl.load(a_ptrs, mask=rows_in[:, None] & kin[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
-        if A_F16:  # bf16 h: f16 products (`f16_rows`)
-            a, xs = f16_rows(a)
-            w = w.to(tl.float16)
         if DOT_F32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        elif not A_FP8 and not A_F16:
+        elif not A_FP8:
             w = w.to(h_ptr.dtype.element_ty)
         part = tl.dot(a, w, input_precision=PRECISION)
         kb = k0 // SB
@@ -282,8 +272,6 @@ def _down_fp8_kernel(
         if A_FP8:
             acc += part * (tl.load(hs_row + kb, mask=rows_in, other=0.0)[:, None] * ws)
         else:
-            if A_F16:
-                part = part * xs[:, None]
             acc += part * ws
         a_ptrs += BK
         w_ptrs += BK
@@ -379,7 +367,6 @@ def moe_experts_fp8_triton(
     hl, hls = (torch.empty_like(h), torch.empty_like(hs)) if lo else (h, hs)  # unread without LO
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     common = dict(E=E, BLOCK_E=plan.block_e, SB=SB, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M, A_FP8=a_fp8,
-                  A_F16=not a_fp8 and x.dtype == torch.bfloat16,
                   DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     tiles = plan.n_blocks * triton.cdiv(I, cfg.BN1)
