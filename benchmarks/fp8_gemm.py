@@ -394,8 +394,8 @@ def bench_moe(ns: list[int], weights, cfg: dict, timer: Timer, dev: str, bw: flo
 
 def sweep(shapes: list[Shape], timer: Timer, dev: str, smoke: bool, log, ms=(1, 64, 4096)) -> None:
     """Every sweep config on three shapes of the layers table (a wide and a narrow one, kv_a's
-    partial block; another table: all its shapes) at M = 1 (decode tiles, both modes), 64 (decode tiles, both modes) and 4096 (prefill
-    configs, w8a8), those of `ms`."""
+    partial block; another table: all its shapes) at M = 1 and 64 (decode tiles, both modes) and
+    4096 (prefill configs, w8a8), those of `ms`."""
     picks = [s for s in shapes if s.name in ("q_a_proj", "o_proj", "kv_a_proj_with_mqa")] or shapes
     plan = [(1, SWEEP_DECODE, ("w8a16", "w8a8")),
             (64, [GemmConfig(64, c.BN, c.BK, SPLIT_K=c.SPLIT_K, num_warps=4, num_stages=4) for c in SWEEP_DECODE],
