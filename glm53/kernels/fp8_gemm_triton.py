@@ -36,7 +36,7 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
-from glm53.kernels.fp8_split_k import check_fp8_weight, fp8_rows, k_splits, sum_splits
+from glm53.kernels.fp8_split_k import check_fp8_weight, k_splits, sum_splits
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
 
@@ -218,8 +218,13 @@ def fp8_gemm_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                    out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """Dequantize-in-kernel: x [..., K] (bf16/fp16/fp32, kept as is), w [N, K] e4m3, w_scale
     [ceil(N/128), ceil(K/128)] fp32 -> [..., N] in out_dtype (default x's dtype)."""
-    lead, x2, N, out_dtype = fp8_rows(x, w, w_scale, out_dtype)
-    M, K = x2.shape
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    N = check_fp8_weight(w, w_scale, K)
+    out_dtype = out_dtype or x.dtype
     if M == 0:
         return torch.empty((*lead, N), dtype=out_dtype, device=x.device)
     cfg = config or default_config(M, N, K, a_fp8=False, device=x.device)

@@ -1,7 +1,7 @@
-"""What the block-FP8 GEMM (`fp8_gemm_triton`) and the FP8 MoE's gate+up kernels (the tiles'
-and the GEMVs') share: the weight checks and the activation rows, cutting K into split-K slices of
-whole 128-wide scale blocks, and summing the slices' fp32 partials in a fixed order
-(deterministic) in one launch."""
+"""Split-K for the block-FP8 products: cutting K into slices of whole 128-wide scale blocks (the
+GEMM, `fp8_gemm_triton`, and the FP8 MoE's gate+up kernels, tiles and GEMVs alike), and for the
+GEMM its weight check and the sum of the slices' fp32 partials in a fixed order (deterministic)
+in one launch."""
 
 from __future__ import annotations
 
@@ -25,17 +25,6 @@ def check_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor, K: int) -> int:
         (tuple(w_scale.shape), w_scale.dtype, "scales must be fp32 [ceil(N/128), ceil(K/128)]")
     assert w_scale.stride(1) == 1, w_scale.stride()
     return N
-
-
-def fp8_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype | None
-             ) -> tuple[tuple[int, ...], torch.Tensor, int, torch.dtype]:
-    """x [..., K] as rows [M, K] with unit column stride, against a block-FP8 weight w [N, K]:
-    (x's leading shape, the rows, N, the output dtype: out_dtype or x's)."""
-    K = x.shape[-1]
-    rows = x.reshape(-1, K)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    return x.shape[:-1], rows, check_fp8_weight(w, w_scale, K), out_dtype or x.dtype
 
 
 def k_splits(K: int, split_k: int) -> tuple[int, int]:
