@@ -318,7 +318,10 @@ def check_rms_norm_fp8(M: int, D: int, dtype, device="cpu", col0: int = 3, dense
         (torch.rand(D, device=device) + 0.5).to(dtype)
     y, rows = rms_norm_fp8(x, w, 1e-6, dense=dense)
     assert (y is not None) == dense and rows.m == M and rows.k == D and rows.q.shape[0] % 16 == 0
-    assert rows.scale.stride(0) == 1, "scales column-major (cuBLAS's layout)"
+    if two_terms(M):  # read by the Triton kernels only: row-major
+        assert rows.scale.stride(1) == 1 and rows.scale_lo.stride(1) == 1, "two-term scales row-major"
+    else:
+        assert rows.scale.stride(0) == 1, "scales column-major (cuBLAS's layout)"
     if y is None:
         y = rms_norm_fp8(x, w, 1e-6, dense=True)[0]
     tol = 1e-6 if dtype == torch.float32 else 2.0**-6  # n's rounding and y's (the interpreter truncates)
@@ -370,8 +373,8 @@ def check_silu_mul_fp8(M: int, inter: int, dtype, device="cpu") -> None:
 
 
 def check_gemm_rows(M: int, N: int, K: int, device="cpu") -> None:
-    """A product of rows a producer quantized (`fp8_gemm_rows`: column-major scales in a padded
-    buffer) against the same product quantizing the producer's dense output itself (`fp8_gemm`):
+    """A product of rows a producer quantized (`fp8_gemm_rows`: a padded buffer, scales
+    column-major, or row-major with the second term) against the same product quantizing the producer's dense output itself (`fp8_gemm`):
     bit-identical, the variant either way being the dispatcher's."""
     from glm53.kernels.fp8_act import rms_norm_fp8
     from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows
@@ -386,8 +389,8 @@ def check_gemm_rows(M: int, N: int, K: int, device="cpu") -> None:
 
 
 def check_moe_rows(N: int, H: int, I: int, E: int, k: int, device="cpu") -> None:
-    """The routed experts' w8a8 kernel reading x as its norm quantized it (`Fp8Rows`: column-major
-    scales in a padded buffer) against the same kernel quantizing x itself: bit-identical."""
+    """The routed experts' w8a8 kernel reading x as its norm quantized it (`Fp8Rows`: a padded
+    buffer, its scales in `empty_rows`' layout) against the same kernel quantizing x itself: bit-identical."""
     from glm53.kernels.fp8_act import rms_norm_fp8
     from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 
