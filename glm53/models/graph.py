@@ -126,7 +126,7 @@ class DecodeGraphs:
     def run_eager(self, bs: int, width: int) -> torch.Tensor:
         """The step the graphs hold, run eagerly on the state's first `bs` rows: logits [bs, vocab] fp32."""
         r = self.runner
-        batch = self.state.batch(bs, width)
+        batch = self.state.batch(bs, width, r.model.inv_freq)
         return r.model.logits(r.model.forward_stage(batch, r.pools, None).hidden)
 
     def capture(self) -> None:

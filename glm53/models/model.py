@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from glm53.kernels import index_cache_fp8, latent_cache_fp8
+from glm53.kernels.absorb import absorbed_query
 from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
 from glm53.kernels.kv_rows import finish_rows, store_rows
@@ -63,6 +64,9 @@ class ForwardBatch:
     # selects them): a draft layer's KV that was never written there (the MTP draft on decode
     # when prefill did not send its KV). None: every position < context_lens is visible.
     ctx_start: torch.Tensor | None = None
+    # (cos, sin) [N, rope / 2] fp32 of `positions` under the model's RoPE frequencies, when the
+    # batch's builder computed them with its other inputs (`DecodeState.batch`); None: the model does
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
     _coords: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def out_coords(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +77,10 @@ class ForwardBatch:
         if c is None:
             c = self._coords[page_size] = (self.out_slots // page_size, self.out_slots % page_size)
         return c
+
+    def set_coords(self, page_size: int, page: torch.Tensor, offset: torch.Tensor) -> None:
+        """`out_coords(page_size)` computed by the batch's builder with the slots themselves."""
+        self._coords[page_size] = (page, offset)
 
 
 @dataclass
@@ -276,11 +284,10 @@ class Attention(nn.Module):
         elif topk_slots is None:
             raise RuntimeError(f"layer {self.layer} shares top-k but no full layer ran before it")
 
-        # Absorbed form: fold W_UK into the query and W_UV into the output (per head).
+        # Absorbed form: fold W_UK into the query (with q_pe's rotation: kernels/absorb) and W_UV
+        # into the output (per head).
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
-        q_all = torch.empty(n, h, r + cfg.qk_rope_head_dim, dtype=q.dtype, device=q.device)
-        torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope], out=q_all[..., :r].transpose(0, 1))
-        apply_rope(q[..., nope:], cos, sin, cfg.rope_interleave, out=q_all[..., r:])
+        q_all = absorbed_query(q, w[:, :nope], cos, sin, cfg.rope_interleave)
         o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r)
         # o [n, h, v] written by the batched product itself (an einsum's [h, n, v] result is a copy more)
         o = torch.empty(n, h, cfg.v_head_dim, dtype=o_lat.dtype, device=o_lat.device)
@@ -456,7 +463,7 @@ class GlmForCausalLM(nn.Module):
                 raise ValueError(f"stage starting at layer {start} needs the previous stage's StageInput")
             x, topk_slots = inputs.hidden, inputs.topk_slots
         captures: dict[int, torch.Tensor] = {}
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq)
+        cos, sin = batch.rope if batch.rope is not None else rope_cos_sin(batch.positions, self.inv_freq)
         pending = None  # a layer's MLP output, added inside the next layer's first norm
         for layer in self.model.layers.values():
             x, pending, topk_slots = layer(x, cos, sin, batch, kv, topk_slots, pending=pending, defer=True)

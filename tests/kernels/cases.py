@@ -295,6 +295,54 @@ def check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype, devi
         assert off <= 0.05 * N * W, f"{off} of {N * W} elements differ"
 
 
+def check_step_inputs(N, page_size, width, half, device="cpu", max_pos=None):
+    """`step_inputs` (one kernel) against its torch reference: rows on scattered pages of a
+    strided page-table slice, positions anywhere in their rows' pages (GLM-5's 202K included).
+    Integers equal; cos/sin equal on a GPU (the same CUDA math functions), within an fp32 rounding
+    or two on the interpreter (numpy's cos/sin)."""
+    from glm53.kernels.rope import rope_inv_freq
+    from glm53.kernels.step_inputs import step_inputs, step_inputs_reference
+
+    table = torch.randperm(4 * N * width, device=device)[: N * (width + 3)].view(N, width + 3).to(torch.int32)
+    table = table[:, :width]  # a slice, as the decode state's batch is
+    limit = min(width * page_size, max_pos or width * page_size)
+    pos = torch.randint(0, limit, (N,), device=device)
+    pos[0] = limit - 1
+    inv = rope_inv_freq(2 * half, 1e6, device)
+    got, want = step_inputs(pos, table, page_size, inv), step_inputs_reference(pos, table, page_size, inv)
+    for name in ("out_slots", "context_lens", "page", "offset"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for name in ("cos", "sin"):
+        a, b = getattr(got, name), getattr(want, name)
+        if torch.device(device).type == "cuda":
+            assert torch.equal(a, b), (name, (a - b).abs().max())
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
+def check_absorbed_query(n, h, nope, rope, r, interleave, dtype, device="cpu"):
+    """`absorb.absorbed_query` (one kernel) against the batched matmul and the rope kernel it
+    replaces: q read from a strided slice of a wider projection output, W_UK sliced from kv_b_proj
+    as the model slices it. The rotated columns equal the rope kernel's bit for bit where the
+    dtype rounds alike (GPU; fp32 under the interpreter); the product within a rounding of the
+    dtype (another order of the same fp32 sums)."""
+    from glm53.kernels.absorb import absorbed_query, absorbed_query_reference
+    from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
+
+    wide = torch.randn(n, h * (nope + rope) + 40, device=device).to(dtype)
+    q = wide[:, 8:8 + h * (nope + rope)].view(n, h, nope + rope)
+    kv_b = (torch.randn(h, nope + 2 * r, r, device=device) * r ** -0.5).to(dtype)
+    cos, sin = rope_cos_sin(torch.randint(0, 200000, (n,), device=device), rope_inv_freq(rope, 1e6, device))
+    got = absorbed_query(q, kv_b[:, :nope], cos, sin, interleave)
+    want = absorbed_query_reference(q, kv_b[:, :nope], cos, sin, interleave)
+    assert got.shape == want.shape == (n, h, r + rope) and got.dtype == dtype
+    if dtype == torch.float32 or torch.device(device).type == "cuda":
+        assert torch.equal(got[..., r:], want[..., r:]), "the rotated q_pe differs from the rope kernel's"
+    tol = dict(rtol=2 ** -7, atol=2 ** -7) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
 def check_routing_plan(N, k, E, device="cpu", n_empty=0, strays=0, shared=False, ids_dtype=torch.int64):
     """`plan_routing` (one Triton launch) against `sort_pairs` + `plan_cum_reference` (torch.sort):
     the same order (stable: tokens ascending within an expert), segments and row-block counts for

@@ -173,6 +173,18 @@ def test_moe_glm5(N, E):
     cases.check_moe(N, 6144, 2048, E, 8, dtype=torch.bfloat16, device=DEV, n_empty=2 if N > 1 else 0)
 
 
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_absorbed_query_glm5(n):  # GLM-5's heads (64: one GPU) and widths, and the tiny model's
+    cases.check_absorbed_query(n, 64, 192, 64, 512, True, torch.bfloat16, device=DEV)
+    cases.check_absorbed_query(n, 4, 32, 16, 96, True, torch.bfloat16, device=DEV)
+
+
+@pytest.mark.parametrize("N", [1, 7, 64])
+def test_step_inputs_glm5(N):  # GLM-5's rope (64: 32 frequencies), 64-token pages, up to 202K positions
+    cases.check_step_inputs(N, 64, 3168, 32, device=DEV, max_pos=202752)
+    cases.check_step_inputs(N, 64, 64, 32, device=DEV)
+
+
 @pytest.mark.parametrize("N", [1, 64, 4096])
 @pytest.mark.parametrize("interleave", [True, False])
 def test_store_rows_glm5(N, interleave):  # the latent (512 + 64) and the indexer key (128, rope 64)

@@ -336,6 +336,20 @@ def test_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype):
     cases.check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype)
 
 
+# A decode step's slots, coords, context lengths and RoPE cos/sin in one launch
+@pytest.mark.parametrize("N,page_size,width,half", [(1, 16, 4, 32), (13, 64, 9, 32), (6, 4, 40, 8)])
+def test_step_inputs(N, page_size, width, half):
+    cases.check_step_inputs(N, page_size, width, half)
+
+
+# MLA's absorbed query (W_UK and the q_pe rotation) in one launch
+@pytest.mark.parametrize("n,h,nope,rope,r", [(1, 3, 32, 16, 96), (5, 2, 48, 8, 64), (16, 2, 64, 32, 128)])
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_absorbed_query(n, h, nope, rope, r, interleave, dtype):
+    cases.check_absorbed_query(n, h, nope, rope, r, interleave, dtype)
+
+
 # The routing plan in one launch (a counting sort per expert) against torch.sort: one token to
 # several 1,024-pair steps, empty experts, the shared expert's column, ids outside [0, E), int32 ids
 @pytest.mark.parametrize("N,k,E,n_empty,strays,shared,ids_dtype", [
