@@ -25,7 +25,8 @@ the warm-up runs. The DFlash/DSpark draft's paged attention has its own bounds (
 requests, block positions, context pages; `reachable_draft`): its loop counts and the mask and
 table row strides are not specialized, so only the block (tiles, warps) and split-or-not pick
 its variants. Families whose launches no count decides (norms, RoPE, routing, the indexer
-logits) have one key each: any forward compiles them.
+logits, the absorbed query: its rows only bound the grid; the step's inputs, built inside the
+decode graphs) have one key each: any forward (or graph capture) compiles them.
 """
 
 from __future__ import annotations
