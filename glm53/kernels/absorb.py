@@ -24,15 +24,12 @@ from glm53.kernels.rope import apply_rope
 MAX_TOKENS = 16
 
 
-def _fits(t: torch.Tensor, *operands: torch.Tensor) -> bool:
-    return use_triton(t, *operands) and t.shape[0] <= MAX_TOKENS and t.stride(-1) == 1
-
-
 def absorbed_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    interleave: bool) -> torch.Tensor:
     """q [n, h, nope + rope] (unit last stride; rows may be strided), w_uk [h, nope, r] (unit
     last stride), cos/sin [n, rope / 2] fp32 -> q_all [n, h, r + rope] in q's dtype."""
-    if _fits(q, w_uk) and w_uk.stride(-1) == 1 and cos.stride(-1) == 1:
+    fits = q.shape[0] <= MAX_TOKENS and q.stride(-1) == 1 and w_uk.stride(-1) == 1 and cos.stride(-1) == 1
+    if fits and use_triton(q, w_uk):
         from glm53.kernels.absorb_triton import absorbed_query_triton
 
         return absorbed_query_triton(q, w_uk, cos, sin, interleave)

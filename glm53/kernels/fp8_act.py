@@ -61,10 +61,10 @@ def two_terms(m: int) -> bool:
 @dataclass(frozen=True)
 class Fp8Rows:
     """x [m, K] quantized per 1×128 group: `q` [Mp, K] e4m3 and `scale` [Mp, ceil(K/128)] fp32
-    (column-major; row-major with the second term: `empty_rows`), Mp = m rounded up to M_ALIGN (rows from m on are unwritten padding; a product's
-    padding rows are computed and dropped, one row never mixes with another). `dtype` is the dense
-    activation's: a product's output dtype when none is given. `q_lo`, `scale_lo` (same layouts):
-    the second term (`two_terms`), or None."""
+    (column-major; row-major with the second term: `empty_rows`), Mp = m rounded up to M_ALIGN
+    (rows from m on are unwritten padding; a product's padding rows are computed and dropped, one
+    row never mixes with another). `dtype` is the dense activation's: a product's output dtype
+    when none is given. `q_lo`, `scale_lo` (same layouts): the second term (`two_terms`), or None."""
 
     q: torch.Tensor
     scale: torch.Tensor

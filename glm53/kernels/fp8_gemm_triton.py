@@ -254,8 +254,8 @@ def fp8_gemm_w8a8_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w
                             out_dtype: torch.dtype, config: GemmConfig | None = None,
                             lo: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The block-scaled FP8 GEMM on activations already quantized: q [M, K] e4m3 (unit column
-    stride), s [M, ceil(K/128)] fp32 (any strides: `fp8_act.Fp8Rows` holds them column-major, row-major with the second term)
-    -> [M, N] in out_dtype. `lo`: the second term (q's and s's layouts), multiplied too."""
+    stride), s [M, ceil(K/128)] fp32 (any strides: `fp8_act.Fp8Rows` holds them column-major, or
+    row-major with the second term) -> [M, N] in out_dtype. `lo`: the second term (q's and s's layouts), multiplied too."""
     M, K = q.shape
     N = check_fp8_weight(w, w_scale, K)
     assert q.dtype == FP8 and q.stride(1) == 1, (q.dtype, q.stride())
