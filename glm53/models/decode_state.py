@@ -116,20 +116,16 @@ class DecodeState:
         self.page_table.index_copy_(0, rows, table)
         self.rows_written += len(changed)
 
-    def batch(self, bs: int, width: int, inv_freq: torch.Tensor | None = None) -> ForwardBatch:
+    def batch(self, bs: int, width: int, inv_freq: torch.Tensor) -> ForwardBatch:
         """The first `bs` rows (active ones, then padding) at page-table width `width`: every
-        tensor a view of, or computed on the device from, the static buffers. With the model's
-        RoPE frequencies `inv_freq`, the positions' cos/sin come with the batch: the slots, their
-        (page, offset), the context lengths and cos/sin in one op (`kernels/step_inputs`)."""
+        tensor a view of, or computed on the device from, the static buffers; with them the
+        positions' cos/sin under the model's RoPE frequencies `inv_freq`. The slots, their (page,
+        offset), the context lengths and cos/sin come from one op (`kernels/step_inputs`)."""
         if not 0 < bs <= self.max_bs or not 0 < width <= self.max_pages:
             raise ValueError(f"batch ({bs}, {width}) outside the state's ({self.max_bs}, {self.max_pages})")
         ps = self.page_size
         pos = self.positions[:bs]
         table = self.page_table[:bs, :width]
-        if inv_freq is None:
-            page = table.gather(1, (pos // ps)[:, None]).squeeze(1).to(torch.long)
-            return ForwardBatch(input_ids=self.input_ids[:bs], positions=pos, out_slots=page * ps + pos % ps,
-                                page_table=table, context_lens=(pos + 1).to(torch.int32), max_context=width * ps)
         got = step_inputs(pos, table, ps, inv_freq)
         batch = ForwardBatch(input_ids=self.input_ids[:bs], positions=pos, out_slots=got.out_slots, page_table=table,
                              context_lens=got.context_lens, max_context=width * ps, rope=(got.cos, got.sin))
