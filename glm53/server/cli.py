@@ -40,7 +40,6 @@ from glm53.server.cli_nodes import add_instance_flags, add_up_flags, check_insta
 from glm53.server.config import ClusterConfig, ConfigError
 from glm53.server.config_parse import load_config, parse_config
 from glm53.server.model_fit import check_model_fit
-from glm53.server.plan import check_cluster_fits
 from glm53.server.cli_up import StartupRefused, check_devices, cmd_up
 
 log = logging.getLogger("glm53.serve")
@@ -253,6 +252,10 @@ def resolve(args: argparse.Namespace, check_fit: bool = True, check_tokenizer: b
     cfg = parse_config(raw, source=cfg.source)
     check_model_fit(cfg, model_dir)
     if check_fit:
+        # imported here: the plan builds models on the meta device (torch), and the router
+        # process starts through this module too; it needs no torch (~240 MB of RSS)
+        from glm53.server.plan import check_cluster_fits
+
         check_cluster_fits(cfg, model_dir)
     if check_tokenizer:  # last: a layout or model error is the one to fix first
         embedded_model.check_tokenizer(cfg, model_dir)

@@ -85,3 +85,13 @@ def test_generate_with_a_bad_model_path_is_one_line(capsys, tmp_path, model_dir)
     rc, out, err = generate(capsys, "--model", str(tmp_path / "weightless"))
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith(f"error: --model {tmp_path / 'weightless'}: ") and "safetensors" in err
+
+
+def test_the_router_entry_loads_no_torch():
+    """`glm53-serve router` runs through this CLI module into the router app; neither may import
+    torch (the memory plan `up` runs does, lazily): the router never touches a tensor, and torch
+    would add ~240 MB to its RSS and ~1 s to its start-up (a regression once: plan imported at
+    the CLI's top)."""
+    code = "import sys, glm53.server.cli, glm53.server.router.app; sys.exit('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, "the router's entry imports torch\n" + r.stderr[-2000:]
