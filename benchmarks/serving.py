@@ -39,13 +39,15 @@ def main() -> None:
             n = max(args.requests_per_point, c)
             rows.append(asyncio.run(sweep_point(url, args.model, c, n, args.input_len, args.output_len, args.vocab, c)))
         print(f"input {args.input_len} tokens, output {args.output_len} tokens, random token ids")
-        print("ITL after prefills: intervals that start after the point's last first token (decode steps alone)")
-        print(f"{'conc':>5} {'ok':>7} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-              f"{'ITL p99':>8} {'ITL after prefills p50':>23}")
+        print("ITL: between streamed chunks (a speculative step streams several tokens in one); TPOT: per output "
+              "token after the first; ITL after prefills: intervals that start after the point's last first token")
+        print(f"{'conc':>5} {'ok':>7} {'req/s':>8} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+              f"{'ITL p50':>8} {'ITL p99':>8} {'ITL after prefills p50':>23}")
         for r in rows:
             print(f"{r['concurrency']:>5} {r['ok']:>3}/{r['n']:<3} {r['req_s']:8.2f} {r['out_tok_s']:10.1f} "
-                  f"{r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:7.0f}ms {r['itl_p50'] * 1e3:6.0f}ms "
-                  f"{r['itl_p99'] * 1e3:6.0f}ms {r['itl_after_prefills_p50'] * 1e3:13.1f}ms ({r['itl_after_prefills_n']})")
+                  f"{r['ttft_p50'] * 1e3:7.0f}ms {r['ttft_p99'] * 1e3:7.0f}ms {r['tpot_p50'] * 1e3:7.1f}ms "
+                  f"{r['itl_p50'] * 1e3:6.0f}ms {r['itl_p99'] * 1e3:6.0f}ms "
+                  f"{r['itl_after_prefills_p50'] * 1e3:13.1f}ms ({r['itl_after_prefills_n']})")
     finally:
         if cluster is not None:
             cluster.stop()

@@ -2,6 +2,11 @@
 completions API at one concurrency (`sweep_point`): requests/s, output tokens/s, TTFT and ITL
 percentiles (client-side), and the ITL after every prefill is done. Used by benchmarks/serving.py,
 benchmarks/gpu_e2e.py and benchmarks/router_stream.py.
+
+Tokens are the usage chunk's `completion_tokens` (a speculative step, or a `stream_interval` above
+one, streams several tokens in one chunk); ITL is the time between streamed chunks, as vLLM's and
+SGLang's serving benchmarks measure it, and TPOT the time per output token after the first,
+(last chunk − first chunk) / (tokens − 1), per request.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ def pct(xs: list[float], q: float) -> float:
 
 async def one(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
+    tokens = None
     t0 = time.perf_counter()
     stamps: list[float] = []
     async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -37,10 +43,13 @@ async def one(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], 
                 d = json.loads(line[6:])
                 if d.get("choices") and d["choices"][0].get("text") is not None:
                     stamps.append(time.perf_counter())
-    if not stamps:
+                if d.get("usage"):
+                    tokens = d["usage"]["completion_tokens"]
+    if not stamps or tokens is None:
         return {"ok": False}
+    tpot = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else float("nan")
     return {"ok": True, "ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-            "tokens": len(stamps), "e2e": stamps[-1] - t0, "stamps": stamps}
+            "tokens": tokens, "chunks": len(stamps), "tpot": tpot, "e2e": stamps[-1] - t0, "stamps": stamps}
 
 
 async def sweep_point(url: str, model: str, concurrency: int, n_req: int, in_len: int, out_len: int,
@@ -69,5 +78,7 @@ async def sweep_point(url: str, model: str, concurrency: int, n_req: int, in_len
                    reverse=True)[:WORST_KEPT]
     return {"concurrency": concurrency, "ok": len(ok), "n": n_req, "req_s": len(ok) / wall,
             "out_tok_s": sum(r["tokens"] for r in ok) / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-            "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9), "itl_p99": pct(itl, 0.99), "itl_after_prefills_p50": pct(quiet, 0.5),
-            "itl_after_prefills_n": len(quiet), "itl_worst": [list(w) for w in worst]}
+            "itl_p50": pct(itl, 0.5), "itl_p90": pct(itl, 0.9), "itl_p99": pct(itl, 0.99),
+            "tpot_p50": pct([r["tpot"] for r in ok if r["tokens"] > 1], 0.5),
+            "itl_after_prefills_p50": pct(quiet, 0.5), "itl_after_prefills_n": len(quiet),
+            "itl_worst": [list(w) for w in worst]}

@@ -9,6 +9,7 @@ module costs about one start-up."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import re
@@ -134,3 +135,20 @@ def test_speculation_off_on_the_shipped_config(servers, env):
     # Unpinned internal ports stay unpinned: every process binds its own endpoint.
     assert resolved["router"]["result_port"] is None
     assert all(i["port"] is None for role in ("prefill", "decode") for i in resolved[role])
+
+
+def test_the_serving_benchmark_counts_tokens_not_chunks(servers):
+    # benchmarks/serving.py's client against the shipped (DSpark) server: a verify step streams
+    # every token it commits in one chunk, so tokens come from the usage chunk, not the chunk count
+    from glm53.support.serving_sweep import one
+
+    a = servers["a"]
+    ids = httpx.post(f"{a.url}/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+
+    async def request() -> dict:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await one(http, a.url, "glm-5-tiny", ids, 48)
+
+    r = asyncio.run(request())
+    assert r["ok"] and r["tokens"] == 48 and r["chunks"] < 48, {k: r.get(k) for k in ("ok", "tokens", "chunks")}
+    assert 0 < r["tpot"] < r["e2e"], r["tpot"]
