@@ -1,5 +1,5 @@
 """Serving benchmark: random token-id prompts streamed through the OpenAI completions API at a
-sweep of concurrencies; prints requests/s, output tokens/s, TTFT and ITL p50/p99 (client-side).
+sweep of concurrencies; prints requests/s, output tokens/s, TTFT, TPOT and ITL (client-side).
 
     PYTHONPATH=. python benchmarks/serving.py         # starts the embedded 1P1D cluster itself
     PYTHONPATH=. python benchmarks/serving.py --url http://127.0.0.1:30000 --model glm-5-tiny
