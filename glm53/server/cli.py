@@ -86,6 +86,9 @@ def _add_common(p: argparse.ArgumentParser, engine: bool = True) -> None:
     sp.add_argument("--speculative-dspark-confidence-threshold", dest="speculative_dspark_confidence_threshold",
                     type=float, help="DSPARK: cut a block before the first position the confidence head rates "
                     "below this (default 0: never)")
+    sp.add_argument("--speculative-disable-by-batch-size", dest="speculative_disable_by_batch_size", type=int,
+                    help="DFLASH/DSPARK: decode steps of more requests than this verify one token each, "
+                    "without drafting (default: never)")
     if not engine:  # the router starts no instance: engine flags would do nothing there
         return
     g = p.add_argument_group("engine (applies to every instance this command starts)")
@@ -185,6 +188,7 @@ def overrides_from_args(args: argparse.Namespace, role: str | None = None, index
     o["speculative.num_steps"] = get("speculative_num_steps")
     o["speculative.eagle_topk"] = get("speculative_eagle_topk")
     o["speculative.dspark_confidence_threshold"] = get("speculative_dspark_confidence_threshold")
+    o["speculative.disable_by_batch_size"] = get("speculative_disable_by_batch_size")
     kv = get("draft_kv_transfer")
     o["speculative.draft_kv_transfer"] = None if kv is None else kv == "on"
     o["router.log_level"] = get("log_level")

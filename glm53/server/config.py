@@ -12,7 +12,7 @@ Layout (every key optional except the pools):
     router:    {host, port, result_port, advertise_host, policy, ...}
     transfer:  {backend, bootstrap_timeout_s, transfer_timeout_s}
     speculative: {algorithm, draft_model_path, num_draft_tokens, draft_kv_transfer, dspark_block_size,
-                  dspark_confidence_threshold}
+                  dspark_confidence_threshold, disable_by_batch_size}
     defaults:  any instance key below except name/host/port/bootstrap_port/nodes/dist_init_addr
     prefill:   [ {name, host, port, bootstrap_port, devices, tp, pp, ep, <engine knobs>}, ... ]
     decode:    [ ... same, without bootstrap_port ... ]
@@ -187,6 +187,10 @@ class SpeculativeConfig:
     # confidence below which a block is cut (0: never; the draft needs a confidence head).
     dspark_block_size: int | None = None
     dspark_confidence_threshold: float = 0.0
+    # DFLASH / DSPARK: a decode step whose batch holds more requests than this verifies each one's
+    # next token alone, with no drafting (vLLM's `disable_by_batch_size`; None: never). The verify
+    # still writes the draft's context KV, so the requests draft again once the batch is small.
+    disable_by_batch_size: int | None = None
     # NEXTN (alias EAGLE): the checkpoint's own MTP layer drafts num_steps tokens per verify
     # (None: 3), topk 1 only (eagle_topk); num_draft_tokens, if given, must be num_steps + 1.
     num_steps: int | None = None

@@ -88,6 +88,11 @@ def check_semantics(cfg: ClusterConfig, sized: set[str] | frozenset[str] = froze
             and spec.dspark_block_size != spec.num_draft_tokens):
         raise err("speculative.dspark_block_size", f"{spec.dspark_block_size} disagrees with "
                   f"num_draft_tokens={spec.num_draft_tokens} (both set the verify width; give one)")
+    if spec.disable_by_batch_size is not None:
+        if spec.disable_by_batch_size < 1:
+            raise err("speculative.disable_by_batch_size", f"must be >= 1, got {spec.disable_by_batch_size}")
+        if spec.nextn:  # the MTP layer's catch-up rows follow every committed token: not written to skip steps
+            raise err("speculative.disable_by_batch_size", f"applies to DFLASH and DSPARK, not {spec.algorithm!r}")
     _check_nextn(spec, err)
     if cfg.model.context_length is not None and cfg.model.context_length < 2:
         raise err("model.context_length", f"must be >= 2, got {cfg.model.context_length}")

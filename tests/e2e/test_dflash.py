@@ -113,6 +113,19 @@ def test_greedy_equals_non_speculative_other_settings(tmp_path_factory, model_ca
         c.stop()
 
 
+def test_batches_above_disable_by_batch_size_decode_the_same(tmp_path_factory, model_cache, draft_dir, offline):
+    # speculative.disable_by_batch_size 1: a ragged concurrent batch verifies blocks of one while
+    # several requests run and drafts again as they finish; greedy output is unchanged
+    c = start(tmp_path_factory, model_cache, draft_dir, disable_by_batch_size=1)
+    try:
+        with cf.ThreadPoolExecutor(len(GREEDY_PROMPTS)) as ex:
+            outs = list(ex.map(lambda p: served_greedy(c, [p], NEW_TOKENS)[0], GREEDY_PROMPTS))
+        assert outs == offline
+        wait_pages_free(c)
+    finally:
+        c.stop()
+
+
 @pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
 def test_draft_kv_moves_between_mismatched_tp(tmp_path_factory, model_cache, draft_dir, offline, algorithm):
     """Prefill tp=1 against decode tp=2: the head-sharded draft KV buffer passes bootstrap and

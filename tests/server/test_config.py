@@ -505,6 +505,21 @@ def test_dspark_keys_and_flags(tmp_path):
     assert (spec.algorithm, spec.verify_width, spec.dspark_confidence_threshold) == ("DSPARK", 5, 0.25)
 
 
+def test_disable_by_batch_size_key_and_flag(tmp_path):
+    d = base()
+    d["speculative"] = {"algorithm": "DFLASH", "draft_model_path": "/x", "disable_by_batch_size": 8}
+    assert load_config(write(tmp_path, d)).speculative.disable_by_batch_size == 8
+    for change in (dict(disable_by_batch_size=0), dict(disable_by_batch_size="many"),
+                   dict(algorithm="NEXTN", draft_model_path=None)):
+        bad = base()
+        bad["speculative"] = {**d["speculative"], **change}
+        assert error(tmp_path, bad).key == "speculative.disable_by_batch_size", change
+    p = write(tmp_path, base())
+    args = build_parser().parse_args(["up", "--config", str(p), "--speculative-algorithm", "dspark",
+                                      "--speculative-draft-model-path", "/x", "--speculative-disable-by-batch-size", "4"])
+    assert load_config(p, overrides_from_args(args)).speculative.disable_by_batch_size == 4
+
+
 def test_speculation_off_ignores_the_keys_of_an_algorithm(tmp_path):
     # `--speculative-algorithm none` on a config written for DSPARK or NEXTN (the shipped
     # configs/local.yaml is a DSPARK one): its algorithm's keys are ignored, like its draft

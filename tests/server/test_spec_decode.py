@@ -63,11 +63,11 @@ class KnownWorkers(WorkerGroup):
         pass
 
 
-def scheduler(block_size: int, propose) -> tuple[DecodeScheduler, list]:
+def scheduler(block_size: int, propose, **spec) -> tuple[DecodeScheduler, list]:
     ports = free_ports(4)
     cfg = parse_config({
         "model": {"path": "/unused"},
-        "speculative": {"algorithm": "DFLASH", "draft_model_path": "/unused"},
+        "speculative": {"algorithm": "DFLASH", "draft_model_path": "/unused", **spec},
         "defaults": {"device": "cpu", "page_size": 16, "num_pages": 64, "stream_interval": 1000},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
         "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2]}],
@@ -78,15 +78,22 @@ def scheduler(block_size: int, propose) -> tuple[DecodeScheduler, list]:
     return sched, sent
 
 
-def run(sched: DecodeScheduler, sent: list, max_new: int, stop_ids=(), first_token: int | None = None):
-    """Adopt one request whose first token prefill sampled, decode it to the end."""
+def adopt(sched: DecodeScheduler, max_new: int, stop_ids=(), first_token: int | None = None, rid: str = "r",
+          room: int = 1) -> DecodeRequest:
+    """A request whose first token prefill sampled, running on `sched`."""
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new, stop_token_ids=list(stop_ids))
-    req = GenerateRequest(spec=RequestSpec("r", PROMPT, params, []), room=1, generation=0,
+    req = GenerateRequest(spec=RequestSpec(rid, PROMPT, params, []), room=room, generation=0,
                           prefill=PeerInfo("p0", "prefill", "h", 1, 2), decode=PeerInfo("d0", "decode", "h", 3, None),
                           reply_to="tcp://unused:1")
     r = DecodeRequest(req, arrived=0.0, pages=sched.allocator.alloc(sched.workers.pages_needed(len(PROMPT) + max_new)))
     first = target_token(len(PROMPT)) if first_token is None else first_token
     sched._commit(r, [first], first=True)
+    return r
+
+
+def run(sched: DecodeScheduler, sent: list, max_new: int, stop_ids=(), first_token: int | None = None):
+    """Adopt one request whose first token prefill sampled, decode it to the end."""
+    adopt(sched, max_new, stop_ids, first_token)
     steps = 0
     while sched.running:
         sched._decode()
@@ -145,5 +152,28 @@ def test_partly_right_draft():
         assert out == greedy(12)
         accepted = [n for ev in sent for n in ev.spec_accept]
         assert sum(accepted) == 11 and all(1 <= n <= 2 for n in accepted) and verify_ct == len(accepted)
+    finally:
+        sched.close()
+
+
+def test_batches_above_disable_by_batch_size_verify_one_token_undrafted():
+    # speculative.disable_by_batch_size 1: while two requests run, each step verifies blocks of
+    # one (no drafting); once one has finished, the other drafts whole blocks again
+    sched, sent = scheduler(4, target_token, disable_by_batch_size=1)
+    try:
+        adopt(sched, max_new=4, rid="a", room=1)
+        adopt(sched, max_new=11, rid="b", room=2)
+        steps = 0
+        while sched.running:
+            sched._decode()
+            steps += 1
+            assert steps < 100
+        sizes = [b.block_size for b in sched.workers.blocks]
+        # three steps of two one-token blocks take a to 4 tokens and b to 4; b then commits
+        # 4 + 3 in blocks of 4 and 3 (its last block shrinks to what max_new_tokens leaves)
+        assert sizes == [1, 1, 1, 1, 1, 1, 4, 3], sizes
+        for room, n in ((1, 4), (2, 11)):
+            assert [t for ev in sent if ev.room == room for t in ev.token_ids] == greedy(n)
+        assert sched.allocator.num_free == sched.allocator.num_pages
     finally:
         sched.close()

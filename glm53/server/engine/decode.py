@@ -122,6 +122,8 @@ class DecodeScheduler(Scheduler):
                 raise SystemExit(f"{cluster.source}: speculative.{key}={asked} is larger than the "
                                  f"draft's block size {self.block_size}")
             self.block_size = asked
+        # Batches larger than this verify one token a request, undrafted (None: never)
+        self.spec_off_above = cluster.speculative.disable_by_batch_size
         # Seeds of unseeded sampled requests' drafted blocks (spec.draft_sampling).
         self.draft_rng = random.Random()
         self.spec_keys = itertools.count()
@@ -387,14 +389,16 @@ class DecodeScheduler(Scheduler):
         return True
 
     def _blocks(self, batch: list[DecodeRequest]) -> list[DraftBlock]:
-        """Each request's next draft block, from what it has committed."""
+        """Each request's next draft block, from what it has committed; blocks of one (no drafting,
+        the verify still writes the draft's context) when the batch is above `disable_by_batch_size`."""
         blocks = []
+        width = 1 if self.spec_off_above is not None and len(batch) > self.spec_off_above else self.block_size
         for r in batch:
             out_len = len(r.output)
             params = r.params
             # Never verify past max_new_tokens: a block of n commits at most n tokens, so its
             # positions stay inside the pages allocated for prompt + max_new_tokens.
-            n = min(self.block_size, params.max_new_tokens - out_len)
+            n = min(width, params.max_new_tokens - out_len)
             if r.spec_key < 0:
                 r.spec_key = next(self.spec_keys)
             # The MTP's seed drives the request's first step only (position prompt_len − 1).
