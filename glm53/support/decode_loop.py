@@ -16,7 +16,8 @@ from glm53.kernels.compile_watch import WATCH
 from glm53.models import SeqChunk
 from glm53.models.prefill_graph import PREFILL_GRAPH_TOKENS, PrefillGraphs
 from glm53.server.config_parse import parse_config
-from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
+from glm53.server.engine.decode import DecodeScheduler
+from glm53.server.engine.decode_request import DecodeRequest
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
 from glm53.support.ports import free_ports

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import torch
 
 from glm53.server.config_parse import parse_config
-from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
+from glm53.server.engine.decode import DecodeScheduler
+from glm53.server.engine.decode_request import DecodeRequest
 from glm53.server.engine.group import WorkerGroup
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.support.ports import free_ports

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from glm53.server.engine.decode import DecodeRequest
+from glm53.server.engine.decode_request import DecodeRequest
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
 from tests.server.decode_double import adopt, reference_tokens, scheduler

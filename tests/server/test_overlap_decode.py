@@ -9,7 +9,8 @@ the GPU, and every e2e test decodes through this loop. (The double: decode_doubl
 
 from __future__ import annotations
 
-from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
+from glm53.server.engine.decode import DecodeScheduler
+from glm53.server.engine.decode_request import DecodeRequest
 from glm53.server.protocol import Abort, GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams
 from tests.server.decode_double import next_token, reference_tokens, scheduler

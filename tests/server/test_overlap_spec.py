@@ -18,7 +18,8 @@ from glm53.models import ModelRunner, PageAllocator, SeqChunk
 from glm53.models.graph import GraphConfig
 from glm53.models.spec_graph import SpecGraphs
 from glm53.server.embedded_model import ensure_embedded_draft, ensure_embedded_dspark, ensure_embedded_model
-from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
+from glm53.server.engine.decode import DecodeScheduler
+from glm53.server.engine.decode_request import DecodeRequest
 from glm53.server.offline import greedy_generate
 from glm53.server.protocol import Abort, GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams

@@ -12,7 +12,8 @@ import torch
 from glm53.models import ModelRunner, PageAllocator, SeqChunk, write_random_draft
 from glm53.models.dspark import BlockChoice
 from glm53.server.config_parse import parse_config
-from glm53.server.engine.decode import DecodeRequest, DecodeScheduler
+from glm53.server.engine.decode import DecodeScheduler
+from glm53.server.engine.decode_request import DecodeRequest
 from glm53.server.offline import greedy_generate
 from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec
 from glm53.server.sampling import SamplingParams

@@ -13,7 +13,7 @@ prompt's last (possibly partial) page to max_new_tokens. The prompt's KV lands i
 pages and the first choice's; on adoption each other choice gets a copy of the partial page
 (inside this instance's pools) and its own first token from prefill: one prefill, n sequences
 decoding side by side, each finishing on its own (its events carry its `index`). The shared
-pages are freed with the last choice (`SharedPages`).
+pages are freed with the last choice (`decode_request.SharedPages`).
 
 One place decides a request is over (`_commit`: stop token, eos, stop string, length, and
 max_new_tokens == 0 too) and one frees its pages (`_release`). Nothing after the token that ends
@@ -29,8 +29,6 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -41,70 +39,18 @@ from glm53.models.readback import readback
 from glm53.server.config import ClusterConfig, InstanceConfig
 from glm53.server.engine.constraints import Constraints, mask_block, masks
 from glm53.server.engine.group import WorkerGroup
-from glm53.server.engine.scheduler import (Scheduler, TrackedRequest, instance_by_index, protocol_error_code,
-                                           run_instance)
+from glm53.server.engine.decode_request import DecodeRequest, SharedPages
+from glm53.server.engine.scheduler import Scheduler, instance_by_index, protocol_error_code, run_instance
 from glm53.server.protocol import Abort, GenerateRequest, TokenEvent, TransferStats
 from glm53.server.engine.logprobs import rows_logprobs, unpack_first
 from glm53.server.engine.mtp_seed import split_payload
 from glm53.server.engine.overlap import InflightSpec, InflightStep, overlappable, spec_overlappable
 from glm53.server.engine.spec import accept, draft_sampling, greedy_prefix, plain_greedy
-from glm53.server.engine.stops import StopStrings, StopText
-from glm53.server.sampling import TokenHistory, sample, step_generator
-from glm53.transport import TERMINAL, KVPoll, Room, RoomTransfer, TransferError
+from glm53.server.engine.stops import StopStrings
+from glm53.server.sampling import sample, step_generator
+from glm53.transport import TERMINAL, KVPoll, Room, TransferError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SharedPages:
-    """The prompt's full pages of an n > 1 request: held once for all its choices (every choice's
-    page table starts with them) and freed when the last choice is released."""
-
-    pages: list[int]
-    users: int
-
-
-@dataclass
-class DecodeRequest(TrackedRequest):
-    receiver: RoomTransfer | None = None  # the room's receivers on every rank
-    output: list[int] = field(default_factory=list)
-    unsent: list[int] = field(default_factory=list)  # generated, not yet streamed
-    aborted: bool = False  # while receiving: the pages wait for the receivers to be terminal
-    ctx_start: int = 0  # first position whose draft context KV exists (the prompt's came from prefill)
-    accepts: list[int] = field(default_factory=list)  # tokens committed per verify, not yet reported
-    transfer_started: float = 0.0  # receivers created
-    bootstrapped: float = 0.0  # receivers left BOOTSTRAPPING: prefill reached, destination sent
-    constraint: Any = None  # structured output: the grammar state (engine/constraints.py)
-    stops: StopText | None = None  # its stop strings' matcher (engine/stops.py); None: it has none
-    index: int = 0  # the choice (0..n-1) of a request with n choices
-    pending: int = 0  # overlapped steps launched for it and not read back (engine/overlap.py)
-    finished: bool = False  # released: no more tokens are committed
-    free_after_step: bool = False  # released while an in-flight step still writes its pages
-    shared: SharedPages | None = None  # n > 1: the prompt's full pages, the head of `pages`
-    unsent_lp: list[float] = field(default_factory=list)  # logprobs of `unsent` (if asked for)
-    unsent_top: list[list] = field(default_factory=list)
-    spec_key: int = -1  # names it to the draft across steps (the MTP draft keeps its verify's hidden rows)
-    seed_hidden: torch.Tensor | None = None  # NEXTN: the prompt's last hidden row from prefill (its first step)
-
-    _prompt_ids: torch.Tensor | None = None  # the prompt's distinct ids (repetition penalty), built once
-    _stop_ids: list[int] | None = None
-    _stop_set: frozenset[int] | None = None  # RequestSpec.stop_ids, built once (it builds two sets a call)
-
-    @property
-    def stop_set(self) -> frozenset[int]:
-        """The ids whose commit ends the request (stop tokens, eos unless ignored)."""
-        if self._stop_set is None:
-            self._stop_set = self.req.spec.stop_ids
-        return self._stop_set
-
-    def history(self, device: torch.device) -> TokenHistory | None:
-        """What penalties, logit_bias and min_new_tokens need (None when the request has none)."""
-        if not self.params.adjusts:
-            return None
-        if self._prompt_ids is None or self._prompt_ids.device != device:
-            self._prompt_ids = torch.tensor(sorted(set(self.req.spec.input_ids)), dtype=torch.long, device=device)
-            self._stop_ids = sorted(self.req.spec.stop_ids)
-        return TokenHistory(self._prompt_ids, self.output, self._stop_ids)
 
 
 class DecodeScheduler(Scheduler):

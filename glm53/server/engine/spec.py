@@ -49,7 +49,7 @@ def draft_sampling(params: SamplingParams, step: int, choice: int, rng: random.R
 
 
 def plain_greedy(r) -> bool:
-    """A greedy request (engine/decode.DecodeRequest) whose verify rows nothing adjusts or masks:
+    """A greedy request (engine/decode_request.DecodeRequest) whose verify rows nothing adjusts or masks:
     it accepts from the argmaxes the step read back (`accept`'s own shortcut, taken without
     calling it)."""
     p = r.params
