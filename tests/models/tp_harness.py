@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import glm53.models.model as model_mod
+import glm53.models.moe as moe_mod
 import glm53.models.weights as weights_mod
 from glm53.models import ModelRunner, PageAllocator, SeqChunk, TPGroup
 from glm53.models.sharding import Shard, shard_of
@@ -63,6 +64,43 @@ def record_topk():
         yield calls
     finally:
         model_mod.dsa_topk_paged = inner
+
+
+@contextmanager
+def replay_selections(reference: dict[str, list] | None = None):
+    """Records the model's discrete choices in call order: every DSA top-k selection (slot ids)
+    and every MoE routing (weights, expert ids). Given a previous run's record, the model is fed
+    those instead of its own (still recorded), so two runs whose values differ by roundings cannot
+    part at a near-tied choice (`selections_differ` counts where they would have)."""
+    rec: dict[str, list] = {"topk": [], "route": []}
+
+    def replayed(key: str, inner: Callable) -> Callable:
+        def f(*a, **kw):
+            out = inner(*a, **kw)
+            rec[key].append(tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone())
+            if reference is None:
+                return out
+            old = reference[key][len(rec[key]) - 1]
+            return tuple(t.clone() for t in old) if isinstance(old, tuple) else old.clone()
+
+        return f
+
+    inner_topk, inner_route = model_mod.dsa_topk_paged, moe_mod.route
+    model_mod.dsa_topk_paged, moe_mod.route = replayed("topk", inner_topk), replayed("route", inner_route)
+    try:
+        yield rec
+    finally:
+        model_mod.dsa_topk_paged, moe_mod.route = inner_topk, inner_route
+
+
+def selections_differ(a: dict[str, list], b: dict[str, list]) -> dict[str, float]:
+    """Per kind, the fraction of rows (tokens) whose selected set differs between two records."""
+    out = {}
+    for key, pick in (("topk", lambda o: o), ("route", lambda o: o[1])):
+        rows = [(pick(x).sort(-1).values != pick(y).sort(-1).values).any(-1) for x, y in zip(a[key], b[key])]
+        assert len(a[key]) == len(b[key]) and rows, key
+        out[key] = torch.cat(rows).float().mean().item()
+    return out
 
 
 def scenario(runner: ModelRunner, pick: Callable[[list[torch.Tensor]], list[int]]) -> dict:
