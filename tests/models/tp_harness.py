@@ -49,24 +49,6 @@ def run_ranks(world: int, fn: Callable, *args) -> None:
 
 
 @contextmanager
-def record_topk():
-    """Collects every top-k selection (slot ids) the model makes, in call order."""
-    calls: list[torch.Tensor] = []
-    inner = model_mod.dsa_topk_paged
-
-    def record(*a, **kw):
-        out = inner(*a, **kw)
-        calls.append(out.clone())
-        return out
-
-    model_mod.dsa_topk_paged = record
-    try:
-        yield calls
-    finally:
-        model_mod.dsa_topk_paged = inner
-
-
-@contextmanager
 def replay_selections(reference: dict[str, list] | None = None):
     """Records the model's discrete choices in call order: every DSA top-k selection (slot ids)
     and every MoE routing (weights, expert ids). Given a previous run's record, the model is fed
@@ -91,6 +73,13 @@ def replay_selections(reference: dict[str, list] | None = None):
         yield rec
     finally:
         model_mod.dsa_topk_paged, moe_mod.route = inner_topk, inner_route
+
+
+@contextmanager
+def record_topk():
+    """Collects every top-k selection (slot ids) the model makes, in call order."""
+    with replay_selections() as rec:
+        yield rec["topk"]
 
 
 def selections_differ(a: dict[str, list], b: dict[str, list]) -> dict[str, float]:
