@@ -53,6 +53,7 @@ class GemmConfig:
     SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    SWAP: bool = False
 
 
 def _split_k(tiles: int, k_blocks: int, device: torch.device, cap: int = 16) -> int:
@@ -112,7 +113,7 @@ def _block_fp8_gemm_kernel(
     stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_ym, stride_ysplit,
     A_FP8: tl.constexpr, LO: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     sk = tl.program_id(1)
@@ -145,12 +146,16 @@ def _block_fp8_gemm_kernel(
     else:
         a_ptrs = a_ptr + a_off
         as_row = as_ptr + as_off
-    w_ptrs = w_ptr + rn_in[None, :] * stride_wn + (k_lo + rk)[:, None]
+    if SWAP:  # the weight tile is the product's left operand [BN, BK] (the MMA's long side)
+        w_ptrs = w_ptr + rn_in[:, None] * stride_wn + (k_lo + rk)[None, :]
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        w_ptrs = w_ptr + rn_in[None, :] * stride_wn + (k_lo + rk)[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     if BN <= SB:  # the tile lies in one scale row block: one scalar per K step
         ws_row = ws_ptr + (pn * BN // SB).to(tl.int64) * stride_wsn
     else:
         ws_row = ws_ptr + (rn_in // SB) * stride_wsn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -158,28 +163,44 @@ def _block_fp8_gemm_kernel(
         else:
             kin = (k0 + rk) < K
             a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=kin[None, :] if SWAP else kin[:, None], other=0.0)
         if DOT_F32:  # the interpreter: widen both (exact) and multiply in fp32
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             w = w.to(a_ptr.dtype.element_ty)
-        part = tl.dot(a, w, input_precision=PRECISION)
         kb = k0 // SB
         ws = tl.load(ws_row + kb)
-        if A_FP8:
-            xs = tl.load(as_row + kb * stride_ask)
-            if BN <= SB:
-                acc += part * (xs * ws)[:, None]
+        if SWAP:  # acc is [BN, BM]: columns are the activation rows
+            part = tl.dot(w, tl.trans(a), input_precision=PRECISION)
+            if A_FP8:
+                xs = tl.load(as_row + kb * stride_ask)
+                if BN <= SB:
+                    acc += part * (xs * ws)[None, :]
+                else:
+                    acc += part * ws[:, None] * xs[None, :]
             else:
-                acc += part * xs[:, None] * ws[None, :]
+                if BN <= SB:
+                    acc += part * ws
+                else:
+                    acc += part * ws[:, None]
         else:
-            if BN <= SB:
-                acc += part * ws
+            part = tl.dot(a, w, input_precision=PRECISION)
+            if A_FP8:
+                xs = tl.load(as_row + kb * stride_ask)
+                if BN <= SB:
+                    acc += part * (xs * ws)[:, None]
+                else:
+                    acc += part * xs[:, None] * ws[None, :]
             else:
-                acc += part * ws[None, :]
+                if BN <= SB:
+                    acc += part * ws
+                else:
+                    acc += part * ws[None, :]
         a_ptrs += BK
         w_ptrs += BK
+    if SWAP:
+        acc = tl.trans(acc)
     if LO:
         acc = tl.sum(tl.reshape(acc, (BM // 2, 2, BN)), axis=1)
     rm = pm * (BM // ROWS) + tl.arange(0, BM // ROWS)
@@ -206,7 +227,7 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
         y.stride(0) if split > 1 else 0,
         A_FP8=a_fp8, LO=lo is not None, SB=SB, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M,
         EVEN_K=K % cfg.BK == 0, DOT_F32=interp,
-        PRECISION=dot_precision(torch.float32 if interp else a.dtype),
+        PRECISION=dot_precision(torch.float32 if interp else a.dtype), SWAP=cfg.SWAP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:

@@ -95,7 +95,7 @@ def _gate_up_fp8_kernel(
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FP8: tl.constexpr, LO: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr, SWAP: tl.constexpr,
 ):
     # LO: x and h in two terms; the tile's BM rows are virtual, each of its BR (token, expert)
     # pairs' two terms side by side, so one product per K step reads both (a decode tile's rows
@@ -124,7 +124,10 @@ def _gate_up_fp8_kernel(
     else:
         a_ptrs = x_ptr + tok[:, None] * stride_xn + k_lo + k[None, :]
         xs_row = xs_ptr + tok * stride_xsn
-    w_off = e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wi + k_lo + k[:, None]
+    if SWAP:  # weight tiles [BN, BK], the products' left operand; accumulators [BN, BM]
+        w_off = e64 * stride_we + n_in[:, None].to(tl.int64) * stride_wi + k_lo + k[None, :]
+    else:
+        w_off = e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wi + k_lo + k[:, None]
     g_ptrs = wg_ptr + w_off
     u_ptrs = wu_ptr + w_off
     if SCALAR_S:  # BN <= 128 and up's rows aligned to scale blocks: one scale per tile and K step
@@ -133,8 +136,12 @@ def _gate_up_fp8_kernel(
     else:
         sg_row = sg_ptr + e64 * stride_se + (n_in // SB) * stride_si
         su_row = su_ptr + e64 * stride_se + ((UP_ROW0 + n_in) // SB) * stride_si
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_lo, tl.minimum(H, k_lo + k_per_split), BK):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -142,9 +149,10 @@ def _gate_up_fp8_kernel(
             wu = tl.load(u_ptrs)
         else:
             kin = (k0 + k) < H
+            kw = kin[None, :] if SWAP else kin[:, None]
             a = tl.load(a_ptrs, mask=kin[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=kin[:, None], other=0.0)
-            wu = tl.load(u_ptrs, mask=kin[:, None], other=0.0)
+            wg = tl.load(g_ptrs, mask=kw, other=0.0)
+            wu = tl.load(u_ptrs, mask=kw, other=0.0)
         if DOT_F32:  # the interpreter: widen (exact), multiply in fp32
             a = a.to(tl.float32)
             wg = wg.to(tl.float32)
@@ -152,17 +160,27 @@ def _gate_up_fp8_kernel(
         elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             wg = wg.to(x_ptr.dtype.element_ty)
             wu = wu.to(x_ptr.dtype.element_ty)
-        pg = tl.dot(a, wg, input_precision=PRECISION)
-        pu = tl.dot(a, wu, input_precision=PRECISION)
         kb = k0 // SB
+        if SWAP:
+            pg = tl.dot(wg, tl.trans(a), input_precision=PRECISION)
+            pu = tl.dot(wu, tl.trans(a), input_precision=PRECISION)
+        else:
+            pg = tl.dot(a, wg, input_precision=PRECISION)
+            pu = tl.dot(a, wu, input_precision=PRECISION)
         if SCALAR_S:
             gs = tl.load(sg_row + kb)
             us = tl.load(su_row + kb)
+        elif SWAP:
+            gs = tl.load(sg_row + kb)[:, None]
+            us = tl.load(su_row + kb)[:, None]
         else:
             gs = tl.load(sg_row + kb)[None, :]
             us = tl.load(su_row + kb)[None, :]
         if A_FP8:
-            xs = tl.load(xs_row + kb * stride_xsk)[:, None]
+            if SWAP:
+                xs = tl.load(xs_row + kb * stride_xsk)[None, :]
+            else:
+                xs = tl.load(xs_row + kb * stride_xsk)[:, None]
             acc_g += pg * (xs * gs)
             acc_u += pu * (xs * us)
         else:
@@ -171,6 +189,9 @@ def _gate_up_fp8_kernel(
         a_ptrs += BK
         g_ptrs += BK
         u_ptrs += BK
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     if LO:
         acc_g = tl.sum(tl.reshape(acc_g, (BR, 2, BN)), axis=1)
         acc_u = tl.sum(tl.reshape(acc_u, (BR, 2, BN)), axis=1)
@@ -217,7 +238,7 @@ def _down_fp8_kernel(
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     A_FP8: tl.constexpr, LO: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SWAP: tl.constexpr,
 ):
     # LO: h in two terms, read as the gate+up kernel reads x (virtual rows, pairs added after)
     ROWS: tl.constexpr = 2 if LO else 1
@@ -244,12 +265,16 @@ def _down_fp8_kernel(
         rows_in = valid
         a_ptrs = h_ptr + pos64[:, None] * stride_hm + k[None, :]
         hs_row = hs_ptr + pos64 * stride_hsm
-    w_ptrs = wd_ptr + e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wh + k[:, None]
+    if SWAP:  # the weight tile [BN, BK] is the product's left operand; acc [BN, BM]
+        w_ptrs = wd_ptr + e64 * stride_we + n_in[:, None].to(tl.int64) * stride_wh + k[None, :]
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        w_ptrs = wd_ptr + e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wh + k[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     if BN <= SB:
         sd_row = sd_ptr + e64 * stride_se + (nt * BN // SB) * stride_sh
     else:
         sd_row = sd_ptr + e64 * stride_se + (n_in // SB) * stride_sh
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=rows_in[:, None], other=0.0)
@@ -257,24 +282,37 @@ def _down_fp8_kernel(
         else:
             kin = (k0 + k) < I
             a = tl.load(a_ptrs, mask=rows_in[:, None] & kin[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=kin[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=kin[None, :] if SWAP else kin[:, None], other=0.0)
         if DOT_F32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         elif not A_FP8:
             w = w.to(h_ptr.dtype.element_ty)
-        part = tl.dot(a, w, input_precision=PRECISION)
         kb = k0 // SB
-        if BN <= SB:
-            ws = tl.load(sd_row + kb)
+        if SWAP:
+            part = tl.dot(w, tl.trans(a), input_precision=PRECISION)
+            if BN <= SB:
+                ws = tl.load(sd_row + kb)
+            else:
+                ws = tl.load(sd_row + kb)[:, None]
+            if A_FP8:
+                acc += part * (tl.load(hs_row + kb, mask=rows_in, other=0.0)[None, :] * ws)
+            else:
+                acc += part * ws
         else:
-            ws = tl.load(sd_row + kb)[None, :]
-        if A_FP8:
-            acc += part * (tl.load(hs_row + kb, mask=rows_in, other=0.0)[:, None] * ws)
-        else:
-            acc += part * ws
+            part = tl.dot(a, w, input_precision=PRECISION)
+            if BN <= SB:
+                ws = tl.load(sd_row + kb)
+            else:
+                ws = tl.load(sd_row + kb)[None, :]
+            if A_FP8:
+                acc += part * (tl.load(hs_row + kb, mask=rows_in, other=0.0)[:, None] * ws)
+            else:
+                acc += part * ws
         a_ptrs += BK
         w_ptrs += BK
+    if SWAP:
+        acc = tl.trans(acc)
     if LO:
         acc = tl.sum(tl.reshape(acc, (BR, 2, BN)), axis=1)
     pair = tl.load(order_ptr + pos, mask=valid, other=0)
@@ -366,7 +404,7 @@ def moe_experts_fp8_triton(
         x_lo = None
     hl, hls = (torch.empty_like(h), torch.empty_like(hs)) if lo else (h, hs)  # unread without LO
     y = torch.empty((M, H), dtype=x.dtype, device=x.device)
-    common = dict(E=E, BLOCK_E=plan.block_e, SB=SB, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M, A_FP8=a_fp8,
+    common = dict(E=E, BLOCK_E=plan.block_e, SB=SB, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M, A_FP8=a_fp8, SWAP=cfg.SWAP,
                   DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     tiles = plan.n_blocks * triton.cdiv(I, cfg.BN1)

@@ -53,6 +53,7 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     SPLIT_K: int = 1
+    SWAP: bool = False  # block-FP8 kernels: the weight tile as the product's left operand
 
 
 def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfig:

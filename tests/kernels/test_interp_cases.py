@@ -484,6 +484,19 @@ def test_fp8_gemm_tilings(variant):
                          config=GemmConfig(16, 64, 128, SPLIT_K=4, num_warps=1, num_stages=1))
 
 
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+def test_fp8_gemm_swapped_tiles(variant):
+    # the weight tile as the product's left operand (decode): one scale per K step (64 columns)
+    # and a scale per column (256), split-K over 3 slices, K partial, N ragged, two terms
+    # (lo) and one
+    from glm53.kernels.fp8_gemm_triton import GemmConfig
+
+    fp8_cases.check_gemm(3, 200, 520, torch.bfloat16, variant, "mixed",
+                         config=GemmConfig(16, 64, 128, SPLIT_K=3, num_warps=1, num_stages=1, SWAP=True))
+    fp8_cases.check_gemm(7, 300, 300, torch.float32, variant, "normal", lo=False,
+                         config=GemmConfig(16, 256, 64, SPLIT_K=2, num_warps=1, num_stages=1, SWAP=True))
+
+
 def test_fp8_gemm_split_sum():
     # the split-K epilogue: partials summed split 0, 1, 2, ... in fp32 and cast once, in one launch
     from glm53.kernels.fp8_split_k import sum_splits
@@ -550,6 +563,21 @@ def test_moe_fp8_split_k(variant, split):
     cfg = MoEConfig(BM=16, BN1=64 if variant == "w8a16" else 128, BN2=64, BK=64, GROUP_M=2, num_warps=1,
                     num_stages=1, SPLIT_K=split)
     fp8_cases.check_moe_fp8(6, 600, 160, 5, 3, torch.float32, variant, n_empty=1, kind="mixed", config=cfg)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+def test_moe_fp8_swapped_tiles(variant):
+    # both kernels with the weight tile as the left operand: fused layout with I = 160 (a scale
+    # block holding gate and up rows: a scale per column), K split in 2 with a partial last block,
+    # 256-wide down tiles (a scale per column), then 64-wide ones (one scale a K step)
+    from glm53.kernels.moe_triton import MoEConfig
+
+    for bn2, split in ((256, 2), (64, 1)):
+        cfg = MoEConfig(BM=16, BN1=64 if variant == "w8a16" else 128, BN2=bn2, BK=64, GROUP_M=2, num_warps=1,
+                        num_stages=1, SPLIT_K=split, SWAP=True)
+        fp8_cases.check_moe_fp8(3, 600, 160, 5, 3, torch.float32, variant, n_empty=1, fused=True, kind="mixed",
+                                config=cfg)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
