@@ -69,7 +69,8 @@ def _split_k(tiles: int, k_blocks: int, device: torch.device, cap: int = 16) -> 
 def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | None = None,
                    lo: bool = False) -> GemmConfig:
     """Tiles by M: decode (M <= 64) -> short row tiles, 64 columns, split-K to fill the SMs (the
-    weights are what is read); prefill -> 128×128 tiles (FP8 products compute-bound). `lo`: the
+    weights are what is read; up to 32 virtual rows the weight tile is the product's left operand,
+    SWAP); prefill -> 128×128 tiles (FP8 products compute-bound). `lo`: the
     activations carry two terms, so a tile's rows are 2M virtual ones (decode class all the same).
     Guesses until `benchmarks/fp8_gemm.py --sweep` has run on the H200."""
     decode = M <= 64
@@ -88,6 +89,11 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
         # 6.1 / 7.7 split in two; at M = 64, K = 2048 and 1536 9.8-10.7 / 8.9-9.4 µs against 13.4
         # / 12.5 split in three)
         split = 1 if kb <= 2 or (a_fp8 and kb < 32) else _split_k(tiles, kb, device)
+        if bm <= 32:  # one row tile: the weight tile is the MMA's long side (SWAP), the rows its
+            # short one (H200, 2026-12-05, two terms: the slice's five products at M = 1 / 2 / 16
+            # 120.0 / 117.6 / 124.5 µs swapped against 135.5 / 124.7 / 146.2, GLM-5's tp = 8 42.3 /
+            # 41.7 / 44.2 against 46.2 / 46.3 / 52.2; 64 columns and 4 stages won or came within 3 %)
+            return GemmConfig(BM=bm, BN=64, BK=128, GROUP_M=8, SPLIT_K=split, num_warps=4, num_stages=4, SWAP=True)
         if bm > 64:  # two terms past 32 rows: 64-row tiles, 128 columns (H200, the slice's five
             # products at M = 64: 219 µs summed against 266 for one 128 x 64 tile, 256 for the best
             # 128-row tile; one term 172)

@@ -42,13 +42,14 @@ from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_ro
 
 SB = GROUP
 VARIANTS = ("w8a16", "w8a8")
-# The gate+up kernel at decode sizes (H200, benchmarks/moe_fp8_layer.py, 2026-12-03, GLM-5's tp = 8
-# stacks and the slice's, each with the shared expert as one more): K split in a power of two up to
-# SPLIT_MAX until the grid's tiles are about one per SM (GLM-5, 1 token: 51 µs split in 4 against
-# 70 unsplit, 54 in 12; from 4 tokens on, and on the slice's 16 column tiles an expert, no split
-# wins), at least SPLIT_MIN_BLOCKS scale blocks of K a split; 3 pipeline stages, 2 once an expert
-# has 4 rows on average (the slice at 8 / 16 tokens: 208 / 222 µs against 231 / 246; 4 stages,
-# the old default, lost everywhere but by a little at 8 tokens on GLM-5's).
+# The gate+up kernel at decode sizes (H200, benchmarks/moe_fp8_layer.py and a sweep of the swapped
+# tiles, 2026-12-05, GLM-5's tp = 8 stacks and the slice's, each with the shared expert as one
+# more): with the weight tiles as the products' left operands (SWAP) K is split in SPLIT_MAX (a
+# power of two) whenever the grid has fewer tiles than SMs (GLM-5, 1 / 2 / 4 tokens: 33.8 / 45.1 /
+# 63.2 µs split in 4 against 48.9 / 48.1 / 65.6 unsplit or in 2; from 8 tokens, and on the slice's
+# 16 column tiles an expert, the grid fills the SMs and no split wins), keeping at least
+# SPLIT_MIN_BLOCKS scale blocks of K a split; 3 pipeline stages, 2 once an expert has 4 rows on
+# average (the slice at 8 tokens: 185.1 µs against 194.1).
 SPLIT_MAX = 4
 SPLIT_MIN_BLOCKS = 4
 
@@ -59,7 +60,9 @@ def decode_split(n_pairs: int, n_experts: int, bm: int, bn1: int, inter: int, hi
     if not (inter and hidden and sms):
         return 1
     tiles = block_bound(n_pairs, n_experts, bm) * triton.cdiv(inter, bn1)
-    most = min(SPLIT_MAX, triton.cdiv(hidden, SB) // SPLIT_MIN_BLOCKS, sms // tiles)
+    if tiles >= sms:
+        return 1
+    most = min(SPLIT_MAX, triton.cdiv(hidden, SB) // SPLIT_MIN_BLOCKS)
     return 1 << (most.bit_length() - 1) if most > 1 else 1
 
 
@@ -71,8 +74,9 @@ def default_fp8_config(n_pairs: int, n_experts: int, variant: str, inter: int = 
     (scaled, then added), so the gate+up kernel holds four [BM, BN1] fp32 tiles: BM·BN1 / (32 ·
     warps) registers each, at most 32 here. At decode sizes the gate+up kernel splits K when its
     tiles leave SMs idle (`decode_split`: needs the experts' width `inter`, `hidden` and the
-    GPU's `sms`; none given, no split). `lo` (w8a8 with two activation terms): a tile's BM rows
-    are virtual, BM / 2 pairs' two terms each."""
+    GPU's `sms`; none given, no split), and both kernels take the weight tile as the products'
+    left operand (SWAP: the MMA's long side; the pairs' few rows its short one). `lo` (w8a8 with
+    two activation terms): a tile's BM rows are virtual, BM / 2 pairs' two terms each."""
     bn1 = 128 if variant == "w8a8" else None
     rows = n_pairs / max(1, n_experts)
     if triton_interpreting():  # the interpreter pays per program and per multiply-add of padding
@@ -81,7 +85,8 @@ def default_fp8_config(n_pairs: int, n_experts: int, variant: str, inter: int = 
     if rows <= 16:  # decode: 16-row blocks, the weight stream is the cost
         bn1 = bn1 or 64
         split = decode_split(n_pairs, n_experts, 8 if lo else 16, bn1, inter, hidden, sms)
-        return MoEConfig(BM=16, BN1=bn1, BN2=64, BK=128, num_warps=4, num_stages=2 if rows >= 4 else 3, SPLIT_K=split)
+        return MoEConfig(BM=16, BN1=bn1, BN2=64, BK=128, num_warps=4, num_stages=2 if rows >= 4 else 3, SPLIT_K=split,
+                         SWAP=True)
     # 40 KB a stage (w8a8: an fp8 x tile and two fp8 weight tiles), 24 KB for bf16 x with K steps of 64
     return MoEConfig(BM=64, BN1=128, BN2=128, BK=128 if variant == "w8a8" else 64, num_warps=8, num_stages=3)
 

@@ -136,4 +136,7 @@ def test_decode_split_rule(monkeypatch):
     # two activation terms: 2M virtual rows a tile, 64-row tiles of 128 columns past 32 rows
     tile = lambda m: (lambda c: (c.BM, c.BN))(t.default_config(m, 6144, 16384, True, cuda, lo=True))  # noqa: E731
     assert tile(1) == tile(8) == (16, 64) and tile(16) == (32, 64) and tile(64) == (64, 128)
+    # up to 32 virtual rows (one row tile) the weight tile is the left operand; past it, not
+    swap = lambda m, lo: t.default_config(m, 6144, 16384, True, cuda, lo=lo).SWAP  # noqa: E731
+    assert swap(1, True) and swap(16, True) and swap(32, False) and not swap(17, True) and not swap(64, False)
     assert t.default_config(64, 6144, 16384, True, cuda, lo=True).SPLIT_K == 3  # 2 x 48 tiles: ~2 programs an SM

@@ -317,6 +317,32 @@ def test_fp8_gemm_tilings_glm5(variant):
         fp8_cases.check_gemm(64 if cfg.BM < 128 else 1000, 576, 6144, torch.bfloat16, variant, device=DEV, config=cfg)
 
 
+@pytest.mark.parametrize("variant", ["w8a16", "w8a8"])
+def test_fp8_gemm_swapped_tiles_glm5(variant):
+    # the weight tile as the left operand (decode tiles): one and two terms, split-K, kv_a's partial
+    # row block, 64- and 128-wide tiles
+    from glm53.kernels.fp8_gemm_triton import GemmConfig
+
+    for M, bt, bn, split, stages in ((1, 16, 64, 6, 4), (8, 16, 128, 3, 3), (16, 32, 64, 1, 6), (33, 64, 128, 2, 4)):
+        cfg = GemmConfig(bt, bn, 128, SPLIT_K=split, num_stages=stages, SWAP=True)
+        fp8_cases.check_gemm(M, 576, 6144, torch.bfloat16, variant, "mixed", device=DEV, config=cfg)
+        fp8_cases.check_gemm(M, 6144, 2048, torch.bfloat16, variant, device=DEV, config=cfg, lo=False)
+
+
+@pytest.mark.parametrize("N", [1, 3, 8])
+@pytest.mark.parametrize("bn2,split,stages", [(64, 1, 3), (128, 4, 2)])
+def test_moe_fp8_swapped_tiles_glm5(N, bn2, split, stages):
+    # GLM-5's stacks at tp = 8 with the shared expert as one more, the weight tiles as the left
+    # operands, w8a8 (two terms at these sizes) and w8a16
+    from glm53.kernels.moe_triton import MoEConfig
+
+    c = fp8_cases.GLM5_TP8_EXPERTS
+    for variant in ("w8a8", "w8a16"):
+        cfg = MoEConfig(BM=16, BN1=128, BN2=bn2, BK=128, num_warps=4, num_stages=stages, SPLIT_K=split, SWAP=True)
+        fp8_cases.check_moe_fp8(N, c["H"], c["I"], c["E"] + 1, c["k"] + 1, torch.bfloat16, variant, device=DEV,
+                                config=cfg)
+
+
 @pytest.mark.parametrize("variant", ["w8a16", "w8a8", "dispatch"])
 @pytest.mark.parametrize("N", [1, 16, 64, 4096])
 def test_moe_fp8_glm5(N, variant):

@@ -602,14 +602,15 @@ def test_moe_fp8_gemv(N, H, I, E, k, dtype, fused, kind):
 
 
 def test_moe_fp8_decode_split_rule():
-    # K split in a power of two (at most 4) only where the decode grid has fewer tiles than SMs,
-    # down to 4 scale blocks a split
+    # K split in 4 where the decode grid has fewer tiles than SMs, down to 4 scale blocks a split
     from glm53.kernels.moe_fp8_triton import decode_split, default_fp8_config
 
     glm5, the_slice = dict(inter=256, hidden=6144), dict(inter=2048, hidden=6144)
-    assert decode_split(9, 257, 16, 128, sms=132, **glm5) == 4  # 10 row blocks x 2 tiles: 132 // 20 = 6
-    assert decode_split(18, 257, 16, 128, sms=132, **glm5) == 2  # 19 x 2 tiles: 3
-    assert decode_split(36, 257, 16, 128, sms=132, **glm5) == 1  # 39 x 2: 1
+    assert decode_split(9, 257, 16, 128, sms=132, **glm5) == 4  # 10 row blocks x 2 tiles
+    assert decode_split(36, 257, 16, 128, sms=132, **glm5) == 4  # 39 x 2 tiles
+    assert decode_split(36, 257, 16, 128, sms=78, **glm5) == 1  # as many tiles as SMs
+    assert decode_split(72, 257, 16, 128, sms=132, **glm5) == 1  # 77 x 2 tiles
+    assert decode_split(9, 257, 16, 128, 256, 1024, 132) == 2  # K of 8 blocks: two splits of 4
     assert decode_split(9, 17, 16, 128, sms=132, **the_slice) == 1  # 160 tiles fill the SMs
     assert decode_split(9, 257, 16, 128, 256, 512, 132) == 1  # K of 4 blocks: one split of 4
     assert decode_split(9, 257, 16, 128, 0, 0, 0) == 1  # no GPU: no split
