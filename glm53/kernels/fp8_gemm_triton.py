@@ -110,6 +110,34 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
     return GemmConfig(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)  # 24 KB a stage
 
 
+@triton.jit
+def swapped_product(a, w, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """a [BM, BK] times the weight tile: w [BK, BN] -> [BM, BN]; with SWAP w is [BN, BK], the
+    product's left operand (the MMA's long side at decode), -> [BN, BM]."""
+    if SWAP:
+        return tl.dot(w, tl.trans(a), input_precision=PRECISION)
+    else:
+        return tl.dot(a, w, input_precision=PRECISION)
+
+
+@triton.jit
+def along_rows(v, SWAP: tl.constexpr):
+    """A vector over the activation rows, shaped to scale `swapped_product`'s accumulator."""
+    if SWAP:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def along_cols(v, SWAP: tl.constexpr):
+    """A vector over the output columns, shaped to scale `swapped_product`'s accumulator."""
+    if SWAP:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
 # M (the tokens) and the split stride (M·N) vary with every batch: not specialized, so the tile
 # config (`default_config`, a few M classes) alone picks the compiled variant (kernels/variants.py).
 @triton.jit(do_not_specialize=["M", "stride_ysplit"])
@@ -175,34 +203,20 @@ def _block_fp8_gemm_kernel(
             w = w.to(tl.float32)
         elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             w = w.to(a_ptr.dtype.element_ty)
+        part = swapped_product(a, w, SWAP, PRECISION)
         kb = k0 // SB
         ws = tl.load(ws_row + kb)
-        if SWAP:  # acc is [BN, BM]: columns are the activation rows
-            part = tl.dot(w, tl.trans(a), input_precision=PRECISION)
-            if A_FP8:
-                xs = tl.load(as_row + kb * stride_ask)
-                if BN <= SB:
-                    acc += part * (xs * ws)[None, :]
-                else:
-                    acc += part * ws[:, None] * xs[None, :]
+        if A_FP8:
+            xs = along_rows(tl.load(as_row + kb * stride_ask), SWAP)
+            if BN <= SB:
+                acc += part * (xs * ws)
             else:
-                if BN <= SB:
-                    acc += part * ws
-                else:
-                    acc += part * ws[:, None]
+                acc += part * xs * along_cols(ws, SWAP)
         else:
-            part = tl.dot(a, w, input_precision=PRECISION)
-            if A_FP8:
-                xs = tl.load(as_row + kb * stride_ask)
-                if BN <= SB:
-                    acc += part * (xs * ws)[:, None]
-                else:
-                    acc += part * xs[:, None] * ws[None, :]
+            if BN <= SB:
+                acc += part * ws
             else:
-                if BN <= SB:
-                    acc += part * ws
-                else:
-                    acc += part * ws[None, :]
+                acc += part * along_cols(ws, SWAP)
         a_ptrs += BK
         w_ptrs += BK
     if SWAP:

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
+from glm53.kernels.fp8_gemm_triton import along_cols, along_rows, swapped_product
 from glm53.kernels.fp8_split_k import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
 from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig, gemv_takes, moe_experts_fp8_gemv
@@ -165,27 +166,17 @@ def _gate_up_fp8_kernel(
         elif not A_FP8:  # dequantize in the kernel: e4m3 -> x's dtype (exact)
             wg = wg.to(x_ptr.dtype.element_ty)
             wu = wu.to(x_ptr.dtype.element_ty)
+        pg = swapped_product(a, wg, SWAP, PRECISION)
+        pu = swapped_product(a, wu, SWAP, PRECISION)
         kb = k0 // SB
-        if SWAP:
-            pg = tl.dot(wg, tl.trans(a), input_precision=PRECISION)
-            pu = tl.dot(wu, tl.trans(a), input_precision=PRECISION)
-        else:
-            pg = tl.dot(a, wg, input_precision=PRECISION)
-            pu = tl.dot(a, wu, input_precision=PRECISION)
         if SCALAR_S:
             gs = tl.load(sg_row + kb)
             us = tl.load(su_row + kb)
-        elif SWAP:
-            gs = tl.load(sg_row + kb)[:, None]
-            us = tl.load(su_row + kb)[:, None]
         else:
-            gs = tl.load(sg_row + kb)[None, :]
-            us = tl.load(su_row + kb)[None, :]
+            gs = along_cols(tl.load(sg_row + kb), SWAP)
+            us = along_cols(tl.load(su_row + kb), SWAP)
         if A_FP8:
-            if SWAP:
-                xs = tl.load(xs_row + kb * stride_xsk)[None, :]
-            else:
-                xs = tl.load(xs_row + kb * stride_xsk)[:, None]
+            xs = along_rows(tl.load(xs_row + kb * stride_xsk), SWAP)
             acc_g += pg * (xs * gs)
             acc_u += pu * (xs * us)
         else:
@@ -293,27 +284,16 @@ def _down_fp8_kernel(
             w = w.to(tl.float32)
         elif not A_FP8:
             w = w.to(h_ptr.dtype.element_ty)
+        part = swapped_product(a, w, SWAP, PRECISION)
         kb = k0 // SB
-        if SWAP:
-            part = tl.dot(w, tl.trans(a), input_precision=PRECISION)
-            if BN <= SB:
-                ws = tl.load(sd_row + kb)
-            else:
-                ws = tl.load(sd_row + kb)[:, None]
-            if A_FP8:
-                acc += part * (tl.load(hs_row + kb, mask=rows_in, other=0.0)[None, :] * ws)
-            else:
-                acc += part * ws
+        if BN <= SB:
+            ws = tl.load(sd_row + kb)
         else:
-            part = tl.dot(a, w, input_precision=PRECISION)
-            if BN <= SB:
-                ws = tl.load(sd_row + kb)
-            else:
-                ws = tl.load(sd_row + kb)[None, :]
-            if A_FP8:
-                acc += part * (tl.load(hs_row + kb, mask=rows_in, other=0.0)[:, None] * ws)
-            else:
-                acc += part * ws
+            ws = along_cols(tl.load(sd_row + kb), SWAP)
+        if A_FP8:
+            acc += part * (along_rows(tl.load(hs_row + kb, mask=rows_in, other=0.0), SWAP) * ws)
+        else:
+            acc += part * ws
         a_ptrs += BK
         w_ptrs += BK
     if SWAP:
