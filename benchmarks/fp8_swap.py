@@ -24,21 +24,19 @@ import torch
 import triton
 
 from benchmarks.fp8_gemm import GLM5_TP8_SERVED, SLICE_TP1_SERVED, Shape
-from benchmarks.moe_fp8_layer import draws, rel, stacks
+from benchmarks.moe_fp8_layer import draws, rel, stacks, timer
 from glm53.kernels.dispatch import sm_count
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_gemm_triton import GemmConfig, default_config, fp8_gemm_w8a8_quantized
 from glm53.kernels.fp8_quant import quantize_fp8_terms_triton
 from glm53.kernels.moe_fp8_triton import default_fp8_config, moe_experts_fp8_triton
 from glm53.kernels.moe_triton import MoEConfig
-from glm53.support.cuda_timing import graph_ms
 from glm53.support.hbm_floor import copy_bandwidth
 
 MOE_SETS = {"slice": dict(E=16, H=6144, I=2048, k=8), "glm5": dict(E=256, H=6144, I=256, k=8)}
 
 
-def ms(fns) -> float:
-    return graph_ms([fns[i % len(fns)] for i in range(max(16, len(fns)))], 20, warm_replays=1)
+ms = timer(cuda=True)  # each variant's calls in turn in one CUDA graph, as moe_fp8_layer times them
 
 
 def dense(ms_list: list[int], bw: float, log) -> list[dict]:
