@@ -138,6 +138,34 @@ def along_cols(v, SWAP: tl.constexpr):
         return v[None, :]
 
 
+@triton.jit
+def weight_tile(base, n, stride_n, k, SWAP: tl.constexpr):
+    """A weight tile's addresses: base + column n * stride_n + k, laid [BN, BK] with SWAP
+    (`swapped_product`'s left operand), else [BK, BN]."""
+    if SWAP:
+        return base + n[:, None] * stride_n + k[None, :]
+    else:
+        return base + n[None, :] * stride_n + k[:, None]
+
+
+@triton.jit
+def accumulator(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+    """Zeros shaped as `swapped_product`'s result: [BN, BM] with SWAP, else [BM, BN]."""
+    if SWAP:
+        return tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        return tl.zeros((BM, BN), dtype=tl.float32)
+
+
+@triton.jit
+def rows_first(acc, SWAP: tl.constexpr):
+    """An accumulator as [BM, BN] (rows first), whichever its layout."""
+    if SWAP:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
 # M (the tokens) and the split stride (M·N) vary with every batch: not specialized, so the tile
 # config (`default_config`, a few M classes) alone picks the compiled variant (kernels/variants.py).
 @triton.jit(do_not_specialize=["M", "stride_ysplit"])
@@ -180,12 +208,9 @@ def _block_fp8_gemm_kernel(
     else:
         a_ptrs = a_ptr + a_off
         as_row = as_ptr + as_off
-    if SWAP:  # the weight tile is the product's left operand [BN, BK] (the MMA's long side)
-        w_ptrs = w_ptr + rn_in[:, None] * stride_wn + (k_lo + rk)[None, :]
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        w_ptrs = w_ptr + rn_in[None, :] * stride_wn + (k_lo + rk)[:, None]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # with SWAP the weight tile is the product's left operand [BN, BK] (the MMA's long side)
+    w_ptrs = weight_tile(w_ptr, rn_in, stride_wn, k_lo + rk, SWAP)
+    acc = accumulator(BM, BN, SWAP)
     if BN <= SB:  # the tile lies in one scale row block: one scalar per K step
         ws_row = ws_ptr + (pn * BN // SB).to(tl.int64) * stride_wsn
     else:
@@ -219,8 +244,7 @@ def _block_fp8_gemm_kernel(
                 acc += part * along_cols(ws, SWAP)
         a_ptrs += BK
         w_ptrs += BK
-    if SWAP:
-        acc = tl.trans(acc)
+    acc = rows_first(acc, SWAP)
     if LO:
         acc = tl.sum(tl.reshape(acc, (BM // 2, 2, BN)), axis=1)
     rm = pm * (BM // ROWS) + tl.arange(0, BM // ROWS)

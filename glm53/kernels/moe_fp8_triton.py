@@ -35,7 +35,7 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
-from glm53.kernels.fp8_gemm_triton import along_cols, along_rows, swapped_product
+from glm53.kernels.fp8_gemm_triton import accumulator, along_cols, along_rows, rows_first, swapped_product, weight_tile
 from glm53.kernels.fp8_split_k import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
 from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig, gemv_takes, moe_experts_fp8_gemv
@@ -130,10 +130,8 @@ def _gate_up_fp8_kernel(
     else:
         a_ptrs = x_ptr + tok[:, None] * stride_xn + k_lo + k[None, :]
         xs_row = xs_ptr + tok * stride_xsn
-    if SWAP:  # weight tiles [BN, BK], the products' left operand; accumulators [BN, BM]
-        w_off = e64 * stride_we + n_in[:, None].to(tl.int64) * stride_wi + k_lo + k[None, :]
-    else:
-        w_off = e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wi + k_lo + k[:, None]
+    # with SWAP the weight tiles are [BN, BK], the products' left operand, and the accumulators [BN, BM]
+    w_off = weight_tile(e64 * stride_we, n_in.to(tl.int64), stride_wi, k_lo + k, SWAP)
     g_ptrs = wg_ptr + w_off
     u_ptrs = wu_ptr + w_off
     if SCALAR_S:  # BN <= 128 and up's rows aligned to scale blocks: one scale per tile and K step
@@ -142,12 +140,8 @@ def _gate_up_fp8_kernel(
     else:
         sg_row = sg_ptr + e64 * stride_se + (n_in // SB) * stride_si
         su_row = su_ptr + e64 * stride_se + ((UP_ROW0 + n_in) // SB) * stride_si
-    if SWAP:
-        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_g = accumulator(BM, BN, SWAP)
+    acc_u = accumulator(BM, BN, SWAP)
     for k0 in range(k_lo, tl.minimum(H, k_lo + k_per_split), BK):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -185,9 +179,8 @@ def _gate_up_fp8_kernel(
         a_ptrs += BK
         g_ptrs += BK
         u_ptrs += BK
-    if SWAP:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
+    acc_g = rows_first(acc_g, SWAP)
+    acc_u = rows_first(acc_u, SWAP)
     if LO:
         acc_g = tl.sum(tl.reshape(acc_g, (BR, 2, BN)), axis=1)
         acc_u = tl.sum(tl.reshape(acc_u, (BR, 2, BN)), axis=1)
@@ -261,12 +254,9 @@ def _down_fp8_kernel(
         rows_in = valid
         a_ptrs = h_ptr + pos64[:, None] * stride_hm + k[None, :]
         hs_row = hs_ptr + pos64 * stride_hsm
-    if SWAP:  # the weight tile [BN, BK] is the product's left operand; acc [BN, BM]
-        w_ptrs = wd_ptr + e64 * stride_we + n_in[:, None].to(tl.int64) * stride_wh + k[None, :]
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        w_ptrs = wd_ptr + e64 * stride_we + n_in[None, :].to(tl.int64) * stride_wh + k[:, None]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # with SWAP the weight tile [BN, BK] is the product's left operand; acc [BN, BM]
+    w_ptrs = weight_tile(wd_ptr + e64 * stride_we, n_in.to(tl.int64), stride_wh, k, SWAP)
+    acc = accumulator(BM, BN, SWAP)
     if BN <= SB:
         sd_row = sd_ptr + e64 * stride_se + (nt * BN // SB) * stride_sh
     else:
@@ -296,8 +286,7 @@ def _down_fp8_kernel(
             acc += part * ws
         a_ptrs += BK
         w_ptrs += BK
-    if SWAP:
-        acc = tl.trans(acc)
+    acc = rows_first(acc, SWAP)
     if LO:
         acc = tl.sum(tl.reshape(acc, (BR, 2, BN)), axis=1)
     pair = tl.load(order_ptr + pos, mask=valid, other=0)
