@@ -1,6 +1,6 @@
 """Build Triton kernels for sm_90 without a GPU, as their launchers launch them: registers, spills.
 
-    PYTHONPATH=.[:TRITON36] python tools/triton_build.py [--only topk,fp8_gemm,moe_fp8] [--sms 132]
+    PYTHONPATH=.[:TRITON36] python tools/triton_build.py [--only topk,fp8_gemm,moe_fp8,attention,norms,moe,draft] [--sms 132]
 
 Why: the interpreter runs a kernel's arithmetic, not its compilation (a loop-carried value whose
 type changes, a layout the lowering rejects, a register file overrun), and the GPU is scarce.
@@ -76,13 +76,16 @@ def recording(sms: int) -> Iterator[list[Launch]]:
     """Record the launches of every glm53 Triton kernel instead of running them (a launcher's
     later kernels then read unwritten buffers: only the launches matter here); every launcher's
     SM count reads `sms`, so it sizes grids, splits and tiles as on a GPU."""
-    from glm53.kernels import dispatch, fp8_gemm_triton, moe_fp8_triton, topk_triton
+    from glm53.kernels import (dispatch, draft_attention_triton, fp8_gemm_triton, moe_fp8_triton, sparse_mla_triton,
+                               topk_triton)
 
     log: list[Launch] = []
     kernels = glm53_kernels()
     saved = [(fn, fn.run) for fn in kernels]
-    patched = [(m, name, getattr(m, name)) for m, name in ((dispatch, "sm_count"), (fp8_gemm_triton, "sm_count"),
-                                                          (moe_fp8_triton, "sm_count"), (topk_triton, "_num_sms"))]
+    # every SM count a launcher reads (sparse MLA's and the draft attention's say 4 for a CPU tensor)
+    counts = ((dispatch, "sm_count"), (fp8_gemm_triton, "sm_count"), (moe_fp8_triton, "sm_count"),
+              (topk_triton, "_num_sms"), (sparse_mla_triton, "_num_sms"), (draft_attention_triton, "_num_sms"))
+    patched = [(m, name, getattr(m, name)) for m, name in counts]
     for fn in kernels:
         def run(*args, grid, warmup, _fn=fn, **kwargs):
             names = [p.name for p in _fn.params]
@@ -193,7 +196,125 @@ def case_moe_fp8():
     return run
 
 
-CASES = {"topk": case_topk, "fp8_gemm": case_fp8_gemm, "moe_fp8": case_moe_fp8}
+def empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An input nothing reads (launches are recorded, not run): only its shape, strides and dtype matter."""
+    return torch.empty(shape, dtype=dtype)
+
+
+F32, I32 = torch.float32, torch.int32
+
+
+def case_attention():
+    from glm53.kernels import index_cache_fp8
+    from glm53.kernels.absorb_triton import absorbed_query_triton
+    from glm53.kernels.indexer_logits_triton import indexer_logits_triton
+    from glm53.kernels.kv_rows_triton import store_rows_triton
+    from glm53.kernels.linear_f32_triton import linear_f32_triton
+    from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
+    from glm53.kernels.sparse_mla_triton import sparse_mla_triton
+
+    def run():
+        # GLM-5 at tp = 8: 8 heads of 192 nope + 64 rope absorbed into [512 latent | 64 rope], the
+        # indexer's 32 heads of 128 (replicated), top-2048 of 4096-token contexts on 64-token pages;
+        # a layer's cache is the strided view pool[:, 1] of a page-major pool (KVPools.view)
+        pages, cos, coords = 65, empty(1, 32, dtype=F32), (empty(1, dtype=torch.long),) * 2
+        latent, index_k = empty(pages, 2, 64, 576)[:, 1], empty(pages, 2, 64, 128)[:, 1]
+        latent_fp8 = empty(pages, 2, 64, 656, dtype=torch.uint8)[:, 1]  # latent_cache_fp8's row
+        # absorbed query (decode sizes only: absorb.MAX_TOKENS), W_UK the first 192 rows of kv_b_proj's
+        absorbed_query_triton(empty(1, 8, 256), empty(8, 192 + 256, 512)[:, :192], cos, cos, interleave=True)
+        # the latent row (RMSNorm of 512, rope after it) and the indexer key (LayerNorm, rope first)
+        store_rows_triton(empty(1, 576), latent, coords, empty(512), None, 1e-6, cos, cos, 512, 512, True)
+        store_rows_triton(empty(1, 128), index_k, coords, empty(128), empty(128), 1e-6, cos, cos, 128, 0, True)
+        for M in (1, 64):  # the indexer's fp32 head gates, up to linear_f32.TRITON_MAX_ROWS rows
+            linear_f32_triton(empty(M, 6144), empty(32, 6144, dtype=F32), 0.01)
+        fp8_keys = index_cache_fp8.split_view(index_cache_fp8.alloc_pool(pages, 2, 64)[:, 1])
+        for keys, scales in ((index_k, None), fp8_keys):  # no size picks a variant: one token
+            indexer_logits_triton(empty(1, 32, 128), empty(1, 32, dtype=F32), keys, empty(1, 64, dtype=I32),
+                                  torch.full((1,), 4096, dtype=I32), 4096, k_scales=scales)
+        for T in (1, 64, 4096):  # 32 (FP8: 64), 2 and no splits of the 2048 slots
+            q, idx = empty(T, 8, 576), empty(T, 2048, dtype=I32)
+            sparse_mla_triton(q, latent, idx, 0.0625, 512)
+            sparse_mla_fp8_triton(q, latent_fp8, idx, 0.0625, 512)
+
+    return run
+
+
+def case_norms():
+    from glm53.kernels.fp8_act import rms_norm_fp8_triton, silu_mul_fp8_triton
+    from glm53.kernels.norm_triton import rms_norm_triton
+    from glm53.kernels.rope_triton import apply_rope_triton
+    from glm53.kernels.step_inputs_triton import step_inputs_triton
+
+    def run():
+        # hidden 6144 (the residual adds and norms; the final norm), q_lora 2048 (q_a), the latent's
+        # 512 (FP8 cache path: a column slice of the 576-wide row), the draft's heads of 128
+        rms_norm_triton(empty(1, 6144), empty(6144), 1e-5, add=empty(1, 6144))
+        for x in (empty(1, 6144), empty(1, 2048), empty(1, 576)[:, :512], empty(1, 6, 128)):
+            rms_norm_triton(x, empty(x.shape[-1]), 1e-6)
+        for m in (1, 4096):  # decode rows carry the second e4m3 term (fp8_act.two_terms)
+            # layers.norm_for: layer 0's input norm (no add), the others'; the MoE and the indexer's
+            # gates read the dense norm too, a dense MLP or a shared-index layer only the rows
+            for add, dense in ((None, True), (empty(m, 6144), True), (empty(m, 6144), False)):
+                rms_norm_fp8_triton(empty(m, 6144), empty(6144), 1e-5, dense=dense, add=add)
+            rms_norm_fp8_triton(empty(m, 2048), empty(2048), 1e-6)  # q_a, for q_b
+        for m in (1, 64, 4096):  # the dense MLP's 12288 / 8 = 1536, halves of the fused gate_up
+            gu = empty(m, 2 * 1536)
+            silu_mul_fp8_triton(gu[:, :1536], gu[:, 1536:])
+        # rope: the indexer's q (interleaved, 32 heads), MLA's q_pe past absorb.MAX_TOKENS (8 heads),
+        # the 2-D k_pe / indexer key of the FP8 caches, the draft's q and k (NeoX halves of 128)
+        cs32, cs64 = empty(1, 32, dtype=F32), empty(1, 64, dtype=F32)
+        for x, cs, il in ((empty(1, 32, 128)[..., :64], cs32, True), (empty(1, 8, 256)[..., 192:], cs32, True),
+                          (empty(1, 576)[:, 512:], cs32, True), (empty(1, 6, 128), cs64, False),
+                          (empty(1, 1, 128), cs64, False)):
+            apply_rope_triton(x, cs, cs, il, out=x)
+        # a decode step's slots, lengths and cos/sin: a 64-page width bucket of the decode state's
+        # page table (3168 pages a row: GLM-5's 202752 positions)
+        step_inputs_triton(empty(64, dtype=torch.long), empty(64, 3168, dtype=I32)[:, :64], 64, empty(32, dtype=F32))
+
+    return run
+
+
+def case_moe():
+    from glm53.kernels.linear_f32_triton import linear_f32_triton
+    from glm53.kernels.moe_triton import moe_experts_triton
+    from glm53.kernels.route_triton import route_triton
+
+    def run():
+        # GLM-5 at tp = 8, bf16: 256 routed experts plus the shared one held as expert 256
+        # (Experts.absorb_), 9 slots a token, hidden 6144, 256 columns an expert
+        E, H, inter = 257, 6144, 256
+        gate, up, down = empty(E, inter, H), empty(E, inter, H), empty(E, H, inter)
+        for N in (1, 64):  # the fp32 router GEMM up to linear_f32.TRITON_MAX_ROWS rows, then routing
+            linear_f32_triton(empty(N, H), empty(E - 1, H, dtype=F32))
+        for shared in (E - 1, None):  # without the shared slot under expert parallelism
+            route_triton(empty(1, E - 1, dtype=F32), empty(E - 1, dtype=F32), 8, True, 2.5, shared=shared)
+        for N in (1, 64, 1024, 4096):  # tiles of 16, 16, 64 and 128 rows (moe_triton.default_config)
+            moe_experts_triton(empty(N, H), empty(N, 9, dtype=F32), empty(N, 9, dtype=I32), gate, up, down)
+
+    return run
+
+
+def case_draft():
+    from glm53.kernels.draft_attention_triton import draft_attention_triton
+    from glm53.kernels.markov_chain_triton import markov_chain_triton
+
+    def run():
+        # the DFlash draft at the slice's widths (48 query / 8 KV heads of 128) at tp = 8: 1 KV head
+        # of 6 query heads; blocks of 16 (and 4: an eager step's shorter ones) on 64-token pages
+        for R, B, W in ((1, 16, 65), (64, 16, 1), (64, 4, 65)):  # 17 splits, one split, 8 splits
+            kb = empty(R, B, 1, 128)
+            draft_attention_triton(empty(R, 1, 6 * B, 128), empty(W * R + 1, 2, 2, 64, 128), 1,
+                                   torch.zeros(R, W, dtype=I32), kb, kb.clone(),
+                                   torch.ones(R, W * 64 + B, dtype=torch.bool))
+        # DSpark's Markov chain: GLM-5's vocabulary, the shipped rank-64 head, 15 block positions
+        markov_chain_triton(empty(1, 15, 154880, dtype=F32), torch.zeros(1, dtype=torch.long),
+                            empty(154880, 64), empty(154880, 64))
+
+    return run
+
+
+CASES = {"topk": case_topk, "fp8_gemm": case_fp8_gemm, "moe_fp8": case_moe_fp8, "attention": case_attention,
+         "norms": case_norms, "moe": case_moe, "draft": case_draft}
 
 
 def launches(name: str, sms: int = 132) -> list[Launch]:
@@ -203,7 +324,7 @@ def launches(name: str, sms: int = 132) -> list[Launch]:
     seen, out = set(), []
     for la in log:
         src, opts = source(la)
-        key = (la.kernel.fn.__name__, tuple(sorted(src.signature.items())), tuple(sorted(map(str, src.constants.items()))),
+        key = (la.kernel, tuple(sorted(src.signature.items())), tuple(sorted(map(str, src.constants.items()))),
                tuple(sorted(opts.items())))
         if key not in seen:
             seen.add(key)

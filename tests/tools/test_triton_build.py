@@ -1,9 +1,12 @@
 """tools/triton_build.py: the launchers' own launches at GLM-5 shapes, compiled for sm_90 here
-(no GPU): every variant builds, fits an SM (registers x threads, shared memory), and the rules pick
-the tiles the H200 runs (one-program top-k rows, swapped decode FP8 tiles)."""
+(no GPU): every variant builds, fits an SM (registers x threads, shared memory), the rules pick
+the tiles the H200 runs (one-program top-k rows, swapped decode FP8 tiles, splits at decode
+sizes), and the cases together launch every Triton kernel of glm53.kernels (the Gluon ones:
+tools/gluon_build.py)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -13,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SM_REGISTERS = 65536  # a Hopper SM's register file (32-bit registers)
 SM_SHARED = 232448  # the most shared memory one block may take on sm_90 (227 KB)
+CASES = ["topk", "fp8_gemm", "moe_fp8", "attention", "norms", "moe", "draft"]
 
 
 @pytest.fixture(scope="module")
@@ -24,24 +28,82 @@ def tool():
     return mod
 
 
-@pytest.mark.parametrize("case", ["topk", "fp8_gemm", "moe_fp8"])
-def test_launches_build_for_sm90(tool, case):
-    launches = tool.launches(case)
-    built = [tool.build(la) for la in launches]
-    names = {b.name for b in built}
+@pytest.fixture(scope="module")
+def launches(tool):
+    return functools.cache(tool.launches)  # each case's launchers run once for both tests
+
+
+def values(built: list, kernel: str, key: str) -> set:
+    """The values constexpr `key` takes over the built variants of `kernel`."""
+    return {b.constexprs[key] for b in built if b.name == kernel}
+
+
+def check_topk(built: list, names: set) -> None:
+    one = [b for b in built if b.name == "_one_pass_kernel"]
+    assert {b.constexprs["W"] for b in one} == {2048, 4096, 8192}, "rows up to 8K take one program"
+    assert all(b.local_bytes == 0 for b in one), "the one-program row spills"
+    assert {"_bracket_kernel", "_scan_kernel", "_finish_kernel"} <= names, "wider rows take three kernels"
+
+
+def check_fp8_gemm(built: list, names: set) -> None:
+    swapped = {b.constexprs["BM"] for b in built if b.name == "_block_fp8_gemm_kernel" and b.constexprs["SWAP"]}
+    assert swapped == {16, 32}, "decode products of up to 32 virtual rows take the swapped tile"
+    assert "_sum_splits_kernel" in names
+
+
+def check_moe_fp8(built: list, names: set) -> None:
+    assert any(b.constexprs.get("SWAP") for b in built if b.name == "_gate_up_fp8_kernel")
+    assert {"_gate_up_gemv_kernel", "_down_gemv_kernel", "_down_fp8_kernel"} <= names
+
+
+def check_attention(built: list, names: set) -> None:
+    assert {"_absorbed_query_kernel", "_store_rows_kernel", "_linear_f32_kernel"} <= names
+    assert values(built, "_indexer_logits_kernel", "FP8") == {False, True}, "bf16 and FP8 index keys"
+    for kernel in ("_sparse_mla_kernel", "_sparse_mla_fp8_kernel"):
+        assert values(built, kernel, "SPLIT") == {True, False}, f"{kernel}: decode splits its slots, prefill not"
+    # 1 token: 32 splits (FP8: 64, of 32-slot blocks), 64 tokens: 2
+    assert values(built, "_combine_kernel", "BLOCK_SP") == {2, 32, 64}
+
+
+def check_norms(built: list, names: set) -> None:
+    assert {"_rms_norm_kernel", "_rope_kernel", "_step_inputs_kernel"} <= names
+    for kernel in ("_rms_norm_fp8_kernel", "_silu_mul_fp8_kernel"):
+        assert values(built, kernel, "LO") == {True, False}, f"{kernel}: the second term at decode sizes only"
+    assert values(built, "_rms_norm_kernel", "ADD") == {True, False}
+
+
+def check_moe(built: list, names: set) -> None:
+    assert {"_linear_f32_kernel", "_route_kernel", "_plan_kernel", "_down_kernel", "_sum_slots_kernel"} <= names
+    assert values(built, "_gate_up_kernel", "BM") == {16, 64, 128}, "decode, mid and prefill tiles"
+    assert values(built, "_gate_up_kernel", "E") == {257}, "the shared expert in the routed stack"
+
+
+def check_draft(built: list, names: set) -> None:
+    assert values(built, "_draft_attn_kernel", "SPLIT") == {True, False}
+    assert values(built, "_combine_kernel", "BLOCK_M") == {32, 128}, "the splits merged at both block sizes"
+    assert "_markov_step_kernel" in names
+
+
+RULES = {"topk": check_topk, "fp8_gemm": check_fp8_gemm, "moe_fp8": check_moe_fp8, "attention": check_attention,
+         "norms": check_norms, "moe": check_moe, "draft": check_draft}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_launches_build_for_sm90(tool, launches, case):
+    built = [tool.build(la) for la in launches(case)]
     for b in built:
         threads = 32 * b.options.get("num_warps", 4)
         assert b.registers * threads <= SM_REGISTERS, (b.name, b.constexprs, b.registers, threads)
         assert b.shared <= SM_SHARED, (b.name, b.constexprs, b.shared)
-    if case == "topk":
-        one = [b for b in built if b.name == "_one_pass_kernel"]
-        assert {b.constexprs["W"] for b in one} == {2048, 4096, 8192}, "rows up to 8K take one program"
-        assert all(b.local_bytes == 0 for b in one), "the one-program row spills"
-        assert {"_bracket_kernel", "_scan_kernel", "_finish_kernel"} <= names, "wider rows take three kernels"
-    elif case == "fp8_gemm":
-        swapped = {b.constexprs["BM"] for b in built if b.name == "_block_fp8_gemm_kernel" and b.constexprs["SWAP"]}
-        assert swapped == {16, 32}, "decode products of up to 32 virtual rows take the swapped tile"
-        assert "_sum_splits_kernel" in names
-    else:
-        assert any(b.constexprs.get("SWAP") for b in built if b.name == "_gate_up_fp8_kernel")
-        assert {"_gate_up_gemv_kernel", "_down_gemv_kernel", "_down_fp8_kernel"} <= names
+    RULES[case](built, {b.name for b in built})
+
+
+def test_cases_launch_every_triton_kernel(tool, launches):
+    from triton.experimental.gluon._runtime import GluonJITFunction
+
+    assert sorted(tool.CASES) == sorted(CASES) == sorted(RULES)
+    launched = {la.kernel for case in CASES for la in launches(case)}
+    assert not any(isinstance(k, GluonJITFunction) for k in launched), "a case routed to a Gluon kernel"
+    missed = [f"{k.__module__}.{k.fn.__name__}" for k in tool.glm53_kernels()
+              if not isinstance(k, GluonJITFunction) and k not in launched]
+    assert not missed, f"no case launches {missed}"
