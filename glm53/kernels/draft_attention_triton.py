@@ -231,8 +231,10 @@ def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits
         PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=num_stages,
     )
     if splits > 1:
+        # the attention's warps: at 4 a 128-row block's fp32 accumulator alone took 128 registers a
+        # thread and the combine spilled (tools/triton_build.py, sm_90: 255 registers, 184 B local)
         _combine_kernel[(r * kv,)](
             part, lse, out, m, splits, out.stride(0), out.stride(1), out.stride(2),
-            KV=kv, HD=hd, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=1 if interp else 4,
+            KV=kv, HD=hd, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
         )
     return out

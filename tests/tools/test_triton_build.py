@@ -81,6 +81,7 @@ def check_moe(built: list, names: set) -> None:
 def check_draft(built: list, names: set) -> None:
     assert values(built, "_draft_attn_kernel", "SPLIT") == {True, False}
     assert values(built, "_combine_kernel", "BLOCK_M") == {32, 128}, "the splits merged at both block sizes"
+    assert all(b.local_bytes == 0 for b in built if b.name == "_combine_kernel"), "the combine spills"
     assert "_markov_step_kernel" in names
 
 
