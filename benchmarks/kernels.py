@@ -9,7 +9,7 @@ launch cost would otherwise dominate small shapes); each graph runs the op over 
 sets in turn (>= ~4x the L2 in total where memory allows) so repeated runs do not read a warm
 L2. `eager` columns time plain launches of one input set (L2 may be warm) for comparison.
 
-    python benchmarks/kernels.py [--only topk,topk_short,indexer,mla] [--sweep] [--json out.json]
+    python benchmarks/kernels.py [--only topk,indexer,mla] [--sweep] [--json out.json]
 """
 
 from __future__ import annotations
@@ -157,34 +157,6 @@ def bench_topk(bw: float, sweep: bool) -> None:
             ref_t = _graph_time([lambda x=x: torch.topk(x, k, dim=-1) for x in xs])
             record("topk", f"B={B} L={L // 1024}K k={k}", ours, ref_t, B * L * 4 + B * k * 4, bw,
                    "exact" if ok else "MISMATCH", {"eager_us": round(eager, 2), "sets": ns})
-            del xs
-
-
-def bench_topk_short(bw: float, sweep: bool) -> None:
-    """Rows up to ONE_PASS_MAX wide (decode at contexts up to 8K; a prefill chunk's rows): one
-    program a row (the default there) against the bracket, scan and finish on the same rows, both
-    checked exactly first. `ref_us` is the three kernels', so `speedup` is their time over the
-    one-pass time. --sweep adds the one-pass digit width and pairwise tile."""
-    from glm53.kernels import topk_triton as tt
-
-    k = 2048
-    for B in (1, 8, 64, 512, 4096):
-        for L in (2048, 4096, 4160, 8192):
-            ns = n_sets(B * L * 4)
-            xs = [torch.randn(B, L, device="cuda") for _ in range(ns)]
-            rl = torch.randint(1, L + 1, (B,), device="cuda", dtype=torch.int32)
-            rl[0] = L
-            ref = dsa_topk_reference(xs[0], rl, k).sort(dim=1).values
-            lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-            cfgs = [dict()] + ([dict(rbits=8), dict(rbits=2), dict(select_tile=16), dict(select_tile=128),
-                                dict(num_warps=8), dict(num_warps=4)] if sweep else [])
-            three = _graph_time([lambda x=x: tt.topk_triton(x, lens, k, one_pass=False) for x in xs])
-            ok3 = torch.equal(tt.topk_triton(xs[0], rl, k, one_pass=False).sort(dim=1).values, ref)
-            for cfg in cfgs:
-                ok = ok3 and torch.equal(tt.topk_triton(xs[0], rl, k, one_pass=True, **cfg).sort(dim=1).values, ref)
-                ours = _graph_time([lambda x=x: tt.topk_triton(x, lens, k, one_pass=True, **cfg) for x in xs])
-                record("topk_one_pass", f"B={B} L={L} k={k} {cfg or ''}".strip(), ours, three, B * L * 4 + B * k * 4,
-                       bw, "exact" if ok else "MISMATCH", {"sets": ns})
             del xs
 
 
@@ -364,7 +336,7 @@ def bench_mla(bw: float, sweep: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="topk,topk_short,indexer,mla")
+    ap.add_argument("--only", default="topk,indexer,mla")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--probe", action="store_true")
@@ -380,8 +352,6 @@ def main() -> None:
     only = args.only.split(",")
     if "topk" in only:
         bench_topk(bw, args.sweep)
-    if "topk_short" in only:
-        bench_topk_short(bw, args.sweep)
     if "indexer" in only:
         bench_indexer(bw, args.sweep)
     if "mla" in only:

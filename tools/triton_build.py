@@ -155,8 +155,10 @@ def case_topk():
     from glm53.kernels import topk_triton as tt
 
     def run():
-        for B, L in ((1, 4096), (64, 8192), (1, 2048), (8, 65536)):
-            x = torch.randn(B, L)
+        # decode rows at 4K-128K contexts, top-2048; the finish splits in two programs a row while
+        # 2B <= SMs (B = 128: one)
+        for B, L in ((1, 4096), (64, 8192), (128, 4096), (8, 65536), (1, 131072)):
+            x = torch.empty(B, L)
             lens = torch.full((B,), L, dtype=torch.int32)
             pt = torch.zeros(B, -(-L // 64) + 16, dtype=torch.int32)[:, : -(-L // 64)]
             tt.topk_triton(x, lens, 2048, page_table=pt, page_size=64, pdl=True)

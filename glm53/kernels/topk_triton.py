@@ -1,13 +1,8 @@
 """Triton DSA top-k: sample-bracketed exact select, one streaming pass over the logits.
 
 Contract: `kernels/topk.py` (the set of the k best positions of each row's valid prefix, ties by
-lowest position, -1 padding when length <= k). Grids are fixed by the shapes (lengths are read on
-the device, so the op is CUDA-graph safe).
-
-Rows of at most ONE_PASS_MAX scores (decode until the context passes it) take one launch,
-`_one_pass_kernel`, grid (B): the row whole in one program's registers, selected exactly by the
-finish's own `_select_exact` (radix rounds over the keys, the k-th score's ties ranked pairwise).
-Wider rows take three launches:
+lowest position, -1 padding when length <= k). Three launches with grids fixed by the shapes
+(lengths are read on the device, so the op is CUDA-graph safe):
 
 1. `_bracket_kernel`, grid (B): a *bracket* [lo, hi] per row from a fixed sample of the row
    (SAMPLE scores in groups of G, evenly spaced; the whole row when it is no longer than SAMPLE):
@@ -70,7 +65,6 @@ LOGB = 8  # the scan's histogram of each row's candidates has 2^LOGB bins over t
 NBIN = 1 << LOGB
 SELECT_TILE = 64  # the finish ranks this many keys of the k-th score's bin pairwise (rounds narrow larger bins)
 FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
-ONE_PASS_MAX = 8192  # rows at most this wide (the allocated width) take `_one_pass_kernel`
 
 
 @triton.jit
@@ -421,46 +415,6 @@ def _select_exact(key, pos, gt0, n_gt, inr, need, rem, base, out_row, pt_row, st
 
 
 @triton.jit
-def _write_short_row(n, out_row, pt_row, stride_ptp, PAGE_SIZE, K: tl.constexpr, KP2: tl.constexpr,
-                     PAGED: tl.constexpr):
-    """A row no longer than K: every valid position is selected; -1 pads the rest."""
-    for s in range(0, K, KP2):
-        j = s + tl.arange(0, KP2)
-        sel = j < n
-        v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
-        tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
-
-
-@triton.jit
-def _one_pass_kernel(
-    x_ptr, len_ptr, scr_ptr, out_ptr, pt_ptr, L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE,
-    K: tl.constexpr, KP2: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, MT: tl.constexpr,
-    PAGED: tl.constexpr, PDL: tl.constexpr,
-):
-    """A row of at most W scores, whole in one program's registers: the exact selection straight
-    from its keys (`_select_exact`: radix rounds, then the k-th score's few ties ranked pairwise).
-    One launch and one read of the row, where the bracket, scan and finish take three launches
-    and two reads, and a decode step's rows are this short until the context passes W."""
-    b = tl.program_id(0)
-    if PDL:
-        # launched early: the previous kernel may still write the logits or lengths
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
-    out_row = out_ptr + b.to(tl.int64) * stride_ob
-    pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
-    if n <= K:
-        _write_short_row(n, out_row, pt_row, stride_ptp, PAGE_SIZE, K, KP2, PAGED)
-    else:
-        pos = tl.arange(0, W)
-        valid = pos < n
-        key = _ukey(tl.load(x_ptr + b.to(tl.int64) * stride_xb + pos, mask=valid, other=0.0).to(tl.float32), valid)
-        # (tensor zeros, not literals: `_select_exact` updates these in its loop)
-        _select_exact(key, pos, valid & False, n * 0, valid, n * 0 + K, n, 0, out_row, pt_row, stride_ptp,
-                      PAGE_SIZE, scr_ptr + b.to(tl.int64) * MT, RB, MT, PAGED)
-
-
-@triton.jit
 def _finish_kernel(
     x_ptr, len_ptr, br_ptr, stat_ptr, aseg_ptr, cseg_ptr, hist_ptr, scr_ptr, out_ptr, pt_ptr,
     L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE, C,
@@ -478,8 +432,13 @@ def _finish_kernel(
     out_row = out_ptr + b.to(tl.int64) * stride_ob
     pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
     if (n <= K) & copier:
-        # (no input from the scan: with PDL this runs while the scan finishes)
-        _write_short_row(n, out_row, pt_row, stride_ptp, PAGE_SIZE, K, KP2, PAGED)
+        # Every valid position is selected; -1 pads the rest (no input from the scan: with PDL
+        # this runs while the scan finishes).
+        for s in range(0, K, KP2):
+            j = s + tl.arange(0, KP2)
+            sel = j < n
+            v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
+            tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
     if PDL:
         # every program waits (not only those that read stat/aseg/cseg/scratch): this grid's end
         # then implies the scan's and the bracket's, for whatever follows it
@@ -752,35 +711,6 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
                                 num_warps=finish_warps or warps, **launch)
 
 
-def one_pass_warps(W: int) -> int:
-    """Warps of `_one_pass_kernel` for a row tile of W scores: 16 at 4K and up (as the bracket
-    over its 4,096-score sample), fewer below (16 scores a thread at most)."""
-    return 16 if W >= 4096 else (8 if W >= 1024 else 4)
-
-
-def run_one_pass(logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor | None,
-                 page_size: int, rbits: int = RBITS, select_tile: int = SELECT_TILE, num_warps: int | None = None,
-                 pdl: bool | None = None) -> None:
-    """`_one_pass_kernel` over every row: the whole row in one program (rows of <= ONE_PASS_MAX)."""
-    assert select_tile & (select_tile - 1) == 0 and 16 <= select_tile <= 256, "select_tile: a power of two in [16, 256]"
-    B, L = logits.shape
-    k = out.shape[1]
-    W = max(triton.next_power_of_2(L), 16)
-    assert W <= 1 << 15, "rows too wide for one program's registers"
-    interp = triton_interpreting()
-    if page_table is not None:
-        pt = page_table.to(device=logits.device, dtype=torch.int32)
-        spb, spp = pt.stride(0), pt.stride(1)
-    else:
-        pt, spb, spp = lengths, 0, 0  # never read
-    pdl = bool(logits.is_cuda if pdl is None else pdl) and not interp
-    scratch = torch.empty((B, select_tile), dtype=torch.int64, device=logits.device)
-    _one_pass_kernel[(B,)](logits, lengths, scratch, out, pt, L, logits.stride(0), out.stride(0), spb, spp, page_size,
-                           K=k, KP2=min(triton.next_power_of_2(k), 4096), W=W, RB=rbits, MT=select_tile,
-                           PAGED=page_table is not None, PDL=pdl, num_warps=num_warps or (one_pass_warps(W) if not interp else 1),
-                           **(dict(launch_pdl=True) if pdl else {}))
-
-
 def topk_triton(
     logits: torch.Tensor,
     lengths: torch.Tensor,
@@ -803,13 +733,10 @@ def topk_triton(
     scan_prefetch: int = SCAN_PREFETCH,
     finish_split: bool | None = None,
     chunks: int | None = None,
-    one_pass: bool | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
-    margins to force the overflow, re-selection and fallback paths. `one_pass`: one program a
-    row (`_one_pass_kernel`; default: rows of at most ONE_PASS_MAX), else the bracket, scan and
-    finish (the knobs from `cand_total` to `chunks` are theirs)."""
+    margins to force the overflow, re-selection and fallback paths."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     assert rbits in (1, 2, 4, 8) and sample % GROUP == 0 and sample & (sample - 1) == 0
     B, L = logits.shape
@@ -819,9 +746,6 @@ def topk_triton(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
-    if L <= ONE_PASS_MAX if one_pass is None else one_pass:
-        run_one_pass(logits, lengths, out, page_table, page_size, rbits, select_tile, num_warps, pdl)
-        return out
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks, chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
              num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,

@@ -103,25 +103,10 @@ def topk_plan(B: int, L: int, k: int, sms: int) -> dict:
                 SCR=max(cand, CB * TA))
 
 
-def topk_one_pass_tile(L: int) -> int:
-    """The row tile of topk_triton's one-program path at width L; 0 past it (the three kernels)."""
-    from triton import next_power_of_2
-
-    from glm53.kernels.topk_triton import ONE_PASS_MAX
-
-    return max(next_power_of_2(L), 16) if L <= ONE_PASS_MAX else 0
-
-
 def topk_key(B: int, L: int, s: ServeShape) -> tuple:
-    """DSA top-k over B rows of width L: up to ONE_PASS_MAX, one program a row (its row tile and
-    warps); past it topk_triton.run_topk's launches: the plan's constexprs and int classes, the
-    finish split. Both with the class of the width (= the row stride). The page table's row
-    stride is a multiple of 16 (ModelRunner.build_batch pads it; a graph's is fixed)."""
-    W = topk_one_pass_tile(L)
-    if W:
-        from glm53.kernels.topk_triton import one_pass_warps
-
-        return "one_pass", W, one_pass_warps(W), spec_class(L)
+    """DSA top-k over B rows of width L (topk_triton.run_topk's launches): the plan's constexprs
+    and int classes, the finish split, and the class of the width (= the row stride). The page
+    table's row stride is a multiple of 16 (ModelRunner.build_batch pads it; a graph's is fixed)."""
     p = topk_plan(B, L, s.index_topk, s.num_sms)
     return (p["CB"], p["TA"], p["TC"], p["CAPA"], p["CAPG"], p["SCR"], spec_class(p["C"]), spec_class(p["chunk"]),
             2 * B <= s.num_sms, spec_class(L))
@@ -227,14 +212,13 @@ def topk_row_classes(s: ServeShape) -> dict[tuple, int]:
 
 def topk_widths(s: ServeShape) -> list[int]:
     """Widths (multiples of LOGITS_ALIGN up to max_width) at which top-k's plan may change: its
-    plan depends on the width through the blocks of the scan (`BLOCK`), the candidate tile
-    (`_cand_tile`, monotone in the width) and the one-program path's row tile (a power of two up
-    to ONE_PASS_MAX, none past it), so the ends of every block's range and the points where
-    either tile steps cover every plan (neither tile returns to a value it left)."""
+    plan depends on the width through the blocks of the scan (`BLOCK`) and the candidate tile
+    (`_cand_tile`, monotone in the width), so the ends of every block's range and the points
+    where the candidate tile steps cover every plan."""
     from glm53.kernels.topk_triton import BLOCK, MARGIN, SAMPLE, _cand_tile
 
-    def tile(L: int) -> tuple[int, int]:
-        return topk_one_pass_tile(L), _cand_tile(L, s.index_topk, SAMPLE, MARGIN)
+    def tile(L: int) -> int:
+        return _cand_tile(L, s.index_topk, SAMPLE, MARGIN)
 
     a, top = LOGITS_ALIGN, s.max_width
     pts = {a, top}

@@ -57,16 +57,6 @@ def test_topk_select_tile(kind, select_tile):
                      select_tile=select_tile)
 
 
-@pytest.mark.parametrize("kind", ["randn", "coarse", "ties", "special", "trend"])
-@pytest.mark.parametrize("L", [2048, 4096, 4160, 8192])
-def test_topk_one_pass_glm5(kind, L):
-    # one program a row (the default up to ONE_PASS_MAX): decode-shaped batches, paged, bf16 too
-    lens = [L, L - 1, 2049, 2048, 0, L // 2 + 3, 100, L - 16]
-    cases.check_topk(8, L, 2048, lens, kind=kind, device=DEV, one_pass=True)
-    cases.check_topk(64, L, 2048, torch.randint(0, L + 1, (64,)).tolist(), kind=kind, device=DEV, paged=True,
-                     page_size=64, dtype=torch.bfloat16, one_pass=True)
-
-
 def test_topk_batch64_paged():
     lens = torch.randint(0, 131072, (64,)).tolist()
     cases.check_topk(64, 131072, 2048, lens, device=DEV, paged=True, page_size=64)

@@ -37,9 +37,8 @@ def test_topk_random_ragged(dtype):
     cases.check_topk(7, 9000, 256, [9000, 256, 100, 0, 257, 5000, 20000], dtype=dtype)
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
-def test_topk_k_not_power_of_two_and_ties(one_pass):
-    cases.check_topk(4, 6000, 200, [6000, 5999, 1000, 199], kind="coarse", one_pass=one_pass)
+def test_topk_k_not_power_of_two_and_ties():
+    cases.check_topk(4, 6000, 200, [6000, 5999, 1000, 199], kind="coarse")
 
 
 def test_topk_heavy_ties_overflow_path():
@@ -50,7 +49,7 @@ def test_topk_heavy_ties_overflow_path():
 @pytest.mark.parametrize("kind", ["randn", "ties", "special", "trend"])
 def test_topk_fallback_path(kind):
     # a tiny candidate budget forces the streaming fallback on every row with length > k
-    cases.check_topk(3, 7000, 256, [7000, 5000, 300], kind=kind, cand_total=16, one_pass=False)
+    cases.check_topk(3, 7000, 256, [7000, 5000, 300], kind=kind, cand_total=16)
 
 
 @pytest.mark.parametrize("kind", ["randn", "coarse", "trend"])
@@ -89,48 +88,21 @@ def test_topk_finish_split(split):
     cases.check_topk(3, 9000, 256, [9000, 8500, 4100], kind="trend", cand_total=256, max_chunks=8, block=512,
                      finish_split=split)
     cases.check_topk(3, 9000, 256, [9000, 8000, 4097], margin=-1.0, margin_lo=8.0, finish_split=split)
-    cases.check_topk(2, 7000, 256, [7000, 5000], cand_total=16, finish_split=split, one_pass=False)
+    cases.check_topk(2, 7000, 256, [7000, 5000], cand_total=16, finish_split=split)
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
-def test_topk_special_values(one_pass):
-    cases.check_topk(3, 5000, 512, [5000, 3000, 600], kind="special", one_pass=one_pass)
+def test_topk_special_values():
+    cases.check_topk(3, 5000, 512, [5000, 3000, 600], kind="special")
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
-def test_topk_paged(one_pass):
-    cases.check_topk(4, 7000, 256, [7000, 100, 0, 4097], paged=True, page_size=64, one_pass=one_pass)
-    cases.check_topk(2, 3000, 128, [3000, 2999], kind="coarse", paged=True, page_size=16, one_pass=one_pass)
+def test_topk_paged():
+    cases.check_topk(4, 7000, 256, [7000, 100, 0, 4097], paged=True, page_size=64)
+    cases.check_topk(2, 3000, 128, [3000, 2999], kind="coarse", paged=True, page_size=16)
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
-def test_topk_small_rows(one_pass):
+def test_topk_small_rows():
     # L < k: every row is trivial, -1 padded
-    cases.check_topk(3, 100, 128, [100, 50, 0], one_pass=one_pass)
-
-
-@pytest.mark.parametrize("kind", ["randn", "coarse", "ties", "special", "trend", "falling"])
-def test_topk_one_pass(kind):
-    # one program a row: ragged lengths around k, a width that is not a power of two, bf16 scores,
-    # paged output; the k-th score's ties ranked pairwise (64) or by radix rounds to the end (16)
-    cases.check_topk(6, 5000, 256, [5000, 4999, 2500, 257, 256, 0], kind=kind, one_pass=True)
-    cases.check_topk(3, 2000, 200, [2000, 1500, 201], kind=kind, dtype=torch.bfloat16, one_pass=True,
-                     select_tile=16)
-    cases.check_topk(2, 8192, 2048, [8192, 4100], kind=kind, paged=True, page_size=64, one_pass=True)
-
-
-@pytest.mark.parametrize("rbits", [1, 2, 8])
-def test_topk_one_pass_digits(rbits):
-    cases.check_topk(3, 3000, 300, [3000, 2000, 301], kind="coarse", one_pass=True, rbits=rbits)
-
-
-def test_topk_one_pass_rule():
-    # the default picks one program a row up to ONE_PASS_MAX scores wide, the three kernels past it:
-    # both exact at the edge (dsa_topk: the serving entry)
-    from glm53.kernels.topk_triton import ONE_PASS_MAX
-
-    for L in (ONE_PASS_MAX, ONE_PASS_MAX + 16):
-        cases.check_topk(2, L, 512, [L, L - 700], kind="coarse")
+    cases.check_topk(3, 100, 128, [100, 50, 0])
 
 
 @pytest.mark.parametrize("block,scan_v,prefetch", [(256, 4, 2), (256, 4, 1), (256, 16, 2), (512, 8, 1), (1024, 32, 2)])
@@ -141,7 +113,7 @@ def test_topk_scan_layouts(block, scan_v, prefetch):
     cases.check_topk(4, 9001, 256, [9001, 8999, 4100, 300], block=block, scan_v=scan_v, max_chunks=4,
                      scan_prefetch=prefetch)
     cases.check_topk(2, 6000, 200, [6000, 5000], kind="coarse", dtype=torch.bfloat16, block=block,
-                     scan_v=scan_v, scan_prefetch=prefetch, one_pass=False)
+                     scan_v=scan_v, scan_prefetch=prefetch)
 
 
 @pytest.mark.parametrize("warps,block,chunks", [(2, 512, 16), (1, 256, 64)])
@@ -165,7 +137,7 @@ def _check_raw(x, lens, k, **knobs):
 
 
 @pytest.mark.parametrize("knobs", [dict(), dict(margin=8.0, margin_lo=-1.0), dict(margin=8.0, margin_lo=-12.0),
-                                   dict(block=256, scan_v=8), dict(one_pass=True)])
+                                   dict(block=256, scan_v=8)])
 def test_topk_nan_and_bracket_edges(knobs):
     # NaN sorts first (torch's descending sort); k = 3 on 9000 scores: nothing is surely above the
     # bracket (hi = top), so NaN and +inf must land among the candidates; margin_lo < 0 can give
@@ -183,8 +155,7 @@ def test_topk_nan_and_bracket_edges(knobs):
 def test_topk_pdl_knob_ignored_when_interpreting():
     # griddepcontrol is inline PTX: pdl=True must fall back to plain launches here
     x = torch.randn(2, 5000)
-    for one_pass in (False, True):
-        _check_raw(x, torch.tensor([5000, 4000], dtype=torch.int32), 256, pdl=True, one_pass=one_pass)
+    _check_raw(x, torch.tensor([5000, 4000], dtype=torch.int32), 256, pdl=True)
 
 
 def _key32(x):
