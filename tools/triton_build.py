@@ -151,6 +151,14 @@ def build(launch: Launch, arch: int = 90) -> Built:
 # ---- cases: the launchers at GLM-5's shapes (tp = 8 for the products), on CPU tensors ----------
 
 
+def empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An input nothing reads (launches are recorded, not run): only its shape, strides and dtype matter."""
+    return torch.empty(shape, dtype=dtype)
+
+
+F32, I32, FP8 = torch.float32, torch.int32, torch.float8_e4m3fn
+
+
 def case_topk():
     from glm53.kernels import topk_triton as tt
 
@@ -158,52 +166,40 @@ def case_topk():
         # decode rows at 4K-128K contexts, top-2048; the finish splits in two programs a row while
         # 2B <= SMs (B = 128: one)
         for B, L in ((1, 4096), (64, 8192), (128, 4096), (8, 65536), (1, 131072)):
-            x = torch.empty(B, L)
-            lens = torch.full((B,), L, dtype=torch.int32)
-            pt = torch.zeros(B, -(-L // 64) + 16, dtype=torch.int32)[:, : -(-L // 64)]
-            tt.topk_triton(x, lens, 2048, page_table=pt, page_size=64, pdl=True)
+            pages = -(-L // 64)
+            tt.topk_triton(empty(B, L, dtype=F32), torch.full((B,), L, dtype=I32), 2048,
+                           page_table=empty(B, pages + 16, dtype=I32)[:, :pages], page_size=64, pdl=True)
 
     return run
 
 
 def case_fp8_gemm():
     from glm53.kernels import fp8_gemm_triton as g
-    from glm53.kernels.fp8_quant import quantize_fp8_blocks
 
     def run():
-        w, ws = quantize_fp8_blocks(torch.randn(2048, 768))  # q_b at tp = 8: [2048, 768]
+        w, ws = empty(2048, 768, dtype=FP8), empty(16, 6, dtype=F32)  # q_b at tp = 8, 128x128 block scales
         for M in (1, 16, 64, 4096):
-            g.fp8_gemm_w8a8(torch.randn(M, 768, dtype=torch.bfloat16), w, ws, lo=M <= 16)
-        g.fp8_gemm_w8a16(torch.randn(1, 768, dtype=torch.bfloat16), w, ws)
+            g.fp8_gemm_w8a8(empty(M, 768), w, ws, lo=M <= 16)
+        g.fp8_gemm_w8a16(empty(1, 768), w, ws)
 
     return run
 
 
 def case_moe_fp8():
     from glm53.kernels import moe_fp8_triton as m
-    from glm53.kernels.fp8_quant import quantize_fp8_blocks
 
     def run():
         # GLM-5's tp = 8 expert widths (hidden 6144, 256 columns an expert), fewer experts; the
         # gate and up halves fused, as the loader stacks them
         E, H, inter, topk = 9, 6144, 256, 8
-        gate, gs = quantize_fp8_blocks(torch.randn(E, 2 * inter, H))
-        down, ds = quantize_fp8_blocks(torch.randn(E, H, inter))
+        gate, gs = empty(E, 2 * inter, H, dtype=FP8), empty(E, 4, 48, dtype=F32)
+        down, ds = empty(E, H, inter, dtype=FP8), empty(E, 48, 2, dtype=F32)
         for N in (1, 4, 64):
-            x = torch.randn(N, H, dtype=torch.bfloat16)
-            ids = torch.stack([torch.randperm(E)[:topk] for _ in range(N)]).int()
             for variant in ("w8a8", "w8a16"):
-                m.moe_experts_fp8_triton(x, torch.rand(N, topk), ids, gate, gs, None, None, down, ds, variant=variant)
+                m.moe_experts_fp8_triton(empty(N, H), empty(N, topk, dtype=F32), empty(N, topk, dtype=I32), gate, gs,
+                                         None, None, down, ds, variant=variant)
 
     return run
-
-
-def empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """An input nothing reads (launches are recorded, not run): only its shape, strides and dtype matter."""
-    return torch.empty(shape, dtype=dtype)
-
-
-F32, I32 = torch.float32, torch.int32
 
 
 def case_attention():
