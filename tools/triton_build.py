@@ -295,6 +295,7 @@ def case_moe():
 def case_draft():
     from glm53.kernels.draft_attention_triton import draft_attention_triton
     from glm53.kernels.markov_chain_triton import markov_chain_triton
+    from glm53.kernels.qk_heads_triton import finish_qk_heads_triton
 
     def run():
         # the DFlash draft at the slice's widths (48 query / 8 KV heads of 128) at tp = 8: 1 KV head
@@ -304,6 +305,12 @@ def case_draft():
             draft_attention_triton(empty(R, 1, 6 * B, 128), empty(W * R + 1, 2, 2, 64, 128), 1,
                                    torch.zeros(R, W, dtype=I32), kb, kb.clone(),
                                    torch.ones(R, W * 64 + B, dtype=torch.bool))
+        # the q/k heads finished from the fused q|k|v product (6 query, 1 KV head of 128), a block of
+        # 16; and the shipped tiny draft's 4 + 4 heads of 64
+        for hq, hk, hd in ((6, 1, 128), (4, 4, 64)):
+            y = empty(16, (hq + 2 * hk) * hd)
+            finish_qk_heads_triton(y[:, : hq * hd], y[:, hq * hd : (hq + hk) * hd], empty(hd), empty(hd), 1e-6,
+                                   empty(16, hd // 2, dtype=F32), empty(16, hd // 2, dtype=F32), 16, hq, hk)
         # DSpark's Markov chain: GLM-5's vocabulary, the shipped rank-64 head, 15 block positions
         markov_chain_triton(empty(1, 15, 154880, dtype=F32), torch.zeros(1, dtype=torch.long),
                             empty(154880, 64), empty(154880, 64))

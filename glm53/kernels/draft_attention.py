@@ -59,18 +59,24 @@ def draft_attention_reference(q, pool, layer, table, k_blk, v_blk, mask) -> torc
 
 def draft_attention(
     q: torch.Tensor, pool: torch.Tensor, layer: int, table: torch.Tensor, k_blk: torch.Tensor,
-    v_blk: torch.Tensor, mask: torch.Tensor, num_splits: int | None = None, **knobs,
+    v_blk: torch.Tensor, mask: torch.Tensor, num_splits: int | None = None, out: torch.Tensor | None = None,
+    **knobs,
 ) -> torch.Tensor:
     """See the module docstring. `table` [R, W] integer page ids; `num_splits` and `knobs` (Triton
     only; None: the default plan) split each request's pages over programs and pick the schedule
-    (draft_attention_triton.py); they change the speed, not the result beyond rounding. Device ops
+    (draft_attention_triton.py); they change the speed, not the result beyond rounding. `out`: where
+    the result goes ([R, kv, M, hd] in q's dtype, any strides with a unit last one: e.g. a view of
+    the rows the output projection reads, which saves the caller a copy); returned. Device ops
     only: safe under CUDA graph capture."""
     check_shapes(q, pool, layer, table, k_blk, v_blk, mask)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not q's {tuple(q.shape)} {q.dtype} with a unit last stride")
     if use_triton(q):
         from glm53.kernels.draft_attention_triton import draft_attention_triton
 
-        return draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits, **knobs)
-    return draft_attention_reference(q, pool, layer, table, k_blk, v_blk, mask)
+        return draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits, out=out, **knobs)
+    o = draft_attention_reference(q, pool, layer, table, k_blk, v_blk, mask)
+    return o if out is None else out.copy_(o)
 
 
 

@@ -198,9 +198,9 @@ def launch_constants(m: int, hd: int, ps: int, b: int, num_warps: int | None = N
 
 
 def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits=None, skip_hidden=True,
-                           num_warps=None, num_stages=2) -> torch.Tensor:
+                           num_warps=None, num_stages=2, out=None) -> torch.Tensor:
     """The schedule knobs (`num_splits`, `skip_hidden`, `num_warps`, `num_stages`) change the
-    speed only."""
+    speed only. `out`: [R, kv, M, hd] with a unit last stride, or None for a new tensor."""
     r, kv, m, hd = q.shape
     ps = pool.shape[3]
     w, b = table.shape[1], k_blk.shape[1]
@@ -209,7 +209,8 @@ def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits
     pool_l = pool.select(2, layer)  # [pages, 2·kv, ps, hd], strided
     table = table if table.stride(1) == 1 else table.contiguous()
     mask8 = mask.contiguous().view(torch.uint8)
-    out = torch.empty((r, kv, m, hd), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((r, kv, m, hd), dtype=q.dtype, device=q.device)
     interp = triton_interpreting()
     c = launch_constants(m, hd, ps, b, num_warps, interp)
     block_m, block_d, warps = c["BLOCK_M"], c["BLOCK_D"], c.pop("num_warps")

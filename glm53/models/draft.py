@@ -31,14 +31,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm53.kernels.dispatch import use_triton
-from glm53.kernels.draft_attention import attention_bias, draft_attention, draft_attention_gathered, gather_context
-from glm53.kernels.norm import rms_norm
+from glm53.kernels.draft_attention import (
+    attention_bias,
+    draft_attention,
+    draft_attention_gathered,
+    gather_context,
+)
+from glm53.kernels.norm import add_rms_norm, rms_norm
+from glm53.kernels.qk_heads import finish_qk_heads
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.models.config import GlmConfig
 from glm53.models.draft_config import DFlashConfig, check_draft_tp
-from glm53.models.dspark import BlockChoice, BlockSampling, ConfidenceHead, MarkovHead, choose_block
+from glm53.models.dspark import (
+    BlockChoice,
+    BlockSampling,
+    ConfidenceHead,
+    MarkovHead,
+    choose_block,
+)
+from glm53.models.fused import FusedLinear
 from glm53.models.kv_cache import KVPools, Pool
-from glm53.models.layers import MLP, ColumnParallelLinear, Linear, Norm, RowParallelLinear, split
+from glm53.models.layers import (
+    MLP,
+    ColumnParallelLinear,
+    Linear,
+    Norm,
+    RowParallelLinear,
+    split,
+)
 from glm53.models.parallel import TPGroup
 
 DRAFT_KV = "draft_kv"
@@ -163,32 +183,36 @@ class DraftAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, h, dtype, tp)
         self.q_norm = Norm(hd, dtype)
         self.k_norm = Norm(hd, dtype)
+        self.qkv: FusedLinear | None = None
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's K (k_norm, RoPE) and V heads of rows x: each [N, kv_local, head_dim]."""
-        n, hd, eps = x.shape[0], self.cfg.head_dim, self.cfg.rms_norm_eps
-        k = rms_norm(self.k_proj(x).view(n, self.n_kv, hd), self.k_norm.weight, eps)
-        return apply_rope(k, cos, sin, interleave=False), self.v_proj(x).view(n, self.n_kv, hd)
+    def fuse_projections_(self) -> int:
+        """q, k and v as one product (`models/fused`): they read the same normed rows."""
+        if self.qkv is None:
+            self.qkv = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj])
+        return int(self.qkv is not None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedContext,
                 layer: int) -> torch.Tensor:
         """x: block rows [R·B, H]; `ctx` the requests' paged context, of which this is draft layer
         `layer` (its index in the pool)."""
         r = ctx.table.shape[0]
-        n, hd = x.shape[0], self.cfg.head_dim
+        n, hd, hk = x.shape[0], self.cfg.head_dim, self.n_kv
         b = n // r
-        q = rms_norm(self.q_proj(x).view(n, self.n_heads, hd), self.q_norm.weight, self.cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin, interleave=False)
-        k, v = self.kv(x, cos, sin)
-        # Query head h reads KV head h // group. The mask is the same for every query of a request
-        # (the block attends non-causally), so a KV head's `group` query heads are simply more
-        # query rows of it: [R, kv, group·B, hd], and the K/V are never expanded to the query heads.
-        group = self.n_heads // self.n_kv
-        q = q.view(r, b, self.n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(r, self.n_kv, group * b, hd)
-        o = draft_attention(q, ctx.pool, layer, ctx.table, k.view(r, b, self.n_kv, hd),
-                            v.view(r, b, self.n_kv, hd), ctx.mask)
-        o = o.view(r, self.n_kv, group, b, hd).permute(0, 3, 1, 2, 4)  # [R, B, kv, group, hd]
-        return self.o_proj(o.reshape(n, self.n_heads * hd))
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        # q/k norms and RoPE in one op; the queries come back as the attention reads them: a KV
+        # head's `group` query heads are more query rows of it, [R, kv, group·B, hd] (the block
+        # attends non-causally, so every query row of a request has the same mask), and the K/V
+        # are never expanded to the query heads. K is finished in place: it keeps V's strides.
+        q = finish_qk_heads(q, k, self.q_norm.weight, self.k_norm.weight, self.cfg.rms_norm_eps, cos, sin, b)
+        group = self.n_heads // hk
+        kb, vb = k.view(r, b, hk, hd), v.view(r, b, hk, hd)
+        if group == 1:  # the attention writes the rows o_proj reads: no copy
+            o = torch.empty(n, self.n_heads * hd, dtype=q.dtype, device=q.device)
+            draft_attention(q, ctx.pool, layer, ctx.table, kb, vb, ctx.mask, out=o.view(r, b, hk, hd).transpose(1, 2))
+        else:
+            o = draft_attention(q, ctx.pool, layer, ctx.table, kb, vb, ctx.mask)
+            o = o.view(r, hk, group, b, hd).permute(0, 3, 1, 2, 4).reshape(n, self.n_heads * hd)  # [R, B, kv, group, hd]
+        return self.o_proj(o)
 
 
 class DraftLayer(nn.Module):
@@ -200,9 +224,13 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg, dtype, tp)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
 
-    def forward(self, x, cos, sin, ctx: PagedContext, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, ctx, layer)
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedContext,
+                layer: int, next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual rows; h: this layer's input norm of them. Returns the residual after the
+        layer and its norm by `next_norm` (the next layer's input norm, or the draft's final norm):
+        each residual add runs inside the norm that follows it (`add_rms_norm`, the same values)."""
+        x, h = add_rms_norm(x, self.self_attn(h, cos, sin, ctx, layer), self.post_attention_layernorm.weight, self.eps)
+        return add_rms_norm(x, self.mlp(h), next_norm, self.eps)
 
 
 class DFlashDraft(nn.Module):
@@ -418,11 +446,14 @@ class DFlashDraft(nn.Module):
         fused = None if use_triton(x) else self._fused_weights(products or self.dtype)
         if fused is not None:
             x = self._layers_fused(x, cos, sin, ctx, fused)
+            x = _rms(x, self.norm.weight, self.cfg.rms_norm_eps)  # the reference's values in one op on the CPU
         else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, ctx, i)
-        norm = rms_norm if fused is None else _rms  # `_rms`: the reference's values in one op on the CPU
-        return norm(x, self.norm.weight, self.cfg.rms_norm_eps).view(r, b, -1)[:, 1:]
+            h = rms_norm(x, self.layers[0].input_layernorm.weight, self.cfg.rms_norm_eps)
+            norms = [la.input_layernorm.weight for la in self.layers[1:]] + [self.norm.weight]
+            for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+                x, h = layer(x, h, cos, sin, ctx, i, next_norm)
+            x = h
+        return x.view(r, b, -1)[:, 1:]
 
     def _fused_weights(self, dtype: torch.dtype | None = None) -> list[FusedLayer] | None:
         """Per layer, the weights of the CPU drafting path (`FusedLayer`), products' weights in

@@ -15,6 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from glm53.kernels.draft_attention import draft_attention, draft_attention_reference
+from glm53.kernels.norm import rms_norm
+from glm53.kernels.norm_triton import rms_norm_triton
+from glm53.kernels.qk_heads import finish_qk_heads, finish_qk_heads_reference
+from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from glm53.kernels.rope_triton import apply_rope_triton
 
 
 @dataclass
@@ -69,10 +74,19 @@ def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_draft_attention(spans, ns, kv, group, block, hd, page_size, width, dtype, device="cpu",
-                          **knobs) -> None:
+                          into_rows: bool = False, **knobs) -> None:
+    """`into_rows`: the output written through `out` into the rows o_proj reads ([R·B, kv·hd],
+    group 1 only), as the draft layer does."""
     x = make_inputs(spans, ns, kv, group, block, hd, page_size, width, dtype, device)
     args = (x.q, x.pool_nan, x.layer, x.table, x.k_blk, x.v_blk, x.mask)
-    out = draft_attention(*args, **knobs)
+    if into_rows:
+        r = len(spans)
+        rows = torch.full((r * block, kv * hd), float("nan"), dtype=dtype, device=device)
+        view = rows.view(r, block, kv, hd).transpose(1, 2)
+        assert draft_attention(*args, out=view, **knobs).data_ptr() == rows.data_ptr()
+        out = view.contiguous()
+    else:
+        out = draft_attention(*args, **knobs)
     ref = draft_attention_reference(*args)
     old = old_formulation(x)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -85,3 +99,108 @@ def check_draft_attention(spans, ns, kv, group, block, hd, page_size, width, dty
             k, v = x.k_blk[i, :n].transpose(0, 1).float(), x.v_blk[i, :n].transpose(0, 1).float()
             alone = F.scaled_dot_product_attention(x.q[i].float(), k, v, scale=hd**-0.5).to(dtype)
             assert _err(out[i], alone) <= tol
+
+
+def check_qk_heads(r, block, hq, hk, hd, dtype, device="cpu", fused: bool = True) -> None:
+    """`finish_qk_heads` on q and k as members of one q|k|v product (strided rows, padding after
+    v) or as products of their own: bit for bit the norm and rope kernels in turn (the path it
+    replaces, on the same device), and close to the torch reference; V and the padding untouched,
+    K finished in place."""
+    n = r * block
+    y = torch.randn(n, (hq + 2 * hk) * hd + 8, device=device).mul_(3).to(dtype)
+    if not fused:  # separate products: contiguous q and k
+        y = y[:, : (hq + 2 * hk) * hd].contiguous()
+    y0 = y.clone()
+    q, k = y[:, : hq * hd], y[:, hq * hd : (hq + hk) * hd]
+    qw, kw = (torch.randn(hd, device=device).to(dtype) for _ in range(2))
+    cos, sin = rope_cos_sin(torch.randint(0, 200_000, (n,), device=device), rope_inv_freq(hd, 1e6, device))
+    out = finish_qk_heads(q, k, qw, kw, 1e-6, cos, sin, block)
+
+    g = hq // hk
+    qh = apply_rope_triton(rms_norm_triton(y0[:, : hq * hd].contiguous().view(n, hq, hd), qw, 1e-6), cos, sin, False)
+    kh = apply_rope_triton(rms_norm_triton(y0[:, hq * hd : (hq + hk) * hd].contiguous().view(n, hk, hd), kw, 1e-6),
+                           cos, sin, False)
+    want_q = qh.view(r, block, hk, g, hd).permute(0, 2, 3, 1, 4).reshape(r, hk, g * block, hd)
+    assert out.shape == (r, hk, g * block, hd) and out.is_contiguous()
+    assert torch.equal(out, want_q)
+    assert torch.equal(k, kh.view(n, hk * hd))
+    assert torch.equal(y[:, (hq + hk) * hd :], y0[:, (hq + hk) * hd :]), "V or the padding changed"
+
+    q2, k2 = y0[:, : hq * hd].float(), y0[:, hq * hd : (hq + hk) * hd].float()
+    ref_q = finish_qk_heads_reference(q2, k2, qw.float(), kw.float(), 1e-6, cos, sin, block)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), ref_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(k.float(), k2, rtol=tol, atol=tol)
+
+
+def ops_block_hidden(draft, target, ids, positions, ctx, products=None) -> torch.Tensor:
+    """`DFlashDraft.block_hidden` on its modules' path as separate ops: each projection, norm and
+    rotation, the queries' copy, the attention's output copied, each residual add on its own; the
+    form before `qk_heads`, the fused q|k|v product and the adds inside the norms."""
+    r, b = ids.shape
+    x = target.embed(ids.reshape(-1)).to(draft.dtype)
+    cos, sin = rope_cos_sin(positions, draft.inv_freq)
+    eps = draft.cfg.rms_norm_eps
+    for i, la in enumerate(draft.layers):
+        a = la.self_attn
+        h = rms_norm(x, la.input_layernorm.weight, eps)
+        n, hd, kv, g = h.shape[0], a.cfg.head_dim, a.n_kv, a.n_heads // a.n_kv
+        q = apply_rope(rms_norm(a.q_proj(h).view(n, a.n_heads, hd), a.q_norm.weight, eps), cos, sin, interleave=False)
+        k = apply_rope(rms_norm(a.k_proj(h).view(n, kv, hd), a.k_norm.weight, eps), cos, sin, interleave=False)
+        v = a.v_proj(h).view(n, kv, hd)
+        q = q.view(r, b, kv, g, hd).permute(0, 2, 3, 1, 4).reshape(r, kv, g * b, hd)
+        o = draft_attention(q, ctx.pool, i, ctx.table, k.view(r, b, kv, hd), v.view(r, b, kv, hd), ctx.mask)
+        x = x + a.o_proj(o.view(r, kv, g, b, hd).permute(0, 3, 1, 2, 4).reshape(n, a.n_heads * hd))
+        x = x + la.mlp(rms_norm(x, la.post_attention_layernorm.weight, eps))
+    return rms_norm(x, draft.norm.weight, eps).view(r, b, -1)[:, 1:]
+
+
+def check_draft_forward(root, num_kv_heads: int, dtype: torch.dtype, monkeypatch, device="cpu") -> None:
+    """A draft's drafting forward (`propose`: the blocks' logits) on the modules' path against the
+    same forward as separate ops (`ops_block_hidden`), unfused and then with its projections fused
+    as the runner serves it. Unfused: bit for bit on a GPU; under the interpreter in fp32 only (it
+    truncates to bf16 where a GPU rounds to nearest, so a residual add inside a norm and torch's own
+    add differ there). Fused: close (the stacked product may accumulate in another order)."""
+    from glm53.models import DFlashConfig, DFlashDraft, DraftBlock, GlmConfig, GlmForCausalLM, KVPools
+    from glm53.models import add_draft_pools, load_draft_weights
+    from glm53.models.draft_checkpoint import write_random_draft
+    from glm53.models.fused import fuse_projections_
+    from glm53.models.weights import load_weights
+    from glm53.support.oracle import make_checkpoint
+
+    make_checkpoint(root / "target", seed=5, index_topk_freq=2, index_skip_topk_offset=2)
+    write_random_draft(root / "draft", root / "target", seed=3, dtype=torch.float32, n_layers=2, block_size=8,
+                       num_heads=4, num_kv_heads=num_kv_heads, head_dim=16, intermediate_size=48)
+    tcfg = GlmConfig.from_dir(root / "target")
+    target = GlmForCausalLM(tcfg)
+    load_weights(target, root / "target", progress=False)
+    target.to(device=device, dtype=dtype)
+    draft = DFlashDraft(DFlashConfig.from_dir(root / "draft", tcfg), tcfg, dtype=dtype)
+    load_draft_weights(draft, root / "draft")
+    draft.to(device)
+    pools = KVPools(48, 4, device)
+    add_draft_pools(pools, draft)
+    pool = pools["draft_kv"].tensor
+    pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(7)).to(pool.dtype).to(device))
+    # two requests: scattered pages, one with its context starting past 0
+    blocks = [DraftBlock(5, 9, [3, 7, 1, 9], 0, 8), DraftBlock(11, 5, [2, 4, 6], 2, 8)]
+
+    def logits() -> torch.Tensor:
+        return draft.propose(target, blocks, pools, return_logits=True)[1]
+
+    def ops(self, *args, **kw):
+        return ops_block_hidden(self, *args, **kw)
+
+    got = logits()
+    with monkeypatch.context() as m:
+        m.setattr(DFlashDraft, "block_hidden", ops)
+        want = logits()
+    assert torch.isfinite(want).all()
+    fuse_projections_(draft)
+    assert all(la.self_attn.qkv is not None for la in draft.layers)
+    fused = logits()
+    if dtype == torch.float32 or device != "cpu":
+        assert torch.equal(got, want)
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    for out in (got, fused):
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol)

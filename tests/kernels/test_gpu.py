@@ -244,6 +244,29 @@ def test_draft_attention_slice_widths(R, B):
                                       dtype=torch.bfloat16, device=DEV)
 
 
+@pytest.mark.parametrize("R", [1, 64])
+def test_draft_attention_into_rows(R):
+    # group 1 (the shipped draft's 4 + 4 heads of 64): the output written into o_proj's rows
+    spans = [(0, 1000 + 37 * i) for i in range(R)]
+    draft_cases.check_draft_attention(spans, [16] * R, kv=4, group=1, block=16, hd=64, page_size=64, width=17,
+                                      dtype=torch.bfloat16, device=DEV, into_rows=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [dict(r=1, block=16, hq=6, hk=1, hd=128), dict(r=64, block=16, hq=48, hk=8, hd=128),
+                                   dict(r=16, block=16, hq=4, hk=4, hd=64)], ids=lambda s: "-".join(map(str, s.values())))
+def test_qk_heads_slice_widths(dtype, shape):
+    # bit for bit the norm and rope kernels in turn, on the device that serves them
+    for fused in (True, False):
+        draft_cases.check_qk_heads(**shape, dtype=dtype, device=DEV, fused=fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv", [2, 4])
+def test_draft_forward_equals_its_ops(tmp_path, monkeypatch, kv, dtype):
+    draft_cases.check_draft_forward(tmp_path, kv, dtype, monkeypatch, device=DEV)
+
+
 # ---- block-FP8 (GLM-5-FP8) at GLM-5's tp = 8 per-rank shapes -----------------------------------
 @pytest.mark.parametrize("M", [1, 64, 4096])
 def test_fp8_quant_groups_glm5(M):

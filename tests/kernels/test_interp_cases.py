@@ -415,6 +415,28 @@ def test_draft_attention_odd_widths(skip_hidden):
                                       page_size=12, width=5, dtype=torch.bfloat16, skip_hidden=skip_hidden)
 
 
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_draft_attention_into_the_rows_o_proj_reads(num_splits):
+    # group 1 (the draft layer then hands the attention a strided view of o_proj's input rows)
+    draft_cases.check_draft_attention([(0, 40), (5, 30), (12, 13)], [4, 4, 1], kv=3, group=1, block=4, hd=32,
+                                      page_size=8, width=5, dtype=torch.bfloat16, into_rows=True, num_splits=num_splits)
+
+
+# ---- the draft's q/k heads finished in one op, and the draft layers that use it -------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [dict(r=3, block=5, hq=4, hk=2, hd=16), dict(r=1, block=16, hq=4, hk=4, hd=64),
+                                   dict(r=2, block=3, hq=6, hk=1, hd=128)], ids=lambda s: "-".join(map(str, s.values())))
+def test_qk_heads_equal_the_norm_and_rope_kernels(dtype, shape):
+    for fused in (True, False):
+        draft_cases.check_qk_heads(**shape, dtype=dtype, fused=fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv", [2, 4])
+def test_draft_forward_equals_its_ops(tmp_path, monkeypatch, kv, dtype):
+    draft_cases.check_draft_forward(tmp_path, kv, dtype, monkeypatch)
+
+
 # ---- block-FP8: activation quantizer, GEMM (w8a16 / w8a8), fused MoE (kernels/fp8_*, moe_fp8*) ----
 # Small shapes (the interpreter pays per program and per multiply-add): ragged M, partial 128-blocks
 # in N and K (576 = 4.5 blocks), weight scales ~1e-6, ~1e3 and log-uniform over [1e-6, 1e3] per
