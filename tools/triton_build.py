@@ -296,6 +296,7 @@ def case_draft():
     from glm53.kernels.draft_attention_triton import draft_attention_triton
     from glm53.kernels.markov_chain_triton import markov_chain_triton
     from glm53.kernels.qk_heads_triton import finish_qk_heads_triton
+    from glm53.kernels.spec_inputs_triton import advance_rows_triton, draft_inputs_triton, padded_batch_triton
 
     def run():
         # the DFlash draft at the slice's widths (48 query / 8 KV heads of 128) at tp = 8: 1 KV head
@@ -311,6 +312,16 @@ def case_draft():
             y = empty(16, (hq + 2 * hk) * hd)
             finish_qk_heads_triton(y[:, : hq * hd], y[:, hq * hd : (hq + hk) * hd], empty(hd), empty(hd), 1e-6,
                                    empty(16, hd // 2, dtype=F32), empty(16, hd // 2, dtype=F32), 16, hq, hk)
+        # a speculative step's derivations: 64 rows of blocks of 16 over 65 pages of 64 (the draft's
+        # RoPE of 128, the target's of 64), and a prefill graph's 4,096 tokens of one row
+        rows, table = torch.zeros(64, 5, dtype=torch.long), torch.zeros(64, 65, dtype=I32)
+        draft_inputs_triton(rows, table, 65, 64, 0, 0, 16, empty(64, dtype=F32))
+        ids = torch.zeros(64, 16, dtype=torch.long)
+        padded_batch_triton((ids[:, 0], ids[:, 1:]), rows[:, 1], rows[:, 3], table, table[0], 65, 64, 16,
+                            empty(32, dtype=F32))
+        padded_batch_triton((torch.zeros(1, 4096, dtype=torch.long),), rows[:1, 1], rows[:1, 3], table[:1], table[0],
+                            65, 64, 4096, None)
+        advance_rows_triton(rows, torch.zeros(64, 32, dtype=torch.long))
         # DSpark's Markov chain: GLM-5's vocabulary, the shipped rank-64 head, 15 block positions
         markov_chain_triton(empty(1, 15, 154880, dtype=F32), torch.zeros(1, dtype=torch.long),
                             empty(154880, 64), empty(154880, 64))

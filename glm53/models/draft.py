@@ -435,14 +435,16 @@ class DFlashDraft(nn.Module):
             sort=any(s.top_k > 0 or s.top_p < 1 for s in sampled), use_min_p=any(s.min_p > 0 for s in sampled))
 
     def block_hidden(self, target: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
-                     ctx: PagedContext, products: torch.dtype | None = None) -> torch.Tensor:
+                     ctx: PagedContext, products: torch.dtype | None = None,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The drafting forward on device tensors only (no host reads: CUDA graphs capture it,
         models/spec_graph.py): blocks `ids` [R, B] at `positions` [R·B] over the paged context
         `ctx` (its mask [R, W·page_size + B]); the final-normed hidden [R, B − 1, H] of block
-        positions 1 .. B − 1. `products`: the CPU path's product dtype (None: the draft's)."""
+        positions 1 .. B − 1. `products`: the CPU path's product dtype (None: the draft's);
+        `rope`: the positions' cos/sin when the caller computed them with its other inputs."""
         r, b = ids.shape
         x = target.embed(ids.reshape(-1)).to(self.dtype)
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        cos, sin = rope if rope is not None else rope_cos_sin(positions, self.inv_freq)
         fused = None if use_triton(x) else self._fused_weights(products or self.dtype)
         if fused is not None:
             x = self._layers_fused(x, cos, sin, ctx, fused)

@@ -48,12 +48,12 @@ def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.T
     (padding tokens on the padding page), then moves the state's rows to the next step as greedy
     acceptance would (`SpecState.advance`)."""
     draft, model = runner.draft, runner.model
-    d = state.draft_inputs(bs, width)
+    d = state.draft_inputs(bs, width, draft.inv_freq)
     ctx = draft.paged_context(d.table, d.mask, runner.pools)  # read in place by the draft attention
-    h = draft.block_hidden(model, d.ids, d.positions, ctx)
+    h = draft.block_hidden(model, d.ids, d.positions, ctx, rope=d.rope)
     choice = draft.choose(draft.logits_of(model, h), d.ids[:, 0], h)
     n = state.verify_n(bs, choice.keep + 1)
-    out = runner.forward_batch(state.verify_batch(bs, width, choice.tokens, n))
+    out = runner.forward_batch(state.verify_batch(bs, width, choice.tokens, n, model.inv_freq))
     logits = model.logits(out.hidden)
     tokens = torch.cat([choice.tokens, logits.argmax(dim=-1).view(bs, state.k), n[:, None]], dim=1)
     state.advance(bs, tokens)  # the next step's rows, for a launch before the host reads this one

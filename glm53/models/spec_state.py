@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm53.kernels import spec_inputs
 from glm53.models.model import ForwardBatch
 
 PAD = (0, 0, 0, 1, 1)  # the padding request's row: last token 0, start 0, ctx_start 0, n 1, end 1
@@ -45,6 +46,7 @@ class DraftInputs:
     positions: torch.Tensor  # [bs·K] long
     table: torch.Tensor  # [bs, width] long: the context pages (valid page ids)
     mask: torch.Tensor  # [bs, width·page_size + K] bool: the keys each row's queries see
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin [bs·K, D/2] of `positions`
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class SpecState:
         # Constants of the derivations, made once (a graph must not copy from the host).
         self._j = torch.arange(block, device=dev)
         self._ctx_pos = torch.arange(max_pages * page_size, device=dev)
-        self._masks = torch.full((max_bs, block - 1), mask_token_id, dtype=torch.long, device=dev)
+        self.mask_token_id = mask_token_id
         self._pad_row = self.page_table[0].clone()
         self._mirror: list[tuple[int, ...] | None] = [None] * max_bs  # pages per row; None: padding
         self.active = 0
@@ -151,30 +153,28 @@ class SpecState:
             raise ValueError(f"batch ({bs}, {width}) outside the state's ({self.max_bs}, {self.max_pages})")
         return self.rows[:bs].unbind(1)
 
-    def draft_inputs(self, bs: int, width: int) -> DraftInputs:
-        last, start, ctx0, n, _ = self._fields(bs, width)
-        j = self._j
-        ids = torch.cat([last[:, None], self._masks[:bs]], dim=1)
-        positions = (start[:, None] + j).reshape(-1)
-        table = self.page_table[:bs, :width].to(torch.long)
-        table = torch.where(table < 0, self.pad_page, table)
-        pos = self._ctx_pos[: width * self.page_size]
-        ctx_mask = (pos >= ctx0[:, None]) & (pos < start[:, None])
-        return DraftInputs(ids, positions, table, torch.cat([ctx_mask, j < n[:, None]], dim=1))
+    def draft_inputs(self, bs: int, width: int, inv_freq: torch.Tensor | None = None) -> DraftInputs:
+        """With `inv_freq` (the draft's RoPE frequencies) also the block positions' cos/sin."""
+        self._fields(bs, width)
+        d = spec_inputs.draft_inputs(self.rows[:bs], self.page_table[:bs], width, self.page_size, self.pad_page,
+                                     self.mask_token_id, self._j, self._ctx_pos, inv_freq)
+        return DraftInputs(d.ids, d.positions, d.table, d.mask, d.rope)
 
     def verify_n(self, bs: int, cut: torch.Tensor) -> torch.Tensor:
         """[bs] long: the tokens each row verifies, its n capped at `cut` (the draft's cut block:
         the bonus slot plus the proposals it kept)."""
         return torch.minimum(self.rows[:bs, 3], cut)
 
-    def verify_batch(self, bs: int, width: int, drafts: torch.Tensor, n: torch.Tensor | None = None) -> ForwardBatch:
+    def verify_batch(self, bs: int, width: int, drafts: torch.Tensor, n: torch.Tensor | None = None,
+                     inv_freq: torch.Tensor | None = None) -> ForwardBatch:
         """The verify forward's batch: bs·K tokens, [last, drafts] per row (`drafts` [bs, K − 1]).
         `n` [bs]: the tokens each row verifies when the draft cut its block (≤ the row's n; a
-        device tensor, so a cut block replays the same graph)."""
+        device tensor, so a cut block replays the same graph). With `inv_freq` (the target's RoPE
+        frequencies) the batch carries its cos/sin, computed with the rest."""
         last, start, _, rows_n, _ = self._fields(bs, width)
         n = rows_n if n is None else torch.minimum(n, rows_n)
-        return padded_batch(torch.cat([last[:, None], drafts], dim=1), start, n, self.page_table[:bs],
-                            self._pad_row, width, self.page_size, self._j)
+        return padded_batch((last, drafts), start, n, self.page_table[:bs], self._pad_row, width, self.page_size,
+                            self._j, inv_freq)
 
     def advance(self, bs: int, tokens: torch.Tensor) -> None:
         """Move rows [0, bs) to the step after the one whose output is `tokens` [bs, 2K] (the K − 1
@@ -185,36 +185,24 @@ class SpecState:
         where it is: the padding request, or a request finished by length, whose step the host
         drops. Device ops only (an overlapped step launches on these rows before the host has
         read this step)."""
-        k = self.k
-        last, start, ctx0, n, end = self.rows[:bs].unbind(1)
-        drafts, target, verified = tokens[:, : k - 1], tokens[:, k - 1 : 2 * k - 1], tokens[:, 2 * k - 1]
-        match = (drafts == target[:, : k - 1]) & (self._j[: k - 1] < (verified - 1)[:, None])
-        accepted = match.cumprod(dim=1).sum(dim=1)
-        nxt = start + accepted + 1
-        left = end - nxt - 1  # tokens the next step may verify
-        live = left > 0
-        new = torch.stack([torch.where(live, target.gather(1, accepted[:, None]).squeeze(1), last),
-                           torch.where(live, nxt, start), ctx0,
-                           torch.where(live, left.clamp(max=k), n), end], dim=1)
-        self.rows[:bs].copy_(new)
+        spec_inputs.advance_rows(self.rows[:bs], tokens, self._j)
 
 
-def padded_batch(ids: torch.Tensor, start: torch.Tensor, n: torch.Tensor, table: torch.Tensor, pad_row: torch.Tensor,
-                 width: int, page_size: int, j: torch.Tensor) -> ForwardBatch:
-    """A static batch of bs rows of K tokens (`ids` [bs, K]), flattened to bs·K: row i's token
-    j < n[i] at position start[i] + j in its pages (`table` [bs, ≥ width] int32), token j ≥ n[i]
-    a padding token (position 0 on the padding page, `pad_row`), so nothing outside a request's
-    pages is read or written. `j`: arange(K) on the device, the caller's constant (a graph would
-    otherwise replay an arange kernel). Device ops only (CUDA graphs capture it)."""
-    bs, k = ids.shape
-    ps = page_size
-    j = j[:k]
-    valid = j < n[:, None]  # [bs, K]
-    pos = torch.where(valid, start[:, None] + j, 0).reshape(-1)
-    rows = torch.where(valid[..., None], table[:, None, :width], pad_row[:width]).reshape(bs * k, width)
-    page = rows.gather(1, (pos // ps)[:, None]).squeeze(1).to(torch.long)
-    return ForwardBatch(input_ids=ids.reshape(-1), positions=pos, out_slots=page * ps + pos % ps, page_table=rows,
-                        context_lens=(pos + 1).to(torch.int32), max_context=width * ps)
+def padded_batch(ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor], start: torch.Tensor, n: torch.Tensor,
+                 table: torch.Tensor, pad_row: torch.Tensor, width: int, page_size: int, j: torch.Tensor,
+                 inv_freq: torch.Tensor | None = None) -> ForwardBatch:
+    """A static batch of bs rows of K tokens (`ids` [bs, K], or (first [bs], rest [bs, K − 1])),
+    flattened to bs·K: row i's token j < n[i] at position start[i] + j in its pages (`table` [bs,
+    ≥ width] int32), token j ≥ n[i] a padding token (position 0 on the padding page, `pad_row`), so
+    nothing outside a request's pages is read or written. `j`: arange(K) on the device, the
+    caller's constant. The slots' (page, offset) come with it, and with `inv_freq` the cos/sin
+    (`kernels/spec_inputs`: one launch). Device ops only (CUDA graphs capture it)."""
+    pb = spec_inputs.padded_batch(ids, start, n, table, pad_row, width, page_size, j, inv_freq)
+    batch = ForwardBatch(input_ids=pb.input_ids, positions=pb.positions, out_slots=pb.out_slots,
+                         page_table=pb.page_table, context_lens=pb.context_lens, max_context=width * page_size,
+                         rope=pb.rope)
+    batch.set_coords(page_size, pb.page, pb.offset)
+    return batch
 
 
 @dataclass

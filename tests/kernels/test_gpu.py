@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 
-from . import cases, draft_cases, fp8_cases
+from . import cases, draft_cases, fp8_cases, spec_cases
 
 pytestmark = [
     pytest.mark.gpu,
@@ -265,6 +265,18 @@ def test_qk_heads_slice_widths(dtype, shape):
 @pytest.mark.parametrize("kv", [2, 4])
 def test_draft_forward_equals_its_ops(tmp_path, monkeypatch, kv, dtype):
     draft_cases.check_draft_forward(tmp_path, kv, dtype, monkeypatch, device=DEV)
+
+
+# ---- the speculative step's derivations: bit for bit the ops, cos/sin included -------------------
+@pytest.mark.parametrize("bs", [1, 64])
+def test_spec_inputs(bs):
+    # the tiny pair's graphs (block 16, 64-token pages, draft RoPE of 64, target's of 32) and
+    # GLM-5's RoPE of 64 at positions up to ~200K (width 3200 pages of 64)
+    for width, ps, k in ((17, 64, 16), (3200, 64, 16), (65, 64, 4)):
+        spec_cases.check_draft_inputs(bs, k, width, ps, 64, device=DEV, seed=bs + width)
+        for split_first, rope_dim in ((True, 32), (True, 64), (False, None)):
+            spec_cases.check_padded_batch(bs, k, width, ps, rope_dim, split_first, device=DEV, seed=bs * width)
+        spec_cases.check_advance(max(bs, 2), k, device=DEV, seed=bs + k)
 
 
 # ---- block-FP8 (GLM-5-FP8) at GLM-5's tp = 8 per-rank shapes -----------------------------------

@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from glm53.kernels.dispatch import use_triton  # noqa: E402
 
-from . import cases, draft_cases, fp8_cases  # noqa: E402
+from . import cases, draft_cases, fp8_cases, spec_cases  # noqa: E402
 
 
 def setup_module():
@@ -435,6 +435,25 @@ def test_qk_heads_equal_the_norm_and_rope_kernels(dtype, shape):
 @pytest.mark.parametrize("kv", [2, 4])
 def test_draft_forward_equals_its_ops(tmp_path, monkeypatch, kv, dtype):
     draft_cases.check_draft_forward(tmp_path, kv, dtype, monkeypatch)
+
+
+# ---- the speculative step's derivations (draft inputs, verify batch, advance) -----------------
+@pytest.mark.parametrize("rope_dim", [None, 64])
+@pytest.mark.parametrize("bs, k, width, ps", [(5, 16, 3, 64), (7, 4, 9, 4), (1, 3, 300, 16)])
+def test_spec_draft_inputs(bs, k, width, ps, rope_dim):
+    spec_cases.check_draft_inputs(bs, k, width, ps, rope_dim, seed=bs * 31 + k)
+
+
+@pytest.mark.parametrize("split_first", [True, False])
+@pytest.mark.parametrize("bs, k, width, ps, rope_dim", [(5, 16, 3, 64, 32), (7, 4, 9, 4, None),
+                                                        (1, 100, 200, 16, 64)])
+def test_spec_padded_batch(bs, k, width, ps, rope_dim, split_first):
+    spec_cases.check_padded_batch(bs, k, width, ps, rope_dim, split_first, seed=bs * 17 + k)
+
+
+@pytest.mark.parametrize("bs, k", [(9, 16), (6, 4), (3, 2), (5, 7)])
+def test_spec_advance(bs, k):
+    spec_cases.check_advance(bs, k, seed=bs + k)
 
 
 # ---- block-FP8: activation quantizer, GEMM (w8a16 / w8a8), fused MoE (kernels/fp8_*, moe_fp8*) ----
