@@ -295,7 +295,7 @@ def case_moe():
 def case_draft():
     from glm53.kernels.draft_attention_triton import draft_attention_triton
     from glm53.kernels.markov_chain_triton import markov_chain_triton
-    from glm53.kernels.qk_heads_triton import finish_qk_heads_triton
+    from glm53.kernels.qk_heads_triton import finish_qk_heads_triton, store_context_kv_triton
     from glm53.kernels.spec_inputs_triton import advance_rows_triton, draft_inputs_triton, padded_batch_triton
 
     def run():
@@ -312,6 +312,12 @@ def case_draft():
             y = empty(16, (hq + 2 * hk) * hd)
             finish_qk_heads_triton(y[:, : hq * hd], y[:, hq * hd : (hq + hk) * hd], empty(hd), empty(hd), 1e-6,
                                    empty(16, hd // 2, dtype=F32), empty(16, hd // 2, dtype=F32), 16, hq, hk)
+        # the context rows' K/V into the pool: 3 draft layers of 1 KV head of 128 (the slice's at
+        # tp = 8) and the tiny draft's 4 of 64, 16 verify rows
+        for kv, hd in ((1, 128), (4, 64)):
+            store_context_kv_triton(empty(16, 3, 2, kv, hd), empty(3, hd), 1e-6, torch.zeros(16, dtype=torch.long),
+                                    torch.zeros(16, dtype=torch.long), empty(hd // 2, dtype=F32),
+                                    empty(9, 2 * kv, 3, 64, hd))
         # a speculative step's derivations: 64 rows of blocks of 16 over 65 pages of 64 (the draft's
         # RoPE of 128, the target's of 64), and a prefill graph's 4,096 tokens of one row
         rows, table = torch.zeros(64, 5, dtype=torch.long), torch.zeros(64, 65, dtype=I32)

@@ -1,5 +1,7 @@
-"""The draft's query and key heads finished in one op: each head RMS-normed over head_dim (q_norm,
-k_norm) and rotated (RoPE on halves), the queries written where the draft attention reads them.
+"""The draft's attention heads finished in one op each: RMS-normed over head_dim (q_norm, k_norm)
+and rotated (RoPE on halves). `finish_qk_heads`: a drafting block's queries and keys, the queries
+written where the draft attention reads them. `store_context_kv`: the context rows' K and V of
+every draft layer, written into the `draft_kv` pool at their slots.
 
 On the ops path that is a norm and a rotation of q, the same of k, and a copy gathering the query
 heads of each KV head ([R, kv, group·B, hd]; a view when group is 1): four or five launches a
@@ -9,6 +11,11 @@ so that they keep the strides of the values beside them in one fused q|k|v produ
 attention takes K and V with one set of strides). Its roundings are the two kernels' (`norm_triton`
 then `rope_triton.rotate_pair`): on one device the result equals the ops' bit for bit, which
 matters because the drafts were distilled against exact roundings (history, 2026-12-04).
+
+The context rows' ops normalised K with torch's reduction (a weight per layer is not one vector
+for `norm_triton`), a rotation, a stack, a split of the slots and an indexed store: ~16 launches a
+step. `store_context_kv` is one; its K is normed as the draft's own layers norm theirs
+(`norm_triton`'s reduction), which may differ from torch's mean in the last bit of rstd.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 
 from glm53.kernels.dispatch import use_triton
 from glm53.kernels.norm import rms_norm
-from glm53.kernels.rope import apply_rope
+from glm53.kernels.rope import apply_rope, rope_cos_sin
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
@@ -60,3 +67,36 @@ def finish_qk_heads_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.
     k.view(n, hk, d).copy_(apply_rope(kh, cos, sin, interleave=False))
     r, g = n // block, hq // hk
     return qh.view(r, block, hk, g, d).permute(0, 2, 3, 1, 4).reshape(r, hk, g * block, d)
+
+
+def store_context_kv(x: torch.Tensor, k_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                     out_slots: torch.Tensor, inv_freq: torch.Tensor, pool: torch.Tensor) -> None:
+    """x [N, L, 2, KV, D]: each context row's K then V heads of the L draft layers (rows may be
+    strided); k_weight [L, D] (each layer's k_norm); positions / out_slots [N] long; inv_freq
+    [D/2] fp32; pool [pages, 2·KV, L, page_size, D] (heads K0 V0 K1 V1 …). Writes RoPE(RMSNorm(K))
+    and V of row t, layer l, head h at pool[slot // page_size, 2h / 2h + 1, l, slot % page_size]."""
+    n, nl, two, kv, d = x.shape
+    if two != 2 or k_weight.shape != (nl, d) or pool.shape[1:3] != (2 * kv, nl) or pool.shape[4] != d:
+        raise ValueError(f"x {tuple(x.shape)}, k_weight {tuple(k_weight.shape)}, pool {tuple(pool.shape)} do not fit")
+    half = d // 2
+    fits = (x.stride()[1:] == (2 * kv * d, kv * d, d, 1) and k_weight.is_contiguous() and pool.stride(-1) == 1
+            and half & (half - 1) == 0 and x.dtype == k_weight.dtype == pool.dtype)
+    if fits and use_triton(x, pool):
+        from glm53.kernels.qk_heads_triton import store_context_kv_triton
+
+        return store_context_kv_triton(x, k_weight, eps, positions, out_slots, inv_freq, pool)
+    store_context_kv_reference(x, k_weight, eps, positions, out_slots, inv_freq, pool)
+
+
+def store_context_kv_reference(x: torch.Tensor, k_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                               out_slots: torch.Tensor, inv_freq: torch.Tensor, pool: torch.Tensor) -> None:
+    """The ops in turn: all layers' K normed at once (torch's reduction: the weight is per layer),
+    rotated, stacked with V in the pool's head order, and stored at the slots."""
+    n, nl, _, kv, d = x.shape
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    k = rms_norm(x[:, :, 0], k_weight[:, None, :], eps)  # [n, L, kv, d]
+    k = apply_rope(k.reshape(n, nl * kv, d), cos, sin, interleave=False).view(n, nl, kv, d)
+    # pool heads interleave K and V per KV head: [n, L, kv, 2, d] -> [n, 2·kv, L, d]
+    vals = torch.stack([k, x[:, :, 1]], dim=3).permute(0, 2, 3, 1, 4).reshape(n, 2 * kv, nl, d)
+    ps = pool.shape[3]
+    pool.permute(0, 3, 1, 2, 4)[out_slots // ps, out_slots % ps] = vals.to(pool.dtype)

@@ -38,8 +38,8 @@ from glm53.kernels.draft_attention import (
     gather_context,
 )
 from glm53.kernels.norm import add_rms_norm, rms_norm
-from glm53.kernels.qk_heads import finish_qk_heads
-from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from glm53.kernels.qk_heads import finish_qk_heads, store_context_kv
+from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
 from glm53.models.config import GlmConfig
 from glm53.models.draft_config import DFlashConfig, check_draft_tp
 from glm53.models.dspark import (
@@ -300,8 +300,10 @@ class DFlashDraft(nn.Module):
 
     def context(self, acc: torch.Tensor) -> torch.Tensor:
         """c = hidden_norm(Σ_k W_k h_k), in the draft's dtype ([N, H])."""
-        norm = rms_norm if use_triton(acc) else _rms  # `_rms`: the reference's values in one op on the CPU
-        return norm(acc.float(), self.hidden_norm.weight.float(), self.cfg.rms_norm_eps).to(self.dtype)
+        w, eps = self.hidden_norm.weight, self.cfg.rms_norm_eps
+        if use_triton(acc):  # the kernel widens the weight itself: the same fp32 products, no copy
+            return rms_norm(acc.float(), w, eps).to(self.dtype)
+        return _rms(acc.float(), w.float(), eps).to(self.dtype)  # the reference's values in one op on the CPU
 
     @torch.inference_mode()
     def write_context(self, c: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor, pools: KVPools) -> None:
@@ -314,24 +316,24 @@ class DFlashDraft(nn.Module):
         pool = pools[DRAFT_KV]
         n, nl, kv, hd = c.shape[0], len(self.layers), self.kv_heads_local, self.cfg.head_dim
         eps = self.cfg.rms_norm_eps
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
         w_kv, w_norm = self._stacked_kv()
         if self.cpu_bf16 and c.dtype == torch.float32 and not use_triton(c):
             x = _mm(c, self._stacked_kv_t(torch.bfloat16)).view(n, nl, 2, kv, hd)
         else:
             x = F.linear(c, w_kv).view(n, nl, 2, kv, hd)
+        layers = self._all_layers(pool)  # [pages, page_size, 2·kv, L, hd]
         if x.dtype == torch.float32 and not use_triton(x):
             # The CPU path: the reference norm and RoPE bit for bit in fewer ops (`_rms`, and the
             # half-split rotation as `_layers_fused` computes it).
+            cos, sin = rope_cos_sin(positions, self.inv_freq)
             k = _rms(x[:, :, 0], None, eps) * w_norm
             k = _rope_half(k.reshape(n, nl * kv, hd), cos, sin).view(n, nl, kv, hd)
-        else:
-            k = rms_norm(x[:, :, 0], w_norm, eps)  # [n, L, kv, hd]; w_norm [L, 1, hd]
-            k = apply_rope(k.reshape(n, nl * kv, hd), cos, sin, interleave=False).view(n, nl, kv, hd)
-        # pool heads interleave K and V per KV head: [n, L, kv, 2, hd] -> [n, 2·kv, L, hd]
-        vals = torch.stack([k, x[:, :, 1]], dim=3).permute(0, 2, 3, 1, 4).reshape(n, 2 * kv, nl, hd)
-        ps = pools.page_size
-        self._all_layers(pool)[out_slots // ps, out_slots % ps] = vals.to(pool.dtype)
+            # pool heads interleave K and V per KV head: [n, L, kv, 2, hd] -> [n, 2·kv, L, hd]
+            vals = torch.stack([k, x[:, :, 1]], dim=3).permute(0, 2, 3, 1, 4).reshape(n, 2 * kv, nl, hd)
+            ps = pools.page_size
+            layers[out_slots // ps, out_slots % ps] = vals.to(pool.dtype)
+        else:  # one op (a kernel where it runs one): norm, rotation and store of every layer's K and V
+            store_context_kv(x, w_norm.view(nl, hd), eps, positions, out_slots, self.inv_freq, pool.tensor)
 
     def _stacked_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(every layer's [k_proj; v_proj] weights stacked [L·2·kv·hd, H], k_norm weights

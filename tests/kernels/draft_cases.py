@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from glm53.kernels.draft_attention import draft_attention, draft_attention_reference
 from glm53.kernels.norm import rms_norm
 from glm53.kernels.norm_triton import rms_norm_triton
-from glm53.kernels.qk_heads import finish_qk_heads, finish_qk_heads_reference
+from glm53.kernels.qk_heads import (
+    finish_qk_heads, finish_qk_heads_reference, store_context_kv, store_context_kv_reference,
+)
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.rope_triton import apply_rope_triton
 
@@ -204,3 +206,38 @@ def check_draft_forward(root, num_kv_heads: int, dtype: torch.dtype, monkeypatch
     tol = 1e-5 if dtype == torch.float32 else 0.05
     for out in (got, fused):
         torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+
+
+def check_context_kv(n: int, nl: int, kv: int, hd: int, ps: int, dtype: torch.dtype, device="cpu") -> None:
+    """`store_context_kv` into a pool of NaN: every written K equals RMSNorm (norm_triton, the
+    draft layers' own) then RoPE (rope_triton) of its row bit for bit, every V its row; the ops'
+    reference within rounding (its norm reduces as torch does); nothing else in the pool changes."""
+    pages = -(-n // ps) + 3
+    x = torch.randn(n, nl * 2 * kv * hd + 8, device=device).mul_(2).to(dtype)[:, : nl * 2 * kv * hd]
+    x = x.view(n, nl, 2, kv, hd)  # strided rows, as a product's view may be
+    w = torch.randn(nl, hd, device=device).to(dtype)
+    positions = torch.randint(0, 100_000, (n,), device=device)
+    slots = torch.randperm(pages * ps, device=device)[:n]
+    inv = rope_inv_freq(hd, 1e6, device)
+    pool = torch.full((pages, 2 * kv, nl, ps, hd), float("nan"), dtype=dtype, device=device)
+    ref = pool.clone()
+    store_context_kv(x, w, 1e-6, positions, slots, inv, pool)
+    store_context_kv_reference(x, w, 1e-6, positions, slots, inv, ref)
+    cos, sin = rope_cos_sin(positions, inv)
+    page, off = slots // ps, slots % ps
+    # the atol: a rotation's difference of near-equal products keeps its operands' rounding
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=8e-2)
+    for layer in range(nl):
+        k = apply_rope_triton(rms_norm_triton(x[:, layer, 0].contiguous(), w[layer], 1e-6), cos, sin, False)
+        for h in range(kv):
+            got = pool[page, 2 * h, layer, off]
+            if device == "cpu":  # the interpreter's cos/sin are numpy's, not torch's
+                torch.testing.assert_close(got, k[:, h], **tol)
+            else:
+                assert torch.equal(got, k[:, h]), (layer, h)
+            assert torch.equal(pool[page, 2 * h + 1, layer, off], x[:, layer, 1, h])
+    written = torch.zeros(pages, ps, dtype=torch.bool, device=device)
+    written[page, off] = True
+    assert pool.permute(0, 3, 1, 2, 4)[~written].isnan().all(), "a slot nobody wrote changed"
+    got, want = pool.permute(0, 3, 1, 2, 4)[written], ref.permute(0, 3, 1, 2, 4)[written]
+    torch.testing.assert_close(got.float(), want.float(), **tol)

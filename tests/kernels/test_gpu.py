@@ -262,6 +262,12 @@ def test_qk_heads_slice_widths(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, nl, kv, hd", [(16, 3, 4, 64), (1024, 3, 1, 128), (64, 5, 8, 128)])
+def test_context_kv_rows(n, nl, kv, hd, dtype):
+    draft_cases.check_context_kv(n, nl, kv, hd, 64, dtype, device=DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv", [2, 4])
 def test_draft_forward_equals_its_ops(tmp_path, monkeypatch, kv, dtype):
     draft_cases.check_draft_forward(tmp_path, kv, dtype, monkeypatch, device=DEV)

@@ -432,6 +432,12 @@ def test_qk_heads_equal_the_norm_and_rope_kernels(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, nl, kv, hd, ps", [(13, 3, 4, 64, 16), (5, 2, 1, 32, 4)])
+def test_context_kv_rows(n, nl, kv, hd, ps, dtype):
+    draft_cases.check_context_kv(n, nl, kv, hd, ps, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv", [2, 4])
 def test_draft_forward_equals_its_ops(tmp_path, monkeypatch, kv, dtype):
     draft_cases.check_draft_forward(tmp_path, kv, dtype, monkeypatch)
