@@ -25,7 +25,7 @@ from glm53.kernels.rope import rope_cos_sin
 
 
 @dataclass
-class DraftStepInputs:
+class DraftInputs:
     ids: torch.Tensor  # [bs, K] long: [last, MASK × (K − 1)]
     positions: torch.Tensor  # [bs·K] long: start + j
     table: torch.Tensor  # [bs, width] long: the context pages, −1 → the padding page
@@ -52,7 +52,7 @@ def _pow2(half: int | None) -> bool:
 # ---- the draft's inputs --------------------------------------------------------------------------
 def draft_inputs(rows: torch.Tensor, page_table: torch.Tensor, width: int, page_size: int, pad_page: int,
                  mask_token_id: int, j: torch.Tensor, ctx_pos: torch.Tensor,
-                 inv_freq: torch.Tensor | None = None) -> DraftStepInputs:
+                 inv_freq: torch.Tensor | None = None) -> DraftInputs:
     """rows [bs, 5] long (last, start, ctx_start, n, end); page_table [bs, ≥ width] int32 (−1: no
     page); j = arange(K), ctx_pos = arange(≥ width·page_size) on the device (the reference's
     constants: a graph would otherwise replay an arange). The block [last, MASK…] at start + j,
@@ -62,14 +62,14 @@ def draft_inputs(rows: torch.Tensor, page_table: torch.Tensor, width: int, page_
             and page_table.stride(1) == 1 and rows.is_contiguous():
         from glm53.kernels.spec_inputs_triton import draft_inputs_triton
 
-        return DraftStepInputs(*draft_inputs_triton(rows, page_table, width, page_size, pad_page, mask_token_id,
+        return DraftInputs(*draft_inputs_triton(rows, page_table, width, page_size, pad_page, mask_token_id,
                                                     j.shape[0], inv_freq))
     return draft_inputs_reference(rows, page_table, width, page_size, pad_page, mask_token_id, j, ctx_pos, inv_freq)
 
 
 def draft_inputs_reference(rows: torch.Tensor, page_table: torch.Tensor, width: int, page_size: int, pad_page: int,
                            mask_token_id: int, j: torch.Tensor, ctx_pos: torch.Tensor,
-                           inv_freq: torch.Tensor | None = None) -> DraftStepInputs:
+                           inv_freq: torch.Tensor | None = None) -> DraftInputs:
     last, start, ctx0, n, _ = rows.unbind(1)
     bs, k = rows.shape[0], j.shape[0]
     ids = torch.cat([last[:, None], last.new_full((bs, k - 1), mask_token_id)], dim=1)
@@ -79,7 +79,7 @@ def draft_inputs_reference(rows: torch.Tensor, page_table: torch.Tensor, width: 
     pos = ctx_pos[: width * page_size]
     ctx_mask = (pos >= ctx0[:, None]) & (pos < start[:, None])
     rope = None if inv_freq is None else rope_cos_sin(positions, inv_freq)
-    return DraftStepInputs(ids, positions, table, torch.cat([ctx_mask, j < n[:, None]], dim=1), rope)
+    return DraftInputs(ids, positions, table, torch.cat([ctx_mask, j < n[:, None]], dim=1), rope)
 
 
 # ---- the padded verify batch ---------------------------------------------------------------------

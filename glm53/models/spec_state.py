@@ -35,18 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from glm53.kernels import spec_inputs
+from glm53.kernels.spec_inputs import DraftInputs
 from glm53.models.model import ForwardBatch
 
 PAD = (0, 0, 0, 1, 1)  # the padding request's row: last token 0, start 0, ctx_start 0, n 1, end 1
-
-
-@dataclass
-class DraftInputs:
-    ids: torch.Tensor  # [bs, K] long: [last, MASK × (K − 1)]
-    positions: torch.Tensor  # [bs·K] long
-    table: torch.Tensor  # [bs, width] long: the context pages (valid page ids)
-    mask: torch.Tensor  # [bs, width·page_size + K] bool: the keys each row's queries see
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos/sin [bs·K, D/2] of `positions`
 
 
 @dataclass(frozen=True)
@@ -156,9 +148,8 @@ class SpecState:
     def draft_inputs(self, bs: int, width: int, inv_freq: torch.Tensor | None = None) -> DraftInputs:
         """With `inv_freq` (the draft's RoPE frequencies) also the block positions' cos/sin."""
         self._fields(bs, width)
-        d = spec_inputs.draft_inputs(self.rows[:bs], self.page_table[:bs], width, self.page_size, self.pad_page,
-                                     self.mask_token_id, self._j, self._ctx_pos, inv_freq)
-        return DraftInputs(d.ids, d.positions, d.table, d.mask, d.rope)
+        return spec_inputs.draft_inputs(self.rows[:bs], self.page_table[:bs], width, self.page_size, self.pad_page,
+                                        self.mask_token_id, self._j, self._ctx_pos, inv_freq)
 
     def verify_n(self, bs: int, cut: torch.Tensor) -> torch.Tensor:
         """[bs] long: the tokens each row verifies, its n capped at `cut` (the draft's cut block:
