@@ -3,7 +3,7 @@ batch is launch-bound (each small kernel a few µs of a graph replay), so the co
 change to it moves before a GPU can time it.
 
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/launch_census.py --model assets/tiny-glm5 \\
-        [--draft assets/tiny-glm5-dspark] [--fp8] [--dtype bfloat16] [--sites]
+        [--draft assets/tiny-glm5-dspark] [--threshold 0.2] [--fp8] [--dtype bfloat16] [--sites]
 
 Under the Triton interpreter the dispatch picks every Triton kernel for CPU tensors, so the step
 runs the code a GPU runs: `DecodeGraphs.run_eager`'s body (the plain step), and with `--draft`
@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="keep block-FP8 weights FP8 (a GLM-5-FP8-layout checkpoint)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--context", type=int, default=900, help="the request's position")
+    ap.add_argument("--threshold", type=float, default=0.0, help="a DSpark draft's confidence cut (0: none)")
     ap.add_argument("--sites", action="store_true")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -145,7 +146,7 @@ def main() -> None:
     census(plain_step, "plain decode step, batch 1", a.sites)
     if a.draft is not None:
         r = ModelRunner.from_dir(a.model, page_size=ps, num_pages=pages + 1, progress=False, fp8=a.fp8, dtype=dtype,
-                                 draft_dir=a.draft)
+                                 draft_dir=a.draft, confidence_threshold=a.threshold)
         k = r.draft.cfg.block_size
         graphs = SpecGraphs(r, GraphConfig(max_bs=1, max_context=pages * ps, block=k), pad_page=pages, capture=False)
         from glm53.models import DraftBlock

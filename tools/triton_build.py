@@ -294,7 +294,7 @@ def case_moe():
 
 def case_draft():
     from glm53.kernels.draft_attention_triton import draft_attention_triton
-    from glm53.kernels.markov_chain_triton import markov_chain_triton
+    from glm53.kernels.markov_chain_triton import confidence_keep_triton, markov_chain_triton
     from glm53.kernels.qk_heads_triton import finish_qk_heads_triton, store_context_kv_triton
     from glm53.kernels.spec_inputs_triton import advance_rows_triton, draft_inputs_triton, padded_batch_triton
 
@@ -331,6 +331,11 @@ def case_draft():
         # DSpark's Markov chain: GLM-5's vocabulary, the shipped rank-64 head, 15 block positions
         markov_chain_triton(empty(1, 15, 154880, dtype=F32), torch.zeros(1, dtype=torch.long),
                             empty(154880, 64), empty(154880, 64))
+        # its confidence cut: the tiny draft's hidden 256 and GLM-5's 6144, 15 positions
+        for h in (256, 6144):
+            confidence_keep_triton(empty(64, 15, h), torch.zeros(64, dtype=torch.long),
+                                   torch.zeros(64, 15, dtype=torch.long), empty(4160, 64), empty(1, h + 64),
+                                   empty(1), 0.5)
 
     return run
 

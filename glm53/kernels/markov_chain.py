@@ -1,7 +1,9 @@
-"""DSpark's greedy Markov chain (models/dspark.py): block position i's proposal is
+"""DSpark's greedy block (models/dspark.py). The Markov chain: block position i's proposal is
 argmax_v(base[i, v] + markov_w2[v] · markov_w1[token_{i−1}]), decoded left to right from the
-anchor. The Triton kernel (`markov_chain_triton.py`, one launch a position) where `use_triton`
-says so, else the torch reference (four kernels a position)."""
+anchor. The confidence cut: position i's confidence is sigmoid(proj([h_i, markov_w1[token_{i−1}]])),
+and the block keeps the proposals before the first one below the threshold. The Triton kernels
+(`markov_chain_triton.py`: one launch a position for the chain, one for the cut) where
+`use_triton` says so, else the torch references (four kernels a position; ~14 for the cut)."""
 
 from __future__ import annotations
 
@@ -29,3 +31,28 @@ def markov_chain_reference(base: torch.Tensor, anchor: torch.Tensor, w1: torch.T
         prev = (base[:, i] + w1[prev] @ w2t).argmax(dim=-1)
         toks.append(prev)
     return torch.stack(toks, dim=1) if toks else anchor.new_empty((base.shape[0], 0))
+
+
+def confidence_keep(hidden: torch.Tensor, anchor: torch.Tensor, tokens: torch.Tensor, w1: torch.Tensor,
+                    proj_w: torch.Tensor, proj_b: torch.Tensor, threshold: float) -> torch.Tensor:
+    """hidden [R, n, H] (the final-normed draft hidden of positions 1 .. n), anchor [R], tokens
+    [R, n] long (the chain's), w1 [V, r], proj_w [1, H + r], proj_b [1] -> keep [R] long: the
+    leading positions whose confidence is at or above `threshold`."""
+    if use_triton(hidden, w1, proj_w) and hidden.stride(2) == 1 and tokens.is_contiguous():
+        from glm53.kernels.markov_chain_triton import confidence_keep_triton
+
+        return confidence_keep_triton(hidden, anchor, tokens, w1, proj_w, proj_b, threshold)
+    return confidence_keep_reference(hidden, anchor, tokens, w1, proj_w, proj_b, threshold)
+
+
+def confidence_of(hidden: torch.Tensor, embed: torch.Tensor, proj_w: torch.Tensor, proj_b: torch.Tensor) -> torch.Tensor:
+    """sigmoid(proj([h, embed])) fp32 [...]: hidden [..., H], embed [..., r] (one product)."""
+    x = torch.cat([hidden.float(), embed.float()], dim=-1)
+    return torch.sigmoid(x @ proj_w.float().T + proj_b.float()).squeeze(-1)
+
+
+def confidence_keep_reference(hidden: torch.Tensor, anchor: torch.Tensor, tokens: torch.Tensor, w1: torch.Tensor,
+                              proj_w: torch.Tensor, proj_b: torch.Tensor, threshold: float) -> torch.Tensor:
+    before = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)  # token_{i−1} of each position
+    conf = confidence_of(hidden, w1[before], proj_w, proj_b)
+    return (conf >= threshold).long().cumprod(dim=1).sum(dim=1)

@@ -9,6 +9,11 @@ from the previous launch's output), then scores its slice and writes its own max
 it lies. Ties pick the lowest token id, as torch.argmax does. A last launch reduces the final
 position. The sums run in fp32 like the reference's product, in another order: a token may differ
 from the reference only where two scores lie within fp32 rounding of each other.
+
+The confidence cut (`confidence_keep_triton`) is one launch, a program per row: every position's
+dot product with proj ([h_i, markov_w1[token_{i−1}]], fp32, in another order than the reference's
+product), its sigmoid, and the count of leading positions at or above the threshold; a keep may
+differ from the reference only where a confidence lies within fp32 rounding of the threshold.
 """
 
 from __future__ import annotations
@@ -79,3 +84,43 @@ def markov_chain_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tens
             base, anchor, w1, w2, best, where, tokens, i, n, V, nb, base.stride(0), base.stride(1),
             R=r, BLOCK_V=block_v, NB_PAD=triton.next_power_of_2(nb), num_warps=4)
     return tokens
+
+
+@triton.jit
+def _confidence_keep_kernel(h_ptr, anchor_ptr, tok_ptr, w1_ptr, pw_ptr, pb_ptr, keep_ptr, n, H, thr,
+                            stride_hr, stride_hi, R: tl.constexpr, RP: tl.constexpr, NP: tl.constexpr,
+                            BH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NP)
+    live = i < n
+    acc = tl.zeros((NP,), dtype=tl.float32)
+    for h0 in range(0, H, BH):  # the hidden part of the product, BH columns at a time
+        c = h0 + tl.arange(0, BH)
+        cm = c < H
+        x = tl.load(h_ptr + row * stride_hr + i[:, None] * stride_hi + c[None, :], mask=live[:, None] & cm[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x * tl.load(pw_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :], 1)
+    # the Markov part: markov_w1 of the token before each position (the anchor before position 0)
+    prev = tl.load(tok_ptr + row * n + i - 1, mask=live & (i > 0), other=0)
+    prev = tl.where(i == 0, tl.load(anchor_ptr + row), prev).to(tl.int64)
+    k = tl.arange(0, RP)
+    km = k < R
+    e = tl.load(w1_ptr + prev[:, None] * R + k[None, :], mask=live[:, None] & km[None, :], other=0.0).to(tl.float32)
+    acc += tl.sum(e * tl.load(pw_ptr + H + k, mask=km, other=0.0).to(tl.float32)[None, :], 1)
+    conf = 1.0 / (1.0 + tl.exp(-(acc + tl.load(pb_ptr).to(tl.float32))))
+    tl.store(keep_ptr + row, tl.min(tl.where(live & (conf < thr), i, n), 0).to(tl.int64))
+
+
+def confidence_keep_triton(hidden: torch.Tensor, anchor: torch.Tensor, tokens: torch.Tensor, w1: torch.Tensor,
+                           proj_w: torch.Tensor, proj_b: torch.Tensor, threshold: float) -> torch.Tensor:
+    R_, n, H = hidden.shape
+    r = w1.shape[1]
+    assert proj_w.shape == (1, H + r) and tokens.shape == (R_, n) and hidden.stride(2) == 1
+    keep = torch.empty(R_, dtype=torch.long, device=hidden.device)
+    if R_:
+        _confidence_keep_kernel[(R_,)](
+            hidden, anchor.contiguous(), tokens, w1.contiguous(), proj_w.contiguous(), proj_b, keep, n, H,
+            threshold, hidden.stride(0), hidden.stride(1), R=r, RP=triton.next_power_of_2(r),
+            NP=triton.next_power_of_2(max(n, 1)), BH=min(128, triton.next_power_of_2(H)), num_warps=4,
+        )
+    return keep

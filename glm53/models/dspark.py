@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm53.kernels.markov_chain import markov_chain
+from glm53.kernels.markov_chain import confidence_keep, confidence_of, markov_chain
 from glm53.kernels.sampling_filter import filter_logits
 from glm53.models.layers import param
 
@@ -58,8 +58,7 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, h: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
         """sigmoid(proj([h, embed])) fp32 [...]: h [..., H], embed [..., r]."""
-        x = torch.cat([h.float(), embed.float()], dim=-1)
-        return torch.sigmoid(x @ self.proj.weight.float().T + self.proj.bias.float()).squeeze(-1)
+        return confidence_of(h, embed, self.proj.weight, self.proj.bias)
 
 
 @dataclass
@@ -145,11 +144,10 @@ def choose_block(logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tenso
             probs.append(q)
         tokens = torch.stack(toks, dim=1)
     if cut:
-        # Every position's confidence in one product once the chain is known (its inputs are).
-        # Leading positions at or above the threshold: the block ends before the first below it.
-        before = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)  # token_{i−1} of each position
-        conf = confidence(hidden, markov.markov_w1.weight[before].float())
-        keep = (conf >= threshold).long().cumprod(dim=1).sum(dim=1)
+        # Every position's confidence once the chain is known (its inputs are), in one op: the
+        # leading positions at or above the threshold; the block ends before the first below it.
+        keep = confidence_keep(hidden, anchor, tokens, markov.markov_w1.weight, confidence.proj.weight,
+                               confidence.proj.bias, threshold)
     else:
         keep = torch.full((r,), n, dtype=torch.long, device=logits.device)
     return BlockChoice(tokens, keep, torch.stack(probs, dim=1) if probs else None)

@@ -458,3 +458,31 @@ def check_markov_chain(R, n, V, r, device="cpu", scale=1.0):
     # a base of one value everywhere but the heads: ties in the base, the heads decide
     flat = torch.zeros(R, n, V, device=device)
     assert torch.equal(markov_chain(flat, anchor, w1, w2), markov_chain_reference(flat, anchor, w1, w2))
+
+
+def check_confidence_keep(R, n, H, V, r, threshold, device="cpu"):
+    """DSpark's confidence cut (Triton here) against the torch reference: the confidences first
+    (the reference's, recomputed here in float64), then the keeps, which must be equal wherever no
+    confidence lies within 1e-5 of the threshold (the kernel sums in another order)."""
+    from glm53.kernels.markov_chain import confidence_keep, confidence_keep_reference
+
+    g = torch.Generator().manual_seed(R * 1000 + n)
+    # logits ~ 2.5 + N(0, 1.5²), half of the variance from the Markov embedding: a few positions a
+    # block fall below one half, so blocks are cut at every depth
+    hidden = torch.randn(R, n, H + 8, generator=g).to(torch.bfloat16).to(device)[..., :H]  # strided rows
+    w1 = torch.randn(V, r, generator=g).to(torch.bfloat16).to(device)
+    scale = torch.cat([torch.full((H,), 1.06 / H**0.5), torch.full((r,), 1.06 / r**0.5)])
+    proj_w = (torch.randn(1, H + r, generator=g) * scale).to(torch.bfloat16).to(device)
+    proj_b = torch.tensor([2.5], dtype=torch.bfloat16, device=device)
+    anchor = torch.randint(0, V, (R,), generator=g).to(device)
+    tokens = torch.randint(0, V, (R, n), generator=g).to(device)
+    got = confidence_keep(hidden, anchor, tokens, w1, proj_w, proj_b, threshold)
+    want = confidence_keep_reference(hidden, anchor, tokens, w1, proj_w, proj_b, threshold)
+    assert got.dtype == torch.long and got.shape == (R,)
+    before = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)
+    x = torch.cat([hidden.double(), w1.double()[before]], dim=-1)
+    conf = torch.sigmoid(x @ proj_w.double().T + proj_b.double()).squeeze(-1)
+    clear = ((conf - threshold).abs() > 1e-5).all(dim=1)
+    assert clear.sum() >= R // 2, "too many confidences at the threshold: the case tests little"
+    assert torch.equal(got[clear], want[clear]), (got, want)
+    assert len(set(want.tolist())) >= 3, f"keeps {want.tolist()}: too few depths for the case to test much"

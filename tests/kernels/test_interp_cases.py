@@ -443,6 +443,11 @@ def test_draft_forward_equals_its_ops(tmp_path, monkeypatch, kv, dtype):
     draft_cases.check_draft_forward(tmp_path, kv, dtype, monkeypatch)
 
 
+@pytest.mark.parametrize("R, n, H, V, r, threshold", [(16, 15, 256, 4160, 64, 0.5), (12, 7, 96, 300, 12, 0.8)])
+def test_confidence_keep(R, n, H, V, r, threshold):
+    cases.check_confidence_keep(R, n, H, V, r, threshold)
+
+
 # ---- the speculative step's derivations (draft inputs, verify batch, advance) -----------------
 @pytest.mark.parametrize("rope_dim", [None, 64])
 @pytest.mark.parametrize("bs, k, width, ps", [(5, 16, 3, 64), (7, 4, 9, 4), (1, 3, 300, 16)])
