@@ -4,9 +4,10 @@ DFlash-family drafts, DFlash and DSpark (config, model, loader, random-checkpoin
 
 from glm53.models.config import ConfigError, GlmConfig, indexer_schedule
 from glm53.models.draft import (
-    DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection, DraftSampling, add_draft_pools, draft_kv_bytes_per_token,
+    DRAFT_KV, DFlashDraft, DraftBlock, DraftSampling, add_draft_pools, draft_kv_bytes_per_token,
 )
 from glm53.models.draft_checkpoint import write_random_draft
+from glm53.models.draft_projection import DraftProjection
 from glm53.models.draft_config import DFlashConfig, build_target_layer_ids, check_draft_tp
 from glm53.models.draft_weights import build_draft, draft_config, load_draft_projection, load_draft_weights
 from glm53.models.kv_cache import KVPools, OutOfPages, PageAllocator, Pool, kv_bytes_per_token, target_pools

@@ -21,7 +21,8 @@ from safetensors import safe_open
 
 from glm53.kernels.dispatch import cpu_multiplies_bf16
 from glm53.models.config import GlmConfig
-from glm53.models.draft import DFlashDraft, DraftProjection
+from glm53.models.draft import DFlashDraft
+from glm53.models.draft_projection import DraftProjection
 from glm53.models.draft_config import DFlashConfig
 from glm53.models.parallel import TPGroup
 from glm53.models.sharding import shard_of

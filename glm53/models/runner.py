@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from glm53.models.config import GlmConfig
-from glm53.models.draft import DFlashDraft, DraftBlock, DraftProjection
+from glm53.models.draft import DFlashDraft, DraftBlock
+from glm53.models.draft_projection import DraftProjection
 from glm53.models.draft_weights import build_draft, cpu_bf16_drafting, load_draft_projection
 from glm53.models.fused import fuse_projections_
 from glm53.models.dspark import BlockChoice

@@ -198,7 +198,8 @@ def _nextn_bytes(model_dir: Path, cfg: GlmConfig, lay: Layout, dtype: torch.dtyp
 
 def plan_instance(model_dir: str | Path, lay: Layout) -> Plan:
     """Builds each stage's rank-0 shard on the meta device and plans one GPU of each."""
-    from glm53.models.draft import DFlashDraft, DraftProjection, draft_kv_bytes_per_token
+    from glm53.models.draft import DFlashDraft, draft_kv_bytes_per_token
+    from glm53.models.draft_projection import DraftProjection
     from glm53.models.draft_config import DFlashConfig
     from glm53.models.kv_cache import FP8, target_pools
     from glm53.models.model import GlmForCausalLM

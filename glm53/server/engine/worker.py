@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from glm53.models import GlmConfig, ModelRunner, SeqChunk
-from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock, DraftProjection
+from glm53.models.draft import DRAFT_KV, DFlashDraft, DraftBlock
+from glm53.models.draft_projection import DraftProjection
 from glm53.models.mtp import MTP_POOLS, NextNDraft
 from glm53.models.mtp_weights import build_nextn
 from glm53.models.draft_weights import build_draft, cpu_bf16_drafting, draft_config, load_draft_projection
