@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from glm53.kernels.dispatch import triton_interpreting
-from glm53.kernels.rope_triton import rotate_pair
+from glm53.kernels.rope_triton import cos_sin, rotate_pair
 
 
 @triton.jit
@@ -73,11 +72,7 @@ def _context_kv_kernel(x_ptr, w_ptr, pos_ptr, slot_ptr, inv_ptr, pool_ptr, strid
     HALF: tl.constexpr = D // 2
     dt = pool_ptr.dtype.element_ty
     d = tl.arange(0, D)
-    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + d % HALF)
-    if LIBDEVICE:
-        c, s = libdevice.cos(angle), libdevice.sin(angle)
-    else:
-        c, s = tl.cos(angle), tl.sin(angle)
+    c, s = cos_sin(tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + d % HALF), LIBDEVICE)
     c = c.to(dt).to(tl.float32)
     s = s.to(dt).to(tl.float32)
     src = x_ptr + t * stride_x + (layer * 2 * KV + h) * D

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -22,6 +23,15 @@ def rotate_pair(u, w, c, s, dt: tl.constexpr):
     """u·c − round(w·s) in one fma, rounded to dt: o1 = rotate_pair(x1, x2, c, s), o2 =
     rotate_pair(x2, x1, c, −s); fp32 operands, c and s already rounded to dt."""
     return tl.fma(u, c, -(w * s).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def cos_sin(angle, LIBDEVICE: tl.constexpr):
+    """cos and sin of fp32 `angle`s as torch's CUDA ops compute them: libdevice's cosf/sinf
+    (LIBDEVICE); the interpreter has no libdevice and runs numpy's (`tl.cos`/`tl.sin`)."""
+    if LIBDEVICE:
+        return libdevice.cos(angle), libdevice.sin(angle)
+    return tl.cos(angle), tl.sin(angle)
 
 
 @triton.jit

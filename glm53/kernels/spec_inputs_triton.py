@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.rope_triton import cos_sin
 
 
 @triton.jit
@@ -17,12 +17,8 @@ def _store_cos_sin(cos_ptr, sin_ptr, inv_ptr, pos, tok, live, HALF: tl.constexpr
     """cos/sin [·, HALF] rows `tok` of positions `pos` (rows where `live`): one fp32 product, as
     `rope.rope_cos_sin` computes it."""
     f = tl.arange(0, HALF)
-    angle = pos.to(tl.float32)[:, None] * tl.load(inv_ptr + f)[None, :]
+    c, s = cos_sin(pos.to(tl.float32)[:, None] * tl.load(inv_ptr + f)[None, :], LIBDEVICE)
     at = tok.to(tl.int64)[:, None] * HALF + f[None, :]
-    if LIBDEVICE:
-        c, s = libdevice.cos(angle), libdevice.sin(angle)
-    else:
-        c, s = tl.cos(angle), tl.sin(angle)
     tl.store(cos_ptr + at, c, mask=live[:, None])
     tl.store(sin_ptr + at, s, mask=live[:, None])
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.rope_triton import cos_sin
 
 
 @triton.jit
@@ -24,13 +24,9 @@ def _step_inputs_kernel(pos_ptr, table_ptr, inv_ptr, slot_ptr, len_ptr, page_ptr
     tl.store(page_ptr + i, slot // PS)
     tl.store(off_ptr + i, slot % PS)
     f = tl.arange(0, HALF)
-    angle = p.to(tl.float32) * tl.load(inv_ptr + f)
-    if LIBDEVICE:
-        tl.store(cos_ptr + i * HALF + f, libdevice.cos(angle))
-        tl.store(sin_ptr + i * HALF + f, libdevice.sin(angle))
-    else:
-        tl.store(cos_ptr + i * HALF + f, tl.cos(angle))
-        tl.store(sin_ptr + i * HALF + f, tl.sin(angle))
+    c, s = cos_sin(p.to(tl.float32) * tl.load(inv_ptr + f), LIBDEVICE)
+    tl.store(cos_ptr + i * HALF + f, c)
+    tl.store(sin_ptr + i * HALF + f, s)
 
 
 def step_inputs_triton(positions: torch.Tensor, page_table: torch.Tensor, page_size: int, inv_freq: torch.Tensor):
