@@ -239,7 +239,7 @@ def case_attention():
 
 def case_norms():
     from glm53.kernels.fp8_act import rms_norm_fp8_triton, silu_mul_fp8_triton
-    from glm53.kernels.norm_triton import rms_norm_triton
+    from glm53.kernels.norm_triton import rms_norm_triton, sum_rms_norm_triton
     from glm53.kernels.rope_triton import apply_rope_triton
     from glm53.kernels.step_inputs_triton import step_inputs_triton
 
@@ -249,6 +249,8 @@ def case_norms():
         rms_norm_triton(empty(1, 6144), empty(6144), 1e-5, add=empty(1, 6144))
         for x in (empty(1, 6144), empty(1, 2048), empty(1, 576)[:, :512], empty(1, 6, 128)):
             rms_norm_triton(x, empty(x.shape[-1]), 1e-6)
+        # the draft's context rows: 3 feature products summed and normed (16 verify rows)
+        sum_rms_norm_triton(empty(3, 16, 6144), None, empty(6144), 1e-6, torch.bfloat16)
         for m in (1, 4096):  # decode rows carry the second e4m3 term (fp8_act.two_terms)
             # layers.norm_for: layer 0's input norm (no add), the others'; the MoE and the indexer's
             # gates read the dense norm too, a dense MLP or a shared-index layer only the rows

@@ -1,5 +1,6 @@
-"""Normalisations: RMSNorm (model, MLA latents; `add_rms_norm` with the residual add before it) and
-LayerNorm with bias (indexer keys).
+"""Normalisations: RMSNorm (model, MLA latents; `add_rms_norm` with the residual add before it;
+`sum_rms_norm` of a sum of products, the draft's context projection) and LayerNorm with bias
+(indexer keys).
 
 `rms_norm` runs the Triton kernel (`norm_triton.py`) where `dispatch.use_triton` says so and the
 weight is one vector; the reference (`rms_norm_reference`) otherwise."""
@@ -40,6 +41,27 @@ def add_rms_norm(x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: 
         return rms_norm_triton(x, weight, eps, add=add)
     s = x + add
     return s, rms_norm(s, weight, eps)
+
+
+def sum_rms_norm(parts: torch.Tensor, acc: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm(acc + Σ_p parts[p]) in `dtype`: parts [P, N, D] (P ≥ 1 without acc), acc [N, D]
+    fp32 or None, the sum in fp32 in that order; one kernel where `dispatch.use_triton` says so
+    (the same values as the adds, `rms_norm` in fp32 and the cast: the sum is exact to fp32 as
+    the ops round it, and the norm of an fp32 row rounds nothing before the weight)."""
+    if use_triton(parts, weight) and weight.dim() == 1 and parts.stride(-1) == 1 and (acc is None or acc.stride(-1) == 1):
+        from glm53.kernels.norm_triton import sum_rms_norm_triton
+
+        return sum_rms_norm_triton(parts, acc, weight, eps, dtype)
+    return sum_rms_norm_reference(parts, acc, weight, eps, dtype)
+
+
+def sum_rms_norm_reference(parts: torch.Tensor, acc: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           dtype: torch.dtype) -> torch.Tensor:
+    s = acc
+    for p in parts:
+        s = p.float() if s is None else s + p.float()
+    return rms_norm(s, weight, eps).to(dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

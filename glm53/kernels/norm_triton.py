@@ -64,3 +64,37 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
                                            eps, BLOCK_D=BLOCK_D, ADD=add is not None,
                                            num_warps=max(1, min(16, BLOCK_D // 256)))
     return out if add is None else (s.view(x.shape), out)
+
+
+@triton.jit
+def _sum_rms_norm_kernel(parts_ptr, acc_ptr, w_ptr, out_ptr, P, D, stride_pp, stride_pn, stride_a, stride_o, eps,
+                         BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    """One row: s = acc + parts[0] + … + parts[P − 1] in fp32, in that order (each addend widened
+    exactly), then `_rms_norm_kernel`'s arithmetic on the fp32 row."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    if ACC:
+        s = tl.load(acc_ptr + row * stride_a + d, mask=mask, other=0.0).to(tl.float32)
+        first = 0
+    else:
+        s = tl.load(parts_ptr + row * stride_pn + d, mask=mask, other=0.0).to(tl.float32)
+        first = 1
+    for p in range(first, P):
+        s += tl.load(parts_ptr + p * stride_pp + row * stride_pn + d, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, 0) / D + eps)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + d, (w * (s * rstd)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_rms_norm_triton(parts: torch.Tensor, acc: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                        dtype: torch.dtype) -> torch.Tensor:
+    P, N, D = parts.shape
+    assert parts.stride(2) == 1 and weight.shape == (D,) and (acc is None or (acc.shape == (N, D) and acc.stride(1) == 1))
+    out = torch.empty(N, D, dtype=dtype, device=parts.device)
+    if N:
+        BLOCK_D = triton.next_power_of_2(D)
+        _sum_rms_norm_kernel[(N,)](parts, parts if acc is None else acc, weight, out, P, D, parts.stride(0),
+                                   parts.stride(1), 0 if acc is None else acc.stride(0), out.stride(0), eps,
+                                   BLOCK_D=BLOCK_D, ACC=acc is not None, num_warps=max(1, min(16, BLOCK_D // 256)))
+    return out

@@ -37,12 +37,12 @@ from glm53.kernels.draft_attention import (
     draft_attention_gathered,
     gather_context,
 )
-from glm53.kernels.norm import add_rms_norm, rms_norm
+from glm53.kernels.norm import add_rms_norm, rms_norm, sum_rms_norm
 from glm53.kernels.qk_heads import finish_qk_heads, store_context_kv
 from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
 from glm53.models.config import GlmConfig
 from glm53.models.draft_config import DFlashConfig, check_draft_tp
-from glm53.models.draft_projection import project_features
+from glm53.models.draft_projection import feature_parts, project_features
 from glm53.models.dspark import (
     BlockChoice,
     BlockSampling,
@@ -255,6 +255,16 @@ class DFlashDraft(nn.Module):
         """acc + Σ W_k h_k over the feature layers present in `captures` (layer id -> [N, H]),
         fp32 [N, H]. A pipeline stage passes only its own layers."""
         return project_features(self.fc.weight, self.cfg.target_layer_ids, captures, acc)
+
+    def context_of(self, captures: Mapping[int, torch.Tensor], acc: torch.Tensor | None = None) -> torch.Tensor:
+        """`context(partial_projection(captures, acc))`. Where kernels run: the products, then
+        their sum and the norm in one launch (`sum_rms_norm`: the same values), not a widening
+        and an add per product, the norm and a cast."""
+        first = next(iter(captures.values()), None)
+        if first is None or not use_triton(first):
+            return self.context(self.partial_projection(captures, acc))
+        parts = feature_parts(self.fc.weight, self.cfg.target_layer_ids, captures)
+        return sum_rms_norm(parts, acc, self.hidden_norm.weight, self.cfg.rms_norm_eps, self.dtype)
 
     def context(self, acc: torch.Tensor) -> torch.Tensor:
         """c = hidden_norm(Σ_k W_k h_k), in the draft's dtype ([N, H])."""

@@ -36,6 +36,23 @@ def project_features(
     return acc
 
 
+def feature_parts(weight: torch.Tensor, ids: tuple[int, ...], captures: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """The products W_k h_k of the ids present in `captures`, in `ids` order, as one tensor [P, N, H]
+    in the weight's dtype (each written in place: no stack): what `project_features` sums."""
+    extra = sorted(set(captures) - set(ids))
+    if extra:
+        raise ValueError(f"captured layers {extra} are not draft features here (ids {list(ids)})")
+    ks = [k for k, layer in enumerate(ids) if layer in captures]
+    if not ks:
+        raise ValueError("no feature captured: nothing to project")
+    h = weight.shape[0]
+    first = captures[ids[ks[0]]]
+    parts = torch.empty(len(ks), first.shape[0], h, dtype=weight.dtype, device=weight.device)
+    for p, k in enumerate(ks):
+        torch.matmul(captures[ids[k]].to(weight.dtype), weight[:, k * h : (k + 1) * h].T, out=parts[p])
+    return parts
+
+
 class DraftProjection(nn.Module):
     """The `fc` column blocks of some of the draft's feature layers: what a pipeline stage that
     owns target layers `ids` (but not the draft) adds into the accumulator it hands on."""

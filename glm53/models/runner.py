@@ -323,13 +323,12 @@ class ModelRunner:
         features = {i: out.captures[i] for i in self.draft_ids}
         if acc is None and not features:
             acc = torch.zeros(len(batch.positions), self.cfg.hidden_size, dtype=torch.float32, device=self.device)
-        else:
-            acc = self.projection.partial_projection(features, acc)
         out.captures = {i: out.captures[i] for i in capture}
         if self.draft is None:
-            out.draft_acc = acc
+            out.draft_acc = self.projection.partial_projection(features, acc) if features else acc
         else:
-            self.draft.write_context(self.draft.context(acc), batch.positions, batch.out_slots, self.pools)
+            c = self.draft.context_of(features, acc) if features else self.draft.context(acc)
+            self.draft.write_context(c, batch.positions, batch.out_slots, self.pools)
         return out
 
     def _write_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:

@@ -201,6 +201,19 @@ def check_draft_forward(root, num_kv_heads: int, dtype: torch.dtype, monkeypatch
     fuse_projections_(draft)
     assert all(la.self_attn.qkv is not None for la in draft.layers)
     fused = logits()
+    # the context rows: the products summed and normed in one launch against the ops in turn,
+    # with every feature here, and with the first one's product handed in as a stage's acc
+    g = torch.Generator().manual_seed(11)
+    caps = {i: torch.randn(9, tcfg.hidden_size, generator=g).to(dtype).to(device) for i in draft.cfg.target_layer_ids}
+    first, *rest = draft.cfg.target_layer_ids
+    upstream = draft.partial_projection({first: caps[first]})
+    for c, c_ops in ((draft.context_of(caps), draft.context(draft.partial_projection(caps))),
+                     (draft.context_of({i: caps[i] for i in rest}, upstream),
+                      draft.context(draft.partial_projection({i: caps[i] for i in rest}, upstream)))):
+        if dtype == torch.float32 or device != "cpu":
+            assert torch.equal(c, c_ops)
+        else:
+            torch.testing.assert_close(c, c_ops, rtol=1e-2, atol=1e-2)
     if dtype == torch.float32 or device != "cpu":
         assert torch.equal(got, want)
     tol = 1e-5 if dtype == torch.float32 else 0.05
@@ -241,3 +254,27 @@ def check_context_kv(n: int, nl: int, kv: int, hd: int, ps: int, dtype: torch.dt
     assert pool.permute(0, 3, 1, 2, 4)[~written].isnan().all(), "a slot nobody wrote changed"
     got, want = pool.permute(0, 3, 1, 2, 4)[written], ref.permute(0, 3, 1, 2, 4)[written]
     torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def check_sum_rms_norm(P: int, N: int, D: int, with_acc: bool, dtype: torch.dtype, device="cpu") -> None:
+    """`sum_rms_norm` (the draft context's products summed and normed in one launch) against the
+    adds, the norm and the cast it replaces: fp32 out bit for bit; bf16 out within one rounding
+    (the interpreter truncates where a GPU rounds; on a GPU bit for bit)."""
+    from glm53.kernels.norm import sum_rms_norm, sum_rms_norm_reference
+
+    parts = (torch.randn(P, N, D + 8, device=device) * 3).to(dtype)[..., :D]  # strided rows
+    acc = torch.randn(N, D, device=device) * 5 if with_acc else None
+    w = torch.randn(D, device=device).to(dtype)
+    for out in (torch.float32, torch.bfloat16):
+        got = sum_rms_norm(parts, acc, w, 1e-6, out)
+        s = acc
+        for p in parts:  # the ops the draft ran: each product widened, added in order, normed, cast
+            s = p.float() if s is None else s + p.float()
+        want = rms_norm_triton(s, w, 1e-6).to(out)
+        assert got.dtype == out and torch.isfinite(got).all()
+        if out == torch.float32 or device != "cpu":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got.float(), sum_rms_norm_reference(parts, acc, w, 1e-6, out).float(),
+                                   rtol=1e-2, atol=1e-2)

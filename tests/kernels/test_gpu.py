@@ -272,6 +272,12 @@ def test_context_kv_rows(n, nl, kv, hd, dtype):
     draft_cases.check_context_kv(n, nl, kv, hd, 64, dtype, device=DEV)
 
 
+@pytest.mark.parametrize("P, N, D, with_acc", [(3, 16, 256, False), (3, 1024, 6144, False), (2, 64, 6144, True)])
+def test_sum_rms_norm(P, N, D, with_acc):
+    for dtype in (torch.float32, torch.bfloat16):
+        draft_cases.check_sum_rms_norm(P, N, D, with_acc, dtype, device=DEV)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv", [2, 4])
 def test_draft_forward_equals_its_ops(tmp_path, monkeypatch, kv, dtype):

@@ -431,6 +431,12 @@ def test_qk_heads_equal_the_norm_and_rope_kernels(dtype, shape):
         draft_cases.check_qk_heads(**shape, dtype=dtype, fused=fused)
 
 
+@pytest.mark.parametrize("P, with_acc", [(1, False), (3, False), (2, True), (0, True)])
+def test_sum_rms_norm(P, with_acc):
+    for dtype in (torch.float32, torch.bfloat16):
+        draft_cases.check_sum_rms_norm(P, 7, 96, with_acc, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, nl, kv, hd, ps", [(13, 3, 4, 64, 16), (5, 2, 1, 32, 4)])
 def test_context_kv_rows(n, nl, kv, hd, ps, dtype):
