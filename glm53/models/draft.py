@@ -31,35 +31,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm53.kernels.dispatch import use_triton
-from glm53.kernels.draft_attention import (
-    attention_bias,
-    draft_attention,
-    draft_attention_gathered,
-    gather_context,
-)
+from glm53.kernels.draft_attention import attention_bias, draft_attention, draft_attention_gathered, gather_context
 from glm53.kernels.norm import add_rms_norm, rms_norm, sum_rms_norm
 from glm53.kernels.qk_heads import finish_qk_heads, store_context_kv
 from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
 from glm53.models.config import GlmConfig
 from glm53.models.draft_config import DFlashConfig, check_draft_tp
 from glm53.models.draft_projection import feature_parts, project_features
-from glm53.models.dspark import (
-    BlockChoice,
-    BlockSampling,
-    ConfidenceHead,
-    MarkovHead,
-    choose_block,
-)
+from glm53.models.dspark import BlockChoice, BlockSampling, ConfidenceHead, MarkovHead, choose_block
 from glm53.models.fused import FusedLinear
 from glm53.models.kv_cache import KVPools, Pool
-from glm53.models.layers import (
-    MLP,
-    ColumnParallelLinear,
-    Linear,
-    Norm,
-    RowParallelLinear,
-    split,
-)
+from glm53.models.layers import MLP, ColumnParallelLinear, Linear, Norm, RowParallelLinear, split
 from glm53.models.parallel import TPGroup
 
 DRAFT_KV = "draft_kv"
@@ -289,7 +271,7 @@ class DFlashDraft(nn.Module):
             x = _mm(c, self._stacked_kv_t(torch.bfloat16)).view(n, nl, 2, kv, hd)
         else:
             x = F.linear(c, w_kv).view(n, nl, 2, kv, hd)
-        layers = self._all_layers(pool)  # [pages, page_size, 2·kv, L, hd]
+        layers = self._all_layers(pool)  # [pages, page_size, 2·kv, L, hd]; checks the pool's layer order
         if x.dtype == torch.float32 and not use_triton(x):
             # The CPU path: the reference norm and RoPE bit for bit in fewer ops (`_rms`, and the
             # half-split rotation as `_layers_fused` computes it).
