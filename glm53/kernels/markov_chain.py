@@ -45,14 +45,9 @@ def confidence_keep(hidden: torch.Tensor, anchor: torch.Tensor, tokens: torch.Te
     return confidence_keep_reference(hidden, anchor, tokens, w1, proj_w, proj_b, threshold)
 
 
-def confidence_of(hidden: torch.Tensor, embed: torch.Tensor, proj_w: torch.Tensor, proj_b: torch.Tensor) -> torch.Tensor:
-    """sigmoid(proj([h, embed])) fp32 [...]: hidden [..., H], embed [..., r] (one product)."""
-    x = torch.cat([hidden.float(), embed.float()], dim=-1)
-    return torch.sigmoid(x @ proj_w.float().T + proj_b.float()).squeeze(-1)
-
-
 def confidence_keep_reference(hidden: torch.Tensor, anchor: torch.Tensor, tokens: torch.Tensor, w1: torch.Tensor,
                               proj_w: torch.Tensor, proj_b: torch.Tensor, threshold: float) -> torch.Tensor:
     before = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)  # token_{i−1} of each position
-    conf = confidence_of(hidden, w1[before], proj_w, proj_b)
+    x = torch.cat([hidden.float(), w1[before].float()], dim=-1)  # [h_i, markov_w1[token_{i−1}]]
+    conf = torch.sigmoid(x @ proj_w.float().T + proj_b.float()).squeeze(-1)
     return (conf >= threshold).long().cumprod(dim=1).sum(dim=1)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm53.kernels.markov_chain import confidence_keep, confidence_of, markov_chain
+from glm53.kernels.markov_chain import confidence_keep, markov_chain
 from glm53.kernels.sampling_filter import filter_logits
 from glm53.models.layers import param
 
@@ -48,17 +48,14 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """`confidence_head.proj` (weight [1, H + r], bias [1])."""
+    """`confidence_head.proj` (weight [1, H + r], bias [1]); its confidences and the cut they make
+    are `kernels/markov_chain.confidence_keep`."""
 
     def __init__(self, hidden: int, rank: int, dtype: torch.dtype):
         super().__init__()
         self.proj = nn.Module()
         self.proj.weight = param(1, hidden + rank, dtype=dtype)
         self.proj.bias = param(1, dtype=dtype)
-
-    def forward(self, h: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
-        """sigmoid(proj([h, embed])) fp32 [...]: h [..., H], embed [..., r]."""
-        return confidence_of(h, embed, self.proj.weight, self.proj.bias)
 
 
 @dataclass

@@ -147,7 +147,7 @@ class SpecState:
 
     def draft_inputs(self, bs: int, width: int, inv_freq: torch.Tensor | None = None) -> DraftInputs:
         """With `inv_freq` (the draft's RoPE frequencies) also the block positions' cos/sin."""
-        self._fields(bs, width)
+        self._fields(bs, width)  # the bounds check
         return spec_inputs.draft_inputs(self.rows[:bs], self.page_table[:bs], width, self.page_size, self.pad_page,
                                         self.mask_token_id, self._j, self._ctx_pos, inv_freq)
 
