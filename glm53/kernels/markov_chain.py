@@ -13,8 +13,9 @@ from glm53.kernels.dispatch import use_triton
 
 
 def markov_chain(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """base [R, n, V] fp32: the draft's logits at block positions 1 .. n; anchor [R] long (block
-    token 0); w1, w2 [V, r] -> the greedy tokens [R, n] long."""
+    """base [R, n, V]: the draft's logits at block positions 1 .. n, fp32 or the lm_head's dtype
+    (the sums run in fp32 either way, so a bf16 base gives what its fp32 cast would); anchor [R]
+    long (block token 0); w1, w2 [V, r] -> the greedy tokens [R, n] long."""
     r = w1.shape[1]
     if use_triton(base, w1, w2) and r & (r - 1) == 0 and base.stride(2) == 1:
         from glm53.kernels.markov_chain_triton import markov_chain_triton
@@ -25,7 +26,8 @@ def markov_chain(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2:
 
 def markov_chain_reference(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
                            ) -> torch.Tensor:
-    w1, w2t = w1.float(), w2.float().T  # cast once per block (in a bf16 graph a cast is a kernel)
+    # cast once per block (in a bf16 graph a cast is a kernel)
+    w1, w2t, base = w1.float(), w2.float().T, base.float()
     prev, toks = anchor, []
     for i in range(base.shape[1]):  # left to right: position i sees the token chosen at i − 1
         prev = (base[:, i] + w1[prev] @ w2t).argmax(dim=-1)

@@ -47,7 +47,7 @@ def _markov_step_kernel(base_ptr, anchor_ptr, w1_ptr, w2_ptr, best_ptr, where_pt
         ok = v < V
         w = tl.load(w2_ptr + v[:, None].to(tl.int64) * R + k[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         score = tl.sum(w * e[None, :], 1) + tl.load(base_ptr + row * stride_br + i * stride_bi + v, mask=ok,
-                                                     other=0.0)
+                                                     other=0.0).to(tl.float32)
         score = tl.where(ok, score, float("-inf"))
         top = tl.max(score, 0)
         tl.store(best_ptr + part + i * NB + sl, top)
@@ -65,11 +65,12 @@ def default_block_v(rows: int, vocab: int) -> int:
 
 def markov_chain_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                         block_v: int | None = None) -> torch.Tensor:
-    """base [R, n, V] fp32 (rows contiguous in V), anchor [R] long, w1 / w2 [V, r] (r a power of
-    two) -> tokens [R, n] long. `block_v` (None: `default_block_v`) changes the speed only."""
+    """base [R, n, V] fp32 or the lm_head's dtype (rows contiguous in V; read as fp32), anchor [R]
+    long, w1 / w2 [V, r] (r a power of two) -> tokens [R, n] long. `block_v` (None:
+    `default_block_v`) changes the speed only."""
     R_, n, V = base.shape
     r = w1.shape[1]
-    assert base.dtype == torch.float32 and base.stride(2) == 1 and w1.shape == w2.shape == (V, r)
+    assert base.is_floating_point() and base.stride(2) == 1 and w1.shape == w2.shape == (V, r)
     assert r & (r - 1) == 0, f"the Markov rank must be a power of two here, got {r}"
     tokens = torch.empty((R_, n), dtype=torch.long, device=base.device)
     if R_ == 0 or n == 0:

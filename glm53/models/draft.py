@@ -485,10 +485,12 @@ class DFlashDraft(nn.Module):
         return target.lm_head.tp.all_gather(y, dim=-1).float().view(r, n, -1)
 
     @staticmethod
-    def logits_of(target: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head on the block hidden [R, B − 1, H]: fp32 [R, B − 1, vocab]."""
+    def logits_of(target: nn.Module, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """The target's lm_head on the block hidden [R, B − 1, H]: [R, B − 1, vocab], fp32 or
+        (`fp32=False`, for `choose`, which casts only where it must) the lm_head's dtype."""
         r, n, _ = h.shape
-        return target.lm_head(h.reshape(r * n, -1)).float().view(r, n, -1)
+        y = target.lm_head(h.reshape(r * n, -1))
+        return (y.float() if fp32 else y).view(r, n, -1)
 
     def block_logits(self, target: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
                      ctx: PagedContext) -> torch.Tensor:

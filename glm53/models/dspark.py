@@ -113,10 +113,13 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def choose_block(logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tensor | None = None,
                  markov: MarkovHead | None = None, confidence: ConfidenceHead | None = None,
                  threshold: float = 0.0, sampling: BlockSampling | None = None) -> BlockChoice:
-    """Proposals for blocks whose draft logits are `logits` [R, B − 1, V] fp32 (positions
-    1 .. B − 1), anchored at `anchor` [R] (block token 0). `hidden` [R, B − 1, H]: the final-normed
-    draft hidden (needed by the confidence head)."""
+    """Proposals for blocks whose draft logits are `logits` [R, B − 1, V] (positions 1 .. B − 1;
+    fp32, or the lm_head's dtype, whose argmax and Markov scores are its fp32 cast's), anchored
+    at `anchor` [R] (block token 0). `hidden` [R, B − 1, H]: the final-normed draft hidden
+    (needed by the confidence head)."""
     r, n, _ = logits.shape
+    if sampling is not None:  # q's arithmetic in fp32
+        logits = logits.float()
     if markov is None:  # DFlash: every position on its own
         tokens = logits.argmax(dim=-1)
         probs = None

@@ -308,14 +308,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, batch, kv, topk_slots, pending: torch.Tensor | None = None, defer: bool = False):
         """The residual stream after this layer, and the top-k it hands on. `pending`: the previous
         layer's MLP output not yet added to x; with `defer` this layer's is returned that way too
-        (x, mlp_out, top-k), and each residual add runs inside the norm after it."""
+        (x, mlp_out, top-k, the stream this layer entered with: x + pending, the previous layer's
+        output), and each residual add runs inside the norm after it."""
         # each norm writes its output as the products after it read it, with the residual add
         # before it in the same pass (`layers.norm_for`)
-        x, h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn, add=pending)
+        entry, h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn, add=pending)
         a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in)
-        x, h, h_in = norm_for(x, self.post_attention_layernorm.weight, self.eps, self.mlp, add=a)
+        x, h, h_in = norm_for(entry, self.post_attention_layernorm.weight, self.eps, self.mlp, add=a)
         out = self.mlp(h, h_in) if isinstance(self.mlp, MoE) else self.mlp(h_in)
-        return (x, out, topk_slots) if defer else (x + out, topk_slots)
+        return (x, out, topk_slots, entry) if defer else (x + out, topk_slots)
 
 
 class Backbone(nn.Module):
@@ -465,14 +466,18 @@ class GlmForCausalLM(nn.Module):
         captures: dict[int, torch.Tensor] = {}
         cos, sin = batch.rope if batch.rope is not None else rope_cos_sin(batch.positions, self.inv_freq)
         pending = None  # a layer's MLP output, added inside the next layer's first norm
+        held = None  # a captured layer whose output is the next layer's entry (that norm's sum)
         for layer in self.model.layers.values():
-            x, pending, topk_slots = layer(x, cos, sin, batch, kv, topk_slots, pending=pending, defer=True)
-            if want and layer.layer in want:
-                x, pending = x + pending, None
-                last = layer.layer == self.cfg.num_hidden_layers - 1
-                captures[layer.layer] = self.final_norm(x) if last else x
+            x, pending, topk_slots, entry = layer(x, cos, sin, batch, kv, topk_slots, pending=pending, defer=True)
+            if held is not None:
+                captures[held], held = entry, None
+            if layer.layer in want:
+                held = layer.layer
         if pending is not None:
             x = x + pending
+        if held is not None:  # the stage's last layer: its output is the stage's
+            last = held == self.cfg.num_hidden_layers - 1
+            captures[held] = self.final_norm(x) if last else x
         return StageOutput(x, topk_slots if self.hands_on_topk else None, captures)
 
     def forward(self, batch: ForwardBatch, kv: KVPools, logit_rows: torch.Tensor) -> torch.Tensor:

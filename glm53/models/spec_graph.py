@@ -51,7 +51,7 @@ def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.T
     d = state.draft_inputs(bs, width, draft.inv_freq)
     ctx = draft.paged_context(d.table, d.mask, runner.pools)  # read in place by the draft attention
     h = draft.block_hidden(model, d.ids, d.positions, ctx, rope=d.rope)
-    choice = draft.choose(draft.logits_of(model, h), d.ids[:, 0], h)
+    choice = draft.choose(draft.logits_of(model, h, fp32=False), d.ids[:, 0], h)
     n = state.verify_n(bs, choice.keep + 1)
     out = runner.forward_batch(state.verify_batch(bs, width, choice.tokens, n, model.inv_freq))
     logits = model.logits(out.hidden)

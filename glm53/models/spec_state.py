@@ -159,11 +159,11 @@ class SpecState:
     def verify_batch(self, bs: int, width: int, drafts: torch.Tensor, n: torch.Tensor | None = None,
                      inv_freq: torch.Tensor | None = None) -> ForwardBatch:
         """The verify forward's batch: bs·K tokens, [last, drafts] per row (`drafts` [bs, K − 1]).
-        `n` [bs]: the tokens each row verifies when the draft cut its block (≤ the row's n; a
-        device tensor, so a cut block replays the same graph). With `inv_freq` (the target's RoPE
-        frequencies) the batch carries its cos/sin, computed with the rest."""
+        `n` [bs]: the tokens each row verifies when the draft cut its block (`verify_n`'s, so at
+        most the row's n; a device tensor, so a cut block replays the same graph). With `inv_freq`
+        (the target's RoPE frequencies) the batch carries its cos/sin, computed with the rest."""
         last, start, _, rows_n, _ = self._fields(bs, width)
-        n = rows_n if n is None else torch.minimum(n, rows_n)
+        n = rows_n if n is None else n
         return padded_batch((last, drafts), start, n, self.page_table[:bs], self._pad_row, width, self.page_size,
                             self._j, inv_freq)
 

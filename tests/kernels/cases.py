@@ -458,6 +458,9 @@ def check_markov_chain(R, n, V, r, device="cpu", scale=1.0):
     # a base of one value everywhere but the heads: ties in the base, the heads decide
     flat = torch.zeros(R, n, V, device=device)
     assert torch.equal(markov_chain(flat, anchor, w1, w2), markov_chain_reference(flat, anchor, w1, w2))
+    # the lm_head's bf16 logits read as they are: the tokens of their fp32 cast
+    b16 = base.to(torch.bfloat16)
+    assert torch.equal(markov_chain(b16, anchor, w1, w2), markov_chain_reference(b16.float(), anchor, w1, w2))
 
 
 def check_confidence_keep(R, n, H, V, r, threshold, device="cpu"):

@@ -16,7 +16,7 @@ from glm53.models import (
     DFlashDraft, DraftBlock, DraftSampling, GlmConfig, GlmForCausalLM, KVPools, ModelRunner, PageAllocator,
     SeqChunk, WeightError, add_draft_pools, build_draft, draft_config,
 )
-from glm53.models.dspark import inverse_cdf
+from glm53.models.dspark import choose_block, inverse_cdf
 from glm53.models.weights import load_weights
 from glm53.support.oracle import make_checkpoint
 from tests.models.draft_oracle import (
@@ -200,6 +200,23 @@ def test_sampled_block_draws_from_q_of_the_sampled_predecessor(ckpts):
     # The same seed draws the same block (every rank, every run).
     again, _ = draft.draft_block(target, blocks, pools)
     assert torch.equal(again.tokens, choice.tokens)
+
+
+def test_choose_reads_bf16_logits_as_their_fp32_cast(ckpts):
+    """The graphs hand `choose` the lm_head's bf16 logits uncast (one launch fewer): greedy DFlash
+    and DSpark blocks and sampled q must be those of the logits' fp32 cast."""
+    _, draft = load(ckpts, threshold=0.5)
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, 5, V, generator=g) * 4).to(torch.bfloat16)
+    hidden, anchor = torch.randn(3, 5, draft.cfg.hidden_size, generator=g), torch.randint(0, V, (3,), generator=g)
+    sampling = draft.block_sampling([DraftBlock(1, 8, [0], sampling=DraftSampling(0.7, 0, 0.9, 0.0, 3))] * 3, 5,
+                                    torch.device("cpu"))
+    for markov in (None, draft.markov_head):
+        for s in (None, sampling):
+            a = choose_block(logits, anchor, hidden, markov, draft.confidence_head, 0.5, s)
+            b = choose_block(logits.float(), anchor, hidden, markov, draft.confidence_head, 0.5, s)
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.keep, b.keep)
+            assert (a.probs is None) == (s is None) and (s is None or torch.equal(a.probs, b.probs))
 
 
 def ref_filter(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

@@ -120,6 +120,25 @@ def test_captures_equal_transformers_hidden_states(tmp_path, monkeypatch):
     probe.assert_well_posed()
 
 
+def test_captures_inside_a_stage_equal_stage_ends(tmp_path):
+    """A layer captured inside a stage is read off the next layer's input norm (the residual sum
+    it writes); one ending a stage is the stream handed on. The two must be the same bits."""
+    make_checkpoint(tmp_path, seed=24, index_topk_freq=2, index_skip_topk_offset=2)
+    whole = ModelRunner.from_dir(tmp_path, page_size=PAGE, num_pages=PAGES, progress=False)
+    split = [range(i, i + 1) for i in range(5)]
+    stages = [ModelRunner.from_dir(tmp_path, page_size=PAGE, num_pages=PAGES, layers=r, progress=False) for r in split]
+    prompt = torch.randint(0, 160, (3 * TOPK,), generator=torch.Generator().manual_seed(29))
+    pages = PageAllocator(PAGES).alloc(whole.pages_needed(len(prompt)))
+    chunks = [SeqChunk(prompt.tolist(), 0, pages)]
+    got = whole.forward_stage(chunks, None, capture=(0, 1, 3, 4)).captures
+    inputs = None
+    for i, r in enumerate(stages):
+        out = r.forward_stage(chunks, inputs, capture=(i,))
+        if i in got:
+            assert torch.equal(got[i], out.captures[i]), f"layer {i}"
+        inputs = out.next_input() if i < 4 else None
+
+
 def test_bad_capture_and_missing_inputs_raise(tmp_path):
     make_checkpoint(tmp_path, seed=23, index_topk_freq=2, index_skip_topk_offset=2)  # F F S F S
     first = ModelRunner.from_dir(tmp_path, page_size=PAGE, num_pages=PAGES, layers=range(0, 2), progress=False)
