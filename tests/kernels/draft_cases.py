@@ -160,9 +160,11 @@ def ops_block_hidden(draft, target, ids, positions, ctx, products=None) -> torch
 def check_draft_forward(root, num_kv_heads: int, dtype: torch.dtype, monkeypatch, device="cpu") -> None:
     """A draft's drafting forward (`propose`: the blocks' logits) on the modules' path against the
     same forward as separate ops (`ops_block_hidden`), unfused and then with its projections fused
-    as the runner serves it. Unfused: bit for bit on a GPU; under the interpreter in fp32 only (it
-    truncates to bf16 where a GPU rounds to nearest, so a residual add inside a norm and torch's own
-    add differ there). Fused: close (the stacked product may accumulate in another order)."""
+    as the runner serves it. Unfused: bit for bit under the interpreter in fp32 only (it truncates
+    to bf16 where a GPU rounds to nearest, so a residual add inside a norm and torch's own add
+    differ there); on a GPU in bf16 only (fp32 differed on the H100 in the twenty-sixth session:
+    an fp32 reduction or product need not round alike in two compiled forms), else close. Fused:
+    close (the stacked product may accumulate in another order)."""
     from glm53.models import DFlashConfig, DFlashDraft, DraftBlock, GlmConfig, GlmForCausalLM, KVPools
     from glm53.models import add_draft_pools, load_draft_weights
     from glm53.models.draft_checkpoint import write_random_draft
@@ -214,7 +216,7 @@ def check_draft_forward(root, num_kv_heads: int, dtype: torch.dtype, monkeypatch
             assert torch.equal(c, c_ops)
         else:
             torch.testing.assert_close(c, c_ops, rtol=1e-2, atol=1e-2)
-    if dtype == torch.float32 or device != "cpu":
+    if (dtype == torch.float32) == (device == "cpu"):
         assert torch.equal(got, want)
     tol = 1e-5 if dtype == torch.float32 else 0.05
     for out in (got, fused):
@@ -258,8 +260,10 @@ def check_context_kv(n: int, nl: int, kv: int, hd: int, ps: int, dtype: torch.dt
 
 def check_sum_rms_norm(P: int, N: int, D: int, with_acc: bool, dtype: torch.dtype, device="cpu") -> None:
     """`sum_rms_norm` (the draft context's products summed and normed in one launch) against the
-    adds, the norm and the cast it replaces: fp32 out bit for bit; bf16 out within one rounding
-    (the interpreter truncates where a GPU rounds; on a GPU bit for bit)."""
+    adds, the norm and the cast it replaces: under the interpreter fp32 out bit for bit and bf16
+    out within one rounding (the interpreter truncates where a GPU rounds). On a GPU the two
+    kernels' compiled sums of squares need not round alike (the H100 differed at D = 6144,
+    twenty-sixth session): fp32 within a few ulps, bf16 within one rounding."""
     from glm53.kernels.norm import sum_rms_norm, sum_rms_norm_reference
 
     parts = (torch.randn(P, N, D + 8, device=device) * 3).to(dtype)[..., :D]  # strided rows
@@ -272,8 +276,10 @@ def check_sum_rms_norm(P: int, N: int, D: int, with_acc: bool, dtype: torch.dtyp
             s = p.float() if s is None else s + p.float()
         want = rms_norm_triton(s, w, 1e-6).to(out)
         assert got.dtype == out and torch.isfinite(got).all()
-        if out == torch.float32 or device != "cpu":
+        if out == torch.float32 and device == "cpu":
             assert torch.equal(got, want)
+        elif out == torch.float32:
+            torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-6)
         else:
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(got.float(), sum_rms_norm_reference(parts, acc, w, 1e-6, out).float(),
