@@ -242,6 +242,7 @@ def case_norms():
     from glm53.kernels.norm_triton import rms_norm_triton, sum_rms_norm_triton
     from glm53.kernels.rope_triton import apply_rope_triton
     from glm53.kernels.step_inputs_triton import step_inputs_triton
+    from glm53.kernels.swiglu_triton import silu_mul_triton
 
     def run():
         # hidden 6144 (the residual adds and norms; the final norm), q_lora 2048 (q_a), the latent's
@@ -260,6 +261,9 @@ def case_norms():
         for m in (1, 64, 4096):  # the dense MLP's 12288 / 8 = 1536, halves of the fused gate_up
             gu = empty(m, 2 * 1536)
             silu_mul_fp8_triton(gu[:, :1536], gu[:, 1536:])
+        for m in (1, 16):  # bf16 SwiGLU: the draft's 768-wide MLP at decode and verify rows
+            gu = empty(m, 2 * 768)
+            silu_mul_triton(gu[:, :768], gu[:, 768:])
         # rope: the indexer's q (interleaved, 32 heads), MLA's q_pe past absorb.MAX_TOKENS (8 heads),
         # the 2-D k_pe / indexer key of the FP8 caches, the draft's q and k (NeoX halves of 128)
         cs32, cs64 = empty(1, 32, dtype=F32), empty(1, 64, dtype=F32)

@@ -26,6 +26,7 @@ from glm53.kernels.fp8_act import Fp8Rows, add_rms_norm_fp8, rms_norm_fp8, silu_
 from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows, takes_fp8_rows
 from glm53.kernels.moe import swiglu_mlp
 from glm53.kernels.norm import add_rms_norm, rms_norm
+from glm53.kernels.swiglu import silu_mul
 from glm53.models.config import ConfigError
 from glm53.models.fused import FusedLinear
 from glm53.models.parallel import TPGroup
@@ -231,7 +232,7 @@ class MLP(nn.Module):
         if self.gate_up is not None or isinstance(x, Fp8Rows) or g.fp8 or u.fp8 or d.fp8:
             gx, ux = self.gate_up(x) if self.gate_up is not None else (g.matmul(x), u.matmul(x))
             # the down product's input quantized by the SwiGLU itself where it would be anyway
-            h = silu_mul_fp8(gx, ux) if gx.dim() == 2 and d.takes_fp8_rows(gx.shape[0]) else F.silu(gx) * ux
+            h = silu_mul_fp8(gx, ux) if gx.dim() == 2 and d.takes_fp8_rows(gx.shape[0]) else silu_mul(gx, ux)
             out = d.matmul(h)
         else:
             out = swiglu_mlp(x, g.weight, u.weight, d.weight)

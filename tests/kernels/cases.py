@@ -489,3 +489,25 @@ def check_confidence_keep(R, n, H, V, r, threshold, device="cpu"):
     assert clear.sum() >= R // 2, "too many confidences at the threshold: the case tests little"
     assert torch.equal(got[clear], want[clear]), (got, want)
     assert len(set(want.tolist())) >= 3, f"keeps {want.tolist()}: too few depths for the case to test much"
+
+
+def check_silu_mul(M: int, inter: int, dtype: torch.dtype, device="cpu") -> None:
+    """`swiglu.silu_mul` (one launch) against torch's silu and product on the two strided halves of
+    one gate_up output, with gates over a wide range (exp's tails): on a GPU bit for bit (libdevice's
+    expf and a rounded division, as torch's kernel); under the interpreter fp32 within an ulp or two
+    of torch's CPU exp, bf16 within the two roundings the interpreter truncates."""
+    import torch.nn.functional as F
+
+    from glm53.kernels.swiglu import silu_mul
+
+    gu = torch.randn(M, 2 * inter + 8, device=device) * 4
+    gu[:, :3] = torch.tensor([-90.0, 0.0, 90.0], device=device)  # exp(−g) overflowing and vanishing
+    gu = gu.to(dtype)
+    gate, up = gu[:, :inter], gu[:, inter + 8 :]
+    got, want = silu_mul(gate, up), F.silu(gate) * up
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous() and torch.isfinite(got).all()
+    if torch.device(device).type == "cuda":
+        assert torch.equal(got, want)
+    else:
+        tol = 4e-7 if dtype == torch.float32 else 2.0**-6
+        torch.testing.assert_close(got, want, rtol=tol, atol=1e-30)

@@ -327,6 +327,13 @@ def test_fp8_gemm_cublas_ragged_rows_and_fp32(M):
     fp8_cases.check_gemm(M, 512, 1024, torch.float32, "cublas", "tiny", "normal", device=DEV)
 
 
+@pytest.mark.parametrize("M", [1, 16, 300])
+def test_silu_mul(M):  # the embedded draft's and the dense layer's widths, and GLM-5's dense one
+    for inter in (768, 12288):
+        cases.check_silu_mul(M, inter, torch.bfloat16, device=DEV)
+    cases.check_silu_mul(M, 768, torch.float32, device=DEV)
+
+
 @pytest.mark.parametrize("M", [1, 33, 4096])
 def test_fp8_producers_glm5(M):
     # RMSNorm over the hidden and q_lora widths, SwiGLU over the dense and shared intermediates

@@ -785,6 +785,11 @@ def test_silu_mul_fp8(M, inter, dtype):
     fp8_cases.check_silu_mul_fp8(M, inter, dtype)
 
 
+@pytest.mark.parametrize("M,inter,dtype", [(16, 768, torch.bfloat16), (3, 200, torch.float32), (1, 96, torch.bfloat16)])
+def test_silu_mul(M, inter, dtype):
+    cases.check_silu_mul(M, inter, dtype)
+
+
 @pytest.mark.parametrize("M", [33, 70])  # w8a8 (the interpreter has no cuBLAS): two terms, one
 def test_fp8_gemm_rows(M):
     fp8_cases.check_gemm_rows(M, 136, 300)
