@@ -144,7 +144,7 @@ def main() -> None:
 
 def profile_steps(a, prompt: list[int]) -> None:
     """Per mode, one batch-1 decode of `prompt` under torch.profiler: wall and GPU kernel time per
-    decode step (a plain step or a DFlash step), and the largest kernels."""
+    decode step (a plain step, or a speculative step of the first draft), and the largest kernels."""
     from glm53.support.kernel_profile import kernel_table, print_table, profile
 
     for block in [None] + a.block:
@@ -161,7 +161,8 @@ def profile_steps(a, prompt: list[int]) -> None:
         _, toks, verify, _ = runs[0]
         steps = verify or toks
         gpu_us, rows = kernel_table(prof, steps, a.profile_top)
-        print_table(f"{'off' if block is None else f'dflash {block}'}: {steps} steps, wall {wall / steps * 1e3:.2f} "
+        mode = "off" if block is None else f"{Path(a.draft[0]).name} {block}"  # the first draft's only
+        print_table(f"{mode}: {steps} steps, wall {wall / steps * 1e3:.2f} "
                     f"ms/step under the profiler", gpu_us, rows)
 
 
