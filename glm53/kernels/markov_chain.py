@@ -3,7 +3,8 @@ argmax_v(base[i, v] + markov_w2[v] · markov_w1[token_{i−1}]), decoded left to
 anchor. The confidence cut: position i's confidence is sigmoid(proj([h_i, markov_w1[token_{i−1}]])),
 and the block keeps the proposals before the first one below the threshold. The Triton kernels
 (`markov_chain_triton.py`: one launch a position for the chain, one for the cut) where
-`use_triton` says so, else the torch references (four kernels a position; ~14 for the cut)."""
+`use_triton` says so, else the torch references (four kernels a position; ~14 for the cut).
+`markov_chain_keep`: both, the cut made by the chain's last launch."""
 
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ def markov_chain_reference(base: torch.Tensor, anchor: torch.Tensor, w1: torch.T
         prev = (base[:, i] + w1[prev] @ w2t).argmax(dim=-1)
         toks.append(prev)
     return torch.stack(toks, dim=1) if toks else anchor.new_empty((base.shape[0], 0))
+
+
+def markov_chain_keep(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      hidden: torch.Tensor, proj_w: torch.Tensor, proj_b: torch.Tensor, threshold: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`markov_chain`'s tokens, `confidence_keep` of them): on the Triton path one launch fewer
+    (the cut in the chain's last launch), the same values as the two ops."""
+    r = w1.shape[1]
+    if (use_triton(base, w1, w2, hidden, proj_w) and r & (r - 1) == 0 and base.stride(2) == 1
+            and hidden.stride(2) == 1):
+        from glm53.kernels.markov_chain_triton import markov_chain_keep_triton
+
+        return markov_chain_keep_triton(base, anchor, w1, w2, hidden, proj_w, proj_b, threshold)
+    tokens = markov_chain(base, anchor, w1, w2)
+    return tokens, confidence_keep(hidden, anchor, tokens, w1, proj_w, proj_b, threshold)
 
 
 def confidence_keep(hidden: torch.Tensor, anchor: torch.Tensor, tokens: torch.Tensor, w1: torch.Tensor,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm53.kernels.markov_chain import confidence_keep, markov_chain
+from glm53.kernels.markov_chain import confidence_keep, markov_chain, markov_chain_keep
 from glm53.kernels.sampling_filter import filter_logits
 from glm53.models.layers import param
 
@@ -131,13 +131,18 @@ def choose_block(logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tenso
     if cut and hidden is None:
         raise ValueError("the confidence head needs the draft's hidden states")
     probs = []
+    w1 = markov.markov_w1.weight
+    if sampling is None and cut:  # the chain, then the cut, made by the chain's last launch on a GPU
+        tokens, keep = markov_chain_keep(logits, anchor, w1, markov.markov_w2.weight, hidden, confidence.proj.weight,
+                                         confidence.proj.bias, threshold)
+        return BlockChoice(tokens, keep)
     if sampling is None:  # greedy: the chain alone (on a GPU one kernel launch a position)
-        tokens = markov_chain(logits, anchor, markov.markov_w1.weight, markov.markov_w2.weight)
+        tokens = markov_chain(logits, anchor, w1, markov.markov_w2.weight)
     else:
         prev, toks = anchor, []
-        w1, w2t = markov.tables()
+        w1f, w2t = markov.tables()
         for i in range(n):  # left to right: position i sees the token chosen at i − 1
-            lg = logits[:, i] + w1[prev] @ w2t  # base_i + markov_w2 · markov_w1[token_{i−1}]
+            lg = logits[:, i] + w1f[prev] @ w2t  # base_i + markov_w2 · markov_w1[token_{i−1}]
             q = draft_probs(lg[:, None], sampling)[:, 0]
             prev = torch.where(sampling.rows, inverse_cdf(q, sampling.uniforms[:, i]), lg.argmax(dim=-1))
             toks.append(prev)
@@ -146,8 +151,7 @@ def choose_block(logits: torch.Tensor, anchor: torch.Tensor, hidden: torch.Tenso
     if cut:
         # Every position's confidence once the chain is known (its inputs are), in one op: the
         # leading positions at or above the threshold; the block ends before the first below it.
-        keep = confidence_keep(hidden, anchor, tokens, markov.markov_w1.weight, confidence.proj.weight,
-                               confidence.proj.bias, threshold)
+        keep = confidence_keep(hidden, anchor, tokens, w1, confidence.proj.weight, confidence.proj.bias, threshold)
     else:
         keep = torch.full((r,), n, dtype=torch.long, device=logits.device)
     return BlockChoice(tokens, keep, torch.stack(probs, dim=1) if probs else None)

@@ -491,6 +491,31 @@ def check_confidence_keep(R, n, H, V, r, threshold, device="cpu"):
     assert len(set(want.tolist())) >= 3, f"keeps {want.tolist()}: too few depths for the case to test much"
 
 
+def check_markov_chain_keep(R, n, H, V, r, threshold, device="cpu"):
+    """The chain with the cut made by its last launch (`markov_chain_keep`) against the two ops in
+    turn (`markov_chain`, then `confidence_keep` of its tokens), on random heads whose logits cut
+    blocks at several depths: the same tokens and keeps bit for bit (the same code, the same
+    warps), and the tokens the reference's."""
+    from glm53.kernels.markov_chain import confidence_keep, markov_chain, markov_chain_keep, markov_chain_reference
+
+    g = torch.Generator().manual_seed(R * 1000 + n * 10 + r)
+    base = (torch.randn(R, n, V, generator=g) * 3).to(device)
+    w1 = (torch.randn(V, r, generator=g) * 0.5).to(torch.bfloat16).to(device)
+    w2 = (torch.randn(V, r, generator=g) * 0.5).to(torch.bfloat16).to(device)
+    hidden = torch.randn(R, n, H + 8, generator=g).to(torch.bfloat16).to(device)[..., :H]  # strided rows
+    scale = torch.cat([torch.full((H,), 1.06 / H**0.5), torch.full((r,), 0.53 / r**0.5)])
+    proj_w = (torch.randn(1, H + r, generator=g) * scale).to(torch.bfloat16).to(device)
+    proj_b = torch.tensor([2.5], dtype=torch.bfloat16, device=device)
+    anchor = torch.randint(0, V, (R,), generator=g).to(device)
+    tokens, keep = markov_chain_keep(base, anchor, w1, w2, hidden, proj_w, proj_b, threshold)
+    want = markov_chain(base, anchor, w1, w2)
+    assert torch.equal(tokens, want) and torch.equal(want, markov_chain_reference(base, anchor, w1, w2))
+    want_keep = confidence_keep(hidden, anchor, want, w1, proj_w, proj_b, threshold)
+    assert keep.dtype == torch.long and torch.equal(keep, want_keep), (keep, want_keep)
+    if R >= 8:
+        assert len(set(keep.tolist())) >= 3, f"keeps {keep.tolist()}: too few depths for the case to test much"
+
+
 def check_silu_mul(M: int, inter: int, dtype: torch.dtype, device="cpu") -> None:
     """`swiglu.silu_mul` (one launch) against torch's silu and product on the two strided halves of
     one gate_up output, with gates over a wide range (exp's tails): on a GPU bit for bit (libdevice's

@@ -233,6 +233,11 @@ def test_confidence_keep(R, n, H, V, r):  # the embedded DSpark draft's heads; G
     cases.check_confidence_keep(R, n, H, V, r, 0.5, device=DEV)
 
 
+@pytest.mark.parametrize("R, n, H, V, r", [(1, 15, 256, 4160, 64), (16, 15, 256, 4160, 64), (4, 15, 6144, 154880, 64)])
+def test_markov_chain_keep(R, n, H, V, r):  # the cut in the chain's last launch: bit for bit the two ops
+    cases.check_markov_chain_keep(R, n, H, V, r, 0.5, device=DEV)
+
+
 # ---- paged DFlash draft attention at the slice's draft widths (48 query / 8 KV heads of 128) ---
 @pytest.mark.parametrize("R", [1, 64])
 @pytest.mark.parametrize("B", [4, 16])

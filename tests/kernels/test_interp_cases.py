@@ -454,6 +454,11 @@ def test_confidence_keep(R, n, H, V, r, threshold):
     cases.check_confidence_keep(R, n, H, V, r, threshold)
 
 
+@pytest.mark.parametrize("R, n, H, V, r, threshold", [(8, 15, 96, 700, 16, 0.7), (8, 5, 64, 513, 32, 0.8)])
+def test_markov_chain_keep(R, n, H, V, r, threshold):  # the cut in the chain's last launch
+    cases.check_markov_chain_keep(R, n, H, V, r, threshold)
+
+
 # ---- the speculative step's derivations (draft inputs, verify batch, advance) -----------------
 @pytest.mark.parametrize("rope_dim", [None, 64])
 @pytest.mark.parametrize("bs, k, width, ps", [(5, 16, 3, 64), (7, 4, 9, 4), (1, 3, 300, 16)])
