@@ -43,6 +43,7 @@ class PaddedBatch:
     page: torch.Tensor  # [bs·K] long: out_slots // page_size
     offset: torch.Tensor  # [bs·K] long: out_slots % page_size
     rope: tuple[torch.Tensor, torch.Tensor] | None  # cos/sin [bs·K, D/2] fp32 of `positions`
+    n: torch.Tensor  # [bs] long: the tokens each row verifies (its n, capped by a cut's keep + 1)
 
 
 def _pow2(half: int | None) -> bool:
@@ -85,25 +86,30 @@ def draft_inputs_reference(rows: torch.Tensor, page_table: torch.Tensor, width: 
 # ---- the padded verify batch ---------------------------------------------------------------------
 def padded_batch(ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor], start: torch.Tensor, n: torch.Tensor,
                  table: torch.Tensor, pad_row: torch.Tensor, width: int, page_size: int, j: torch.Tensor,
-                 inv_freq: torch.Tensor | None = None) -> PaddedBatch:
+                 inv_freq: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> PaddedBatch:
     """A static batch of bs rows of K tokens, flattened to bs·K: `ids` [bs, K], or (first [bs],
     rest [bs, K − 1]) meaning their concatenation; row i's token j < n[i] at position start[i] + j
     in its pages (`table` [bs, ≥ width] int32), token j ≥ n[i] a padding token (position 0 on the
     padding page, `pad_row` [≥ width] int32), so nothing outside a request's pages is read or
-    written. `j` = arange(≥ K) on the device. With `inv_freq` also the positions' cos/sin."""
+    written. `j` = arange(≥ K) on the device. With `inv_freq` also the positions' cos/sin. `keep`
+    [bs] long (a DSpark cut's kept proposals): n[i] becomes min(n[i], keep[i] + 1) first, in the
+    same launch (the batch's `n`)."""
     k = ids.shape[1] if isinstance(ids, torch.Tensor) else ids[1].shape[1] + 1
     parts = (ids,) if isinstance(ids, torch.Tensor) else ids
     if use_triton(start, n, table) and _pow2(None if inv_freq is None else inv_freq.shape[0]) \
             and table.stride(1) == 1 and pad_row.stride(0) == 1 and parts[-1].stride(-1) == 1:
         from glm53.kernels.spec_inputs_triton import padded_batch_triton
 
-        return PaddedBatch(*padded_batch_triton(parts, start, n, table, pad_row, width, page_size, k, inv_freq))
-    return padded_batch_reference(ids, start, n, table, pad_row, width, page_size, j, inv_freq)
+        return PaddedBatch(*padded_batch_triton(parts, start, n, table, pad_row, width, page_size, k, inv_freq, keep))
+    return padded_batch_reference(ids, start, n, table, pad_row, width, page_size, j, inv_freq, keep)
 
 
 def padded_batch_reference(ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor], start: torch.Tensor,
                            n: torch.Tensor, table: torch.Tensor, pad_row: torch.Tensor, width: int, page_size: int,
-                           j: torch.Tensor, inv_freq: torch.Tensor | None = None) -> PaddedBatch:
+                           j: torch.Tensor, inv_freq: torch.Tensor | None = None,
+                           keep: torch.Tensor | None = None) -> PaddedBatch:
+    if keep is not None:
+        n = torch.minimum(n, keep + 1)
     if not isinstance(ids, torch.Tensor):
         ids = torch.cat([ids[0][:, None], ids[1]], dim=1)
     bs, k = ids.shape
@@ -115,7 +121,7 @@ def padded_batch_reference(ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     page = rows.gather(1, (pos // ps)[:, None]).squeeze(1).to(torch.long)
     slots = page * ps + pos % ps
     rope = None if inv_freq is None else rope_cos_sin(pos, inv_freq)
-    return PaddedBatch(ids.reshape(-1), pos, slots, rows, (pos + 1).to(torch.int32), slots // ps, slots % ps, rope)
+    return PaddedBatch(ids.reshape(-1), pos, slots, rows, (pos + 1).to(torch.int32), slots // ps, slots % ps, rope, n)
 
 
 # ---- the rows' advance ---------------------------------------------------------------------------

@@ -76,17 +76,22 @@ def draft_inputs_triton(rows: torch.Tensor, page_table: torch.Tensor, width: int
 
 @triton.jit
 def _padded_batch_kernel(first_ptr, rest_ptr, start_ptr, n_ptr, table_ptr, pad_ptr, inv_ptr, ids_ptr, pos_ptr,
-                         slot_ptr, rows_ptr, len_ptr, page_ptr, off_ptr, cos_ptr, sin_ptr,
+                         slot_ptr, rows_ptr, len_ptr, page_ptr, off_ptr, cos_ptr, sin_ptr, keep_ptr, nout_ptr,
                          stride_f, stride_r, stride_s, stride_n, stride_t, W, K,
                          PS: tl.constexpr, BJ: tl.constexpr, BW: tl.constexpr, FIRST: tl.constexpr,
-                         HALF: tl.constexpr, ROPE: tl.constexpr, LIBDEVICE: tl.constexpr):
+                         HALF: tl.constexpr, ROPE: tl.constexpr, LIBDEVICE: tl.constexpr, KEEP: tl.constexpr):
     """Program (i, b): tokens [b·BJ, (b + 1)·BJ) of row i. FIRST: token 0 from `first`, token j ≥ 1
-    from rest[j − 1]; else every token from `rest` (the ids [bs, K])."""
+    from rest[j − 1]; else every token from `rest` (the ids [bs, K]). KEEP: the row's n capped at
+    keep + 1 (written to nout by the row's first program)."""
     i = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BJ + tl.arange(0, BJ)
     jm = j < K
     start = tl.load(start_ptr + i * stride_s)
     n = tl.load(n_ptr + i * stride_n)
+    if KEEP:
+        n = tl.minimum(n, tl.load(keep_ptr + i) + 1)
+        if tl.program_id(1) == 0:
+            tl.store(nout_ptr + i, n)
     valid = j < n
     pos = tl.where(valid, start + j, 0)
     tok = i * K + j
@@ -118,8 +123,11 @@ def _padded_batch_kernel(first_ptr, rest_ptr, start_ptr, n_ptr, table_ptr, pad_p
 
 
 def padded_batch_triton(parts: tuple[torch.Tensor, ...], start: torch.Tensor, n: torch.Tensor, table: torch.Tensor,
-                        pad_row: torch.Tensor, width: int, page_size: int, k: int, inv_freq: torch.Tensor | None):
+                        pad_row: torch.Tensor, width: int, page_size: int, k: int, inv_freq: torch.Tensor | None,
+                        keep: torch.Tensor | None = None):
     bs, dev = start.shape[0], start.device
+    assert keep is None or (keep.shape == (bs,) and keep.dtype == torch.long and keep.stride(0) == 1)
+    n_out = n if keep is None else torch.empty(bs, dtype=torch.long, device=dev)
     N = bs * k
     ids, pos, slots, page, off = (torch.empty(N, dtype=torch.long, device=dev) for _ in range(5))
     rows = torch.empty(N, width, dtype=torch.int32, device=dev)
@@ -130,11 +138,12 @@ def padded_batch_triton(parts: tuple[torch.Tensor, ...], start: torch.Tensor, n:
     bj = min(64, triton.next_power_of_2(k))
     _padded_batch_kernel[(bs, triton.cdiv(k, bj))](
         first, rest, start, n, table, pad_row, cos if inv_freq is None else inv_freq, ids, pos, slots, rows, lens, page,
-        off, cos, sin, first.stride(0), rest.stride(0), start.stride(0), n.stride(0), table.stride(0), width, k,
-        PS=page_size, BJ=bj, BW=min(2048 // bj, triton.next_power_of_2(width)), FIRST=len(parts) == 2, HALF=half,
-        ROPE=inv_freq is not None, LIBDEVICE=not triton_interpreting(), num_warps=4,
+        off, cos, sin, n if keep is None else keep, n_out, first.stride(0), rest.stride(0), start.stride(0),
+        n.stride(0), table.stride(0), width, k, PS=page_size, BJ=bj, BW=min(2048 // bj, triton.next_power_of_2(width)),
+        FIRST=len(parts) == 2, HALF=half, ROPE=inv_freq is not None, LIBDEVICE=not triton_interpreting(),
+        KEEP=keep is not None, num_warps=4,
     )
-    return ids, pos, slots, rows, lens, page, off, None if inv_freq is None else (cos, sin)
+    return ids, pos, slots, rows, lens, page, off, None if inv_freq is None else (cos, sin), n_out
 
 
 @triton.jit

@@ -155,7 +155,7 @@ class MTPState:
         return self._batch(bs, width, tokens[:, None], (start + k - 1)[:, None], valid[:, None])
 
     def verify_batch(self, bs: int, width: int, drafts: torch.Tensor) -> ForwardBatch:
-        return self.spec.verify_batch(bs, width, drafts)
+        return self.spec.verify_batch(bs, width, drafts)[0]
 
     def verify_n(self, bs: int) -> torch.Tensor:
         return self.spec.rows[:bs, 3]

@@ -86,7 +86,8 @@ class PrefillGraphs:
         """The forward the graphs hold, on the static buffers: the chunk's last logits [1, vocab] fp32."""
         r = self.runner
         start, n = self.meta[0:1], self.meta[1:2]
-        batch = padded_batch(self.ids[None, :tokens], start, n, self.table, self._pad_row, width, r.page_size, self._j)
+        batch, _ = padded_batch(self.ids[None, :tokens], start, n, self.table, self._pad_row, width, r.page_size,
+                                self._j)
         hidden = r.forward_batch(batch).hidden
         return r.model.logits(hidden.index_select(0, n - 1))
 

@@ -52,8 +52,8 @@ def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.T
     ctx = draft.paged_context(d.table, d.mask, runner.pools)  # read in place by the draft attention
     h = draft.block_hidden(model, d.ids, d.positions, ctx, rope=d.rope)
     choice = draft.choose(draft.logits_of(model, h, fp32=False), d.ids[:, 0], h)
-    n = state.verify_n(bs, choice.keep + 1)
-    out = runner.forward_batch(state.verify_batch(bs, width, choice.tokens, n, model.inv_freq))
+    batch, n = state.verify_batch(bs, width, choice.tokens, choice.keep, model.inv_freq)
+    out = runner.forward_batch(batch)
     logits = model.logits(out.hidden)
     tokens = torch.cat([choice.tokens, logits.argmax(dim=-1).view(bs, state.k), n[:, None]], dim=1)
     state.advance(bs, tokens)  # the next step's rows, for a launch before the host reads this one

@@ -151,21 +151,16 @@ class SpecState:
         return spec_inputs.draft_inputs(self.rows[:bs], self.page_table[:bs], width, self.page_size, self.pad_page,
                                         self.mask_token_id, self._j, self._ctx_pos, inv_freq)
 
-    def verify_n(self, bs: int, cut: torch.Tensor) -> torch.Tensor:
-        """[bs] long: the tokens each row verifies, its n capped at `cut` (the draft's cut block:
-        the bonus slot plus the proposals it kept)."""
-        return torch.minimum(self.rows[:bs, 3], cut)
-
-    def verify_batch(self, bs: int, width: int, drafts: torch.Tensor, n: torch.Tensor | None = None,
-                     inv_freq: torch.Tensor | None = None) -> ForwardBatch:
-        """The verify forward's batch: bs·K tokens, [last, drafts] per row (`drafts` [bs, K − 1]).
-        `n` [bs]: the tokens each row verifies when the draft cut its block (`verify_n`'s, so at
-        most the row's n; a device tensor, so a cut block replays the same graph). With `inv_freq`
-        (the target's RoPE frequencies) the batch carries its cos/sin, computed with the rest."""
+    def verify_batch(self, bs: int, width: int, drafts: torch.Tensor, keep: torch.Tensor | None = None,
+                     inv_freq: torch.Tensor | None = None) -> tuple[ForwardBatch, torch.Tensor]:
+        """The verify forward's batch: bs·K tokens, [last, drafts] per row (`drafts` [bs, K − 1]),
+        and the tokens each row verifies [bs]: its n, or with `keep` (the proposals a DSpark cut
+        kept) min(n, keep + 1), computed in the batch's own launch (a device tensor, so a cut
+        block replays the same graph). With `inv_freq` (the target's RoPE frequencies) the batch
+        carries its cos/sin, computed with the rest."""
         last, start, _, rows_n, _ = self._fields(bs, width)
-        n = rows_n if n is None else n
-        return padded_batch((last, drafts), start, n, self.page_table[:bs], self._pad_row, width, self.page_size,
-                            self._j, inv_freq)
+        return padded_batch((last, drafts), start, rows_n, self.page_table[:bs], self._pad_row, width, self.page_size,
+                            self._j, inv_freq, keep)
 
     def advance(self, bs: int, tokens: torch.Tensor) -> None:
         """Move rows [0, bs) to the step after the one whose output is `tokens` [bs, 2K] (the K − 1
@@ -181,19 +176,21 @@ class SpecState:
 
 def padded_batch(ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor], start: torch.Tensor, n: torch.Tensor,
                  table: torch.Tensor, pad_row: torch.Tensor, width: int, page_size: int, j: torch.Tensor,
-                 inv_freq: torch.Tensor | None = None) -> ForwardBatch:
+                 inv_freq: torch.Tensor | None = None, keep: torch.Tensor | None = None
+                 ) -> tuple[ForwardBatch, torch.Tensor]:
     """A static batch of bs rows of K tokens (`ids` [bs, K], or (first [bs], rest [bs, K − 1])),
     flattened to bs·K: row i's token j < n[i] at position start[i] + j in its pages (`table` [bs,
     ≥ width] int32), token j ≥ n[i] a padding token (position 0 on the padding page, `pad_row`), so
     nothing outside a request's pages is read or written. `j`: arange(K) on the device, the
     caller's constant. The slots' (page, offset) come with it, and with `inv_freq` the cos/sin
-    (`kernels/spec_inputs`: one launch). Device ops only (CUDA graphs capture it)."""
-    pb = spec_inputs.padded_batch(ids, start, n, table, pad_row, width, page_size, j, inv_freq)
+    (`kernels/spec_inputs`: one launch), and the tokens each row verifies (n, capped at `keep` + 1
+    when given). Device ops only (CUDA graphs capture it)."""
+    pb = spec_inputs.padded_batch(ids, start, n, table, pad_row, width, page_size, j, inv_freq, keep)
     batch = ForwardBatch(input_ids=pb.input_ids, positions=pb.positions, out_slots=pb.out_slots,
                          page_table=pb.page_table, context_lens=pb.context_lens, max_context=width * page_size,
                          rope=pb.rope)
     batch.set_coords(page_size, pb.page, pb.offset)
-    return batch
+    return batch, pb.n
 
 
 @dataclass

@@ -73,11 +73,14 @@ def check_padded_batch(bs: int, k: int, width: int, ps: int, rope_dim: int | Non
     j = torch.arange(k, device=device)
     inv = None if rope_dim is None else rope_inv_freq(rope_dim, 1e6, device)
     args = (parts, rows[:, 1], n, table[:bs], pad_row, width, ps, j, inv)
-    got, want = padded_batch(*args), padded_batch_reference(*args)
-    for name in ("input_ids", "positions", "out_slots", "page_table", "context_lens", "page", "offset"):
-        a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
-    _rope_close(got.rope, want.rope, device)
+    want = padded_batch_reference(*args)
+    # the cut given as the kept proposals (keep = cut − 1): the batch caps n itself, the same batch
+    kept = (parts, rows[:, 1], rows[:, 3], table[:bs], pad_row, width, ps, j, inv, cut - 1)
+    for got in (padded_batch(*args), padded_batch(*kept), padded_batch_reference(*kept)):
+        for name in ("input_ids", "positions", "out_slots", "page_table", "context_lens", "page", "offset", "n"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+        _rope_close(got.rope, want.rope, device)
 
 
 def check_advance(bs: int, k: int, device="cpu", seed=0) -> None:

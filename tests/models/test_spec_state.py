@@ -97,7 +97,8 @@ def test_static_step_equals_the_eager_step(runner):
         chunks = [SeqChunk([b.last_token, *d], b.start_pos, b.page_table, all_logits=True)
                   for b, d in zip(blocks, got.drafts)]
         ref_batch, _ = runner.build_batch(chunks)
-        vb = state.verify_batch(bs, width, tokens[:, : K - 1])
+        vb, vn = state.verify_batch(bs, width, tokens[:, : K - 1])
+        assert torch.equal(vn, state.rows[:bs, 3])  # no cut: every row verifies its n
         real = torch.tensor([i * K + j for i, r in enumerate(rows) for j in range(r.n)])
         for name in ("input_ids", "positions", "out_slots", "context_lens"):
             assert torch.equal(getattr(vb, name)[real], getattr(ref_batch, name)), name
