@@ -300,7 +300,7 @@ def case_moe():
 
 def case_draft():
     from glm53.kernels.draft_attention_triton import draft_attention_triton
-    from glm53.kernels.markov_chain_triton import confidence_keep_triton, markov_chain_triton
+    from glm53.kernels.markov_chain_triton import confidence_keep_triton, markov_chain_keep_triton, markov_chain_triton
     from glm53.kernels.qk_heads_triton import finish_qk_heads_triton, store_context_kv_triton
     from glm53.kernels.spec_inputs_triton import advance_rows_triton, draft_inputs_triton, padded_batch_triton
 
@@ -309,9 +309,10 @@ def case_draft():
         # of 6 query heads; blocks of 16 (and 4: an eager step's shorter ones) on 64-token pages
         for R, B, W in ((1, 16, 65), (64, 16, 1), (64, 4, 65)):  # 17 splits, one split, 8 splits
             kb = empty(R, B, 1, 128)
-            draft_attention_triton(empty(R, 1, 6 * B, 128), empty(W * R + 1, 2, 2, 64, 128), 1,
-                                   torch.zeros(R, W, dtype=I32), kb, kb.clone(),
-                                   torch.ones(R, W * 64 + B, dtype=torch.bool))
+            for arrivals in (None, torch.zeros(R, dtype=I32)):  # the splits merged after, or in the launch
+                draft_attention_triton(empty(R, 1, 6 * B, 128), empty(W * R + 1, 2, 2, 64, 128), 1,
+                                       torch.zeros(R, W, dtype=I32), kb, kb.clone(),
+                                       torch.ones(R, W * 64 + B, dtype=torch.bool), arrivals=arrivals)
         # the q/k heads finished from the fused q|k|v product (6 query, 1 KV head of 128), a block of
         # 16; and the shipped tiny draft's 4 + 4 heads of 64
         for hq, hk, hd in ((6, 1, 128), (4, 4, 64)):
@@ -329,14 +330,19 @@ def case_draft():
         rows, table = torch.zeros(64, 5, dtype=torch.long), torch.zeros(64, 65, dtype=I32)
         draft_inputs_triton(rows, table, 65, 64, 0, 0, 16, empty(64, dtype=F32))
         ids = torch.zeros(64, 16, dtype=torch.long)
-        padded_batch_triton((ids[:, 0], ids[:, 1:]), rows[:, 1], rows[:, 3], table, table[0], 65, 64, 16,
-                            empty(32, dtype=F32))
+        for keep in (None, rows[:, 2].contiguous()):  # the rows' n, or capped by a DSpark cut
+            padded_batch_triton((ids[:, 0], ids[:, 1:]), rows[:, 1], rows[:, 3], table, table[0], 65, 64, 16,
+                                empty(32, dtype=F32), keep)
         padded_batch_triton((torch.zeros(1, 4096, dtype=torch.long),), rows[:1, 1], rows[:1, 3], table[:1], table[0],
                             65, 64, 4096, None)
         advance_rows_triton(rows, torch.zeros(64, 32, dtype=torch.long))
         # DSpark's Markov chain: GLM-5's vocabulary, the shipped rank-64 head, 15 block positions
         markov_chain_triton(empty(1, 15, 154880, dtype=F32), torch.zeros(1, dtype=torch.long),
                             empty(154880, 64), empty(154880, 64))
+        # and with the cut made by its last launch (GLM-5's hidden 6144)
+        markov_chain_keep_triton(empty(1, 15, 154880, dtype=F32), torch.zeros(1, dtype=torch.long),
+                                 empty(154880, 64), empty(154880, 64), empty(1, 15, 6144), empty(1, 6144 + 64),
+                                 empty(1), 0.5)
         # its confidence cut: the tiny draft's hidden 256 and GLM-5's 6144, 15 positions
         for h in (256, 6144):
             confidence_keep_triton(empty(64, 15, h), torch.zeros(64, dtype=torch.long),
