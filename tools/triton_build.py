@@ -309,10 +309,9 @@ def case_draft():
         # of 6 query heads; blocks of 16 (and 4: an eager step's shorter ones) on 64-token pages
         for R, B, W in ((1, 16, 65), (64, 16, 1), (64, 4, 65)):  # 17 splits, one split, 8 splits
             kb = empty(R, B, 1, 128)
-            for arrivals in (None, torch.zeros(R, dtype=I32)):  # the splits merged after, or in the launch
-                draft_attention_triton(empty(R, 1, 6 * B, 128), empty(W * R + 1, 2, 2, 64, 128), 1,
-                                       torch.zeros(R, W, dtype=I32), kb, kb.clone(),
-                                       torch.ones(R, W * 64 + B, dtype=torch.bool), arrivals=arrivals)
+            draft_attention_triton(empty(R, 1, 6 * B, 128), empty(W * R + 1, 2, 2, 64, 128), 1,
+                                   torch.zeros(R, W, dtype=I32), kb, kb.clone(),
+                                   torch.ones(R, W * 64 + B, dtype=torch.bool))
         # the q/k heads finished from the fused q|k|v product (6 query, 1 KV head of 128), a block of
         # 16; and the shipped tiny draft's 4 + 4 heads of 64
         for hq, hk, hd in ((6, 1, 128), (4, 4, 64)):

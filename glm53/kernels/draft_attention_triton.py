@@ -6,11 +6,7 @@ the page's mask slice (page_size bytes) and skips the page when nothing in it is
 loads the page's K and V tiles straight from the pool (one contiguous page_size × hd block each,
 hidden slots masked out of the load) and runs an online softmax in fp32 (base 2) with two
 tensor-core products. The last split also takes the B block keys. One split writes the output;
-several write normalized partial outputs and log-sum-exps that `_combine_kernel` merges, or, given
-a zeroed counter per program row (`arrivals`), the last split of each row to finish merges them in
-the same launch: each split counts itself in with an atomic after its partials are fenced, the
-one that counts last merges and zeroes the counter for the next launch (the merge's arithmetic and
-order are the combine kernel's, so the output is the same bit for bit; one launch fewer).
+several write normalized partial outputs and log-sum-exps that `_combine_kernel` merges.
 
 Why: the gathered formulation copied every request's whole context of every draft layer, then
 once more per layer to append the block, before SDPA read it a third time; here each visible
@@ -70,7 +66,7 @@ def _page(q, k_head, page_id_ptr, stride_pp, stride_ph, vis, dm, m_i, l_i, acc, 
 # 16-byte class: the mask reads are 16 bytes a page against the K/V tiles' 2·page_size·hd.
 @triton.jit(do_not_specialize=["M", "B", "W", "pages_per_split", "stride_tr", "stride_mr"])
 def _draft_attn_kernel(
-    q_ptr, pool_ptr, table_ptr, kb_ptr, vb_ptr, mask_ptr, out_ptr, part_ptr, lse_ptr, cnt_ptr,
+    q_ptr, pool_ptr, table_ptr, kb_ptr, vb_ptr, mask_ptr, out_ptr, part_ptr, lse_ptr,
     M, B, W, pages_per_split, qk_scale,
     stride_qr, stride_qh, stride_qm,
     stride_pp, stride_ph, stride_ps,
@@ -79,11 +75,8 @@ def _draft_attn_kernel(
     stride_or, stride_oh, stride_om,
     KV: tl.constexpr, HD: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT: tl.constexpr, SKIP: tl.constexpr, P_TY: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr = False, FENCE: tl.constexpr = False,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """MERGE (with SPLIT): the row's last split to finish merges the partials (`cnt_ptr`: a zeroed
-    int32 counter per program row). FENCE: a GPU-scope fence in every thread around the count
-    (the interpreter runs programs one after another and has no fences)."""
     pid = tl.program_id(0)  # r · KV + h
     sp = tl.program_id(1)
     r = (pid // KV).to(tl.int64)
@@ -137,31 +130,17 @@ def _draft_attn_kernel(
         tl.store(part_ptr + (prow * BLOCK_M + m[:, None]) * BLOCK_D + d[None, :], o)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + prow * BLOCK_M + m, lse)
-        if MERGE:
-            _fence(m, FENCE)  # this split's partials reach the GPU before it is counted
-            tl.debug_barrier()
-            if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-                _fence(m, FENCE)  # and the others' before this program reads them
-                tl.store(cnt_ptr + pid, 0)  # zero for the next launch: no other split counts any more
-                _merge_splits(part_ptr, lse_ptr, out_ptr, pid, r, h, M, tl.num_programs(1), stride_or, stride_oh,
-                              stride_om, HD, BLOCK_M, BLOCK_D, True)
     else:
         tl.store(out_ptr + r * stride_or + h * stride_oh + m[:, None] * stride_om + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mm[:, None] & dm[None, :])
 
 
-@triton.jit
-def _fence(x, FENCE: tl.constexpr):
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
-def _merge_splits(part_ptr, lse_ptr, out_ptr, pid, r, h, M, NSPLIT, stride_or, stride_oh, stride_om,
-                  HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, L2: tl.constexpr):
-    """Program row `pid`'s NSPLIT partials merged into the output. L2: read them past the SM's L1
-    (other SMs wrote them in this launch)."""
+@triton.jit(do_not_specialize=["M", "NSPLIT"])  # follow the block and the split plan
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, M, NSPLIT, stride_or, stride_oh, stride_om,
+                    KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    r = (pid // KV).to(tl.int64)
+    h = pid % KV
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     mx = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -169,30 +148,18 @@ def _merge_splits(part_ptr, lse_ptr, out_ptr, pid, r, h, M, NSPLIT, stride_or, s
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for sp in range(0, NSPLIT):  # running merge of the splits by their log-sum-exps
         prow = pid.to(tl.int64) * NSPLIT + sp
-        if L2:
-            lse = tl.load(lse_ptr + prow * BLOCK_M + m, cache_modifier=".cg")
-            part = tl.load(part_ptr + (prow * BLOCK_M + m[:, None]) * BLOCK_D + d[None, :], cache_modifier=".cg")
-        else:
-            lse = tl.load(lse_ptr + prow * BLOCK_M + m)
-            part = tl.load(part_ptr + (prow * BLOCK_M + m[:, None]) * BLOCK_D + d[None, :])
+        lse = tl.load(lse_ptr + prow * BLOCK_M + m)
         mn = tl.maximum(mx, lse)
         mu = tl.where(mn == float("-inf"), 0.0, mn)
         a = tl.exp2(mx - mu)
         wgt = tl.exp2(lse - mu)
+        part = tl.load(part_ptr + (prow * BLOCK_M + m[:, None]) * BLOCK_D + d[None, :])
         acc = acc * a[:, None] + part * wgt[:, None]
         den = den * a + wgt
         mx = mn
     o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
     tl.store(out_ptr + r * stride_or + h * stride_oh + m[:, None] * stride_om + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=(m < M)[:, None] & (d < HD)[None, :])
-
-
-@triton.jit(do_not_specialize=["M", "NSPLIT"])  # follow the block and the split plan
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, M, NSPLIT, stride_or, stride_oh, stride_om,
-                    KV: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0)
-    _merge_splits(part_ptr, lse_ptr, out_ptr, pid, (pid // KV).to(tl.int64), pid % KV, M, NSPLIT, stride_or,
-                  stride_oh, stride_om, HD, BLOCK_M, BLOCK_D, False)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -231,11 +198,9 @@ def launch_constants(m: int, hd: int, ps: int, b: int, num_warps: int | None = N
 
 
 def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits=None, skip_hidden=True,
-                           num_warps=None, num_stages=2, out=None, arrivals=None) -> torch.Tensor:
+                           num_warps=None, num_stages=2, out=None) -> torch.Tensor:
     """The schedule knobs (`num_splits`, `skip_hidden`, `num_warps`, `num_stages`) change the
-    speed only. `out`: [R, kv, M, hd] with a unit last stride, or None for a new tensor.
-    `arrivals`: int32, at least R·kv elements, all zero (and left so): the splits merge in the
-    attention's own launch; None: in a launch after it."""
+    speed only. `out`: [R, kv, M, hd] with a unit last stride, or None for a new tensor."""
     r, kv, m, hd = q.shape
     ps = pool.shape[3]
     w, b = table.shape[1], k_blk.shape[1]
@@ -255,11 +220,8 @@ def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits
         lse = torch.empty((r * kv, splits, block_m), dtype=torch.float32, device=q.device)
     else:
         part = lse = out  # never touched
-    merge = splits > 1 and arrivals is not None
-    if merge:
-        assert arrivals.dtype == torch.int32 and arrivals.numel() >= r * kv and arrivals.device == q.device
     _draft_attn_kernel[(r * kv, splits)](
-        q, pool_l, table, k_blk, v_blk, mask8, out, part, lse, arrivals if merge else lse,
+        q, pool_l, table, k_blk, v_blk, mask8, out, part, lse,
         m, b, w, per, hd**-0.5 * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         pool_l.stride(0), pool_l.stride(1), pool_l.stride(2),
@@ -267,10 +229,9 @@ def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits
         k_blk.stride(0), k_blk.stride(1), k_blk.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         KV=kv, HD=hd, PAGE=ps, **c, SPLIT=splits > 1, SKIP=skip_hidden, P_TY=_TL[q.dtype], DOT_F32=interp,
-        PRECISION=dot_precision(q.dtype), MERGE=merge, FENCE=merge and not interp, num_warps=warps,
-        num_stages=num_stages,
+        PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=num_stages,
     )
-    if splits > 1 and not merge:
+    if splits > 1:
         # the attention's warps: at 4 a 128-row block's fp32 accumulator alone took 128 registers a
         # thread and the combine spilled (tools/triton_build.py, sm_90: 255 registers, 184 B local)
         _combine_kernel[(r * kv,)](

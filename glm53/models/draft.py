@@ -95,7 +95,6 @@ class PagedContext:
     pool: torch.Tensor  # the `draft_kv` pool tensor [pages, 2·kv, L, page_size, hd]
     table: torch.Tensor  # [R, W] page ids (entries of pages nothing visible lies in are never read)
     mask: torch.Tensor  # [R, W·page_size + B] bool
-    arrivals: torch.Tensor | None = None  # zeroed int32 split counters: splits merged in the attention's launch
 
 
 @dataclass(frozen=True)
@@ -149,10 +148,9 @@ class DraftAttention(nn.Module):
         kb, vb = k.view(r, b, hk, hd), v.view(r, b, hk, hd)
         if group == 1:  # the attention writes the rows o_proj reads: no copy
             o = torch.empty(n, self.n_heads * hd, dtype=q.dtype, device=q.device)
-            draft_attention(q, ctx.pool, layer, ctx.table, kb, vb, ctx.mask, out=o.view(r, b, hk, hd).transpose(1, 2),
-                            arrivals=ctx.arrivals)
+            draft_attention(q, ctx.pool, layer, ctx.table, kb, vb, ctx.mask, out=o.view(r, b, hk, hd).transpose(1, 2))
         else:
-            o = draft_attention(q, ctx.pool, layer, ctx.table, kb, vb, ctx.mask, arrivals=ctx.arrivals)
+            o = draft_attention(q, ctx.pool, layer, ctx.table, kb, vb, ctx.mask)
             o = o.view(r, hk, group, b, hd).permute(0, 3, 1, 2, 4).reshape(n, self.n_heads * hd)  # [R, B, kv, group, hd]
         return self.o_proj(o)
 
@@ -212,7 +210,6 @@ class DFlashDraft(nn.Module):
         self.confidence_threshold = confidence_threshold
         self.cpu_bf16 = cpu_bf16
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
-        self._arrivals: list[torch.Tensor] = []  # the draft attention's counters; every size ever handed out
 
     # --- the draft KV pool ---
     @property
@@ -505,20 +502,7 @@ class DFlashDraft(nn.Module):
         from this rank's `draft_kv` pool (whose layer i must be draft layer i)."""
         pool = pools[DRAFT_KV]
         self._all_layers(pool)  # checks the layer order
-        counters = self._counters(table.shape[0] * self.kv_heads_local, table.device)
-        return PagedContext(pool.tensor, table, mask, counters)
-
-    def _counters(self, n: int, device: torch.device) -> torch.Tensor | None:
-        """At least n zeroed int32 counters for the draft attention (each launch leaves them zero),
-        made outside a CUDA graph capture only: inside one, None (its splits then merge in a launch
-        of their own). A grown set never frees the old one, which a captured graph may hold."""
-        have = self._arrivals[-1] if self._arrivals else None
-        if have is not None and have.numel() >= n and have.device == device:
-            return have
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        self._arrivals.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-        return self._arrivals[-1]
+        return PagedContext(pool.tensor, table, mask)
 
     def _block_size(self, blocks: list[DraftBlock]) -> int:
         sizes = {blk.block_size or self.cfg.block_size for blk in blocks}

@@ -254,21 +254,6 @@ def test_draft_attention_slice_widths(R, B):
                                       dtype=torch.bfloat16, device=DEV)
 
 
-@pytest.mark.parametrize("R, kv, group, hd", [(1, 1, 6, 128), (1, 4, 1, 64), (16, 4, 1, 64)])
-def test_draft_attention_merged_splits_launch_after_launch(R, kv, group, hd):
-    # the splits merged by whichever of them finishes last (a counter, fences): bit for bit the
-    # merge in a launch of its own, over many launches on fresh inputs (a race shows as a mismatch)
-    from glm53.kernels.draft_attention import draft_attention
-
-    count = torch.zeros(R * kv, dtype=torch.int32, device=DEV)
-    for it in range(40):
-        spans = [(0, 500 + 31 * i + it) for i in range(R)]
-        x = draft_cases.make_inputs(spans, [16] * R, kv, group, 16, hd, 64, 17, torch.bfloat16, DEV)
-        args = (x.q, x.pool_nan, x.layer, x.table, x.k_blk, x.v_blk, x.mask)
-        assert torch.equal(draft_attention(*args, arrivals=count), draft_attention(*args)), it
-        assert not count.any()
-
-
 @pytest.mark.parametrize("R", [1, 64])
 def test_draft_attention_into_rows(R):
     # group 1 (the shipped draft's 4 + 4 heads of 64): the output written into o_proj's rows
