@@ -86,9 +86,8 @@ def markov_chain_keep_triton(base: torch.Tensor, anchor: torch.Tensor, w1: torch
     """The chain, then the confidence cut (`confidence_keep_triton`'s arguments and result) in
     its last launch: one launch fewer than the two ops, the same values bit for bit (the cut's
     code and warps)."""
-    R_, n, H = hidden.shape
-    r = w1.shape[1]
-    assert proj_w.shape == (1, H + r) and hidden.shape[0] == base.shape[0] and hidden.stride(2) == 1
+    assert proj_w.shape == (1, hidden.shape[2] + w1.shape[1]) and hidden.shape[:2] == base.shape[:2]
+    assert hidden.stride(2) == 1
     cut = (hidden, proj_w.contiguous(), proj_b, float(threshold))
     return _chain(base, anchor, w1, w2, block_v, cut)
 
