@@ -238,7 +238,7 @@ def case_attention():
 
 
 def case_norms():
-    from glm53.kernels.fp8_act import rms_norm_fp8_triton, silu_mul_fp8_triton
+    from glm53.kernels.fp8_act import rms_norm_fp8_triton, silu_mul_fp8_triton, uv_product_fp8_triton
     from glm53.kernels.norm_triton import rms_norm_triton, sum_rms_norm_triton
     from glm53.kernels.rope_triton import apply_rope_triton
     from glm53.kernels.step_inputs_triton import step_inputs_triton
@@ -261,6 +261,8 @@ def case_norms():
         for m in (1, 64, 4096):  # the dense MLP's 12288 / 8 = 1536, halves of the fused gate_up
             gu = empty(m, 2 * 1536)
             silu_mul_fp8_triton(gu[:, :1536], gu[:, 1536:])
+        for m in (1, 64):  # o_proj's rows from W_UV at decode sizes: GLM-5 tp = 8's 8 heads of 256 over 512
+            uv_product_fp8_triton(empty(m, 8, 512), empty(8, 448, 512)[:, 192:])
         for m in (1, 16):  # bf16 SwiGLU: the draft's 768-wide MLP at decode and verify rows
             gu = empty(m, 2 * 768)
             silu_mul_triton(gu[:, :768], gu[:, 768:])

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from glm53.kernels.dispatch import triton_interpreting, use_triton
+from glm53.kernels.dispatch import dot_precision, triton_interpreting, use_triton
 from glm53.kernels.fp8_quant import (FP8, GROUP, dequantize_fp8_groups, quantize_fp8_groups_reference,
                                      quantize_residual_reference, quantize_residual_tile, quantize_tile)
 from glm53.kernels.norm import rms_norm_reference
@@ -278,3 +278,87 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
     if use_triton(gate, up) and gate.stride(1) == 1 and up.stride(1) == 1:
         return silu_mul_fp8_triton(gate, up)
     return silu_mul_fp8_reference(gate, up)
+
+
+# ---- the absorbed attention's output product, quantized ----------------------------------------
+def uv_product_reference(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o [n, h·V] = each head's o_lat [n, h, R] times its W_UV [h, V, R] transposed, in o_lat's
+    dtype (the batched product `Attention.forward` runs when o_proj reads dense rows)."""
+    n, h, _ = o_lat.shape
+    # o [n, h, V] written by the batched product itself (an einsum's [h, n, V] result is a copy more)
+    o = torch.empty(n, h, w_uv.shape[1], dtype=o_lat.dtype, device=o_lat.device)
+    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+    return o.view(n, -1)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _uv_fp8_kernel(
+    o_ptr, w_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, M, R, stride_ot, stride_oh, stride_wh, stride_wv, stride_q,
+    stride_sm, stride_sg,
+    V: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, LO: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr,
+):
+    """One program: BLOCK_M rows × one group of G output columns, all of one head (G divides V).
+    The head's W_UV rows are read once for all the rows (decode sizes: one row block), the fp32
+    product is rounded to o_lat's dtype as the batched product rounds it, then quantized."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    grp = tl.program_id(1)
+    head = grp // (V // G)
+    c0 = (grp % (V // G)) * G
+    cols = tl.arange(0, G)
+    rm = rows < M
+    r64 = rows.to(tl.int64)
+    o_rows = o_ptr + r64[:, None] * stride_ot + head * stride_oh
+    w_rows = w_ptr + head.to(tl.int64) * stride_wh + (c0 + cols)[:, None].to(tl.int64) * stride_wv
+    acc = tl.zeros((BLOCK_M, G), dtype=tl.float32)
+    for r0 in range(0, R, BR):
+        rr = r0 + tl.arange(0, BR)
+        a = tl.load(o_rows + rr[None, :], mask=rm[:, None] & (rr < R)[None, :], other=0.0)
+        w = tl.load(w_rows + rr[None, :], mask=(rr < R)[None, :], other=0.0)
+        if DOT_F32:  # the interpreter: widen both (exact) and multiply in fp32
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    y = acc.to(o_ptr.dtype.element_ty).to(tl.float32)
+    codes, scale = quantize_tile(y, EXACT_RNE)
+    out = grp * G + cols
+    tl.store(q_ptr + r64[:, None] * stride_q + out[None, :], codes, mask=rm[:, None])
+    tl.store(s_ptr + r64 * stride_sm + grp * stride_sg, scale, mask=rm)
+    if LO:
+        codes, scale = quantize_residual_tile(y, codes, scale, EXACT_RNE)
+        tl.store(ql_ptr + r64[:, None] * stride_q + out[None, :], codes, mask=rm[:, None])
+        tl.store(sl_ptr + r64 * stride_sm + grp * stride_sg, scale, mask=rm)
+
+
+def uv_product_fp8_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, block_r: int = 128, num_warps: int = 4,
+                          num_stages: int = 3) -> Fp8Rows:
+    """o_lat [n, h, R] (unit last stride), w_uv [h, V, R] (unit last stride: a slice of kv_b_proj's
+    weight), V a multiple of 128 -> `uv_product_reference`'s o as `Fp8Rows`. The default tile is
+    the best of 24 on the H100 (benchmarks/history/2026-12-05.md, twenty-eighth session): against
+    cuBLAS's batched product plus the quantizing launch, 8.5 vs 9.6 µs at the slice's 64 heads and
+    one row, 11.9 vs 16.5 at 64 rows; 4.9 vs 5.7 at GLM-5 tp = 8's 8 heads."""
+    n, h, r = o_lat.shape
+    v = w_uv.shape[1]
+    assert w_uv.shape == (h, v, r) and v % GROUP == 0 and w_uv.dtype == o_lat.dtype, (o_lat.shape, w_uv.shape)
+    assert o_lat.stride(2) == 1 and w_uv.stride(2) == 1, (o_lat.stride(), w_uv.stride())
+    rows = empty_rows(n, h * v, o_lat.dtype, o_lat.device, lo=two_terms(n))
+    if n:
+        interp = triton_interpreting()
+        block_m = max(16, min(64, triton.next_power_of_2(n)))
+        _uv_fp8_kernel[(triton.cdiv(n, block_m), h * v // GROUP)](
+            o_lat, w_uv, rows.q, rows.scale, *_lo_args(rows), n, r, o_lat.stride(0), o_lat.stride(1),
+            w_uv.stride(0), w_uv.stride(1), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),
+            V=v, G=GROUP, BLOCK_M=block_m, BR=min(block_r, max(16, triton.next_power_of_2(r))),
+            LO=rows.q_lo is not None, DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else o_lat.dtype),
+            EXACT_RNE=interp, num_warps=num_warps, num_stages=num_stages,
+        )
+    return rows
+
+
+def uv_product_fp8(o_lat: torch.Tensor, w_uv: torch.Tensor) -> Fp8Rows:
+    """The absorbed attention's output product quantized for o_proj in the same pass: Triton where
+    `dispatch.use_triton` says so and whole groups fall in each head (V a multiple of 128), else
+    the batched product, then its groups."""
+    if use_triton(o_lat, w_uv) and w_uv.shape[1] % GROUP == 0 and o_lat.stride(2) == 1 and w_uv.stride(2) == 1:
+        return uv_product_fp8_triton(o_lat, w_uv)
+    return _pack(uv_product_reference(o_lat, w_uv))

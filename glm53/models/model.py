@@ -26,7 +26,8 @@ from torch import nn
 
 from glm53.kernels import index_cache_fp8, latent_cache_fp8
 from glm53.kernels.absorb import absorbed_query
-from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8
+from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8, two_terms, uv_product_fp8, uv_product_reference
+from glm53.kernels.fp8_quant import GROUP
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
 from glm53.kernels.kv_rows import finish_rows, store_rows
 from glm53.kernels.linear_f32 import linear_f32
@@ -289,10 +290,11 @@ class Attention(nn.Module):
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
         q_all = absorbed_query(q, w[:, :nope], cos, sin, cfg.rope_interleave)
         o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r)
-        # o [n, h, v] written by the batched product itself (an einsum's [h, n, v] result is a copy more)
-        o = torch.empty(n, h, cfg.v_head_dim, dtype=o_lat.dtype, device=o_lat.device)
-        torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2), out=o.transpose(0, 1))
-        return self.o_proj(o.view(n, h * cfg.v_head_dim)), topk_slots
+        if self.o_proj.takes_fp8_rows(n) and two_terms(n) and cfg.v_head_dim % GROUP == 0:
+            # decode sizes: the W_UV product writes o_proj's quantized rows itself (no dense o, no
+            # quantizing launch; kernels/fp8_act)
+            return self.o_proj(uv_product_fp8(o_lat, w[:, nope:])), topk_slots
+        return self.o_proj(uv_product_reference(o_lat, w[:, nope:])), topk_slots
 
 
 class DecoderLayer(nn.Module):

@@ -372,6 +372,36 @@ def check_silu_mul_fp8(M: int, inter: int, dtype, device="cpu") -> None:
         check_second_term(rows, h, rounding=2 * tol)
 
 
+def check_uv_product_fp8(M: int, H: int, V: int, R: int, dtype, device="cpu", **config) -> None:
+    """The absorbed attention's output product quantized in its own pass (`uv_product_fp8`)
+    against the batched product then its groups: scales within two roundings of the dtype (the
+    product's sum runs in another order), values within e4m3's bound, the second term where
+    `two_terms`; W_UV is a strided slice of a kv_b-shaped weight, heads of unequal scale."""
+    from glm53.kernels.fp8_act import _pack, two_terms, uv_product_fp8, uv_product_fp8_triton, uv_product_reference
+
+    nope = 48
+    o_lat = (torch.randn(M, H, R, device=device) * 2).to(dtype)
+    w = torch.randn(H, nope + V, R, device=device) * R**-0.5
+    w *= torch.exp(torch.empty(H, 1, 1, device=device).uniform_(math.log(1e-3), math.log(1e2)))
+    w_uv = w.to(dtype)[:, nope:]
+    rows = uv_product_fp8_triton(o_lat, w_uv, **config) if config else uv_product_fp8(o_lat, w_uv)
+    y = uv_product_reference(o_lat, w_uv)
+    ref = _pack(y)
+    assert rows.m == M and rows.k == H * V and rows.dtype == dtype
+    s, s_ref = rows.rows()[1], ref.rows()[1]
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-6
+    assert torch.all((s - s_ref).abs() <= s_ref * tol + 1e-30), ((s - s_ref).abs() / s_ref).max()
+    yf = y.float()
+    deq = rows.dequantize()
+    se = s_ref.repeat_interleave(128, dim=1)
+    assert torch.all((deq - yf).abs() <= yf.abs() * (2.0**-4 + 2 * tol) + se * 2.0**-9), (deq - yf).abs().max()
+    if torch.device(device).type == "cuda":
+        assert torch.equal(uv_product_fp8(o_lat, w_uv).q.view(torch.uint8)[:M], rows.q.view(torch.uint8)[:M])
+    assert (rows.q_lo is not None) == two_terms(M)
+    if rows.q_lo is not None:
+        check_second_term(rows, yf, rounding=2 * tol)
+
+
 def check_gemm_rows(M: int, N: int, K: int, device="cpu") -> None:
     """A product of rows a producer quantized (`fp8_gemm_rows`: a padded buffer, scales
     column-major, or row-major with the second term) against the same product quantizing the producer's dense output itself (`fp8_gemm`):

@@ -347,6 +347,8 @@ def test_fp8_producers_glm5(M):
     fp8_cases.check_silu_mul_fp8(M, 1536, torch.bfloat16, device=DEV)
     fp8_cases.check_silu_mul_fp8(M, 256, torch.bfloat16, device=DEV)
     fp8_cases.check_add_norms(M, 6144, torch.bfloat16, device=DEV)
+    fp8_cases.check_uv_product_fp8(M, 64, 256, 512, torch.bfloat16, device=DEV)  # the slice's heads
+    fp8_cases.check_uv_product_fp8(M, 8, 256, 512, torch.bfloat16, device=DEV)  # GLM-5 tp = 8
 
 
 @pytest.mark.parametrize("M", [33, 130, 4096])  # Triton w8a8, then cuBLAS where the shape allows

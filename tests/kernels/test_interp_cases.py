@@ -790,6 +790,13 @@ def test_silu_mul_fp8(M, inter, dtype):
     fp8_cases.check_silu_mul_fp8(M, inter, dtype)
 
 
+@pytest.mark.parametrize("M,H,V,R,dtype", [(1, 3, 256, 96, torch.bfloat16), (20, 2, 128, 40, torch.float32),
+                                             (70, 1, 128, 64, torch.bfloat16)])
+def test_uv_product_fp8(M, H, V, R, dtype):
+    fp8_cases.check_uv_product_fp8(M, H, V, R, dtype)
+    fp8_cases.check_uv_product_fp8(M, H, V, R, dtype, block_r=32, num_warps=8)  # several steps of R
+
+
 @pytest.mark.parametrize("M,inter,dtype", [(16, 768, torch.bfloat16), (3, 200, torch.float32), (1, 96, torch.bfloat16)])
 def test_silu_mul(M, inter, dtype):
     cases.check_silu_mul(M, inter, dtype)

@@ -34,9 +34,13 @@ def _emulated_w8a8(x, w, w_scale, out_dtype=None):
     return fp8_gemm_reference(xq, w, w_scale, out_dtype or x.dtype)
 
 
+# o_proj's input groups whole within a head: the W_UV product quantizes it (`uv_product_fp8`)
+V128 = {**FP8_WIDTHS, "v_head_dim": 128}
+
+
 def _run(ckpt, monkeypatch, rows: bool) -> tuple[dict, dict]:
     model = load_model(ckpt, dtype=torch.float32, fp8=True, progress=False)
-    calls = {"norm": 0, "silu": 0}
+    calls = {"norm": 0, "silu": 0, "uv": 0}
     with monkeypatch.context() as mp:
         mp.setattr(layers_mod, "fp8_gemm", _emulated_w8a8)
         mp.setattr(fused_mod, "fp8_gemm", _emulated_w8a8)
@@ -44,7 +48,7 @@ def _run(ckpt, monkeypatch, rows: bool) -> tuple[dict, dict]:
             mp.setattr(layers_mod, "takes_fp8_rows", lambda m, n, k, device, fp8: fp8 and m > 0)
             mp.setattr(fused_mod, "takes_fp8_rows", lambda m, n, k, device, fp8: fp8 and m > 0)
             for mod, name, key in ((layers_mod, "rms_norm_fp8", "norm"), (model_mod, "rms_norm_fp8", "norm"),
-                                   (layers_mod, "silu_mul_fp8", "silu")):
+                                   (layers_mod, "silu_mul_fp8", "silu"), (model_mod, "uv_product_fp8", "uv")):
                 inner = getattr(mod, name)
 
                 def spy(*a, _inner=inner, _key=key, **kw):
@@ -56,12 +60,13 @@ def _run(ckpt, monkeypatch, rows: bool) -> tuple[dict, dict]:
     return out, calls
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
-def test_quantizing_producers_match_products_that_quantize(tmp_path, monkeypatch, fuse):
+@pytest.mark.parametrize("fuse,widths", [(True, FP8_WIDTHS), (False, FP8_WIDTHS), (True, V128)],
+                         ids=["fused", "unfused", "fused-v128"])
+def test_quantizing_producers_match_products_that_quantize(tmp_path, monkeypatch, fuse, widths):
     seed = random.randrange(2**31)
     print(f"checkpoint seed {seed}")
     ckpt = tmp_path / "ckpt"
-    make_checkpoint(ckpt, seed=seed, **FP8_WIDTHS)
+    make_checkpoint(ckpt, seed=seed, **widths)
     quantise_fp8_(ckpt, block=128)
     if not fuse:
         monkeypatch.setattr(model_mod.Attention, "fuse_projections_", lambda self: 0)
@@ -72,6 +77,7 @@ def test_quantizing_producers_match_products_that_quantize(tmp_path, monkeypatch
     # every layer's two norms and q_a's norm quantize; every MLP its SwiGLU (the dense one; the
     # shared expert's where it is not held in the routed stacks: unfused)
     assert calls["norm"] > 0 and calls["silu"] > 0, calls
+    assert (calls["uv"] > 0) == (widths["v_head_dim"] % 128 == 0), calls
     assert out["tokens"] == ref["tokens"]
     assert all(torch.equal(a, b) for a, b in zip(out["topk"], ref["topk"]))
     for a, b in zip(out["logits"], ref["logits"]):
@@ -80,7 +86,8 @@ def test_quantizing_producers_match_products_that_quantize(tmp_path, monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the H200 device tool)")
-def test_gpu_quantizing_producers_match_products_that_quantize(tmp_path, monkeypatch):
+@pytest.mark.parametrize("widths", [FP8_WIDTHS, V128], ids=["v64", "v128"])
+def test_gpu_quantizing_producers_match_products_that_quantize(tmp_path, monkeypatch, widths):
     # the same comparison with the Triton kernels in bf16 on the GPU: prefill chunks of 48 rows take
     # the w8a8 product; the producers' output must match the products' own quantization up to the
     # GEMM's and SwiGLU's roundings. Those roundings can flip a near-tied choice of a random model,
@@ -90,7 +97,7 @@ def test_gpu_quantizing_producers_match_products_that_quantize(tmp_path, monkeyp
     seed = random.randrange(2**31)
     print(f"checkpoint seed {seed}")
     ckpt = tmp_path / "ckpt"
-    make_checkpoint(ckpt, seed=seed, **FP8_WIDTHS)
+    make_checkpoint(ckpt, seed=seed, **widths)
     quantise_fp8_(ckpt, block=128)
     outs, recs = [], []
     for rows in (False, True):
