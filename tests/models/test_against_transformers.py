@@ -74,6 +74,49 @@ def test_config_variants_match_transformers(tmp_path, monkeypatch, variant):
     probe.assert_well_posed()
 
 
+# Widths no other test uses, from a random sweep of 100 configs (benchmarks/history/2026-12-05.md,
+# twenty-eighth session): 3 and 6 heads, rope 4, v wider than nope, kv_lora 40, 8 index heads and
+# 32 of 64 wide, 16 experts in 4 groups, no dense prefix, index sharing every 2-4 layers, pages of 1
+# and 16 tokens. Each seed is one whose index scores have no near-tie at the k-th place (the probe).
+ODD = [
+    (13, 16, dict(num_hidden_layers=4, hidden_size=48, num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=24,
+                  q_lora_rank=48, qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=16, index_head_dim=16,
+                  n_routed_experts=4, moe_intermediate_size=48, first_k_dense_replace=0, routed_scaling_factor=1.0,
+                  n_shared_experts=2, n_group=2, topk_group=2, num_experts_per_tok=4, index_topk_freq=2,
+                  index_skip_topk_offset=3)),
+    (101, 1, dict(num_hidden_layers=3, hidden_size=96, num_attention_heads=6, num_key_value_heads=6, kv_lora_rank=32,
+                  q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=16, index_head_dim=64,
+                  index_n_heads=32, n_routed_experts=4, first_k_dense_replace=0, routed_scaling_factor=1.0,
+                  n_group=1, num_experts_per_tok=3, rms_norm_eps=1e-6)),
+    (100, 4, dict(num_hidden_layers=5, hidden_size=80, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=40,
+                  q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=40, index_head_dim=16,
+                  index_n_heads=8, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=2,
+                  first_k_dense_replace=0, n_shared_experts=2, index_topk_freq=4, index_skip_topk_offset=3,
+                  rope_parameters={"rope_theta": 1e6, "rope_type": "default"})),
+]
+
+
+@pytest.mark.parametrize("seed,page,widths", ODD, ids=["3-heads", "6-heads", "16-experts"])
+def test_odd_widths_match_transformers(tmp_path, monkeypatch, seed, page, widths):
+    ref = make_checkpoint(tmp_path, seed=seed, **widths)
+    probe = IndexGapProbe(monkeypatch, TOPK)
+    runner = ModelRunner.from_dir(tmp_path, page_size=page, num_pages=1024, progress=False)
+    allocator = PageAllocator(1024)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 158, (n,), generator=g).tolist() for n in (TOPK - 3, 4 * TOPK + 1, 9 * TOPK)]
+    chunks = [SeqChunk(p, 0, allocator.alloc(runner.pages_needed(len(p) + 8)), all_logits=True) for p in prompts]
+    for p, out in zip(prompts, runner.forward(chunks)):
+        with torch.no_grad():
+            want = ref(torch.tensor([p])).logits[0]
+        assert rel_err(out, want) <= 1e-4
+    outs = greedy_generate(runner, PageAllocator(1024), prompts, 8, ignore_eos=True)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            logits = ref(torch.tensor([p + o])).logits[0]
+        assert o == logits[len(p) - 1 : len(p) - 1 + 8].argmax(-1).tolist()
+    probe.assert_well_posed()
+
+
 def test_greedy_decode_matches_transformers_argmax(tmp_path, monkeypatch):
     ref = make_checkpoint(tmp_path, seed=2, index_topk_freq=2, index_skip_topk_offset=2)
     probe = IndexGapProbe(monkeypatch, TOPK)
