@@ -97,7 +97,7 @@ def topk_plan(B: int, L: int, k: int, sms: int) -> dict:
     chunk = cdiv(blocks, c) * tt.BLOCK
     C = cdiv(max(L, 1), chunk)
     CB = triton.next_power_of_2(C)
-    cand = np2(max(tt._cand_tile(L, k, tt.SAMPLE, tt.MARGIN), CB))
+    cand = np2(max(tt._cand_tile(L, k, tt.row_sample(L), tt.MARGIN), CB))
     TA = max(2 * np2(k) // CB, 16)
     return dict(C=C, chunk=chunk, CB=CB, TA=TA, TC=cand // CB, CAPA=min(k, chunk), CAPG=min(cand, chunk),
                 SCR=max(cand, CB * TA))
@@ -107,9 +107,11 @@ def topk_key(B: int, L: int, s: ServeShape) -> tuple:
     """DSA top-k over B rows of width L (topk_triton.run_topk's launches): the plan's constexprs
     and int classes, the finish split, and the class of the width (= the row stride). The page
     table's row stride is a multiple of 16 (ModelRunner.build_batch pads it; a graph's is fixed)."""
+    from glm53.kernels.topk_triton import row_sample
+
     p = topk_plan(B, L, s.index_topk, s.num_sms)
     return (p["CB"], p["TA"], p["TC"], p["CAPA"], p["CAPG"], p["SCR"], spec_class(p["C"]), spec_class(p["chunk"]),
-            2 * B <= s.num_sms, spec_class(L))
+            2 * B <= s.num_sms, spec_class(L), row_sample(L))
 
 
 def sparse_mla_key(T: int, s: ServeShape) -> tuple:
@@ -212,16 +214,21 @@ def topk_row_classes(s: ServeShape) -> dict[tuple, int]:
 
 def topk_widths(s: ServeShape) -> list[int]:
     """Widths (multiples of LOGITS_ALIGN up to max_width) at which top-k's plan may change: its
-    plan depends on the width through the blocks of the scan (`BLOCK`) and the candidate tile
-    (`_cand_tile`, monotone in the width), so the ends of every block's range and the points
-    where the candidate tile steps cover every plan."""
-    from glm53.kernels.topk_triton import BLOCK, MARGIN, SAMPLE, _cand_tile
+    plan depends on the width through the blocks of the scan (`BLOCK`), the candidate tile
+    (`_cand_tile`, monotone in the width) and the bracket's sample tile (`row_sample`, a step at
+    each power of two), so the ends of every block's range, the points where the candidate tile
+    steps and both sides of each sample step cover every plan."""
+    from glm53.kernels.topk_triton import BLOCK, MARGIN, MIN_SAMPLE, SAMPLE, _cand_tile, row_sample
 
     def tile(L: int) -> int:
-        return _cand_tile(L, s.index_topk, SAMPLE, MARGIN)
+        return _cand_tile(L, s.index_topk, row_sample(L), MARGIN)
 
     a, top = LOGITS_ALIGN, s.max_width
     pts = {a, top}
+    p2 = MIN_SAMPLE  # the bracket's sample tile steps at each power of two up to SAMPLE (`row_sample`)
+    while p2 < SAMPLE:
+        pts |= {w for w in (p2, p2 + a) if w <= top}
+        p2 *= 2
     lo = a
     while lo <= top:
         hi = min(top, (lo // BLOCK + 1) * BLOCK)  # the last width with lo's block count

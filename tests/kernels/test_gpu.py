@@ -29,6 +29,14 @@ def test_topk_glm5(L, dtype):
     cases.check_topk(8, L, 2048, lens, dtype=dtype, device=DEV)
 
 
+@pytest.mark.parametrize("kind", ["randn", "ties", "special"])
+@pytest.mark.parametrize("L,k", [(48, 64), (320, 64), (1024, 64), (2064, 2048), (4096, 256)])
+def test_topk_short_rows(L, k, kind):
+    # widths under SAMPLE take a smaller sample tile (topk_triton.row_sample): the whole row still
+    lens = [L, L - 1, min(k, L), max(k - 1, 0), 0, 1, L // 2 + 3, L - 7]
+    cases.check_topk(8, L, k, lens, kind=kind, device=DEV)
+
+
 @pytest.mark.parametrize("kind", ["ties", "coarse", "special"])
 def test_topk_ties_and_specials(kind):
     cases.check_topk(8, 65536, 2048, [65536, 65535, 40000, 3000, 2048, 0, 1, 10000], kind=kind, device=DEV)
