@@ -106,8 +106,8 @@ def topk_plan(B: int, L: int, k: int, sms: int) -> dict:
 def topk_key(B: int, L: int, s: ServeShape) -> tuple:
     """DSA top-k over B rows of width L (topk_triton.run_topk's launches): the plan's constexprs
     and int classes, the finish split, the class of the width (= the row stride) and the bracket's
-    sample tile (`row_sample`). The page
-    table's row stride is a multiple of 16 (ModelRunner.build_batch pads it; a graph's is fixed)."""
+    sample tile (`row_sample`). The page table's row stride is a multiple of 16
+    (ModelRunner.build_batch pads it; a graph's is fixed)."""
     from glm53.kernels.topk_triton import row_sample
 
     p = topk_plan(B, L, s.index_topk, s.num_sms)
