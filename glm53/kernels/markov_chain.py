@@ -13,12 +13,17 @@ import torch
 from glm53.kernels.dispatch import use_triton
 
 
+def _chain_on_triton(base: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the chain runs as the Triton kernels (`markov_chain` and `markov_chain_keep` alike)."""
+    r = w1.shape[1]
+    return use_triton(base, w1, w2) and r & (r - 1) == 0 and base.stride(2) == 1
+
+
 def markov_chain(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """base [R, n, V]: the draft's logits at block positions 1 .. n, fp32 or the lm_head's dtype
     (the sums run in fp32 either way, so a bf16 base gives what its fp32 cast would); anchor [R]
     long (block token 0); w1, w2 [V, r] -> the greedy tokens [R, n] long."""
-    r = w1.shape[1]
-    if use_triton(base, w1, w2) and r & (r - 1) == 0 and base.stride(2) == 1:
+    if _chain_on_triton(base, w1, w2):
         from glm53.kernels.markov_chain_triton import markov_chain_triton
 
         return markov_chain_triton(base, anchor, w1, w2)
@@ -41,9 +46,7 @@ def markov_chain_keep(base: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(`markov_chain`'s tokens, `confidence_keep` of them): on the Triton path one launch fewer
     (the cut in the chain's last launch), the same values as the two ops."""
-    r = w1.shape[1]
-    if (use_triton(base, w1, w2, hidden, proj_w) and r & (r - 1) == 0 and base.stride(2) == 1
-            and hidden.stride(2) == 1):
+    if _chain_on_triton(base, w1, w2) and use_triton(hidden, proj_w) and hidden.stride(2) == 1:
         from glm53.kernels.markov_chain_triton import markov_chain_keep_triton
 
         return markov_chain_keep_triton(base, anchor, w1, w2, hidden, proj_w, proj_b, threshold)
