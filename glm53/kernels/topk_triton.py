@@ -117,7 +117,10 @@ def _bracket(x_row, n, K: tl.constexpr, SAMPLE: tl.constexpr, G: tl.constexpr, m
     valid = offs < n
     k16 = (_ukey(tl.load(x_row + offs, mask=valid, other=0.0).to(tl.float32), valid) >> 16) & 0xFFFF
     s = tl.minimum(n, SAMPLE)
-    target = K * s.to(tl.float32) / n.to(tl.float32)  # sample rank of the row's K-th score
+    # the sample rank of the row's K-th score. A whole row's is K itself, not K * n / n: Triton's
+    # fp32 `/` is the approximate division on the GPU, and 64 * 1017 / 1017 = 63.99999 put lo a
+    # rank above hi, sending about half of such rows to the streaming fallback (4x the time)
+    target = tl.where(exact, K * 1.0, K * s.to(tl.float32) / n.to(tl.float32))
     # a miss above the bracket is cheap (the finish re-selects from the kept scores), one below
     # it takes the streaming fallback: the lower margin is the wider one
     sd = tl.sqrt(target)

@@ -85,6 +85,43 @@ def check_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device="cpu"
         assert int((out[b] >= 0).sum()) == min(n, k)
 
 
+def key32(x: torch.Tensor) -> torch.Tensor:
+    """The top-k kernels' exact keys as unsigned 32-bit values (int64): float order, -0.0 == +0.0,
+    NaN the largest."""
+    bits = x.float().view(torch.int32)
+    bits = torch.where(bits == -(2**31), torch.zeros_like(bits), bits)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = torch.where(torch.isnan(x.float()), torch.full_like(key, 0x7FFFFFFF), key)
+    return (key ^ -(2**31)).long() & 0xFFFFFFFF
+
+
+def key16(x: torch.Tensor) -> torch.Tensor:
+    return key32(x) >> 16
+
+
+def check_whole_row_brackets(L: int, k: int, device: str = "cpu", rows: int = 32) -> None:
+    """A row no longer than its sample tile is sampled whole, so its bracket must be exact:
+    hi == lo == the k-th key16, and the scan then counts fewer than k scores above it and at least
+    k with the candidates (the usual path; a miss would still select exactly, by the slow
+    fallback, so set equality alone cannot see it)."""
+    from glm53.kernels import topk_triton as tt
+
+    x = make_logits(rows, L, "randn", torch.float32, device)
+    top = min(L, tt.row_sample(L))
+    lens = torch.randint(k + 1, top + 1, (rows,), device=device, dtype=torch.int32)
+    lens[0], lens[-1] = k + 1, top
+    plan = tt.plan_topk(rows, L, k, x.device)
+    out = torch.empty(rows, k, dtype=torch.int32, device=device)
+    tt.run_topk(plan, x, lens, out, stages=2)
+    k16 = key16(x.cpu())
+    br, stat = plan.br.cpu(), plan.stat.cpu().sum(dim=1)
+    for b in range(rows):
+        kth = int(k16[b, : int(lens[b])].sort(descending=True).values[k - 1])
+        assert br[b].tolist() == [kth, kth], (b, int(lens[b]), br[b].tolist(), kth)
+        above, cand = stat[b].tolist()
+        assert above < k <= above + cand, (b, above, cand)
+
+
 def _paged_pool(num_pages, n_layers, page_size, dim, dtype, device, layer=1):
     pool = torch.randn(num_pages, n_layers, page_size, dim, device=device).to(dtype)
     return pool[:, layer]  # strided view of a page-major pool

@@ -158,17 +158,10 @@ def test_topk_pdl_knob_ignored_when_interpreting():
     _check_raw(x, torch.tensor([5000, 4000], dtype=torch.int32), 256, pdl=True)
 
 
-def _key32(x):
-    """The kernels' exact keys as unsigned 32-bit values (int64)."""
-    bits = x.float().view(torch.int32)
-    bits = torch.where(bits == -(2**31), torch.zeros_like(bits), bits)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = torch.where(torch.isnan(x.float()), torch.full_like(key, 0x7FFFFFFF), key)
-    return (key ^ -(2**31)).long() & 0xFFFFFFFF
-
-
-def _key16(x):
-    return _key32(x) >> 16
+@pytest.mark.parametrize("L,k", [(320, 64), (1024, 64), (2048, 256)])
+def test_topk_whole_row_brackets_exact(L, k):
+    # (the interpreter divides exactly; the GPU case in test_gpu.py is the one that caught K * n / n)
+    cases.check_whole_row_brackets(L, k, rows=8)
 
 
 def _cand_bins(key32, lo, hi, logb=8):
@@ -196,14 +189,14 @@ def test_topk_scan_segments_exact(block, scan_v, prefetch):
     lens = torch.tensor([7003, 6500, 5000, 7003], dtype=torch.int32)
     plan = tt.plan_topk(B, L, k, x.device, cand_total=8192, block=block, max_chunks=4)
     out = torch.empty(B, k, dtype=torch.int32)
-    k16 = _key16(x)
+    k16 = cases.key16(x)
     kth = [int(k16[b, : lens[b]].sort(descending=True).values[k]) for b in range(B)]
     br = torch.tensor([[kth[0] + 1, kth[0] - 1], [0xFFFF, kth[1] - 3], [kth[2] - 1, kth[2] + 1], [kth[3], 0x40]],
                       dtype=torch.int32)
     plan.br.copy_(br)
     plan.hist.zero_()  # (the bracket kernel clears it; it is not run here)
     tt.run_topk(plan, x, lens, out, block=block, scan_v=scan_v, first=2, stages=2, scan_prefetch=prefetch)
-    key32 = _key32(x)
+    key32 = cases.key32(x)
     for b in range(B):
         hi, lo = int(br[b, 0]), int(br[b, 1])
         # the row's histogram of candidate bins (every segment is complete here)
