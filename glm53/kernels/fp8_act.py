@@ -53,6 +53,14 @@ M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8
 TWO_TERM_MAX_M = 64
 
 
+def trigger_dependents() -> bool:
+    """Whether the producers let the next kernel launch as they start (griddepcontrol, inline
+    PTX: not under the interpreter). The w8a8 GEMM after them is launched that way at decode
+    sizes (`fp8_gemm_triton.GemmConfig.PDL`) and prefetches its weight while they run; a kernel
+    launched the usual way after them waits for their end as always."""
+    return not triton_interpreting()
+
+
 def two_terms(m: int) -> bool:
     """Whether m rows quantized for a w8a8 product carry the second term (decode sizes)."""
     return 0 < m <= TWO_TERM_MAX_M
@@ -145,7 +153,7 @@ def _rms_norm_fp8_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm,
     stride_sg, stride_a, stride_r, eps,
     G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, LO: tl.constexpr,
-    EXACT_RNE: tl.constexpr,
+    EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """One program per row, the row loaded straight into a [NG, G] tile (group g = columns
     [g·G, (g+1)·G)), so each group's amax is a reduction along the tile's second axis: a row
@@ -153,6 +161,8 @@ def _rms_norm_fp8_kernel(
     The norm is rounded to y's dtype as `rms_norm` rounds it (its sum of squares in another order),
     then each group's scale and codes as `fp8_quant` computes them. ADD: the residual sum
     x + a, rounded to x's dtype, is written to r and normalised. LO: the second term into ql/sl."""
+    if TRIGGER:  # the product after it may launch now (`trigger_dependents`)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = col < D
@@ -196,7 +206,7 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense
             x, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, D, x.stride(0), y.stride(0),
             rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), eps,
             G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, LO=rows.q_lo is not None,
-            EXACT_RNE=triton_interpreting(),
+            EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(),
             num_warps=num_warps or max(1, min(16, ng * GROUP // 512)),
         )
     out = (y if dense else None), rows
@@ -231,11 +241,13 @@ def silu_mul_fp8_reference(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
 @triton.jit(do_not_specialize=["M"])
 def _silu_mul_fp8_kernel(
     g_ptr, u_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, M, I, stride_g, stride_u, stride_q, stride_sm, stride_sg,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, LO: tl.constexpr, EXACT_RNE: tl.constexpr,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, LO: tl.constexpr, EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """One program: BLOCK_M rows × one group of G columns of h. silu rounds to the dtype before
     the product, and the product rounds again, as torch's two bf16 ops do. LO: the second term
     into ql/sl."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     grp = tl.program_id(1)
     cols = grp * G + tl.arange(0, G)
@@ -268,7 +280,8 @@ def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
         _silu_mul_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(inter, GROUP))](
             gate, up, rows.q, rows.scale, *_lo_args(rows), m, inter, gate.stride(0), up.stride(0),
             rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),
-            G=GROUP, BLOCK_M=block_m, LO=rows.q_lo is not None, EXACT_RNE=triton_interpreting(), num_warps=4,
+            G=GROUP, BLOCK_M=block_m, LO=rows.q_lo is not None, EXACT_RNE=triton_interpreting(),
+            TRIGGER=trigger_dependents(), num_warps=4,
         )
     return rows
 
@@ -296,11 +309,13 @@ def _uv_fp8_kernel(
     o_ptr, w_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, M, R, stride_ot, stride_oh, stride_wh, stride_wv, stride_q,
     stride_sm, stride_sg,
     V: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, LO: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """One program: BLOCK_M rows × one group of G output columns, all of one head (G divides V).
     The head's W_UV rows are read once for all the rows (decode sizes: one row block), the fp32
     product is rounded to o_lat's dtype as the batched product rounds it, then quantized."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     grp = tl.program_id(1)
     head = grp // (V // G)
@@ -350,7 +365,7 @@ def uv_product_fp8_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, block_r: int 
             w_uv.stride(0), w_uv.stride(1), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),
             V=v, G=GROUP, BLOCK_M=block_m, BR=min(block_r, max(16, triton.next_power_of_2(r))),
             LO=rows.q_lo is not None, DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else o_lat.dtype),
-            EXACT_RNE=interp, num_warps=num_warps, num_stages=num_stages,
+            EXACT_RNE=interp, TRIGGER=trigger_dependents(), num_warps=num_warps, num_stages=num_stages,
         )
     return rows
 

@@ -410,6 +410,46 @@ def test_fp8_gemm_swapped_tiles_glm5(variant):
         fp8_cases.check_gemm(M, 6144, 2048, torch.bfloat16, variant, device=DEV, config=cfg, lo=False)
 
 
+@pytest.mark.parametrize("M,N,K,split", [(1, 2752, 6144, 3), (1, 6144, 16384, 3), (16, 384, 200, 2), (3, 576, 2048, 1)])
+def test_fp8_gemm_launched_early_matches(M, N, K, split):
+    # the decode product launched while its producer (the quantizing norm) runs, prefetching its
+    # weight rows (none, 256 bytes, the whole split; a K that is no multiple of 16 starts rows
+    # unaligned), eager and replayed in a CUDA graph on new inputs: the bits of the product
+    # launched the usual way. Without the wait it reads the producer's rows before they are written
+    import dataclasses
+
+    from glm53.kernels.fp8_act import rms_norm_fp8
+    from glm53.kernels.fp8_gemm_triton import GemmConfig, fp8_gemm_w8a8_quantized
+    from glm53.kernels.fp8_quant import FP8
+
+    w = (torch.randn(N, K, device=DEV) * 0.5).to(FP8)
+    ws = torch.rand((N + 127) // 128, (K + 127) // 128, device=DEV) * 0.01 + 1e-3
+    nw = torch.rand(K, device=DEV, dtype=torch.bfloat16) + 0.5
+    plain = GemmConfig(16 if M <= 8 else 32, 64, 128, SPLIT_K=split, num_stages=4, SWAP=True)
+
+    def step(x, cfg):
+        _, rows = rms_norm_fp8(x, nw, 1e-6)
+        q, s = rows.rows()
+        return fp8_gemm_w8a8_quantized(q, s, w, ws, torch.bfloat16, config=cfg, lo=rows.lo_rows())
+
+    xs = [torch.randn(M, K, device=DEV, dtype=torch.bfloat16) * 3 for _ in range(3)]
+    want = [step(x, plain) for x in xs]
+    for pf in (0, 256, 1 << 20):
+        cfg = dataclasses.replace(plain, PDL=True, PREFETCH=pf)
+        assert torch.equal(step(xs[0], cfg), want[0]), pf
+        static = xs[0].clone()
+        step(static, cfg)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step(static, cfg)
+        for x, y in zip(xs[1:], want[1:]):
+            static.copy_(x)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, y), pf
+
+
 @pytest.mark.parametrize("N", [1, 3, 8])
 @pytest.mark.parametrize("bn2,split,stages", [(64, 1, 3), (128, 4, 2)])
 def test_moe_fp8_swapped_tiles_glm5(N, bn2, split, stages):

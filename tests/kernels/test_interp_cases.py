@@ -164,6 +164,14 @@ def test_topk_whole_row_brackets_exact(L, k):
     cases.check_whole_row_brackets(L, k, rows=8)
 
 
+def test_fp8_gemm_pdl_knob_ignored_when_interpreting():
+    # griddepcontrol and the L2 prefetch are inline PTX: a config asking for them runs as usual here
+    from glm53.kernels.fp8_gemm_triton import GemmConfig
+
+    cfg = GemmConfig(16, 64, 128, SPLIT_K=2, num_warps=1, num_stages=1, SWAP=True, PDL=True, PREFETCH=256)
+    fp8_cases.check_gemm(1, 96, 384, torch.float32, "w8a8", device="cpu", config=cfg)
+
+
 def _cand_bins(key32, lo, hi, logb=8):
     """Model of the kernels' `_cand_bin`: 2^logb power-of-two-wide key ranges over the bracket."""
     klo, khi = lo << 16, (hi << 16) | 0xFFFF

@@ -46,6 +46,8 @@ def check_topk(built: list, names: set) -> None:
 def check_fp8_gemm(built: list, names: set) -> None:
     swapped = {b.constexprs["BM"] for b in built if b.name == "_block_fp8_gemm_kernel" and b.constexprs["SWAP"]}
     assert swapped == {16, 32}, "decode products of up to 32 virtual rows take the swapped tile"
+    early = {b.constexprs["PREFETCH"] for b in built if b.name == "_block_fp8_gemm_kernel" and b.constexprs["PDL"]}
+    assert early == {256}, "the swapped tiles launch early and prefetch (the L2 prefetch's inline PTX builds)"
     assert "_sum_splits_kernel" in names
 
 
@@ -67,6 +69,7 @@ def check_norms(built: list, names: set) -> None:
     assert {"_rms_norm_kernel", "_rope_kernel", "_step_inputs_kernel"} <= names
     for kernel in ("_rms_norm_fp8_kernel", "_silu_mul_fp8_kernel"):
         assert values(built, kernel, "LO") == {True, False}, f"{kernel}: the second term at decode sizes only"
+        assert values(built, kernel, "TRIGGER") == {True}, f"{kernel}: lets the product after it launch early"
     assert values(built, "_rms_norm_kernel", "ADD") == {True, False}
 
 
