@@ -99,27 +99,30 @@ def key16(x: torch.Tensor) -> torch.Tensor:
     return key32(x) >> 16
 
 
-def check_whole_row_brackets(L: int, k: int, device: str = "cpu", rows: int = 32) -> None:
-    """A row no longer than its sample tile is sampled whole, so its bracket must be exact:
-    hi == lo == the k-th key16, and the scan then counts fewer than k scores above it and at least
-    k with the candidates (the usual path; a miss would still select exactly, by the slow
-    fallback, so set equality alone cannot see it)."""
+def check_brackets(L: int, k: int, device: str = "cpu", rows: int = 32) -> None:
+    """The top-k's brackets on random rows of lengths in (k, L]: every row takes the usual path,
+    fewer than k scores above the bracket and at least k with its candidates, which must fit the
+    finish's tile (a miss still selects exactly, by the slow fallback, so set equality alone cannot
+    see one). A row no longer than its sample tile is sampled whole, so its bracket is exact:
+    hi == lo == the k-th key16."""
     from glm53.kernels import topk_triton as tt
 
     x = make_logits(rows, L, "randn", torch.float32, device)
-    top = min(L, tt.row_sample(L))
-    lens = torch.randint(k + 1, top + 1, (rows,), device=device, dtype=torch.int32)
-    lens[0], lens[-1] = k + 1, top
+    tile = tt.row_sample(L)
+    lens = torch.randint(k + 1, L + 1, (rows,), device=device, dtype=torch.int32)
+    lens[0], lens[1], lens[-1] = k + 1, min(L, tile), L
     plan = tt.plan_topk(rows, L, k, x.device)
     out = torch.empty(rows, k, dtype=torch.int32, device=device)
     tt.run_topk(plan, x, lens, out, stages=2)
     k16 = key16(x.cpu())
     br, stat = plan.br.cpu(), plan.stat.cpu().sum(dim=1)
     for b in range(rows):
-        kth = int(k16[b, : int(lens[b])].sort(descending=True).values[k - 1])
-        assert br[b].tolist() == [kth, kth], (b, int(lens[b]), br[b].tolist(), kth)
+        n = int(lens[b])
         above, cand = stat[b].tolist()
-        assert above < k <= above + cand, (b, above, cand)
+        assert above < k <= above + cand <= plan.CB * plan.TC, (b, n, above, cand, br[b].tolist())
+        if n <= tile:
+            kth = int(k16[b, :n].sort(descending=True).values[k - 1])
+            assert br[b].tolist() == [kth, kth], (b, n, br[b].tolist(), kth)
 
 
 def _paged_pool(num_pages, n_layers, page_size, dim, dtype, device, layer=1):

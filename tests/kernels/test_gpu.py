@@ -37,11 +37,13 @@ def test_topk_short_rows(L, k, kind):
     cases.check_topk(8, L, k, lens, kind=kind, device=DEV)
 
 
-@pytest.mark.parametrize("L,k", [(320, 64), (1024, 64), (2048, 64), (4096, 256), (4096, 2048)])
-def test_topk_whole_row_brackets_exact(L, k):
-    # rows sampled whole get an exact bracket: with the approximate fp32 division the K-th score's
-    # sample rank came out as 63.99999 and about half of such rows took the streaming fallback
-    cases.check_whole_row_brackets(L, k, device=DEV, rows=64)
+@pytest.mark.parametrize("L,k", [(320, 64), (1024, 64), (2048, 64), (4096, 256), (4096, 2048), (5000, 64),
+                                 (32768, 2048), (131072, 2048)])
+def test_topk_brackets_hold(L, k):
+    # random rows take the usual path, and rows sampled whole get an exact bracket: with the
+    # approximate fp32 division the K-th score's sample rank came out as 63.99999 and about half of
+    # such rows took the streaming fallback
+    cases.check_brackets(L, k, device=DEV, rows=64)
 
 
 @pytest.mark.parametrize("kind", ["ties", "coarse", "special"])
