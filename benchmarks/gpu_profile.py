@@ -1,8 +1,10 @@
 """Where a GPU step's time goes, and prefill against the matmul roofline (made for the device tool).
 
 1. `decode`: the slice's decode step (CUDA graphs, as served) at the given batch sizes with
-   4K-token contexts, under `torch.profiler`: wall time per step, GPU kernel time per step, and
-   the kernels that take it, grouped by name (kernels inside graph replays are recorded too).
+   4K-token contexts: wall time per step, the step's graph replayed back to back (its GPU time
+   without host gaps: the figure to compare trees by), and under `torch.profiler` the GPU kernel
+   time per step and the kernels that take it, grouped by name (kernels inside graph replays are
+   recorded too).
 2. `prefill`: one 4K-token prompt prefilled in one chunk: time, the model's real FLOPs for it
    (every projection it runs, experts by top-k, sparse MLA over the selected rows, the indexer
    over the causal context) and the bf16 matmul throughput measured in the same run on the
@@ -29,6 +31,25 @@ from glm53.support.kernel_profile import kernel_table, launch_counts, print_tabl
 
 
 # -- decode ------------------------------------------------------------------------------------
+def graph_replay_us(runner, chunks, replays: int = 50, runs: int = 5) -> float:
+    """The decode graph that holds `chunks`, replayed `replays` times back to back between two
+    events, median of `runs`: the step's GPU time with no host work between steps. The wall time
+    includes the host's; the profiler's kernel sum counts a kernel launched early (programmatic
+    dependent launch) from its launch, its wait included. (The replays rewrite one step's cache
+    rows with the same values.)"""
+    graph = runner.graphs.graphs[runner.graphs.bucket(chunks)][0]
+    times = []
+    for _ in range(runs):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(replays):
+            graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / replays)
+    return statistics.median(times)
+
+
 def decode_profile(model_dir: Path, sizes: list[int], ctx: int, steps: int, top: int,
                    fp8: bool = False) -> list[dict]:
     from glm53.models import ModelRunner, SeqChunk
@@ -60,12 +81,15 @@ def decode_profile(model_dir: Path, sizes: list[int], ctx: int, steps: int, top:
             step()
             times.append(time.perf_counter() - t)
         wall = statistics.median(times) * 1e3
+        graph_us = graph_replay_us(runner, [SeqChunk([1], ctx + state["it"], list(range(i * need, (i + 1) * need)))
+                                            for i in range(bs)])
+        print(f"decode bs {bs}: the step's graph replayed back to back {graph_us:.1f} us/step", flush=True)
         prof = profile(step, steps)
         gpu_us, rows = kernel_table(prof, steps, top)
         print_table(f"decode bs {bs}: wall {wall:.2f} ms/step", gpu_us, rows)
         counts = launch_counts(prof, steps)
         print(f"decode bs {bs}: {counts}", flush=True)
-        report.append({"bs": bs, "wall_ms": wall, "gpu_us": gpu_us, "kernels": rows, **counts})
+        report.append({"bs": bs, "wall_ms": wall, "graph_us": graph_us, "gpu_us": gpu_us, "kernels": rows, **counts})
     return report
 
 
