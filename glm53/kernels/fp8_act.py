@@ -39,7 +39,8 @@ from glm53.kernels.dispatch import dot_precision, triton_interpreting, use_trito
 from glm53.kernels.fp8_quant import (FP8, GROUP, dequantize_fp8_groups, quantize_fp8_groups_reference,
                                      quantize_residual_reference, quantize_residual_tile, quantize_tile)
 from glm53.kernels.norm import rms_norm_reference
-from glm53.kernels.norm_triton import load_residual_sum
+from glm53.kernels.norm_triton import added, load_residual_sum
+from glm53.kernels.row_parts import RowParts, take
 
 M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8_gemm_cublas pads
 # Rows up to which w8a8 activations carry a second e4m3 term (`two_terms`). Greedy agreement with
@@ -151,9 +152,9 @@ def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rms_norm_fp8_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm,
-    stride_sg, stride_a, stride_r, eps,
+    stride_sg, stride_a, stride_r, stride_ap, eps,
     G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, LO: tl.constexpr,
-    EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr,
+    EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr, PARTS: tl.constexpr,
 ):
     """One program per row, the row loaded straight into a [NG, G] tile (group g = columns
     [g·G, (g+1)·G)), so each group's amax is a reduction along the tile's second axis: a row
@@ -167,7 +168,7 @@ def _rms_norm_fp8_kernel(
     col = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = col < D
     x = load_residual_sum(x_ptr, a_ptr, r_ptr, row * stride_x + col, row * stride_a + col, row * stride_r + col,
-                          mask, ADD)
+                          mask, ADD, stride_ap, PARTS)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, 1), 0) / D + eps)
     n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -187,26 +188,27 @@ def _rms_norm_fp8_kernel(
 
 
 def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense: bool = False,
-                        num_warps: int | None = None, add: torch.Tensor | None = None):
+                        num_warps: int | None = None, add: torch.Tensor | RowParts | None = None):
     """x [m, D] (unit last stride; rows may be strided, e.g. a column slice of a fused product),
     weight [D] -> (the norm [m, D] in torch's promoted dtype when `dense`, else None; its rows).
-    With `add` (x's shape and dtype): (s = x + add, then the same two) for the norm of s."""
+    With `add` (x's shape and dtype, or a `RowParts` of them): (s = x + add, then the same two) for the
+    norm of s."""
     m, D = x.shape
     assert weight.shape == (D,) and x.stride(1) == 1, (x.shape, x.stride(), weight.shape)
     dtype = torch.promote_types(x.dtype, weight.dtype)
     rows = empty_rows(m, D, dtype, x.device, lo=two_terms(m))
     y = torch.empty((m, D) if dense else (1, 1), dtype=dtype, device=x.device)
     a = r = y  # unused without `add`
+    n_parts, stride_ap = added(add, x)
     if add is not None:
-        assert add.shape == x.shape and add.dtype == x.dtype and add.stride(1) == 1, (add.shape, add.dtype)
-        a, r = add, torch.empty((m, D), dtype=x.dtype, device=x.device)
+        a, r = add.parts[0] if n_parts else add, torch.empty((m, D), dtype=x.dtype, device=x.device)
     if m:
         ng = triton.next_power_of_2(triton.cdiv(D, GROUP))
         _rms_norm_fp8_kernel[(m,)](
             x, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, D, x.stride(0), y.stride(0),
-            rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), eps,
+            rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), stride_ap, eps,
             G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, LO=rows.q_lo is not None,
-            EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(),
+            EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(), PARTS=n_parts,
             num_warps=num_warps or max(1, min(16, ng * GROUP // 512)),
         )
     out = (y if dense else None), rows
@@ -222,13 +224,14 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return rms_norm_fp8_reference(x, weight, eps, dense)
 
 
-def add_rms_norm_fp8(x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float,
+def add_rms_norm_fp8(x: torch.Tensor, add: torch.Tensor | RowParts, weight: torch.Tensor, eps: float,
                      dense: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Rows]:
     """The residual add before the norm in the same pass: (s = x + add, then `rms_norm_fp8(s)`'s
-    two results)."""
-    if use_triton(x, add, weight) and x.stride(1) == 1 and add.stride(1) == 1 and add.dtype == x.dtype:
+    two results). `add` may be a sum not taken yet (`row_parts`): the kernel takes it."""
+    a = add.parts if isinstance(add, RowParts) else add
+    if use_triton(x, a, weight) and x.stride(1) == 1 and a.stride(-1) == 1 and add.dtype == x.dtype:
         return rms_norm_fp8_triton(x, weight, eps, dense, add=add)
-    s = x + add
+    s = x + take(add)
     return (s, *rms_norm_fp8(s, weight, eps, dense))
 
 

@@ -27,6 +27,7 @@ import torch
 from glm53.kernels.dispatch import triton_interpreting, use_triton
 from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
+from glm53.kernels.row_parts import RowParts
 
 # Rows up to which the w8a16 (dequantize-in-kernel) variant runs; above it, w8a8: none, w8a8 at
 # every size. Measured on the H200 (benchmarks/fp8_gemm.py): GLM-5's tp = 8 shapes summed within
@@ -96,12 +97,13 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     return fp8_gemm_w8a8(x, w, w_scale, out_dtype)
 
 
-def fp8_gemm_rows(x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_gemm_rows(x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype | None = None,
+                  keep_parts: bool = False) -> torch.Tensor | RowParts:
     """y [m, N] = rows @ dequant(w, w_scale)^T for rows a producer quantized (`fp8_act`; both terms
     where it wrote two, which only the Triton GEMM reads): cuBLAS or the Triton w8a8 GEMM by
     `fp8_variant` (never w8a16: `takes_fp8_rows` quantizes only for the other two); off the GPU,
-    the dequantized rows times the dequantized weight."""
+    the dequantized rows times the dequantized weight. `keep_parts`: a split-K product may return
+    its sum not taken yet (`row_parts`), for a norm that adds it."""
     out_dtype = out_dtype or x.dtype
     q, s = x.rows()
     if not use_triton(q):
@@ -115,4 +117,4 @@ def fp8_gemm_rows(x: Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
         return scaled_mm(x.q, x.scale, w, w_scale, out_dtype)[: x.m]
     from glm53.kernels.fp8_gemm_triton import fp8_gemm_w8a8_quantized
 
-    return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype, lo=x.lo_rows())
+    return fp8_gemm_w8a8_quantized(q, s, w, w_scale, out_dtype, lo=x.lo_rows(), keep_parts=keep_parts)

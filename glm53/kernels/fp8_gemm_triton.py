@@ -37,6 +37,7 @@ from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
 from glm53.kernels.fp8_split_k import check_fp8_weight, k_splits, sum_splits
+from glm53.kernels.row_parts import RowParts
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
 
@@ -280,7 +281,7 @@ def _block_fp8_gemm_kernel(
 
 
 def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: bool,
-            lo: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            lo: tuple[torch.Tensor, torch.Tensor] | None = None, keep_parts: bool = False) -> torch.Tensor | RowParts:
     assert SB % cfg.BK == 0 and cfg.BN & (cfg.BN - 1) == 0, cfg
     if lo is not None:
         assert lo[0].shape == a.shape and lo[0].stride() == a.stride() and lo[0].dtype == a.dtype, "lo codes: a's layout"
@@ -303,8 +304,8 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
         PDL=pdl, PREFETCH=cfg.PREFETCH if pdl else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(dict(launch_pdl=True) if pdl else {}),
     )
-    if split > 1:
-        y = sum_splits(y, out_dtype)
+    if split > 1:  # the splits' sum, or (keep_parts) the sum not taken yet, for a norm that adds it
+        y = RowParts(y, out_dtype) if keep_parts else sum_splits(y, out_dtype)
     return y
 
 
@@ -346,7 +347,8 @@ def fp8_gemm_w8a8(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
 def fp8_gemm_w8a8_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                             out_dtype: torch.dtype, config: GemmConfig | None = None,
-                            lo: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            lo: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            keep_parts: bool = False) -> torch.Tensor | RowParts:
     """The block-scaled FP8 GEMM on activations already quantized: q [M, K] e4m3 (unit column
     stride), s [M, ceil(K/128)] fp32 (any strides: `fp8_act.Fp8Rows` holds them column-major, or
     row-major with the second term) -> [M, N] in out_dtype. `lo`: the second term (q's and s's layouts), multiplied too."""
@@ -357,4 +359,4 @@ def fp8_gemm_w8a8_quantized(q: torch.Tensor, s: torch.Tensor, w: torch.Tensor, w
     if M == 0:
         return torch.empty((0, N), dtype=out_dtype, device=q.device)
     cfg = config or default_config(M, N, K, a_fp8=True, device=q.device, lo=lo is not None)
-    return _launch(q, s, w, w_scale, M, N, K, out_dtype, cfg, a_fp8=True, lo=lo)
+    return _launch(q, s, w, w_scale, M, N, K, out_dtype, cfg, a_fp8=True, lo=lo, keep_parts=keep_parts)

@@ -1,16 +1,15 @@
 """Split-K for the block-FP8 products: cutting K into slices of whole 128-wide scale blocks (the
 GEMM, `fp8_gemm_triton`, and the FP8 MoE's gate+up kernels, tiles and GEMVs alike), and for the
 GEMM its weight check and the sum of the slices' fp32 partials in a fixed order (deterministic)
-in one launch."""
+in one launch (`row_parts`)."""
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-from glm53.kernels.dispatch import triton_interpreting
 from glm53.kernels.fp8_quant import FP8, GROUP
+from glm53.kernels.row_parts import sum_parts_triton
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
 
@@ -35,25 +34,7 @@ def k_splits(K: int, split_k: int) -> tuple[int, int]:
     return triton.cdiv(K, k_per_split), k_per_split
 
 
-@triton.jit(do_not_specialize=["total"])
-def _sum_splits_kernel(p_ptr, y_ptr, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < total
-    acc = tl.load(p_ptr + offs, mask=m, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(p_ptr + s * total + offs, mask=m, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
-
-
 def sum_splits(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """parts [SPLIT, M, N] fp32 (contiguous) -> their sum in out_dtype, split 0 first, then 1, ...
-    (a fixed order: deterministic), in one launch where a torch sum and a cast take two."""
-    split, M, N = parts.shape
-    # The interpreter's fp32 -> bf16 cast truncates (a GPU's rounds to nearest even): there the
-    # kernel writes fp32 and torch casts.
-    interp = triton_interpreting()
-    y = torch.empty((M, N), dtype=torch.float32 if interp else out_dtype, device=parts.device)
-    total = M * N
-    block = 1024
-    _sum_splits_kernel[(triton.cdiv(total, block),)](parts, y, total, SPLIT=split, BLOCK=block, num_warps=4)
-    return y.to(out_dtype)
+    """parts [SPLIT, M, N] fp32 -> their sum in out_dtype, split 0 first, then 1, ... (a fixed
+    order: deterministic), in one launch where a torch sum and a cast take two (`row_parts`)."""
+    return sum_parts_triton(parts, out_dtype)

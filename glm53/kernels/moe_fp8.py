@@ -27,6 +27,7 @@ from glm53.kernels.dispatch import use_triton
 from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 from glm53.kernels.moe import moe_experts_reference
+from glm53.kernels.row_parts import RowParts
 
 # Tokens up to which the w8a16 variant runs; above it, w8a8: none, w8a8 at every size. On the H200
 # (2026-12-03, `.probe` in the history) w8a8 took 68.0 / 116.1 / 342.5 µs against w8a16's 81.6 /
@@ -88,18 +89,21 @@ def moe_experts_fp8(
     down: torch.Tensor,
     down_scale: torch.Tensor,
     x_rows: Fp8Rows | None = None,
-) -> torch.Tensor:
+    keep_parts: bool = False,
+) -> torch.Tensor | RowParts:
     """Routed experts over block-FP8 weights, summed over each token's k experts with its routing
     weights: x [N, H]; weights/ids [N, k]; gate/up [E, I, H] e4m3 + scales [E, ceil(I/128),
     ceil(H/128)] (or gate = fused [E, 2I, H] with up = up_scale = None); down [E, H, I] + scales
     [E, ceil(H/128), ceil(I/128)]. Returns [N, H] in x's dtype. `x_rows`: x as the norm before it
-    quantized it (`fp8_act`), read instead of quantizing x again where the variant is w8a8."""
+    quantized it (`fp8_act`), read instead of quantizing x again where the variant is w8a8.
+    `keep_parts`: the tile kernels may return the slots' sum not taken yet (`row_parts`)."""
     args = (x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
     if use_triton(x):
         from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 
         variant = moe_fp8_variant(x.shape[0], down.shape[2])
         if x_rows is None or variant != "w8a8":
-            return moe_experts_fp8_triton(*args, variant=variant)
-        return moe_experts_fp8_triton(*args, variant=variant, x_fp8=x_rows.rows(), x_lo=x_rows.lo_rows())
+            return moe_experts_fp8_triton(*args, variant=variant, keep_parts=keep_parts)
+        return moe_experts_fp8_triton(*args, variant=variant, x_fp8=x_rows.rows(), x_lo=x_rows.lo_rows(),
+                                      keep_parts=keep_parts)
     return moe_experts_fp8_reference(*args)

@@ -39,7 +39,8 @@ from glm53.kernels.fp8_gemm_triton import accumulator, along_cols, along_rows, r
 from glm53.kernels.fp8_split_k import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
 from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig, gemv_takes, moe_experts_fp8_gemv
-from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, sum_slots
+from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, slot_parts, sum_slots
+from glm53.kernels.row_parts import RowParts
 
 SB = GROUP
 VARIANTS = ("w8a16", "w8a8")
@@ -319,7 +320,8 @@ def moe_experts_fp8_triton(
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
     x_lo: tuple[torch.Tensor, torch.Tensor] | None = None,
     lo: bool | None = None,
-) -> torch.Tensor:
+    keep_parts: bool = False,
+) -> torch.Tensor | RowParts:
     """x [N, H] (bf16/fp16/fp32); weights [N, k] fp32; ids [N, k] in [0, E) (not checked: that
     would need a host sync); experts in the module docstring's layouts; variant "w8a16" or
     "w8a8" (w8a16 where `gemv_takes` says so, or with a `MoEGemvConfig`: the per-pair
@@ -403,4 +405,5 @@ def moe_experts_fp8_triton(
         y.stride(0),
         BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, **common,
     )
-    return sum_slots(y, N, k)  # in a fixed order: deterministic
+    # in a fixed order: deterministic; or (keep_parts) not taken yet, for the norm that adds it
+    return slot_parts(y, N, k) if keep_parts else sum_slots(y, N, k)

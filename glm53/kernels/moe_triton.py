@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.row_parts import RowParts, sum_parts_triton
 
 
 @dataclass(frozen=True)
@@ -227,27 +228,16 @@ def _down_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (n < H)[None, :])
 
 
-@triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    m = h < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(K):
-        acc += tl.load(y_ptr + (t * K + j) * H + h, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=m)
+def slot_parts(y: torch.Tensor, N: int, k: int) -> RowParts:
+    """y [N·k, H] (contiguous) as the sum each token's k slot rows make, not taken yet (`row_parts`)."""
+    assert y.shape[0] == N * k and y.is_contiguous(), (y.shape, N, k)
+    return RowParts(y.view(N, k, y.shape[1]).transpose(0, 1), y.dtype)
 
 
 def sum_slots(y: torch.Tensor, N: int, k: int) -> torch.Tensor:
     """y [N·k, H] (contiguous) -> [N, H]: each token's k slot rows summed in fp32, slot 0 first,
     rounded once to y's dtype (one launch where torch's sum and cast took two)."""
-    H = y.shape[1]
-    assert y.shape[0] == N * k and y.is_contiguous(), (y.shape, N, k)
-    out = torch.empty((N, H), dtype=y.dtype, device=y.device)
-    if N:
-        block = min(1024, triton.next_power_of_2(H))
-        _sum_slots_kernel[(N, triton.cdiv(H, block))](y, out, H, K=k, BLOCK_H=block, num_warps=4 if block >= 512 else 1)
-    return out
+    return sum_parts_triton(slot_parts(y, N, k).parts, y.dtype)
 
 
 def sort_pairs(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

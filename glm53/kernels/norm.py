@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from glm53.kernels.dispatch import use_triton
+from glm53.kernels.row_parts import RowParts, take
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,16 +31,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     return y if out is None else out.copy_(y)
 
 
-def add_rms_norm(x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, add: torch.Tensor | RowParts, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s = x + add, RMSNorm(s)): a residual add and the norm after it, in one kernel where
     `dispatch.use_triton` says so (bit-identical to the two ops: the sum is rounded to x's dtype
-    before the norm reads it)."""
-    if use_triton(x, add, weight) and weight.dim() == 1 and x.stride(-1) == 1 and add.stride(-1) == 1 \
-            and add.shape == x.shape and add.dtype == x.dtype:
+    before the norm reads it). `add` may be a sum not taken yet (`row_parts`): the kernel takes it."""
+    a = add.parts if isinstance(add, RowParts) else add
+    if use_triton(x, a, weight) and weight.dim() == 1 and x.stride(-1) == 1 and a.stride(-1) == 1 \
+            and add.shape == x.shape and add.dtype == x.dtype and (a is add or x.dim() == 2):
         from glm53.kernels.norm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, add=add)
-    s = x + add
+    s = x + take(add)
     return s, rms_norm(s, weight, eps)
 
 

@@ -11,28 +11,52 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.kernels.row_parts import RowParts
+
+
+def added(add: torch.Tensor | RowParts | None, x: torch.Tensor) -> tuple[int, int]:
+    """(parts, the stride between them) of a norm's `add`: (0, 0) for a tensor (or none), asserting
+    either one's shape, dtype and unit last stride against x's."""
+    if add is None:
+        return 0, 0
+    assert add.shape == x.shape and add.dtype == x.dtype, (add.shape, add.dtype, x.shape, x.dtype)
+    if isinstance(add, RowParts):
+        return add.parts.shape[0], add.parts.stride(0)
+    assert add.stride(-1) == 1, add.stride()
+    return 0, 0
+
 
 @triton.jit
-def load_residual_sum(x_ptr, a_ptr, s_ptr, x_off, a_off, s_off, mask, ADD: tl.constexpr):
+def load_residual_sum(x_ptr, a_ptr, s_ptr, x_off, a_off, s_off, mask, ADD: tl.constexpr, stride_ap,
+                      PARTS: tl.constexpr):
     """x at `x_off`; with ADD the residual sum x + a instead, rounded to x's dtype as torch's add
-    rounds it, and written to s (the norms that take the add before them: here and `fp8_act`)."""
+    rounds it, and written to s (the norms that take the add before them: here and `fp8_act`).
+    PARTS > 0: a is a `row_parts.RowParts` of that many parts (`stride_ap` apart), summed here as
+    its own launch would sum it (fp32, part 0 first, rounded to x's dtype)."""
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0)
     if ADD:
-        a = tl.load(a_ptr + a_off, mask=mask, other=0.0)
+        if PARTS > 0:
+            acc = tl.load(a_ptr + a_off, mask=mask, other=0.0).to(tl.float32)
+            for p in tl.static_range(1, PARTS):
+                acc += tl.load(a_ptr + p * stride_ap + a_off, mask=mask, other=0.0).to(tl.float32)
+            a = acc.to(x_ptr.dtype.element_ty)
+        else:
+            a = tl.load(a_ptr + a_off, mask=mask, other=0.0)
         x = (x.to(tl.float32) + a.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(s_ptr + s_off, x, mask=mask)
     return x
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, a_ptr, s_ptr, D, stride_x, stride_o, stride_a, stride_s, eps,
-                     BLOCK_D: tl.constexpr, ADD: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, a_ptr, s_ptr, D, stride_x, stride_o, stride_a, stride_s, stride_ap, eps,
+                     BLOCK_D: tl.constexpr, ADD: tl.constexpr, PARTS: tl.constexpr):
     """ADD: the residual sum s = x + a (rounded to x's dtype, as torch's add) is written to s and
     normalised: one pass where an add and a norm read the sum twice."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
-    x = load_residual_sum(x_ptr, a_ptr, s_ptr, row * stride_x + d, row * stride_a + d, row * stride_s + d, mask, ADD)
+    x = load_residual_sum(x_ptr, a_ptr, s_ptr, row * stride_x + d, row * stride_a + d, row * stride_s + d, mask, ADD,
+                          stride_ap, PARTS)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
     n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -41,10 +65,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, a_ptr, s_ptr, D, stride_x, stride_o,
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
-                    add: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    add: torch.Tensor | RowParts | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] with a unit last stride (rows may be strided, e.g. a column slice); weight [D].
     Returns (or writes `out`, which may be x itself) in the dtype torch's promotion gives. With
-    `add` (x's shape and dtype): (s = x + add, the norm of s)."""
+    `add` (x's shape and dtype, or a `RowParts` of them for 2-d x): (s = x + add, the norm of s)."""
     D = x.shape[-1]
     assert weight.shape == (D,) and x.stride(-1) == 1, (x.shape, x.stride(), weight.shape)
     rows = x.view(-1, D) if x.dim() != 2 else x
@@ -54,14 +78,14 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     assert out.shape == x.shape and out.dtype == dtype and out.stride(-1) == 1
     o = out.view(-1, D) if out.dim() != 2 else out
     a = s = o  # unused without `add`
+    n_parts, stride_ap = added(add, x)
     if add is not None:
-        assert add.shape == x.shape and add.dtype == x.dtype and add.stride(-1) == 1, (add.shape, add.dtype)
-        a = add.reshape(-1, D)
+        a = add.parts[0] if n_parts else add.reshape(-1, D)
         s = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         BLOCK_D = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, o, a, s, D, rows.stride(0), o.stride(0), a.stride(0), s.stride(0),
-                                           eps, BLOCK_D=BLOCK_D, ADD=add is not None,
+                                           stride_ap, eps, BLOCK_D=BLOCK_D, ADD=add is not None, PARTS=n_parts,
                                            num_warps=max(1, min(16, BLOCK_D // 256)))
     return out if add is None else (s.view(x.shape), out)
 

@@ -26,6 +26,7 @@ from glm53.kernels.fp8_act import Fp8Rows, add_rms_norm_fp8, rms_norm_fp8, silu_
 from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows, takes_fp8_rows
 from glm53.kernels.moe import swiglu_mlp
 from glm53.kernels.norm import add_rms_norm, rms_norm
+from glm53.kernels.row_parts import RowParts
 from glm53.kernels.swiglu import silu_mul
 from glm53.models.config import ConfigError
 from glm53.models.fused import FusedLinear
@@ -120,11 +121,12 @@ class Linear(nn.Module):
         """Whether this layer's product of m rows reads its input quantized (`fp8_act`)."""
         return takes_fp8_rows(m, *self.weight.shape, self.weight.device, self.fp8)
 
-    def matmul(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor | Fp8Rows, keep_parts: bool = False) -> torch.Tensor | RowParts:
         """This rank's product x @ W^T (no communication); x dense, or its rows a producer
-        quantized when `takes_fp8_rows`."""
+        quantized when `takes_fp8_rows`. `keep_parts`: the sum of a split-K product may come back not
+        taken yet (`row_parts`), for a norm that adds it to the residual stream."""
         if isinstance(x, Fp8Rows):
-            return fp8_gemm_rows(x, self.weight, self.weight_scale_inv, self.dtype)
+            return fp8_gemm_rows(x, self.weight, self.weight_scale_inv, self.dtype, keep_parts=keep_parts)
         if self.weight_scale_inv is not None:
             return fp8_gemm(x.to(self.dtype), self.weight, self.weight_scale_inv, self.dtype)
         return F.linear(x.to(self.weight.dtype), self.weight)
@@ -152,7 +154,10 @@ class RowParallelLinear(Linear):
         n = split(in_features, tp, "input features")
         self._init(dtype, param(out_features, n, dtype=dtype, shard=Shard(1, tp.rank, tp.size)))
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, keep_parts: bool = False) -> torch.Tensor | RowParts:
+        """`keep_parts` (`Linear.matmul`) on one rank only: the all-reduce takes the sum's rows."""
+        if self.tp.size == 1:
+            return self.matmul(x, keep_parts)
         return self.tp.all_reduce(self.matmul(x))
 
 
@@ -227,13 +232,16 @@ class MLP(nn.Module):
             return self.gate_up.takes_fp8_rows(m)
         return self.gate_proj.takes_fp8_rows(m) and self.up_proj.takes_fp8_rows(m)
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, keep_parts: bool = False) -> torch.Tensor | RowParts:
+        """`keep_parts`: on one rank, with the reduce, the down product's sum may come back not taken
+        yet (`Linear.matmul`), for the norm that adds it."""
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        keep_parts = keep_parts and self.reduce and self.tp.size == 1
         if self.gate_up is not None or isinstance(x, Fp8Rows) or g.fp8 or u.fp8 or d.fp8:
             gx, ux = self.gate_up(x) if self.gate_up is not None else (g.matmul(x), u.matmul(x))
             # the down product's input quantized by the SwiGLU itself where it would be anyway
             h = silu_mul_fp8(gx, ux) if gx.dim() == 2 and d.takes_fp8_rows(gx.shape[0]) else silu_mul(gx, ux)
-            out = d.matmul(h)
+            out = d.matmul(h, keep_parts)
         else:
             out = swiglu_mlp(x, g.weight, u.weight, d.weight)
         return self.tp.all_reduce(out) if self.reduce else out
@@ -244,8 +252,10 @@ def rows_of(x: torch.Tensor | Fp8Rows) -> int:
 
 
 def norm_for(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: nn.Module,
-             add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | Fp8Rows]:
-    """RMSNorm of x [m, D] (of x + `add`, the residual add in the same pass) as `consumer` (a
+             add: torch.Tensor | RowParts | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | Fp8Rows]:
+    """RMSNorm of x [m, D] (of x + `add`, the residual add in the same pass; `add` may be a sum not
+    taken yet, `row_parts`, which the norm takes) as `consumer` (a
     module with `takes_fp8_rows(m)` and `reads_dense`) reads it: (the residual sum, x itself
     without `add`; the dense norm, None when only quantized rows are needed; the consumer's input,
     the dense norm or its rows quantized in the same pass)."""

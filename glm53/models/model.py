@@ -33,6 +33,7 @@ from glm53.kernels.kv_rows import finish_rows, store_rows
 from glm53.kernels.linear_f32 import linear_f32
 from glm53.kernels.norm import rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from glm53.kernels.row_parts import take
 from glm53.kernels.sparse_mla import sparse_mla
 from glm53.kernels.topk import dsa_topk, dsa_topk_paged, positions_to_slots
 from glm53.kernels.variants import logits_width
@@ -240,9 +241,10 @@ class Attention(nn.Module):
         return int(self.proj_x is not None) + int(self.proj_q is not None)
 
     def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPools, topk_slots: torch.Tensor | None,
-                x_in: torch.Tensor | Fp8Rows | None = None):
+                x_in: torch.Tensor | Fp8Rows | None = None, keep_parts: bool = False):
         """x: the normed hidden state; `x_in` its rows quantized for the input products when
-        `norm_for` made them (then x may be None unless `reads_dense`)."""
+        `norm_for` made them (then x may be None unless `reads_dense`). `keep_parts`: o_proj's
+        split-K sum may come back not taken yet (`row_parts`), for the norm after it."""
         cfg = self.cfg
         x_in = x if x_in is None else x_in
         n, h = rows_of(x_in), self.n_heads
@@ -293,7 +295,7 @@ class Attention(nn.Module):
         if self.o_proj.takes_fp8_rows(n) and two_terms(n) and cfg.v_head_dim % GROUP == 0:
             # decode sizes: the W_UV product writes o_proj's quantized rows itself (no dense o, no
             # quantizing launch; kernels/fp8_act)
-            return self.o_proj(uv_product_fp8(o_lat, w[:, nope:])), topk_slots
+            return self.o_proj(uv_product_fp8(o_lat, w[:, nope:]), keep_parts), topk_slots
         return self.o_proj(uv_product_reference(o_lat, w[:, nope:])), topk_slots
 
 
@@ -313,11 +315,12 @@ class DecoderLayer(nn.Module):
         (x, mlp_out, top-k, the stream this layer entered with: x + pending, the previous layer's
         output), and each residual add runs inside the norm after it."""
         # each norm writes its output as the products after it read it, with the residual add
-        # before it in the same pass (`layers.norm_for`)
+        # before it in the same pass (`layers.norm_for`), and the sums that end the attention and
+        # (deferred) the MLP taken there too (`row_parts`)
         entry, h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn, add=pending)
-        a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in)
+        a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in, keep_parts=True)
         x, h, h_in = norm_for(entry, self.post_attention_layernorm.weight, self.eps, self.mlp, add=a)
-        out = self.mlp(h, h_in) if isinstance(self.mlp, MoE) else self.mlp(h_in)
+        out = self.mlp(h, h_in, keep_parts=defer) if isinstance(self.mlp, MoE) else self.mlp(h_in, keep_parts=defer)
         return (x, out, topk_slots, entry) if defer else (x + out, topk_slots)
 
 
@@ -476,7 +479,7 @@ class GlmForCausalLM(nn.Module):
             if layer.layer in want:
                 held = layer.layer
         if pending is not None:
-            x = x + pending
+            x = x + take(pending)
         if held is not None:  # the stage's last layer: its output is the stage's
             last = held == self.cfg.num_hidden_layers - 1
             captures[held] = self.final_norm(x) if last else x

@@ -14,6 +14,7 @@ from glm53.kernels.dispatch import triton_interpreting
 from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.moe import moe_experts, route
 from glm53.kernels.moe_fp8 import moe_experts_fp8, moe_fp8_variant
+from glm53.kernels.row_parts import RowParts
 from glm53.models.config import GlmConfig
 from glm53.models.ep_dispatch import ep_moe
 from glm53.models.expert_parallel import expert_placement
@@ -61,15 +62,17 @@ class Experts(nn.Module):
         self.shared_id: int | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                x_rows: Fp8Rows | None = None) -> torch.Tensor:
+                x_rows: Fp8Rows | None = None, keep_parts: bool = False) -> torch.Tensor | RowParts:
         """Σ over each row's slots of weight · expert(x) for this rank's experts and width part;
         `ids` [N, k] index the local stacks (`shared_id` too, after `absorb_`). `x_rows`: x
-        quantized by its norm (`fp8_act`)."""
+        quantized by its norm (`fp8_act`). `keep_parts`: block-FP8 experts may return the sum not
+        taken yet (`row_parts`)."""
         w = {name: self.stacks.get(name, getattr(self, name))
              for name in (*self.PROJS, *(proj + SCALE_SUFFIX for proj in self.PROJS))}
         if self.fp8:
             return moe_experts_fp8(x, weights, ids, w["gate_proj"], w["gate_proj_scale_inv"], w["up_proj"],
-                                   w["up_proj_scale_inv"], w["down_proj"], w["down_proj_scale_inv"], x_rows=x_rows)
+                                   w["up_proj_scale_inv"], w["down_proj"], w["down_proj_scale_inv"], x_rows=x_rows,
+                                   keep_parts=keep_parts)
         return moe_experts(x, weights, ids, w["gate_proj"], w["up_proj"], w["down_proj"])
 
     @property
@@ -158,9 +161,11 @@ class MoE(nn.Module):
             return 0
         return int(self.experts.shared_id is not None or self.experts.absorb_(self.shared_experts))
 
-    def forward(self, x, x_in: torch.Tensor | Fp8Rows | None = None):
+    def forward(self, x, x_in: torch.Tensor | Fp8Rows | None = None, keep_parts: bool = False):
         """x: the normed hidden state; `x_in` its quantized rows for the shared expert and the
-        routed experts' w8a8 kernel (`norm_for`)."""
+        routed experts' w8a8 kernel (`norm_for`). `keep_parts`: where nothing is added to the
+        experts' sum after them (one rank, the shared expert in their stacks or none), it may come
+        back not taken yet (`row_parts`), for the next norm to add."""
         cfg = self.cfg
         e = self.experts
         weights, ids = route(
@@ -170,7 +175,9 @@ class MoE(nn.Module):
         if e.placement.ep > 1:
             out = ep_moe(x, weights, ids, e.placement, self.tp, e)
         else:  # the routed experts read the norm's quantized rows too, where they quantize x
-            out = e(x, weights, ids, x_rows=x_in if isinstance(x_in, Fp8Rows) else None)
+            alone = self.tp.size == 1 and (self.shared_experts is None or e.shared_id is not None)
+            out = e(x, weights, ids, x_rows=x_in if isinstance(x_in, Fp8Rows) else None,
+                    keep_parts=keep_parts and alone)
         if self.shared_experts is not None and e.shared_id is None:
             out = out + self.shared_experts(x if x_in is None else x_in)
         return self.tp.all_reduce(out)

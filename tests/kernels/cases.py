@@ -125,6 +125,37 @@ def check_brackets(L: int, k: int, device: str = "cpu", rows: int = 32) -> None:
             assert br[b].tolist() == [kth, kth], (b, n, br[b].tolist(), kth)
 
 
+def check_norms_take_row_parts(M: int, D: int, device: str = "cpu") -> None:
+    """The residual add + norm (plain and quantizing) given the add as a sum not taken yet
+    (`row_parts.RowParts`: a split-K product's fp32 partials, an MoE's bf16 slot rows) equals the
+    same norm given the sum taken by its own launch, bit for bit, and `rows()` equals the adds."""
+    from glm53.kernels.dispatch import triton_interpreting
+    from glm53.kernels.fp8_act import add_rms_norm_fp8
+    from glm53.kernels.moe_triton import slot_parts
+    from glm53.kernels.norm import add_rms_norm
+    from glm53.kernels.row_parts import RowParts
+
+    x = torch.randn(M, D, device=device).bfloat16() * 4
+    w = torch.rand(D, device=device).bfloat16() + 0.5
+    splits = RowParts(torch.randn(3, M, D, device=device) * 2, torch.bfloat16)
+    slots = slot_parts(torch.randn(M * 4, D, device=device).bfloat16(), M, 4)
+    for lazy in (splits, slots):
+        acc = lazy.parts[0].float()
+        for p in lazy.parts[1:]:
+            acc = acc + p.float()
+        taken = lazy.rows()
+        assert torch.equal(taken, acc.to(torch.bfloat16))
+        if triton_interpreting():  # the interpreter's in-kernel fp32 -> bf16 cast truncates
+            taken = (acc.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+        s0, y0 = add_rms_norm(x, taken, w, 1e-6)
+        s1, y1 = add_rms_norm(x, lazy, w, 1e-6)
+        assert torch.equal(s0, s1) and torch.equal(y0, y1)
+        r0, d0, q0 = add_rms_norm_fp8(x, taken, w, 1e-6, dense=True)
+        r1, d1, q1 = add_rms_norm_fp8(x, lazy, w, 1e-6, dense=True)
+        assert torch.equal(r0, r1) and torch.equal(d0, d1)
+        assert torch.equal(q0.dequantize(), q1.dequantize())
+
+
 def _paged_pool(num_pages, n_layers, page_size, dim, dtype, device, layer=1):
     pool = torch.randn(num_pages, n_layers, page_size, dim, device=device).to(dtype)
     return pool[:, layer]  # strided view of a page-major pool

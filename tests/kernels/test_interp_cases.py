@@ -172,6 +172,11 @@ def test_fp8_gemm_pdl_knob_ignored_when_interpreting():
     fp8_cases.check_gemm(1, 96, 384, torch.float32, "w8a8", device="cpu", config=cfg)
 
 
+@pytest.mark.parametrize("M", [1, 5])
+def test_norms_take_row_parts(M):
+    cases.check_norms_take_row_parts(M, 384)
+
+
 def _cand_bins(key32, lo, hi, logb=8):
     """Model of the kernels' `_cand_bin`: 2^logb power-of-two-wide key ranges over the bracket."""
     klo, khi = lo << 16, (hi << 16) | 0xFFFF

@@ -14,8 +14,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("records real JIT launches (not the interpreter's)", allow_module_level=True)
 
-from glm53.kernels import fp8_gemm_triton, fp8_quant, fp8_split_k, moe_triton, sparse_mla_fp8_triton, sparse_mla_triton, topk_triton  # noqa: E402
-from glm53.kernels import draft_attention_triton, moe_fp8_gemv_triton, moe_fp8_triton  # noqa: E402
+from glm53.kernels import fp8_gemm_triton, fp8_quant, moe_triton, sparse_mla_fp8_triton, sparse_mla_triton, topk_triton  # noqa: E402
+from glm53.kernels import draft_attention_triton, moe_fp8_gemv_triton, moe_fp8_triton, row_parts  # noqa: E402
 from glm53.kernels import variants as v  # noqa: E402
 from glm53.kernels.fp8_quant import quantize_fp8_blocks  # noqa: E402
 from glm53.kernels.latent_cache_fp8 import LatentLayout  # noqa: E402
@@ -108,9 +108,9 @@ def recorded(monkeypatch):
     log: list[tuple] = []
     kernels = [sparse_mla_triton._sparse_mla_kernel, sparse_mla_triton._combine_kernel,
                sparse_mla_fp8_triton._sparse_mla_fp8_kernel, fp8_gemm_triton._block_fp8_gemm_kernel,
-               fp8_split_k._sum_splits_kernel,
+               row_parts._sum_parts_kernel,
                fp8_quant._quant_groups_kernel, moe_triton._plan_kernel, moe_triton._gate_up_kernel,
-               moe_triton._down_kernel, moe_triton._sum_slots_kernel, moe_fp8_triton._gate_up_fp8_kernel,
+               moe_triton._down_kernel, moe_fp8_triton._gate_up_fp8_kernel,
                moe_fp8_triton._down_fp8_kernel, moe_fp8_gemv_triton._gate_up_gemv_kernel,
                moe_fp8_gemv_triton._down_gemv_kernel, topk_triton._bracket_kernel,
                topk_triton._scan_kernel, topk_triton._finish_kernel, draft_attention_triton._draft_attn_kernel,

@@ -152,3 +152,33 @@ def test_a_replayed_run_takes_the_references_choices(tmp_path):
     assert len(fed["topk"]) == len(ref_rec["topk"]) > 0
     assert all(torch.equal(a, b) for a, b in zip(fed["topk"], ref_rec["topk"]))
     assert not all(torch.equal(a, b) for a, b in zip(fed["logits"], free["logits"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the H200 device tool)")
+def test_gpu_sums_taken_by_the_norms_change_nothing(tmp_path, monkeypatch):
+    # o_proj's and the dense MLP's split-K sums and the MoE's slot sums, taken by the norm after
+    # them (`row_parts`), against each taken by its own launch: the same logits bit for bit (split-K
+    # forced at the tiny widths, where the decode products would not split)
+    import dataclasses
+
+    import glm53.kernels.fp8_gemm_triton as gemm_mod
+    import glm53.kernels.moe_fp8_triton as moe_fp8_mod
+    from glm53.kernels.moe_triton import sum_slots
+    from glm53.kernels.row_parts import sum_parts_triton
+
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(ckpt, seed=11, **FP8_WIDTHS)
+    quantise_fp8_(ckpt, block=128)
+    split = gemm_mod.default_config
+    monkeypatch.setattr(gemm_mod, "default_config", lambda *a, **kw: dataclasses.replace(split(*a, **kw), SPLIT_K=2))
+    outs = []
+    for lazy in (True, False):
+        model = load_model(ckpt, dtype=torch.bfloat16, fp8=True, progress=False, device="cuda")
+        with monkeypatch.context() as mp:
+            if not lazy:
+                mp.setattr(gemm_mod, "RowParts", sum_parts_triton)
+                mp.setattr(moe_fp8_mod, "slot_parts", lambda y, n, k: sum_slots(y, n, k))
+            outs.append(scenario(ModelRunner(model, num_pages=PAGES, page_size=PAGE, device="cuda"), greedy))
+    assert outs[0]["tokens"] == outs[1]["tokens"]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0]["logits"], outs[1]["logits"]))

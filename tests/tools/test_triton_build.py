@@ -48,7 +48,7 @@ def check_fp8_gemm(built: list, names: set) -> None:
     assert swapped == {16, 32}, "decode products of up to 32 virtual rows take the swapped tile"
     early = {b.constexprs["PREFETCH"] for b in built if b.name == "_block_fp8_gemm_kernel" and b.constexprs["PDL"]}
     assert early == {256}, "the swapped tiles launch early and prefetch (the L2 prefetch's inline PTX builds)"
-    assert "_sum_splits_kernel" in names
+    assert "_sum_parts_kernel" in names
 
 
 def check_moe_fp8(built: list, names: set) -> None:
@@ -74,7 +74,7 @@ def check_norms(built: list, names: set) -> None:
 
 
 def check_moe(built: list, names: set) -> None:
-    assert {"_linear_f32_kernel", "_route_kernel", "_plan_kernel", "_down_kernel", "_sum_slots_kernel"} <= names
+    assert {"_linear_f32_kernel", "_route_kernel", "_plan_kernel", "_down_kernel", "_sum_parts_kernel"} <= names
     assert values(built, "_gate_up_kernel", "BM") == {16, 64, 128}, "decode, mid and prefill tiles"
     assert values(built, "_gate_up_kernel", "E") == {257}, "the shared expert in the routed stack"
 

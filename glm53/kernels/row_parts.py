@@ -1,0 +1,72 @@
+"""A row sum not taken yet: rows [M, N] = Σ_s parts[s] in fp32, part 0 first, rounded once to
+`dtype` (deterministic). A split-K product's partials (`fp8_split_k.sum_splits`) and an MoE's k
+expert rows a token (`moe_triton.sum_slots`) are such sums. Where the next op is a norm that adds
+them to the residual stream (`layers.norm_for`), it takes the sum in its own pass
+(`norm_triton.load_residual_sum`) and the sum's launch goes away; anything else takes `rows()`,
+the same values in one launch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from glm53.kernels.dispatch import triton_interpreting, use_triton
+
+
+@dataclass(frozen=True)
+class RowParts:
+    parts: torch.Tensor  # [S, M, N] with a unit last stride (parts and rows any strides)
+    dtype: torch.dtype  # the sum's
+
+    def __post_init__(self):
+        assert self.parts.dim() == 3 and self.parts.stride(2) == 1, (self.parts.shape, self.parts.stride())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device
+
+    def rows(self) -> torch.Tensor:
+        """The sum [M, N] in `dtype`: one launch where `dispatch.use_triton` says so, else the adds."""
+        if use_triton(self.parts):
+            return sum_parts_triton(self.parts, self.dtype)
+        acc = self.parts[0].float()
+        for p in self.parts[1:]:
+            acc = acc + p.float()
+        return acc.to(self.dtype)
+
+
+def take(x: torch.Tensor | RowParts) -> torch.Tensor:
+    """x itself, or the sum x defers."""
+    return x.rows() if isinstance(x, RowParts) else x
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_parts_kernel(p_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym, S: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = n < N
+    row = p_ptr + m * stride_pm + n
+    acc = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, S):
+        acc += tl.load(row + s * stride_ps, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_parts_triton(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Σ_s parts[s] in fp32, part 0 first, in `dtype`: one launch (the Triton launchers' own sums)."""
+    S, M, N = parts.shape
+    # The interpreter's fp32 -> bf16 cast truncates (a GPU's rounds to nearest even): there the
+    # kernel writes fp32 and torch casts.
+    y = torch.empty((M, N), dtype=torch.float32 if triton_interpreting() else dtype, device=parts.device)
+    if M and N:
+        block = min(1024, triton.next_power_of_2(N))
+        _sum_parts_kernel[(M, triton.cdiv(N, block))](parts, y, M, N, parts.stride(0), parts.stride(1), y.stride(0),
+                                                      S=S, BLOCK=block, num_warps=4 if block >= 512 else 1)
+    return y.to(dtype)
