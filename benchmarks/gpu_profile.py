@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from glm53.support.glm5_slice import ensure_slice
-from glm53.support.kernel_profile import kernel_table, launch_counts, print_table, profile
+from glm53.support.kernel_profile import kernel_table, launch_counts, print_table, profile, replay_us
 
 
 # -- decode ------------------------------------------------------------------------------------
@@ -38,16 +38,7 @@ def graph_replay_us(runner, chunks, replays: int = 50, runs: int = 5) -> float:
     dependent launch) from its launch, its wait included. (The replays rewrite one step's cache
     rows with the same values.)"""
     graph = runner.graphs.graphs[runner.graphs.bucket(chunks)][0]
-    times = []
-    for _ in range(runs):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(replays):
-            graph.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / replays)
-    return statistics.median(times)
+    return statistics.median(replay_us(graph, replays) for _ in range(runs))
 
 
 def decode_profile(model_dir: Path, sizes: list[int], ctx: int, steps: int, top: int,

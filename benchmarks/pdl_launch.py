@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait, gdc_launch_dependents
 
+from glm53.support.kernel_profile import replay_us
+
 
 @triton.jit
 def _step(x_ptr, y_ptr, n, ITERS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK: tl.constexpr):
@@ -57,13 +59,7 @@ def run(n, grid, k, pdl, early, iters, reps=200):
     for _ in range(20):
         g.replay()
     torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) / reps * 1e3, got
+    return replay_us(g, reps), got
 
 
 def main() -> None:

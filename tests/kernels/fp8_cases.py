@@ -454,3 +454,29 @@ def check_add_norms(M: int, D: int, dtype, device="cpu") -> None:
     assert torch.equal(s8, s) and torch.equal(y8, y_ref)
     assert torch.equal(rows.rows()[1], rows_ref.rows()[1])
     assert torch.equal(rows.rows()[0].view(torch.uint8), rows_ref.rows()[0].view(torch.uint8))
+
+
+def split_fp8_checkpoint(path, monkeypatch, seed: int):
+    """A tiny block-FP8 checkpoint at `path`, with split-K forced on the Triton GEMM's products (at
+    these widths the decode products would not split): for the checks of the sums `row_parts`
+    leaves to the norms."""
+    import dataclasses
+
+    import glm53.kernels.fp8_gemm_triton as gemm_mod
+    from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
+
+    make_checkpoint(path, seed=seed, **FP8_WIDTHS)
+    quantise_fp8_(path, block=128)
+    split = gemm_mod.default_config
+    monkeypatch.setattr(gemm_mod, "default_config", lambda *a, **kw: dataclasses.replace(split(*a, **kw), SPLIT_K=2))
+
+
+def take_sums_eagerly(monkeypatch) -> None:
+    """Each split-K and slot sum taken by its own launch, as before `row_parts`."""
+    import glm53.kernels.fp8_gemm_triton as gemm_mod
+    import glm53.kernels.moe_fp8_triton as moe_fp8_mod
+    from glm53.kernels.moe_triton import sum_slots
+    from glm53.kernels.row_parts import sum_parts_triton
+
+    monkeypatch.setattr(gemm_mod, "RowParts", sum_parts_triton)
+    monkeypatch.setattr(moe_fp8_mod, "slot_parts", lambda y, n, k: sum_slots(y, n, k))

@@ -180,25 +180,14 @@ def test_norms_take_row_parts(M):
 def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
     # a tiny FP8 model on the Triton path, split-K forced: the split and slot sums taken by the
     # norms after them (`row_parts`) give the logits their own launches give, bit for bit
-    import dataclasses
-
-    import glm53.kernels.fp8_gemm_triton as gemm_mod
-    import glm53.kernels.moe_fp8_triton as moe_fp8_mod
-    from glm53.kernels.moe_triton import sum_slots
-    from glm53.kernels.row_parts import sum_parts_triton
     from glm53.models import ModelRunner, SeqChunk
     from glm53.models.weights import load_model
-    from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
 
-    make_checkpoint(tmp_path, seed=3, **FP8_WIDTHS)
-    quantise_fp8_(tmp_path, block=128)
-    split = gemm_mod.default_config
-    monkeypatch.setattr(gemm_mod, "default_config", lambda *a, **kw: dataclasses.replace(split(*a, **kw), SPLIT_K=2))
+    fp8_cases.split_fp8_checkpoint(tmp_path, monkeypatch, seed=3)
     outs = []
     for lazy in (True, False):
         if not lazy:
-            monkeypatch.setattr(gemm_mod, "RowParts", sum_parts_triton)
-            monkeypatch.setattr(moe_fp8_mod, "slot_parts", lambda y, n, k: sum_slots(y, n, k))
+            fp8_cases.take_sums_eagerly(monkeypatch)
         runner = ModelRunner(load_model(tmp_path, dtype=torch.float32, fp8=True, progress=False), num_pages=4,
                              page_size=16)
         first = runner.forward([SeqChunk(list(range(5, 17)), 0, [0, 1])])[0]

@@ -22,6 +22,7 @@ from glm53.kernels.fp8_gemm import fp8_gemm_reference
 from glm53.models import ModelRunner
 from glm53.models.weights import load_model
 from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
+from tests.kernels import fp8_cases
 from tests.kernels.fp8_cases import emulate_groups
 from tests.models.tp_harness import PAGE, PAGES, greedy, replay_selections, scenario, selections_differ
 
@@ -160,25 +161,14 @@ def test_gpu_sums_taken_by_the_norms_change_nothing(tmp_path, monkeypatch):
     # o_proj's and the dense MLP's split-K sums and the MoE's slot sums, taken by the norm after
     # them (`row_parts`), against each taken by its own launch: the same logits bit for bit (split-K
     # forced at the tiny widths, where the decode products would not split)
-    import dataclasses
-
-    import glm53.kernels.fp8_gemm_triton as gemm_mod
-    import glm53.kernels.moe_fp8_triton as moe_fp8_mod
-    from glm53.kernels.moe_triton import sum_slots
-    from glm53.kernels.row_parts import sum_parts_triton
-
     ckpt = tmp_path / "ckpt"
-    make_checkpoint(ckpt, seed=11, **FP8_WIDTHS)
-    quantise_fp8_(ckpt, block=128)
-    split = gemm_mod.default_config
-    monkeypatch.setattr(gemm_mod, "default_config", lambda *a, **kw: dataclasses.replace(split(*a, **kw), SPLIT_K=2))
+    fp8_cases.split_fp8_checkpoint(ckpt, monkeypatch, seed=11)
     outs = []
     for lazy in (True, False):
         model = load_model(ckpt, dtype=torch.bfloat16, fp8=True, progress=False, device="cuda")
         with monkeypatch.context() as mp:
             if not lazy:
-                mp.setattr(gemm_mod, "RowParts", sum_parts_triton)
-                mp.setattr(moe_fp8_mod, "slot_parts", lambda y, n, k: sum_slots(y, n, k))
+                fp8_cases.take_sums_eagerly(mp)
             outs.append(scenario(ModelRunner(model, num_pages=PAGES, page_size=PAGE, device="cuda"), greedy))
     assert outs[0]["tokens"] == outs[1]["tokens"]
     assert all(torch.equal(a, b) for a, b in zip(outs[0]["logits"], outs[1]["logits"]))
