@@ -47,7 +47,9 @@ def take(x: torch.Tensor | RowParts) -> torch.Tensor:
     return x.rows() if isinstance(x, RowParts) else x
 
 
-@triton.jit(do_not_specialize=["M"])
+# M and, for a split-K product's partials, the stride between parts (M·N) follow the token count:
+# not specialized, so no batch compiles a variant the warm-up did not (kernels/variants.py)
+@triton.jit(do_not_specialize=["M", "stride_ps"])
 def _sum_parts_kernel(p_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym, S: tl.constexpr, BLOCK: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
