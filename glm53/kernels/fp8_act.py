@@ -201,7 +201,7 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense
     a = r = y  # unused without `add`
     n_parts, stride_ap = added(add, x)
     if add is not None:
-        a, r = add.parts[0] if n_parts else add, torch.empty((m, D), dtype=x.dtype, device=x.device)
+        a, r = add.parts[0] if isinstance(add, RowParts) else add, torch.empty((m, D), dtype=x.dtype, device=x.device)
     if m:
         ng = triton.next_power_of_2(triton.cdiv(D, GROUP))
         _rms_norm_fp8_kernel[(m,)](

@@ -15,15 +15,15 @@ from glm53.kernels.row_parts import RowParts
 
 
 def added(add: torch.Tensor | RowParts | None, x: torch.Tensor) -> tuple[int, int]:
-    """(parts, the stride between them) of a norm's `add`: (0, 0) for a tensor (or none), asserting
-    either one's shape, dtype and unit last stride against x's."""
+    """(parts, the stride between them) of a norm's `add`: a tensor is one part, none is (0, 0);
+    asserting either one's shape, dtype and unit last stride against x's."""
     if add is None:
         return 0, 0
     assert add.shape == x.shape and add.dtype == x.dtype, (add.shape, add.dtype, x.shape, x.dtype)
     if isinstance(add, RowParts):
         return add.parts.shape[0], add.parts.stride(0)
     assert add.stride(-1) == 1, add.stride()
-    return 0, 0
+    return 1, 0
 
 
 @triton.jit
@@ -31,17 +31,15 @@ def load_residual_sum(x_ptr, a_ptr, s_ptr, x_off, a_off, s_off, mask, ADD: tl.co
                       PARTS: tl.constexpr):
     """x at `x_off`; with ADD the residual sum x + a instead, rounded to x's dtype as torch's add
     rounds it, and written to s (the norms that take the add before them: here and `fp8_act`).
-    PARTS > 0: a is a `row_parts.RowParts` of that many parts (`stride_ap` apart), summed here as
-    its own launch would sum it (fp32, part 0 first, rounded to x's dtype)."""
+    a is PARTS parts `stride_ap` apart (`added`: one for a tensor, more for a `row_parts.RowParts`),
+    summed as the parts' own launch would sum them (fp32, part 0 first, rounded to x's dtype; one
+    part in x's dtype comes back unchanged)."""
     x = tl.load(x_ptr + x_off, mask=mask, other=0.0)
     if ADD:
-        if PARTS > 0:
-            acc = tl.load(a_ptr + a_off, mask=mask, other=0.0).to(tl.float32)
-            for p in tl.static_range(1, PARTS):
-                acc += tl.load(a_ptr + p * stride_ap + a_off, mask=mask, other=0.0).to(tl.float32)
-            a = acc.to(x_ptr.dtype.element_ty)
-        else:
-            a = tl.load(a_ptr + a_off, mask=mask, other=0.0)
+        acc = tl.load(a_ptr + a_off, mask=mask, other=0.0).to(tl.float32)
+        for p in tl.static_range(1, PARTS):
+            acc += tl.load(a_ptr + p * stride_ap + a_off, mask=mask, other=0.0).to(tl.float32)
+        a = acc.to(x_ptr.dtype.element_ty)
         x = (x.to(tl.float32) + a.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(s_ptr + s_off, x, mask=mask)
     return x
@@ -80,7 +78,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     a = s = o  # unused without `add`
     n_parts, stride_ap = added(add, x)
     if add is not None:
-        a = add.parts[0] if n_parts else add.reshape(-1, D)
+        a = add.parts[0] if isinstance(add, RowParts) else add.reshape(-1, D)
         s = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         BLOCK_D = triton.next_power_of_2(D)

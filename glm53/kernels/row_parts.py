@@ -28,10 +28,6 @@ class RowParts:
     def shape(self) -> torch.Size:
         return self.parts.shape[1:]
 
-    @property
-    def device(self) -> torch.device:
-        return self.parts.device
-
     def rows(self) -> torch.Tensor:
         """The sum [M, N] in `dtype`: one launch where `dispatch.use_triton` says so, else the adds."""
         if use_triton(self.parts):
