@@ -11,7 +11,7 @@ import zmq
 
 from glm53.server.config_parse import parse_config
 from glm53.server.engine.decode import DecodeScheduler
-from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec, TokenEvent, decode, encode
+from glm53.server.protocol import GenerateRequest, PeerInfo, RequestSpec, TokenEvent, decode, decode_all, encode
 from glm53.server.sampling import SamplingParams
 from glm53.support.ports import free_ports
 
@@ -81,6 +81,85 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
         sched.allocator.free(held)
         assert thread.is_alive() and sched.allocator.num_free == 64
     finally:
+        sched.stop()
+        thread.join(timeout=10)
+        sched.close()
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+    assert not thread.is_alive()
+
+
+def test_a_lost_rank_fails_each_request_with_the_reason_before_pongs_say_not_ready(model_dir, monkeypatch):
+    # The instance's IO thread answers pings on its own, and the router fails every room of an
+    # instance whose pong says not ready as "stopped responding". When a rank is lost the held
+    # requests must fail with the reason first. A ping is answered in the middle of `fail_all`
+    # (where a racing ping lands); its pong, and every message after it, must not say not ready
+    # before each held request's error event has left.
+    from glm53.server.engine.processes import RanksLost
+    from glm53.server.protocol import HealthPing, HealthPong
+
+    ports = free_ports(4)
+    cfg = parse_config({
+        "model": {"path": str(model_dir)},
+        "transfer": {"bootstrap_timeout_s": 60, "transfer_timeout_s": 60},
+        "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "num_pages": 64},
+        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
+        "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2]}],
+    })
+    sched = DecodeScheduler(cfg, cfg.decode[0])
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    reply_to = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    push.connect(cfg.decode[0].address)
+    thread = threading.Thread(target=sched.serve_forever, daemon=True)
+    thread.start()
+    received: list = []
+
+    def receive(timeout_s: float) -> None:
+        if pull.poll(int(timeout_s * 1000)):
+            received.extend(decode_all(pull.recv()))  # a step's events leave as one frame
+
+    try:
+        for room in (1, 2):  # held: their prefill never sends the KV
+            push.send(encode(_request(room, [5, 6, 7], reply_to, ports)))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and sched.last_load.num_transferring + sched.last_load.num_waiting < 2:
+            time.sleep(0.05)
+        assert sched.last_load.num_transferring + sched.last_load.num_waiting == 2, sched.last_load
+
+        fail_all = sched.fail_all
+
+        def fail_all_while_pinged(message: str) -> None:
+            push.send(encode(HealthPing(seq=1, reply_to=reply_to)))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(isinstance(m, HealthPong) for m in received):
+                receive(0.1)
+            fail_all(message)
+
+        def lose_a_rank() -> None:
+            raise RanksLost("rank 1 lost: connection reset by peer")
+
+        monkeypatch.setattr(sched, "fail_all", fail_all_while_pinged)
+        monkeypatch.setattr(sched.workers, "sync", lose_a_rank)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not sched.broken:
+            receive(0.1)
+        assert sched.broken
+        for seq in range(2, 50):  # now the pongs say not ready
+            push.send(encode(HealthPing(seq=seq, reply_to=reply_to)))
+            receive(1.0)
+            if any(isinstance(m, HealthPong) and not m.ready for m in received):
+                break
+        while pull.poll(200):
+            receive(0)
+        not_ready = next(i for i, m in enumerate(received) if isinstance(m, HealthPong) and not m.ready)
+        failed = [(i, m) for i, m in enumerate(received) if isinstance(m, TokenEvent) and m.finish_reason == "error"]
+        assert sorted(m.room for _, m in failed) == [1, 2], received
+        assert max(i for i, _ in failed) < not_ready, received
+        assert all("lost a rank" in m.error and "connection reset" in m.error for _, m in failed), received
+    finally:
+        monkeypatch.undo()
         sched.stop()
         thread.join(timeout=10)
         sched.close()

@@ -297,8 +297,12 @@ class Scheduler(abc.ABC):
         report not ready (the router routes around it), and new requests are refused."""
         log.error("%s: %s; the instance stops serving", self.inst.name, why)
         self.broken = f"{self.role} instance {self.inst.name} lost a rank: {why}"
-        self.channel.ready = False
         self.fail_all(self.broken)
+        # The IO thread answers pings on its own, and a not-ready pong fails the instance's rooms
+        # at the router as "stopped responding": the failures (held by the step's `batched`)
+        # leave first, so each request fails with the reason.
+        self.channel.flush()
+        self.channel.ready = False
         # The lost rank's transfer handles will never report again; nothing runs here any more,
         # so the pages they guarded are reported free rather than held forever.
         self.abandon()
