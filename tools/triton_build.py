@@ -89,7 +89,8 @@ def recording(sms: int) -> Iterator[list[Launch]]:
     for fn in kernels:
         def run(*args, grid, warmup, _fn=fn, **kwargs):
             names = [p.name for p in _fn.params]
-            bound = dict(zip(names, args))
+            bound = {p.name: p.default for p in _fn.params if p.has_default}  # (a constexpr left out)
+            bound.update(zip(names, args))
             bound.update({k: v for k, v in kwargs.items() if k in names})
             log.append(Launch(_fn, bound, {k: v for k, v in kwargs.items() if k not in names}))
         fn.run = run

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.launch_early import early_args, wait_then_release
 from glm53.kernels.rope_triton import rotate_pair
 
 BM = 16  # tl.dot's least rows; a decode batch's rows padded to it
@@ -22,7 +23,8 @@ def _absorbed_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, N,
                            stride_qn, stride_qh, stride_wh, stride_wk, stride_on, stride_oh, stride_c,
                            NOPE: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
-                           PRECISION: tl.constexpr):
+                           PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     h = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     rows = tl.program_id(2) * BM + tl.arange(0, BM)
@@ -77,5 +79,5 @@ def absorbed_query_triton(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor
             q, w_uk, cos, sin, out, n, q.stride(0), q.stride(1), w_uk.stride(0), w_uk.stride(1),
             out.stride(0), out.stride(1), cos.stride(0), NOPE=nope, R=r, HALF=half, INTERLEAVE=interleave,
             BM=BM, BN=bn, BK=bk, DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else q.dtype),
-            num_warps=4)
+            num_warps=4, **early_args())
     return out

@@ -38,6 +38,7 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, triton_interpreting, use_triton
 from glm53.kernels.fp8_quant import (FP8, GROUP, dequantize_fp8_groups, quantize_fp8_groups_reference,
                                      quantize_residual_reference, quantize_residual_tile, quantize_tile)
+from glm53.kernels.launch_early import early_args, prefetch_rows_l2, wait_then_release
 from glm53.kernels.norm import rms_norm_reference
 from glm53.kernels.norm_triton import added, load_residual_sum
 from glm53.kernels.row_parts import RowParts, take
@@ -155,6 +156,7 @@ def _rms_norm_fp8_kernel(
     stride_sg, stride_a, stride_r, stride_ap, eps,
     G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, LO: tl.constexpr,
     EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr, PARTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per row, the row loaded straight into a [NG, G] tile (group g = columns
     [g·G, (g+1)·G)), so each group's amax is a reduction along the tile's second axis: a row
@@ -162,6 +164,7 @@ def _rms_norm_fp8_kernel(
     The norm is rounded to y's dtype as `rms_norm` rounds it (its sum of squares in another order),
     then each group's scale and codes as `fp8_quant` computes them. ADD: the residual sum
     x + a, rounded to x's dtype, is written to r and normalised. LO: the second term into ql/sl."""
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     if TRIGGER:  # the product after it may launch now (`trigger_dependents`)
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -209,7 +212,7 @@ def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense
             rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), stride_ap, eps,
             G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, LO=rows.q_lo is not None,
             EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(), PARTS=n_parts,
-            num_warps=num_warps or max(1, min(16, ng * GROUP // 512)),
+            num_warps=num_warps or max(1, min(16, ng * GROUP // 512)), **early_args(),
         )
     out = (y if dense else None), rows
     return out if add is None else (r, *out)
@@ -245,10 +248,12 @@ def silu_mul_fp8_reference(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
 def _silu_mul_fp8_kernel(
     g_ptr, u_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, M, I, stride_g, stride_u, stride_q, stride_sm, stride_sg,
     G: tl.constexpr, BLOCK_M: tl.constexpr, LO: tl.constexpr, EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: BLOCK_M rows × one group of G columns of h. silu rounds to the dtype before
     the product, and the product rounds again, as torch's two bf16 ops do. LO: the second term
     into ql/sl."""
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -284,7 +289,7 @@ def silu_mul_fp8_triton(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
             gate, up, rows.q, rows.scale, *_lo_args(rows), m, inter, gate.stride(0), up.stride(0),
             rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),
             G=GROUP, BLOCK_M=block_m, LO=rows.q_lo is not None, EXACT_RNE=triton_interpreting(),
-            TRIGGER=trigger_dependents(), num_warps=4,
+            TRIGGER=trigger_dependents(), num_warps=4, **early_args(),
         )
     return rows
 
@@ -297,6 +302,13 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
 
 
 # ---- the absorbed attention's output product, quantized ----------------------------------------
+# The W_UV product launched early (`_uv_fp8_kernel`'s PDL), each program prefetching the first
+# UV_PREFETCH bytes of each of its W_UV rows while the attention's last kernel runs. Off until
+# timed on a GPU (written in the thirtieth session, when none was lent).
+UV_PDL = False
+UV_PREFETCH = 1024
+
+
 def uv_product_reference(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """o [n, h·V] = each head's o_lat [n, h, R] times its W_UV [h, V, R] transposed, in o_lat's
     dtype (the batched product `Attention.forward` runs when o_proj reads dense rows)."""
@@ -313,10 +325,13 @@ def _uv_fp8_kernel(
     stride_sm, stride_sg,
     V: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, LO: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One program: BLOCK_M rows × one group of G output columns, all of one head (G divides V).
     The head's W_UV rows are read once for all the rows (decode sizes: one row block), the fp32
-    product is rounded to o_lat's dtype as the batched product rounds it, then quantized."""
+    product is rounded to o_lat's dtype as the batched product rounds it, then quantized. PDL:
+    launched while the attention's last kernel runs; the first PREFETCH bytes of each W_UV row go
+    to L2 (the weight does not depend on it), then the program waits for o_lat."""
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -328,6 +343,11 @@ def _uv_fp8_kernel(
     r64 = rows.to(tl.int64)
     o_rows = o_ptr + r64[:, None] * stride_ot + head * stride_oh
     w_rows = w_ptr + head.to(tl.int64) * stride_wh + (c0 + cols)[:, None].to(tl.int64) * stride_wv
+    if PDL:
+        if PREFETCH > 0:
+            prefetch_rows_l2(w_ptr + head.to(tl.int64) * stride_wh + (c0 + cols).to(tl.int64) * stride_wv,
+                             tl.minimum(R * w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH))
+        tl.extra.cuda.gdc_wait()  # o_lat is the attention's
     acc = tl.zeros((BLOCK_M, G), dtype=tl.float32)
     for r0 in range(0, R, BR):
         rr = r0 + tl.arange(0, BR)
@@ -349,7 +369,7 @@ def _uv_fp8_kernel(
 
 
 def uv_product_fp8_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, block_r: int = 128, num_warps: int = 4,
-                          num_stages: int = 3) -> Fp8Rows:
+                          num_stages: int = 3, pdl: bool | None = None, prefetch: int | None = None) -> Fp8Rows:
     """o_lat [n, h, R] (unit last stride), w_uv [h, V, R] (unit last stride: a slice of kv_b_proj's
     weight), V a multiple of 128 -> `uv_product_reference`'s o as `Fp8Rows`. The default tile is
     the best of 24 on the H100 (benchmarks/history/2026-12-05.md, twenty-eighth session): against
@@ -362,13 +382,16 @@ def uv_product_fp8_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, block_r: int 
     rows = empty_rows(n, h * v, o_lat.dtype, o_lat.device, lo=two_terms(n))
     if n:
         interp = triton_interpreting()
+        pdl = (UV_PDL if pdl is None else pdl) and not interp  # griddepcontrol: compiled kernels only
         block_m = max(16, min(64, triton.next_power_of_2(n)))
         _uv_fp8_kernel[(triton.cdiv(n, block_m), h * v // GROUP)](
             o_lat, w_uv, rows.q, rows.scale, *_lo_args(rows), n, r, o_lat.stride(0), o_lat.stride(1),
             w_uv.stride(0), w_uv.stride(1), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),
             V=v, G=GROUP, BLOCK_M=block_m, BR=min(block_r, max(16, triton.next_power_of_2(r))),
             LO=rows.q_lo is not None, DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else o_lat.dtype),
-            EXACT_RNE=interp, TRIGGER=trigger_dependents(), num_warps=num_warps, num_stages=num_stages,
+            EXACT_RNE=interp, TRIGGER=trigger_dependents(), PDL=pdl,
+            PREFETCH=(UV_PREFETCH if prefetch is None else prefetch) if pdl else 0,
+            num_warps=num_warps, num_stages=num_stages, **(dict(launch_pdl=True) if pdl else {}),
         )
     return rows
 

@@ -37,6 +37,7 @@ from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
 from glm53.kernels.fp8_split_k import check_fp8_weight, k_splits, sum_splits
+from glm53.kernels.launch_early import prefetch_rows_l2
 from glm53.kernels.row_parts import RowParts
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
@@ -157,18 +158,6 @@ def weight_tile(base, n, stride_n, k, SWAP: tl.constexpr):
         return base + n[:, None] * stride_n + k[None, :]
     else:
         return base + n[None, :] * stride_n + k[:, None]
-
-
-@triton.jit
-def prefetch_rows_l2(row_ptrs, nbytes):
-    """Bulk-prefetch `nbytes` (rounded down to 16) from each of the addresses `row_ptrs` (rounded
-    down to 16, as the instruction needs: rows of a K that is no multiple of 16 start anywhere)
-    into L2: one instruction a row, no registers held, nothing waits for it."""
-    n16 = (nbytes // 16 * 16).to(tl.int32)
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b64 a; setp.ne.u32 p, $2, 0; and.b64 a, $1, -16; "
-        "@p cp.async.bulk.prefetch.L2.global [a], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [row_ptrs, tl.broadcast_to(n16, row_ptrs.shape)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting, use_triton
+from glm53.kernels.launch_early import early_args, wait_then_release
 
 FP8_MAX = 448.0
 GROUP = 128  # activation group width and weight block edge (quantization_config.weight_block_size)
@@ -149,9 +150,11 @@ def _quant_groups_kernel(
     x_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, M, K,
     stride_xm, stride_qm, stride_sm, stride_sg,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, LO: tl.constexpr, EXACT_RNE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: BLOCK_M rows × one group of G columns (BLOCK_G = next_pow2(G)). LO: the second
     term too, into ql/sl (the strides of q/s)."""
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     pm = tl.program_id(0)
     g = tl.program_id(1)
     rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -201,6 +204,7 @@ def quantize_fp8_groups_triton(
     _quant_groups_kernel[(triton.cdiv(M, block_m), kb)](
         x, q, s, ql, sl, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
         G=group, BLOCK_M=block_m, BLOCK_G=block_g, LO=lo is not None, EXACT_RNE=triton_interpreting(), num_warps=4,
+        **early_args(),
     )
     return q, s
 

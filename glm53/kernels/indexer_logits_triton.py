@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.launch_early import early_args, wait_then_release
 
 
 # The widths vary with every batch (the context, the page-table width): not specialized, so one
@@ -27,7 +28,9 @@ def _indexer_logits_kernel(
     H: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, QFP8: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     t = tl.program_id(0)
     sb = tl.program_id(1)
     n = tl.load(len_ptr + t)
@@ -108,6 +111,6 @@ def indexer_logits_triton(
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), stride_sp,
         page_table.stride(0), out.stride(0),
         H=H, D=D, PAGE_SIZE=page_size, BLOCK_H=BLOCK_H, BLOCK_S=block_s, FP8=fp8, QFP8=qfp8,
-        DOT_F32=interp and not qfp8, PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+        DOT_F32=interp and not qfp8, PRECISION=dot_precision(q.dtype), num_warps=num_warps, **early_args(),
     )
     return out

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.kernels.launch_early import early_args, wait_then_release
 from glm53.kernels.rope_triton import rotate_pair
 
 @triton.jit
@@ -28,7 +29,8 @@ def _normed(x, w_ptr, b_ptr, col, mask, mean, rstd, LAYER: tl.constexpr, dt: tl.
 @triton.jit
 def _store_rows_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, cache_ptr, page_ptr, off_ptr, W, stride_x, stride_c,
                        stride_cp, stride_co, eps, NORM_D: tl.constexpr, ROPE_LO: tl.constexpr, HALF: tl.constexpr,
-                       LAYER: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+                       LAYER: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     t = tl.program_id(0).to(tl.int64)
     dt = x_ptr.dtype.element_ty
     row = x_ptr + t * stride_x
@@ -86,5 +88,5 @@ def store_rows_triton(x: torch.Tensor, cache: torch.Tensor, coords: tuple[torch.
     _store_rows_kernel[(N,)](
         x, weight, weight if bias is None else bias, cos, sin, cache, page, off, W, x.stride(0), cos.stride(0),
         cache.stride(0), cache.stride(1), eps, NORM_D=norm_d, ROPE_LO=rope_lo, HALF=half, LAYER=bias is not None,
-        INTERLEAVE=interleave, BLOCK=BLOCK, num_warps=max(1, min(8, BLOCK // 256)),
+        INTERLEAVE=interleave, BLOCK=BLOCK, num_warps=max(1, min(8, BLOCK // 256)), **early_args(),
     )

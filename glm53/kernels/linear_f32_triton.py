@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.launch_early import early_args, wait_then_release
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # either operand, widened in registers
 
@@ -22,7 +23,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # either operand, widen
 
 @triton.jit
 def _linear_f32_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, scale,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     # one flat grid, column tiles fastest: programs side by side share their x rows in L2
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BN)
@@ -88,5 +91,5 @@ def linear_f32_triton(x: torch.Tensor, w: torch.Tensor, scale: float = 1.0,
     BM, BN, BK, warps, stages = tiles or default_tiles(M, N, K, x.element_size(), w.element_size())
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     _linear_f32_kernel[grid](x, w, y, M, N, K, x.stride(0), w.stride(0), float(scale),
-                             BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps)
+                             BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps, **early_args())
     return y

@@ -38,6 +38,7 @@ from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_gemm_triton import accumulator, along_cols, along_rows, rows_first, swapped_product, weight_tile
 from glm53.kernels.fp8_split_k import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
+from glm53.kernels.launch_early import prefetch_rows_l2
 from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig, gemv_takes, moe_experts_fp8_gemv
 from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, slot_parts, sum_slots
 from glm53.kernels.row_parts import RowParts
@@ -54,6 +55,11 @@ VARIANTS = ("w8a16", "w8a8")
 # average (the slice at 8 tokens: 185.1 µs against 194.1).
 SPLIT_MAX = 4
 SPLIT_MIN_BLOCKS = 4
+# Decode tiles: the down kernel launched while gate+up runs, each program prefetching the first
+# DOWN_PREFETCH bytes of each of its weight rows into L2 (MoEConfig.PDL). Off until timed on a GPU
+# (written in the thirtieth session, when none was lent).
+DOWN_PDL = False
+DOWN_PREFETCH = 256
 
 
 def decode_split(n_pairs: int, n_experts: int, bm: int, bn1: int, inter: int, hidden: int, sms: int) -> int:
@@ -88,7 +94,7 @@ def default_fp8_config(n_pairs: int, n_experts: int, variant: str, inter: int = 
         bn1 = bn1 or 64
         split = decode_split(n_pairs, n_experts, 8 if lo else 16, bn1, inter, hidden, sms)
         return MoEConfig(BM=16, BN1=bn1, BN2=64, BK=128, num_warps=4, num_stages=2 if rows >= 4 else 3, SPLIT_K=split,
-                         SWAP=True)
+                         SWAP=True, PDL=DOWN_PDL, PREFETCH=DOWN_PREFETCH)
     # 40 KB a stage (w8a8: an fp8 x tile and two fp8 weight tiles), 24 KB for bf16 x with K steps of 64
     return MoEConfig(BM=64, BN1=128, BN2=128, BK=128 if variant == "w8a8" else 64, num_warps=8, num_stages=3)
 
@@ -103,7 +109,10 @@ def _gate_up_fp8_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FP8: tl.constexpr, LO: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr, SWAP: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:  # the down kernel may launch now (MoEConfig.PDL)
+        tl.extra.cuda.gdc_launch_dependents()
     # LO: x and h in two terms; the tile's BM rows are virtual, each of its BR (token, expert)
     # pairs' two terms side by side, so one product per K step reads both (a decode tile's rows
     # are mostly padding), and each pair of rows is added after the loop
@@ -228,7 +237,7 @@ def _down_fp8_kernel(
     E: tl.constexpr, BLOCK_E: tl.constexpr, SB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     A_FP8: tl.constexpr, LO: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-    PRECISION: tl.constexpr, SWAP: tl.constexpr,
+    PRECISION: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # LO: h in two terms, read as the gate+up kernel reads x (virtual rows, pairs added after)
     ROWS: tl.constexpr = 2 if LO else 1
@@ -242,6 +251,10 @@ def _down_fp8_kernel(
     k = tl.arange(0, BK)
     e64 = e.to(tl.int64)
     pos64 = pos.to(tl.int64)
+    if PDL:  # launched while gate+up runs: the plan above is older than it, the weight is no one's
+        if PREFETCH > 0:
+            prefetch_rows_l2(wd_ptr + e64 * stride_we + n_in.to(tl.int64) * stride_wh, tl.minimum(I, PREFETCH))
+        tl.extra.cuda.gdc_wait()  # h and its scales are gate+up's
     # a last block's rows past the segment (and past N·k) are masked: never read, never stored
     if LO:  # h's second term has h's layout
         pv = tl.reshape(tl.join(pos64, pos64), (BM,))
@@ -362,6 +375,7 @@ def moe_experts_fp8_triton(
     plan = plan_routing(ids, E, cfg.BM // rows)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     interp = triton_interpreting()
+    pdl = cfg.PDL and not interp  # griddepcontrol is inline PTX: compiled kernels only
     if a_fp8:
         if x_fp8 is None:
             xa, xs, x_lo = quantize_fp8_terms_triton(x, lo, SB)
@@ -396,14 +410,15 @@ def moe_experts_fp8_triton(
         xa.stride(0), xs.stride(0), xs.stride(1), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1),
         h.stride(0), hs.stride(0),
         BN=cfg.BN1, SPLIT_K=split, LO=lo, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
-        EXACT_RNE=interp, **common,
+        EXACT_RNE=interp, TRIGGER=pdl, **common,
     )
     _down_fp8_kernel[(plan.n_blocks * triton.cdiv(H, cfg.BN2),)](
         h, hs, hl, hls, down, down_scale, y, rw, plan.order, plan.seg, plan.cum,
         plan.n_blocks, H, I,
         h.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         y.stride(0),
-        BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, **common,
+        BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, PDL=pdl, PREFETCH=cfg.PREFETCH if pdl else 0, **common,
+        **(dict(launch_pdl=True) if pdl else {}),
     )
     # in a fixed order: deterministic; or (keep_parts) not taken yet, for the norm that adds it
     return slot_parts(y, N, k) if keep_parts else sum_slots(y, N, k)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.launch_early import early_args, wait_then_release
 from glm53.kernels.row_parts import RowParts, sum_parts_triton
 
 
@@ -55,6 +56,10 @@ class MoEConfig:
     num_stages: int = 3
     SPLIT_K: int = 1
     SWAP: bool = False  # block-FP8 kernels: the weight tile as the product's left operand
+    # block-FP8 kernels: the down kernel launched while gate+up runs (programmatic dependent
+    # launch), the first PREFETCH bytes of each of its weight rows put into L2 before it waits
+    PDL: bool = False
+    PREFETCH: int = 0
 
 
 def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfig:
@@ -80,12 +85,13 @@ def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfi
 # BM alone picks the compiled variant (kernels/variants.py)
 @triton.jit(do_not_specialize=["P"])
 def _plan_kernel(ids_ptr, order_ptr, seg_ptr, cum_ptr, P, E: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BM: tl.constexpr, BLOCK_P: tl.constexpr):
+                 BM: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
     """Program e: expert e's part of the routing plan from the P = N·k ids (a counting sort, in
     one launch where a radix sort, a searchsorted and the casts took six). Pass 1 counts the
     pairs of lower experts (seg[e]) and every expert's pairs (for cum[e] = Σ_{e' <= e}
     ⌈c_e' / BM⌉, the row blocks of experts 0..e); pass 2 writes e's pair indices in ascending
     order from seg[e] (a stable sort). An id outside [0, E) joins no segment."""
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     e = tl.program_id(0)
     ev = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -294,7 +300,7 @@ def plan_routing(ids: torch.Tensor, n_experts: int, BM: int) -> RoutingPlan:
     seg = torch.empty(n_experts + 1, dtype=torch.int32, device=ids.device)
     cum = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
     _plan_kernel[(n_experts,)](flat, order, seg, cum, P, E=n_experts, BLOCK_E=triton.next_power_of_2(n_experts + 1),
-                               BM=BM, BLOCK_P=PLAN_BLOCK_P, num_warps=4)
+                               BM=BM, BLOCK_P=PLAN_BLOCK_P, num_warps=4, **early_args())
     return RoutingPlan(order, seg, cum, block_bound(P, n_experts, BM), n_experts, BM)
 
 

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.kernels.launch_early import early_args, wait_then_release
 from glm53.kernels.row_parts import RowParts
 
 
@@ -47,9 +48,10 @@ def load_residual_sum(x_ptr, a_ptr, s_ptr, x_off, a_off, s_off, mask, ADD: tl.co
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, a_ptr, s_ptr, D, stride_x, stride_o, stride_a, stride_s, stride_ap, eps,
-                     BLOCK_D: tl.constexpr, ADD: tl.constexpr, PARTS: tl.constexpr):
+                     BLOCK_D: tl.constexpr, ADD: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr = False):
     """ADD: the residual sum s = x + a (rounded to x's dtype, as torch's add) is written to s and
     normalised: one pass where an add and a norm read the sum twice."""
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
@@ -84,7 +86,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
         BLOCK_D = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, o, a, s, D, rows.stride(0), o.stride(0), a.stride(0), s.stride(0),
                                            stride_ap, eps, BLOCK_D=BLOCK_D, ADD=add is not None, PARTS=n_parts,
-                                           num_warps=max(1, min(16, BLOCK_D // 256)))
+                                           num_warps=max(1, min(16, BLOCK_D // 256)), **early_args())
     return out if add is None else (s.view(x.shape), out)
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from glm53.kernels.launch_early import early_args, wait_then_release
 from triton.language.extra import libdevice
 
 
@@ -36,7 +38,8 @@ def cos_sin(angle, LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xn, stride_xh, stride_on, stride_oh, stride_c,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF)
@@ -78,5 +81,6 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, int
         _rope_kernel[(N, triton.cdiv(H, BLOCK_H))](
             xv, cos, sin, ov, H, xv.stride(0), xv.stride(1), ov.stride(0), ov.stride(1), cos.stride(0),
             HALF=R // 2, BLOCK_H=BLOCK_H, INTERLEAVE=interleave, num_warps=4 if BLOCK_H * R >= 1024 else 1,
+            **early_args(),
         )
     return out

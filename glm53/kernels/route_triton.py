@@ -11,11 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.kernels.launch_early import early_args, wait_then_release
+
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scaling, SHARED,
                   K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
-                  K_OUT: tl.constexpr):
+                  K_OUT: tl.constexpr, PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     live = e < E
@@ -55,5 +58,5 @@ def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int
         _route_kernel[(N,)](logits, correction_bias, w, ids, E, logits.stride(0), float(scaling),
                             -1 if shared is None else shared, K=top_k, K_PAD=triton.next_power_of_2(k_out),
                             BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob, K_OUT=k_out,
-                            num_warps=1 if E <= 256 else 4)
+                            num_warps=1 if E <= 256 else 4, **early_args())
     return w, ids

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting, use_triton
+from glm53.kernels.launch_early import early_args, wait_then_release
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ def take(x: torch.Tensor | RowParts) -> torch.Tensor:
 # M and, for a split-K product's partials, the stride between parts (M·N) follow the token count:
 # not specialized, so no batch compiles a variant the warm-up did not (kernels/variants.py)
 @triton.jit(do_not_specialize=["M", "stride_ps"])
-def _sum_parts_kernel(p_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym, S: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_parts_kernel(p_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym, S: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     m = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = n < N
@@ -66,5 +69,6 @@ def sum_parts_triton(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if M and N:
         block = min(1024, triton.next_power_of_2(N))
         _sum_parts_kernel[(M, triton.cdiv(N, block))](parts, y, M, N, parts.stride(0), parts.stride(1), y.stride(0),
-                                                      S=S, BLOCK=block, num_warps=4 if block >= 512 else 1)
+                                                      S=S, BLOCK=block, num_warps=4 if block >= 512 else 1,
+                                                      **early_args())
     return y.to(dtype)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
 from glm53.kernels.latent_cache_fp8 import LatentLayout, views
+from glm53.kernels.launch_early import early_args, wait_then_release
 from glm53.kernels.sparse_mla_triton import LOG2E, combine_splits, plan_splits
 
 MAX_TILES = 4
@@ -67,7 +68,9 @@ def _sparse_mla_fp8_kernel(
     NT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, SOFF: tl.constexpr, ROFF: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NHB: tl.constexpr, SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     pid = tl.program_id(0)
     sp = tl.program_id(1)
     t = pid // NHB
@@ -221,7 +224,7 @@ def sparse_mla_fp8_triton(
         H=H, R=R, P=P, TILE=layout.tile, BLOCK_T=BLOCK_T, NT=layout.n_tiles, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P,
         SOFF=layout.scale_offset, ROFF=layout.rope_offset, PAGE=page_size, BLOCK_H=block_h,
         BLOCK_N=block_n, NHB=nhb, SPLIT=num_splits > 1, DOT_F32=interp,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **early_args(),
     )
     combine_splits(part, lse, out, num_splits, R, BLOCK_R)
     return out

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.launch_early import early_args, wait_then_release
 from glm53.kernels.sparse_mla_hopper import BLOCK_H as HOPPER_BLOCK_H, hopper_supports, sparse_mla_hopper
 
 LOG2E = 1.4426950408889634
@@ -41,7 +42,9 @@ def _sparse_mla_kernel(
     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NHB: tl.constexpr, SPLIT: tl.constexpr,
     HALVES: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     # HALVES: the latent row's R part is loaded as two column tiles A (low) and B (high) of
     # BLOCK_R/2, with two accumulators; the scores are the sum of three partial dots. Otherwise A
     # is the whole R part and B does not exist.
@@ -148,6 +151,8 @@ def _combine_kernel(
     H: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SP: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # launched while the split kernel drains (programmatic dependent launch)
+        # the kernel after it may launch now too (the W_UV product prefetches its weight, then waits)
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)  # t * H + h
     t = pid // H
@@ -276,7 +281,7 @@ def sparse_mla_triton(
             out.stride(0), out.stride(1),
             H=H, R=R, P=P, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, PAGE=page_size, BLOCK_H=block_h, BLOCK_N=block_n,
             NHB=nhb, SPLIT=num_splits > 1, HALVES=col_halves, DOT_F32=interp,
-            PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+            PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **early_args(),
         )
     combine_splits(part, lse, out, num_splits, R, BLOCK_R)
     return out

@@ -456,16 +456,16 @@ def check_add_norms(M: int, D: int, dtype, device="cpu") -> None:
     assert torch.equal(rows.rows()[0].view(torch.uint8), rows_ref.rows()[0].view(torch.uint8))
 
 
-def split_fp8_checkpoint(path, monkeypatch, seed: int):
-    """A tiny block-FP8 checkpoint at `path`, with split-K forced on the Triton GEMM's products (at
-    these widths the decode products would not split): for the checks of the sums `row_parts`
-    leaves to the norms."""
+def split_fp8_checkpoint(path, monkeypatch, seed: int, widths: dict | None = None):
+    """A tiny block-FP8 checkpoint at `path` (`widths`, default the oracle's FP8 widths), with
+    split-K forced on the Triton GEMM's products (at these widths the decode products would not
+    split): for the checks of the sums `row_parts` leaves to the norms."""
     import dataclasses
 
     import glm53.kernels.fp8_gemm_triton as gemm_mod
     from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
 
-    make_checkpoint(path, seed=seed, **FP8_WIDTHS)
+    make_checkpoint(path, seed=seed, **(widths or FP8_WIDTHS))
     quantise_fp8_(path, block=128)
     split = gemm_mod.default_config
     monkeypatch.setattr(gemm_mod, "default_config", lambda *a, **kw: dataclasses.replace(split(*a, **kw), SPLIT_K=2))

@@ -412,12 +412,35 @@ def test_fp8_gemm_swapped_tiles_glm5(variant):
         fp8_cases.check_gemm(M, 6144, 2048, torch.bfloat16, variant, device=DEV, config=cfg, lo=False)
 
 
+def check_launched_early(step, xs, early: list, plain) -> None:
+    """`step(x, cfg)` with each config of `early` (a kernel launched while the one before it runs,
+    prefetching what does not depend on it) gives the bits of `step(x, plain)`, eager and replayed
+    in a CUDA graph on new inputs `xs[1:]` copied into the captured one."""
+    def flat(out):
+        return [t for t in (out if isinstance(out, (tuple, list)) else [out]) if t is not None]
+
+    want = [flat(step(x, plain)) for x in xs]
+    for cfg in early:
+        assert all(torch.equal(a, b) for a, b in zip(flat(step(xs[0], cfg)), want[0], strict=True)), cfg
+        static = xs[0].clone()
+        step(static, cfg)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = flat(step(static, cfg))
+        for x, y in zip(xs[1:], want[1:]):
+            static.copy_(x)
+            g.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(out, y, strict=True)), cfg
+
+
 @pytest.mark.parametrize("M,N,K,split", [(1, 2752, 6144, 3), (1, 6144, 16384, 3), (16, 384, 200, 2), (3, 576, 2048, 1)])
 def test_fp8_gemm_launched_early_matches(M, N, K, split):
     # the decode product launched while its producer (the quantizing norm) runs, prefetching its
     # weight rows (none, 256 bytes, the whole split; a K that is no multiple of 16 starts rows
-    # unaligned), eager and replayed in a CUDA graph on new inputs: the bits of the product
-    # launched the usual way. Without the wait it reads the producer's rows before they are written
+    # unaligned): the bits of the product launched the usual way. Without the wait it reads the
+    # producer's rows before they are written
     import dataclasses
 
     from glm53.kernels.fp8_act import rms_norm_fp8
@@ -435,21 +458,55 @@ def test_fp8_gemm_launched_early_matches(M, N, K, split):
         return fp8_gemm_w8a8_quantized(q, s, w, ws, torch.bfloat16, config=cfg, lo=rows.lo_rows())
 
     xs = [torch.randn(M, K, device=DEV, dtype=torch.bfloat16) * 3 for _ in range(3)]
-    want = [step(x, plain) for x in xs]
-    for pf in (0, 256, 1 << 20):
-        cfg = dataclasses.replace(plain, PDL=True, PREFETCH=pf)
-        assert torch.equal(step(xs[0], cfg), want[0]), pf
-        static = xs[0].clone()
-        step(static, cfg)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = step(static, cfg)
-        for x, y in zip(xs[1:], want[1:]):
-            static.copy_(x)
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, y), pf
+    check_launched_early(step, xs, [dataclasses.replace(plain, PDL=True, PREFETCH=pf) for pf in (0, 256, 1 << 20)],
+                         plain)
+
+
+@pytest.mark.parametrize("T,H", [(1, 64), (3, 8), (16, 64)])
+def test_uv_product_launched_early_matches(T, H):
+    # the W_UV product launched while the split combine before it runs (which lets it launch as
+    # the combine starts), prefetching none, some or all of each W_UV row: the bits of the product
+    # launched the usual way. Without its wait it reads o_lat before the combine writes it
+    from glm53.kernels.fp8_act import uv_product_fp8_triton
+    from glm53.kernels.sparse_mla_triton import combine_splits
+
+    R, V, splits = 512, 256, 8
+    w_uv = torch.randn(H, V, R, device=DEV, dtype=torch.bfloat16) * 0.05
+
+    def step(part, cfg):
+        lse = part[..., 0] * 4  # the log-sum-exps ride along in the same input
+        o_lat = torch.empty(T, H, R, device=DEV, dtype=torch.bfloat16)
+        combine_splits(part, lse, o_lat, splits, R, R)
+        rows = uv_product_fp8_triton(o_lat, w_uv, pdl=cfg[0], prefetch=cfg[1])
+        return (*rows.rows(), *(rows.lo_rows() or ()))
+
+    xs = [torch.randn(T, H, splits, R, device=DEV) for _ in range(3)]
+    check_launched_early(step, xs, [(True, 0), (True, 256), (True, 1024)], (False, 0))
+
+
+@pytest.mark.parametrize("N", [1, 3, 8])
+def test_moe_fp8_down_launched_early_matches(N):
+    # the decode down kernel launched while gate+up runs (which lets it launch as it starts),
+    # reading the routing plan and prefetching none, some or all of each weight row before it
+    # waits: the bits of the usual launch, w8a8 (two terms) and w8a16, split K and not. Without
+    # its wait it reads h before gate+up writes it
+    import dataclasses
+
+    from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
+    from glm53.kernels.moe_triton import MoEConfig
+
+    c = fp8_cases.GLM5_TP8_EXPERTS
+    _, weights, ids, *experts = fp8_cases.moe_fp8_inputs(N, c["H"], c["I"], c["E"] + 1, c["k"] + 1, torch.bfloat16,
+                                                          device=DEV, fused=True)
+    for variant, split in (("w8a8", 4), ("w8a16", 1)):
+        plain = MoEConfig(BM=16, BN1=128, BN2=64, BK=128, num_warps=4, num_stages=3, SPLIT_K=split, SWAP=True)
+
+        def step(x, cfg):
+            return moe_experts_fp8_triton(x, weights, ids, *experts, variant=variant, config=cfg)
+
+        xs = [torch.randn(N, c["H"], device=DEV, dtype=torch.bfloat16) for _ in range(3)]
+        check_launched_early(step, xs, [dataclasses.replace(plain, PDL=True, PREFETCH=pf) for pf in (0, 256, 1 << 20)],
+                             plain)
 
 
 @pytest.mark.parametrize("N", [1, 3, 8])

@@ -172,3 +172,36 @@ def test_gpu_sums_taken_by_the_norms_change_nothing(tmp_path, monkeypatch):
             outs.append(scenario(ModelRunner(model, num_pages=PAGES, page_size=PAGE, device="cuda"), greedy))
     assert outs[0]["tokens"] == outs[1]["tokens"]
     assert all(torch.equal(a, b) for a, b in zip(outs[0]["logits"], outs[1]["logits"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run through the H200 device tool)")
+def test_gpu_kernels_launched_early_change_nothing(tmp_path, monkeypatch):
+    # Every switch of `launch_early` on (the small kernels, the W_UV product, the MoE down kernel;
+    # the decode experts on the w8a8 tile kernels, split-K forced so the sums launch): the same
+    # logits bit for bit as with each kernel launched the usual way, eager and in CUDA graphs.
+    # A kernel that read its producer's output before waiting would change them.
+    import glm53.kernels.fp8_act as fp8_act_mod
+    import glm53.kernels.launch_early as launch_early
+    import glm53.kernels.moe_fp8_gemv_triton as gemv_mod
+    import glm53.kernels.moe_fp8_triton as moe_fp8_mod
+    from glm53.models.graph import GraphConfig
+
+    ckpt = tmp_path / "ckpt"
+    fp8_cases.split_fp8_checkpoint(ckpt, monkeypatch, seed=12, widths=V128)
+    monkeypatch.setattr(gemv_mod, "MOE_GEMV_MAX_TOKENS", 0)
+    outs = {}
+    for graphs in (False, True):
+        for on in (False, True):
+            with monkeypatch.context() as mp:
+                for mod, name in ((launch_early, "SMALL_KERNELS"), (fp8_act_mod, "UV_PDL"), (moe_fp8_mod, "DOWN_PDL")):
+                    mp.setattr(mod, name, on)
+                model = load_model(ckpt, dtype=torch.bfloat16, fp8=True, progress=False, device="cuda")
+                runner = ModelRunner(model, num_pages=PAGES, page_size=PAGE, device="cuda",
+                                     graphs=GraphConfig(max_bs=4, max_context=PAGES * PAGE) if graphs else None)
+                outs[graphs, on] = scenario(runner, greedy)
+                assert not graphs or runner.graphs.replays
+    for graphs in (False, True):
+        late, early = outs[graphs, False], outs[graphs, True]
+        assert late["tokens"] == early["tokens"]
+        assert all(torch.equal(a, b) for a, b in zip(late["logits"], early["logits"], strict=True)), graphs

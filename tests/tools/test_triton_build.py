@@ -109,3 +109,29 @@ def test_cases_launch_every_triton_kernel(tool, launches):
     missed = [f"{k.__module__}.{k.fn.__name__}" for k in tool.glm53_kernels()
               if not isinstance(k, GluonJITFunction) and k not in launched]
     assert not missed, f"no case launches {missed}"
+
+
+def test_kernels_launched_early_build_for_sm90(tool, monkeypatch):
+    # the switches that launch kernels early (off until timed on a GPU), on: every small kernel of
+    # the cases launches early, the W_UV product and the decode MoE down kernel prefetch, and each
+    # builds (griddepcontrol and the bulk prefetch are inline PTX)
+    import glm53.kernels.fp8_act as fp8_act
+    import glm53.kernels.launch_early as launch_early
+    import glm53.kernels.moe_fp8_triton as moe_fp8
+
+    monkeypatch.setattr(launch_early, "SMALL_KERNELS", True)
+    monkeypatch.setattr(fp8_act, "UV_PDL", True)
+    monkeypatch.setattr(moe_fp8, "DOWN_PDL", True)
+    built = [tool.build(la) for case in ("norms", "attention", "moe", "moe_fp8") for la in tool.launches(case)]
+    small = {b.name for b in built if "PDL" in b.constexprs and "PREFETCH" not in b.constexprs}
+    assert {"_rms_norm_kernel", "_rms_norm_fp8_kernel", "_silu_mul_fp8_kernel", "_store_rows_kernel",
+            "_linear_f32_kernel", "_route_kernel", "_plan_kernel", "_absorbed_query_kernel", "_indexer_logits_kernel",
+            "_rope_kernel", "_sparse_mla_kernel", "_sparse_mla_fp8_kernel", "_sum_parts_kernel",
+            "_quant_groups_kernel"} <= small
+    late = {b.name for b in built if b.name in small and not b.constexprs["PDL"]}
+    assert not late, f"launched the usual way with the switch on: {late}"
+    uv = {(b.constexprs["PDL"], b.constexprs["PREFETCH"]) for b in built if b.name == "_uv_fp8_kernel"}
+    assert uv == {(True, 1024)}, "the W_UV product launches early and prefetches its rows"
+    down = {(b.constexprs["PDL"], b.constexprs["PREFETCH"]) for b in built if b.name == "_down_fp8_kernel"}
+    assert (True, 256) in down, "the decode down kernel launches early and prefetches"
+    assert True in values(built, "_gate_up_fp8_kernel", "TRIGGER"), "gate+up lets the down kernel launch early"

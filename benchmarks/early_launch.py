@@ -1,0 +1,140 @@
+"""The FP8 slice's decode step under the switches that launch kernels early (`kernels/launch_early`):
+the small kernels (`SMALL_KERNELS`), the W_UV product (`fp8_act.UV_PDL`, `UV_PREFETCH`) and the MoE
+down kernel (`moe_fp8_triton.DOWN_PDL`, `DOWN_PREFETCH`). Each variant's step is captured as the
+serving graphs capture it and timed as one CUDA graph replayed back to back (the step's GPU time,
+no host work between steps), the variants interleaved over `--rounds` so drift hits all of them;
+the logits of every variant are checked equal to the all-off step's. Prints each variant's median
+and its ratio to all-off; `--trace V` adds variant V's kernels in order with the gaps between them.
+
+    python3 benchmarks/early_launch.py [--sizes 1 64] [--variants off,small,uv,down,all] [--rounds 2]
+        [--trace off] [--json out.json]                      # a GPU of compute capability 9.0+
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+# variant -> (SMALL_KERNELS, UV_PDL, UV_PREFETCH, DOWN_PDL, DOWN_PREFETCH)
+VARIANTS = {
+    "off": (False, False, 0, False, 0),
+    "small": (True, False, 0, False, 0),
+    "uv": (False, True, 1024, False, 0),
+    "uv256": (False, True, 256, False, 0),
+    "down": (False, False, 0, True, 256),
+    "down0": (False, False, 0, True, 0),
+    "all": (True, True, 1024, True, 256),
+}
+
+
+def switch(name: str) -> None:
+    import glm53.kernels.fp8_act as fp8_act
+    import glm53.kernels.launch_early as launch_early
+    import glm53.kernels.moe_fp8_triton as moe_fp8
+
+    (launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8.DOWN_PDL,
+     moe_fp8.DOWN_PREFETCH) = VARIANTS[name]
+
+
+def step_graphs(base, sizes: list[int], ctx: int):
+    """A runner whose decode graphs are captured under the current switches, and per batch size its
+    graph after three steps at position `ctx` (random KV) with the last step's logits."""
+    from glm53.models import ModelRunner, SeqChunk
+    from glm53.models.graph import GraphConfig
+
+    need = -(-(ctx + 64) // 64)
+    runner = ModelRunner(base.model, num_pages=need * max(sizes), page_size=64, device="cuda",
+                         graphs=GraphConfig(max_bs=max(sizes), max_context=need * 64))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _, pool in runner.pools:
+        pool.tensor.normal_(generator=gen)
+    out = {}
+    for bs in sizes:
+        toks = [1] * bs
+        for it in range(3):
+            chunks = [SeqChunk([toks[i]], ctx + it, list(range(i * need, (i + 1) * need))) for i in range(bs)]
+            logits = torch.cat(runner.forward(chunks))
+            toks = logits.argmax(-1).tolist()
+        out[bs] = (runner.graphs.graphs[runner.graphs.bucket(chunks)][0], logits)
+    return runner, out
+
+
+def trace(graph) -> list[str]:
+    """The kernels of one replay in order: duration and the gap since the previous one ended."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    n = len(ev) // 3
+    ev = ev[n:2 * n]  # the middle replay
+    end, gaps, rows = ev[0].time_range.start, 0.0, []
+    for e in ev:
+        gap = e.time_range.start - end
+        gaps += max(gap, 0.0)
+        rows.append(f"  {e.time_range.elapsed_us():8.1f} us  gap {gap:6.1f}  {e.name[:100]}")
+        end = max(end, e.time_range.end)
+    rows.append(f"  {len(ev)} kernels, span {end - ev[0].time_range.start:.1f} us, gaps {gaps:.1f} us "
+                "(a kernel launched early starts before the one before it ends: a negative gap)")
+    return rows
+
+
+def main() -> None:
+    from glm53.models import ModelRunner
+    from glm53.support.glm5_slice import ensure_slice
+    from glm53.support.kernel_profile import replay_us
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slice", type=Path, default=Path("/tmp/glm5-slice-fp8"))
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--variants", default="off,small,uv,down,all")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--trace", default="", help="a variant whose batch-1 step's kernels to list")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    names = a.variants.split(",")
+    assert names[0] == "off" and all(n in VARIANTS for n in names), f"variants: off first, of {sorted(VARIANTS)}"
+    print(torch.cuda.get_device_name(), flush=True)
+    base = ModelRunner.from_dir(ensure_slice(a.slice, fp8=True), page_size=64, num_pages=1, device="cuda",
+                                progress=False, fp8=True)
+    times: dict[tuple[str, int], list[float]] = {}
+    ref: dict[int, torch.Tensor] = {}
+    for r in range(a.rounds):
+        for name in names:
+            switch(name)
+            runner, steps = step_graphs(base, a.sizes, a.context)
+            for bs, (graph, logits) in steps.items():
+                ref.setdefault(bs, logits)
+                same = torch.equal(logits, ref[bs])
+                us = statistics.median(replay_us(graph, 50) for _ in range(7))
+                times.setdefault((name, bs), []).append(us)
+                print(f"round {r} {name:6s} bs {bs:3d}: {us:8.1f} us/step{'' if same else '  LOGITS DIFFER'}",
+                      flush=True)
+                assert same, f"{name}: the logits differ from the all-off step's"
+            if a.trace == name and r == 0:
+                print(f"{name}, batch {a.sizes[0]}, one replay:\n" + "\n".join(trace(steps[a.sizes[0]][0])), flush=True)
+            del runner, steps
+            torch.cuda.empty_cache()
+    switch("off")
+    report = []
+    for bs in a.sizes:
+        off = statistics.median(times["off", bs])
+        for name in names:
+            med = statistics.median(times[name, bs])
+            report.append({"variant": name, "bs": bs, "us": med, "runs": times[name, bs], "vs_off": med / off})
+            print(f"bs {bs:3d} {name:6s}: {med:8.1f} us/step  {med / off:.3f}x all-off  "
+                  f"(runs {', '.join(f'{t:.1f}' for t in times[name, bs])})")
+    if a.json:
+        a.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "context": a.context,
+                                      "results": report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
