@@ -372,7 +372,12 @@ def moe_experts_fp8_triton(
     cfg = config or default_fp8_config(M, E, variant, I, H, sm_count(x.device), lo=lo)
     assert SB % cfg.BK == 0, f"BK must divide {SB}: {cfg}"
     assert not a_fp8 or cfg.BN1 == SB, f"w8a8 quantizes h in 128-wide column tiles: BN1 must be {SB}"
-    plan = plan_routing(ids, E, cfg.BM // rows)
+    # split K: each tile's partials, and how many of its splits are in (the last sums them); the
+    # plan's launch zeroes the counts
+    split, k_per_split = k_splits(H, cfg.SPLIT_K)
+    tiles = block_bound(M, E, cfg.BM // rows) * triton.cdiv(I, cfg.BN1)
+    count = torch.empty(tiles, dtype=torch.int32, device=x.device) if split > 1 else None
+    plan = plan_routing(ids, E, cfg.BM // rows, zeros=count)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     interp = triton_interpreting()
     pdl = cfg.PDL and not interp  # griddepcontrol is inline PTX: compiled kernels only
@@ -397,11 +402,9 @@ def moe_experts_fp8_triton(
     common = dict(E=E, BLOCK_E=plan.block_e, SB=SB, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M, A_FP8=a_fp8, SWAP=cfg.SWAP,
                   DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    tiles = plan.n_blocks * triton.cdiv(I, cfg.BN1)
-    split, k_per_split = k_splits(H, cfg.SPLIT_K)
-    if split > 1:  # each tile's partials, and how many of its splits are in (the last sums them)
+    assert tiles == plan.n_blocks * triton.cdiv(I, cfg.BN1)
+    if split > 1:
         part = torch.empty((tiles, split, 2, cfg.BM // rows, cfg.BN1), dtype=torch.float32, device=x.device)
-        count = torch.zeros(tiles, dtype=torch.int32, device=x.device)
     else:
         part = count = rw  # unused
     _gate_up_fp8_kernel[(tiles, split)](

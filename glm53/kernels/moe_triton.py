@@ -83,16 +83,20 @@ def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfi
 
 # P (the pairs) varies with every batch: not specialized, and the step is fixed, so the config's
 # BM alone picks the compiled variant (kernels/variants.py)
-@triton.jit(do_not_specialize=["P"])
-def _plan_kernel(ids_ptr, order_ptr, seg_ptr, cum_ptr, P, E: tl.constexpr, BLOCK_E: tl.constexpr,
+@triton.jit(do_not_specialize=["P", "NZ"])
+def _plan_kernel(ids_ptr, order_ptr, seg_ptr, cum_ptr, z_ptr, P, NZ, E: tl.constexpr, BLOCK_E: tl.constexpr,
                  BM: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
     """Program e: expert e's part of the routing plan from the P = N·k ids (a counting sort, in
     one launch where a radix sort, a searchsorted and the casts took six). Pass 1 counts the
     pairs of lower experts (seg[e]) and every expert's pairs (for cum[e] = Σ_{e' <= e}
     ⌈c_e' / BM⌉, the row blocks of experts 0..e); pass 2 writes e's pair indices in ascending
-    order from seg[e] (a stable sort). An id outside [0, E) joins no segment."""
+    order from seg[e] (a stable sort). An id outside [0, E) joins no segment. The programs also
+    zero the NZ int32s at z (`plan_routing`'s `zeros`), every E-th block of BLOCK_P each."""
     wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     e = tl.program_id(0)
+    for z0 in range(e * BLOCK_P, NZ, E * BLOCK_P):
+        z = z0 + tl.arange(0, BLOCK_P)
+        tl.store(z_ptr + z, tl.zeros([BLOCK_P], dtype=tl.int32), mask=z < NZ)
     ev = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     below = 0
@@ -289,9 +293,11 @@ def block_bound(n_pairs: int, n_experts: int, BM: int) -> int:
 PLAN_BLOCK_P = 1024
 
 
-def plan_routing(ids: torch.Tensor, n_experts: int, BM: int) -> RoutingPlan:
+def plan_routing(ids: torch.Tensor, n_experts: int, BM: int, zeros: torch.Tensor | None = None) -> RoutingPlan:
     """Sort the (token, slot) pairs of `ids` [N, k] by expert and count BM-row blocks, on the
-    device in one launch (`_plan_kernel`; no host sync)."""
+    device in one launch (`_plan_kernel`; no host sync). `zeros`: a contiguous int32 buffer the
+    same launch sets to 0 (the split-K tile counters of the kernel that reads the plan: one fill
+    launch fewer)."""
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -299,7 +305,10 @@ def plan_routing(ids: torch.Tensor, n_experts: int, BM: int) -> RoutingPlan:
     order = torch.empty(P, dtype=torch.int32, device=ids.device)
     seg = torch.empty(n_experts + 1, dtype=torch.int32, device=ids.device)
     cum = torch.empty(n_experts, dtype=torch.int32, device=ids.device)
-    _plan_kernel[(n_experts,)](flat, order, seg, cum, P, E=n_experts, BLOCK_E=triton.next_power_of_2(n_experts + 1),
+    assert zeros is None or (zeros.dtype == torch.int32 and zeros.is_contiguous()), zeros
+    _plan_kernel[(n_experts,)](flat, order, seg, cum, seg if zeros is None else zeros, P,
+                               0 if zeros is None else zeros.numel(), E=n_experts,
+                               BLOCK_E=triton.next_power_of_2(n_experts + 1),
                                BM=BM, BLOCK_P=PLAN_BLOCK_P, num_warps=4, **early_args())
     return RoutingPlan(order, seg, cum, block_bound(P, n_experts, BM), n_experts, BM)
 

@@ -432,7 +432,10 @@ def check_routing_plan(N, k, E, device="cpu", n_empty=0, strays=0, shared=False,
         flat[at] = torch.where(torch.rand(strays) < 0.5, -1, E + 3)
     ids = ids.to(device=device, dtype=ids_dtype)
     for BM in (1, 8, 16, 64):
-        plan = plan_routing(ids, E, BM)
+        # the launch also zeroes a buffer (a split-K kernel's counters), here of 0 to 3 blocks
+        zeros = torch.randint(1, 99, (int(torch.randint(0, 3000, ())),), dtype=torch.int32, device=device)
+        plan = plan_routing(ids, E, BM, zeros=zeros)
+        assert not zeros.any(), zeros.nonzero()[:8]
         inside = ((ids >= 0) & (ids < E)).view(-1)
         order, seg = sort_pairs(torch.where(ids < 0, E + 1, ids), E)  # strays sort past seg[E]
         assert plan.order.dtype == plan.seg.dtype == plan.cum.dtype == torch.int32
