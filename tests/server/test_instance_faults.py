@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import zmq
 
@@ -24,29 +26,59 @@ def _request(room: int, ids: list[int], reply_to: str, ports: list[int]) -> Gene
         decode=PeerInfo("d0", "decode", "127.0.0.1", ports[2], None), reply_to=reply_to)
 
 
-def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monkeypatch):
+@dataclass
+class Serving:
+    """A decode instance serving on a thread, and the router's two sockets to it."""
+
+    sched: DecodeScheduler
+    ports: list[int]
+    push: zmq.Socket  # to the instance
+    pull: zmq.Socket  # its events and pongs
+    reply_to: str
+    thread: threading.Thread
+
+
+@contextmanager
+def serving_decode(model_dir, monkeypatch, **sections):
+    """A CPU decode instance `d0` (prefill peer `p0` configured, never started) with the config
+    `sections` over the defaults, serving until the block ends; then stopped, its thread joined."""
     ports = free_ports(4)
     cfg = parse_config({
         "model": {"path": str(model_dir)},
-        "router": {"max_queue_wait_s": 2},
-        "transfer": {"bootstrap_timeout_s": 2, "transfer_timeout_s": 5},
         "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "num_pages": 64},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
         "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2]}],
+        **sections,
     })
     sched = DecodeScheduler(cfg, cfg.decode[0])
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    reply_port = pull.bind_to_random_port("tcp://127.0.0.1")
+    reply_to = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
     push.connect(cfg.decode[0].address)
     thread = threading.Thread(target=sched.serve_forever, daemon=True)
     thread.start()
     try:
+        yield Serving(sched, ports, push, pull, reply_to, thread)
+    finally:
+        monkeypatch.undo()
+        sched.stop()
+        thread.join(timeout=10)
+        sched.close()
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+    assert not thread.is_alive()
+
+
+def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monkeypatch):
+    with serving_decode(model_dir, monkeypatch, router={"max_queue_wait_s": 2},
+                        transfer={"bootstrap_timeout_s": 2, "transfer_timeout_s": 5}) as sv:
+        sched, ports, push, pull, reply_to = sv.sched, sv.ports, sv.push, sv.pull, sv.reply_to
+
         def boom(n):
             raise RuntimeError("allocator exploded")
 
         monkeypatch.setattr(sched.allocator, "alloc", boom)
-        reply_to = f"tcp://127.0.0.1:{reply_port}"
         push.send(encode(_request(1, [5, 6, 7], reply_to, ports)))
         assert pull.poll(20_000), "no event for the failed request"
         ev = decode(pull.recv())
@@ -68,7 +100,7 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
         assert pull.poll(20_000)
         ev = decode(pull.recv())
         assert ev.room == 3 and ev.error_code == "overloaded" and "max_queue_wait_s" in ev.error
-        bound = cfg.router.max_queue_wait_s
+        bound = sched.cluster.router.max_queue_wait_s
         assert bound <= time.monotonic() - t0 < bound + 5
         req = _request(4, [5, 6, 7], reply_to, ports)
         req.queue_budget_s = 0.5  # the router's queue took the rest
@@ -79,15 +111,7 @@ def test_step_exception_fails_requests_and_the_instance_lives_on(model_dir, monk
         assert ev.room == 4 and ev.error_code == "overloaded"
         assert 0.5 <= time.monotonic() - t0 < 1.5
         sched.allocator.free(held)
-        assert thread.is_alive() and sched.allocator.num_free == 64
-    finally:
-        sched.stop()
-        thread.join(timeout=10)
-        sched.close()
-        pull.close(0)
-        push.close(0)
-        ctx.term()
-    assert not thread.is_alive()
+        assert sv.thread.is_alive() and sched.allocator.num_free == 64
 
 
 def test_a_lost_rank_fails_each_request_with_the_reason_before_pongs_say_not_ready(model_dir, monkeypatch):
@@ -99,28 +123,14 @@ def test_a_lost_rank_fails_each_request_with_the_reason_before_pongs_say_not_rea
     from glm53.server.engine.processes import RanksLost
     from glm53.server.protocol import HealthPing, HealthPong
 
-    ports = free_ports(4)
-    cfg = parse_config({
-        "model": {"path": str(model_dir)},
-        "transfer": {"bootstrap_timeout_s": 60, "transfer_timeout_s": 60},
-        "defaults": {"device": "cpu", "dtype": "float32", "page_size": 16, "num_pages": 64},
-        "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],
-        "decode": [{"name": "d0", "host": "127.0.0.1", "port": ports[2]}],
-    })
-    sched = DecodeScheduler(cfg, cfg.decode[0])
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    reply_to = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
-    push.connect(cfg.decode[0].address)
-    thread = threading.Thread(target=sched.serve_forever, daemon=True)
-    thread.start()
-    received: list = []
+    with serving_decode(model_dir, monkeypatch, transfer={"bootstrap_timeout_s": 60, "transfer_timeout_s": 60}) as sv:
+        sched, ports, push, pull, reply_to = sv.sched, sv.ports, sv.push, sv.pull, sv.reply_to
+        received: list = []
 
-    def receive(timeout_s: float) -> None:
-        if pull.poll(int(timeout_s * 1000)):
-            received.extend(decode_all(pull.recv()))  # a step's events leave as one frame
+        def receive(timeout_s: float) -> None:
+            if pull.poll(int(timeout_s * 1000)):
+                received.extend(decode_all(pull.recv()))  # a step's events leave as one frame
 
-    try:
         for room in (1, 2):  # held: their prefill never sends the KV
             push.send(encode(_request(room, [5, 6, 7], reply_to, ports)))
         deadline = time.monotonic() + 20
@@ -158,12 +168,3 @@ def test_a_lost_rank_fails_each_request_with_the_reason_before_pongs_say_not_rea
         assert sorted(m.room for _, m in failed) == [1, 2], received
         assert max(i for i, _ in failed) < not_ready, received
         assert all("lost a rank" in m.error and "connection reset" in m.error for _, m in failed), received
-    finally:
-        monkeypatch.undo()
-        sched.stop()
-        thread.join(timeout=10)
-        sched.close()
-        pull.close(0)
-        push.close(0)
-        ctx.term()
-    assert not thread.is_alive()
