@@ -38,7 +38,7 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, triton_interpreting, use_triton
 from glm53.kernels.fp8_quant import (FP8, GROUP, dequantize_fp8_groups, quantize_fp8_groups_reference,
                                      quantize_residual_reference, quantize_residual_tile, quantize_tile)
-from glm53.kernels.launch_early import early_args, prefetch_rows_l2, wait_then_release
+from glm53.kernels.launch_early import early_args, pdl_option, prefetch_rows_l2, wait_then_release
 from glm53.kernels.norm import rms_norm_reference
 from glm53.kernels.norm_triton import added, load_residual_sum
 from glm53.kernels.row_parts import RowParts, take
@@ -391,7 +391,7 @@ def uv_product_fp8_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, block_r: int 
             LO=rows.q_lo is not None, DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else o_lat.dtype),
             EXACT_RNE=interp, TRIGGER=trigger_dependents(), PDL=pdl,
             PREFETCH=(UV_PREFETCH if prefetch is None else prefetch) if pdl else 0,
-            num_warps=num_warps, num_stages=num_stages, **(dict(launch_pdl=True) if pdl else {}),
+            num_warps=num_warps, num_stages=num_stages, **pdl_option(pdl),
         )
     return rows
 

@@ -37,7 +37,7 @@ from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
 from glm53.kernels.fp8_split_k import check_fp8_weight, k_splits, sum_splits
-from glm53.kernels.launch_early import prefetch_rows_l2
+from glm53.kernels.launch_early import pdl_option, prefetch_rows_l2
 from glm53.kernels.row_parts import RowParts
 
 SB = GROUP  # scale block edge (weights 128×128, activations 1×128)
@@ -291,7 +291,7 @@ def _launch(a, a_scale, w, w_scale, M, N, K, out_dtype, cfg: GemmConfig, a_fp8: 
         EVEN_K=K % cfg.BK == 0, DOT_F32=interp,
         PRECISION=dot_precision(torch.float32 if interp else a.dtype), SWAP=cfg.SWAP,
         PDL=pdl, PREFETCH=cfg.PREFETCH if pdl else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(dict(launch_pdl=True) if pdl else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_option(pdl),
     )
     if split > 1:  # the splits' sum, or (keep_parts) the sum not taken yet, for a norm that adds it
         y = RowParts(y, out_dtype) if keep_parts else sum_splits(y, out_dtype)

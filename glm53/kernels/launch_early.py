@@ -25,16 +25,17 @@ from glm53.kernels.dispatch import triton_interpreting
 SMALL_KERNELS = False
 
 
-def early(enabled: bool | None = None) -> bool:
-    """Whether a small kernel launches early: `SMALL_KERNELS` (or `enabled`), compiled kernels only
-    (griddepcontrol is inline PTX; the interpreter has none)."""
-    return (SMALL_KERNELS if enabled is None else enabled) and not triton_interpreting()
+def pdl_option(pdl: bool) -> dict:
+    """The launch keyword of a kernel launched early (none for the usual launch)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
-def early_args(enabled: bool | None = None) -> dict:
-    """A small kernel's launch keywords: its `PDL` constexpr (`wait_then_release`) and, when on,
-    the launch option."""
-    return {"PDL": True, "launch_pdl": True} if early(enabled) else {"PDL": False}
+def early_args() -> dict:
+    """A small kernel's launch keywords: its `PDL` constexpr (`wait_then_release`) and, when
+    `SMALL_KERNELS` is on in a compiled run, the launch option (griddepcontrol is inline PTX; the
+    interpreter has none)."""
+    pdl = SMALL_KERNELS and not triton_interpreting()
+    return {"PDL": pdl, **pdl_option(pdl)}
 
 
 @triton.jit

@@ -38,7 +38,7 @@ from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_gemm_triton import accumulator, along_cols, along_rows, rows_first, swapped_product, weight_tile
 from glm53.kernels.fp8_split_k import k_splits
 from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
-from glm53.kernels.launch_early import prefetch_rows_l2
+from glm53.kernels.launch_early import pdl_option, prefetch_rows_l2
 from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig, gemv_takes, moe_experts_fp8_gemv
 from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, slot_parts, sum_slots
 from glm53.kernels.row_parts import RowParts
@@ -421,7 +421,7 @@ def moe_experts_fp8_triton(
         h.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         y.stride(0),
         BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, PDL=pdl, PREFETCH=cfg.PREFETCH if pdl else 0, **common,
-        **(dict(launch_pdl=True) if pdl else {}),
+        **pdl_option(pdl),
     )
     # in a fixed order: deterministic; or (keep_parts) not taken yet, for the norm that adds it
     return slot_parts(y, N, k) if keep_parts else sum_slots(y, N, k)

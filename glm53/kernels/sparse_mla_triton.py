@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
-from glm53.kernels.launch_early import early_args, wait_then_release
+from glm53.kernels.launch_early import early_args, pdl_option, wait_then_release
 from glm53.kernels.sparse_mla_hopper import BLOCK_H as HOPPER_BLOCK_H, hopper_supports, sparse_mla_hopper
 
 LOG2E = 1.4426950408889634
@@ -211,7 +211,7 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
     _combine_kernel[(T * H,)](
         part, lse, out, num_splits, out.stride(0), out.stride(1),
         H=H, R=R, BLOCK_R=block_r, BLOCK_SP=triton.next_power_of_2(num_splits), PDL=not interp,
-        num_warps=1 if interp else 4, **({} if interp else dict(launch_pdl=True)),
+        num_warps=1 if interp else 4, **pdl_option(not interp),
     )
 
 

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.launch_early import pdl_option
 
 SAMPLE = 4096  # sampled scores per row for the bracket
 MIN_SAMPLE = 256  # the least sample tile (`row_sample`)
@@ -694,7 +695,7 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     if pdl is None:
         pdl = logits.is_cuda and not interp
     pdl = bool(pdl) and not interp  # griddepcontrol is inline PTX: the interpreter cannot run it
-    launch = dict(launch_pdl=True) if pdl else {}
+    launch = pdl_option(pdl)
     vec = 16 // logits.element_size()  # one 16-byte load
     v = scan_v or max(block // (32 * warps), vec)
     vec = min(vec, v)
