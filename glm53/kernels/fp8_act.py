@@ -342,11 +342,11 @@ def _uv_fp8_kernel(
     rm = rows < M
     r64 = rows.to(tl.int64)
     o_rows = o_ptr + r64[:, None] * stride_ot + head * stride_oh
-    w_rows = w_ptr + head.to(tl.int64) * stride_wh + (c0 + cols)[:, None].to(tl.int64) * stride_wv
+    w_row0 = w_ptr + head.to(tl.int64) * stride_wh + (c0 + cols).to(tl.int64) * stride_wv  # [G]
+    w_rows = w_row0[:, None]
     if PDL:
         if PREFETCH > 0:
-            prefetch_rows_l2(w_ptr + head.to(tl.int64) * stride_wh + (c0 + cols).to(tl.int64) * stride_wv,
-                             tl.minimum(R * w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH))
+            prefetch_rows_l2(w_row0, tl.minimum(R * w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH))
         tl.extra.cuda.gdc_wait()  # o_lat is the attention's
     acc = tl.zeros((BLOCK_M, G), dtype=tl.float32)
     for r0 in range(0, R, BR):
