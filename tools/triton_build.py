@@ -209,6 +209,7 @@ def case_attention():
     from glm53.kernels.indexer_logits_triton import indexer_logits_triton
     from glm53.kernels.kv_rows_triton import store_rows_triton
     from glm53.kernels.linear_f32_triton import linear_f32_triton
+    from glm53.kernels.row_parts import RowParts
     from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
     from glm53.kernels.sparse_mla_triton import sparse_mla_triton
 
@@ -224,6 +225,12 @@ def case_attention():
         # the latent row (RMSNorm of 512, rope after it) and the indexer key (LayerNorm, rope first)
         store_rows_triton(empty(1, 576), latent, coords, empty(512), None, 1e-6, cos, cos, 512, 512, True)
         store_rows_triton(empty(1, 128), index_k, coords, empty(128), empty(128), 1e-6, cos, cos, 128, 0, True)
+        # decode: the fused q_a | kv_a | index-key product's split-K sum taken by the stores
+        fused_a = empty(3, 1, 2048 + 576 + 128, dtype=F32)
+        store_rows_triton(RowParts(fused_a[..., 2048:2624], torch.bfloat16), latent, coords, empty(512), None, 1e-6,
+                          cos, cos, 512, 512, True)
+        store_rows_triton(RowParts(fused_a[..., 2624:], torch.bfloat16), index_k, coords, empty(128), empty(128),
+                          1e-6, cos, cos, 128, 0, True)
         for M in (1, 64):  # the indexer's fp32 head gates, up to linear_f32.TRITON_MAX_ROWS rows
             linear_f32_triton(empty(M, 6144), empty(32, 6144, dtype=F32), 0.01)
         fp8_keys = index_cache_fp8.split_view(index_cache_fp8.alloc_pool(pages, 2, 64)[:, 1])
@@ -242,6 +249,7 @@ def case_norms():
     from glm53.kernels.fp8_act import rms_norm_fp8_triton, silu_mul_fp8_triton, uv_product_fp8_triton
     from glm53.kernels.norm_triton import rms_norm_triton, sum_rms_norm_triton
     from glm53.kernels.rope_triton import apply_rope_triton
+    from glm53.kernels.row_parts import RowParts
     from glm53.kernels.step_inputs_triton import step_inputs_triton
     from glm53.kernels.swiglu_triton import silu_mul_triton
 
@@ -259,6 +267,10 @@ def case_norms():
             for add, dense in ((None, True), (empty(m, 6144), True), (empty(m, 6144), False)):
                 rms_norm_fp8_triton(empty(m, 6144), empty(6144), 1e-5, dense=dense, add=add)
             rms_norm_fp8_triton(empty(m, 2048), empty(2048), 1e-6)  # q_a, for q_b
+        # decode: q_a's norm takes the fused q_a | kv_a | index-key product's split-K sum
+        q_a = RowParts(empty(3, 1, 2048 + 576 + 128, dtype=F32)[..., :2048], torch.bfloat16)
+        rms_norm_fp8_triton(q_a, empty(2048), 1e-6)
+        rms_norm_triton(q_a, empty(2048), 1e-6)
         for m in (1, 64, 4096):  # the dense MLP's 12288 / 8 = 1536, halves of the fused gate_up
             gu = empty(m, 2 * 1536)
             silu_mul_fp8_triton(gu[:, :1536], gu[:, 1536:])

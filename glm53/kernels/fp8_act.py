@@ -41,7 +41,7 @@ from glm53.kernels.fp8_quant import (FP8, GROUP, dequantize_fp8_groups, quantize
 from glm53.kernels.launch_early import early_args, pdl_option, prefetch_rows_l2, wait_then_release
 from glm53.kernels.norm import rms_norm_reference
 from glm53.kernels.norm_triton import added, load_residual_sum
-from glm53.kernels.row_parts import RowParts, take
+from glm53.kernels.row_parts import RowParts, row_source, take
 
 M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8_gemm_cublas pads
 # Rows up to which w8a8 activations carry a second e4m3 term (`two_terms`). Greedy agreement with
@@ -153,9 +153,9 @@ def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _rms_norm_fp8_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm,
-    stride_sg, stride_a, stride_r, stride_ap, eps,
+    stride_sg, stride_a, stride_r, stride_ap, eps, stride_xp,
     G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, LO: tl.constexpr,
-    EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr, PARTS: tl.constexpr,
+    EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr, PARTS: tl.constexpr, XPARTS: tl.constexpr, DT: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """One program per row, the row loaded straight into a [NG, G] tile (group g = columns
@@ -163,7 +163,8 @@ def _rms_norm_fp8_kernel(
     loaded flat and reshaped into groups costs a layout shuffle (measured: twice the plain norm).
     The norm is rounded to y's dtype as `rms_norm` rounds it (its sum of squares in another order),
     then each group's scale and codes as `fp8_quant` computes them. ADD: the residual sum
-    x + a, rounded to x's dtype, is written to r and normalised. LO: the second term into ql/sl."""
+    x + a, rounded to x's dtype DT, is written to r and normalised. XPARTS > 1: x is a sum not taken
+    yet (`norm_triton.load_row`). LO: the second term into ql/sl."""
     wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     if TRIGGER:  # the product after it may launch now (`trigger_dependents`)
         tl.extra.cuda.gdc_launch_dependents()
@@ -171,10 +172,10 @@ def _rms_norm_fp8_kernel(
     col = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = col < D
     x = load_residual_sum(x_ptr, a_ptr, r_ptr, row * stride_x + col, row * stride_a + col, row * stride_r + col,
-                          mask, ADD, stride_ap, PARTS)
+                          mask, ADD, stride_ap, PARTS, stride_xp, XPARTS, DT)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, 1), 0) / D + eps)
-    n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    n = (xf * rstd).to(DT).to(tl.float32)
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     y = (w * n).to(y_ptr.dtype.element_ty)
     if DENSE:
@@ -190,41 +191,45 @@ def _rms_norm_fp8_kernel(
         tl.store(sl_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
 
 
-def rms_norm_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, dense: bool = False,
+def rms_norm_fp8_triton(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float, dense: bool = False,
                         num_warps: int | None = None, add: torch.Tensor | RowParts | None = None):
-    """x [m, D] (unit last stride; rows may be strided, e.g. a column slice of a fused product),
-    weight [D] -> (the norm [m, D] in torch's promoted dtype when `dense`, else None; its rows).
-    With `add` (x's shape and dtype, or a `RowParts` of them): (s = x + add, then the same two) for the
-    norm of s."""
+    """x [m, D] (unit last stride; rows may be strided, e.g. a column slice of a fused product, or a
+    `RowParts` whose sum is taken here), weight [D] -> (the norm [m, D] in torch's promoted dtype
+    when `dense`, else None; its rows). With `add` (x's shape and dtype, or a `RowParts` of them):
+    (s = x + add, then the same two) for the norm of s."""
     m, D = x.shape
-    assert weight.shape == (D,) and x.stride(1) == 1, (x.shape, x.stride(), weight.shape)
+    src, x_parts, stride_xp, dt = row_source(x)
+    dev = src.device
+    assert weight.shape == (D,) and src.stride(1) == 1, (x.shape, src.stride(), weight.shape)
     dtype = torch.promote_types(x.dtype, weight.dtype)
-    rows = empty_rows(m, D, dtype, x.device, lo=two_terms(m))
-    y = torch.empty((m, D) if dense else (1, 1), dtype=dtype, device=x.device)
+    rows = empty_rows(m, D, dtype, dev, lo=two_terms(m))
+    y = torch.empty((m, D) if dense else (1, 1), dtype=dtype, device=dev)
     a = r = y  # unused without `add`
     n_parts, stride_ap = added(add, x)
     if add is not None:
-        a, r = add.parts[0] if isinstance(add, RowParts) else add, torch.empty((m, D), dtype=x.dtype, device=x.device)
+        a, r = add.parts[0] if isinstance(add, RowParts) else add, torch.empty((m, D), dtype=x.dtype, device=dev)
     if m:
         ng = triton.next_power_of_2(triton.cdiv(D, GROUP))
         _rms_norm_fp8_kernel[(m,)](
-            x, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, D, x.stride(0), y.stride(0),
+            src, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, D, src.stride(0), y.stride(0),
             rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), stride_ap, eps,
-            G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, LO=rows.q_lo is not None,
-            EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(), PARTS=n_parts,
+            stride_xp, G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, LO=rows.q_lo is not None,
+            EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(), PARTS=n_parts, XPARTS=x_parts, DT=dt,
             num_warps=num_warps or max(1, min(16, ng * GROUP // 512)), **early_args(),
         )
     out = (y if dense else None), rows
     return out if add is None else (r, *out)
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def rms_norm_fp8(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float,
                  dense: bool = False) -> tuple[torch.Tensor | None, Fp8Rows]:
     """RMSNorm of x [m, D] quantized for a w8a8 product: (the dense norm when `dense`, else None;
-    the quantized rows). Triton where `dispatch.use_triton` says so, else the reference."""
-    if use_triton(x, weight) and x.stride(1) == 1:
+    the quantized rows). Triton where `dispatch.use_triton` says so, else the reference. x may be
+    a sum not taken yet (`row_parts`): the kernel takes it."""
+    rows = x.parts if isinstance(x, RowParts) else x
+    if use_triton(rows, weight) and rows.stride(-1) == 1:
         return rms_norm_fp8_triton(x, weight, eps, dense)
-    return rms_norm_fp8_reference(x, weight, eps, dense)
+    return rms_norm_fp8_reference(take(x), weight, eps, dense)
 
 
 def add_rms_norm_fp8(x: torch.Tensor, add: torch.Tensor | RowParts, weight: torch.Tensor, eps: float,

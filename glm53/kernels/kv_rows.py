@@ -20,22 +20,25 @@ import torch
 from glm53.kernels.dispatch import use_triton
 from glm53.kernels.norm import layer_norm, rms_norm
 from glm53.kernels.rope import apply_rope
+from glm53.kernels.row_parts import RowParts, take
 
 
-def store_rows(x: torch.Tensor, cache: torch.Tensor, coords: tuple[torch.Tensor, torch.Tensor], weight: torch.Tensor,
-               eps: float, cos: torch.Tensor, sin: torch.Tensor, *, norm_d: int, rope_lo: int, interleave: bool,
-               bias: torch.Tensor | None = None) -> None:
-    """x [N, W] (unit last stride; rows may be strided); cache [num_pages, page_size, W]; coords
-    (page, offset) [N] of each row's slot; weight (and `bias`: LayerNorm) [norm_d]; cos/sin
-    [N, rope / 2] fp32 with rope = cos.shape[1] * 2."""
+def store_rows(x: torch.Tensor | RowParts, cache: torch.Tensor, coords: tuple[torch.Tensor, torch.Tensor],
+               weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *, norm_d: int, rope_lo: int,
+               interleave: bool, bias: torch.Tensor | None = None) -> None:
+    """x [N, W] (unit last stride; rows may be strided; or a sum not taken yet, `row_parts`, which
+    the kernel takes); cache [num_pages, page_size, W]; coords (page, offset) [N] of each row's
+    slot; weight (and `bias`: LayerNorm) [norm_d]; cos/sin [N, rope / 2] fp32 with rope =
+    cos.shape[1] * 2."""
     assert cache.dtype == x.dtype and cache.shape[-1] == x.shape[-1], (cache.dtype, cache.shape, x.dtype, x.shape)
     half = cos.shape[1]
-    fits = x.stride(-1) == 1 and half & (half - 1) == 0 and cos.stride(-1) == 1
-    if fits and use_triton(x, cache, weight):
+    rows = x.parts if isinstance(x, RowParts) else x
+    fits = rows.stride(-1) == 1 and half & (half - 1) == 0 and cos.stride(-1) == 1
+    if fits and use_triton(rows, cache, weight):
         from glm53.kernels.kv_rows_triton import store_rows_triton
 
         return store_rows_triton(x, cache, coords, weight, bias, eps, cos, sin, norm_d, rope_lo, interleave)
-    store_rows_reference(x, cache, coords, weight, eps, cos, sin, norm_d=norm_d, rope_lo=rope_lo,
+    store_rows_reference(take(x), cache, coords, weight, eps, cos, sin, norm_d=norm_d, rope_lo=rope_lo,
                          interleave=interleave, bias=bias)
 
 

@@ -21,12 +21,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * xf.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim. `out` (optional, may be x itself) receives the result."""
-    if use_triton(x, weight) and weight.dim() == 1 and x.stride(-1) == 1:
+def rms_norm(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim. `out` (optional, may be x itself) receives the result. x may be
+    a 2-d sum not taken yet (`row_parts`): the kernel takes it."""
+    rows = x.parts if isinstance(x, RowParts) else x
+    if use_triton(rows, weight) and weight.dim() == 1 and rows.stride(-1) == 1:
         from glm53.kernels.norm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, out)
+    x = take(x)
     y = rms_norm_reference(x, weight, eps)
     return y if out is None else out.copy_(y)
 

@@ -44,6 +44,17 @@ def take(x: torch.Tensor | RowParts) -> torch.Tensor:
     return x.rows() if isinstance(x, RowParts) else x
 
 
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def row_source(x: torch.Tensor | RowParts) -> tuple[torch.Tensor, int, int, tl.dtype]:
+    """What a kernel that reads rows x takes (`norm_triton.load_row`): the tensor its pointer and
+    row strides come from, the parts (a tensor is one), the stride between parts, the rows' dtype."""
+    if isinstance(x, RowParts):
+        return x.parts[0], x.parts.shape[0], x.parts.stride(0), TL_DTYPES[x.dtype]
+    return x, 1, 0, TL_DTYPES[x.dtype]
+
+
 # M and, for a split-K product's partials, the stride between parts (M·N) follow the token count:
 # not specialized, so no batch compiles a variant the warm-up did not (kernels/variants.py)
 @triton.jit(do_not_specialize=["M", "stride_ps"])

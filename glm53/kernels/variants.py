@@ -26,7 +26,10 @@ requests, block positions, context pages; `reachable_draft`): its loop counts an
 table row strides are not specialized, so only the block (tiles, warps) and split-or-not pick
 its variants. Families whose launches no count decides (norms, RoPE, routing, the indexer
 logits, the absorbed query: its rows only bound the grid; the step's inputs, built inside the
-decode graphs) have one key each: any forward (or graph capture) compiles them.
+decode graphs) have one key each: any forward (or graph capture) compiles them. (The q_a norm and
+the cache-row stores take the fused q_a | kv_a | index-key product's split-K sum where it splits:
+their parts count is that product's split, which `fp8_gemm_key` decides, so the forward that
+compiles its key compiles theirs.)
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from torch import nn
 from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.fp8_gemm import fp8_gemm, fp8_gemm_rows, takes_fp8_rows
 from glm53.kernels.fp8_quant import GROUP
+from glm53.kernels.row_parts import RowParts
 from glm53.models.sharding import shard_of
 
 
@@ -86,15 +87,19 @@ class FusedLinear:
         """Whether the product of m rows reads its input quantized (`fp8_act`)."""
         return takes_fp8_rows(m, *self.weight.shape, self.weight.device, self.scale is not None)
 
-    def __call__(self, x: torch.Tensor | Fp8Rows) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor | Fp8Rows, keep_parts: bool = False) -> list[torch.Tensor | RowParts]:
         """Each member's product x @ W_i^T (no communication), as views of one output; x dense, or
-        its rows a producer quantized when `takes_fp8_rows`."""
+        its rows a producer quantized when `takes_fp8_rows`. `keep_parts`: a split-K product's
+        sum may come back not taken yet, each member's columns of it (`row_parts`), for readers
+        that take it (norms, cache-row stores)."""
         if isinstance(x, Fp8Rows):
-            y = fp8_gemm_rows(x, self.weight, self.scale, self.dtype)
+            y = fp8_gemm_rows(x, self.weight, self.scale, self.dtype, keep_parts=keep_parts)
         elif self.scale is not None:
             y = fp8_gemm(x.to(self.dtype), self.weight, self.scale, self.dtype)
         else:
             y = F.linear(x.to(self.weight.dtype), self.weight)
+        if isinstance(y, RowParts):
+            return [RowParts(y.parts[..., a : a + n], y.dtype) for a, n in zip(self.starts, self.widths)]
         return [y[..., a : a + n] for a, n in zip(self.starts, self.widths)]
 
 

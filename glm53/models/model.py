@@ -148,7 +148,8 @@ class Indexer(nn.Module):
     def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPools, layer: int,
                 q_raw: torch.Tensor | None = None, k_raw: torch.Tensor | None = None) -> torch.Tensor:
         """`q_raw` = wq_b(q_resid) and `k_raw` = wk(x) when the caller computed them in its fused
-        products (`Attention.fuse_projections_`); else they are computed here."""
+        products (`Attention.fuse_projections_`; `k_raw` may be a sum not taken yet, `row_parts`,
+        which the key's store takes); else they are computed here."""
         cfg = self.cfg
         n, rope = x.shape[0], cfg.qk_rope_head_dim
         q = (self.wq_b(q_resid) if q_raw is None else q_raw).view(n, cfg.index_n_heads, cfg.index_head_dim)
@@ -164,6 +165,7 @@ class Indexer(nn.Module):
         # the logits width rounded up (kernels/variants.logits_width): one divisibility class for top-k
         args = (batch.page_table, batch.context_lens, logits_width(batch.max_context))
         if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
+            k = take(k)
             finish_rows(k, self.k_norm.weight, INDEXER_KEY_NORM_EPS, cos, sin, norm_d=k.shape[1], rope_lo=0,
                         interleave=il, bias=self.k_norm.bias)
             if self.hadamard is not None:
@@ -251,7 +253,9 @@ class Attention(nn.Module):
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         k_idx = q_idx = None  # the indexer's wk(x) and wq_b(q_resid), when fused here
         if self.proj_x is not None:
-            qa, ckv, *k_idx = self.proj_x(x_in)
+            # a split-K product's sum is left to its readers: the q_a norm and the two cache-row
+            # stores take it in their own passes (the FP8 caches' finish in place: taken first)
+            qa, ckv, *k_idx = self.proj_x(x_in, keep_parts=True)
             k_idx = k_idx[0] if k_idx else None
         else:
             qa, ckv = self.q_a_proj(x_in), self.kv_a_proj_with_mqa(x_in)
@@ -275,6 +279,7 @@ class Attention(nn.Module):
         cache = kv.view(LATENT, self.layer)
         coords = batch.out_coords(kv.page_size)
         if cache.dtype == torch.uint8:  # the FP8 latent rows (kernels/latent_cache_fp8)
+            ckv = take(ckv)
             finish_rows(ckv, self.kv_a_layernorm.weight, LATENT_NORM_EPS, cos, sin, norm_d=r, rope_lo=r,
                         interleave=cfg.rope_interleave)
             latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8, coords=coords)

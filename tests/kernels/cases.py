@@ -156,6 +156,47 @@ def check_norms_take_row_parts(M: int, D: int, device: str = "cpu") -> None:
         assert torch.equal(q0.dequantize(), q1.dequantize())
 
 
+def check_readers_take_row_parts(M: int, device: str = "cpu") -> None:
+    """The readers of the fused q_a | kv_a | index-key product, given its split-K sum not taken
+    yet as column slices of the parts (`FusedLinear(keep_parts=True)`): the q_a norm (plain and
+    quantizing) and the two cache-row stores (RMSNorm + rope, LayerNorm + rope) equal the same
+    readers given the sum taken by its own launch, bit for bit."""
+    from glm53.kernels.dispatch import triton_interpreting
+    from glm53.kernels.fp8_act import rms_norm_fp8
+    from glm53.kernels.kv_rows import store_rows
+    from glm53.kernels.norm import rms_norm
+    from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
+    from glm53.kernels.row_parts import RowParts
+
+    widths = (256, 576, 128)  # q_a, the latent row [512 | 64 rope], the index key [64 rope | 64]
+    parts = RowParts(torch.randn(3, M, sum(widths) + 32, device=device) * 2, torch.bfloat16)
+    acc = parts.parts[0].float() + parts.parts[1].float() + parts.parts[2].float()
+    taken = parts.rows()
+    assert torch.equal(taken, acc.to(torch.bfloat16))
+    if triton_interpreting():  # the interpreter's in-kernel fp32 -> bf16 cast truncates
+        taken = (acc.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    cols = [sum(widths[:i]) for i in range(3)]
+    lazy = [RowParts(parts.parts[..., a : a + n], torch.bfloat16) for a, n in zip(cols, widths)]
+    dense = [taken[:, a : a + n] for a, n in zip(cols, widths)]
+    w = (torch.rand(widths[0], device=device) + 0.5).bfloat16()
+    assert torch.equal(rms_norm(lazy[0], w, 1e-6), rms_norm(dense[0], w, 1e-6))
+    d0, q0 = rms_norm_fp8(dense[0], w, 1e-6, dense=True)
+    d1, q1 = rms_norm_fp8(lazy[0], w, 1e-6, dense=True)
+    assert torch.equal(d0, d1) and torch.equal(q0.dequantize(), q1.dequantize())
+    cos, sin = rope_cos_sin(torch.randint(0, 5000, (M,), device=device), rope_inv_freq(64, 10000.0, device))
+    coords = (torch.randperm(M, device=device), torch.randint(0, 4, (M,), device=device))
+    for rows, norm_d, rope_lo, bias in ((1, 512, 512, None), (2, 128, 0, torch.randn(128, device=device).bfloat16())):
+        width = widths[rows]
+        nw = (1 + 0.3 * torch.randn(norm_d, device=device)).bfloat16()
+        fill = torch.randn(M, 4, width, device=device).bfloat16()
+        got, want = fill.clone(), fill.clone()
+        store_rows(lazy[rows], got, coords, nw, 1e-6, cos, sin, norm_d=norm_d, rope_lo=rope_lo, interleave=True,
+                   bias=bias)
+        store_rows(dense[rows].clone(), want, coords, nw, 1e-6, cos, sin, norm_d=norm_d, rope_lo=rope_lo,
+                   interleave=True, bias=bias)
+        assert torch.equal(got, want), (rows, (got.float() - want.float()).abs().max())
+
+
 def _paged_pool(num_pages, n_layers, page_size, dim, dtype, device, layer=1):
     pool = torch.randn(num_pages, n_layers, page_size, dim, device=device).to(dtype)
     return pool[:, layer]  # strided view of a page-major pool

@@ -412,6 +412,11 @@ def test_fp8_gemm_swapped_tiles_glm5(variant):
         fp8_cases.check_gemm(M, 6144, 2048, torch.bfloat16, variant, device=DEV, config=cfg, lo=False)
 
 
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_readers_take_row_parts_gpu(M):
+    cases.check_readers_take_row_parts(M, device=DEV)
+
+
 def check_launched_early(step, xs, early: list, plain) -> None:
     """`step(x, cfg)` with each config of `early` (a kernel launched while the one before it runs,
     prefetching what does not depend on it) gives the bits of `step(x, plain)`, eager and replayed

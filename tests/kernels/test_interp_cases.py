@@ -177,6 +177,11 @@ def test_norms_take_row_parts(M):
     cases.check_norms_take_row_parts(M, 384)
 
 
+@pytest.mark.parametrize("M", [1, 3])
+def test_readers_take_row_parts(M):
+    cases.check_readers_take_row_parts(M)
+
+
 def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
     # a tiny FP8 model on the Triton path, split-K forced: the split and slot sums taken by the
     # norms after them (`row_parts`) give the logits their own launches give, bit for bit

@@ -58,6 +58,7 @@ def check_moe_fp8(built: list, names: set) -> None:
 
 def check_attention(built: list, names: set) -> None:
     assert {"_absorbed_query_kernel", "_store_rows_kernel", "_linear_f32_kernel"} <= names
+    assert values(built, "_store_rows_kernel", "XPARTS") == {1, 3}, "a split-K sum taken by the cache-row stores"
     assert values(built, "_indexer_logits_kernel", "FP8") == {False, True}, "bf16 and FP8 index keys"
     for kernel in ("_sparse_mla_kernel", "_sparse_mla_fp8_kernel"):
         assert values(built, kernel, "SPLIT") == {True, False}, f"{kernel}: decode splits its slots, prefill not"
@@ -71,6 +72,8 @@ def check_norms(built: list, names: set) -> None:
         assert values(built, kernel, "LO") == {True, False}, f"{kernel}: the second term at decode sizes only"
         assert values(built, kernel, "TRIGGER") == {True}, f"{kernel}: lets the product after it launch early"
     assert values(built, "_rms_norm_kernel", "ADD") == {True, False}
+    for kernel in ("_rms_norm_kernel", "_rms_norm_fp8_kernel"):
+        assert values(built, kernel, "XPARTS") == {1, 3}, f"{kernel}: a split-K sum taken as its input rows"
 
 
 def check_moe(built: list, names: set) -> None:
