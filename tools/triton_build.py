@@ -237,6 +237,9 @@ def case_attention():
         for keys, scales in ((index_k, None), fp8_keys):  # no size picks a variant: one token
             indexer_logits_triton(empty(1, 32, 128), empty(1, 32, dtype=F32), keys, empty(1, 64, dtype=I32),
                                   torch.full((1,), 4096, dtype=I32), 4096, k_scales=scales)
+        # bf16 keys: q's first 64 columns rotated as the logits load it (the indexer's path)
+        indexer_logits_triton(empty(1, 32, 128), empty(1, 32, dtype=F32), index_k, empty(1, 64, dtype=I32),
+                              torch.full((1,), 4096, dtype=I32), 4096, rope=(cos, cos, True))
         for T in (1, 64, 4096):  # 32 (FP8: 64), 2 and no splits of the 2048 slots
             q, idx = empty(T, 8, 576), empty(T, 2048, dtype=I32)
             sparse_mla_triton(q, latent, idx, 0.0625, 512)

@@ -15,6 +15,7 @@ import torch
 
 from glm53.kernels import index_cache_fp8
 from glm53.kernels.dispatch import use_triton
+from glm53.kernels.rope import apply_rope
 
 
 def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -100,11 +101,19 @@ def indexer_logits(
     page_table: torch.Tensor,
     lengths: torch.Tensor,
     max_len: int,
+    rope: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
 ) -> torch.Tensor:
-    if use_triton(q):
+    """`rope` (cos, sin [T, R/2] fp32, interleave): q's first R columns are taken rotated
+    (`rope.apply_rope`'s values; the kernel rotates them as it loads q, the reference rotates q
+    first, in place)."""
+    half = rope[0].shape[1] if rope is not None else 0
+    if use_triton(q) and (rope is None or (half & (half - 1) == 0 and rope[0].stride(-1) == 1)):
         from glm53.kernels.indexer_logits_triton import indexer_logits_triton
 
-        return indexer_logits_triton(q, weights, k_cache, page_table, lengths, max_len)
+        return indexer_logits_triton(q, weights, k_cache, page_table, lengths, max_len, rope=rope)
+    if rope is not None:
+        cos, sin, interleave = rope
+        apply_rope(q[..., : 2 * half], cos, sin, interleave, out=q[..., : 2 * half])
     return indexer_logits_reference(q, weights, k_cache, page_table, lengths, max_len)
 
 

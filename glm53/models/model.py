@@ -154,9 +154,9 @@ class Indexer(nn.Module):
         n, rope = x.shape[0], cfg.qk_rope_head_dim
         q = (self.wq_b(q_resid) if q_raw is None else q_raw).view(n, cfg.index_n_heads, cfg.index_head_dim)
         k = self.wk(x) if k_raw is None else k_raw
-        # The indexer's head layout is [rope | nope], the opposite of MLA's; rotated in place.
+        # The indexer's head layout is [rope | nope], the opposite of MLA's: rotated in place for
+        # the FP8 keys, as the logits read it for the bf16 ones (no launch of its own).
         il = cfg.indexer_rope_interleave
-        apply_rope(q[..., :rope], cos, sin, il, out=q[..., :rope])
         cache = kv.view(INDEX_K, layer)
         coords = batch.out_coords(kv.page_size)
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
@@ -165,6 +165,7 @@ class Indexer(nn.Module):
         # the logits width rounded up (kernels/variants.logits_width): one divisibility class for top-k
         args = (batch.page_table, batch.context_lens, logits_width(batch.max_context))
         if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
+            apply_rope(q[..., :rope], cos, sin, il, out=q[..., :rope])
             k = take(k)
             finish_rows(k, self.k_norm.weight, INDEXER_KEY_NORM_EPS, cos, sin, norm_d=k.shape[1], rope_lo=0,
                         interleave=il, bias=self.k_norm.bias)
@@ -177,7 +178,7 @@ class Indexer(nn.Module):
         else:  # the key normed, rotated and stored in one op (k is not read after it)
             store_rows(k, cache, coords, self.k_norm.weight, INDEXER_KEY_NORM_EPS, cos, sin, norm_d=k.shape[1],
                        rope_lo=0, interleave=il, bias=self.k_norm.bias)
-            logits = indexer_logits(q, weights, cache, *args)
+            logits = indexer_logits(q, weights, cache, *args, rope=(cos, sin, il))
         if batch.ctx_start is not None:
             return self._topk_from(logits, batch, kv.page_size)
         return dsa_topk_paged(logits, batch.context_lens, cfg.index_topk, batch.page_table, kv.page_size)

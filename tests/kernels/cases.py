@@ -216,6 +216,30 @@ def check_indexer_bf16(T, H, D, max_len, lengths, page_size=16, device="cpu", to
     return err
 
 
+def check_indexer_rope(T, H, D, max_len, rope, interleave, page_size=16, device="cpu"):
+    """The logits reading q's first `rope` columns rotated (`rope=`: the kernel rotates them as it
+    loads q) equal the logits of q rotated first by `apply_rope`, bit for bit, and q is left as
+    it was; q a strided view (a fused product's columns), as the indexer passes it."""
+    from glm53.kernels.dispatch import triton_interpreting
+
+    n_pages = (max_len + page_size - 1) // page_size
+    kc = _paged_pool(3 * n_pages + 2, 3, page_size, D, torch.bfloat16, device)
+    pt = torch.stack([torch.randperm(3 * n_pages + 2, device=device)[:n_pages] for _ in range(T)]).int()
+    wide = torch.randn(T, H * D + 48, device=device).bfloat16() * 2
+    q = wide[:, 16 : 16 + H * D].view(T, H, D)
+    w = torch.randn(T, H, device=device) * (H * D) ** -0.5
+    lens = torch.randint(1, max_len + 1, (T,), dtype=torch.int32, device=device)
+    cos, sin = rope_cos_sin(torch.randint(0, 5000, (T,), device=device), rope_inv_freq(rope, 10000.0, device))
+    before = q.clone()
+    got = indexer_logits(q, w, kc, pt, lens, max_len, rope=(cos, sin, interleave))
+    if torch.device(device).type != "cpu" or triton_interpreting():  # the kernel leaves q as it was
+        assert torch.equal(q, before)
+    rotated = before.clone()
+    apply_rope(rotated[..., :rope], cos, sin, interleave, out=rotated[..., :rope])
+    want = indexer_logits(rotated, w, kc, pt, lens, max_len)
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
 def check_indexer_fp8(T, H, D, max_len, topk, page_size=64, device="cpu", min_overlap=0.97, fp8_q=False):
     """FP8 keys (132 B/token layout in a strided page-major pool): the kernel adds no error of its
     own (vs the reference on the same dequantized keys), and its top-k set overlaps the fp32

@@ -84,6 +84,12 @@ def test_indexer_bf16_glm5():
     cases.check_indexer_bf16(6, 32, 128, 32768, lens, page_size=64, device=DEV)
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_indexer_rotates_q_gpu(interleave):
+    # GLM-5's indexer: 32 heads of 128, the first 64 rotated
+    cases.check_indexer_rope(4, 32, 128, 5000, 64, interleave, page_size=64, device=DEV)
+
+
 @pytest.mark.parametrize("fp8_q", [False, True])
 def test_indexer_fp8_overlap_glm5(fp8_q):
     # q and k both quantized (fp8 x fp8) adds the query's rounding: ~96.7% on i.i.d. Gaussian data

@@ -290,6 +290,11 @@ def test_indexer_bf16_odd_heads():
     cases.check_indexer_bf16(2, 20, 64, 300, [300, 129], page_size=64)
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_indexer_rotates_q(interleave):
+    cases.check_indexer_rope(3, 8, 128, 100, 64, interleave)
+
+
 @pytest.mark.parametrize("fp8_q", [False, True])
 def test_indexer_fp8_overlap(fp8_q):
     # proportional to 2048 of 32K: 512 of 8192; mean overlap over rows (fewer selected -> more

@@ -9,6 +9,7 @@ import torch
 
 import glm53.models.model as model_mod
 from glm53.kernels.indexer_logits import gather_paged
+from glm53.kernels.rope import apply_rope
 
 TOPK = 8
 
@@ -23,7 +24,12 @@ class IndexGapProbe:
         self.k, self.min_ratio, self.rows = k, float("inf"), 0
         inner = model_mod.indexer_logits
 
-        def probe(q, w, cache, table, lengths, max_len):
+        def probe(q, w, cache, table, lengths, max_len, rope=None):
+            if rope is not None:  # the op reads q rotated (`indexer_logits(rope=)`): check on that q
+                cos, sin, interleave = rope
+                r = 2 * cos.shape[1]
+                q = q.clone()
+                apply_rope(q[..., :r], cos, sin, interleave, out=q[..., :r])
             out = inner(q, w, cache, table, lengths, max_len)
             rows = lengths > self.k
             if rows.any():

@@ -60,6 +60,7 @@ def check_attention(built: list, names: set) -> None:
     assert {"_absorbed_query_kernel", "_store_rows_kernel", "_linear_f32_kernel"} <= names
     assert values(built, "_store_rows_kernel", "XPARTS") == {1, 3}, "a split-K sum taken by the cache-row stores"
     assert values(built, "_indexer_logits_kernel", "FP8") == {False, True}, "bf16 and FP8 index keys"
+    assert values(built, "_indexer_logits_kernel", "HALF") == {0, 32}, "q rotated as the bf16 keys' logits load it"
     for kernel in ("_sparse_mla_kernel", "_sparse_mla_fp8_kernel"):
         assert values(built, kernel, "SPLIT") == {True, False}, f"{kernel}: decode splits its slots, prefill not"
     # 1 token: 32 splits (FP8: 64, of 32-slot blocks), 64 tokens: 2
