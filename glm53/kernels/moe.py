@@ -41,6 +41,18 @@ def route(
     return torch.cat([w, w.new_ones(w.shape[0], 1)], 1), torch.cat([ids, ids.new_full((ids.shape[0], 1), shared)], 1)
 
 
+def router_logits(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                  n_group: int, norm_topk_prob: bool, scaling: float, shared: int | None = None):
+    """`route`'s Triton path stopped after the router GEMM: its scores and routing parameters as a
+    `route_triton.RouterLogits`, for a launcher that routes them itself (the block-FP8 experts'
+    tile kernels route and plan in one launch); None where `route` would not take that path."""
+    if not (use_triton(x, gate_weight) and n_group <= 1):
+        return None
+    from glm53.kernels.route_triton import RouterLogits
+
+    return RouterLogits(linear_f32(x, gate_weight), correction_bias.float(), top_k, norm_topk_prob, scaling, shared)
+
+
 def route_reference(
     x: torch.Tensor,
     gate_weight: torch.Tensor,

@@ -21,6 +21,8 @@ Weight layouts (separate gate/up, or one fused gate_up with `up=None`) as in `mo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from glm53.kernels.dispatch import use_triton
@@ -28,6 +30,9 @@ from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.fp8_quant import dequantize_fp8_blocks
 from glm53.kernels.moe import moe_experts_reference
 from glm53.kernels.row_parts import RowParts
+
+if TYPE_CHECKING:
+    from glm53.kernels.route_triton import RouterLogits
 
 # Tokens up to which the w8a16 variant runs; above it, w8a8: none, w8a8 at every size. On the H200
 # (2026-12-03, `.probe` in the history) w8a8 took 68.0 / 116.1 / 342.5 µs against w8a16's 81.6 /
@@ -80,8 +85,8 @@ def moe_experts_fp8_reference(
 
 def moe_experts_fp8(
     x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
+    weights: torch.Tensor | RouterLogits,
+    ids: torch.Tensor | None,
     gate: torch.Tensor,
     gate_scale: torch.Tensor,
     up: torch.Tensor | None,
@@ -96,7 +101,10 @@ def moe_experts_fp8(
     ceil(H/128)] (or gate = fused [E, 2I, H] with up = up_scale = None); down [E, H, I] + scales
     [E, ceil(H/128), ceil(I/128)]. Returns [N, H] in x's dtype. `x_rows`: x as the norm before it
     quantized it (`fp8_act`), read instead of quantizing x again where the variant is w8a8.
-    `keep_parts`: the tile kernels may return the slots' sum not taken yet (`row_parts`)."""
+    `keep_parts`: the tile kernels may return the slots' sum not taken yet (`row_parts`). `weights`
+    may be the router's scores not routed yet (`route_triton.RouterLogits`, `ids` None; the Triton
+    launcher routes them, with the plan where its tile kernels run)."""
+    assert use_triton(x) or isinstance(weights, torch.Tensor), "router scores are routed by the Triton launcher only"
     args = (x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
     if use_triton(x):
         from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton

@@ -41,6 +41,7 @@ from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quant
 from glm53.kernels.launch_early import pdl_option, prefetch_rows_l2
 from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig, gemv_takes, moe_experts_fp8_gemv
 from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, slot_parts, sum_slots
+from glm53.kernels.route_triton import RouterLogits, route_plan_takes
 from glm53.kernels.row_parts import RowParts
 
 SB = GROUP
@@ -320,8 +321,8 @@ def _check_expert(w: torch.Tensor, s: torch.Tensor, name: str) -> None:
 
 def moe_experts_fp8_triton(
     x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
+    weights: torch.Tensor | RouterLogits,
+    ids: torch.Tensor | None,
     gate: torch.Tensor,
     gate_scale: torch.Tensor,
     up: torch.Tensor | None,
@@ -341,10 +342,13 @@ def moe_experts_fp8_triton(
     GEMVs of `moe_fp8_gemv_triton`). Returns [N, H] in x's dtype. `x_fp8` = x already quantized per 1×128 group (q [N, H]
     e4m3, scales [N, ceil(H/128)] fp32, any strides: `fp8_act.Fp8Rows.rows()`), read by w8a8;
     `x_lo` its second term (`Fp8Rows.lo_rows()`), if any. `lo` (default `two_terms(N)`): w8a8
-    carries the second term of h, and of x where this function quantizes it."""
+    carries the second term of h, and of x where this function quantizes it. `weights` may be the
+    router's scores not routed yet (`RouterLogits`, `ids` None): the tile kernels' plan launch
+    routes them (`route_plan_takes`), else they are routed first."""
     assert variant in VARIANTS, variant
     N, H = x.shape
-    k = ids.shape[1]
+    router = weights if isinstance(weights, RouterLogits) else None
+    k = router.k_out if router is not None else ids.shape[1]
     _check_expert(gate, gate_scale, "gate")
     E = gate.shape[0]
     if up is None:  # fused [E, 2I, H]
@@ -358,12 +362,17 @@ def moe_experts_fp8_triton(
         assert up.shape == gate.shape and up.stride() == gate.stride() and up_scale.stride() == gate_scale.stride()
     _check_expert(down, down_scale, "down")
     assert gate.shape[2] == H and down.shape == (E, H, I), (x.shape, gate.shape, down.shape)
-    assert weights.shape == ids.shape == (N, k)
+    if router is not None and (N == 0 or not route_plan_takes(N, router.logits.shape[1])):
+        weights, ids = router.route()
+        router = None
+    assert router is not None or weights.shape == ids.shape == (N, k)
     if N == 0:
         return torch.zeros_like(x)
     if x.stride(1) != 1:
         x = x.contiguous()
     if variant == "w8a16" and (isinstance(config, MoEGemvConfig) or (config is None and gemv_takes(N, down.shape[2]))):
+        if router is not None:
+            weights, ids = router.route()
         return moe_experts_fp8_gemv(x, weights, ids, gate, gate_scale, up, up_scale, up_row0, down, down_scale, config)
     M = N * k
     a_fp8 = variant == "w8a8"
@@ -377,7 +386,10 @@ def moe_experts_fp8_triton(
     split, k_per_split = k_splits(H, cfg.SPLIT_K)
     tiles = block_bound(M, E, cfg.BM // rows) * triton.cdiv(I, cfg.BN1)
     count = torch.empty(tiles, dtype=torch.int32, device=x.device) if split > 1 else None
-    plan = plan_routing(ids, E, cfg.BM // rows, zeros=count)
+    if router is not None:  # routed and planned in one launch
+        weights, ids, plan = router.route_and_plan(E, cfg.BM // rows, zeros=count)
+    else:
+        plan = plan_routing(ids, E, cfg.BM // rows, zeros=count)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     interp = triton_interpreting()
     pdl = cfg.PDL and not interp  # griddepcontrol is inline PTX: compiled kernels only

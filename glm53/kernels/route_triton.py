@@ -7,19 +7,20 @@ Group-limited selection (n_group > 1) stays on the torch path (`moe.route`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from glm53.kernels.launch_early import early_args, wait_then_release
+from glm53.kernels.moe_triton import PLAN_BLOCK_P, RoutingPlan, block_bound
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scaling, SHARED,
-                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
-                  K_OUT: tl.constexpr, PDL: tl.constexpr = False):
-    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
-    row = tl.program_id(0).to(tl.int64)
+def route_row(logits_ptr, bias_ptr, row, E, stride_l, scaling, SHARED, K: tl.constexpr, K_PAD: tl.constexpr,
+              BLOCK_E: tl.constexpr, NORM: tl.constexpr, K_OUT: tl.constexpr):
+    """Token `row`'s routing: (weights [K_PAD] fp32, expert ids [K_PAD] int64), slots past K_OUT 0."""
     e = tl.arange(0, BLOCK_E)
     live = e < E
     s = tl.sigmoid(tl.load(logits_ptr + row * stride_l + e, mask=live, other=0.0).to(tl.float32))
@@ -40,9 +41,66 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scaling, SH
     if K_OUT > K:  # the shared expert's slot: always on, weight 1
         ws = tl.where(slot == K, 1.0, ws)
         ids = tl.where(slot == K, SHARED, ids)
+    return ws, ids
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, scaling, SHARED,
+                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
+                  K_OUT: tl.constexpr, PDL: tl.constexpr = False):
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
+    row = tl.program_id(0).to(tl.int64)
+    ws, ids = route_row(logits_ptr, bias_ptr, row, E, stride_l, scaling, SHARED, K, K_PAD, BLOCK_E, NORM, K_OUT)
+    slot = tl.arange(0, K_PAD)
     keep = slot < K_OUT
     tl.store(w_ptr + row * K_OUT + slot, ws, mask=keep)
     tl.store(ids_ptr + row * K_OUT + slot, ids, mask=keep)
+
+
+# The token count only bounds the routing loop: not specialized (kernels/variants.py)
+@triton.jit(do_not_specialize=["N", "NZ"])
+def _route_plan_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, order_ptr, seg_ptr, cum_ptr, z_ptr, N, E_R, NZ,
+                       stride_l, scaling, SHARED, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+                       NORM: tl.constexpr, K_OUT: tl.constexpr, N_PAD: tl.constexpr, E: tl.constexpr,
+                       BLOCK_EP: tl.constexpr, BM: tl.constexpr, BLOCK_Z: tl.constexpr, PDL: tl.constexpr = False):
+    """Program e: every token's routing (`route_row`, as `_route_kernel` computes it: the same
+    bits), kept in registers (program 0 also stores it), then expert e's part of the routing plan
+    from those ids as `moe_triton._plan_kernel` builds it from memory, and every E-th block of
+    the NZ int32s at z zeroed. Each program routes all N tokens again: a decode batch's few."""
+    wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
+    e = tl.program_id(0)
+    for z0 in range(e * BLOCK_Z, NZ, E * BLOCK_Z):
+        z = z0 + tl.arange(0, BLOCK_Z)
+        tl.store(z_ptr + z, tl.zeros([BLOCK_Z], dtype=tl.int32), mask=z < NZ)
+    rows = tl.arange(0, N_PAD)
+    slot = tl.arange(0, K_PAD)
+    wt = tl.zeros((N_PAD, K_PAD), dtype=tl.float32)
+    it = tl.zeros((N_PAD, K_PAD), dtype=tl.int64)
+    for r in range(0, N):
+        ws, ids = route_row(logits_ptr, bias_ptr, r, E_R, stride_l, scaling, SHARED, K, K_PAD, BLOCK_E,
+                            NORM, K_OUT)
+        mine = rows[:, None] == r
+        wt = tl.where(mine, ws[None, :], wt)
+        it = tl.where(mine, ids[None, :], it)
+    valid = (rows[:, None] < N) & (slot[None, :] < K_OUT)
+    pair = rows[:, None] * K_OUT + slot[None, :]
+    if e == 0:
+        tl.store(w_ptr + pair, wt, mask=valid)
+        tl.store(ids_ptr + pair, it, mask=valid)
+    # the plan: bin E holds padding and strays (an id outside [0, E) joins no segment)
+    v = tl.reshape(tl.where(valid & (it >= 0) & (it < E), it, E).to(tl.int32), (N_PAD * K_PAD,))
+    p = tl.reshape(pair, (N_PAD * K_PAD,))
+    ev = tl.arange(0, BLOCK_EP)
+    counts = tl.histogram(v, BLOCK_EP)
+    below = tl.sum((v < e).to(tl.int32), 0)
+    blocks = tl.where(ev < E, (counts + BM - 1) // BM, 0)
+    tl.store(cum_ptr + e, tl.sum(tl.where(ev <= e, blocks, 0), 0))
+    tl.store(seg_ptr + e, below)
+    if e == E - 1:
+        tl.store(seg_ptr + E, below + tl.sum(tl.where(ev == e, counts, 0), 0))
+    hit = v == e
+    rank = tl.cumsum(hit.to(tl.int32), 0)
+    tl.store(order_ptr + below + rank - 1, p, mask=hit)
 
 
 def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
@@ -60,3 +118,66 @@ def route_triton(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int
                             BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob, K_OUT=k_out,
                             num_warps=1 if E <= 256 else 4, **early_args())
     return w, ids
+
+
+@dataclass(frozen=True)
+class RouterLogits:
+    """A router's scores not routed yet (`route_triton`'s inputs), for the block-FP8 experts'
+    launcher: where its tile kernels run, one launch routes the tokens and plans their pairs
+    (`route_plan_triton`); elsewhere `route()` routes them first."""
+
+    logits: torch.Tensor  # [N, E_R] fp32
+    bias: torch.Tensor  # [E_R] fp32
+    top_k: int
+    norm: bool
+    scaling: float
+    shared: int | None  # the shared expert's id in the kernel's stacks (slot top_k, weight 1), or None
+
+    @property
+    def k_out(self) -> int:
+        return self.top_k + (self.shared is not None)
+
+    def route(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_triton(self.logits, self.bias, self.top_k, self.norm, self.scaling, self.shared)
+
+    def route_and_plan(self, n_experts: int, BM: int, zeros: torch.Tensor | None = None):
+        return route_plan_triton(self.logits, self.bias, self.top_k, self.norm, self.scaling, self.shared,
+                                 n_experts, BM, zeros)
+
+
+# Tokens the routing and its plan share one launch up to (`route_plan_takes`): each of the plan's
+# programs routes every token again, so the budget is tokens x router experts; the token tile is
+# fixed (one compiled variant whatever the batch).
+ROUTE_PLAN_MAX_TOKENS = 64
+ROUTE_PLAN_MAX_WORK = 4096  # tokens x router experts
+
+
+def route_plan_takes(n_tokens: int, n_router_experts: int) -> bool:
+    """Whether `route_plan_triton` routes and plans n_tokens in one launch (the limits read at call time)."""
+    return 0 < n_tokens <= ROUTE_PLAN_MAX_TOKENS and n_tokens * n_router_experts <= ROUTE_PLAN_MAX_WORK
+
+
+def route_plan_triton(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                      scaling: float, shared: int | None, n_experts: int, BM: int,
+                      zeros: torch.Tensor | None = None):
+    """`route_triton`'s (weights, ids) and `moe_triton.plan_routing(ids, n_experts, BM, zeros)`'s
+    plan from one launch: (weights, ids, plan), the same values as the two launches give."""
+    N, E_R = logits.shape
+    assert correction_bias.shape == (E_R,) and logits.stride(1) == 1 and 0 < top_k <= E_R
+    assert route_plan_takes(N, E_R), (N, E_R)
+    assert zeros is None or (zeros.dtype == torch.int32 and zeros.is_contiguous()), zeros
+    k_out = top_k + (shared is not None)
+    dev = logits.device
+    w = torch.empty((N, k_out), dtype=torch.float32, device=dev)
+    ids = torch.empty((N, k_out), dtype=torch.int64, device=dev)
+    order = torch.empty(N * k_out, dtype=torch.int32, device=dev)
+    seg = torch.empty(n_experts + 1, dtype=torch.int32, device=dev)
+    cum = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    _route_plan_kernel[(n_experts,)](
+        logits, correction_bias, w, ids, order, seg, cum, seg if zeros is None else zeros, N, E_R,
+        0 if zeros is None else zeros.numel(), logits.stride(0), float(scaling), -1 if shared is None else shared,
+        K=top_k, K_PAD=triton.next_power_of_2(k_out), BLOCK_E=triton.next_power_of_2(E_R), NORM=norm_topk_prob,
+        K_OUT=k_out, N_PAD=ROUTE_PLAN_MAX_TOKENS, E=n_experts, BLOCK_EP=triton.next_power_of_2(n_experts + 1), BM=BM,
+        BLOCK_Z=PLAN_BLOCK_P, num_warps=1 if E_R <= 256 else 4, **early_args(),
+    )
+    return w, ids, RoutingPlan(order, seg, cum, block_bound(N * k_out, n_experts, BM), n_experts, BM)

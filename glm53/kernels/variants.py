@@ -74,6 +74,7 @@ class ServeShape:
     hidden: int = 0
     fp8_linear: bool = False  # block-FP8 linear layers
     fp8_experts: bool = False  # block-FP8 routed experts
+    router_experts: int = 0  # the router's experts where the FP8 experts' launch routes (`moe.MoE.forward`), else 0
     fp8_kv: bool = False  # the FP8 latent cache
     hopper: bool = False  # sm_90: the Gluon sparse-MLA kernel
     cublas_fp8: bool = False  # cuBLAS's blockwise FP8 GEMM is available
@@ -145,7 +146,8 @@ def sparse_mla_key(T: int, s: ServeShape) -> tuple:
 def moe_key(N: int, s: ServeShape) -> tuple:
     """Routed experts over N tokens: the variant (FP8) and tile config from the token count
     (moe_triton.default_config / moe_fp8_triton.default_fp8_config, or the per-pair GEMVs'
-    `moe_gemv_config` where `gemv_takes`), the x quantizer's row tile."""
+    `moe_gemv_config` where `gemv_takes`), the x quantizer's row tile, and for the tile kernels
+    whether their launch routes the router's scores with the plan (`route_triton.route_plan_takes`)."""
     if not s.n_experts:
         return ()
     pairs = N * s.experts_per_token
@@ -157,9 +159,12 @@ def moe_key(N: int, s: ServeShape) -> tuple:
         variant = moe_fp8_variant(N, s.expert_inter)
         if variant == "w8a16" and gemv_takes(N, s.expert_inter):  # the per-pair GEMVs
             return variant, moe_gemv_config(pairs, s.expert_inter, s.hidden, s.num_sms), 0
+        from glm53.kernels.route_triton import route_plan_takes
+
         quant = quant_block_m(N) if variant == "w8a8" else 0
         cfg = default_fp8_config(pairs, s.n_experts, variant, s.expert_inter, s.hidden, s.num_sms)
-        return variant, cfg, quant
+        # routed and planned in one launch, or the routing's and the plan's own
+        return variant, cfg, quant, bool(s.router_experts) and route_plan_takes(N, s.router_experts)
     from glm53.kernels.moe_triton import default_config
 
     return ("bf16", default_config(pairs, s.n_experts, s.dtype))

@@ -12,8 +12,9 @@ from torch import nn
 
 from glm53.kernels.dispatch import triton_interpreting
 from glm53.kernels.fp8_act import Fp8Rows
-from glm53.kernels.moe import moe_experts, route
+from glm53.kernels.moe import moe_experts, route, router_logits
 from glm53.kernels.moe_fp8 import moe_experts_fp8, moe_fp8_variant
+from glm53.kernels.route_triton import RouterLogits
 from glm53.kernels.row_parts import RowParts
 from glm53.models.config import GlmConfig
 from glm53.models.ep_dispatch import ep_moe
@@ -61,10 +62,11 @@ class Experts(nn.Module):
         self.stacks: dict[str, torch.Tensor] = {}
         self.shared_id: int | None = None
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | RouterLogits, ids: torch.Tensor | None,
                 x_rows: Fp8Rows | None = None, keep_parts: bool = False) -> torch.Tensor | RowParts:
         """Σ over each row's slots of weight · expert(x) for this rank's experts and width part;
-        `ids` [N, k] index the local stacks (`shared_id` too, after `absorb_`). `x_rows`: x
+        `ids` [N, k] index the local stacks (`shared_id` too, after `absorb_`); block-FP8 experts may
+        take the router's scores not routed yet instead (`weights`, `ids` None). `x_rows`: x
         quantized by its norm (`fp8_act`). `keep_parts`: block-FP8 experts may return the sum not
         taken yet (`row_parts`)."""
         w = {name: self.stacks.get(name, getattr(self, name))
@@ -168,10 +170,15 @@ class MoE(nn.Module):
         back not taken yet (`row_parts`), for the next norm to add."""
         cfg = self.cfg
         e = self.experts
-        weights, ids = route(
-            x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
-            cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, shared=e.shared_id,
-        )
+        g = self.gate
+        # block-FP8 experts on one expert group route the scores in their own launch (with the plan)
+        weights = router_logits(x, g.weight, g.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
+                                cfg.norm_topk_prob, cfg.routed_scaling_factor, e.shared_id) \
+            if e.fp8 and e.placement.ep == 1 else None
+        ids = None
+        if weights is None:
+            weights, ids = route(x, g.weight, g.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
+                                 cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, shared=e.shared_id)
         if e.placement.ep > 1:
             out = ep_moe(x, weights, ids, e.placement, self.tp, e)
         else:  # the routed experts read the norm's quantized rows too, where they quantize x

@@ -512,6 +512,28 @@ def check_routing_plan(N, k, E, device="cpu", n_empty=0, strays=0, shared=False,
         assert plan.n_blocks >= int(plan.cum[-1])
 
 
+def check_route_plan(N, E_R, k, shared, norm, device="cpu", BM=8):
+    """The routing and its plan in one launch (`route_plan_triton`) give the two launches' values
+    (`route_triton`, then `plan_routing`), bit for bit: weights, ids, the sorted pairs, segments,
+    block counts, and the buffer both zero (of random size)."""
+    from glm53.kernels.moe_triton import plan_routing
+    from glm53.kernels.route_triton import route_plan_triton, route_triton
+
+    logits = torch.randn(N, E_R, device=device) * 2
+    bias = torch.randn(E_R, device=device) * 0.1
+    E = E_R + (shared is not None)
+    nz = int(torch.randint(0, 2500, ()))
+    z1, z2 = (torch.randint(1, 99, (nz,), dtype=torch.int32, device=device) for _ in range(2))
+    w1, ids1 = route_triton(logits, bias, k, norm, 2.5, shared)
+    plan1 = plan_routing(ids1, E, BM, zeros=z1)
+    w2, ids2, plan2 = route_plan_triton(logits, bias, k, norm, 2.5, shared, E, BM, zeros=z2)
+    assert torch.equal(w1, w2) and torch.equal(ids1, ids2)
+    for f in ("order", "seg", "cum"):
+        assert torch.equal(getattr(plan1, f), getattr(plan2, f)), f
+    assert (plan1.n_blocks, plan1.BM, plan1.n_experts) == (plan2.n_blocks, plan2.BM, plan2.n_experts)
+    assert not z1.any() and not z2.any()
+
+
 def check_rms_norm(N, D, dtype, device="cpu", w_dtype=None, col0=0):
     """The public op (Triton here) on rows that are a column slice of a wider tensor (strided
     rows, as the MLA latent's norm runs), new and in place, against the reference: equal up to

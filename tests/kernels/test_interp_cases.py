@@ -172,6 +172,40 @@ def test_fp8_gemm_pdl_knob_ignored_when_interpreting():
     fp8_cases.check_gemm(1, 96, 384, torch.float32, "w8a8", device="cpu", config=cfg)
 
 
+@pytest.mark.parametrize("N,E_R,k,shared,norm", [(1, 16, 8, 16, True), (5, 16, 4, None, False),
+                                                (64, 64, 8, 64, True), (2, 256, 8, 256, True)])
+def test_route_plan_one_launch(N, E_R, k, shared, norm):
+    cases.check_route_plan(N, E_R, k, shared, norm)
+
+
+def test_model_routes_in_the_experts_launch(tmp_path, monkeypatch):
+    # a tiny block-FP8 model with ungrouped routing, the experts on the w8a8 tile kernels: the
+    # routing and plan in one launch (`route_plan_triton`) give the logits of the two launches
+    import glm53.kernels.moe_fp8_gemv_triton as gemv_mod
+    import glm53.kernels.route_triton as route_mod
+    from glm53.models import ModelRunner, SeqChunk
+    from glm53.models.weights import load_model
+    from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
+
+    make_checkpoint(tmp_path, seed=5, n_group=1, topk_group=1, **FP8_WIDTHS)
+    quantise_fp8_(tmp_path, block=128)
+    monkeypatch.setattr(gemv_mod, "MOE_GEMV_MAX_TOKENS", 0)
+    calls = []
+    inner = route_mod.route_plan_triton
+    monkeypatch.setattr(route_mod, "route_plan_triton", lambda *a, **kw: calls.append(1) or inner(*a, **kw))
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(route_mod, "ROUTE_PLAN_MAX_TOKENS", 64 if fused else 0)
+        runner = ModelRunner(load_model(tmp_path, dtype=torch.float32, fp8=True, progress=False), num_pages=4,
+                             page_size=16)
+        first = runner.forward([SeqChunk(list(range(5, 17)), 0, [0, 1])])[0]
+        nxt = runner.forward([SeqChunk([int(first[-1].argmax())], 12, [0, 1])])[0]
+        outs.append((first, nxt))
+        assert bool(calls) == fused
+        calls.clear()
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("M", [1, 5])
 def test_norms_take_row_parts(M):
     cases.check_norms_take_row_parts(M, 384)

@@ -53,6 +53,7 @@ def check_fp8_gemm(built: list, names: set) -> None:
 
 def check_moe_fp8(built: list, names: set) -> None:
     assert any(b.constexprs.get("SWAP") for b in built if b.name == "_gate_up_fp8_kernel")
+    assert values(built, "_route_plan_kernel", "E") == {17, 257}, "routed and planned in the experts' launch"
     assert {"_gate_up_gemv_kernel", "_down_gemv_kernel", "_down_fp8_kernel"} <= names
 
 
