@@ -81,6 +81,28 @@ def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfi
     return MoEConfig(BM=128, BN1=128, BN2=128, BK=64 // half, num_warps=8, num_stages=3)
 
 
+@triton.jit
+def zero_blocks(z_ptr, NZ, e, E: tl.constexpr, BLOCK: tl.constexpr):
+    """Program e of E zeroes every E-th block of BLOCK of the NZ int32s at z (a plan launch's
+    `zeros`)."""
+    for z0 in range(e * BLOCK, NZ, E * BLOCK):
+        z = z0 + tl.arange(0, BLOCK)
+        tl.store(z_ptr + z, tl.zeros([BLOCK], dtype=tl.int32), mask=z < NZ)
+
+
+@triton.jit
+def store_segments(counts, below, e, seg_ptr, cum_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr):
+    """Expert e's part of the plan from every expert's pair `counts` [BLOCK_E] (bin E: padding and
+    strays) and the pairs of lower experts (`below`): seg[e] (and seg[E] from the last), and
+    cum[e] = Σ_{e' <= e} ⌈c_e' / BM⌉."""
+    ev = tl.arange(0, BLOCK_E)
+    blocks = tl.where(ev < E, (counts + BM - 1) // BM, 0)
+    tl.store(cum_ptr + e, tl.sum(tl.where(ev <= e, blocks, 0), 0))
+    tl.store(seg_ptr + e, below)
+    if e == E - 1:
+        tl.store(seg_ptr + E, below + tl.sum(tl.where(ev == e, counts, 0), 0))
+
+
 # P (the pairs) varies with every batch: not specialized, and the step is fixed, so the config's
 # BM alone picks the compiled variant (kernels/variants.py)
 @triton.jit(do_not_specialize=["P", "NZ"])
@@ -94,10 +116,7 @@ def _plan_kernel(ids_ptr, order_ptr, seg_ptr, cum_ptr, z_ptr, P, NZ, E: tl.const
     zero the NZ int32s at z (`plan_routing`'s `zeros`), every E-th block of BLOCK_P each."""
     wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     e = tl.program_id(0)
-    for z0 in range(e * BLOCK_P, NZ, E * BLOCK_P):
-        z = z0 + tl.arange(0, BLOCK_P)
-        tl.store(z_ptr + z, tl.zeros([BLOCK_P], dtype=tl.int32), mask=z < NZ)
-    ev = tl.arange(0, BLOCK_E)
+    zero_blocks(z_ptr, NZ, e, E, BLOCK_P)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     below = 0
     for p0 in range(0, P, BLOCK_P):
@@ -106,12 +125,7 @@ def _plan_kernel(ids_ptr, order_ptr, seg_ptr, cum_ptr, z_ptr, P, NZ, E: tl.const
         v = tl.where((v >= 0) & (v < E), v, E)  # bin E (BLOCK_E > E) holds padding and strays
         below += tl.sum((v < e).to(tl.int32), 0)
         counts += tl.histogram(v, BLOCK_E)
-    blocks = tl.where(ev < E, (counts + BM - 1) // BM, 0)
-    tl.store(cum_ptr + e, tl.sum(tl.where(ev <= e, blocks, 0), 0))
-    mine = tl.sum(tl.where(ev == e, counts, 0), 0)
-    tl.store(seg_ptr + e, below)
-    if e == E - 1:
-        tl.store(seg_ptr + E, below + mine)
+    store_segments(counts, below, e, seg_ptr, cum_ptr, E, BLOCK_E, BM)
     at = below
     for p0 in range(0, P, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from glm53.kernels.launch_early import early_args, wait_then_release
-from glm53.kernels.moe_triton import PLAN_BLOCK_P, RoutingPlan, block_bound
+from glm53.kernels.moe_triton import PLAN_BLOCK_P, RoutingPlan, block_bound, store_segments, zero_blocks
 
 
 @triton.jit
@@ -69,9 +69,7 @@ def _route_plan_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, order_ptr, seg_ptr,
     the NZ int32s at z zeroed. Each program routes all N tokens again: a decode batch's few."""
     wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     e = tl.program_id(0)
-    for z0 in range(e * BLOCK_Z, NZ, E * BLOCK_Z):
-        z = z0 + tl.arange(0, BLOCK_Z)
-        tl.store(z_ptr + z, tl.zeros([BLOCK_Z], dtype=tl.int32), mask=z < NZ)
+    zero_blocks(z_ptr, NZ, e, E, BLOCK_Z)
     rows = tl.arange(0, N_PAD)
     slot = tl.arange(0, K_PAD)
     wt = tl.zeros((N_PAD, K_PAD), dtype=tl.float32)
@@ -90,14 +88,8 @@ def _route_plan_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, order_ptr, seg_ptr,
     # the plan: bin E holds padding and strays (an id outside [0, E) joins no segment)
     v = tl.reshape(tl.where(valid & (it >= 0) & (it < E), it, E).to(tl.int32), (N_PAD * K_PAD,))
     p = tl.reshape(pair, (N_PAD * K_PAD,))
-    ev = tl.arange(0, BLOCK_EP)
-    counts = tl.histogram(v, BLOCK_EP)
     below = tl.sum((v < e).to(tl.int32), 0)
-    blocks = tl.where(ev < E, (counts + BM - 1) // BM, 0)
-    tl.store(cum_ptr + e, tl.sum(tl.where(ev <= e, blocks, 0), 0))
-    tl.store(seg_ptr + e, below)
-    if e == E - 1:
-        tl.store(seg_ptr + E, below + tl.sum(tl.where(ev == e, counts, 0), 0))
+    store_segments(tl.histogram(v, BLOCK_EP), below, e, seg_ptr, cum_ptr, E, BLOCK_EP, BM)
     hit = v == e
     rank = tl.cumsum(hit.to(tl.int32), 0)
     tl.store(order_ptr + below + rank - 1, p, mask=hit)
