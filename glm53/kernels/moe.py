@@ -30,11 +30,9 @@ def route(
     Triton kernel (`route_triton.py`) where `use_triton` says so and selection is not grouped.
     `shared`: an expert id every token takes at weight 1 as slot top_k (the shared expert held in
     the routed experts' stack, `moe.MoE.fuse_projections_`): [N, top_k + 1] then."""
-    if use_triton(x, gate_weight) and n_group <= 1:
-        from glm53.kernels.route_triton import route_triton
-
-        logits = linear_f32(x, gate_weight)
-        return route_triton(logits, correction_bias.float(), top_k, norm_topk_prob, scaling, shared)
+    scores = router_logits(x, gate_weight, correction_bias, top_k, n_group, norm_topk_prob, scaling, shared)
+    if scores is not None:
+        return scores.route()
     w, ids = route_reference(x, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
     if shared is None:
         return w, ids
