@@ -14,6 +14,7 @@ import functools
 import os
 
 import torch
+import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -41,6 +42,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     tf32 perturbs index scores by ~1e-3, enough to flip near-tie top-k selections against the
     reference; 16- and 8-bit operands are exact in the tf32 path anyway."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The Triton dtype of a torch float dtype, for a kernel told its operands' type as a constexpr."""
+    return _TL_DTYPES[dtype]
 
 
 @functools.lru_cache(maxsize=8)

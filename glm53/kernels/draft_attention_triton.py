@@ -21,10 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from glm53.kernels.dispatch import dot_precision, triton_interpreting
+from glm53.kernels.dispatch import dot_precision, tl_dtype, triton_interpreting
 
 LOG2E = 1.4426950408889634
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -228,7 +227,7 @@ def draft_attention_triton(q, pool, layer, table, k_blk, v_blk, mask, num_splits
         table.stride(0), mask8.stride(0),
         k_blk.stride(0), k_blk.stride(1), k_blk.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        KV=kv, HD=hd, PAGE=ps, **c, SPLIT=splits > 1, SKIP=skip_hidden, P_TY=_TL[q.dtype], DOT_F32=interp,
+        KV=kv, HD=hd, PAGE=ps, **c, SPLIT=splits > 1, SKIP=skip_hidden, P_TY=tl_dtype(q.dtype), DOT_F32=interp,
         PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=num_stages,
     )
     if splits > 1:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm53.kernels.dispatch import triton_interpreting, use_triton
+from glm53.kernels.dispatch import tl_dtype, triton_interpreting, use_triton
 from glm53.kernels.launch_early import early_args, wait_then_release
 
 
@@ -44,15 +44,12 @@ def take(x: torch.Tensor | RowParts) -> torch.Tensor:
     return x.rows() if isinstance(x, RowParts) else x
 
 
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 def row_source(x: torch.Tensor | RowParts) -> tuple[torch.Tensor, int, int, tl.dtype]:
     """What a kernel that reads rows x takes (`norm_triton.load_row`): the tensor its pointer and
     row strides come from, the parts (a tensor is one), the stride between parts, the rows' dtype."""
     if isinstance(x, RowParts):
-        return x.parts[0], x.parts.shape[0], x.parts.stride(0), TL_DTYPES[x.dtype]
-    return x, 1, 0, TL_DTYPES[x.dtype]
+        return x.parts[0], x.parts.shape[0], x.parts.stride(0), tl_dtype(x.dtype)
+    return x, 1, 0, tl_dtype(x.dtype)
 
 
 # M and, for a split-K product's partials, the stride between parts (M·N) follow the token count:
