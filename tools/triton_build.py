@@ -216,6 +216,7 @@ def case_attention():
     from glm53.kernels import index_cache_fp8
     from glm53.kernels.absorb_triton import absorbed_query_triton
     from glm53.kernels.indexer_logits_triton import indexer_logits_triton
+    from glm53.kernels.kv_rows import CacheRow
     from glm53.kernels.kv_rows_triton import store_rows_triton
     from glm53.kernels.linear_f32_triton import linear_f32_triton
     from glm53.kernels.row_parts import RowParts
@@ -231,15 +232,17 @@ def case_attention():
         latent_fp8 = empty(pages, 2, 64, 656, dtype=torch.uint8)[:, 1]  # latent_cache_fp8's row
         # absorbed query (decode sizes only: absorb.MAX_TOKENS), W_UK the first 192 rows of kv_b_proj's
         absorbed_query_triton(empty(1, 8, 256), empty(8, 192 + 256, 512)[:, :192], cos, cos, interleave=True)
-        # the latent row (RMSNorm of 512, rope after it) and the indexer key (LayerNorm, rope first)
-        store_rows_triton(empty(1, 576), latent, coords, empty(512), None, 1e-6, cos, cos, 512, 512, True)
-        store_rows_triton(empty(1, 128), index_k, coords, empty(128), empty(128), 1e-6, cos, cos, 128, 0, True)
-        # decode: the fused q_a | kv_a | index-key product's split-K sum taken by the stores
+        # the latent row (RMSNorm of 512, rope after it) and the indexer key (LayerNorm, rope first),
+        # each alone and both in one launch; decode: the fused q_a | kv_a | index-key product's
+        # split-K sum taken by the stores
         fused_a = empty(3, 1, 2048 + 576 + 128, dtype=F32)
-        store_rows_triton(RowParts(fused_a[..., 2048:2624], torch.bfloat16), latent, coords, empty(512), None, 1e-6,
-                          cos, cos, 512, 512, True)
-        store_rows_triton(RowParts(fused_a[..., 2624:], torch.bfloat16), index_k, coords, empty(128), empty(128),
-                          1e-6, cos, cos, 128, 0, True)
+        for parts in (False, True):
+            x = fused_a if parts else empty(1, 1, 2048 + 576 + 128)
+            lat, key = ((RowParts(c, torch.bfloat16) if parts else c[0]) for c in (x[..., 2048:2624], x[..., 2624:]))
+            rows = [CacheRow(lat, latent, empty(512), 1e-6, 512, 512, True),
+                    CacheRow(key, index_k, empty(128), 1e-6, 128, 0, True, empty(128))]
+            for job in ([rows[0]], [rows[1]], rows):
+                store_rows_triton(job, coords, cos, cos)
         for M in (1, 64):  # the indexer's fp32 head gates, up to linear_f32.TRITON_MAX_ROWS rows
             linear_f32_triton(empty(M, 6144), empty(32, 6144, dtype=F32), 0.01)
         fp8_keys = index_cache_fp8.split_view(index_cache_fp8.alloc_pool(pages, 2, 64)[:, 1])

@@ -10,10 +10,13 @@ quantize on their own store (`latent_cache_fp8`, `index_cache_fp8`).
 Columns [0, norm_d) are normed (RMSNorm, or LayerNorm with a bias), then columns [rope_lo,
 rope_lo + rope) rotated as `rope.apply_rope` does (normed values where they lie in the normed
 part). The reference writes the finished row into x in place and then stores it; the kernel
-stores only: callers must not read x afterwards.
+stores only: callers must not read x afterwards. A layer's two rows (latent and indexer key,
+the same tokens and rotation angles) are stored in one launch.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -23,23 +26,40 @@ from glm53.kernels.rope import apply_rope
 from glm53.kernels.row_parts import RowParts, take
 
 
-def store_rows(x: torch.Tensor | RowParts, cache: torch.Tensor, coords: tuple[torch.Tensor, torch.Tensor],
-               weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *, norm_d: int, rope_lo: int,
-               interleave: bool, bias: torch.Tensor | None = None) -> None:
-    """x [N, W] (unit last stride; rows may be strided; or a sum not taken yet, `row_parts`, which
-    the kernel takes); cache [num_pages, page_size, W]; coords (page, offset) [N] of each row's
-    slot; weight (and `bias`: LayerNorm) [norm_d]; cos/sin [N, rope / 2] fp32 with rope =
-    cos.shape[1] * 2."""
-    assert cache.dtype == x.dtype and cache.shape[-1] == x.shape[-1], (cache.dtype, cache.shape, x.dtype, x.shape)
+@dataclass(frozen=True)
+class CacheRow:
+    """One row a token caches and how it is finished: x [N, W] (unit last stride; rows may be
+    strided; or a sum not taken yet, `row_parts`, which the kernel takes) into cache [num_pages,
+    page_size, W] of x's dtype; columns [0, norm_d) normed with weight (and `bias`: LayerNorm)
+    [norm_d], columns [rope_lo, rope_lo + rope) rotated."""
+
+    x: torch.Tensor | RowParts
+    cache: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    norm_d: int
+    rope_lo: int
+    interleave: bool
+    bias: torch.Tensor | None = None
+
+
+def store_rows(rows: list[CacheRow], coords: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+               sin: torch.Tensor) -> None:
+    """Each of `rows` (one or two) finished and stored at coords (page, offset) [N] of each token's
+    slot, in one launch; cos/sin [N, rope / 2] fp32 with rope = cos.shape[1] * 2, shared by the rows."""
     half = cos.shape[1]
-    rows = x.parts if isinstance(x, RowParts) else x
-    fits = rows.stride(-1) == 1 and half & (half - 1) == 0 and cos.stride(-1) == 1
-    if fits and use_triton(rows, cache, weight):
+    for r in rows:
+        assert r.cache.dtype == r.x.dtype and r.cache.shape[-1] == r.x.shape[-1], (r.cache.dtype, r.cache.shape,
+                                                                                    r.x.dtype, r.x.shape)
+    sources = [r.x.parts if isinstance(r.x, RowParts) else r.x for r in rows]
+    fits = all(x.stride(-1) == 1 for x in sources) and half & (half - 1) == 0 and cos.stride(-1) == 1
+    if fits and use_triton(sources[0], *sources[1:], *(t for r in rows for t in (r.cache, r.weight))):
         from glm53.kernels.kv_rows_triton import store_rows_triton
 
-        return store_rows_triton(x, cache, coords, weight, bias, eps, cos, sin, norm_d, rope_lo, interleave)
-    store_rows_reference(take(x), cache, coords, weight, eps, cos, sin, norm_d=norm_d, rope_lo=rope_lo,
-                         interleave=interleave, bias=bias)
+        return store_rows_triton(rows, coords, cos, sin)
+    for r in rows:
+        store_rows_reference(take(r.x), r.cache, coords, r.weight, r.eps, cos, sin, norm_d=r.norm_d,
+                             rope_lo=r.rope_lo, interleave=r.interleave, bias=r.bias)
 
 
 def finish_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, *,

@@ -29,11 +29,11 @@ from glm53.kernels.absorb import absorbed_query
 from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8, two_terms, uv_product_fp8, uv_product_reference
 from glm53.kernels.fp8_quant import GROUP
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
-from glm53.kernels.kv_rows import finish_rows, store_rows
+from glm53.kernels.kv_rows import CacheRow, finish_rows, store_rows
 from glm53.kernels.linear_f32 import linear_f32
 from glm53.kernels.norm import rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from glm53.kernels.row_parts import take
+from glm53.kernels.row_parts import RowParts, take
 from glm53.kernels.sparse_mla import sparse_mla
 from glm53.kernels.topk import dsa_topk, dsa_topk_paged, positions_to_slots
 from glm53.kernels.variants import logits_width
@@ -145,11 +145,22 @@ class Indexer(nn.Module):
             rot = self._hadamard()
         self.hadamard = rot.to(device) if rot is not None else None
 
+    def key_row(self, k: torch.Tensor | RowParts, kv: KVPools, layer: int) -> CacheRow | None:
+        """The key k = wk(x) as the row `store_rows` finishes (LayerNorm, rope first) into the index
+        cache, which holds rows in k's dtype; None for FP8 keys (their own quantizing store)."""
+        cache = kv.view(INDEX_K, layer)
+        if cache.dtype == torch.uint8:
+            return None
+        return CacheRow(k, cache, self.k_norm.weight, INDEXER_KEY_NORM_EPS, norm_d=k.shape[1], rope_lo=0,
+                        interleave=self.cfg.indexer_rope_interleave, bias=self.k_norm.bias)
+
     def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPools, layer: int,
-                q_raw: torch.Tensor | None = None, k_raw: torch.Tensor | None = None) -> torch.Tensor:
+                q_raw: torch.Tensor | None = None, k_raw: torch.Tensor | None = None,
+                k_stored: bool = False) -> torch.Tensor:
         """`q_raw` = wq_b(q_resid) and `k_raw` = wk(x) when the caller computed them in its fused
         products (`Attention.fuse_projections_`; `k_raw` may be a sum not taken yet, `row_parts`,
-        which the key's store takes); else they are computed here."""
+        which the key's store takes); else they are computed here. `k_stored`: the caller stored
+        the key row already (`key_row`, with the latent row in one launch)."""
         cfg = self.cfg
         n, rope = x.shape[0], cfg.qk_rope_head_dim
         q = (self.wq_b(q_resid) if q_raw is None else q_raw).view(n, cfg.index_n_heads, cfg.index_head_dim)
@@ -176,8 +187,8 @@ class Indexer(nn.Module):
             index_cache_fp8.store(cache, batch.out_slots, k, coords=coords)
             logits = indexer_logits_fp8(q, weights, cache, *args)
         else:  # the key normed, rotated and stored in one op (k is not read after it)
-            store_rows(k, cache, coords, self.k_norm.weight, INDEXER_KEY_NORM_EPS, cos, sin, norm_d=k.shape[1],
-                       rope_lo=0, interleave=il, bias=self.k_norm.bias)
+            if not k_stored:
+                store_rows([self.key_row(k, kv, layer)], coords, cos, sin)
             logits = indexer_logits(q, weights, cache, *args, rope=(cos, sin, il))
         if batch.ctx_start is not None:
             return self._topk_from(logits, batch, kv.page_size)
@@ -279,17 +290,21 @@ class Attention(nn.Module):
         # way to the cache) and the query [W_UK q_nope | rope(q_pe)] built in one buffer: no cats.
         cache = kv.view(LATENT, self.layer)
         coords = batch.out_coords(kv.page_size)
+        key = None  # the index key's row, when it is stored with the latent's (one launch)
         if cache.dtype == torch.uint8:  # the FP8 latent rows (kernels/latent_cache_fp8)
             ckv = take(ckv)
             finish_rows(ckv, self.kv_a_layernorm.weight, LATENT_NORM_EPS, cos, sin, norm_d=r, rope_lo=r,
                         interleave=cfg.rope_interleave)
             latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8, coords=coords)
         else:  # normed, rotated and stored in one op (ckv is not read after it)
-            store_rows(ckv, cache, coords, self.kv_a_layernorm.weight, LATENT_NORM_EPS, cos, sin, norm_d=r, rope_lo=r,
-                       interleave=cfg.rope_interleave)
+            latent = CacheRow(ckv, cache, self.kv_a_layernorm.weight, LATENT_NORM_EPS, norm_d=r, rope_lo=r,
+                              interleave=cfg.rope_interleave)
+            key = self.indexer.key_row(k_idx, kv, self.layer) if k_idx is not None else None
+            store_rows([latent] if key is None else [latent, key], coords, cos, sin)
 
         if self.indexer is not None:
-            topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer, q_raw=q_idx, k_raw=k_idx)
+            topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer, q_raw=q_idx, k_raw=k_idx,
+                                      k_stored=key is not None)
         elif topk_slots is None:
             raise RuntimeError(f"layer {self.layer} shares top-k but no full layer ran before it")
 

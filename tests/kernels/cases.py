@@ -163,7 +163,7 @@ def check_readers_take_row_parts(M: int, device: str = "cpu") -> None:
     readers given the sum taken by its own launch, bit for bit."""
     from glm53.kernels.dispatch import triton_interpreting
     from glm53.kernels.fp8_act import rms_norm_fp8
-    from glm53.kernels.kv_rows import store_rows
+    from glm53.kernels.kv_rows import CacheRow, store_rows
     from glm53.kernels.norm import rms_norm
     from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
     from glm53.kernels.row_parts import RowParts
@@ -190,10 +190,8 @@ def check_readers_take_row_parts(M: int, device: str = "cpu") -> None:
         nw = (1 + 0.3 * torch.randn(norm_d, device=device)).bfloat16()
         fill = torch.randn(M, 4, width, device=device).bfloat16()
         got, want = fill.clone(), fill.clone()
-        store_rows(lazy[rows], got, coords, nw, 1e-6, cos, sin, norm_d=norm_d, rope_lo=rope_lo, interleave=True,
-                   bias=bias)
-        store_rows(dense[rows].clone(), want, coords, nw, 1e-6, cos, sin, norm_d=norm_d, rope_lo=rope_lo,
-                   interleave=True, bias=bias)
+        store_rows([CacheRow(lazy[rows], got, nw, 1e-6, norm_d, rope_lo, True, bias)], coords, cos, sin)
+        store_rows([CacheRow(dense[rows].clone(), want, nw, 1e-6, norm_d, rope_lo, True, bias)], coords, cos, sin)
         assert torch.equal(got, want), (rows, (got.float() - want.float()).abs().max())
 
 
@@ -402,7 +400,7 @@ def check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype, devi
     LayerNorm (torch's in the reference) differs anyway: there each element within a rounding of
     the dtype carried through the rotation (the interpreter's bf16 casts truncate where torch's
     round to nearest), and RMSNorm rows with only a few elements off at all."""
-    from glm53.kernels.kv_rows import store_rows, store_rows_reference
+    from glm53.kernels.kv_rows import CacheRow, store_rows, store_rows_reference
     from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
 
     wide = torch.randn(N, W + 7, device=device).to(dtype) * 2
@@ -415,7 +413,7 @@ def check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype, devi
     coords = (slots // page_size, slots % page_size)
     fill = torch.randn(pages, page_size, W, device=device).to(dtype)
     got, want = fill.clone(), fill.clone()
-    store_rows(x.clone(), got, coords, w, 1e-6, cos, sin, norm_d=norm_d, rope_lo=rope_lo, interleave=interleave, bias=b)
+    store_rows([CacheRow(x.clone(), got, w, 1e-6, norm_d, rope_lo, interleave, b)], coords, cos, sin)
     store_rows_reference(x.clone(), want, coords, w, 1e-6, cos, sin, norm_d=norm_d, rope_lo=rope_lo,
                          interleave=interleave, bias=b)
     kept = torch.ones(pages * page_size, dtype=torch.bool, device=device)
@@ -429,6 +427,43 @@ def check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype, devi
     if not layer:  # the same ops, only the sum's order differs: a rounding here and there
         off = (got != want).sum().item()
         assert off <= 0.05 * N * W, f"{off} of {N * W} elements differ"
+
+
+def check_store_row_pair(N, dtype, device="cpu", page_size=16, parts=1):
+    """A layer's two cache rows in one launch (`store_rows` of [latent, key]: RMSNorm with rope
+    after it, LayerNorm with rope first, the two rope forms) equal each stored by its own launch,
+    bit for bit, on the GPU too (the same code a program); the rows are column slices of one
+    product's output (with `parts` > 1 its split-K sum not taken yet), the caches other pools."""
+    from glm53.kernels.kv_rows import CacheRow, store_rows
+    from glm53.kernels.rope import rope_cos_sin, rope_inv_freq
+    from glm53.kernels.row_parts import RowParts
+
+    widths, rope = (40, 96 + 32, 64), 32  # [q_a | latent | key], as the fused product writes them
+    raw = torch.randn(parts, N, sum(widths) + 3, device=device) * 2
+    dense = raw[0].to(dtype)
+    cols = (slice(40, 168), slice(168, 232))
+    xs = [RowParts(raw[..., c], dtype) if parts > 1 else dense[:, c] for c in cols]
+    cos, sin = rope_cos_sin(torch.randint(0, 5000, (N,), device=device), rope_inv_freq(rope, 10000.0, device))
+    pages = -(-2 * N // page_size) + 1
+    slots = torch.randperm(pages * page_size, device=device)[:N]
+    coords = (slots // page_size, slots % page_size)
+
+    w1, w2 = ((1 + 0.3 * torch.randn(d, device=device)).to(dtype) for d in (96, 64))
+    b2 = (0.2 * torch.randn(64, device=device)).to(dtype)
+
+    def rows(caches):
+        return [CacheRow(xs[0], caches[0], w1, 1e-6, 96, 96, True),
+                CacheRow(xs[1], caches[1], w2, 1e-5, 64, 0, False, b2)]
+
+    fills = [torch.randn(pages, 2, page_size, w, device=device).to(dtype)[:, 1] for w in (128, 64)]
+    one = [f.clone() for f in fills]
+    two = [f.clone() for f in fills]
+    for row in rows(one):
+        store_rows([row], coords, cos, sin)
+    store_rows(rows(two), coords, cos, sin)
+    for f, a, b in zip(fills, one, two):
+        assert not torch.equal(a, f), "nothing stored"
+        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
 
 
 def check_step_inputs(N, page_size, width, half, device="cpu", max_pos=None):

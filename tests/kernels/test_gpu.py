@@ -215,6 +215,11 @@ def test_store_rows_glm5(N, interleave):  # the latent (512 + 64) and the indexe
     cases.check_store_rows(N, 128, 128, 64, 0, True, interleave, torch.bfloat16, device=DEV, page_size=64)
 
 
+@pytest.mark.parametrize("N,parts", [(1, 3), (64, 1), (300, 1)])
+def test_store_row_pair_gpu(N, parts):  # a layer's two cache rows in one launch equal two launches
+    cases.check_store_row_pair(N, torch.bfloat16, device=DEV, page_size=64, parts=parts)
+
+
 @pytest.mark.parametrize("N,k,E", [(1, 9, 17), (64, 9, 17), (64, 9, 257), (4096, 9, 257), (4096, 8, 16)])
 def test_moe_routing_plan_gpu(N, k, E):
     cases.check_routing_plan(N, k, E, device=DEV, n_empty=2, strays=3, shared=True)

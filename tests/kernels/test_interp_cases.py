@@ -206,6 +206,36 @@ def test_model_routes_in_the_experts_launch(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+def test_model_stores_a_layers_rows_in_one_launch(tmp_path, monkeypatch):
+    # a tiny model on the Triton path: each layer's latent row and indexer key stored in one
+    # launch give the logits of a launch each, bit for bit, on the prefill and the decode step
+    import glm53.models.model as model_mod
+    from glm53.models import ModelRunner, SeqChunk
+    from glm53.models.weights import load_model
+    from glm53.support.oracle import make_checkpoint
+
+    make_checkpoint(tmp_path, seed=7)
+    inner, widths = model_mod.store_rows, []
+
+    def counted(rows, *args):
+        widths.append(len(rows))
+        return inner(rows, *args)
+
+    def one_at_a_time(rows, *args):
+        for row in rows:
+            inner([row], *args)
+
+    outs = []
+    for store in (counted, one_at_a_time):
+        monkeypatch.setattr(model_mod, "store_rows", store)
+        runner = ModelRunner(load_model(tmp_path, dtype=torch.float32, progress=False), num_pages=4, page_size=16)
+        first = runner.forward([SeqChunk(list(range(5, 29)), 0, [0, 1])])[0]
+        nxt = runner.forward([SeqChunk([int(first[-1].argmax())], 24, [0, 1])])[0]
+        outs.append((first, nxt))
+    assert 2 in widths, widths
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("M", [1, 5])
 def test_norms_take_row_parts(M):
     cases.check_norms_take_row_parts(M, 384)
@@ -403,6 +433,13 @@ def test_moe_small_tiles_many_blocks():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype):
     cases.check_store_rows(N, W, norm_d, rope, rope_lo, layer, interleave, dtype)
+
+
+# a layer's latent row and indexer key in one launch, from the fused product's columns (its
+# split-K sum not taken yet with parts > 1)
+@pytest.mark.parametrize("N,dtype,parts", [(1, torch.bfloat16, 3), (13, torch.float32, 1), (6, torch.bfloat16, 1)])
+def test_store_row_pair(N, dtype, parts):
+    cases.check_store_row_pair(N, dtype, parts=parts)
 
 
 # A decode step's slots, coords, context lengths and RoPE cos/sin in one launch

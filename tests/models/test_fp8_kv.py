@@ -63,10 +63,10 @@ def test_fp8_latent_path_equals_attention_over_quantized_values(runners, monkeyp
     got = mixed.forward([SeqChunk(seq, 0, pages, all_logits=True)])[0]
     lay = latent_cache_fp8.LatentLayout.for_config(cfg)
 
-    def quantized_store(x, cache, coords, *args, **kw):  # the row finished and stored, then rounded
-        store_rows(x, cache, coords, *args, **kw)
-        if cache.shape[-1] == cfg.latent_dim:
-            page, off = coords
+    def quantized_store(rows, coords, cos, sin):  # the rows finished and stored, the latent's then rounded
+        store_rows(rows, coords, cos, sin)
+        page, off = coords
+        for cache in (r.cache for r in rows if r.cache.shape[-1] == cfg.latent_dim):
             cache[page, off] = latent_cache_fp8.dequantize_rows(latent_cache_fp8.quantize(cache[page, off], lay), lay)
 
     monkeypatch.setattr(model_mod, "store_rows", quantized_store)

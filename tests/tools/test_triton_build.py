@@ -60,6 +60,7 @@ def check_moe_fp8(built: list, names: set) -> None:
 def check_attention(built: list, names: set) -> None:
     assert {"_absorbed_query_kernel", "_store_rows_kernel", "_linear_f32_kernel"} <= names
     assert values(built, "_store_rows_kernel", "XPARTS") == {1, 3}, "a split-K sum taken by the cache-row stores"
+    assert values(built, "_store_rows_kernel", "TWO") == {False, True}, "a layer's two cache rows in one launch"
     assert values(built, "_indexer_logits_kernel", "FP8") == {False, True}, "bf16 and FP8 index keys"
     assert values(built, "_indexer_logits_kernel", "HALF") == {0, 32}, "q rotated as the bf16 keys' logits load it"
     for kernel in ("_sparse_mla_kernel", "_sparse_mla_fp8_kernel"):
