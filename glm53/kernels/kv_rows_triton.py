@@ -9,15 +9,20 @@ weight, round), LayerNorm in fp32 rounded once, the rotation as `rope_triton` (`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from glm53.kernels.kv_rows import CacheRow
 from glm53.kernels.launch_early import early_args, wait_then_release
 from glm53.kernels.norm_triton import load_row
 from glm53.kernels.rope_triton import rotate_pair
 from glm53.kernels.row_parts import row_source
+
+if TYPE_CHECKING:  # kv_rows dispatches here
+    from glm53.kernels.kv_rows import CacheRow
+
 
 @triton.jit
 def _normed(x, w_ptr, b_ptr, col, mask, mean, rstd, LAYER: tl.constexpr, dt: tl.constexpr):
