@@ -229,8 +229,8 @@ def test_model_stores_a_layers_rows_in_one_launch(tmp_path, monkeypatch):
     for store in (counted, one_at_a_time):
         monkeypatch.setattr(model_mod, "store_rows", store)
         runner = ModelRunner(load_model(tmp_path, dtype=torch.float32, progress=False), num_pages=4, page_size=16)
-        first = runner.forward([SeqChunk(list(range(5, 29)), 0, [0, 1])])[0]
-        nxt = runner.forward([SeqChunk([int(first[-1].argmax())], 24, [0, 1])])[0]
+        first = runner.forward([SeqChunk(list(range(5, 15)), 0, [0])])[0]
+        nxt = runner.forward([SeqChunk([int(first[-1].argmax())], 10, [0])])[0]
         outs.append((first, nxt))
     assert 2 in widths, widths
     assert all(torch.equal(a, b) for a, b in zip(*outs))
