@@ -178,13 +178,23 @@ def test_route_plan_one_launch(N, E_R, k, shared, norm):
     cases.check_route_plan(N, E_R, k, shared, norm)
 
 
+def _prefill_and_step(path, fp8=False):
+    """The logits of a tiny checkpoint's 12-token prefill (past `index_topk`) and of the decode step
+    after it, on a fresh runner."""
+    from glm53.models import ModelRunner, SeqChunk
+    from glm53.models.weights import load_model
+
+    runner = ModelRunner(load_model(path, dtype=torch.float32, fp8=fp8, progress=False), num_pages=4, page_size=16)
+    first = runner.forward([SeqChunk(list(range(5, 17)), 0, [0, 1])])[0]
+    nxt = runner.forward([SeqChunk([int(first[-1].argmax())], 12, [0, 1])])[0]
+    return first, nxt
+
+
 def test_model_routes_in_the_experts_launch(tmp_path, monkeypatch):
     # a tiny block-FP8 model with ungrouped routing, the experts on the w8a8 tile kernels: the
     # routing and plan in one launch (`route_plan_triton`) give the logits of the two launches
     import glm53.kernels.moe_fp8_gemv_triton as gemv_mod
     import glm53.kernels.route_triton as route_mod
-    from glm53.models import ModelRunner, SeqChunk
-    from glm53.models.weights import load_model
     from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
 
     make_checkpoint(tmp_path, seed=5, n_group=1, topk_group=1, **FP8_WIDTHS)
@@ -196,11 +206,7 @@ def test_model_routes_in_the_experts_launch(tmp_path, monkeypatch):
     outs = []
     for fused in (True, False):
         monkeypatch.setattr(route_mod, "ROUTE_PLAN_MAX_TOKENS", 64 if fused else 0)
-        runner = ModelRunner(load_model(tmp_path, dtype=torch.float32, fp8=True, progress=False), num_pages=4,
-                             page_size=16)
-        first = runner.forward([SeqChunk(list(range(5, 17)), 0, [0, 1])])[0]
-        nxt = runner.forward([SeqChunk([int(first[-1].argmax())], 12, [0, 1])])[0]
-        outs.append((first, nxt))
+        outs.append(_prefill_and_step(tmp_path, fp8=True))
         assert bool(calls) == fused
         calls.clear()
     assert all(torch.equal(a, b) for a, b in zip(*outs))
@@ -210,8 +216,6 @@ def test_model_stores_a_layers_rows_in_one_launch(tmp_path, monkeypatch):
     # a tiny model on the Triton path: each layer's latent row and indexer key stored in one
     # launch give the logits of a launch each, bit for bit, on the prefill and the decode step
     import glm53.models.model as model_mod
-    from glm53.models import ModelRunner, SeqChunk
-    from glm53.models.weights import load_model
     from glm53.support.oracle import make_checkpoint
 
     make_checkpoint(tmp_path, seed=7)
@@ -228,10 +232,7 @@ def test_model_stores_a_layers_rows_in_one_launch(tmp_path, monkeypatch):
     outs = []
     for store in (counted, one_at_a_time):
         monkeypatch.setattr(model_mod, "store_rows", store)
-        runner = ModelRunner(load_model(tmp_path, dtype=torch.float32, progress=False), num_pages=4, page_size=16)
-        first = runner.forward([SeqChunk(list(range(5, 15)), 0, [0])])[0]
-        nxt = runner.forward([SeqChunk([int(first[-1].argmax())], 10, [0])])[0]
-        outs.append((first, nxt))
+        outs.append(_prefill_and_step(tmp_path))
     assert 2 in widths, widths
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
@@ -249,19 +250,12 @@ def test_readers_take_row_parts(M):
 def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
     # a tiny FP8 model on the Triton path, split-K forced: the split and slot sums taken by the
     # norms after them (`row_parts`) give the logits their own launches give, bit for bit
-    from glm53.models import ModelRunner, SeqChunk
-    from glm53.models.weights import load_model
-
     fp8_cases.split_fp8_checkpoint(tmp_path, monkeypatch, seed=3)
     outs = []
     for lazy in (True, False):
         if not lazy:
             fp8_cases.take_sums_eagerly(monkeypatch)
-        runner = ModelRunner(load_model(tmp_path, dtype=torch.float32, fp8=True, progress=False), num_pages=4,
-                             page_size=16)
-        first = runner.forward([SeqChunk(list(range(5, 17)), 0, [0, 1])])[0]
-        nxt = runner.forward([SeqChunk([int(first[-1].argmax())], 12, [0, 1])])[0]
-        outs.append((first, nxt))
+        outs.append(_prefill_and_step(tmp_path, fp8=True))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
