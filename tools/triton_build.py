@@ -264,7 +264,7 @@ def case_norms():
     from glm53.kernels.fp8_act import rms_norm_fp8_triton, silu_mul_fp8_triton, uv_product_fp8_triton
     from glm53.kernels.norm_triton import rms_norm_triton, sum_rms_norm_triton
     from glm53.kernels.rope_triton import apply_rope_triton
-    from glm53.kernels.row_parts import RowParts
+    from glm53.kernels.row_parts import RowParts, sum_parts_triton
     from glm53.kernels.step_inputs_triton import step_inputs_triton
     from glm53.kernels.swiglu_triton import silu_mul_triton
 
@@ -286,6 +286,8 @@ def case_norms():
         q_a = RowParts(empty(3, 1, 2048 + 576 + 128, dtype=F32)[..., :2048], torch.bfloat16)
         rms_norm_fp8_triton(q_a, empty(2048), 1e-6)
         rms_norm_triton(q_a, empty(2048), 1e-6)
+        # a stage's last residual add takes its MoE's 9 slot rows (the shared expert stacked)
+        sum_parts_triton(empty(9, 1, 6144), torch.bfloat16, base=empty(1, 6144))  # row_parts.add_rows
         for m in (1, 64, 4096):  # the dense MLP's 12288 / 8 = 1536, halves of the fused gate_up
             gu = empty(m, 2 * 1536)
             silu_mul_fp8_triton(gu[:, :1536], gu[:, 1536:])

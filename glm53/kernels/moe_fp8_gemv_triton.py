@@ -33,7 +33,8 @@ import triton.language as tl
 from glm53.kernels.dispatch import sm_count, triton_interpreting
 from glm53.kernels.fp8_quant import GROUP
 from glm53.kernels.fp8_split_k import k_splits
-from glm53.kernels.moe_triton import sum_slots
+from glm53.kernels.moe_triton import slot_parts, sum_slots
+from glm53.kernels.row_parts import RowParts
 
 SB = GROUP
 # Past a few tokens pairs share experts (the stacked shared expert: every token's), which the
@@ -180,12 +181,13 @@ def _down_gemv_kernel(
 def moe_experts_fp8_gemv(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor, up_scale: torch.Tensor, up_row0: int,
-    down: torch.Tensor, down_scale: torch.Tensor, config: MoEGemvConfig | None = None,
-) -> torch.Tensor:
+    down: torch.Tensor, down_scale: torch.Tensor, config: MoEGemvConfig | None = None, keep_parts: bool = False,
+) -> torch.Tensor | RowParts:
     """x [N, H] contiguous rows; weights/ids [N, k]; gate/up [E, I, H] e4m3 views with their scale
     tensors (`up_row0`: the fused layout's I, whose up rows read scale rows (I + n) // 128; else 0);
     down [E, H, I] + scales. Shapes checked by the caller (`moe_fp8_triton.moe_experts_fp8_triton`).
-    Returns [N, H] in x's dtype."""
+    Returns [N, H] in x's dtype, or (`keep_parts`) the k slot rows not summed yet, for the norm
+    after the layer to add (`row_parts`: one launch fewer a layer, as the tile kernels)."""
     N, H = x.shape
     k = ids.shape[1]
     I = gate.shape[1]
@@ -212,4 +214,4 @@ def moe_experts_fp8_gemv(
         h.stride(1), h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         y.stride(0), SB=SB, BN=cfg.BN2, BK=cfg.BK, EVEN_K=I % cfg.BK == 0, SPLIT=split, **opts,
     )
-    return sum_slots(y, N, k)  # in a fixed order: deterministic
+    return slot_parts(y, N, k) if keep_parts else sum_slots(y, N, k)  # in a fixed order: deterministic

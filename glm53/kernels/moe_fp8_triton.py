@@ -373,7 +373,8 @@ def moe_experts_fp8_triton(
     if variant == "w8a16" and (isinstance(config, MoEGemvConfig) or (config is None and gemv_takes(N, down.shape[2]))):
         if router is not None:
             weights, ids = router.route()
-        return moe_experts_fp8_gemv(x, weights, ids, gate, gate_scale, up, up_scale, up_row0, down, down_scale, config)
+        return moe_experts_fp8_gemv(x, weights, ids, gate, gate_scale, up, up_scale, up_row0, down, down_scale, config,
+                                    keep_parts)
     M = N * k
     a_fp8 = variant == "w8a8"
     lo = a_fp8 and (two_terms(N) if lo is None else lo)

@@ -33,7 +33,7 @@ from glm53.kernels.kv_rows import CacheRow, finish_rows, store_rows
 from glm53.kernels.linear_f32 import linear_f32
 from glm53.kernels.norm import rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from glm53.kernels.row_parts import RowParts, take
+from glm53.kernels.row_parts import RowParts, add_rows, take
 from glm53.kernels.sparse_mla import sparse_mla
 from glm53.kernels.topk import dsa_topk, dsa_topk_paged, positions_to_slots
 from glm53.kernels.variants import logits_width
@@ -500,7 +500,7 @@ class GlmForCausalLM(nn.Module):
             if layer.layer in want:
                 held = layer.layer
         if pending is not None:
-            x = x + take(pending)
+            x = add_rows(x, pending)  # the last layer's sum taken in the add's launch
         if held is not None:  # the stage's last layer: its output is the stage's
             last = held == self.cfg.num_hidden_layers - 1
             captures[held] = self.final_norm(x) if last else x

@@ -128,12 +128,13 @@ def check_brackets(L: int, k: int, device: str = "cpu", rows: int = 32) -> None:
 def check_norms_take_row_parts(M: int, D: int, device: str = "cpu") -> None:
     """The residual add + norm (plain and quantizing) given the add as a sum not taken yet
     (`row_parts.RowParts`: a split-K product's fp32 partials, an MoE's bf16 slot rows) equals the
-    same norm given the sum taken by its own launch, bit for bit, and `rows()` equals the adds."""
+    same norm given the sum taken by its own launch, bit for bit, and `rows()` equals the adds; so
+    does the residual add with no norm after it (`add_rows`: a stage's last layer)."""
     from glm53.kernels.dispatch import triton_interpreting
     from glm53.kernels.fp8_act import add_rms_norm_fp8
     from glm53.kernels.moe_triton import slot_parts
     from glm53.kernels.norm import add_rms_norm
-    from glm53.kernels.row_parts import RowParts
+    from glm53.kernels.row_parts import RowParts, add_rows
 
     x = torch.randn(M, D, device=device).bfloat16() * 4
     w = torch.rand(D, device=device).bfloat16() + 0.5
@@ -147,6 +148,7 @@ def check_norms_take_row_parts(M: int, D: int, device: str = "cpu") -> None:
         assert torch.equal(taken, acc.to(torch.bfloat16))
         if triton_interpreting():  # the interpreter's in-kernel fp32 -> bf16 cast truncates
             taken = (acc.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+        assert torch.equal(add_rows(x, lazy), x + taken)
         s0, y0 = add_rms_norm(x, taken, w, 1e-6)
         s1, y1 = add_rms_norm(x, lazy, w, 1e-6)
         assert torch.equal(s0, s1) and torch.equal(y0, y1)

@@ -474,9 +474,11 @@ def split_fp8_checkpoint(path, monkeypatch, seed: int, widths: dict | None = Non
 def take_sums_eagerly(monkeypatch) -> None:
     """Each split-K and slot sum taken by its own launch, as before `row_parts`."""
     import glm53.kernels.fp8_gemm_triton as gemm_mod
+    import glm53.kernels.moe_fp8_gemv_triton as gemv_mod
     import glm53.kernels.moe_fp8_triton as moe_fp8_mod
     from glm53.kernels.moe_triton import sum_slots
     from glm53.kernels.row_parts import sum_parts_triton
 
     monkeypatch.setattr(gemm_mod, "RowParts", sum_parts_triton)
-    monkeypatch.setattr(moe_fp8_mod, "slot_parts", lambda y, n, k: sum_slots(y, n, k))
+    for mod in (moe_fp8_mod, gemv_mod):  # the tile kernels' and the per-pair GEMVs'
+        monkeypatch.setattr(mod, "slot_parts", lambda y, n, k: sum_slots(y, n, k))

@@ -435,6 +435,11 @@ def test_readers_take_row_parts_gpu(M):
     cases.check_readers_take_row_parts(M, device=DEV)
 
 
+@pytest.mark.parametrize("M", [1, 64])
+def test_norms_take_row_parts_gpu(M):  # and a stage's last residual add (`row_parts.add_rows`)
+    cases.check_norms_take_row_parts(M, 6144, device=DEV)
+
+
 def check_launched_early(step, xs, early: list, plain) -> None:
     """`step(x, cfg)` with each config of `early` (a kernel launched while the one before it runs,
     prefetching what does not depend on it) gives the bits of `step(x, plain)`, eager and replayed

@@ -77,6 +77,7 @@ def check_norms(built: list, names: set) -> None:
     assert values(built, "_rms_norm_kernel", "ADD") == {True, False}
     for kernel in ("_rms_norm_kernel", "_rms_norm_fp8_kernel"):
         assert values(built, kernel, "XPARTS") == {1, 3}, f"{kernel}: a split-K sum taken as its input rows"
+    assert values(built, "_sum_parts_kernel", "ADD") == {True}, "a stage's last residual add takes its sum"
 
 
 def check_moe(built: list, names: set) -> None:
