@@ -44,7 +44,9 @@ from glm53.models.layers import (
     MLP, ColumnParallelLinear, Linear, Norm, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
     norm_for, rows_of, split,
 )
+from glm53.models import overlap
 from glm53.models.moe import MoE
+from glm53.models.overlap import Branch
 from glm53.models.parallel import TPGroup, check_tp
 
 # transformers' GlmMoeDsa builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps.
@@ -154,13 +156,22 @@ class Indexer(nn.Module):
         return CacheRow(k, cache, self.k_norm.weight, INDEXER_KEY_NORM_EPS, norm_d=k.shape[1], rope_lo=0,
                         interleave=self.cfg.indexer_rope_interleave, bias=self.k_norm.bias)
 
+    def gates(self, x: torch.Tensor) -> torch.Tensor:
+        """The heads' weights of each token's logits, [n, index_n_heads] fp32, from the normed
+        hidden state x (the softmax-style scale folded in)."""
+        cfg = self.cfg
+        scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
+        proj = self.weights_proj
+        return proj(x).float() * scale if proj.fp8 else linear_f32(x, proj.weight, scale)
+
     def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, kv: KVPools, layer: int,
                 q_raw: torch.Tensor | None = None, k_raw: torch.Tensor | None = None,
-                k_stored: bool = False) -> torch.Tensor:
+                k_stored: bool = False, gates: torch.Tensor | None = None) -> torch.Tensor:
         """`q_raw` = wq_b(q_resid) and `k_raw` = wk(x) when the caller computed them in its fused
         products (`Attention.fuse_projections_`; `k_raw` may be a sum not taken yet, `row_parts`,
         which the key's store takes); else they are computed here. `k_stored`: the caller stored
-        the key row already (`key_row`, with the latent row in one launch)."""
+        the key row already (`key_row`, with the latent row in one launch). `gates`: `gates(x)`,
+        when the caller computed them (beside the main chain, `overlap`)."""
         cfg = self.cfg
         n, rope = x.shape[0], cfg.qk_rope_head_dim
         q = (self.wq_b(q_resid) if q_raw is None else q_raw).view(n, cfg.index_n_heads, cfg.index_head_dim)
@@ -170,9 +181,7 @@ class Indexer(nn.Module):
         il = cfg.indexer_rope_interleave
         cache = kv.view(INDEX_K, layer)
         coords = batch.out_coords(kv.page_size)
-        scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
-        gates = self.weights_proj
-        weights = gates(x).float() * scale if gates.fp8 else linear_f32(x, gates.weight, scale)
+        weights = self.gates(x) if gates is None else gates
         # the logits width rounded up (kernels/variants.logits_width): one divisibility class for top-k
         args = (batch.page_table, batch.context_lens, logits_width(batch.max_context))
         if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
@@ -255,14 +264,17 @@ class Attention(nn.Module):
         return int(self.proj_x is not None) + int(self.proj_q is not None)
 
     def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPools, topk_slots: torch.Tensor | None,
-                x_in: torch.Tensor | Fp8Rows | None = None, keep_parts: bool = False):
+                x_in: torch.Tensor | Fp8Rows | None = None, keep_parts: bool = False,
+                side: torch.cuda.Stream | None = None):
         """x: the normed hidden state; `x_in` its rows quantized for the input products when
         `norm_for` made them (then x may be None unless `reads_dense`). `keep_parts`: o_proj's
-        split-K sum may come back not taken yet (`row_parts`), for the norm after it."""
+        split-K sum may come back not taken yet (`row_parts`), for the norm after it. `side`: a
+        stream for the ops off the main chain at decode sizes (`overlap`)."""
         cfg = self.cfg
         x_in = x if x_in is None else x_in
         n, h = rows_of(x_in), self.n_heads
         nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        side = side if n <= overlap.MAX_TOKENS else None
         k_idx = q_idx = None  # the indexer's wk(x) and wq_b(q_resid), when fused here
         if self.proj_x is not None:
             # a split-K product's sum is left to its readers: the q_a norm and the two cache-row
@@ -273,6 +285,22 @@ class Attention(nn.Module):
             qa, ckv = self.q_a_proj(x_in), self.kv_a_proj_with_mqa(x_in)
             if isinstance(x_in, Fp8Rows) and self.indexer is not None:
                 k_idx = self.indexer.wk(x_in)
+        # The latent row [norm(c) | rope(k_pe)] is finished in the projection's output (or on its
+        # way to the cache) and the query [W_UK q_nope | rope(q_pe)] built in one buffer: no cats.
+        cache = kv.view(LATENT, self.layer)
+        coords = batch.out_coords(kv.page_size)  # before any fork: every reader shares it
+        key = None  # the index key's row, when it is stored with the latent's (one launch)
+        # Off the main chain: the cache rows and the indexer's head gates read only the products
+        # above and x, beside the q_a norm and the q_b product (FP8 caches finish ckv in place
+        # on the main stream, below)
+        rows = Branch(side)
+        with rows:
+            gates = self.indexer.gates(x) if self.indexer is not None else None
+            if cache.dtype != torch.uint8:  # normed, rotated and stored in one op (ckv is not read after it)
+                latent = CacheRow(ckv, cache, self.kv_a_layernorm.weight, LATENT_NORM_EPS, norm_d=r, rope_lo=r,
+                                  interleave=cfg.rope_interleave)
+                key = self.indexer.key_row(k_idx, kv, self.layer) if k_idx is not None else None
+                store_rows([latent] if key is None else [latent, key], coords, cos, sin)
         # q_resid feeds q_b (and the indexer's wq_b): quantized in the norm where they take it so;
         # the indexer reads it dense only when its wq_b is not fused into proj_q
         q_reader = self.proj_q if self.proj_q is not None else self.q_b_proj
@@ -286,32 +314,25 @@ class Attention(nn.Module):
         else:
             q = self.q_b_proj(q_in)
         q = q.view(n, h, cfg.qk_head_dim)
-        # The latent row [norm(c) | rope(k_pe)] is finished in the projection's output (or on its
-        # way to the cache) and the query [W_UK q_nope | rope(q_pe)] built in one buffer: no cats.
-        cache = kv.view(LATENT, self.layer)
-        coords = batch.out_coords(kv.page_size)
-        key = None  # the index key's row, when it is stored with the latent's (one launch)
         if cache.dtype == torch.uint8:  # the FP8 latent rows (kernels/latent_cache_fp8)
             ckv = take(ckv)
             finish_rows(ckv, self.kv_a_layernorm.weight, LATENT_NORM_EPS, cos, sin, norm_d=r, rope_lo=r,
                         interleave=cfg.rope_interleave)
             latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8, coords=coords)
-        else:  # normed, rotated and stored in one op (ckv is not read after it)
-            latent = CacheRow(ckv, cache, self.kv_a_layernorm.weight, LATENT_NORM_EPS, norm_d=r, rope_lo=r,
-                              interleave=cfg.rope_interleave)
-            key = self.indexer.key_row(k_idx, kv, self.layer) if k_idx is not None else None
-            store_rows([latent] if key is None else [latent, key], coords, cos, sin)
-
-        if self.indexer is not None:
-            topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer, q_raw=q_idx, k_raw=k_idx,
-                                      k_stored=key is not None)
-        elif topk_slots is None:
-            raise RuntimeError(f"layer {self.layer} shares top-k but no full layer ran before it")
 
         # Absorbed form: fold W_UK into the query (with q_pe's rotation: kernels/absorb) and W_UV
-        # into the output (per head).
+        # into the output (per head). The query is off the main chain too, beside the indexer.
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
-        q_all = absorbed_query(q, w[:, :nope], cos, sin, cfg.rope_interleave)
+        query = Branch(side if self.indexer is not None else None)
+        with query:
+            q_all = absorbed_query(q, w[:, :nope], cos, sin, cfg.rope_interleave)
+        rows.join()
+        if self.indexer is not None:
+            topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer, q_raw=q_idx, k_raw=k_idx,
+                                      k_stored=key is not None, gates=gates)
+        elif topk_slots is None:
+            raise RuntimeError(f"layer {self.layer} shares top-k but no full layer ran before it")
+        query.join()
         o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r)
         if self.o_proj.takes_fp8_rows(n) and two_terms(n) and cfg.v_head_dim % GROUP == 0:
             # decode sizes: the W_UV product writes o_proj's quantized rows itself (no dense o, no
@@ -330,16 +351,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, dtype, tp, ep) if cfg.is_moe(layer) else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp)
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x, cos, sin, batch, kv, topk_slots, pending: torch.Tensor | None = None, defer: bool = False):
+    def forward(self, x, cos, sin, batch, kv, topk_slots, pending: torch.Tensor | None = None, defer: bool = False,
+                side: torch.cuda.Stream | None = None):
         """The residual stream after this layer, and the top-k it hands on. `pending`: the previous
         layer's MLP output not yet added to x; with `defer` this layer's is returned that way too
         (x, mlp_out, top-k, the stream this layer entered with: x + pending, the previous layer's
-        output), and each residual add runs inside the norm after it."""
+        output), and each residual add runs inside the norm after it. `side`: the attention's side
+        stream (`overlap`)."""
         # each norm writes its output as the products after it read it, with the residual add
         # before it in the same pass (`layers.norm_for`), and the sums that end the attention and
         # (deferred) the MLP taken there too (`row_parts`)
         entry, h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn, add=pending)
-        a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in, keep_parts=True)
+        a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in, keep_parts=True, side=side)
         x, h, h_in = norm_for(entry, self.post_attention_layernorm.weight, self.eps, self.mlp, add=a)
         out = self.mlp(h, h_in, keep_parts=defer) if isinstance(self.mlp, MoE) else self.mlp(h_in, keep_parts=defer)
         return (x, out, topk_slots, entry) if defer else (x + out, topk_slots)
@@ -417,6 +440,9 @@ class GlmForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
         self.fp8_params: frozenset[str] = frozenset()
         self.fp8_dequantized: frozenset[str] = frozenset()
+        # the stream the attention's ops off the main chain run on at decode sizes (`overlap`);
+        # set by the runner that serves this model on a GPU
+        self.side_stream: torch.cuda.Stream | None = None
         if fp8:
             self._to_fp8(fp8)
 
@@ -494,7 +520,8 @@ class GlmForCausalLM(nn.Module):
         pending = None  # a layer's MLP output, added inside the next layer's first norm
         held = None  # a captured layer whose output is the next layer's entry (that norm's sum)
         for layer in self.model.layers.values():
-            x, pending, topk_slots, entry = layer(x, cos, sin, batch, kv, topk_slots, pending=pending, defer=True)
+            x, pending, topk_slots, entry = layer(x, cos, sin, batch, kv, topk_slots, pending=pending, defer=True,
+                                                  side=self.side_stream)
             if held is not None:
                 captures[held], held = entry, None
             if layer.layer in want:

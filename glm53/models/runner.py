@@ -53,6 +53,7 @@ from glm53.models.kv_cache import KVPools, kv_bytes_per_token, target_pools
 from glm53.models.mtp import NextNDraft, block_sampling
 from glm53.models.mtp_graph import MTPGraphs
 from glm53.models.mtp_weights import build_nextn
+from glm53.models.overlap import side_stream
 from glm53.models.model import ForwardBatch, GlmForCausalLM, StageInput, StageOutput
 from glm53.models.parallel import TPGroup
 from glm53.models.weights import load_model
@@ -140,6 +141,7 @@ class ModelRunner:
             if m is not None:
                 fuse_projections_(m)
         self.device = torch.device(device)
+        model.side_stream = side_stream(self.device)  # before any graph is captured
         self.tp: TPGroup = model.tp
         self.pools: KVPools = target_pools(
             model.cfg, model.layer_range, num_pages + (graphs is not None), page_size, model.dtype, self.device,

@@ -130,3 +130,42 @@ def test_device_side_inputs_in_a_graph_step(ckpt):
         return outs
 
     assert decode(True) == decode(False)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
+    # the attention's ops off the main chain on a side stream (models/overlap: the cache rows and
+    # the indexer's gates beside the q_b product, the absorbed query beside the indexer): the
+    # same logits, bit for bit, replayed from graphs and eager, as on one stream
+    from glm53.models import overlap
+    from glm53.support.oracle import FP8_WIDTHS, quantise_fp8_
+
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(ckpt, seed=13, index_topk_freq=2, index_skip_topk_offset=2, **(FP8_WIDTHS if fp8 else {}))
+    if fp8:
+        quantise_fp8_(ckpt, block=128)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (40, 130, 9)]
+    outs = []
+    for side in (False, True):
+        monkeypatch.setattr(overlap, "SIDE_STREAM", side)
+        r = ModelRunner.from_dir(ckpt, page_size=PS, num_pages=1, device="cuda", dtype=torch.bfloat16, progress=False,
+                                 fp8=fp8)
+        runner = ModelRunner(r.model, num_pages=PAGES, page_size=PS, device="cuda",
+                             graphs=GraphConfig(max_bs=4, max_context=400))
+        assert (runner.model.side_stream is not None) == side
+        alloc = PageAllocator(PAGES)
+        reqs = []
+        for p in prompts:
+            pages = alloc.alloc(runner.pages_needed(len(p) + 8))
+            reqs.append([pages, len(p), int(runner.forward([SeqChunk(p, 0, pages)])[0][-1].argmax())])
+        logits = []
+        for _ in range(4):  # batch 3, replayed from the batch-4 graph, then the same step eagerly
+            chunks = [SeqChunk([tok], pos, pages) for pages, pos, tok in reqs]
+            got = torch.cat(runner.forward(chunks))
+            assert runner.graphs.replays
+            logits += [got, runner.graphs.run_eager(*runner.graphs.bucket(chunks))[:3]]
+            for row, nxt in zip(reqs, got.argmax(-1).tolist()):
+                row[1], row[2] = row[1] + 1, nxt
+        outs.append(logits)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

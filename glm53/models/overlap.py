@@ -1,0 +1,58 @@
+"""A decode step's independent small ops on a side stream, beside the main chain (CUDA).
+
+At decode sizes an MLA layer is mostly a chain of small, latency-bound kernels, but not all of it
+is one chain: the store of the latent and index-key rows and the indexer's head gates need only
+the input product and the normed input, while the main stream runs the q_a norm and the q_b
+product; the absorbed query needs only q, while the main stream runs the indexer's logits and
+top-k. Queued on a second stream (`Branch`: forked from the main stream, joined before anything
+reads what it made) they run beside those kernels, and a CUDA graph captured so holds both
+branches. The values are the same either way: each kernel computes what it computes alone.
+
+Memory needs no `record_stream`: a fork makes the side stream wait for everything the main stream
+has queued, and the main stream waits for the branch before it reads the branch's outputs. So a
+block the caching allocator hands the side stream again was last read by work that fork waited
+for, and the branch's inputs (the main stream's tensors) are held by the layer's locals until
+after the join.
+
+Off until timed on a GPU (`benchmarks/early_launch.py`, variant `side`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+SIDE_STREAM = False
+# Rows of a step that forks: decode sizes (the absorbed query's own kernel runs up to as many).
+MAX_TOKENS = 16
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream a runner on `device` gives its model's decode steps: one when `SIDE_STREAM`
+    is on and the device is CUDA (read when the runner is built), else None."""
+    return torch.cuda.Stream(device) if SIDE_STREAM and device.type == "cuda" else None
+
+
+class Branch:
+    """Work queued on `side` from the fork (this object's creation, after what the current stream
+    queued so far) until `join` (the current stream waits for it). With `side` None the block
+    runs in line on the current stream and `join` does nothing."""
+
+    def __init__(self, side: torch.cuda.Stream | None):
+        self.side = side
+        self.main = torch.cuda.current_stream(side.device) if side is not None else None
+        if side is not None:
+            side.wait_stream(self.main)
+
+    def __enter__(self) -> Branch:
+        self._ctx = torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+    def join(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
