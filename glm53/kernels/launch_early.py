@@ -19,10 +19,11 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import triton_interpreting
 
-# The small kernels of a step launched early. Off until timed on a GPU: the chained-kernel
-# benchmark saved 0.23-0.54 µs a boundary on the H200 (benchmarks/history/2026-12-04.md), and the
-# slice's step has ~60 such boundaries; the step's own A/B has not run.
-SMALL_KERNELS = False
+# The small kernels of a step launched early. On since timed: the chained-kernel benchmark saved
+# 0.23-0.54 µs a boundary on the H200 (benchmarks/history/2026-12-04.md); in the FP8 slice's
+# graphed decode step on an H100 (2026-12-06, benchmarks/early_launch.py) batch 1 took 1,027.3 µs
+# against 1,039.2 off (with the W_UV and MoE down early launches too: 1,025.4), batch 64 the same.
+SMALL_KERNELS = True
 
 
 def pdl_option(pdl: bool) -> dict:

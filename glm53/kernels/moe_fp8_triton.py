@@ -57,9 +57,9 @@ VARIANTS = ("w8a16", "w8a8")
 SPLIT_MAX = 4
 SPLIT_MIN_BLOCKS = 4
 # Decode tiles: the down kernel launched while gate+up runs, each program prefetching the first
-# DOWN_PREFETCH bytes of each of its weight rows into L2 (MoEConfig.PDL). Off until timed on a GPU
-# (written in the thirtieth session, when none was lent).
-DOWN_PDL = False
+# DOWN_PREFETCH bytes of each of its weight rows into L2 (MoEConfig.PDL). On since timed with the
+# other early launches (launch_early.SMALL_KERNELS; H100, 2026-12-06).
+DOWN_PDL = True
 DOWN_PREFETCH = 256
 
 

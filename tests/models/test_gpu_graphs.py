@@ -138,14 +138,16 @@ def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
     # the indexer's gates beside the q_b product, the absorbed query beside the indexer): the
     # same logits, bit for bit, replayed from graphs and eager, as on one stream
     from glm53.models import overlap
+    from glm53.models.config import GlmConfig
     from glm53.support.oracle import FP8_WIDTHS, quantise_fp8_
 
     ckpt = tmp_path / "ckpt"
-    make_checkpoint(ckpt, seed=13, index_topk_freq=2, index_skip_topk_offset=2, **(FP8_WIDTHS if fp8 else {}))
+    make_checkpoint(ckpt, seed=13, **{**(FP8_WIDTHS if fp8 else {}), "index_topk_freq": 2, "index_skip_topk_offset": 2})
     if fp8:
         quantise_fp8_(ckpt, block=128)
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (40, 130, 9)]
+    vocab = GlmConfig.from_dir(ckpt).vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 130, 9)]
     outs = []
     for side in (False, True):
         monkeypatch.setattr(overlap, "SIDE_STREAM", side)
