@@ -46,7 +46,6 @@ from glm53.models.layers import (
 )
 from glm53.models import overlap
 from glm53.models.moe import MoE
-from glm53.models.overlap import Branch
 from glm53.models.parallel import TPGroup, check_tp
 
 # transformers' GlmMoeDsa builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps.
@@ -293,7 +292,7 @@ class Attention(nn.Module):
         # Off the main chain: the cache rows and the indexer's head gates read only the products
         # above and x, beside the q_a norm and the q_b product (FP8 caches finish ckv in place
         # on the main stream, below)
-        rows = Branch(side)
+        rows = overlap.Branch(side)
         with rows:
             gates = self.indexer.gates(x) if self.indexer is not None else None
             if cache.dtype != torch.uint8:  # normed, rotated and stored in one op (ckv is not read after it)
@@ -323,7 +322,7 @@ class Attention(nn.Module):
         # Absorbed form: fold W_UK into the query (with q_pe's rotation: kernels/absorb) and W_UV
         # into the output (per head). The query is off the main chain too, beside the indexer.
         w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
-        query = Branch(side if self.indexer is not None else None)
+        query = overlap.Branch(side if self.indexer is not None else None)
         with query:
             q_all = absorbed_query(q, w[:, :nope], cos, sin, cfg.rope_interleave)
         rows.join()
