@@ -26,8 +26,8 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def _with_graphs(ckpt, dtype, graphs):
-    r = ModelRunner.from_dir(ckpt, page_size=PS, num_pages=1, device="cuda", dtype=dtype, progress=False)
+def _with_graphs(ckpt, dtype, graphs, fp8=False):
+    r = ModelRunner.from_dir(ckpt, page_size=PS, num_pages=1, device="cuda", dtype=dtype, progress=False, fp8=fp8)
     return ModelRunner(r.model, num_pages=PAGES, page_size=PS, device="cuda", graphs=graphs)
 
 
@@ -151,10 +151,7 @@ def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
     outs = []
     for side in (False, True):
         monkeypatch.setattr(overlap, "SIDE_STREAM", side)
-        r = ModelRunner.from_dir(ckpt, page_size=PS, num_pages=1, device="cuda", dtype=torch.bfloat16, progress=False,
-                                 fp8=fp8)
-        runner = ModelRunner(r.model, num_pages=PAGES, page_size=PS, device="cuda",
-                             graphs=GraphConfig(max_bs=4, max_context=400))
+        runner = _with_graphs(ckpt, torch.bfloat16, GraphConfig(max_bs=4, max_context=400), fp8=fp8)
         assert (runner.model.side_stream is not None) == side
         alloc = PageAllocator(PAGES)
         reqs = []
