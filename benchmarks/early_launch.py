@@ -5,7 +5,7 @@ on a side stream (`models.overlap.SIDE_STREAM`). Each variant's step is captured
 serving graphs capture it and timed as one CUDA graph replayed back to back (the step's GPU time,
 no host work between steps), the variants interleaved over `--rounds` so drift hits all of them;
 the logits of every variant are checked equal to the all-off step's. Prints each variant's median
-and its ratio to all-off; `--trace V` adds variant V's kernels in order with the gaps between them.
+and its ratio to all-off; `--trace V[,W]` adds those variants' kernels in order with the gaps between them.
 
     python3 benchmarks/early_launch.py [--sizes 1 64] [--variants off,small,uv,down,all,side,every] [--rounds 2]
         [--trace off] [--json out.json]                      # a GPU of compute capability 9.0+
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--variants", default="off,small,uv,down,all")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--trace", default="", help="a variant whose batch-1 step's kernels to list")
+    ap.add_argument("--trace", default="", help="variants (comma-separated) whose first size's step kernels to list")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     names = a.variants.split(",")
@@ -122,7 +122,7 @@ def main() -> None:
                 print(f"round {r} {name:6s} bs {bs:3d}: {us:8.1f} us/step{'' if same else '  LOGITS DIFFER'}",
                       flush=True)
                 assert same, f"{name}: the logits differ from the all-off step's"
-            if a.trace == name and r == 0:
+            if name in a.trace.split(",") and r == 0:
                 print(f"{name}, batch {a.sizes[0]}, one replay:\n" + "\n".join(trace(steps[a.sizes[0]][0])), flush=True)
             del runner, steps
             torch.cuda.empty_cache()

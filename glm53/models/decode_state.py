@@ -10,7 +10,8 @@ in static buffers of `max_bs` rows:
   not what the row holds); every step first advances the positions of the rows that were active
   on the device (+1), which is exactly what a request that decoded one token needs;
 - the new tokens travel in one small pinned, non-blocking copy per step (the sampler on the host
-  decides them), changed rows in one more;
+  decides them), changed rows in one more; tokens the previous step sampled on the device
+  (`runner.DeviceTokens`) are copied there instead, and with every row's so, nothing crosses;
 - rows past the active ones hold a padding request: position 0 on the reserved padding page
   `pad_page`, so a padded batch writes its dummy KV there and nowhere else.
 
@@ -99,11 +100,10 @@ class DecodeState:
         if changed:
             self._write_rows(changed)
         self.active = n
-        if n:
+        if n and not (tokens is not None and tokens.covers(n)):  # some tokens come from the host
             self.input_ids[:n].copy_(self._host([c.token_ids[0] for c in chunks]), non_blocking=True)
-        if tokens is not None and tokens.dst:
-            src, dst = tokens.index(self.device)
-            self.input_ids.index_copy_(0, dst, tokens.values.index_select(0, src))
+        if tokens is not None:
+            tokens.put(self.input_ids)
 
     def _write_rows(self, changed: list[tuple[int, int, list[int]]]) -> None:
         w = max(len(p) for _, _, p in changed)

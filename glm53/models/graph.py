@@ -145,11 +145,16 @@ class DecodeGraphs:
             return None
         return bs, width
 
-    def forward(self, chunks: Sequence, key: tuple[int, int], tokens=None) -> list[torch.Tensor]:
-        """Per chunk, its logits [1, vocab] fp32 (a copy: the graph's output is overwritten by
-        the next replay). `tokens` (runner.DeviceTokens): inputs still on the device."""
+    def run(self, chunks: Sequence, key: tuple[int, int], tokens=None) -> torch.Tensor:
+        """Replays the graph `key` on `chunks`: logits [len(chunks), vocab] fp32, a view of the
+        graph's output, which the next replay overwrites. `tokens` (runner.DeviceTokens): inputs
+        still on the device."""
         self.state.update(chunks, tokens)
         g, out = self.graphs[key]
         g.replay()
         self.replays += 1
-        return list(out[: len(chunks)].clone().split(1))
+        return out[: len(chunks)]
+
+    def forward(self, chunks: Sequence, key: tuple[int, int], tokens=None) -> list[torch.Tensor]:
+        """Per chunk, its logits [1, vocab] fp32 (a copy that outlives the next replay)."""
+        return list(self.run(chunks, key, tokens).clone().split(1))

@@ -95,6 +95,23 @@ class DeviceTokens:
         t = device_longs([self.src, self.dst], device)
         return t[0], t[1]
 
+    def covers(self, n: int) -> bool:
+        """Whether every one of rows [0, n) takes its token from the device."""
+        return set(self.dst) >= set(range(n))
+
+    def put(self, input_ids: torch.Tensor) -> None:
+        """input_ids[dst[i]] = values[src[i]], on the device. An unchanged batch's steady state
+        (src and dst both runs of consecutive rows) is one slice copy; otherwise the indices travel
+        in one pinned copy and the rows move by one index copy (two more operations a step)."""
+        if not self.dst:
+            return
+        k, s0, d0 = len(self.src), self.src[0], self.dst[0]
+        if self.src == list(range(s0, s0 + k)) and self.dst == list(range(d0, d0 + k)):
+            input_ids[d0 : d0 + k].copy_(self.values[s0 : s0 + k])
+            return
+        src, dst = self.index(input_ids.device)
+        input_ids.index_copy_(0, dst, self.values.index_select(0, src))
+
 
 class ChunkLogits(list):
     """`ModelRunner.forward`'s per-chunk logits; with the MTP draft also `last_hidden`
@@ -498,10 +515,7 @@ class ModelRunner:
         if not self.model.is_last:
             raise ValueError(f"logits come from the last stage; this stage holds layers {self.model.layer_range}")
         if tokens is not None:
-            if inputs is not None or not self.model.is_first or self.draft is not None:
-                raise ValueError("device-side input tokens are for plain decode on the whole model")
-            if any(len(c.token_ids) != 1 or c.all_logits for c in chunks):
-                raise ValueError("device-side input tokens are for batches of one-token chunks")
+            self._check_device_tokens(chunks, inputs)
         if self.graphs is not None and inputs is None:
             key = self.graphs.bucket(chunks)
             if key is not None:
@@ -511,7 +525,7 @@ class ModelRunner:
             if key is not None:
                 return ChunkLogits(self.prefill_graphs.forward(chunks, key))
         if tokens is not None:
-            return self._forward_with(chunks, tokens)
+            return list(self._forward_with(chunks, tokens).split(1))
         out = self.forward_stage(chunks, inputs)
         if all(c.all_logits for c in chunks):  # every row (verify blocks): no gather
             logits = self.model.logits(out.hidden)
@@ -527,10 +541,30 @@ class ModelRunner:
             res.last_hidden = self.model.final_norm(out.hidden[ends.to(self.device)])
         return res
 
-    def _forward_with(self, chunks: list[SeqChunk], tokens: DeviceTokens) -> list[torch.Tensor]:
+    def _check_device_tokens(self, chunks: list[SeqChunk], inputs: StageInput | None = None) -> None:
+        if inputs is not None or not (self.model.is_first and self.model.is_last) or self.draft is not None:
+            raise ValueError("device-side input tokens are for plain decode on the whole model")
+        if any(len(c.token_ids) != 1 or c.all_logits for c in chunks):
+            raise ValueError("device-side input tokens are for batches of one-token chunks")
+
+    def decode_rows(self, chunks: list[SeqChunk], tokens: DeviceTokens | None = None) -> torch.Tensor:
+        """A plain decode batch's logits [len(chunks), vocab] fp32, one row per one-token chunk;
+        `tokens`: the inputs of some chunks are on the device. Under a decode graph the rows are
+        the graph's own output, which its next replay overwrites: what reads them (the sampler)
+        must be queued before the next forward. That saves the overlapped loop two copies a step
+        (`forward`'s clone and the caller's stack of its rows)."""
+        self._check_device_tokens(chunks)
+        if self.graphs is not None:
+            key = self.graphs.bucket(chunks)
+            if key is not None:
+                return self.graphs.run(chunks, key, tokens)
+        if tokens is not None:
+            return self._forward_with(chunks, tokens)
+        return torch.cat(self.forward(chunks))
+
+    def _forward_with(self, chunks: list[SeqChunk], tokens: DeviceTokens) -> torch.Tensor:
         """The eager forward with the device-side tokens put into the batch's input ids (one token
-        per chunk: chunk i is row i of the batch)."""
+        per chunk: chunk i is row i of the batch): logits [len(chunks), vocab]."""
         batch, _ = self.build_batch(chunks)
-        src, dst = tokens.index(self.device)
-        batch.input_ids.index_copy_(0, dst, tokens.values.index_select(0, src))
-        return list(self.model.forward(batch, self.pools, slice(None)).split(1))
+        tokens.put(batch.input_ids)
+        return self.model.forward(batch, self.pools, slice(None))

@@ -135,5 +135,31 @@ def test_device_side_input_tokens(runner):
     ref = torch.cat(runner.forward(host))  # writes the same slots with the same values
     got = torch.cat(runner.forward(chunks, tokens=tokens))
     assert torch.equal(got, ref)
+    assert torch.equal(runner.decode_rows(chunks, tokens), ref)  # the overlapped loop's entry
     with pytest.raises(ValueError, match="one-token chunks"):
         runner.forward([SeqChunk([1, 2], 0, chunks[0].page_table)], tokens=tokens)
+
+
+@pytest.mark.parametrize("src,dst", [([1, 2, 3], [0, 1, 2]), ([0, 1, 2], [0, 1, 2]), ([3, 1], [0, 2]), ([2, 1], [0, 1])],
+                         ids=["run", "identity", "scattered", "reversed"])
+def test_device_tokens_put(src, dst):
+    """`DeviceTokens.put` writes values[src[i]] into row dst[i] and nothing else, whether it takes
+    the slice copy (consecutive runs) or the index copy; a state whose every row comes from the
+    device copies no host tokens over them."""
+    from glm53.models.runner import DeviceTokens
+
+    values = torch.randint(100, 1000, (4,), generator=torch.Generator().manual_seed(len(src) + src[0]))
+    ids = torch.randint(0, 100, (5,))
+    want = ids.clone()
+    for s_, d in zip(src, dst):
+        want[d] = values[s_]
+    tokens = DeviceTokens(values, src, dst)
+    tokens.put(ids)
+    assert torch.equal(ids, want)
+    assert tokens.covers(3) == (sorted(dst) == [0, 1, 2])
+
+    # rows in dst hold a placeholder (their token is on the device), the others a host token
+    n = max(dst) + 1
+    state = DecodeState(max_bs=4, max_pages=2, page_size=PS, pad_page=9, max_position=64)
+    state.update([SeqChunk([-7 if i in dst else 42], 3, [0]) for i in range(n)], tokens)
+    assert state.input_ids[:n].tolist() == [int(values[src[dst.index(i)]]) if i in dst else 42 for i in range(n)]

@@ -61,7 +61,7 @@ class Workers(WorkerGroup):
             for s, d in zip(tokens.src, tokens.dst):
                 ids[d] = int(tokens.values[s])
                 self.routed += 1
-        return self._rows(chunks, ids)
+        return torch.cat(self._rows(chunks, ids))
 
     def spec_step(self, blocks):
         raise AssertionError("no draft here")

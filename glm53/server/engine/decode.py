@@ -264,8 +264,9 @@ class DecodeScheduler(Scheduler):
                 chunks.append(SeqChunk([0 if r.pending else r.output[-1]], r.prompt_len + len(r.output) + r.pending - 1,
                                        r.pages))
             tokens = DeviceTokens(prev.tokens, src, dst) if src else None
-            logits = self.workers.forward_decode(chunks, tokens)
-            self.inflight = InflightStep.launch(batch, torch.cat([lg[-1:] for lg in logits]))
+            # the samples are queued at once: the rows may be the graph's output, which the
+            # next step's replay overwrites
+            self.inflight = InflightStep.launch(batch, self.workers.forward_decode(chunks, tokens))
             for r in batch:
                 r.pending += 1
         if prev is not None:

@@ -116,10 +116,11 @@ class LocalWorkers(WorkerGroup):
     def forward_microbatches(self, microbatches: list[list[SeqChunk]]) -> list[list[torch.Tensor]]:
         return self.rank.forward_microbatches(microbatches)
 
-    def forward_decode(self, chunks: list[SeqChunk], tokens: DeviceTokens) -> list[torch.Tensor]:
-        """A decode batch (one token per chunk) whose inputs `tokens` names are on the device;
-        returns without waiting for the GPU."""
-        return self.rank.forward(chunks, tokens)
+    def forward_decode(self, chunks: list[SeqChunk], tokens: DeviceTokens | None) -> torch.Tensor:
+        """A decode batch (one token per chunk) whose inputs `tokens` names are on the device:
+        its logits [len(chunks), vocab], returned without waiting for the GPU. They may be a
+        decode graph's output (`ModelRunner.decode_rows`): sample them before the next step."""
+        return self.rank.decode_rows(chunks, tokens)
 
     def spec_step(self, blocks: list[DraftBlock]) -> SpecOutput:
         return self.rank.spec_step(blocks)

@@ -360,6 +360,9 @@ class RankWorker:
     def forward(self, chunks: list[SeqChunk], tokens: DeviceTokens | None = None) -> list[torch.Tensor]:
         return self.runner.forward(chunks, tokens=tokens)
 
+    def decode_rows(self, chunks: list[SeqChunk], tokens: DeviceTokens | None = None) -> torch.Tensor:
+        return self.runner.decode_rows(chunks, tokens)
+
     def forward_microbatches(self, microbatches: list[list[SeqChunk]],
                              pipe: StagePipe | None = None) -> list[list[torch.Tensor]] | None:
         """This stage's part of a pipelined step (pipeline.py); the logits on the last stage."""
