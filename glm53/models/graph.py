@@ -127,7 +127,7 @@ class DecodeGraphs:
         """The step the graphs hold, run eagerly on the state's first `bs` rows: logits [bs, vocab] fp32."""
         r = self.runner
         batch = self.state.batch(bs, width, r.model.inv_freq)
-        return r.model.logits(r.model.forward_stage(batch, r.pools, None).hidden)
+        return r.model.head(r.model.normed_hidden(r.model.forward_stage(batch, r.pools, None)))
 
     def capture(self) -> None:
         t0 = time.perf_counter()

@@ -31,7 +31,7 @@ from glm53.kernels.fp8_quant import GROUP
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
 from glm53.kernels.kv_rows import CacheRow, finish_rows, store_rows
 from glm53.kernels.linear_f32 import linear_f32
-from glm53.kernels.norm import rms_norm
+from glm53.kernels.norm import add_rms_norm, rms_norm
 from glm53.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from glm53.kernels.row_parts import RowParts, add_rows, take
 from glm53.kernels.sparse_mla import sparse_mla
@@ -99,12 +99,20 @@ class StageInput:
     draft_acc: torch.Tensor | None = None  # [N, hidden_size] fp32, or None without a draft
 
 
+# Rows up to which the last stage takes the final norm in its last add's launch (decode steps and
+# verify blocks: every row's logits are wanted); a longer chunk norms only the rows it samples.
+FINAL_NORM_ROWS = 1024
+
+
 @dataclass
 class StageOutput:
     hidden: torch.Tensor  # [N, hidden_size]: residual stream after the stage's last layer (pre-norm)
     topk_slots: torch.Tensor | None  # set only when the next stage's first layer is shared
     captures: dict[int, torch.Tensor]  # layer id -> [N, hidden_size] (see forward_stage)
     draft_acc: torch.Tensor | None = None  # set by the runner on non-last stages with a draft projection
+    # the last stage's final norm of `hidden`, taken in the last residual add's pass at up to
+    # FINAL_NORM_ROWS rows (`GlmForCausalLM.normed_hidden` gives it, or takes it when None)
+    normed: torch.Tensor | None = None
 
     def next_input(self) -> StageInput:
         return StageInput(self.hidden, self.topk_slots, self.draft_acc)
@@ -480,10 +488,21 @@ class GlmForCausalLM(nn.Module):
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
 
+    def normed_hidden(self, out: StageOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm of a last stage's output rows (`rows`, a device index, or all): the one
+        its last add's launch took, else taken now of those rows only."""
+        if out.normed is not None:
+            return out.normed if rows is None else out.normed.index_select(0, rows)
+        return self.final_norm(out.hidden if rows is None else out.hidden.index_select(0, rows))
+
     @torch.inference_mode()
+    def head(self, hn: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed rows; last stage only."""
+        return self.lm_head(hn).float()
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits of residual-stream rows (before the final norm); last stage only."""
-        return self.lm_head(self.final_norm(x)).float()
+        return self.head(self.final_norm(x))
 
     def check_capture(self, capture: Sequence[int]) -> frozenset[int]:
         r = self.layer_range
@@ -525,15 +544,19 @@ class GlmForCausalLM(nn.Module):
                 captures[held], held = entry, None
             if layer.layer in want:
                 held = layer.layer
-        if pending is not None:
+        normed = None
+        if pending is not None and self.is_last and x.shape[0] <= FINAL_NORM_ROWS:
+            # the last layer's sum, the residual add and the final norm in one launch
+            x, normed = add_rms_norm(x, pending, self.model.norm.weight, self.cfg.rms_norm_eps)
+        elif pending is not None:
             x = add_rows(x, pending)  # the last layer's sum taken in the add's launch
         if held is not None:  # the stage's last layer: its output is the stage's
             last = held == self.cfg.num_hidden_layers - 1
-            captures[held] = self.final_norm(x) if last else x
-        return StageOutput(x, topk_slots if self.hands_on_topk else None, captures)
+            captures[held] = (normed if normed is not None else self.final_norm(x)) if last else x
+        return StageOutput(x, topk_slots if self.hands_on_topk else None, captures, normed=normed)
 
     def forward(self, batch: ForwardBatch, kv: KVPools, logit_rows: torch.Tensor) -> torch.Tensor:
         """Full model (single stage): logits [len(logit_rows), vocab] in fp32."""
         if not (self.is_first and self.is_last):
             raise ValueError(f"forward needs the whole model; this stage holds layers {self.layer_range}")
-        return self.logits(self.forward_stage(batch, kv, None).hidden[logit_rows])
+        return self.head(self.normed_hidden(self.forward_stage(batch, kv, None))[logit_rows])

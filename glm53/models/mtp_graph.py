@@ -59,8 +59,8 @@ def mtp_forward(runner, state: MTPState, bs: int, width: int, sampled: bool) -> 
         qs.append(q)
     drafts = torch.stack(toks, dim=1)
     out = model.forward_stage(state.verify_batch(bs, width, drafts), runner.pools, None)
-    hn = model.final_norm(out.hidden)
-    logits = model.lm_head(hn).float()
+    hn = model.normed_hidden(out)
+    logits = model.head(hn)
     state.keep(bs, hn)
     tokens = torch.cat([drafts, logits.argmax(dim=-1).view(bs, state.k), state.verify_n(bs)[:, None]], dim=1)
     return tokens, logits, torch.stack(qs, dim=1) if sampled else None

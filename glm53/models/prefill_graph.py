@@ -88,8 +88,7 @@ class PrefillGraphs:
         start, n = self.meta[0:1], self.meta[1:2]
         batch, _ = padded_batch(self.ids[None, :tokens], start, n, self.table, self._pad_row, width, r.page_size,
                                 self._j)
-        hidden = r.forward_batch(batch).hidden
-        return r.model.logits(hidden.index_select(0, n - 1))
+        return r.model.head(r.model.normed_hidden(r.forward_batch(batch), n - 1))
 
     def bucket(self, chunks: Sequence) -> tuple[int, int] | None:
         """(tokens, width) of the graph that holds `chunks`, or None: run them eagerly."""

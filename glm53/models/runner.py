@@ -328,7 +328,7 @@ class ModelRunner:
         capture it on their static batch)."""
         if self.mtp is not None:
             out = self.model.forward_stage(batch, self.pools, inputs, capture)
-            self._write_mtp(batch, out.hidden)
+            self._write_mtp(batch, out)
             return out
         if self.projection is None:
             return self.model.forward_stage(batch, self.pools, inputs, capture)
@@ -350,7 +350,7 @@ class ModelRunner:
             self.draft.write_context(c, batch.positions, batch.out_slots, self.pools)
         return out
 
-    def _write_mtp(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+    def _write_mtp(self, batch: ForwardBatch, out: StageOutput) -> None:
         """The MTP KV of a forward's rows (prompt chunks): each chunk's last row is where the
         next row's position does not follow or its page table differs."""
         pos, table = batch.positions, batch.page_table
@@ -358,8 +358,8 @@ class ModelRunner:
         if len(pos) > 1:
             last[:-1] = (pos[1:] != pos[:-1] + 1) | (table[1:] != table[:-1]).any(dim=1)
         rows = last.nonzero().squeeze(1)
-        hn = self.model.final_norm(hidden)
-        self.mtp.write_prompt(batch, hn, self.model.lm_head(hn[rows]).float(), rows)
+        hn = self.model.normed_hidden(out)
+        self.mtp.write_prompt(batch, hn, self.model.head(hn[rows]), rows)
 
     def propose(self, blocks: list[DraftBlock], return_logits: bool = False):
         """The draft's proposals [R, B − 1] for `blocks` (see `DFlashDraft.propose`); needs a
@@ -490,8 +490,8 @@ class ModelRunner:
                   for b, d in zip(blocks, drafts)]
         batch, _ = self.build_batch(chunks)
         out = self.model.forward_stage(batch, self.pools, None)
-        hn = self.model.final_norm(out.hidden)
-        flat_logits = self.model.lm_head(hn).float()
+        hn = self.model.normed_hidden(out)
+        flat_logits = self.model.head(hn)
         logits, state, r = [], {}, 0
         for b, c in zip(blocks, chunks):
             k = len(c.token_ids)
@@ -528,9 +528,9 @@ class ModelRunner:
             return list(self._forward_with(chunks, tokens).split(1))
         out = self.forward_stage(chunks, inputs)
         if all(c.all_logits for c in chunks):  # every row (verify blocks): no gather
-            logits = self.model.logits(out.hidden)
+            logits = self.model.head(self.model.normed_hidden(out))
         else:
-            logits = self.model.logits(out.hidden[self._device_rows(self.logit_rows(chunks))])
+            logits = self.model.head(self.model.normed_hidden(out, self._device_rows(self.logit_rows(chunks))))
         res, r = ChunkLogits(), 0
         for c in chunks:
             k = len(c.token_ids) if c.all_logits else 1
@@ -538,7 +538,7 @@ class ModelRunner:
             r += k
         if self.mtp is not None:  # each chunk's last row, final-normed: the MTP's seed at a prompt's end
             ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-            res.last_hidden = self.model.final_norm(out.hidden[ends.to(self.device)])
+            res.last_hidden = self.model.normed_hidden(out, ends.to(self.device))
         return res
 
     def _check_device_tokens(self, chunks: list[SeqChunk], inputs: StageInput | None = None) -> None:

@@ -54,7 +54,7 @@ def spec_forward(runner, state: SpecState, bs: int, width: int) -> tuple[torch.T
     choice = draft.choose(draft.logits_of(model, h, fp32=False), d.ids[:, 0], h)
     batch, n = state.verify_batch(bs, width, choice.tokens, choice.keep, model.inv_freq)
     out = runner.forward_batch(batch)
-    logits = model.logits(out.hidden)
+    logits = model.head(model.normed_hidden(out))
     tokens = torch.cat([choice.tokens, logits.argmax(dim=-1).view(bs, state.k), n[:, None]], dim=1)
     state.advance(bs, tokens)  # the next step's rows, for a launch before the host reads this one
     return tokens, logits

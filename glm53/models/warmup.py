@@ -149,7 +149,7 @@ def warm_up(runner: ModelRunner, max_tokens: int, max_context: int, force: bool 
             out = runner.forward_stage(chunks, inputs)
             if model.is_last:  # the sampled rows' logits, as serving computes them
                 rows = runner._device_rows(runner.logit_rows(chunks))
-                model.logits(out.hidden[rows])
+                model.head(model.normed_hidden(out, rows))
         for r, b, w in drafts:
             runner.draft_block(synthetic_blocks(r, b, w, runner.page_size))
         for b, width in unpaged:

@@ -259,6 +259,26 @@ def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+def test_model_takes_the_final_norm_in_the_last_add(tmp_path, monkeypatch):
+    # a tiny FP8 model on the Triton path, split-K forced (the last layer's output is a sum not
+    # taken yet): the final norm taken in the last residual add's launch gives the logits of the
+    # add and the norm as two launches, bit for bit, on the prefill and the decode step
+    import glm53.models.model as model_mod
+
+    from glm53.kernels.row_parts import RowParts
+
+    fp8_cases.split_fp8_checkpoint(tmp_path, monkeypatch, seed=4)
+    inner, parts = model_mod.add_rms_norm, []
+    monkeypatch.setattr(model_mod, "add_rms_norm", lambda x, add, *a: parts.append(isinstance(add, RowParts))
+                        or inner(x, add, *a))
+    outs = []
+    for rows in (model_mod.FINAL_NORM_ROWS, 0):
+        monkeypatch.setattr(model_mod, "FINAL_NORM_ROWS", rows)
+        outs.append(_prefill_and_step(tmp_path, fp8=True))
+    assert parts == [True, True]  # the prefill and the step, fused once each
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def _cand_bins(key32, lo, hi, logb=8):
     """Model of the kernels' `_cand_bin`: 2^logb power-of-two-wide key ranges over the bracket."""
     klo, khi = lo << 16, (hi << 16) | 0xFFFF

@@ -122,12 +122,12 @@ def test_verify_logits_are_every_rows_logits(ckpts):
     block = torch.randint(0, 160, (6,), generator=g).tolist()
     chunk = SeqChunk(block, 21, pages, all_logits=True)
     captured = {}
-    logits_of = r.model.logits
-    r.model.logits = lambda x: captured.setdefault("x", x.clone()) is not None and logits_of(x)
+    head_of = r.model.head  # the lm_head of final-normed rows
+    r.model.head = lambda hn: captured.setdefault("hn", hn.clone()) is not None and head_of(hn)
     try:
         got = r.forward([chunk])[0]
     finally:
-        r.model.logits = logits_of
+        r.model.head = head_of
     rows = torch.tensor(ModelRunner.logit_rows([chunk]))
-    assert torch.equal(got, logits_of(captured["x"][rows]))
+    assert torch.equal(got, head_of(captured["hn"][rows]))
     assert got.shape == (6, r.cfg.vocab_size)
