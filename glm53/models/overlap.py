@@ -37,9 +37,10 @@ def side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 class Branch:
-    """Work queued on `side` from the fork (this object's creation, after what the current stream
-    queued so far) until `join` (the current stream waits for it). With `side` None the block
-    runs in line on the current stream and `join` does nothing."""
+    """Work queued on `side` inside the `with` block, forked at this object's creation (after what
+    the current stream queued so far); `join` makes the current stream wait for that work, and
+    only that. With `side` None the block runs in line on the current stream and `join` does
+    nothing."""
 
     def __init__(self, side: torch.cuda.Stream | None):
         self.side = side
@@ -54,7 +55,12 @@ class Branch:
 
     def __exit__(self, *exc) -> None:
         self._ctx.__exit__(*exc)
+        if self.side is not None:
+            # the branch's end, marked now: a join waits for this branch only, not for what
+            # another branch queues on the same side stream after it
+            self._done = torch.cuda.Event()
+            self._done.record(self.side)
 
     def join(self) -> None:
         if self.side is not None:
-            self.main.wait_stream(self.side)
+            self.main.wait_event(self._done)

@@ -132,6 +132,30 @@ def test_device_side_inputs_in_a_graph_step(ckpt):
     assert decode(True) == decode(False)
 
 
+def test_a_join_waits_for_its_branch_only():
+    # two branches on one side stream (the attention's cache rows, then its query): joining the
+    # first must not make the main stream wait for the second, or the indexer runs after the query
+    from glm53.models.overlap import Branch
+
+    side = torch.cuda.Stream()
+    x = torch.randn(1024, device="cuda")
+    first = Branch(side)
+    with first:
+        y = x * 2
+    second = Branch(side)
+    with second:
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the side stream's time
+    first.join()
+    z = y + 1
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    assert not side.query(), "the join waited for the second branch too"
+    assert torch.equal(z, x * 2 + 1)
+    second.join()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
     # the attention's ops off the main chain on a side stream (models/overlap: the cache rows and
