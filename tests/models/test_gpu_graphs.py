@@ -139,12 +139,14 @@ def test_a_join_waits_for_its_branch_only():
 
     side = torch.cuda.Stream()
     x = torch.randn(1024, device="cuda")
+    torch.cuda._sleep(1), x * 2 + 1  # every kernel loaded first: a lazy module load may wait for the device
+    torch.cuda.synchronize()
     first = Branch(side)
     with first:
         y = x * 2
     second = Branch(side)
     with second:
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of the side stream's time
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of the side stream's time
     first.join()
     z = y + 1
     done = torch.cuda.Event()
