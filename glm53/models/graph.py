@@ -20,6 +20,8 @@ norm and the lm_head) once per (batch size, width) bucket and replaying it costs
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +73,24 @@ class GraphConfig:
     prefill_tokens: int = 0
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector run once now, then off until the block ends. A CUDA graph
+    that only a dead reference cycle holds (a dropped runner: its graphs hold it back) is freed when
+    the collector gets to it; freed while another graph is being captured, its teardown is an
+    operation not permitted during a capture, which invalidates that capture (torch's
+    `torch.cuda.graph` no longer collects before it begins). So a capture starts after the
+    collection and none runs inside it."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def pick(buckets: Sequence[int], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
@@ -84,7 +104,7 @@ def capture_buckets(device: torch.device, sizes: Sequence[int], widths: Sequence
     graphs = {}
     # Start-up work: its compiles are warm-up's, also for a runner built after another one in the
     # process has warmed up (a colocated pair; tools/eval_dflash.py's runners, one per mode).
-    with WATCH.warming(), torch.cuda.device(device):  # capture streams belong to the current device
+    with WATCH.warming(), torch.cuda.device(device), collector_paused():  # capture streams: the current device's
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         for width in reversed(widths):

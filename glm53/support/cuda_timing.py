@@ -8,6 +8,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from glm53.models.graph import collector_paused
+
 
 def graph_ms(calls: Sequence[Callable[[], object]], reps: int = 30, warm_replays: int = 3) -> float:
     """Median ms per call of a CUDA graph that runs `calls` in order. Each call runs once eagerly
@@ -24,7 +26,7 @@ def graph_ms(calls: Sequence[Callable[[], object]], reps: int = 30, warm_replays
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with collector_paused(), torch.cuda.graph(g):
         for f in calls:
             f()
     for _ in range(warm_replays):

@@ -163,3 +163,31 @@ def test_device_tokens_put(src, dst):
     state = DecodeState(max_bs=4, max_pages=2, page_size=PS, pad_page=9, max_position=64)
     state.update([SeqChunk([-7 if i in dst else 42], 3, [0]) for i in range(n)], tokens)
     assert state.input_ids[:n].tolist() == [int(values[src[dst.index(i)]]) if i in dst else 42 for i in range(n)]
+
+
+def test_collector_paused_collects_first_and_stays_off():
+    """`graph.collector_paused` (around every capture): a dead reference cycle is freed as it
+    begins, the collector does not run inside it, and its state comes back after, an error too."""
+    import gc
+    import weakref
+
+    from glm53.models.graph import collector_paused
+
+    class Node:
+        pass
+
+    dead = Node()
+    dead.cycle = dead
+    ref = weakref.ref(dead)
+    del dead
+    gc.disable()  # so only collector_paused's own collection can free the cycle
+    try:
+        assert ref() is not None
+        with collector_paused():
+            assert ref() is None and not gc.isenabled()
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("a failed capture")
+    assert gc.isenabled()

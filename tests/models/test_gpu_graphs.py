@@ -132,6 +132,38 @@ def test_device_side_inputs_in_a_graph_step(ckpt):
     assert decode(True) == decode(False)
 
 
+def test_a_dead_runner_is_not_freed_inside_a_capture(ckpt, monkeypatch):
+    # a dropped runner with graphs, held only by a reference cycle, is freed whenever Python's
+    # collector runs; if that is inside another runner's capture, tearing its graphs down
+    # invalidates the capture (benchmarks/early_launch.py's second round failed so). Here the
+    # collector runs inside the capture on purpose: the capture must not see the dead runner.
+    import gc
+
+    from glm53.models.model import GlmForCausalLM
+
+    inner, collected = GlmForCausalLM.forward_stage, []
+
+    def collecting(self, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing() and not collected:
+            collected.append(gc.collect())
+        return inner(self, *args, **kwargs)
+
+    enabled = gc.isenabled()
+    gc.disable()  # only the explicit collections below and in the capture run
+    try:
+        dead = _with_graphs(ckpt, torch.float32, GraphConfig(max_bs=2, max_context=256))
+        dead.cycle = dead
+        del dead
+        monkeypatch.setattr(GlmForCausalLM, "forward_stage", collecting)
+        runner = _with_graphs(ckpt, torch.float32, GraphConfig(max_bs=2, max_context=256))
+    finally:
+        if enabled:
+            gc.enable()
+    assert collected, "no collection ran inside a capture"
+    out = runner.forward([SeqChunk([3], 5, [0])])  # a decode step: its graph replays
+    assert runner.graphs.replays == 1 and torch.isfinite(out[0]).all()
+
+
 def test_a_join_waits_for_its_branch_only():
     # two branches on one side stream (the attention's cache rows, then its query): joining the
     # first must not make the main stream wait for the second, or the indexer runs after the query
