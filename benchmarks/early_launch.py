@@ -1,14 +1,15 @@
 """The FP8 slice's decode step under the switches that launch kernels early (`kernels/launch_early`):
 the small kernels (`SMALL_KERNELS`), the W_UV product (`fp8_act.UV_PDL`, `UV_PREFETCH`) and the MoE
 down kernel (`moe_fp8_triton.DOWN_PDL`, `DOWN_PREFETCH`); and the attention's ops off the main chain
-on a side stream (`models.overlap.SIDE_STREAM`). Each variant's step is captured as the
+on a side stream (`models.overlap.SIDE_STREAM`); and the W_UV product combining the attention's
+splits in its own launch (`fp8_act.UV_TAKES_SPLITS`). Each variant's step is captured as the
 serving graphs capture it and timed as one CUDA graph replayed back to back (the step's GPU time,
 no host work between steps), the variants interleaved over `--rounds` so drift hits all of them;
 the logits of every variant are checked equal to the all-off step's. Prints each variant's median
 and its ratio to all-off; `--trace V[,W]` adds those variants' kernels in order with the gaps between them.
 
-    python3 benchmarks/early_launch.py [--sizes 1 64] [--variants off,small,uv,down,all,side,every] [--rounds 2]
-        [--trace off] [--json out.json]                      # a GPU of compute capability 9.0+
+    python3 benchmarks/early_launch.py [--sizes 1 64] [--rounds 2] [--trace off] [--json out.json]
+        [--variants off,small,uv,down,all,side,every,splits,every+splits]   # a GPU of compute capability 9.0+
 """
 
 from __future__ import annotations
@@ -20,17 +21,19 @@ from pathlib import Path
 
 import torch
 
-# variant -> (SMALL_KERNELS, UV_PDL, UV_PREFETCH, DOWN_PDL, DOWN_PREFETCH, SIDE_STREAM)
+# variant -> (SMALL_KERNELS, UV_PDL, UV_PREFETCH, DOWN_PDL, DOWN_PREFETCH, SIDE_STREAM, UV_TAKES_SPLITS)
 VARIANTS = {
-    "off": (False, False, 0, False, 0, False),
-    "small": (True, False, 0, False, 0, False),
-    "uv": (False, True, 1024, False, 0, False),
-    "uv256": (False, True, 256, False, 0, False),
-    "down": (False, False, 0, True, 256, False),
-    "down0": (False, False, 0, True, 0, False),
-    "all": (True, True, 1024, True, 256, False),
-    "side": (False, False, 0, False, 0, True),
-    "every": (True, True, 1024, True, 256, True),
+    "off": (False, False, 0, False, 0, False, False),
+    "small": (True, False, 0, False, 0, False, False),
+    "uv": (False, True, 1024, False, 0, False, False),
+    "uv256": (False, True, 256, False, 0, False, False),
+    "down": (False, False, 0, True, 256, False, False),
+    "down0": (False, False, 0, True, 0, False, False),
+    "all": (True, True, 1024, True, 256, False, False),
+    "side": (False, False, 0, False, 0, True, False),
+    "every": (True, True, 1024, True, 256, True, False),
+    "splits": (False, False, 0, False, 0, False, True),  # the W_UV product combines the attention's splits
+    "every+splits": (True, True, 1024, True, 256, True, True),
 }
 
 
@@ -41,7 +44,7 @@ def switch(name: str) -> None:
     import glm53.models.overlap as overlap
 
     (launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8.DOWN_PDL,
-     moe_fp8.DOWN_PREFETCH, overlap.SIDE_STREAM) = VARIANTS[name]
+     moe_fp8.DOWN_PREFETCH, overlap.SIDE_STREAM, fp8_act.UV_TAKES_SPLITS) = VARIANTS[name]
 
 
 def step_graphs(base, sizes: list[int], ctx: int):

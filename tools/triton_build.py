@@ -262,6 +262,7 @@ def case_attention():
 
 def case_norms():
     from glm53.kernels.fp8_act import rms_norm_fp8_triton, silu_mul_fp8_triton, uv_product_fp8_triton
+    from glm53.kernels.sparse_mla_triton import Splits
     from glm53.kernels.norm_triton import rms_norm_triton, sum_rms_norm_triton
     from glm53.kernels.rope_triton import apply_rope_triton
     from glm53.kernels.row_parts import RowParts, sum_parts_triton
@@ -293,6 +294,10 @@ def case_norms():
             silu_mul_fp8_triton(gu[:, :1536], gu[:, 1536:])
         for m in (1, 64):  # o_proj's rows from W_UV at decode sizes: GLM-5 tp = 8's 8 heads of 256 over 512
             uv_product_fp8_triton(empty(m, 8, 512), empty(8, 448, 512)[:, 192:])
+            # the same, combining the attention's 32 (one token) or 2 splits itself (fp8_act.UV_TAKES_SPLITS)
+            s = 32 if m == 1 else 2
+            splits = Splits(empty(m, 8, 512), empty(m, 8, s, 512, dtype=F32), empty(m, 8, s, dtype=F32), s, 512)
+            uv_product_fp8_triton(splits, empty(8, 448, 512)[:, 192:])
         for m in (1, 16):  # bf16 SwiGLU: the draft's 768-wide MLP at decode and verify rows
             gu = empty(m, 2 * 768)
             silu_mul_triton(gu[:, :768], gu[:, 768:])

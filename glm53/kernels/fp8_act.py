@@ -42,6 +42,7 @@ from glm53.kernels.launch_early import early_args, pdl_option, prefetch_rows_l2,
 from glm53.kernels.norm import rms_norm_reference
 from glm53.kernels.norm_triton import added, load_residual_sum
 from glm53.kernels.row_parts import RowParts, row_source, take
+from glm53.kernels.sparse_mla_triton import COMBINE_WARPS, Splits, combine_row
 
 M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8_gemm_cublas pads
 # Rows up to which w8a8 activations carry a second e4m3 term (`two_terms`). Greedy agreement with
@@ -313,6 +314,9 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
 # with all of them against 1,039.2 with none, H100).
 UV_PDL = True
 UV_PREFETCH = 1024
+# The attention's splits combined by the W_UV product in its own launch (one launch fewer a layer at
+# decode sizes, `uv_product_fp8` given `Splits`). Off until timed on a GPU (next: early_launch.py).
+UV_TAKES_SPLITS = False
 
 
 def uv_product_reference(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
@@ -325,19 +329,23 @@ def uv_product_reference(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tenso
     return o.view(n, -1)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "NSPLIT"])
 def _uv_fp8_kernel(
     o_ptr, w_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, M, R, stride_ot, stride_oh, stride_wh, stride_wv, stride_q,
-    stride_sm, stride_sg,
+    stride_sm, stride_sg, part_ptr, lse_ptr, NSPLIT, H,
     V: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, LO: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    COMBINE: tl.constexpr = False, CR: tl.constexpr = 16, CSP: tl.constexpr = 1,
 ):
     """One program: BLOCK_M rows × one group of G output columns, all of one head (G divides V).
     The head's W_UV rows are read once for all the rows (decode sizes: one row block), the fp32
     product is rounded to o_lat's dtype as the batched product rounds it, then quantized. PDL:
     launched while the attention's last kernel runs; the first PREFETCH bytes of each W_UV row go
-    to L2 (the weight does not depend on it), then the program waits for o_lat."""
+    to L2 (the weight does not depend on it), then the program waits for o_lat. COMBINE: the
+    attention left its splits (part [M, H, NSPLIT, CR], lse [M, H, NSPLIT]; `sparse_mla_triton.Splits`):
+    the program first combines its head's rows into o_lat itself, as the combine launch would (the
+    same code, `combine_row`), and reads them back (the head's other programs write the same bytes)."""
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -354,6 +362,15 @@ def _uv_fp8_kernel(
         if PREFETCH > 0:
             prefetch_rows_l2(w_row0, tl.minimum(R * w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH))
         tl.extra.cuda.gdc_wait()  # o_lat is the attention's
+    if COMBINE:
+        r_all = tl.arange(0, CR)
+        for i in range(BLOCK_M):
+            row = tl.program_id(0) * BLOCK_M + i
+            if row < M:
+                o = combine_row(part_ptr, lse_ptr, row * H + head, NSPLIT, R, CR, CSP)
+                tl.store(o_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + r_all,
+                         o.to(o_ptr.dtype.element_ty), mask=r_all < R)
+        tl.debug_barrier()  # the rows this program wrote, before it reads them
     acc = tl.zeros((BLOCK_M, G), dtype=tl.float32)
     for r0 in range(0, R, BR):
         rr = r0 + tl.arange(0, BR)
@@ -374,13 +391,20 @@ def _uv_fp8_kernel(
         tl.store(sl_ptr + r64 * stride_sm + grp * stride_sg, scale, mask=rm)
 
 
-def uv_product_fp8_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, block_r: int = 128, num_warps: int = 4,
-                          num_stages: int = 3, pdl: bool | None = None, prefetch: int | None = None) -> Fp8Rows:
-    """o_lat [n, h, R] (unit last stride), w_uv [h, V, R] (unit last stride: a slice of kv_b_proj's
-    weight), V a multiple of 128 -> `uv_product_reference`'s o as `Fp8Rows`. The default tile is
-    the best of 24 on the H100 (benchmarks/history/2026-12-05.md, twenty-eighth session): against
-    cuBLAS's batched product plus the quantizing launch, 8.5 vs 9.6 µs at the slice's 64 heads and
-    one row, 11.9 vs 16.5 at 64 rows; 4.9 vs 5.7 at GLM-5 tp = 8's 8 heads."""
+def uv_product_fp8_triton(o_lat: torch.Tensor | Splits, w_uv: torch.Tensor, block_r: int = 128,
+                          num_warps: int = COMBINE_WARPS, num_stages: int = 3, pdl: bool | None = None,
+                          prefetch: int | None = None) -> Fp8Rows:
+    """o_lat [n, h, R] (unit last stride), or the attention's splits not combined yet (`Splits`:
+    combined in this launch), w_uv [h, V, R] (unit last stride: a slice of kv_b_proj's weight), V
+    a multiple of 128 -> `uv_product_reference`'s o as `Fp8Rows`. The default tile is the best of
+    24 on the H100 (benchmarks/history/2026-12-05.md, twenty-eighth session): against cuBLAS's
+    batched product plus the quantizing launch, 8.5 vs 9.6 µs at the slice's 64 heads and one row,
+    11.9 vs 16.5 at 64 rows; 4.9 vs 5.7 at GLM-5 tp = 8's 8 heads. Its 4 warps are also the
+    combine launch's (`COMBINE_WARPS`): taking the splits, it then sums them in the same order."""
+    splits = o_lat if isinstance(o_lat, Splits) else None
+    if splits is not None:
+        o_lat = splits.out
+        assert num_warps == COMBINE_WARPS, "the splits are summed as the combine launch sums them: its warps"
     n, h, r = o_lat.shape
     v = w_uv.shape[1]
     assert w_uv.shape == (h, v, r) and v % GROUP == 0 and w_uv.dtype == o_lat.dtype, (o_lat.shape, w_uv.shape)
@@ -393,6 +417,9 @@ def uv_product_fp8_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, block_r: int 
         _uv_fp8_kernel[(triton.cdiv(n, block_m), h * v // GROUP)](
             o_lat, w_uv, rows.q, rows.scale, *_lo_args(rows), n, r, o_lat.stride(0), o_lat.stride(1),
             w_uv.stride(0), w_uv.stride(1), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),
+            *((splits.part, splits.lse, splits.num_splits) if splits is not None else (o_lat, o_lat, 1)), h,
+            COMBINE=splits is not None, CR=splits.block_r if splits is not None else 16,
+            CSP=triton.next_power_of_2(splits.num_splits) if splits is not None else 1,
             V=v, G=GROUP, BLOCK_M=block_m, BR=min(block_r, max(16, triton.next_power_of_2(r))),
             LO=rows.q_lo is not None, DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else o_lat.dtype),
             EXACT_RNE=interp, TRIGGER=trigger_dependents(), PDL=pdl,
@@ -402,10 +429,12 @@ def uv_product_fp8_triton(o_lat: torch.Tensor, w_uv: torch.Tensor, block_r: int 
     return rows
 
 
-def uv_product_fp8(o_lat: torch.Tensor, w_uv: torch.Tensor) -> Fp8Rows:
+def uv_product_fp8(o_lat: torch.Tensor | Splits, w_uv: torch.Tensor) -> Fp8Rows:
     """The absorbed attention's output product quantized for o_proj in the same pass: Triton where
     `dispatch.use_triton` says so and whole groups fall in each head (V a multiple of 128), else
-    the batched product, then its groups."""
-    if use_triton(o_lat, w_uv) and w_uv.shape[1] % GROUP == 0 and o_lat.stride(2) == 1 and w_uv.stride(2) == 1:
+    the batched product, then its groups. `o_lat` may be the attention's splits not combined yet
+    (`UV_TAKES_SPLITS`): the Triton launch combines them, the batched product after the combine."""
+    dense = o_lat.out if isinstance(o_lat, Splits) else o_lat
+    if use_triton(dense, w_uv) and w_uv.shape[1] % GROUP == 0 and dense.stride(2) == 1 and w_uv.stride(2) == 1:
         return uv_product_fp8_triton(o_lat, w_uv)
-    return _pack(uv_product_reference(o_lat, w_uv))
+    return _pack(uv_product_reference(o_lat.combine() if isinstance(o_lat, Splits) else o_lat, w_uv))

@@ -61,18 +61,21 @@ def sparse_mla_reference(
 
 
 def sparse_mla(
-    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, kv_lora_rank: int
-) -> torch.Tensor:
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, kv_lora_rank: int,
+    keep_splits: bool = False,
+):
+    """`keep_splits`: a Triton kernel that splits the slots may leave its splits uncombined
+    (`sparse_mla_triton.Splits`, for the W_UV product to take); the reference returns the output."""
     if use_triton(q) and kv_cache.dtype == torch.uint8:
         from glm53.kernels.sparse_mla_fp8_hopper import fp8_hopper_supports, sparse_mla_fp8_hopper
         from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
 
         if not triton_interpreting() and fp8_hopper_supports(q, kv_cache, kv_lora_rank):  # sm_90, GLM-5 row
-            return sparse_mla_fp8_hopper(q, kv_cache, indices, sm_scale, kv_lora_rank)
+            return sparse_mla_fp8_hopper(q, kv_cache, indices, sm_scale, kv_lora_rank, keep_splits=keep_splits)
 
-        return sparse_mla_fp8_triton(q, kv_cache, indices, sm_scale, kv_lora_rank)
+        return sparse_mla_fp8_triton(q, kv_cache, indices, sm_scale, kv_lora_rank, keep_splits=keep_splits)
     if use_triton(q):
         from glm53.kernels.sparse_mla_triton import sparse_mla_triton
 
-        return sparse_mla_triton(q, kv_cache, indices, sm_scale, kv_lora_rank)
+        return sparse_mla_triton(q, kv_cache, indices, sm_scale, kv_lora_rank, keep_splits=keep_splits)
     return sparse_mla_reference(q, kv_cache, indices, sm_scale, kv_lora_rank)

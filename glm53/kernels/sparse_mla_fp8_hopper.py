@@ -46,7 +46,7 @@ from glm53.kernels.latent_cache_fp8 import LatentLayout, views
 from glm53.kernels.sparse_mla_hopper import (
     BLOCK_H, MAXNREG, REGS_VALUES, _copy_layout, _load_slots, _ws_scores, _ws_values_hi,
 )
-from glm53.kernels.sparse_mla_triton import LOG2E, combine_splits, plan_splits
+from glm53.kernels.sparse_mla_triton import LOG2E, Splits, finish_splits, plan_splits
 
 KV_LORA_RANK = 512  # the shapes the buffers are sized for (GLM-5): 512 fp8 + 4 scales + 64 bf16
 ROPE_DIM = 64
@@ -415,7 +415,8 @@ def sparse_mla_fp8_hopper(
     block_n: int | None = None,
     stages: int | None = None,
     producers: int = 1,
-) -> torch.Tensor:
+    keep_splits: bool = False,
+) -> torch.Tensor | Splits:
     """`sparse_mla` over one layer's FP8 cache [num_pages, page_size, 656] uint8 (check
     `fp8_hopper_supports` first). Splits are planned and combined as for the bf16 kernels
     (`sparse_mla_triton.plan_splits` / `combine_splits`). The options change the speed, not the
@@ -424,7 +425,8 @@ def sparse_mla_fp8_hopper(
     64-slot tiles leave no room for staging). Neither given: DEFAULT_BLOCK_N and DEFAULT_STAGES.
     `producers`: the register producer's 4 warps as one partition, or (2, `block_n` 32) as two of
     2 warps taking alternate blocks, each with its own block's rows in flight: two blocks loading
-    at once where one partition has one, and one partition's loads overlap the other's stores."""
+    at once where one partition has one, and one partition's loads overlap the other's stores.
+    `keep_splits`: as `sparse_mla_triton`'s."""
     assert fp8_hopper_supports(q, kv_cache, kv_lora_rank), "needs sm_90, bf16 q, the 512 + 64 latent, 656 B rows"
     if block_n is None and stages is None:
         block_n, stages = DEFAULT_BLOCK_N, DEFAULT_STAGES
@@ -453,5 +455,4 @@ def sparse_mla_fp8_hopper(
         H=H, R=R, P=Dqk - R, PAGE=kv_cache.shape[1], BH=BLOCK_H, BN=block_n, NHB=nhb, SPLIT=num_splits > 1,
         STAGES=stages, PWARPS=4 // producers, NPROD=producers, num_warps=4, maxnreg=MAXNREG,
     )
-    combine_splits(part, lse, out, num_splits, R, R)
-    return out
+    return finish_splits(out, part, lse, num_splits, R, R, keep_splits)

@@ -24,7 +24,7 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
 from glm53.kernels.latent_cache_fp8 import LatentLayout, views
 from glm53.kernels.launch_early import early_args, wait_then_release
-from glm53.kernels.sparse_mla_triton import LOG2E, combine_splits, plan_splits
+from glm53.kernels.sparse_mla_triton import LOG2E, Splits, finish_splits, plan_splits
 
 MAX_TILES = 4
 
@@ -182,9 +182,11 @@ def sparse_mla_fp8_triton(
     block_h: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> torch.Tensor:
+    keep_splits: bool = False,
+) -> torch.Tensor | Splits:
     """`kv_cache` [num_pages, page_size, bytes_per_token] uint8 (one layer's view of an FP8 latent
-    pool); the schedule options (None: defaults) change the speed, not the result."""
+    pool); the schedule options (None: defaults) change the speed, not the result. `keep_splits`:
+    as `sparse_mla_triton`'s."""
     T, H, Dqk = q.shape
     R = kv_lora_rank
     P = Dqk - R
@@ -226,5 +228,4 @@ def sparse_mla_fp8_triton(
         BLOCK_N=block_n, NHB=nhb, SPLIT=num_splits > 1, DOT_F32=interp,
         PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **early_args(),
     )
-    combine_splits(part, lse, out, num_splits, R, BLOCK_R)
-    return out
+    return finish_splits(out, part, lse, num_splits, R, BLOCK_R, keep_splits)

@@ -22,6 +22,7 @@ accumulator rescale until a row max grows by 2^8).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -145,6 +146,25 @@ def _sparse_mla_kernel(
             tl.store(out_row + b[None, :], o_b.to(out_ptr.dtype.element_ty), mask=hm[:, None] & bm[None, :])
 
 
+@triton.jit
+def combine_row(part_ptr, lse_ptr, row, NSPLIT, R, BLOCK_R: tl.constexpr, BLOCK_SP: tl.constexpr):
+    """One (token, head) row of the output, fp32 [BLOCK_R]: its splits' normalized partials
+    (part [rows, NSPLIT, BLOCK_R] fp32) weighted by their base-2 log-sum-exps (lse [rows, NSPLIT]);
+    `row` = token * heads + head. The one combine both `_combine_kernel` and the W_UV product that
+    takes the splits (`fp8_act._uv_fp8_kernel`) run, so the two give the same bits."""
+    sidx = tl.arange(0, BLOCK_SP)
+    sm = sidx < NSPLIT
+    lse = tl.load(lse_ptr + row.to(tl.int64) * NSPLIT + sidx, mask=sm, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx)
+    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    r = tl.arange(0, BLOCK_R)
+    part = tl.load(part_ptr + (row.to(tl.int64) * NSPLIT + sidx)[:, None] * BLOCK_R + r[None, :],
+                   mask=sm[:, None] & (r < R)[None, :], other=0.0)
+    return tl.sum(part * w[:, None], axis=0)
+
+
 @triton.jit(do_not_specialize=["NSPLIT"])  # the split count follows the token count
 def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, NSPLIT, stride_ot, stride_oh,
@@ -157,18 +177,14 @@ def _combine_kernel(
     pid = tl.program_id(0)  # t * H + h
     t = pid // H
     h = pid % H
-    sidx = tl.arange(0, BLOCK_SP)
-    sm = sidx < NSPLIT
-    lse = tl.load(lse_ptr + pid.to(tl.int64) * NSPLIT + sidx, mask=sm, other=float("-inf"))
-    mx = tl.max(lse, axis=0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(lse - mx)
-    w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    o = combine_row(part_ptr, lse_ptr, pid, NSPLIT, R, BLOCK_R, BLOCK_SP)
     r = tl.arange(0, BLOCK_R)
-    part = tl.load(part_ptr + (pid.to(tl.int64) * NSPLIT + sidx)[:, None] * BLOCK_R + r[None, :],
-                   mask=sm[:, None] & (r < R)[None, :], other=0.0)
-    o = tl.sum(part * w[:, None], axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + r, o.to(out_ptr.dtype.element_ty), mask=r < R)
+
+
+# The combine's launch shape: its tile is the same in `_uv_fp8_kernel` (the same layout, so the
+# same order of the sum over splits)
+COMBINE_WARPS = 4
 
 
 def _num_sms(device: torch.device) -> int:
@@ -211,8 +227,40 @@ def combine_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num
     _combine_kernel[(T * H,)](
         part, lse, out, num_splits, out.stride(0), out.stride(1),
         H=H, R=R, BLOCK_R=block_r, BLOCK_SP=triton.next_power_of_2(num_splits), PDL=not interp,
-        num_warps=1 if interp else 4, **pdl_option(not interp),
+        num_warps=COMBINE_WARPS, **pdl_option(not interp),
     )
+
+
+@dataclass
+class Splits:
+    """A sparse MLA output whose splits are not combined yet: `out` [T, H, R] (q's dtype) is where
+    they go, `part` [T, H, num_splits, block_r] fp32 and `lse` [T, H, num_splits] what they are.
+    The W_UV product combines them in its own launch (`fp8_act.uv_product_fp8`); `combine` is
+    the usual launch."""
+
+    out: torch.Tensor
+    part: torch.Tensor
+    lse: torch.Tensor
+    num_splits: int
+    R: int
+
+    @property
+    def block_r(self) -> int:
+        return self.part.shape[-1]
+
+    def combine(self) -> torch.Tensor:
+        combine_splits(self.part, self.lse, self.out, self.num_splits, self.R, self.block_r)
+        return self.out
+
+
+def finish_splits(out: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, num_splits: int, R: int, block_r: int,
+                  keep: bool) -> torch.Tensor | Splits:
+    """A sparse MLA kernel's result: `out`, its splits combined, or with `keep` and more than one
+    split those splits left to the reader (`Splits`)."""
+    if keep and num_splits > 1:
+        return Splits(out, part, lse, num_splits, R)
+    combine_splits(part, lse, out, num_splits, R, block_r)
+    return out
 
 
 def sparse_mla_triton(
@@ -228,8 +276,10 @@ def sparse_mla_triton(
     num_stages: int | None = None,
     col_halves: bool = True,
     kernel: str | None = None,
-) -> torch.Tensor:
+    keep_splits: bool = False,
+) -> torch.Tensor | Splits:
     """The schedule options (None: the measured defaults) only change the speed, not the result.
+    `keep_splits`: leave more than one split uncombined (`Splits`, for the W_UV product to take).
     `kernel`: "hopper" (the Gluon kernel of `sparse_mla_hopper`, sm_90 only; `block_n` 32 or 64
     applies), "tl" (this module's kernel; `block_h`, `num_warps`, `num_stages` and
     `col_halves`, the latent row as two column halves with two accumulators, apply) or None: the
@@ -283,5 +333,4 @@ def sparse_mla_triton(
             NHB=nhb, SPLIT=num_splits > 1, HALVES=col_halves, DOT_F32=interp,
             PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages, **early_args(),
         )
-    combine_splits(part, lse, out, num_splits, R, BLOCK_R)
-    return out
+    return finish_splits(out, part, lse, num_splits, R, BLOCK_R, keep_splits)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from glm53.kernels import index_cache_fp8, latent_cache_fp8
+from glm53.kernels import fp8_act, index_cache_fp8, latent_cache_fp8
 from glm53.kernels.absorb import absorbed_query
 from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8, two_terms, uv_product_fp8, uv_product_reference
 from glm53.kernels.fp8_quant import GROUP
@@ -340,11 +340,12 @@ class Attention(nn.Module):
         elif topk_slots is None:
             raise RuntimeError(f"layer {self.layer} shares top-k but no full layer ran before it")
         query.join()
-        o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r)
         if self.o_proj.takes_fp8_rows(n) and two_terms(n) and cfg.v_head_dim % GROUP == 0:
             # decode sizes: the W_UV product writes o_proj's quantized rows itself (no dense o, no
-            # quantizing launch; kernels/fp8_act)
+            # quantizing launch; kernels/fp8_act), and may combine the attention's splits too
+            o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r, keep_splits=fp8_act.UV_TAKES_SPLITS)
             return self.o_proj(uv_product_fp8(o_lat, w[:, nope:]), keep_parts), topk_slots
+        o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r)
         return self.o_proj(uv_product_reference(o_lat, w[:, nope:])), topk_slots
 
 

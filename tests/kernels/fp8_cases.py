@@ -402,6 +402,50 @@ def check_uv_product_fp8(M: int, H: int, V: int, R: int, dtype, device="cpu", **
         check_second_term(rows, yf, rounding=2 * tol)
 
 
+def check_uv_takes_splits(T: int, H: int, R: int, P: int, K: int, V: int, num_splits: int | None = None,
+                          fp8_cache: bool = False, device="cpu") -> None:
+    """The W_UV product given the attention's splits uncombined (`Splits`, `fp8_act.UV_TAKES_SPLITS`)
+    against the attention combined by its own launch, then the product: o_lat's rows, the codes and
+    the scales equal bit for bit (the two sum the splits in one code, `combine_row`). Rows with
+    holes, with fewer slots than K and with none; the splits' output buffer starts as NaN, so a row
+    the product did not combine shows. `fp8_cache`: the attention over an FP8 latent cache."""
+    from glm53.kernels.fp8_act import uv_product_fp8_triton
+    from glm53.kernels.sparse_mla import sparse_mla
+    from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
+    from glm53.kernels.sparse_mla_triton import Splits, sparse_mla_triton
+    from tests.kernels.cases import _paged_pool, fp8_latent_pool
+
+    page_size = 16
+    num_pages = (2 * K + page_size - 1) // page_size * T + 1
+    if fp8_cache:
+        kv = fp8_latent_pool(num_pages, page_size, R, P, device=device)[0]
+    else:
+        kv = _paged_pool(num_pages, 2, page_size, R + P, torch.bfloat16, device)
+    # the given split count on the portable kernels, else the public op (the Hopper kernels on sm_90)
+    attend = sparse_mla if num_splits is None else sparse_mla_fp8_triton if fp8_cache else sparse_mla_triton
+    q = torch.randn(T, H, R + P, device=device).bfloat16()
+    idx = torch.stack([torch.randperm(num_pages * page_size, device=device)[:K] for _ in range(T)]).int()
+    idx[0, ::5] = -1  # holes
+    if T >= 2:
+        idx[1, K // 3:] = -1  # fewer selected than K
+    if T >= 3:
+        idx[2] = -1  # nothing selected
+    w = torch.randn(H, 48 + V, R, device=device) * R**-0.5
+    w_uv = w.bfloat16()[:, 48:]
+    kw = {} if num_splits is None else {"num_splits": num_splits}
+    splits = attend(q, kv, idx, (R + P) ** -0.5, R, keep_splits=True, **kw)
+    assert isinstance(splits, Splits) and splits.num_splits > 1, type(splits)
+    splits.out.fill_(float("nan"))
+    fused = uv_product_fp8_triton(splits, w_uv)
+    dense = attend(q, kv, idx, (R + P) ** -0.5, R, **kw)
+    assert torch.equal(splits.out, dense)
+    ref = uv_product_fp8_triton(dense, w_uv)
+    assert (fused.lo_rows() is None) == (ref.lo_rows() is None)
+    for got, want in ((fused.rows(), ref.rows()), (fused.lo_rows() or (), ref.lo_rows() or ())):
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # codes and fp32 scales, bit for bit
+
+
 def check_gemm_rows(M: int, N: int, K: int, device="cpu") -> None:
     """A product of rows a producer quantized (`fp8_gemm_rows`: a padded buffer, scales
     column-major, or row-major with the second term) against the same product quantizing the producer's dense output itself (`fp8_gemm`):

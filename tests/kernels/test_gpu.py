@@ -490,6 +490,13 @@ def test_fp8_gemm_launched_early_matches(M, N, K, split):
                          plain)
 
 
+@pytest.mark.parametrize("T,H,fp8_cache", [(1, 64, False), (1, 64, True), (4, 8, False), (16, 8, True)])
+def test_uv_product_takes_the_splits(T, H, fp8_cache):
+    # the slice's 64 heads and GLM-5 tp = 8's 8 at decode sizes, top-2048 (32 splits at one token):
+    # the W_UV product combining the splits gives the bits of the combine launch then the product
+    fp8_cases.check_uv_takes_splits(T, H, 512, 64, 2048, 256, fp8_cache=fp8_cache, device=DEV)
+
+
 @pytest.mark.parametrize("T,H", [(1, 64), (3, 8), (16, 64)])
 def test_uv_product_launched_early_matches(T, H):
     # the W_UV product launched while the split combine before it runs (which lets it launch as

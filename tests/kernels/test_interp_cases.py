@@ -910,6 +910,11 @@ def test_silu_mul_fp8(M, inter, dtype):
     fp8_cases.check_silu_mul_fp8(M, inter, dtype)
 
 
+@pytest.mark.parametrize("T,num_splits,fp8_cache", [(1, 3, False), (3, 2, False), (3, 3, True)])
+def test_uv_product_takes_the_splits(T, num_splits, fp8_cache):
+    fp8_cases.check_uv_takes_splits(T, 2, 32, 16, 40, 128, num_splits=num_splits, fp8_cache=fp8_cache)
+
+
 @pytest.mark.parametrize("M,H,V,R,dtype", [(1, 3, 256, 96, torch.bfloat16), (20, 2, 128, 40, torch.float32),
                                              (70, 1, 128, 64, torch.bfloat16)])
 def test_uv_product_fp8(M, H, V, R, dtype):
