@@ -144,10 +144,13 @@ class DecodeGraphs:
         self.capture()
 
     def run_eager(self, bs: int, width: int) -> torch.Tensor:
-        """The step the graphs hold, run eagerly on the state's first `bs` rows: logits [bs, vocab] fp32."""
+        """The step the graphs hold, run eagerly on the state's first `bs` rows: logits [bs, vocab]
+        as the lm_head gives them, in the model's dtype. Their fp32 form, the model's logits, is an
+        exact widening, so the graph leaves it to its readers: the sampler reads either (its argmax
+        is the same index), and `forward`'s copy widens them."""
         r = self.runner
         batch = self.state.batch(bs, width, r.model.inv_freq)
-        return r.model.head(r.model.normed_hidden(r.model.forward_stage(batch, r.pools, None)))
+        return r.model.lm_head(r.model.normed_hidden(r.model.forward_stage(batch, r.pools, None)))
 
     def capture(self) -> None:
         t0 = time.perf_counter()
@@ -166,9 +169,9 @@ class DecodeGraphs:
         return bs, width
 
     def run(self, chunks: Sequence, key: tuple[int, int], tokens=None) -> torch.Tensor:
-        """Replays the graph `key` on `chunks`: logits [len(chunks), vocab] fp32, a view of the
-        graph's output, which the next replay overwrites. `tokens` (runner.DeviceTokens): inputs
-        still on the device."""
+        """Replays the graph `key` on `chunks`: logits [len(chunks), vocab] in the model's dtype
+        (`run_eager`), a view of the graph's output, which the next replay overwrites. `tokens`
+        (runner.DeviceTokens): inputs still on the device."""
         self.state.update(chunks, tokens)
         g, out = self.graphs[key]
         g.replay()
@@ -177,4 +180,4 @@ class DecodeGraphs:
 
     def forward(self, chunks: Sequence, key: tuple[int, int], tokens=None) -> list[torch.Tensor]:
         """Per chunk, its logits [1, vocab] fp32 (a copy that outlives the next replay)."""
-        return list(self.run(chunks, key, tokens).clone().split(1))
+        return list(self.run(chunks, key, tokens).to(torch.float32, copy=True).split(1))

@@ -548,11 +548,12 @@ class ModelRunner:
             raise ValueError("device-side input tokens are for batches of one-token chunks")
 
     def decode_rows(self, chunks: list[SeqChunk], tokens: DeviceTokens | None = None) -> torch.Tensor:
-        """A plain decode batch's logits [len(chunks), vocab] fp32, one row per one-token chunk;
+        """A plain decode batch's logits [len(chunks), vocab], one row per one-token chunk;
         `tokens`: the inputs of some chunks are on the device. Under a decode graph the rows are
-        the graph's own output, which its next replay overwrites: what reads them (the sampler)
-        must be queued before the next forward. That saves the overlapped loop two copies a step
-        (`forward`'s clone and the caller's stack of its rows)."""
+        the graph's own output, in the model's dtype (their widening to fp32 is exact), which its
+        next replay overwrites: what reads them (the sampler) must be queued before the next
+        forward. That saves the overlapped loop three copies a step (the fp32 cast, `forward`'s
+        copy and the caller's stack of its rows); eagerly they are fp32."""
         self._check_device_tokens(chunks)
         if self.graphs is not None:
             key = self.graphs.bucket(chunks)
