@@ -259,6 +259,30 @@ def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+def test_model_uv_product_takes_the_splits(tmp_path, monkeypatch):
+    # a tiny FP8 model whose W_UV product writes o_proj's rows (v_head_dim 128) and whose sparse
+    # MLA splits its 32 top-k slots (2 splits of 16 under the interpreter): the W_UV product
+    # combining the splits (fp8_act.UV_TAKES_SPLITS) gives the logits of the combine launch, bit for
+    # bit, on the prefill and the decode step
+    import glm53.kernels.fp8_act as fp8_act
+    import glm53.models.model as model_mod
+    from glm53.kernels.sparse_mla_triton import Splits
+    from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
+
+    make_checkpoint(tmp_path, seed=6, **{**FP8_WIDTHS, "v_head_dim": 128, "index_topk": 32})
+    quantise_fp8_(tmp_path, block=128)
+    inner, took = model_mod.uv_product_fp8, []
+    monkeypatch.setattr(model_mod, "uv_product_fp8", lambda o, w: took.append(isinstance(o, Splits)) or inner(o, w))
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(fp8_act, "UV_TAKES_SPLITS", on)
+        outs.append(_prefill_and_step(tmp_path, fp8=True))
+        # the decode step's products take the splits (the 12-row prefill runs one split: 4 "SMs")
+        assert took and (True in took) == on, took
+        took.clear()
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_model_takes_the_final_norm_in_the_last_add(tmp_path, monkeypatch):
     # a tiny FP8 model on the Triton path, split-K forced (the last layer's output is a sum not
     # taken yet): the final norm taken in the last residual add's launch gives the logits of the
