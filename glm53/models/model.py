@@ -340,12 +340,13 @@ class Attention(nn.Module):
         elif topk_slots is None:
             raise RuntimeError(f"layer {self.layer} shares top-k but no full layer ran before it")
         query.join()
-        if self.o_proj.takes_fp8_rows(n) and two_terms(n) and cfg.v_head_dim % GROUP == 0:
-            # decode sizes: the W_UV product writes o_proj's quantized rows itself (no dense o, no
-            # quantizing launch; kernels/fp8_act), and may combine the attention's splits too
-            o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r, keep_splits=fp8_act.UV_TAKES_SPLITS)
+        # decode sizes: the W_UV product writes o_proj's quantized rows itself (no dense o, no
+        # quantizing launch; kernels/fp8_act), and may combine the attention's splits too
+        rows_out = self.o_proj.takes_fp8_rows(n) and two_terms(n) and cfg.v_head_dim % GROUP == 0
+        o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r,
+                           keep_splits=rows_out and fp8_act.UV_TAKES_SPLITS)
+        if rows_out:
             return self.o_proj(uv_product_fp8(o_lat, w[:, nope:]), keep_parts), topk_slots
-        o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r)
         return self.o_proj(uv_product_reference(o_lat, w[:, nope:])), topk_slots
 
 
