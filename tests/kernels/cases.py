@@ -275,6 +275,18 @@ def check_indexer_fp8(T, H, D, max_len, topk, page_size=64, device="cpu", min_ov
     return overlaps
 
 
+def selected_slots(T: int, K: int, n_slots: int, device) -> torch.Tensor:
+    """Sparse MLA's slots [T, K] int32, K distinct random slots of n_slots a row; from two rows on,
+    row 0 has holes (-1) and row 1 fewer than K; from three on, row 2 none (its output is zeros)."""
+    idx = torch.stack([torch.randperm(n_slots, device=device)[:K] for _ in range(T)]).int()
+    if T >= 2:
+        idx[1, K // 3 :] = -1  # fewer selected than K
+        idx[0, ::5] = -1  # holes
+    if T >= 3:
+        idx[2] = -1  # nothing selected -> zeros
+    return idx
+
+
 def check_sparse_mla(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=None, **kernel_kw):
     """`kernel_kw` (num_splits, col_halves, block_n, num_stages, ...) call the Triton kernel
     directly with those schedule options; without them the public op runs."""
@@ -282,12 +294,7 @@ def check_sparse_mla(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_ctx=
     num_pages = (n_ctx + page_size - 1) // page_size * T + 1
     kv = _paged_pool(num_pages, 2, page_size, R + P, torch.bfloat16, device)
     q = torch.randn(T, H, R + P, device=device).bfloat16()
-    idx = torch.stack([torch.randperm(num_pages * page_size, device=device)[:K] for _ in range(T)]).int()
-    if T >= 2:
-        idx[1, K // 3 :] = -1  # fewer selected than K
-        idx[0, ::5] = -1  # holes
-    if T >= 3:
-        idx[2] = -1  # nothing selected -> zeros
+    idx = selected_slots(T, K, num_pages * page_size, device)
     sm_scale = (R + P) ** -0.5
     if not kernel_kw:
         out = sparse_mla(q, kv, idx, sm_scale, R)
@@ -327,12 +334,7 @@ def check_sparse_mla_fp8(T, H, R, P, K, page_size=16, device="cpu", tol=1e-2, n_
     num_pages = (n_ctx + page_size - 1) // page_size + 1
     cache, dense = fp8_latent_pool(num_pages, page_size, R, P, device)
     q = torch.randn(T, H, R + P, device=device).bfloat16()
-    idx = torch.stack([torch.randperm(num_pages * page_size, device=device)[:K] for _ in range(T)]).int()
-    if T >= 2:
-        idx[1, K // 3 :] = -1
-        idx[0, ::5] = -1
-    if T >= 3:
-        idx[2] = -1
+    idx = selected_slots(T, K, num_pages * page_size, device)
     sm_scale = (R + P) ** -0.5
     if not kernel_kw:
         out = sparse_mla(q, cache, idx, sm_scale, R)

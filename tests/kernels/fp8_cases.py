@@ -406,14 +406,15 @@ def check_uv_takes_splits(T: int, H: int, R: int, P: int, K: int, V: int, num_sp
                           fp8_cache: bool = False, device="cpu") -> None:
     """The W_UV product given the attention's splits uncombined (`Splits`, `fp8_act.UV_TAKES_SPLITS`)
     against the attention combined by its own launch, then the product: o_lat's rows, the codes and
-    the scales equal bit for bit (the two sum the splits in one code, `combine_row`). Rows with
-    holes, with fewer slots than K and with none; the splits' output buffer starts as NaN, so a row
+    the scales equal bit for bit (the two sum the splits in one code, `combine_row`). Rows as
+    `cases.selected_slots` makes them (holes, fewer than K, none from three rows on); the splits'
+    output buffer starts as NaN, so a row
     the product did not combine shows. `fp8_cache`: the attention over an FP8 latent cache."""
     from glm53.kernels.fp8_act import uv_product_fp8_triton
     from glm53.kernels.sparse_mla import sparse_mla
     from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
     from glm53.kernels.sparse_mla_triton import Splits, sparse_mla_triton
-    from tests.kernels.cases import _paged_pool, fp8_latent_pool
+    from tests.kernels.cases import _paged_pool, fp8_latent_pool, selected_slots
 
     page_size = 16
     num_pages = (2 * K + page_size - 1) // page_size * T + 1
@@ -424,12 +425,7 @@ def check_uv_takes_splits(T: int, H: int, R: int, P: int, K: int, V: int, num_sp
     # the given split count on the portable kernels, else the public op (the Hopper kernels on sm_90)
     attend = sparse_mla if num_splits is None else sparse_mla_fp8_triton if fp8_cache else sparse_mla_triton
     q = torch.randn(T, H, R + P, device=device).bfloat16()
-    idx = torch.stack([torch.randperm(num_pages * page_size, device=device)[:K] for _ in range(T)]).int()
-    idx[0, ::5] = -1  # holes
-    if T >= 2:
-        idx[1, K // 3:] = -1  # fewer selected than K
-    if T >= 3:
-        idx[2] = -1  # nothing selected
+    idx = selected_slots(T, K, num_pages * page_size, device)
     w = torch.randn(H, 48 + V, R, device=device) * R**-0.5
     w_uv = w.bfloat16()[:, 48:]
     kw = {} if num_splits is None else {"num_splits": num_splits}
