@@ -490,12 +490,12 @@ class GlmForCausalLM(nn.Module):
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps)
 
-    def normed_hidden(self, out: StageOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The final norm of a last stage's output rows (`rows`, a device index, or all): the one
-        its last add's launch took, else taken now of those rows only."""
+    def normed_hidden(self, out: StageOutput, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """The final norm of a last stage's output rows (`rows`, a device index or a slice, or all):
+        the one its last add's launch took, else taken now of those rows only."""
         if out.normed is not None:
-            return out.normed if rows is None else out.normed.index_select(0, rows)
-        return self.final_norm(out.hidden if rows is None else out.hidden.index_select(0, rows))
+            return out.normed if rows is None else out.normed[rows]
+        return self.final_norm(out.hidden if rows is None else out.hidden[rows])
 
     @torch.inference_mode()
     def head(self, hn: torch.Tensor) -> torch.Tensor:
@@ -557,8 +557,8 @@ class GlmForCausalLM(nn.Module):
             captures[held] = (normed if normed is not None else self.final_norm(x)) if last else x
         return StageOutput(x, topk_slots if self.hands_on_topk else None, captures, normed=normed)
 
-    def forward(self, batch: ForwardBatch, kv: KVPools, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Full model (single stage): logits [len(logit_rows), vocab] in fp32."""
+    def forward(self, batch: ForwardBatch, kv: KVPools, logit_rows: torch.Tensor | slice) -> torch.Tensor:
+        """Full model (single stage): logits of rows `logit_rows` [rows, vocab] in fp32."""
         if not (self.is_first and self.is_last):
             raise ValueError(f"forward needs the whole model; this stage holds layers {self.layer_range}")
-        return self.head(self.normed_hidden(self.forward_stage(batch, kv, None))[logit_rows])
+        return self.head(self.normed_hidden(self.forward_stage(batch, kv, None), logit_rows))
