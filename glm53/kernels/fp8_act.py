@@ -314,9 +314,12 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Rows:
 # with all of them against 1,039.2 with none, H100).
 UV_PDL = True
 UV_PREFETCH = 1024
-# The attention's splits combined by the W_UV product in its own launch (one launch fewer a layer at
-# decode sizes, `uv_product_fp8` given `Splits`). Off until timed on a GPU (next: early_launch.py).
-UV_TAKES_SPLITS = False
+# The attention's splits combined by the W_UV product in its own launch (one launch fewer a layer,
+# `uv_product_fp8` given `Splits`) at up to this many rows (0: never). Each program combines its
+# rows one after another and the head's V/128 programs each combine them, so it pays only at the
+# smallest batches: the slice's step (H100, early_launch.py, 2026-12-06) 987.0 vs 999.6 µs at 1
+# row, 1,025.0 vs 1,040.4 at 2, 1,084.2 vs 1,093.5 at 4; 1,173.4 vs 1,168.7 at 8, 1,599.1 vs 1,525.4 at 32.
+UV_SPLITS_MAX_ROWS = 4
 
 
 def uv_product_reference(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
@@ -433,7 +436,7 @@ def uv_product_fp8(o_lat: torch.Tensor | Splits, w_uv: torch.Tensor) -> Fp8Rows:
     """The absorbed attention's output product quantized for o_proj in the same pass: Triton where
     `dispatch.use_triton` says so and whole groups fall in each head (V a multiple of 128), else
     the batched product, then its groups. `o_lat` may be the attention's splits not combined yet
-    (`UV_TAKES_SPLITS`): the Triton launch combines them, the batched product after the combine."""
+    (`UV_SPLITS_MAX_ROWS`): the Triton launch combines them, the batched product after the combine."""
     dense = o_lat.out if isinstance(o_lat, Splits) else o_lat
     if use_triton(dense, w_uv) and w_uv.shape[1] % GROUP == 0 and dense.stride(2) == 1 and w_uv.stride(2) == 1:
         return uv_product_fp8_triton(o_lat, w_uv)

@@ -404,7 +404,7 @@ def check_uv_product_fp8(M: int, H: int, V: int, R: int, dtype, device="cpu", **
 
 def check_uv_takes_splits(T: int, H: int, R: int, P: int, K: int, V: int, num_splits: int | None = None,
                           fp8_cache: bool = False, device="cpu") -> None:
-    """The W_UV product given the attention's splits uncombined (`Splits`, `fp8_act.UV_TAKES_SPLITS`)
+    """The W_UV product given the attention's splits uncombined (`Splits`, `fp8_act.UV_SPLITS_MAX_ROWS`)
     against the attention combined by its own launch, then the product: o_lat's rows, the codes and
     the scales equal bit for bit (the two sum the splits in one code, `combine_row`). Rows as
     `cases.selected_slots` makes them (holes, fewer than K, none from three rows on); the splits'

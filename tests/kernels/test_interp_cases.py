@@ -262,8 +262,8 @@ def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
 def test_model_uv_product_takes_the_splits(tmp_path, monkeypatch):
     # a tiny FP8 model whose W_UV product writes o_proj's rows (v_head_dim 128) and whose sparse
     # MLA splits its 32 top-k slots (2 splits of 16 under the interpreter): the W_UV product
-    # combining the splits (fp8_act.UV_TAKES_SPLITS) gives the logits of the combine launch, bit for
-    # bit, on the prefill and the decode step
+    # combining the splits (at up to fp8_act.UV_SPLITS_MAX_ROWS rows, as shipped) gives the logits
+    # of the combine launch, bit for bit, on the prefill and the decode step
     import glm53.kernels.fp8_act as fp8_act
     import glm53.models.model as model_mod
     from glm53.kernels.sparse_mla_triton import Splits
@@ -274,10 +274,11 @@ def test_model_uv_product_takes_the_splits(tmp_path, monkeypatch):
     inner, took = model_mod.uv_product_fp8, []
     monkeypatch.setattr(model_mod, "uv_product_fp8", lambda o, w: took.append(isinstance(o, Splits)) or inner(o, w))
     outs = []
+    assert fp8_act.UV_SPLITS_MAX_ROWS >= 1
     for on in (True, False):
-        monkeypatch.setattr(fp8_act, "UV_TAKES_SPLITS", on)
+        monkeypatch.setattr(fp8_act, "UV_SPLITS_MAX_ROWS", fp8_act.UV_SPLITS_MAX_ROWS if on else 0)
         outs.append(_prefill_and_step(tmp_path, fp8=True))
-        # the decode step's products take the splits (the 12-row prefill runs one split: 4 "SMs")
+        # the 1-row decode step's products take the splits (the 12-row prefill runs one split: 4 "SMs")
         assert took and (True in took) == on, took
         took.clear()
     assert all(torch.equal(a, b) for a, b in zip(*outs))
