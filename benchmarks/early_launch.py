@@ -3,13 +3,15 @@ the small kernels (`SMALL_KERNELS`), the W_UV product (`fp8_act.UV_PDL`, `UV_PRE
 down kernel (`moe_fp8_triton.DOWN_PDL`, `DOWN_PREFETCH`); and the attention's ops off the main chain
 on a side stream (`models.overlap.SIDE_STREAM`); and the W_UV product combining the attention's
 splits in its own launch (`fp8_act.UV_SPLITS_MAX_ROWS`: `splits` at every size, `rows4` at up to 4
-rows, as shipped). Each variant's step is captured as the serving graphs capture it and timed as one CUDA graph replayed back to back (the step's GPU time,
-no host work between steps), the variants interleaved over `--rounds` so drift hits all of them;
-the logits of every variant are checked equal to the all-off step's. Prints each variant's median
-and its ratio to all-off; `--trace V[,W]` adds those variants' kernels in order with the gaps between them.
+rows, as shipped). Each variant's step is captured as the serving graphs capture it and timed as
+one CUDA graph replayed back to back (the step's GPU time, no host work between steps), the
+variants interleaved over `--rounds` so drift hits all of them; the logits of every variant are
+checked equal to the all-off step's. Prints each variant's median and its ratio to all-off;
+`--trace V[,W]` adds those variants' kernels in order with the gaps between them.
 
     python3 benchmarks/early_launch.py [--sizes 1 64] [--rounds 2] [--trace off] [--json out.json]
-        [--variants off,small,uv,down,all,side,every,splits,every+splits,every+rows4]   # a GPU of compute capability 9.0+
+        [--variants off,small,uv,down,all,side,every,splits,every+splits,every+rows4]
+    (a GPU of compute capability 9.0+)
 """
 
 from __future__ import annotations

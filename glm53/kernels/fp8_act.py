@@ -394,6 +394,16 @@ def _uv_fp8_kernel(
         tl.store(sl_ptr + r64 * stride_sm + grp * stride_sg, scale, mask=rm)
 
 
+def uv_block_m(n: int) -> int:
+    """`_uv_fp8_kernel`'s row tile for n rows (decode sizes: one row block)."""
+    return max(16, min(64, triton.next_power_of_2(n)))
+
+
+def takes_splits(n: int) -> bool:
+    """Whether the W_UV product of n rows combines the attention's splits (`UV_SPLITS_MAX_ROWS`)."""
+    return n <= UV_SPLITS_MAX_ROWS
+
+
 def uv_product_fp8_triton(o_lat: torch.Tensor | Splits, w_uv: torch.Tensor, block_r: int = 128,
                           num_warps: int = COMBINE_WARPS, num_stages: int = 3, pdl: bool | None = None,
                           prefetch: int | None = None) -> Fp8Rows:
@@ -416,7 +426,7 @@ def uv_product_fp8_triton(o_lat: torch.Tensor | Splits, w_uv: torch.Tensor, bloc
     if n:
         interp = triton_interpreting()
         pdl = (UV_PDL if pdl is None else pdl) and not interp  # griddepcontrol: compiled kernels only
-        block_m = max(16, min(64, triton.next_power_of_2(n)))
+        block_m = uv_block_m(n)
         _uv_fp8_kernel[(triton.cdiv(n, block_m), h * v // GROUP)](
             o_lat, w_uv, rows.q, rows.scale, *_lo_args(rows), n, r, o_lat.stride(0), o_lat.stride(1),
             w_uv.stride(0), w_uv.stride(1), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1),

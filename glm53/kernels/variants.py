@@ -29,7 +29,8 @@ logits, the absorbed query: its rows only bound the grid; the step's inputs, bui
 decode graphs) have one key each: any forward (or graph capture) compiles them. (The q_a norm and
 the cache-row stores take the fused q_a | kv_a | index-key product's split-K sum where it splits:
 their parts count is that product's split, which `fp8_gemm_key` decides, so the forward that
-compiles its key compiles theirs.)
+compiles its key compiles theirs.) The W_UV product that writes o_proj's rows has a family of its
+own (`uv_product_key`): its row tile and, where it combines sparse MLA's splits, their tile.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class ServeShape:
     expert_inter: int = 0  # an expert's width on this rank
     hidden: int = 0
     fp8_linear: bool = False  # block-FP8 linear layers
+    v_head_dim: int = 0  # the attention's value head width (the W_UV product writes o_proj's rows where % 128 == 0)
     fp8_experts: bool = False  # block-FP8 routed experts
     router_experts: int = 0  # the router's experts where the FP8 experts' launch routes (`moe.MoE.forward`), else 0
     fp8_kv: bool = False  # the FP8 latent cache
@@ -143,6 +145,20 @@ def sparse_mla_key(T: int, s: ServeShape) -> tuple:
     return kernel, block_n, ns > 1, triton.next_power_of_2(ns) if ns > 1 else 0
 
 
+def uv_product_key(T: int, s: ServeShape) -> tuple:
+    """The absorbed attention's W_UV product where it writes o_proj's quantized rows (block-FP8
+    linear layers, o_proj reading quantized two-term rows, v_head_dim a multiple of 128; models/
+    model.py): its row tile and, where it combines sparse MLA's splits (`fp8_act.takes_splits`),
+    their tile. () where the batched product runs instead."""
+    from glm53.kernels.fp8_act import takes_splits, two_terms, uv_block_m
+    from glm53.kernels.fp8_gemm import fp8_variant
+
+    if not (s.fp8_linear and s.v_head_dim and s.v_head_dim % 128 == 0 and two_terms(T) and fp8_variant(T) != "w8a16"):
+        return ()
+    _, _, split, tile = sparse_mla_key(T, s)
+    return uv_block_m(T), tile if split and takes_splits(T) else 0
+
+
 def moe_key(N: int, s: ServeShape) -> tuple:
     """Routed experts over N tokens: the variant (FP8) and tile config from the token count
     (moe_triton.default_config / moe_fp8_triton.default_fp8_config, or the per-pair GEMVs'
@@ -199,6 +215,7 @@ TOKEN_FAMILIES: dict[str, Callable[[int, ServeShape], tuple]] = {
     "sparse_mla": sparse_mla_key,
     "moe": moe_key,
     "fp8_gemm": fp8_gemm_key,
+    "uv_product": uv_product_key,
 }
 # Launches no count decides: one variant each, compiled by any forward.
 FIXED_FAMILIES = ("indexer_logits", "rms_norm", "rope", "route", "quant_groups")

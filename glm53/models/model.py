@@ -344,7 +344,7 @@ class Attention(nn.Module):
         # quantizing launch; kernels/fp8_act), and may combine the attention's splits too
         rows_out = self.o_proj.takes_fp8_rows(n) and two_terms(n) and cfg.v_head_dim % GROUP == 0
         o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r,
-                           keep_splits=rows_out and n <= fp8_act.UV_SPLITS_MAX_ROWS)
+                           keep_splits=rows_out and fp8_act.takes_splits(n))
         if rows_out:
             return self.o_proj(uv_product_fp8(o_lat, w[:, nope:]), keep_parts), topk_slots
         return self.o_proj(uv_product_reference(o_lat, w[:, nope:])), topk_slots

@@ -15,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("records real JIT launches (not the interpreter's)", allow_module_level=True)
 
 from glm53.kernels import fp8_gemm_triton, fp8_quant, moe_triton, sparse_mla_fp8_triton, sparse_mla_triton, topk_triton  # noqa: E402
-from glm53.kernels import draft_attention_triton, moe_fp8_gemv_triton, moe_fp8_triton, row_parts  # noqa: E402
+from glm53.kernels import draft_attention_triton, fp8_act, moe_fp8_gemv_triton, moe_fp8_triton, row_parts  # noqa: E402
 from glm53.kernels import variants as v  # noqa: E402
 from glm53.kernels.fp8_quant import quantize_fp8_blocks  # noqa: E402
 from glm53.kernels.latent_cache_fp8 import LatentLayout  # noqa: E402
@@ -114,7 +114,7 @@ def recorded(monkeypatch):
                moe_fp8_triton._down_fp8_kernel, moe_fp8_gemv_triton._gate_up_gemv_kernel,
                moe_fp8_gemv_triton._down_gemv_kernel, topk_triton._bracket_kernel,
                topk_triton._scan_kernel, topk_triton._finish_kernel, draft_attention_triton._draft_attn_kernel,
-               draft_attention_triton._combine_kernel]
+               draft_attention_triton._combine_kernel, fp8_act._uv_fp8_kernel]
     for fn in kernels:
         def run(*args, grid, warmup, _fn=fn, **kwargs):
             log.append(_signature(_fn, args, kwargs))
@@ -157,6 +157,26 @@ def test_sparse_mla_same_key_same_launch(recorded):
         torch.randn(T, 16, 80, dtype=torch.bfloat16), cache, torch.randint(0, 128, (T, 256)), 0.1, 64))
         for T in range(1, 20)]
     assert len(_same_key_same_launch(recorded, fp8)) >= 2
+
+
+def test_uv_product_same_key_same_launch(recorded):
+    # the W_UV product after sparse MLA, the splits left to it where it takes them: counts with
+    # one key launch one variant of the product, and both forms are reached
+    s = _cpu_shape(index_topk=256, fp8_linear=True, v_head_dim=128)
+    pool = torch.randn(8, 16, 80, dtype=torch.bfloat16)
+    w_uv = torch.randn(16, 128, 64, dtype=torch.bfloat16)
+
+    def product(T):
+        o = sparse_mla_triton.sparse_mla_triton(torch.randn(T, 16, 80, dtype=torch.bfloat16), pool,
+                                                torch.randint(0, 128, (T, 256)), 0.1, 64,
+                                                keep_splits=fp8_act.takes_splits(T))
+        recorded.clear()  # the product's launch only
+        fp8_act.uv_product_fp8_triton(o, w_uv)
+
+    calls = [(v.uv_product_key(T, s), lambda T=T: product(T)) for T in range(1, 40)]
+    by_key = _same_key_same_launch(recorded, calls)
+    assert {bool(k[1]) for k in by_key} == {True, False} and {k[0] for k in by_key} == {16, 32, 64}, by_key.keys()
+    assert v.uv_product_key(1, _cpu_shape(index_topk=256, fp8_linear=True, v_head_dim=64)) == ()
 
 
 @pytest.mark.parametrize("w8a16_max_m", [0, 24])

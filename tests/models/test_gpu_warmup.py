@@ -12,7 +12,7 @@ import torch
 from glm53.kernels.compile_watch import WATCH
 from glm53.models import ModelRunner, SeqChunk
 from glm53.models.warmup import warm_up
-from glm53.support.oracle import make_checkpoint
+from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,17 +22,26 @@ pytestmark = [
 PS, PAGES, MAX_TOKENS, MAX_CONTEXT = 16, 96, 80, 1200
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8"])
 def test_no_compiles_after_warmup(tmp_path, dtype):
-    make_checkpoint(tmp_path, seed=5, index_topk_freq=2, index_skip_topk_offset=2)
-    runner = ModelRunner.from_dir(tmp_path, page_size=PS, num_pages=PAGES, device="cuda", dtype=dtype, progress=False)
+    fp8 = dtype == "fp8"
+    if fp8:
+        # block-FP8 linears with v_head_dim 128: the W_UV product writes o_proj's rows and, at up
+        # to fp8_act.UV_SPLITS_MAX_ROWS rows, combines sparse MLA's splits (top-1024: 16 or 8 a token)
+        make_checkpoint(tmp_path, seed=5, **{**FP8_WIDTHS, "v_head_dim": 128, "index_topk": 1024})
+        quantise_fp8_(tmp_path, block=128)
+    else:
+        make_checkpoint(tmp_path, seed=5, index_topk_freq=2, index_skip_topk_offset=2)
+    runner = ModelRunner.from_dir(tmp_path, page_size=PS, num_pages=PAGES, device="cuda",
+                                  dtype=torch.bfloat16 if fp8 else dtype, progress=False, fp8=fp8)
     report = warm_up(runner, MAX_TOKENS, MAX_CONTEXT)
     assert report is not None and report.shapes > 0
     before = len(WATCH.after_warmup())
     rng = random.Random(7)
     vocab = runner.cfg.vocab_size
-    for _ in range(40):
-        chunks, left = [], rng.randint(1, MAX_TOKENS)
+    for i in range(60):
+        # every third batch a few tokens (the decode sizes, where launches pick tiles by count)
+        chunks, left = [], rng.randint(1, MAX_TOKENS if i % 3 else 6)
         while left:
             n = rng.randint(1, left)
             end = rng.randint(n, MAX_CONTEXT)
