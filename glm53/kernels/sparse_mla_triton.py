@@ -193,25 +193,28 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-# A token's splits: at most what fills SPLIT_PROGRAMS programs per head block, but never capped
-# below MIN_SPLITS. Each split writes R fp32 a (token, head) that the combine (or the W_UV product,
-# `fp8_act.UV_SPLITS_MAX_ROWS`) reads back, so past a few tokens a wave of splits costs more than
-# it saves. The FP8 slice's decode step on an H100 (64 heads, top-2048, one head block), one wave
-# against this cap: 4 tokens 1,052.8 vs 1,019.0 µs (32 vs 8 splits), 8 tokens 1,140.9 vs 1,117.2
-# (16 vs 8); 1 and 2 tokens unchanged at 32 and 16 (957.8, 989.5-991.0); 16 tokens 1,231.1 vs
-# 1,223.2 at 4 (not taken: within noise); 32 tokens flat from 2 to 16 splits.
-SPLIT_PROGRAMS = 32
+# Each split writes its partial output, H·R fp32 a token, which the combine (or the W_UV product,
+# `fp8_act.UV_SPLITS_MAX_ROWS`) reads back. A launch's splits are capped so that those partials
+# stay within PARTIAL_BYTES, but never below MIN_SPLITS a token (fewer splits lengthen each
+# program's chain of slot blocks). The FP8 slice's decode step on an H100 (64 heads × R 512: 128 KB
+# a token's split, so 32 token-splits), one wave against a cap: 4 tokens 1,052.8 vs 1,019.0 µs
+# (32 vs 8 splits; 4 splits 1,059.4), 8 tokens 1,140.9 vs 1,117.2 (16 vs 8; 4 splits 1,144.2);
+# 1 and 2 tokens unchanged at 32 and 16 (957.8, 989.5-991.0); 16 tokens 1,231.1 at 8 vs 1,223.2 at 4
+# (within noise); 32 tokens flat from 2 to 16 splits. Shapes with few heads a rank (GLM-5 at tp = 8:
+# 8 heads, 16 KB) write little and keep the wave (not measured: left as they were).
+PARTIAL_BYTES = 4 << 20
 MIN_SPLITS = 8
 
 
-def split_count(T: int, K: int, nhb: int, block_n: int, sms: int, num_splits: int | None = None) -> tuple[int, int]:
+def split_count(T: int, K: int, nhb: int, block_n: int, sms: int, row_bytes: int,
+                num_splits: int | None = None) -> tuple[int, int]:
     """(num_splits, split_len) for T tokens x nhb head blocks over K slots on `sms` SMs: by default
     at most one wave of programs (measured on the H200 at 2 stages: 2 splits at 64 tokens x 64
-    heads beat 4 or 5) and at most max(MIN_SPLITS, SPLIT_PROGRAMS / T) splits a token, at least
-    one block of slots each. A pure function of the counts (kernels/variants.py enumerates what
-    it gives)."""
+    heads beat 4 or 5) and at most max(MIN_SPLITS, PARTIAL_BYTES / (T · row_bytes)) splits, where
+    `row_bytes` is a token's partial output of one split (heads × R fp32); at least one block of
+    slots each. A pure function of the counts (kernels/variants.py enumerates what it gives)."""
     if num_splits is None:
-        cap = max(MIN_SPLITS, SPLIT_PROGRAMS // max(T, 1))
+        cap = max(MIN_SPLITS, PARTIAL_BYTES // max(T * row_bytes, 1))
         num_splits = max(1, min(sms // (T * nhb), triton.cdiv(K, block_n), cap))
     split_len = triton.cdiv(triton.cdiv(max(K, 1), num_splits), block_n) * block_n
     return max(1, triton.cdiv(K, split_len)), split_len
@@ -221,8 +224,8 @@ def plan_splits(q: torch.Tensor, out: torch.Tensor, K: int, nhb: int, block_n: i
                 block_r: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """How the K selected slots are split across programs (`split_count`): (num_splits,
     split_len, part, lse). With one split, `part` and `lse` are `out` (never touched)."""
-    T, H = q.shape[:2]
-    num_splits, split_len = split_count(T, K, nhb, block_n, _num_sms(q.device), num_splits)
+    T, H, R = out.shape  # out: [T, H, R], the latent rank
+    num_splits, split_len = split_count(T, K, nhb, block_n, _num_sms(q.device), H * R * 4, num_splits)
     if num_splits == 1:
         return 1, split_len, out, out
     part = torch.empty((T, H, num_splits, block_r), dtype=torch.float32, device=q.device)

@@ -141,7 +141,7 @@ def sparse_mla_key(T: int, s: ServeShape) -> tuple:
         kernel, block_n, block_h = "hopper", 64, HOPPER_BLOCK_H
     else:
         kernel, block_n, block_h = "tl", 64, min(64, max(16, triton.next_power_of_2(H)))
-    ns, _ = split_count(T, s.index_topk, triton.cdiv(H, block_h), block_n, s.num_sms)
+    ns, _ = split_count(T, s.index_topk, triton.cdiv(H, block_h), block_n, s.num_sms, H * R * 4)
     return kernel, block_n, ns > 1, triton.next_power_of_2(ns) if ns > 1 else 0
 
 
