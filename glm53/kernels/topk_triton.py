@@ -27,6 +27,10 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    exactly by streaming over the row itself: slower, equally exact. The bracket's lower margin is
    the wider one for that reason.
 
+Rows no wider than `SHORT_MAX_WIDTH` (0, off, until timed on a GPU) take one launch instead,
+`_short_kernel`: one program a row holding the row's exact keys in registers, radix rounds to the
+k-th, then the finish fallback's selection written in position order.
+
 With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while its
 predecessor runs: the scan loads its first block(s) and the finish writes its short rows before
 they wait (griddepcontrol.wait) for the predecessor's results; every program waits once, so each
