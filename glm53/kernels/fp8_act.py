@@ -399,6 +399,12 @@ def uv_block_m(n: int) -> int:
     return max(16, min(64, triton.next_power_of_2(n)))
 
 
+def uv_writes_rows(n: int, v_head_dim: int, o_proj_takes_rows: bool) -> bool:
+    """Whether the W_UV product of n rows writes o_proj's quantized rows itself (`uv_product_fp8`):
+    o_proj reads them quantized, at decode sizes (two terms), whole 128-groups in each head."""
+    return o_proj_takes_rows and two_terms(n) and v_head_dim % GROUP == 0
+
+
 def takes_splits(n: int) -> bool:
     """Whether the W_UV product of n rows combines the attention's splits (`UV_SPLITS_MAX_ROWS`)."""
     return n <= UV_SPLITS_MAX_ROWS

@@ -154,10 +154,10 @@ def uv_product_key(T: int, s: ServeShape) -> tuple:
     linear layers, o_proj reading quantized two-term rows, v_head_dim a multiple of 128; models/
     model.py): its row tile and, where it combines sparse MLA's splits (`fp8_act.takes_splits`),
     their tile. () where the batched product runs instead."""
-    from glm53.kernels.fp8_act import takes_splits, two_terms, uv_block_m
+    from glm53.kernels.fp8_act import takes_splits, uv_block_m, uv_writes_rows
     from glm53.kernels.fp8_gemm import fp8_variant
 
-    if not (s.fp8_linear and s.v_head_dim and s.v_head_dim % 128 == 0 and two_terms(T) and fp8_variant(T) != "w8a16"):
+    if not (s.v_head_dim and uv_writes_rows(T, s.v_head_dim, s.fp8_linear and fp8_variant(T) != "w8a16")):
         return ()
     _, _, split, tile = sparse_mla_key(T, s)
     return uv_block_m(T), tile if split and takes_splits(T) else 0

@@ -26,8 +26,7 @@ from torch import nn
 
 from glm53.kernels import fp8_act, index_cache_fp8, latent_cache_fp8
 from glm53.kernels.absorb import absorbed_query
-from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8, two_terms, uv_product_fp8, uv_product_reference
-from glm53.kernels.fp8_quant import GROUP
+from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8, uv_product_fp8, uv_product_reference
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
 from glm53.kernels.kv_rows import CacheRow, finish_rows, store_rows
 from glm53.kernels.linear_f32 import linear_f32
@@ -342,7 +341,7 @@ class Attention(nn.Module):
         query.join()
         # decode sizes: the W_UV product writes o_proj's quantized rows itself (no dense o, no
         # quantizing launch; kernels/fp8_act), and may combine the attention's splits too
-        rows_out = self.o_proj.takes_fp8_rows(n) and two_terms(n) and cfg.v_head_dim % GROUP == 0
+        rows_out = fp8_act.uv_writes_rows(n, cfg.v_head_dim, self.o_proj.takes_fp8_rows(n))
         o_lat = sparse_mla(q_all, cache, topk_slots, cfg.softmax_scale, r,
                            keep_splits=rows_out and fp8_act.takes_splits(n))
         if rows_out:

@@ -71,7 +71,8 @@ def serve_shape(runner: ModelRunner, max_tokens: int, max_context: int) -> varia
         qk_rope_head_dim=cfg.qk_rope_head_dim, index_topk=cfg.index_topk, dtype=model.dtype,
         n_experts=n_experts, experts_per_token=slots, expert_inter=e.gate_proj.shape[1] if n_experts else 0,
         hidden=cfg.hidden_size,
-        fp8_linear=fp8_linear, v_head_dim=cfg.v_head_dim, fp8_experts=fp8_experts, fp8_kv=latent is not None and latent.dtype == torch.uint8,
+        fp8_linear=fp8_linear, v_head_dim=cfg.v_head_dim, fp8_experts=fp8_experts,
+        fp8_kv=latent is not None and latent.dtype == torch.uint8,
         router_experts=cfg.n_routed_experts if fp8_experts and e.placement.ep == 1 and cfg.n_group <= 1 else 0,
         hopper=props is not None and props.major == 9, cublas_fp8=cublas)
 
