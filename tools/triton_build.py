@@ -300,8 +300,9 @@ def case_norms():
             silu_mul_fp8_triton(gu[:, :1536], gu[:, 1536:])
         for m in (1, 64):  # o_proj's rows from W_UV at decode sizes: GLM-5 tp = 8's 8 heads of 256 over 512
             uv_product_fp8_triton(empty(m, 8, 512), empty(8, 448, 512)[:, 192:])
-            # the same, combining the attention's 32 (one token) or 2 splits itself (fp8_act.UV_SPLITS_MAX_ROWS)
-            s = 32 if m == 1 else 2
+        # the same, combining the attention's splits itself at up to fp8_act.UV_SPLITS_MAX_ROWS rows: 32
+        # (bf16 cache) or 64 (FP8 cache, 32-slot blocks) at one token, 32 at four
+        for m, s in ((1, 32), (1, 64), (4, 32)):
             splits = Splits(empty(m, 8, 512), empty(m, 8, s, 512, dtype=F32), empty(m, 8, s, dtype=F32), s, 512)
             uv_product_fp8_triton(splits, empty(8, 448, 512)[:, 192:])
         for m in (1, 16):  # bf16 SwiGLU: the draft's 768-wide MLP at decode and verify rows

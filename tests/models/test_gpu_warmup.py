@@ -27,7 +27,7 @@ def test_no_compiles_after_warmup(tmp_path, dtype):
     fp8 = dtype == "fp8"
     if fp8:
         # block-FP8 linears with v_head_dim 128: the W_UV product writes o_proj's rows and, at up
-        # to fp8_act.UV_SPLITS_MAX_ROWS rows, combines sparse MLA's splits (top-1024: 16 or 8 a token)
+        # to fp8_act.UV_SPLITS_MAX_ROWS rows, combines sparse MLA's splits (top-1024: 16 a token)
         make_checkpoint(tmp_path, seed=5, **{**FP8_WIDTHS, "v_head_dim": 128, "index_topk": 1024})
         quantise_fp8_(tmp_path, block=128)
     else:
