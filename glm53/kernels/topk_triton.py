@@ -346,6 +346,17 @@ def _to_out(pos, row_pt_ptr, stride_ptp, PAGE_SIZE, PAGED: tl.constexpr):
 
 
 @triton.jit
+def _write_short_row(n, out_row, pt_row, stride_ptp, PAGE_SIZE, K: tl.constexpr, KP2: tl.constexpr,
+                     PAGED: tl.constexpr):
+    """A row of n <= K valid positions: every one is selected, -1 pads the rest."""
+    for s in range(0, K, KP2):
+        j = s + tl.arange(0, KP2)
+        sel = j < n
+        v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
+        tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
+
+
+@triton.jit
 def _concat_segments(seg_ptr, CAP, cnt_ptr, C, dst_ptr, pt_row, stride_ptp, PAGE_SIZE,
                      MAP: tl.constexpr, PAGED: tl.constexpr, COPY: tl.constexpr):
     """Copy the C chunk segments (chunk c: cnt_ptr[2c] entries at seg_ptr + c * CAP) one after
@@ -447,13 +458,8 @@ def _finish_kernel(
     out_row = out_ptr + b.to(tl.int64) * stride_ob
     pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
     if (n <= K) & copier:
-        # Every valid position is selected; -1 pads the rest (no input from the scan: with PDL
-        # this runs while the scan finishes).
-        for s in range(0, K, KP2):
-            j = s + tl.arange(0, KP2)
-            sel = j < n
-            v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
-            tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
+        # (no input from the scan: with PDL this runs while the scan finishes)
+        _write_short_row(n, out_row, pt_row, stride_ptp, PAGE_SIZE, K, KP2, PAGED)
     if PDL:
         # every program waits (not only those that read stat/aseg/cseg/scratch): this grid's end
         # then implies the scan's and the bracket's, for whatever follows it
@@ -599,12 +605,8 @@ def _short_kernel(
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
     out_row = out_ptr + b.to(tl.int64) * stride_ob
     pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
-    if n <= K:  # every valid position, then -1
-        for s in range(0, K, KP2):
-            j = s + tl.arange(0, KP2)
-            sel = j < n
-            v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
-            tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
+    if n <= K:
+        _write_short_row(n, out_row, pt_row, stride_ptp, PAGE_SIZE, K, KP2, PAGED)
     else:
         offs = tl.arange(0, BL)
         valid = offs < n
@@ -638,16 +640,22 @@ def short_warps(L: int) -> int:
     return 1 if triton_interpreting() else (16 if triton.next_power_of_2(L) >= 4096 else 8)
 
 
+def _page_table_args(page_table: torch.Tensor | None, device: torch.device,
+                     unread: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The kernels' page-table arguments (table, row stride, column stride); without a table,
+    `unread` and zero strides (PAGED off: never read)."""
+    if page_table is None:
+        return unread, 0, 0
+    pt = page_table.to(device=device, dtype=torch.int32)
+    return pt, pt.stride(0), pt.stride(1)
+
+
 def run_short(logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor | None,
               page_size: int, pdl: bool, rbits: int = RBITS, num_warps: int | None = None) -> None:
     """`_short_kernel` over the B rows of `logits` [B, L] (unit column stride) into `out` [B, k]."""
     B, L = logits.shape
     k = out.shape[1]
-    if page_table is not None:
-        pt = page_table.to(device=logits.device, dtype=torch.int32)
-        spb, spp = pt.stride(0), pt.stride(1)
-    else:
-        pt, spb, spp = lengths, 0, 0  # never read
+    pt, spb, spp = _page_table_args(page_table, logits.device, lengths)
     pdl = bool(pdl) and not triton_interpreting()
     _short_kernel[(B,)](logits, lengths, out, pt, L, logits.stride(0), out.stride(0), spb, spp, page_size,
                         K=k, KP2=min(triton.next_power_of_2(k), 4096), BL=triton.next_power_of_2(L), RB=rbits,
@@ -766,11 +774,7 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     assert L < 1 << 27, "rows longer than the 27-bit counts of `_threshold`"
     sample = sample or row_sample(L)
     p = plan
-    if page_table is not None:
-        pt = page_table.to(device=logits.device, dtype=torch.int32)
-        spb, spp = pt.stride(0), pt.stride(1)
-    else:
-        pt, spb, spp = lengths, 0, 0  # never read
+    pt, spb, spp = _page_table_args(page_table, logits.device, lengths)
     interp = triton_interpreting()
     warps = num_warps or (8 if not interp else 1)
     margin_lo = margin + LO_EXTRA if margin_lo is None else margin_lo

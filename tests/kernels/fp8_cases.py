@@ -408,8 +408,8 @@ def check_uv_takes_splits(T: int, H: int, R: int, P: int, K: int, V: int, num_sp
     against the attention combined by its own launch, then the product: o_lat's rows, the codes and
     the scales equal bit for bit (the two sum the splits in one code, `combine_row`). Rows as
     `cases.selected_slots` makes them (holes, fewer than K, none from three rows on); the splits'
-    output buffer starts as NaN, so a row
-    the product did not combine shows. `fp8_cache`: the attention over an FP8 latent cache."""
+    output buffer starts as NaN, so a row the product did not combine shows. `fp8_cache`: the
+    attention over an FP8 latent cache."""
     from glm53.kernels.fp8_act import uv_product_fp8_triton
     from glm53.kernels.sparse_mla import sparse_mla
     from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
