@@ -3,16 +3,14 @@ the small kernels (`SMALL_KERNELS`), the W_UV product (`fp8_act.UV_PDL`, `UV_PRE
 down kernel (`moe_fp8_triton.DOWN_PDL`, `DOWN_PREFETCH`); and the attention's ops off the main chain
 on a side stream (`models.overlap.SIDE_STREAM`); and the W_UV product combining the attention's
 splits in its own launch (`fp8_act.UV_SPLITS_MAX_ROWS`: `splits` at every size, `rows4` at up to 4
-rows, as shipped); and the top-k of rows up to 8K wide in one launch (`topk_triton.SHORT_MAX_WIDTH`,
-`short`). Each variant's step is captured as the serving graphs capture it and timed as one CUDA
-graph replayed back to back (the step's GPU time, no host work between steps), the variants
-interleaved over `--rounds` so drift hits all of them; the logits of every variant are checked
-equal to the all-off step's (`short`'s reported: `REORDERED`). Prints each variant's median and
-its ratio to all-off; `--trace V[,W]` adds those variants' kernels in order with the gaps between
-them.
+rows, as shipped). Each variant's step is captured as the serving graphs capture it and timed as
+one CUDA graph replayed back to back (the step's GPU time, no host work between steps), the
+variants interleaved over `--rounds` so drift hits all of them; the logits of every variant are
+checked equal to the all-off step's. Prints each variant's median and its ratio to all-off;
+`--trace V[,W]` adds those variants' kernels in order with the gaps between them.
 
     python3 benchmarks/early_launch.py [--sizes 1 64] [--rounds 2] [--trace off] [--json out.json]
-        [--variants off,small,uv,down,all,side,every,splits,every+splits,every+rows4,short]
+        [--variants off,small,uv,down,all,side,every,splits,every+splits,every+rows4]
     (a GPU of compute capability 9.0+)
 """
 
@@ -25,38 +23,32 @@ from pathlib import Path
 
 import torch
 
-# variant -> (SMALL_KERNELS, UV_PDL, UV_PREFETCH, DOWN_PDL, DOWN_PREFETCH, SIDE_STREAM, UV_SPLITS_MAX_ROWS,
-#             topk_triton.SHORT_MAX_WIDTH)
+# variant -> (SMALL_KERNELS, UV_PDL, UV_PREFETCH, DOWN_PDL, DOWN_PREFETCH, SIDE_STREAM, UV_SPLITS_MAX_ROWS)
 ANY = 1 << 30  # the W_UV product takes the splits at every size
 VARIANTS = {
-    "off": (False, False, 0, False, 0, False, 0, 0),
-    "small": (True, False, 0, False, 0, False, 0, 0),
-    "uv": (False, True, 1024, False, 0, False, 0, 0),
-    "uv256": (False, True, 256, False, 0, False, 0, 0),
-    "down": (False, False, 0, True, 256, False, 0, 0),
-    "down0": (False, False, 0, True, 0, False, 0, 0),
-    "all": (True, True, 1024, True, 256, False, 0, 0),
-    "side": (False, False, 0, False, 0, True, 0, 0),
-    "every": (True, True, 1024, True, 256, True, 0, 0),
-    "splits": (False, False, 0, False, 0, False, ANY, 0),  # the W_UV product combines the attention's splits
-    "every+splits": (True, True, 1024, True, 256, True, ANY, 0),
-    "every+rows4": (True, True, 1024, True, 256, True, 4, 0),  # the shipped switches
-    "short": (True, True, 1024, True, 256, True, 4, 8192),  # shipped + rows to 8K wide selected in one launch
+    "off": (False, False, 0, False, 0, False, 0),
+    "small": (True, False, 0, False, 0, False, 0),
+    "uv": (False, True, 1024, False, 0, False, 0),
+    "uv256": (False, True, 256, False, 0, False, 0),
+    "down": (False, False, 0, True, 256, False, 0),
+    "down0": (False, False, 0, True, 0, False, 0),
+    "all": (True, True, 1024, True, 256, False, 0),
+    "side": (False, False, 0, False, 0, True, 0),
+    "every": (True, True, 1024, True, 256, True, 0),
+    "splits": (False, False, 0, False, 0, False, ANY),  # the W_UV product combines the attention's splits
+    "every+splits": (True, True, 1024, True, 256, True, ANY),
+    "every+rows4": (True, True, 1024, True, 256, True, 4),  # the shipped switches
 }
-# variants whose top-k hands sparse MLA the same slots in another order (position order): their
-# logits are compared by argmax and printed, not required bit-equal
-REORDERED = {"short"}
 
 
 def switch(name: str) -> None:
     import glm53.kernels.fp8_act as fp8_act
     import glm53.kernels.launch_early as launch_early
     import glm53.kernels.moe_fp8_triton as moe_fp8
-    import glm53.kernels.topk_triton as topk_triton
     import glm53.models.overlap as overlap
 
-    (launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8.DOWN_PDL, moe_fp8.DOWN_PREFETCH,
-     overlap.SIDE_STREAM, fp8_act.UV_SPLITS_MAX_ROWS, topk_triton.SHORT_MAX_WIDTH) = VARIANTS[name]
+    (launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8.DOWN_PDL,
+     moe_fp8.DOWN_PREFETCH, overlap.SIDE_STREAM, fp8_act.UV_SPLITS_MAX_ROWS) = VARIANTS[name]
 
 
 def step_graphs(base, sizes: list[int], ctx: int):
@@ -134,12 +126,9 @@ def main() -> None:
                 same = torch.equal(logits, ref[bs])
                 us = statistics.median(replay_us(graph, 50) for _ in range(7))
                 times.setdefault((name, bs), []).append(us)
-                note = '' if same else '  LOGITS DIFFER'
-                if name in REORDERED:  # the same selection in another order: sums in another order
-                    agree = int((logits.argmax(-1) == ref[bs].argmax(-1)).sum())
-                    note = f"  (max |logit diff| {(logits - ref[bs]).abs().max().item():.3g}, argmax {agree}/{bs})"
-                print(f"round {r} {name:6s} bs {bs:3d}: {us:8.1f} us/step{note}", flush=True)
-                assert same or name in REORDERED, f"{name}: the logits differ from the all-off step's"
+                print(f"round {r} {name:6s} bs {bs:3d}: {us:8.1f} us/step{'' if same else '  LOGITS DIFFER'}",
+                      flush=True)
+                assert same, f"{name}: the logits differ from the all-off step's"
             if name in a.trace.split(",") and r == 0:
                 print(f"{name}, batch {a.sizes[0]}, one replay:\n" + "\n".join(trace(steps[a.sizes[0]][0])), flush=True)
             del runner, steps

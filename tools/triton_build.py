@@ -170,12 +170,6 @@ def case_topk():
             pages = -(-L // 64)
             tt.topk_triton(empty(B, L, dtype=F32), torch.full((B,), L, dtype=I32), 2048,
                            page_table=empty(B, pages + 16, dtype=I32)[:, :pages], page_size=64, pdl=True)
-        # rows held whole, one launch (topk_triton.SHORT_MAX_WIDTH): a 4K bucket and the 4,224-wide
-        # rows of a 4K prompt's decode, 1 and 64 rows; 8 and 16 warps
-        for B, L in ((1, 4096), (64, 4224), (1, 2048)):
-            pages = -(-L // 64)
-            tt.topk_triton(empty(B, L, dtype=F32), torch.full((B,), L, dtype=I32), 2048,
-                           page_table=empty(B, pages + 16, dtype=I32)[:, :pages], page_size=64, pdl=True, short=True)
 
     return run
 

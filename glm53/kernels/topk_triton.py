@@ -72,11 +72,6 @@ LOGB = 8  # the scan's histogram of each row's candidates has 2^LOGB bins over t
 NBIN = 1 << LOGB
 SELECT_TILE = 64  # the finish ranks this many keys of the k-th score's bin pairwise (rounds narrow larger bins)
 FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
-# Rows no wider than this are selected whole in one launch, one program a row (`_short_kernel`:
-# the row held in registers, exact radix rounds on it): the bracket, scan and finish launches each
-# hand off through memory, a chain that costs about 13 µs after the logits at one 4K row (H100
-# trace, benchmarks/history/2026-12-06.md). 0: never. Off until timed (early_launch.py `short`).
-SHORT_MAX_WIDTH = 0
 
 
 @triton.jit
@@ -346,17 +341,6 @@ def _to_out(pos, row_pt_ptr, stride_ptp, PAGE_SIZE, PAGED: tl.constexpr):
 
 
 @triton.jit
-def _write_short_row(n, out_row, pt_row, stride_ptp, PAGE_SIZE, K: tl.constexpr, KP2: tl.constexpr,
-                     PAGED: tl.constexpr):
-    """A row of n <= K valid positions: every one is selected, -1 pads the rest."""
-    for s in range(0, K, KP2):
-        j = s + tl.arange(0, KP2)
-        sel = j < n
-        v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
-        tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
-
-
-@triton.jit
 def _concat_segments(seg_ptr, CAP, cnt_ptr, C, dst_ptr, pt_row, stride_ptp, PAGE_SIZE,
                      MAP: tl.constexpr, PAGED: tl.constexpr, COPY: tl.constexpr):
     """Copy the C chunk segments (chunk c: cnt_ptr[2c] entries at seg_ptr + c * CAP) one after
@@ -458,8 +442,13 @@ def _finish_kernel(
     out_row = out_ptr + b.to(tl.int64) * stride_ob
     pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
     if (n <= K) & copier:
-        # (no input from the scan: with PDL this runs while the scan finishes)
-        _write_short_row(n, out_row, pt_row, stride_ptp, PAGE_SIZE, K, KP2, PAGED)
+        # Every valid position is selected; -1 pads the rest (no input from the scan: with PDL
+        # this runs while the scan finishes).
+        for s in range(0, K, KP2):
+            j = s + tl.arange(0, KP2)
+            sel = j < n
+            v = _to_out(tl.where(sel, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED)
+            tl.store(out_row + j, tl.where(sel, v, -1), mask=j < K)
     if PDL:
         # every program waits (not only those that read stat/aseg/cseg/scratch): this grid's end
         # then implies the scan's and the bracket's, for whatever follows it
@@ -588,81 +577,6 @@ def _finish_kernel(
                 written += tl.sum(sel.to(tl.int32), axis=0)
 
 
-@triton.jit
-def _short_kernel(
-    x_ptr, len_ptr, out_ptr, pt_ptr, L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE,
-    K: tl.constexpr, KP2: tl.constexpr, BL: tl.constexpr, RB: tl.constexpr, PAGED: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One row of width L <= BL per program, whole: its exact keys loaded once, the K-th best key
-    found by 32 / RB radix rounds over them (`_threshold`: the digit whose suffix count reaches
-    what is still needed), then every key above it and the lowest-position ties still needed
-    written in position order (the finish's fallback selection on a row held in registers)."""
-    b = tl.program_id(0)
-    if PDL:  # launched early: the logits and lengths are the previous kernel's
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
-    out_row = out_ptr + b.to(tl.int64) * stride_ob
-    pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
-    if n <= K:
-        _write_short_row(n, out_row, pt_row, stride_ptp, PAGE_SIZE, K, KP2, PAGED)
-    else:
-        offs = tl.arange(0, BL)
-        valid = offs < n
-        key = _ukey(tl.load(x_ptr + b.to(tl.int64) * stride_xb + offs, mask=valid, other=0.0).to(tl.float32), valid)
-        NB: tl.constexpr = 1 << RB
-        need = K
-        inr = valid  # the keys whose digits so far equal the K-th key's
-        pval = 0
-        for rnd in tl.static_range(32 // RB):
-            shift = 32 - RB * (rnd + 1)
-            d = (key >> shift) & (NB - 1)
-            th, above, _ = _threshold(tl.histogram(d, NB, mask=inr), need, NB)
-            need -= above
-            inr = inr & (d == th)
-            pval = pval | (th << shift)  # int32, wraps like the keys
-        # unsigned compare of the exact keys: flip bit 31 back to compare as signed; `inr` now
-        # holds the keys equal to the K-th, of which the first `need` by position are taken
-        gt = valid & ((key ^ -2147483648) > (pval ^ -2147483648))
-        sel = gt | (inr & (tl.cumsum(inr.to(tl.int32), axis=0) <= need))
-        slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(out_row + slot, _to_out(tl.where(sel, offs, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
-
-
-def short_rows(L: int) -> bool:
-    """Whether rows of width L take the one-launch selection (`SHORT_MAX_WIDTH`)."""
-    return 0 < L <= SHORT_MAX_WIDTH
-
-
-def short_warps(L: int) -> int:
-    """`_short_kernel`'s warps for rows of width L: 16 from a 4,096-score tile (16 scores a thread)."""
-    return 1 if triton_interpreting() else (16 if triton.next_power_of_2(L) >= 4096 else 8)
-
-
-def _page_table_args(page_table: torch.Tensor | None, device: torch.device,
-                     unread: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """The kernels' page-table arguments (table, row stride, column stride); without a table,
-    `unread` and zero strides (PAGED off: never read)."""
-    if page_table is None:
-        return unread, 0, 0
-    pt = page_table.to(device=device, dtype=torch.int32)
-    return pt, pt.stride(0), pt.stride(1)
-
-
-def run_short(logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor | None,
-              page_size: int, pdl: bool, rbits: int = RBITS, num_warps: int | None = None) -> None:
-    """`_short_kernel` over the B rows of `logits` [B, L] (unit column stride) into `out` [B, k]."""
-    B, L = logits.shape
-    k = out.shape[1]
-    pt, spb, spp = _page_table_args(page_table, logits.device, lengths)
-    pdl = bool(pdl) and not triton_interpreting()
-    _short_kernel[(B,)](logits, lengths, out, pt, L, logits.stride(0), out.stride(0), spb, spp, page_size,
-                        K=k, KP2=min(triton.next_power_of_2(k), 4096), BL=triton.next_power_of_2(L), RB=rbits,
-                        PAGED=page_table is not None, PDL=pdl, num_warps=num_warps or short_warps(L),
-                        **pdl_option(pdl))
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -774,7 +688,11 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
     assert L < 1 << 27, "rows longer than the 27-bit counts of `_threshold`"
     sample = sample or row_sample(L)
     p = plan
-    pt, spb, spp = _page_table_args(page_table, logits.device, lengths)
+    if page_table is not None:
+        pt = page_table.to(device=logits.device, dtype=torch.int32)
+        spb, spp = pt.stride(0), pt.stride(1)
+    else:
+        pt, spb, spp = lengths, 0, 0  # never read
     interp = triton_interpreting()
     warps = num_warps or (8 if not interp else 1)
     margin_lo = margin + LO_EXTRA if margin_lo is None else margin_lo
@@ -834,12 +752,10 @@ def topk_triton(
     scan_prefetch: int = SCAN_PREFETCH,
     finish_split: bool | None = None,
     chunks: int | None = None,
-    short: bool | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
-    margins to force the overflow, re-selection and fallback paths. `short`: the one-launch
-    selection of rows held whole (default: `short_rows`; `rbits` and `num_warps` apply)."""
+    margins to force the overflow, re-selection and fallback paths."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     B, L = logits.shape
     sample = sample or row_sample(L)
@@ -850,10 +766,6 @@ def topk_triton(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
-    if short_rows(L) if short is None else short:
-        run_short(logits, lengths, out, page_table, page_size,
-                  pdl=logits.is_cuda if pdl is None else pdl, rbits=rbits, num_warps=num_warps)
-        return out
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks, chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
              num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,

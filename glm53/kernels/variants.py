@@ -114,12 +114,8 @@ def topk_key(B: int, L: int, s: ServeShape) -> tuple:
     and int classes, the finish split, the class of the width (= the row stride) and the bracket's
     sample tile (`row_sample`). The page table's row stride is a multiple of 16
     (ModelRunner.build_batch pads it; a graph's is fixed)."""
-    import triton
+    from glm53.kernels.topk_triton import row_sample
 
-    from glm53.kernels.topk_triton import row_sample, short_rows, short_warps
-
-    if short_rows(L):  # one launch, one program a row (`_short_kernel`): its tile and warps
-        return "short", triton.next_power_of_2(L), short_warps(L), spec_class(L)
     p = topk_plan(B, L, s.index_topk, s.num_sms)
     return (p["CB"], p["TA"], p["TC"], p["CAPA"], p["CAPG"], p["SCR"], spec_class(p["C"]), spec_class(p["chunk"]),
             2 * B <= s.num_sms, spec_class(L), row_sample(L))
@@ -248,7 +244,7 @@ def topk_widths(s: ServeShape) -> list[int]:
     (`_cand_tile`, monotone in the width) and the bracket's sample tile (`row_sample`, a step at
     each power of two), so the ends of every block's range, the points where the candidate tile
     steps and both sides of each sample step cover every plan."""
-    from glm53.kernels.topk_triton import BLOCK, MARGIN, MIN_SAMPLE, SAMPLE, SHORT_MAX_WIDTH, _cand_tile, row_sample
+    from glm53.kernels.topk_triton import BLOCK, MARGIN, MIN_SAMPLE, SAMPLE, _cand_tile, row_sample
 
     def tile(L: int) -> int:
         return _cand_tile(L, s.index_topk, row_sample(L), MARGIN)
@@ -259,11 +255,6 @@ def topk_widths(s: ServeShape) -> list[int]:
     while p2 < SAMPLE:
         pts |= {w for w in (p2, p2 + a) if w <= top}
         p2 *= 2
-    p2 = a  # the short selection's tile steps at each power of two up to SHORT_MAX_WIDTH, where it ends
-    while p2 <= SHORT_MAX_WIDTH:
-        pts |= {w for w in (p2, p2 + a) if w <= top}
-        p2 *= 2
-    pts |= {w for w in (SHORT_MAX_WIDTH, SHORT_MAX_WIDTH + a) if a <= w <= top}
     lo = a
     while lo <= top:
         hi = min(top, (lo // BLOCK + 1) * BLOCK)  # the last width with lo's block count

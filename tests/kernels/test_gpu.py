@@ -37,17 +37,6 @@ def test_topk_short_rows(L, k, kind):
     cases.check_topk(8, L, k, lens, kind=kind, device=DEV)
 
 
-@pytest.mark.parametrize("kind", ["randn", "ties", "coarse", "special", "trend"])
-@pytest.mark.parametrize("L", [2048, 4224, 8192])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_rows_held_whole(L, kind, dtype):
-    # the one-launch selection (topk_triton._short_kernel, SHORT_MAX_WIDTH), top-2048, positions
-    # and slots; 64 rows (16 warps a row from 4,096 scores, 8 below)
-    lens = [L, L - 1, 2049, 2048, 2047, 0, L // 2 + 3, 10 * L] * 8
-    cases.check_topk(64, L, 2048, lens, kind=kind, dtype=dtype, device=DEV, short=True)
-    cases.check_topk(8, L, 2048, lens[:8], kind=kind, dtype=dtype, device=DEV, short=True, paged=True, page_size=64)
-
-
 @pytest.mark.parametrize("L,k", [(320, 64), (1024, 64), (2048, 64), (4096, 256), (4096, 2048), (5000, 64),
                                  (32768, 2048), (131072, 2048)])
 def test_topk_brackets_hold(L, k):

@@ -100,35 +100,6 @@ def test_topk_paged():
     cases.check_topk(2, 3000, 128, [3000, 2999], kind="coarse", paged=True, page_size=16)
 
 
-@pytest.mark.parametrize("kind", ["randn", "ties", "coarse", "special", "trend", "falling"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_short_rows(kind, dtype):
-    # the one-launch selection of rows held whole (`_short_kernel`): lengths above, at, one past k,
-    # below k, 0 and past the width; positions and, paged, slots
-    cases.check_topk(5, 1000, 128, [1000, 999, 129, 128, 0], kind=kind, dtype=dtype, short=True)
-    cases.check_topk(3, 300, 64, [300, 50, 5000], kind=kind, dtype=dtype, short=True, paged=True, page_size=16)
-
-
-@pytest.mark.parametrize("rbits", [2, 8])
-def test_topk_short_rows_digits(rbits):
-    # other radix digits (4-bin and 256-bin histograms: `_threshold`'s two forms); L < k
-    cases.check_topk(3, 777, 200, [777, 300, 201], kind="coarse", short=True, rbits=rbits)
-    cases.check_topk(2, 100, 128, [100, 0], short=True, rbits=rbits)
-
-
-def test_topk_short_rows_dispatch(monkeypatch):
-    # SHORT_MAX_WIDTH picks the one-launch selection by the logits width, for the model's paged call
-    import glm53.kernels.topk_triton as tt
-
-    took = []
-    inner = tt.run_short
-    monkeypatch.setattr(tt, "run_short", lambda *a, **kw: took.append(a[0].shape[1]) or inner(*a, **kw))
-    monkeypatch.setattr(tt, "SHORT_MAX_WIDTH", 512)
-    for L in (512, 528):
-        cases.check_topk(2, L, 64, [L, 100], paged=True, page_size=16)
-    assert took == [512]
-
-
 def test_topk_small_rows():
     # L < k: every row is trivial, -1 padded
     cases.check_topk(3, 100, 128, [100, 50, 0])
@@ -311,27 +282,6 @@ def test_model_uv_product_takes_the_splits(tmp_path, monkeypatch):
         assert took and (True in took) == on, took
         took.clear()
     assert all(torch.equal(a, b) for a, b in zip(*outs))
-
-
-def test_model_short_topk_rows(tmp_path, monkeypatch):
-    # a tiny model whose indexer selects 8 of 12 positions: the one-launch selection of rows held
-    # whole (topk_triton.SHORT_MAX_WIDTH) picks the same sets, so the logits agree with the three
-    # launches' (the slots come in another order: sums in another order), prefill and decode step
-    import glm53.kernels.topk_triton as tt
-    from glm53.support.oracle import make_checkpoint
-
-    make_checkpoint(tmp_path, seed=7)
-    took, inner = [], tt.run_short
-    monkeypatch.setattr(tt, "run_short", lambda *a, **kw: took.append(1) or inner(*a, **kw))
-    outs = []
-    for width in (4096, 0):
-        monkeypatch.setattr(tt, "SHORT_MAX_WIDTH", width)
-        outs.append(_prefill_and_step(tmp_path))
-        assert bool(took) == bool(width), took
-        took.clear()
-    for a, b in zip(*outs):
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_model_takes_the_final_norm_in_the_last_add(tmp_path, monkeypatch):

@@ -45,13 +45,9 @@ def test_every_token_count_is_enumerated(shape):
         assert all(key(n, shape) == k for k, (n, _) in want[name].items())
 
 
-@pytest.mark.parametrize("short", [0, 8192])
-def test_every_topk_count_is_enumerated(short, monkeypatch):
-    # short: rows up to that width selected in one launch (topk_triton.SHORT_MAX_WIDTH)
-    monkeypatch.setattr(topk_triton, "SHORT_MAX_WIDTH", short)
+def test_every_topk_count_is_enumerated():
     s = BF16_HOPPER
     want = v.reachable(s)["topk"]
-    assert any(k[0] == "short" for k in want) == bool(short)
     assert all(v.topk_key(B, L, s) == k for k, (B, L) in want.items())
     widths = range(v.LOGITS_ALIGN, s.max_width + 1, v.LOGITS_ALIGN)
     rng = random.Random(0)
@@ -66,10 +62,8 @@ def test_every_topk_count_is_enumerated(short, monkeypatch):
         assert v.topk_key(B, L, s) in want, (B, L)
 
 
-@pytest.mark.parametrize("short", [0, 4096])
 @pytest.mark.parametrize("shape", [BF16_HOPPER, FP8_ALL], ids=["bf16", "fp8"])
-def test_warmup_shapes_reach_every_key(shape, short, monkeypatch):
-    monkeypatch.setattr(topk_triton, "SHORT_MAX_WIDTH", short)  # rows up to that width: one launch
+def test_warmup_shapes_reach_every_key(shape):
     want = v.reachable(shape)
     shapes = v.warmup_shapes(shape, want)
     assert all(1 <= n <= shape.max_tokens and 16 <= L <= shape.max_width and L % 16 == 0 for n, L in shapes)
@@ -120,7 +114,7 @@ def recorded(monkeypatch):
                moe_fp8_triton._down_fp8_kernel, moe_fp8_gemv_triton._gate_up_gemv_kernel,
                moe_fp8_gemv_triton._down_gemv_kernel, topk_triton._bracket_kernel,
                topk_triton._scan_kernel, topk_triton._finish_kernel, draft_attention_triton._draft_attn_kernel,
-               draft_attention_triton._combine_kernel, fp8_act._uv_fp8_kernel, topk_triton._short_kernel]
+               draft_attention_triton._combine_kernel, fp8_act._uv_fp8_kernel]
     for fn in kernels:
         def run(*args, grid, warmup, _fn=fn, **kwargs):
             log.append(_signature(_fn, args, kwargs))
@@ -234,11 +228,8 @@ def test_moe_fp8_same_key_same_launch(recorded, monkeypatch, w8a16_max_tokens):
     assert len(_same_key_same_launch(recorded, calls)) >= (3 if w8a16_max_tokens else 2)
 
 
-@pytest.mark.parametrize("short", [0, 2048])
-def test_topk_same_key_same_launch(recorded, short, monkeypatch):
-    # eager page tables are padded to 16 columns (ModelRunner.build_batch), as here; short: rows up
-    # to that width selected in one launch
-    monkeypatch.setattr(topk_triton, "SHORT_MAX_WIDTH", short)
+def test_topk_same_key_same_launch(recorded):
+    # eager page tables are padded to 16 columns (ModelRunner.build_batch), as here
     s = _cpu_shape(index_topk=64)
     rng = random.Random(1)
     calls = []

@@ -41,7 +41,6 @@ def values(built: list, kernel: str, key: str) -> set:
 def check_topk(built: list, names: set) -> None:
     assert {"_bracket_kernel", "_scan_kernel", "_finish_kernel"} <= names
     assert values(built, "_finish_kernel", "NR") == {1, 2}, "two finish programs a row while 2B <= SMs, then one"
-    assert values(built, "_short_kernel", "BL") == {2048, 4096, 8192}, "rows held whole: 8 and 16 warps"
 
 
 def check_fp8_gemm(built: list, names: set) -> None:
