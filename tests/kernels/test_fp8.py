@@ -140,3 +140,15 @@ def test_decode_split_rule(monkeypatch):
     swap = lambda m, lo: t.default_config(m, 6144, 16384, True, cuda, lo=lo).SWAP  # noqa: E731
     assert swap(1, True) and swap(16, True) and swap(32, False) and not swap(17, True) and not swap(64, False)
     assert t.default_config(64, 6144, 16384, True, cuda, lo=True).SPLIT_K == 3  # 2 x 48 tiles: ~2 programs an SM
+
+
+def test_norm_warps_follow_the_values_loaded():
+    # one warp per 512 loaded values, a power of two in [1, 16]: a split product's parts summed
+    # into a narrow row raise it (the q_a norm, 2,048 wide over 7 fp32 parts: 16 where its width
+    # alone gives 4); a plain row keeps what its tile gave before (8,192 -> 16, 2,048 -> 4)
+    from glm53.kernels.fp8_act import norm_warps
+
+    assert norm_warps(8192, 1) == norm_warps(8192, 9) == 16
+    assert norm_warps(2048, 1) == 4 and norm_warps(2048, 3) == 8 and norm_warps(2048, 7) == 16
+    assert norm_warps(512, 1) == norm_warps(256, 2) == 1 and norm_warps(512, 7) == 4
+    assert all(w & (w - 1) == 0 for t in (128, 512, 2048, 8192) for r in range(1, 12) for w in [norm_warps(t, r)])
