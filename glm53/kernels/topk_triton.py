@@ -5,8 +5,9 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
 (lengths are read on the device, so the op is CUDA-graph safe):
 
 1. `_bracket_kernel`, grid (B): a *bracket* [lo, hi] per row from a fixed sample of the row
-   (SAMPLE scores in groups of G, evenly spaced; the whole row when it is no longer than SAMPLE,
-   then in a tile of the row width's power of two, `row_sample`):
+   (S scores in groups of G, evenly spaced, S = `row_sample`: SHORT_SAMPLE for rows up to
+   SHORT_SAMPLE_MAX_WIDTH, SAMPLE past it; the whole row when it is no longer than S, then in a
+   tile of the row width's power of two):
    the 16-bit keys at the sample ranks k·S/n − 4σ and + 5.5σ (4-bit radix rounds on the sample).
 2. `_scan_kernel`, grid (B, C): each program streams one chunk of its row once: scores with
    key16 > hi are surely selected and go to the chunk's "above" segment; scores with
@@ -26,10 +27,6 @@ lowest position, -1 padding when length <= k). Three launches with grids fixed b
    When it missed low, or the candidates overflow (heavy ties, adversarial rows), it selects
    exactly by streaming over the row itself: slower, equally exact. The bracket's lower margin is
    the wider one for that reason.
-
-Rows no wider than `SHORT_MAX_WIDTH` (0, off, until timed on a GPU) take one launch instead,
-`_short_kernel`: one program a row holding the row's exact keys in registers, radix rounds to the
-k-th, then the finish fallback's selection written in position order.
 
 With programmatic dependent launch (`pdl`, on by default for CUDA) each kernel is launched while its
 predecessor runs: the scan loads its first block(s) and the finish writes its short rows before
@@ -59,7 +56,15 @@ import triton.language as tl
 from glm53.kernels.dispatch import triton_interpreting
 from glm53.kernels.launch_early import pdl_option
 
-SAMPLE = 4096  # sampled scores per row for the bracket
+SAMPLE = 4096  # sampled scores per row for the bracket (rows past SHORT_SAMPLE_MAX_WIDTH)
+# Up to this width a smaller sample: the bracket's radix rounds cost per sampled score, and the
+# wider bracket it gives adds fewer candidates than that saves. H100, k = 2,048, one top-k alone
+# (graphs of 8 calls, 1 and 8 rows; benchmarks/history/2026-12-06.md): 2,048 beats 4,096 at every
+# width measured from 2,500 to 65,536 (4,224 wide: 11.4 vs 13.7 µs; 16,384: 11.8 vs 14.8; 65,536:
+# 14.4 vs 16.8) and loses past it (98,304: 22.7 vs 17.8); 1,024 wins narrow bands by under 1 µs
+# and loses others by up to 7.
+SHORT_SAMPLE = 2048
+SHORT_SAMPLE_MAX_WIDTH = 65536
 MIN_SAMPLE = 256  # the least sample tile (`row_sample`)
 GROUP = 8  # contiguous scores per sample group (one 32-byte sector)
 MARGIN = 4.0  # bracket half-width above the target, in binomial standard deviations of the sample rank
@@ -608,11 +613,13 @@ def expected_candidates(n: int, k: int, sample: int = SAMPLE, margin: float = MA
 
 
 def row_sample(L: int) -> int:
-    """The bracket's sample tile for rows of width L: SAMPLE, or the width's power of two (at least
-    MIN_SAMPLE) when smaller. Such rows are sampled whole either way (an exact bracket); a tile past
-    the width only costs the radix rounds over it (H100, one row of 313 scores, k = 64: 10.9 µs a
-    top-k with 4096, 7.0 with 1024, 6.5 with 512; benchmarks/history/2026-12-05.md)."""
-    return min(SAMPLE, max(MIN_SAMPLE, triton.next_power_of_2(max(L, 1))))
+    """The bracket's sample tile for rows of width L: SHORT_SAMPLE up to SHORT_SAMPLE_MAX_WIDTH,
+    SAMPLE past it, or the width's power of two (at least MIN_SAMPLE) when smaller. Such rows are
+    sampled whole either way (an exact bracket); a tile past the width only costs the radix rounds
+    over it (H100, one row of 313 scores, k = 64: 10.9 µs a top-k with 4096, 7.0 with 1024, 6.5
+    with 512; benchmarks/history/2026-12-05.md)."""
+    cap = SHORT_SAMPLE if L <= SHORT_SAMPLE_MAX_WIDTH else SAMPLE
+    return min(cap, max(MIN_SAMPLE, triton.next_power_of_2(max(L, 1))))
 
 
 def _cand_tile(L: int, k: int, sample: int, margin: float, margin_lo: float | None = None) -> int:

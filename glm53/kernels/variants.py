@@ -240,14 +240,15 @@ def topk_row_classes(s: ServeShape) -> dict[tuple, int]:
 
 def topk_widths(s: ServeShape) -> list[int]:
     """Widths (multiples of LOGITS_ALIGN up to max_width) at which top-k's plan may change: its
-    plan depends on the width through the blocks of the scan (`BLOCK`), the candidate tile
-    (`_cand_tile`, monotone in the width) and the bracket's sample tile (`row_sample`, a step at
-    each power of two), so the ends of every block's range, the points where the candidate tile
-    steps and both sides of each sample step cover every plan."""
+    plan depends on the width through the blocks of the scan (`BLOCK`), the bracket's sample tile
+    (`row_sample`: a step at each power of two, and one at `SHORT_SAMPLE_MAX_WIDTH`) and the
+    candidate tile (`_cand_tile`, monotone in the width at one sample tile), so the ends of every
+    block's range and the points where the pair (candidate tile, sample tile) steps, both sides of
+    each, cover every plan."""
     from glm53.kernels.topk_triton import BLOCK, MARGIN, MIN_SAMPLE, SAMPLE, _cand_tile, row_sample
 
-    def tile(L: int) -> int:
-        return _cand_tile(L, s.index_topk, row_sample(L), MARGIN)
+    def tile(L: int) -> tuple[int, int]:
+        return _cand_tile(L, s.index_topk, row_sample(L), MARGIN), row_sample(L)
 
     a, top = LOGITS_ALIGN, s.max_width
     pts = {a, top}

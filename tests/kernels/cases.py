@@ -100,17 +100,17 @@ def key16(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_brackets(L: int, k: int, device: str = "cpu", rows: int = 32) -> None:
-    """The top-k's brackets on random rows of lengths in (k, L]: every row takes the usual path,
-    fewer than k scores above the bracket and at least k with its candidates, which must fit the
-    finish's tile (a miss still selects exactly, by the slow fallback, so set equality alone cannot
-    see one). A row no longer than its sample tile is sampled whole, so its bracket is exact:
-    hi == lo == the k-th key16."""
+    """The top-k's brackets on random rows of lengths in (k, L]: every row takes the usual path
+    (`_finish_kernel`'s test): at most k scores above the bracket, at least k with its candidates,
+    and the candidates fit the finish's tile (a miss still selects exactly, by the slow fallback,
+    so set equality alone cannot see one). A row no longer than its sample tile is sampled whole,
+    so its bracket is exact: hi == lo == the k-th key16 (no such row when the tile is at most k)."""
     from glm53.kernels import topk_triton as tt
 
     x = make_logits(rows, L, "randn", torch.float32, device)
     tile = tt.row_sample(L)
     lens = torch.randint(k + 1, L + 1, (rows,), device=device, dtype=torch.int32)
-    lens[0], lens[1], lens[-1] = k + 1, min(L, tile), L
+    lens[0], lens[1], lens[-1] = k + 1, max(k + 1, min(L, tile)), L
     plan = tt.plan_topk(rows, L, k, x.device)
     out = torch.empty(rows, k, dtype=torch.int32, device=device)
     tt.run_topk(plan, x, lens, out, stages=2)
@@ -119,7 +119,7 @@ def check_brackets(L: int, k: int, device: str = "cpu", rows: int = 32) -> None:
     for b in range(rows):
         n = int(lens[b])
         above, cand = stat[b].tolist()
-        assert above < k <= above + cand <= plan.CB * plan.TC, (b, n, above, cand, br[b].tolist())
+        assert above <= k <= above + cand and cand <= plan.CB * plan.TC, (b, n, above, cand, br[b].tolist())
         if n <= tile:
             kth = int(k16[b, :n].sort(descending=True).values[k - 1])
             assert br[b].tolist() == [kth, kth], (b, n, br[b].tolist(), kth)

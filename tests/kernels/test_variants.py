@@ -5,6 +5,8 @@ which arguments specialize)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import random
 
@@ -60,6 +62,21 @@ def test_every_topk_count_is_enumerated():
     for _ in range(300):
         B, L = rng.randint(1, s.max_tokens), rng.choice(widths)
         assert v.topk_key(B, L, s) in want, (B, L)
+
+
+def test_topk_sample_step_is_enumerated():
+    # past SHORT_SAMPLE_MAX_WIDTH the bracket samples SAMPLE scores, not SHORT_SAMPLE: a step in
+    # the plan the width enumeration must see from both sides
+    from glm53.kernels import topk_triton as tt
+
+    s = dataclasses.replace(BF16_HOPPER, max_context=140000)
+    edge = tt.SHORT_SAMPLE_MAX_WIDTH
+    assert tt.row_sample(edge) == tt.SHORT_SAMPLE < tt.row_sample(edge + v.LOGITS_ALIGN) == tt.SAMPLE
+    assert {edge, edge + v.LOGITS_ALIGN} <= set(v.topk_widths(s))
+    want = v.reachable(s)["topk"]
+    for L in [edge - 16, edge, edge + 16, edge + 32, 98304, s.max_width]:
+        for B in (1, 8, 66, 300):
+            assert v.topk_key(B, L, s) in want, (B, L)
 
 
 @pytest.mark.parametrize("shape", [BF16_HOPPER, FP8_ALL], ids=["bf16", "fp8"])
