@@ -241,21 +241,17 @@ def topk_row_classes(s: ServeShape) -> dict[tuple, int]:
 def topk_widths(s: ServeShape) -> list[int]:
     """Widths (multiples of LOGITS_ALIGN up to max_width) at which top-k's plan may change: its
     plan depends on the width through the blocks of the scan (`BLOCK`), the bracket's sample tile
-    (`row_sample`: a step at each power of two, and one at `SHORT_SAMPLE_MAX_WIDTH`) and the
-    candidate tile (`_cand_tile`, monotone in the width at one sample tile), so the ends of every
-    block's range and the points where the pair (candidate tile, sample tile) steps, both sides of
-    each, cover every plan."""
-    from glm53.kernels.topk_triton import BLOCK, MARGIN, MIN_SAMPLE, SAMPLE, _cand_tile, row_sample
+    (`row_sample`: monotone, a step at each power of two and one at `SHORT_SAMPLE_MAX_WIDTH`) and
+    the candidate tile (`_cand_tile`, monotone in the width at one sample tile), so each value of
+    the pair (candidate tile, sample tile) holds over one range of widths: the ends of every
+    block's range and both sides of each step of the pair, found by bisection, cover every plan."""
+    from glm53.kernels.topk_triton import BLOCK, MARGIN, _cand_tile, row_sample
 
     def tile(L: int) -> tuple[int, int]:
         return _cand_tile(L, s.index_topk, row_sample(L), MARGIN), row_sample(L)
 
     a, top = LOGITS_ALIGN, s.max_width
     pts = {a, top}
-    p2 = MIN_SAMPLE  # the bracket's sample tile steps at each power of two up to SAMPLE (`row_sample`)
-    while p2 < SAMPLE:
-        pts |= {w for w in (p2, p2 + a) if w <= top}
-        p2 *= 2
     lo = a
     while lo <= top:
         hi = min(top, (lo // BLOCK + 1) * BLOCK)  # the last width with lo's block count
