@@ -151,4 +151,5 @@ def test_norm_warps_follow_the_values_loaded():
     assert norm_warps(8192, 1) == norm_warps(8192, 9) == 16
     assert norm_warps(2048, 1) == 4 and norm_warps(2048, 3) == 8 and norm_warps(2048, 7) == 16
     assert norm_warps(512, 1) == norm_warps(256, 2) == 1 and norm_warps(512, 7) == 4
-    assert all(w & (w - 1) == 0 for t in (128, 512, 2048, 8192) for r in range(1, 12) for w in [norm_warps(t, r)])
+    warps = [norm_warps(t, r) for t in (128, 512, 2048, 8192) for r in range(1, 12)]
+    assert all(w & (w - 1) == 0 for w in warps)

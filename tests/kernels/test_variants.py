@@ -6,7 +6,6 @@ which arguments specialize)."""
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import random
 
