@@ -248,7 +248,8 @@ def topk_widths(s: ServeShape) -> list[int]:
     from glm53.kernels.topk_triton import BLOCK, MARGIN, _cand_tile, row_sample
 
     def tile(L: int) -> tuple[int, int]:
-        return _cand_tile(L, s.index_topk, row_sample(L), MARGIN), row_sample(L)
+        sample = row_sample(L)
+        return _cand_tile(L, s.index_topk, sample, MARGIN), sample
 
     a, top = LOGITS_ALIGN, s.max_width
     pts = {a, top}
