@@ -3,14 +3,16 @@ the small kernels (`SMALL_KERNELS`), the W_UV product (`fp8_act.UV_PDL`, `UV_PRE
 down kernel (`moe_fp8_triton.DOWN_PDL`, `DOWN_PREFETCH`); and the attention's ops off the main chain
 on a side stream (`models.overlap.SIDE_STREAM`); and the W_UV product combining the attention's
 splits in its own launch (`fp8_act.UV_SPLITS_MAX_ROWS`: `splits` at every size, `rows4` at up to 4
-rows, as shipped). Each variant's step is captured as the serving graphs capture it and timed as
-one CUDA graph replayed back to back (the step's GPU time, no host work between steps), the
-variants interleaved over `--rounds` so drift hits all of them; the logits of every variant are
-checked equal to the all-off step's. Prints each variant's median and its ratio to all-off;
-`--trace V[,W]` adds those variants' kernels in order with the gaps between them.
+rows); and the indexer's query product, logits and top-k ahead of q_b and the absorbed query
+(`overlap.INDEX_FIRST_MAX_ROWS`; `shipped`: every switch as shipped). Each variant's step is
+captured as the serving graphs capture it and timed as one CUDA graph replayed back to back (the
+step's GPU time, no host work between steps), the variants interleaved over `--rounds` so drift
+hits all of them; the logits of every variant are checked equal to the all-off step's. Prints
+each variant's median and its ratio to all-off; `--trace V[,W]` adds those variants' kernels in
+order with the gaps between them.
 
     python3 benchmarks/early_launch.py [--sizes 1 64] [--rounds 2] [--trace off] [--json out.json]
-        [--variants off,small,uv,down,all,side,every,splits,every+splits,every+rows4]
+        [--variants off,small,uv,down,all,side,every,splits,every+splits,every+rows4,shipped]
     (a GPU of compute capability 9.0+)
 """
 
@@ -23,21 +25,23 @@ from pathlib import Path
 
 import torch
 
-# variant -> (SMALL_KERNELS, UV_PDL, UV_PREFETCH, DOWN_PDL, DOWN_PREFETCH, SIDE_STREAM, UV_SPLITS_MAX_ROWS)
+# variant -> (SMALL_KERNELS, UV_PDL, UV_PREFETCH, DOWN_PDL, DOWN_PREFETCH, SIDE_STREAM, UV_SPLITS_MAX_ROWS,
+#             overlap.INDEX_FIRST_MAX_ROWS)
 ANY = 1 << 30  # the W_UV product takes the splits at every size
 VARIANTS = {
-    "off": (False, False, 0, False, 0, False, 0),
-    "small": (True, False, 0, False, 0, False, 0),
-    "uv": (False, True, 1024, False, 0, False, 0),
-    "uv256": (False, True, 256, False, 0, False, 0),
-    "down": (False, False, 0, True, 256, False, 0),
-    "down0": (False, False, 0, True, 0, False, 0),
-    "all": (True, True, 1024, True, 256, False, 0),
-    "side": (False, False, 0, False, 0, True, 0),
-    "every": (True, True, 1024, True, 256, True, 0),
-    "splits": (False, False, 0, False, 0, False, ANY),  # the W_UV product combines the attention's splits
-    "every+splits": (True, True, 1024, True, 256, True, ANY),
-    "every+rows4": (True, True, 1024, True, 256, True, 4),  # the shipped switches
+    "off": (False, False, 0, False, 0, False, 0, 0),
+    "small": (True, False, 0, False, 0, False, 0, 0),
+    "uv": (False, True, 1024, False, 0, False, 0, 0),
+    "uv256": (False, True, 256, False, 0, False, 0, 0),
+    "down": (False, False, 0, True, 256, False, 0, 0),
+    "down0": (False, False, 0, True, 0, False, 0, 0),
+    "all": (True, True, 1024, True, 256, False, 0, 0),
+    "side": (False, False, 0, False, 0, True, 0, 0),
+    "every": (True, True, 1024, True, 256, True, 0, 0),
+    "splits": (False, False, 0, False, 0, False, ANY, 0),  # the W_UV product combines the attention's splits
+    "every+splits": (True, True, 1024, True, 256, True, ANY, 0),
+    "every+rows4": (True, True, 1024, True, 256, True, 4, 0),  # the shipped switches before index-first
+    "shipped": (True, True, 1024, True, 256, True, 4, 4),  # ... and the indexer's chain first, up to 4 rows
 }
 
 
@@ -48,7 +52,8 @@ def switch(name: str) -> None:
     import glm53.models.overlap as overlap
 
     (launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8.DOWN_PDL,
-     moe_fp8.DOWN_PREFETCH, overlap.SIDE_STREAM, fp8_act.UV_SPLITS_MAX_ROWS) = VARIANTS[name]
+     moe_fp8.DOWN_PREFETCH, overlap.SIDE_STREAM, fp8_act.UV_SPLITS_MAX_ROWS,
+     overlap.INDEX_FIRST_MAX_ROWS) = VARIANTS[name]
 
 
 def step_graphs(base, sizes: list[int], ctx: int):

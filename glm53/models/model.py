@@ -269,6 +269,15 @@ class Attention(nn.Module):
             self.proj_q = FusedLinear.of([self.q_b_proj, ind.wq_b])
         return int(self.proj_x is not None) + int(self.proj_q is not None)
 
+    def _index_first(self, side: torch.cuda.Stream | None, q_in: torch.Tensor | Fp8Rows, n: int) -> bool:
+        """Whether q_b and the indexer's wq_b run as two products on two streams (wq_b's first, on
+        the main chain) rather than as one fused product: with a side stream, at up to
+        `overlap.INDEX_FIRST_MAX_ROWS` rows, when each member reads q_in as it was made."""
+        if side is None or self.proj_q is None or n > overlap.INDEX_FIRST_MAX_ROWS:
+            return False
+        members = (self.q_b_proj, self.indexer.wq_b)
+        return not isinstance(q_in, Fp8Rows) or all(m.takes_fp8_rows(n) for m in members)
+
     def forward(self, x, cos, sin, batch: ForwardBatch, kv: KVPools, topk_slots: torch.Tensor | None,
                 x_in: torch.Tensor | Fp8Rows | None = None, keep_parts: bool = False,
                 side: torch.cuda.Stream | None = None):
@@ -315,23 +324,31 @@ class Attention(nn.Module):
             _, q_in = rms_norm_fp8(qa, self.q_a_layernorm.weight, LATENT_NORM_EPS)
         else:
             q_resid = q_in = rms_norm(qa, self.q_a_layernorm.weight, LATENT_NORM_EPS)
-        if self.proj_q is not None:
-            q, q_idx = self.proj_q(q_in)
+        # Absorbed form: fold W_UK into the query (with q_pe's rotation: kernels/absorb) and W_UV
+        # into the output (per head). The query is off the main chain too, beside the indexer.
+        w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
+        if self._index_first(side, q_in, n):
+            # The indexer's chain (logits, top-k) is the layer's longest; only its own query
+            # product feeds it, so q_b and the absorbed query go beside it, after it
+            # (`overlap.INDEX_FIRST_MAX_ROWS`)
+            q_idx = self.indexer.wq_b(q_in)
+            query = overlap.Branch(side)
+            with query:
+                q_all = absorbed_query(self.q_b_proj(q_in).view(n, h, cfg.qk_head_dim), w[:, :nope], cos, sin,
+                                       cfg.rope_interleave)
         else:
-            q = self.q_b_proj(q_in)
-        q = q.view(n, h, cfg.qk_head_dim)
+            if self.proj_q is not None:
+                q, q_idx = self.proj_q(q_in)
+            else:
+                q = self.q_b_proj(q_in)
+            query = overlap.Branch(side if self.indexer is not None else None)
+            with query:
+                q_all = absorbed_query(q.view(n, h, cfg.qk_head_dim), w[:, :nope], cos, sin, cfg.rope_interleave)
         if cache.dtype == torch.uint8:  # the FP8 latent rows (kernels/latent_cache_fp8)
             ckv = take(ckv)
             finish_rows(ckv, self.kv_a_layernorm.weight, LATENT_NORM_EPS, cos, sin, norm_d=r, rope_lo=r,
                         interleave=cfg.rope_interleave)
             latent_cache_fp8.store(cache, batch.out_slots, ckv, self.latent_fp8, coords=coords)
-
-        # Absorbed form: fold W_UK into the query (with q_pe's rotation: kernels/absorb) and W_UV
-        # into the output (per head). The query is off the main chain too, beside the indexer.
-        w = self.kv_b_proj.weight.view(h, nope + cfg.v_head_dim, r)
-        query = overlap.Branch(side if self.indexer is not None else None)
-        with query:
-            q_all = absorbed_query(q, w[:, :nope], cos, sin, cfg.rope_interleave)
         rows.join()
         if self.indexer is not None:
             topk_slots = self.indexer(x, q_resid, cos, sin, batch, kv, self.layer, q_raw=q_idx, k_raw=k_idx,

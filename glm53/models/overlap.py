@@ -4,7 +4,8 @@ At decode sizes an MLA layer is mostly a chain of small, latency-bound kernels, 
 is one chain: the store of the latent and index-key rows and the indexer's head gates need only
 the input product and the normed input, while the main stream runs the q_a norm and the q_b
 product; the absorbed query needs only q, while the main stream runs the indexer's logits and
-top-k. Queued on a second stream (`Branch`: forked from the main stream, joined before anything
+top-k (at up to `INDEX_FIRST_MAX_ROWS` rows the q_b product too, the indexer's own query product
+going first). Queued on a second stream (`Branch`: forked from the main stream, joined before anything
 reads what it made) they run beside those kernels, and a CUDA graph captured so holds both
 branches. The values are the same either way: each kernel computes what it computes alone.
 
@@ -26,6 +27,11 @@ import contextlib
 import torch
 
 SIDE_STREAM = True
+# Up to this many rows (0: never), the indexer's query product runs first on the main stream and
+# the q_b product and the absorbed query beside its logits and top-k (two products where q_b and
+# wq_b were one: `Attention._index_first`). H100, the FP8 slice's graphed step (2026-12-06):
+# batch 1 942.1 -> 924.4 us, 4: 1,021.1 -> 1,007.8, but 16: 1,202.6 -> 1,214.2; logits bit-equal.
+INDEX_FIRST_MAX_ROWS = 4
 # Rows of a step that forks: decode sizes (the absorbed query's own kernel runs up to as many).
 MAX_TOKENS = 16
 

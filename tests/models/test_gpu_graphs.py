@@ -226,3 +226,56 @@ def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
                 row[1], row[2] = row[1] + 1, nxt
         outs.append(logits)
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8):
+    # overlap.INDEX_FIRST_MAX_ROWS: q_b and the indexer's wq_b as two products (the indexer's chain on the
+    # main stream, q_b and the absorbed query beside it) give the fused product's logits up to the
+    # products' accumulation order, replayed from graphs and eager; both are fed the same tokens
+    from glm53.models import overlap
+    from glm53.models.config import GlmConfig
+    from glm53.models.model import Attention
+    from glm53.support.oracle import FP8_WIDTHS, quantise_fp8_
+
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(ckpt, seed=17, **{**(FP8_WIDTHS if fp8 else {}), "index_topk_freq": 2, "index_skip_topk_offset": 2})
+    if fp8:
+        quantise_fp8_(ckpt, block=128)
+    g = torch.Generator().manual_seed(5)
+    vocab = GlmConfig.from_dir(ckpt).vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 130, 9)]
+    feed = torch.randint(0, vocab, (4, len(prompts)), generator=g).tolist()
+    taken = []
+    first_of = Attention._index_first
+
+    def spy(self, side, q_in, n):  # the layers with an indexer: each decode step's choice
+        out = first_of(self, side, q_in, n)
+        if self.indexer is not None:
+            taken.append(out)
+        return out
+
+    monkeypatch.setattr(Attention, "_index_first", spy)
+    outs = []
+    for first in (False, True):
+        monkeypatch.setattr(overlap, "INDEX_FIRST_MAX_ROWS", 4 if first else 0)
+        runner = _with_graphs(ckpt, torch.bfloat16, GraphConfig(max_bs=4, max_context=400), fp8=fp8)
+        alloc = PageAllocator(PAGES)
+        reqs = []
+        for p in prompts:
+            pages = alloc.alloc(runner.pages_needed(len(p) + 8))
+            runner.forward([SeqChunk(p, 0, pages)])
+            reqs.append([pages, len(p)])
+        taken.clear()
+        logits = []
+        for toks in feed:  # batch 3, replayed from the batch-4 graph, then the same step eagerly
+            chunks = [SeqChunk([tok], pos, pages) for (pages, pos), tok in zip(reqs, toks)]
+            logits += [torch.cat(runner.forward(chunks)).float(),
+                       runner.graphs.run_eager(*runner.graphs.bucket(chunks))[:3].float()]
+            assert runner.graphs.replays
+            for row in reqs:
+                row[1] += 1
+        assert any(taken) == first and all(t == first for t in taken)
+        outs.append(logits)
+    for a, b in zip(*outs):
+        assert float((a - b).norm() / b.norm()) <= 1e-2
