@@ -190,21 +190,27 @@ def test_a_join_waits_for_its_branch_only():
     torch.cuda.synchronize()
 
 
+def _sharing_checkpoint(path, seed: int, fp8: bool) -> tuple[object, int]:
+    """A tiny checkpoint with index sharing, bf16 or block-FP8 in the GLM-5-FP8 layout; and its vocabulary."""
+    from glm53.models.config import GlmConfig
+    from glm53.support.oracle import FP8_WIDTHS, quantise_fp8_
+
+    sharing = {"index_topk_freq": 2, "index_skip_topk_offset": 2}
+    make_checkpoint(path, seed=seed, **{**(FP8_WIDTHS if fp8 else {}), **sharing})
+    if fp8:
+        quantise_fp8_(path, block=128)
+    return path, GlmConfig.from_dir(path).vocab_size
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
     # the attention's ops off the main chain on a side stream (models/overlap: the cache rows and
     # the indexer's gates beside the q_b product, the absorbed query beside the indexer): the
     # same logits, bit for bit, replayed from graphs and eager, as on one stream
     from glm53.models import overlap
-    from glm53.models.config import GlmConfig
-    from glm53.support.oracle import FP8_WIDTHS, quantise_fp8_
 
-    ckpt = tmp_path / "ckpt"
-    make_checkpoint(ckpt, seed=13, **{**(FP8_WIDTHS if fp8 else {}), "index_topk_freq": 2, "index_skip_topk_offset": 2})
-    if fp8:
-        quantise_fp8_(ckpt, block=128)
+    ckpt, vocab = _sharing_checkpoint(tmp_path / "ckpt", 13, fp8)
     g = torch.Generator().manual_seed(2)
-    vocab = GlmConfig.from_dir(ckpt).vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 130, 9)]
     outs = []
     for side in (False, True):
@@ -234,16 +240,10 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8)
     # main stream, q_b and the absorbed query beside it) give the fused product's logits up to the
     # products' accumulation order, replayed from graphs and eager; both are fed the same tokens
     from glm53.models import overlap
-    from glm53.models.config import GlmConfig
     from glm53.models.model import Attention
-    from glm53.support.oracle import FP8_WIDTHS, quantise_fp8_
 
-    ckpt = tmp_path / "ckpt"
-    make_checkpoint(ckpt, seed=17, **{**(FP8_WIDTHS if fp8 else {}), "index_topk_freq": 2, "index_skip_topk_offset": 2})
-    if fp8:
-        quantise_fp8_(ckpt, block=128)
+    ckpt, vocab = _sharing_checkpoint(tmp_path / "ckpt", 17, fp8)
     g = torch.Generator().manual_seed(5)
-    vocab = GlmConfig.from_dir(ckpt).vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 130, 9)]
     feed = torch.randint(0, vocab, (4, len(prompts)), generator=g).tolist()
     taken = []
