@@ -124,3 +124,26 @@ def test_fused_linear_fp8_padding_and_refusals():
     # (unit-normal weights: sums of ~18, summed in another order by the stacked product's BLAS)
     torch.testing.assert_close(torch.cat(f(x), -1), torch.cat([x @ before.t(), x @ b.weight.t()], -1),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_index_first_rule(tmp_path, monkeypatch):
+    # `Attention._index_first`: q_b and wq_b as two products (wq_b first) only with a side
+    # stream, at up to overlap.INDEX_FIRST_MAX_ROWS rows, on layers whose two were fused
+    from glm53.models import overlap
+
+    make_checkpoint(tmp_path, seed=_seed(), index_topk_freq=2, index_skip_topk_offset=2)
+    model = load_model(tmp_path, dtype=torch.float32, progress=False)
+    layers = [layer.self_attn for layer in model.model.layers.values()]
+    full = [a for a in layers if a.indexer is not None]
+    shared = [a for a in layers if a.indexer is None]
+    assert full and shared
+    side, x = object(), torch.randn(4, full[0].q_b_proj.weight.shape[1])  # any stream stands in
+    assert not any(a._index_first(side, x, 1) for a in layers)  # nothing fused yet
+    fuse_projections_(model)
+    monkeypatch.setattr(overlap, "INDEX_FIRST_MAX_ROWS", 4)
+    for a in full:
+        assert a._index_first(side, x, 1) and a._index_first(side, x, 4)
+        assert not a._index_first(side, x, 5) and not a._index_first(None, x, 1)
+    assert not any(a._index_first(side, x, 1) for a in shared)
+    monkeypatch.setattr(overlap, "INDEX_FIRST_MAX_ROWS", 0)
+    assert not any(a._index_first(side, x, 1) for a in full)
