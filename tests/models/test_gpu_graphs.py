@@ -190,8 +190,9 @@ def test_a_join_waits_for_its_branch_only():
     torch.cuda.synchronize()
 
 
-def _sharing_checkpoint(path, seed: int, fp8: bool) -> tuple[object, int]:
-    """A tiny checkpoint with index sharing, bf16 or block-FP8 in the GLM-5-FP8 layout; and its vocabulary."""
+def _sharing_checkpoint(path, seed: int, fp8: bool) -> int:
+    """Writes a tiny checkpoint with index sharing to `path`, bf16 or block-FP8 in the GLM-5-FP8
+    layout; returns its vocabulary size."""
     from glm53.models.config import GlmConfig
     from glm53.support.oracle import FP8_WIDTHS, quantise_fp8_
 
@@ -199,7 +200,7 @@ def _sharing_checkpoint(path, seed: int, fp8: bool) -> tuple[object, int]:
     make_checkpoint(path, seed=seed, **{**(FP8_WIDTHS if fp8 else {}), **sharing})
     if fp8:
         quantise_fp8_(path, block=128)
-    return path, GlmConfig.from_dir(path).vocab_size
+    return GlmConfig.from_dir(path).vocab_size
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
@@ -209,7 +210,8 @@ def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
     # same logits, bit for bit, replayed from graphs and eager, as on one stream
     from glm53.models import overlap
 
-    ckpt, vocab = _sharing_checkpoint(tmp_path / "ckpt", 13, fp8)
+    ckpt = tmp_path / "ckpt"
+    vocab = _sharing_checkpoint(ckpt, 13, fp8)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 130, 9)]
     outs = []
@@ -242,7 +244,8 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8)
     from glm53.models import overlap
     from glm53.models.model import Attention
 
-    ckpt, vocab = _sharing_checkpoint(tmp_path / "ckpt", 17, fp8)
+    ckpt = tmp_path / "ckpt"
+    vocab = _sharing_checkpoint(ckpt, 17, fp8)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 130, 9)]
     feed = torch.randint(0, vocab, (4, len(prompts)), generator=g).tolist()
