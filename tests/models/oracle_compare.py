@@ -1,9 +1,12 @@
 """What the model core's comparisons against the oracle (transformers, glm53.support.oracle)
 share: the index top-k of their checkpoints (`TOPK`), a probe that makes sure no index-score
-near-tie decides the comparison (`IndexGapProbe`), and the relative error (`rel_err`). Used by
+near-tie decides the comparison (`IndexGapProbe`), the oracle's top-k with our tie rule where
+exact ties are the point (`stable_topk`), and the relative error (`rel_err`). Used by
 test_against_transformers.py and test_stages.py."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -51,6 +54,26 @@ class IndexGapProbe:
         assert self.rows > 0 and self.min_ratio > 20, (
             f"index-score near-tie: k-th/(k+1)-th gap only {self.min_ratio:.1f}x the rounding error"
         )
+
+
+@contextmanager
+def stable_topk():
+    """Within the block, `Tensor.topk` over floats breaks ties by lowest position (our contract,
+    `kernels/topk.py`): the oracle's `topk` leaves tied scores' order unspecified, so where index
+    scores tie exactly at the k-th place the two selections may differ without either being wrong."""
+    inner = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        if not (largest and self.dtype.is_floating_point):
+            return inner(self, k, dim=dim, largest=largest, sorted=sorted)
+        idx = torch.sort(self, dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, idx), idx))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = inner
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
