@@ -25,7 +25,8 @@ from glm53.support.ports import free_ports
 
 def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | None, graphs: bool = True,
               max_running: int = 64, dtype: str = "float32", context: int | None = None,
-              threshold: float = 0.0, overlap: bool = True, prefill_graphs: bool = True) -> DecodeScheduler:
+              threshold: float = 0.0, overlap: bool = True, prefill_graphs: bool = True,
+              page_size: int = 16) -> DecodeScheduler:
     """A decode scheduler on one in-process rank (no prefill instance is started). On CUDA it
     captures its decode graphs (with a draft: of the DFlash step) for batches up to
     `max_running` and requests up to `context` tokens (None: the model's) unless `graphs` is False.
@@ -33,11 +34,12 @@ def scheduler(model_dir: Path, draft: Path | None, device: str, block: int | Non
     confidence `threshold`), else DFLASH. `overlap` False runs every step synchronously
     (`disable_overlap_schedule`). The prompts' forwards (`decode_run`) stand in for a prefill
     instance's: with graphs on CUDA (and `prefill_graphs`), a prompt chunk of up to
-    PREFILL_GRAPH_TOKENS replays a prefill graph, as a prefill rank's does."""
+    PREFILL_GRAPH_TOKENS replays a prefill graph, as a prefill rank's does. The pools hold 2,048
+    pages of `page_size` tokens."""
     ports = free_ports(4)
     raw = {
         "model": {"path": str(model_dir), **({"context_length": context} if context else {})},
-        "defaults": {"device": device, "dtype": dtype, "page_size": 16, "num_pages": 2048,
+        "defaults": {"device": device, "dtype": dtype, "page_size": page_size, "num_pages": 2048,
                      "stream_interval": 1000, "max_running_requests": max_running,
                      "disable_cuda_graph": not graphs, "disable_overlap_schedule": not overlap},
         "prefill": [{"name": "p0", "host": "127.0.0.1", "port": ports[0], "bootstrap_port": ports[1]}],

@@ -101,20 +101,31 @@ def test_odd_widths_match_transformers(tmp_path, monkeypatch, seed, page, widths
     ref = make_checkpoint(tmp_path, seed=seed, **widths)
     probe = IndexGapProbe(monkeypatch, TOPK)
     runner = ModelRunner.from_dir(tmp_path, page_size=page, num_pages=1024, progress=False)
-    allocator = PageAllocator(1024)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 158, (n,), generator=g).tolist() for n in (TOPK - 3, 4 * TOPK + 1, 9 * TOPK)]
-    chunks = [SeqChunk(p, 0, allocator.alloc(runner.pages_needed(len(p) + 8)), all_logits=True) for p in prompts]
-    for p, out in zip(prompts, runner.forward(chunks)):
+    _assert_oracle_agrees(ref, prompts, *_prefill_and_greedy(runner, prompts, 8, 1024), 8)
+    probe.assert_well_posed()
+
+
+def _prefill_and_greedy(runner: ModelRunner, prompts: list[list[int]], steps: int,
+                        pages: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Our prefill logits of every prompt row (one batch) and `steps` greedy tokens per prompt."""
+    allocator = PageAllocator(pages)
+    chunks = [SeqChunk(p, 0, allocator.alloc(runner.pages_needed(len(p) + steps)), all_logits=True) for p in prompts]
+    return runner.forward(chunks), greedy_generate(runner, PageAllocator(pages), prompts, steps, ignore_eos=True)
+
+
+def _assert_oracle_agrees(ref, prompts: list[list[int]], logits: list[torch.Tensor], outs: list[list[int]],
+                          steps: int) -> None:
+    """The oracle's prefill logits match ours, and its argmax along our greedy tokens is them."""
+    for p, out in zip(prompts, logits):
         with torch.no_grad():
             want = ref(torch.tensor([p])).logits[0]
         assert rel_err(out, want) <= 1e-4
-    outs = greedy_generate(runner, PageAllocator(1024), prompts, 8, ignore_eos=True)
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            logits = ref(torch.tensor([p + o])).logits[0]
-        assert o == logits[len(p) - 1 : len(p) - 1 + 8].argmax(-1).tolist()
-    probe.assert_well_posed()
+            got = ref(torch.tensor([p + o])).logits[0]
+        assert o == got[len(p) - 1 : len(p) - 1 + steps].argmax(-1).tolist()
 
 
 # A held-out random config (seed 9279 of the thirty-eighth session's sweep) with 4 index heads:
@@ -134,20 +145,10 @@ def test_exact_index_ties_break_by_lowest_position(tmp_path, monkeypatch):
     runner = ModelRunner.from_dir(tmp_path, page_size=4, num_pages=512, progress=False)
     g = torch.Generator().manual_seed(9279)
     prompts = [torch.randint(0, 158, (n,), generator=g).tolist() for n in (TOPK - 1, 4 * TOPK + 1, 9 * TOPK)]
-    allocator = PageAllocator(512)
-    chunks = [SeqChunk(p, 0, allocator.alloc(runner.pages_needed(len(p))), all_logits=True) for p in prompts]
-    ours = runner.forward(chunks)
-    outs = greedy_generate(runner, PageAllocator(512), prompts, 12, ignore_eos=True)
+    ours = _prefill_and_greedy(runner, prompts, 12, 512)  # before the patch: it is the oracle's only
     assert probe.rows > 0 and probe.min_ratio == 0, "no exact tie at the k-th place: the test lost its point"
-    with stable_topk():  # the oracle's only
-        for p, out in zip(prompts, ours):
-            with torch.no_grad():
-                want = ref(torch.tensor([p])).logits[0]
-            assert rel_err(out, want) <= 1e-4
-        for p, o in zip(prompts, outs):
-            with torch.no_grad():
-                logits = ref(torch.tensor([p + o])).logits[0]
-            assert o == logits[len(p) - 1 : len(p) - 1 + 12].argmax(-1).tolist()
+    with stable_topk():
+        _assert_oracle_agrees(ref, prompts, *ours, 12)
 
 
 def test_greedy_decode_matches_transformers_argmax(tmp_path, monkeypatch):
