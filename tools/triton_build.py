@@ -182,6 +182,11 @@ def case_fp8_gemm():
         for M in (1, 16, 64, 4096):
             g.fp8_gemm_w8a8(empty(M, 768), w, ws, lo=M <= 16)
         g.fp8_gemm_w8a16(empty(1, 768), w, ws)
+        # a K of 16 blocks at decode: 6 stages, split in 4 (4,096 rows) or at 8 warps (17,408 rows)
+        for n in (4096, 17408):
+            w, ws = empty(n, 2048, dtype=FP8), empty(n // 128, 16, dtype=F32)
+            for M in (1, 16):
+                g.fp8_gemm_w8a8(empty(M, 2048), w, ws, lo=True)
 
     return run
 

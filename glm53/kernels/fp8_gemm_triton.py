@@ -73,6 +73,17 @@ def _split_k(tiles: int, k_blocks: int, device: torch.device, cap: int = 16) -> 
     return max(1, min(k_blocks, cap, triton.cdiv(2 * sms, tiles)))
 
 
+def _swap_split(tiles: int, k_blocks: int, device: torch.device, cap: int = 16, least: int = 4) -> int:
+    """K splits of a one-row-tile decode product: the fewest that cut the scale blocks evenly, leave
+    each split `least` blocks, and give about two programs an SM (5 % short counts); none such, the
+    most that do the first two."""
+    sms = sm_count(device)
+    if not sms or tiles >= sms:
+        return 1
+    even = [s for s in range(1, min(cap, k_blocks // least) + 1) if k_blocks % s == 0]
+    return next((s for s in even if 1.05 * s * tiles >= 2 * sms), even[-1] if even else 1)
+
+
 def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | None = None,
                    lo: bool = False) -> GemmConfig:
     """Tiles by M: decode (M <= 64) -> short row tiles, 64 columns, split-K to fill the SMs (the
@@ -99,13 +110,24 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
         if bm <= 32:  # one row tile: the weight tile is the MMA's long side (SWAP), the rows its
             # short one (H200, 2026-12-05, two terms: the slice's five products at M = 1 / 2 / 16
             # 120.0 / 117.6 / 124.5 µs swapped against 135.5 / 124.7 / 146.2, GLM-5's tp = 8 42.3 /
-            # 41.7 / 44.2 against 46.2 / 46.3 / 52.2; 64 columns and 4 stages won or came within 3 %)
+            # 41.7 / 44.2 against 46.2 / 46.3 / 52.2; 64 columns won or came within 3 %)
             # Launched early (PDL) with each row's first 256 bytes prefetched (H100, ten producer
             # -> product pairs at the slice's five shapes: 325.2 µs against 347.4 launched the usual
             # way, 332.0 early without a prefetch; 128 B as good, 512 B 326.3, 1024 B 337.5, the
-            # whole split 449.9; the slice's decode step 10 µs shorter, 1,021 against 1,030 µs)
-            return GemmConfig(BM=bm, BN=64, BK=128, GROUP_M=8, SPLIT_K=split, num_warps=4, num_stages=4, SWAP=True,
-                              PDL=True, PREFETCH=256)
+            # whole split 449.9; the slice's decode step 10 µs shorter, 1,021 against 1,030 µs).
+            # From 16 blocks on: 6 stages, even splits, 8 warps where the tiles alone give two
+            # programs an SM (H200, 2026-12-06, M = 1, two terms, cold L2, the slice's seven
+            # shapes, each product once a step: 293.6 µs summed at 4 stages, splits from 32 blocks
+            # and 4 warps; 271.6 with these, each measured; 267.1 the best config of each. N x K:
+            # 4096 x 2048 7.8 -> 6.4 µs split in 4; 6144 x 16384 29.2 -> 27.4 in 4 against 3;
+            # 16384 x 2048 13.5 -> 12.4; 24576 x 6144 46.1 -> 40.8 at 8 warps, where 16384 x 2048
+            # was faster at 4); a shorter K keeps the split above and 4 stages (not measured)
+            stages, warps = 4, 4
+            if kb >= 16:
+                split, stages = _swap_split(tiles, kb, device), 6
+                warps = 8 if split == 1 and tiles >= 2 * sm_count(device) else 4
+            return GemmConfig(BM=bm, BN=64, BK=128, GROUP_M=8, SPLIT_K=split, num_warps=warps, num_stages=stages,
+                              SWAP=True, PDL=True, PREFETCH=256)
         if bm > 64:  # two terms past 32 rows: 64-row tiles, 128 columns (H200, the slice's five
             # products at M = 64: 219 µs summed against 266 for one 128 x 64 tile, 256 for the best
             # 128-row tile; one term 172)

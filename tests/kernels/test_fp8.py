@@ -122,13 +122,22 @@ def test_glm5_tp8_shapes():
 @pytest.mark.skipif(IN_INTERPRETER, reason="the interpreter has its own tiles")
 def test_decode_split_rule(monkeypatch):
     # decode tiles on a 132-SM GPU (no GPU needed: the rule reads the SM count only): K split to
-    # fill the SMs, except a two-block K (never) and a w8a8 product under 32 blocks (never)
+    # fill the SMs, except a two-block K (never) and, past one row tile, a w8a8 product under 32
+    # blocks (never); one row tile splits evenly from 16 blocks on
     from glm53.kernels import dispatch, fp8_gemm_triton as t
 
     monkeypatch.setattr(dispatch, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
     split = lambda m, n, k, a8: t.default_config(m, n, k, a8, cuda).SPLIT_K  # noqa: E731
-    assert split(1, 6144, 2048, False) == 3 and split(32, 3072, 6144, False) == 6
+    assert split(1, 6144, 2048, False) == 4 and split(32, 3072, 6144, False) == 6
+    lo1 = lambda n, k: t.default_config(1, n, k, True, cuda, lo=True)  # noqa: E731
+    # the slice's shapes at one row: the fewest even splits giving ~2 programs an SM, 4+ blocks each
+    assert [lo1(n, k).SPLIT_K for n, k in ((6144, 16384), (6144, 12288), (2816, 6144), (2688, 6144),
+                                          (4096, 2048), (16384, 2048))] == [4, 3, 6, 6, 4, 1]
+    assert lo1(2048, 2048).SPLIT_K == 4  # no even split fills the SMs: the most
+    assert lo1(6144, 1024).SPLIT_K == 1 and lo1(6144, 1024).num_stages == 4  # under 16 blocks: as before
+    # 8 warps where the tiles alone give two programs an SM
+    assert lo1(24576, 6144).num_warps == 8 and lo1(16384, 2048).num_warps == lo1(6144, 16384).num_warps == 4
     assert split(1, 6144, 256, False) == split(64, 6144, 256, True) == 1
     assert split(64, 6144, 2048, True) == split(64, 6144, 1536, True) == 1
     assert split(64, 2816, 6144, True) == 6 and split(64, 512, 6144, True) == 16

@@ -49,6 +49,9 @@ def check_fp8_gemm(built: list, names: set) -> None:
     early = {b.constexprs["PREFETCH"] for b in built if b.name == "_block_fp8_gemm_kernel" and b.constexprs["PDL"]}
     assert early == {256}, "the swapped tiles launch early and prefetch (the L2 prefetch's inline PTX builds)"
     assert "_sum_parts_kernel" in names
+    deep = [b for b in built if b.name == "_block_fp8_gemm_kernel" and b.options.get("num_stages") == 6]
+    assert {(b.constexprs["BM"], b.options["num_warps"]) for b in deep} == {(16, 4), (32, 4), (16, 8), (32, 8)}
+    assert all(b.shared <= 227 * 1024 and b.local_bytes == 0 for b in deep), [(b.shared, b.local_bytes) for b in deep]
 
 
 def check_moe_fp8(built: list, names: set) -> None:
