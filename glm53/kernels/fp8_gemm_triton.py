@@ -73,6 +73,12 @@ def _split_k(tiles: int, k_blocks: int, device: torch.device, cap: int = 16) -> 
     return max(1, min(k_blocks, cap, triton.cdiv(2 * sms, tiles)))
 
 
+# One row tile, K of 16 blocks or more: 6 stages, even K splits, 8 warps where the unsplit tiles give
+# two programs an SM (`default_config`). False: the rule before it, kept for the A/B in
+# benchmarks/decode_tiles.py
+DEEP_ONE_ROW = True
+
+
 def _swap_split(tiles: int, k_blocks: int, device: torch.device, cap: int = 16, least: int = 4) -> int:
     """K splits of a one-row-tile decode product: the fewest that cut the scale blocks evenly, leave
     each split `least` blocks, and give about two programs an SM (5 % short counts); none such, the
@@ -123,7 +129,7 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
             # 16384 x 2048 13.5 -> 12.4; 24576 x 6144 46.1 -> 40.8 at 8 warps, where 16384 x 2048
             # was faster at 4); a shorter K keeps the split above and 4 stages (not measured)
             stages, warps = 4, 4
-            if kb >= 16:
+            if kb >= 16 and DEEP_ONE_ROW:
                 split, stages = _swap_split(tiles, kb, device), 6
                 warps = 8 if split == 1 and tiles >= 2 * sm_count(device) else 4
             return GemmConfig(BM=bm, BN=64, BK=128, GROUP_M=8, SPLIT_K=split, num_warps=warps, num_stages=stages,

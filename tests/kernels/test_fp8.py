@@ -136,6 +136,10 @@ def test_decode_split_rule(monkeypatch):
                                           (4096, 2048), (16384, 2048))] == [4, 3, 6, 6, 4, 1]
     assert lo1(2048, 2048).SPLIT_K == 4  # no even split fills the SMs: the most
     assert lo1(6144, 1024).SPLIT_K == 1 and lo1(6144, 1024).num_stages == 4  # under 16 blocks: as before
+    monkeypatch.setattr(t, "DEEP_ONE_ROW", False)  # the rule before (benchmarks/decode_tiles.py's A/B)
+    assert (lo1(4096, 2048).SPLIT_K, lo1(4096, 2048).num_stages, lo1(6144, 16384).SPLIT_K) == (1, 4, 3)
+    assert lo1(24576, 6144).num_warps == 4
+    monkeypatch.setattr(t, "DEEP_ONE_ROW", True)
     # 8 warps where the tiles alone give two programs an SM
     assert lo1(24576, 6144).num_warps == 8 and lo1(16384, 2048).num_warps == lo1(6144, 16384).num_warps == 4
     assert split(1, 6144, 256, False) == split(64, 6144, 256, True) == 1
