@@ -9,7 +9,7 @@ time its weight takes to read at the measured copy rate; `--grid` adds 48 config
 decode step's graph replayed under both rules, interleaved over `--rounds` (the relative
 difference of the logits is printed: the splits change the sums' order).
 
-    python3 benchmarks/decode_tiles.py [--sizes 1 4 16] [--rounds 2] [--grid] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/decode_tiles.py [--sizes 1 4 16] [--rounds 2] [--grid] [--json out.json]
     (a GPU of compute capability 9.0+)
 """
 
@@ -20,16 +20,13 @@ import dataclasses
 import itertools
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import early_launch  # noqa: E402
-from fp8_gemm import Timer, n_sets  # noqa: E402
-
-from glm53.kernels import fp8_gemm_triton as G  # noqa: E402
+from benchmarks import early_launch
+from benchmarks.fp8_gemm import Timer, n_sets, rel
+from glm53.kernels import fp8_gemm_triton as G
 
 RULES = {"deep": True, "before": False}  # name -> DEEP_ONE_ROW
 
@@ -76,9 +73,8 @@ def time_products(seen: dict[tuple, int], grid: bool, bw: float, log) -> list[di
         for name, deep in RULES.items():
             G.DEEP_ONE_ROW = deep
             cfg = G.default_config(M, N, K, True, dev, lo=lo)
-            out = G.fp8_gemm_w8a8_quantized(q, s, wq, ws, torch.bfloat16, cfg, lo=x_lo).float()
-            row[name] = dict(us=us(cfg), config=dataclasses.asdict(cfg),
-                             rel=((out - ref).norm() / ref.norm()).item())
+            out = G.fp8_gemm_w8a8_quantized(q, s, wq, ws, torch.bfloat16, cfg, lo=x_lo)
+            row[name] = dict(us=us(cfg), config=dataclasses.asdict(cfg), rel=rel(out, ref))
         G.DEEP_ONE_ROW = True
         if grid:
             base = G.default_config(M, N, K, True, dev, lo=lo)
@@ -110,10 +106,9 @@ def time_steps(base, sizes: list[int], rounds: int, context: int, log) -> list[d
             runner, steps = early_launch.step_graphs(base, sizes, context)
             for bs, (graph, logits) in steps.items():
                 ref.setdefault(bs, logits.float())
-                rel = ((logits.float() - ref[bs]).norm() / ref[bs].norm()).item()
                 us = statistics.median(replay_us(graph, 50) for _ in range(7))
                 times.setdefault((name, bs), []).append(us)
-                log(f"round {r} {name:6s} bs {bs:3d}: {us:8.1f} us/step  logits rel diff {rel:.1e}")
+                log(f"round {r} {name:6s} bs {bs:3d}: {us:8.1f} us/step  logits rel diff {rel(logits, ref[bs]):.1e}")
             del runner, steps
             torch.cuda.empty_cache()
     G.DEEP_ONE_ROW = True
