@@ -19,8 +19,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import statistics
-from pathlib import Path
 
 import torch
 
@@ -94,46 +92,28 @@ def time_products(seen: dict[tuple, int], grid: bool, bw: float, log) -> list[di
     return rows
 
 
-def time_steps(base, sizes: list[int], rounds: int, context: int, log) -> list[dict]:
-    from glm53.support.kernel_profile import replay_us
-
+def time_steps(base, sizes: list[int], rounds: int, context: int) -> list[dict]:
+    """The step's graph under both rules (`early_launch.step_ab`, shipped switches; "before" first)."""
     early_launch.switch("shipped")
-    times: dict[tuple[str, int], list[float]] = {}
-    ref: dict[int, torch.Tensor] = {}
-    for r in range(rounds):
-        for name, deep in RULES.items():
+
+    def rule(deep: bool):
+        def apply() -> None:
             G.DEEP_ONE_ROW = deep
-            runner, steps = early_launch.step_graphs(base, sizes, context)
-            for bs, (graph, logits) in steps.items():
-                ref.setdefault(bs, logits.float())
-                us = statistics.median(replay_us(graph, 50) for _ in range(7))
-                times.setdefault((name, bs), []).append(us)
-                log(f"round {r} {name:6s} bs {bs:3d}: {us:8.1f} us/step  logits rel diff {rel(logits, ref[bs]):.1e}")
-            del runner, steps
-            torch.cuda.empty_cache()
-    G.DEEP_ONE_ROW = True
-    report = []
-    for bs in sizes:
-        before = statistics.median(times["before", bs])
-        for name in RULES:
-            med = statistics.median(times[name, bs])
-            report.append(dict(rule=name, bs=bs, us=med, runs=times[name, bs], vs_before=med / before))
-            log(f"bs {bs:3d} {name:6s}: {med:8.1f} us/step  {med / before:.3f}x before")
-    return report
+        return apply
+
+    try:
+        settings = {name: rule(RULES[name]) for name in ("before", "deep")}
+        return early_launch.step_ab(base, sizes, rounds, context, settings)
+    finally:
+        G.DEEP_ONE_ROW = True
 
 
 def main() -> None:
-    from glm53.models import ModelRunner
-    from glm53.support.glm5_slice import ensure_slice
     from glm53.support.hbm_floor import copy_bandwidth
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--slice", type=Path, default=Path("/tmp/glm5-slice-fp8"))
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=2)
+    early_launch.step_args(ap, [1, 4, 16])
     ap.add_argument("--grid", action="store_true", help="time 48 configs a product shape too")
-    ap.add_argument("--json", type=Path)
     a = ap.parse_args()
 
     def log(line: str) -> None:
@@ -142,10 +122,9 @@ def main() -> None:
     log(torch.cuda.get_device_name())
     bw = copy_bandwidth()
     log(f"copy rate {bw / 1e12:.2f} TB/s (read + write)")
-    base = ModelRunner.from_dir(ensure_slice(a.slice, fp8=True), page_size=64, num_pages=1, device="cuda",
-                                progress=False, fp8=True)
+    base = early_launch.slice_runner(a.slice)
     products = time_products(record_products(base), a.grid, bw, log)
-    steps = time_steps(base, a.sizes, a.rounds, a.context, log)
+    steps = time_steps(base, a.sizes, a.rounds, a.context)
     if a.json:
         a.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_rate": bw,
                                       "products": products, "steps": steps}, indent=1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -101,52 +102,84 @@ def trace(graph) -> list[str]:
     return rows
 
 
-def main() -> None:
-    from glm53.models import ModelRunner
-    from glm53.support.glm5_slice import ensure_slice
+def step_ab(base, sizes: list[int], rounds: int, context: int, settings: dict[str, Callable[[], None]],
+            exact: bool = False, traced: Sequence[str] = ()) -> list[dict]:
+    """The decode step's graph (`step_graphs`) replayed under each setting (name -> a function that
+    applies it; the first is the baseline), the settings interleaved over `rounds` so drift hits all
+    of them. Prints each replay and, per batch size, each setting's median and its ratio to the
+    first's. `exact`: the logits must equal the first setting's (else their relative difference is
+    printed: a setting may sum in another order); `traced`: the settings whose first size's step
+    kernels are listed (round 0). Returns the rows of that report."""
     from glm53.support.kernel_profile import replay_us
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names = list(settings)
+    times: dict[tuple[str, int], list[float]] = {}
+    ref: dict[int, torch.Tensor] = {}
+    for r in range(rounds):
+        for name in names:
+            settings[name]()
+            runner, steps = step_graphs(base, sizes, context)
+            for bs, (graph, logits) in steps.items():
+                ref.setdefault(bs, logits)
+                if exact:
+                    same = torch.equal(logits, ref[bs])
+                    note = "" if same else "  LOGITS DIFFER"
+                else:
+                    from benchmarks.fp8_gemm import rel
+
+                    same, note = True, f"  logits rel diff {rel(logits.float(), ref[bs].float()):.1e}"
+                us = statistics.median(replay_us(graph, 50) for _ in range(7))
+                times.setdefault((name, bs), []).append(us)
+                print(f"round {r} {name:8s} bs {bs:3d}: {us:8.1f} us/step{note}", flush=True)
+                assert same, f"{name}: the logits differ from the {names[0]} step's"
+            if name in traced and r == 0:
+                print(f"{name}, batch {sizes[0]}, one replay:\n" + "\n".join(trace(steps[sizes[0]][0])), flush=True)
+            del runner, steps
+            torch.cuda.empty_cache()
+    report = []
+    for bs in sizes:
+        first = statistics.median(times[names[0], bs])
+        for name in names:
+            med = statistics.median(times[name, bs])
+            report.append({"setting": name, "bs": bs, "us": med, "runs": times[name, bs], "vs_first": med / first})
+            print(f"bs {bs:3d} {name:8s}: {med:8.1f} us/step  {med / first:.3f}x {names[0]}  "
+                  f"(runs {', '.join(f'{t:.1f}' for t in times[name, bs])})", flush=True)
+    return report
+
+
+def step_args(ap: argparse.ArgumentParser, sizes: list[int]) -> None:
+    """The arguments of a benchmark that times the slice's decode step: --slice, --sizes,
+    --context, --rounds, --json."""
     ap.add_argument("--slice", type=Path, default=Path("/tmp/glm5-slice-fp8"))
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--sizes", type=int, nargs="+", default=sizes)
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--variants", default="off,small,uv,down,all")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--trace", default="", help="variants (comma-separated) whose first size's step kernels to list")
     ap.add_argument("--json", type=Path)
+
+
+def slice_runner(path: Path):
+    """The FP8 slice (written first if missing) in a runner on the GPU: the weights the step
+    graphs share (`step_graphs`)."""
+    from glm53.models import ModelRunner
+    from glm53.support.glm5_slice import ensure_slice
+
+    return ModelRunner.from_dir(ensure_slice(path, fp8=True), page_size=64, num_pages=1, device="cuda",
+                                progress=False, fp8=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    step_args(ap, [1, 64])
+    ap.add_argument("--variants", default="off,small,uv,down,all")
+    ap.add_argument("--trace", default="", help="variants (comma-separated) whose first size's step kernels to list")
     a = ap.parse_args()
     names = a.variants.split(",")
     assert names[0] == "off" and all(n in VARIANTS for n in names), f"variants: off first, of {sorted(VARIANTS)}"
     print(torch.cuda.get_device_name(), flush=True)
-    base = ModelRunner.from_dir(ensure_slice(a.slice, fp8=True), page_size=64, num_pages=1, device="cuda",
-                                progress=False, fp8=True)
-    times: dict[tuple[str, int], list[float]] = {}
-    ref: dict[int, torch.Tensor] = {}
-    for r in range(a.rounds):
-        for name in names:
-            switch(name)
-            runner, steps = step_graphs(base, a.sizes, a.context)
-            for bs, (graph, logits) in steps.items():
-                ref.setdefault(bs, logits)
-                same = torch.equal(logits, ref[bs])
-                us = statistics.median(replay_us(graph, 50) for _ in range(7))
-                times.setdefault((name, bs), []).append(us)
-                print(f"round {r} {name:6s} bs {bs:3d}: {us:8.1f} us/step{'' if same else '  LOGITS DIFFER'}",
-                      flush=True)
-                assert same, f"{name}: the logits differ from the all-off step's"
-            if name in a.trace.split(",") and r == 0:
-                print(f"{name}, batch {a.sizes[0]}, one replay:\n" + "\n".join(trace(steps[a.sizes[0]][0])), flush=True)
-            del runner, steps
-            torch.cuda.empty_cache()
+    base = slice_runner(a.slice)
+    settings = {name: (lambda n=name: switch(n)) for name in names}
+    report = step_ab(base, a.sizes, a.rounds, a.context, settings, exact=True, traced=a.trace.split(","))
     switch("off")
-    report = []
-    for bs in a.sizes:
-        off = statistics.median(times["off", bs])
-        for name in names:
-            med = statistics.median(times[name, bs])
-            report.append({"variant": name, "bs": bs, "us": med, "runs": times[name, bs], "vs_off": med / off})
-            print(f"bs {bs:3d} {name:6s}: {med:8.1f} us/step  {med / off:.3f}x all-off  "
-                  f"(runs {', '.join(f'{t:.1f}' for t in times[name, bs])})")
     if a.json:
         a.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "context": a.context,
                                       "results": report}, indent=1))
