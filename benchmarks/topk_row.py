@@ -1,0 +1,111 @@
+"""DSA top-k's one-program-a-row kernel (`topk_triton._row_kernel`, rows up to ROW_MAX_WIDTH)
+against the three launches (bracket, scan, finish), at decode shapes: k = 2,048, paged output.
+
+Alone: each path as a CUDA graph of 8 calls replayed back to back (the decode graph's setting:
+PDL on, no host work between calls), on random rows of length n in width L; the outputs compared
+as sets. Step: the FP8 slice's decode step graph (`early_launch.step_graphs`, shipped switches)
+under ROW_MAX_WIDTH on and off, interleaved over `--rounds`, with the logits' relative difference
+(sparse MLA sums the same slots in another order).
+
+    PYTHONPATH=. python3 benchmarks/topk_row.py [--parts alone,step] [--rounds 2] [--sizes 1 4] [--json out.json]
+    (a GPU of compute capability 9.0+)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from glm53.kernels import topk_triton as tt
+
+K = 2048
+# (rows, width, length): decode batches at 4K contexts in their own width (4,160) and in the
+# serving graphs' next bucket (16K), and rows filling 8K and 16K widths
+SHAPES = [(1, 4160, 4100), (1, 16384, 4100), (1, 8192, 8000), (1, 16384, 16000), (4, 4160, 4100),
+          (4, 16384, 4100), (64, 4160, 4100), (64, 16384, 16000), (256, 4160, 4100)]
+
+
+def graph_us(fn, calls: int = 8, reps: int = 20, rounds: int = 7) -> float:
+    """µs a call of `fn`, from a CUDA graph of `calls` calls replayed `reps` times (median of rounds)."""
+    from glm53.support.kernel_profile import replay_us
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return statistics.median(replay_us(g, reps) for _ in range(rounds)) / calls
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
+
+
+def time_alone(log) -> list[dict]:
+    dev, rows = torch.device("cuda"), []
+    for B, L, n in SHAPES:
+        x = torch.randn(B, L, device=dev)
+        lens = torch.full((B,), n, dtype=torch.int32, device=dev)
+        pt = torch.randperm(B * -(-L // 64), device=dev, dtype=torch.int32).view(B, -1)
+        three = tt.topk_triton(x, lens, K, pt, 64, row=False)
+        one = tt.topk_triton(x, lens, K, pt, 64, row=True)  # (whatever ROW_MAX_ROWS says)
+        us3 = graph_us(lambda: tt.topk_triton(x, lens, K, pt, 64, row=False))
+        us1 = graph_us(lambda: tt.topk_triton(x, lens, K, pt, 64, row=True))
+        same = same_sets(one, three)
+        rows.append(dict(B=B, L=L, n=n, three_us=us3, row_us=us1, same=same))
+        log(f"B {B:3d} L {L:6d} n {n:6d}: three launches {us3:6.2f} us, one program a row {us1:6.2f} us "
+            f"({us1 / us3:.2f}x), same sets {same}")
+    return rows
+
+
+def time_steps(base, sizes: list[int], rounds: int, context: int) -> list[dict]:
+    """The step's graph with the three launches, then with rows up to 16K wide in one program
+    (`early_launch.step_ab`, shipped switches)."""
+    from benchmarks import early_launch
+
+    early_launch.switch("shipped")
+    shipped = tt.ROW_MAX_WIDTH
+
+    def widest(width: int):
+        def apply() -> None:
+            tt.ROW_MAX_WIDTH = width
+        return apply
+
+    try:
+        return early_launch.step_ab(base, sizes, rounds, context, {"three": widest(0), "row": widest(16384)})
+    finally:
+        tt.ROW_MAX_WIDTH = shipped
+
+
+def main() -> None:
+    from benchmarks import early_launch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    early_launch.step_args(ap, [1, 4])
+    ap.add_argument("--parts", default="alone,step", help="alone (the top-k by itself), step (the decode step)")
+    a = ap.parse_args()
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    log(torch.cuda.get_device_name())
+    parts = a.parts.split(",")
+    out = {"device": torch.cuda.get_device_name()}
+    if "alone" in parts:
+        out["alone"] = time_alone(log)
+    if "step" in parts:
+        out["steps"] = time_steps(early_launch.slice_runner(a.slice), a.sizes, a.rounds, a.context)
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
