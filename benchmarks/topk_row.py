@@ -28,6 +28,10 @@ SHAPES = [(1, 4160, 4100), (1, 16384, 4100), (1, 8192, 8000), (1, 16384, 16000),
           (4, 16384, 4100), (64, 4160, 4100), (64, 16384, 16000), (256, 4160, 4100)]
 
 
+# the row kernel's settings timed alone: as shipped, then one knob changed
+ROW_VARIANTS = {"row": {}, "row rb8": dict(rbits=8), "row w8": dict(num_warps=8), "row w32": dict(num_warps=32)}
+
+
 def graph_us(fn, calls: int = 8, reps: int = 20, rounds: int = 7) -> float:
     """µs a call of `fn`, from a CUDA graph of `calls` calls replayed `reps` times (median of rounds)."""
     from glm53.support.kernel_profile import replay_us
@@ -49,20 +53,28 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
 
 
-def time_alone(log) -> list[dict]:
-    dev, rows = torch.device("cuda"), []
-    for B, L, n in SHAPES:
+def time_alone(log, shapes=SHAPES, device: str = "cuda") -> list[dict]:
+    """Each shape: the three launches, then the row kernel as shipped (`row_warps`, ROW_RBITS) and
+    with 8-bit digits or other warps (`ROW_VARIANTS`), each against the three launches' sets."""
+    dev, rows = torch.device(device), []
+    for B, L, n in shapes:
         x = torch.randn(B, L, device=dev)
         lens = torch.full((B,), n, dtype=torch.int32, device=dev)
         pt = torch.randperm(B * -(-L // 64), device=dev, dtype=torch.int32).view(B, -1)
         three = tt.topk_triton(x, lens, K, pt, 64, row=False)
-        one = tt.topk_triton(x, lens, K, pt, 64, row=True)  # (whatever ROW_MAX_ROWS says)
         us3 = graph_us(lambda: tt.topk_triton(x, lens, K, pt, 64, row=False))
-        us1 = graph_us(lambda: tt.topk_triton(x, lens, K, pt, 64, row=True))
-        same = same_sets(one, three)
-        rows.append(dict(B=B, L=L, n=n, three_us=us3, row_us=us1, same=same))
-        log(f"B {B:3d} L {L:6d} n {n:6d}: three launches {us3:6.2f} us, one program a row {us1:6.2f} us "
-            f"({us1 / us3:.2f}x), same sets {same}")
+        row = dict(B=B, L=L, n=n, three_us=us3)
+        for name, knobs in ROW_VARIANTS.items():
+            def one(knobs=knobs) -> torch.Tensor:
+                out = torch.empty((B, K), dtype=torch.int32, device=dev)
+                tt.run_row_topk(x, lens, out, pt, 64, **knobs)
+                return out
+            same = same_sets(one(), three)
+            us = graph_us(one)
+            row[name] = dict(us=us, same=same)
+            log(f"B {B:3d} L {L:6d} n {n:6d}: three launches {us3:6.2f} us, {name:9s} {us:6.2f} us "
+                f"({us / us3:.2f}x), same sets {same}")
+        rows.append(row)
     return rows
 
 
