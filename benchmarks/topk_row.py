@@ -1,8 +1,8 @@
 """DSA top-k's one-program-a-row kernel (`topk_triton._row_kernel`, rows up to ROW_MAX_WIDTH)
 against the three launches (bracket, scan, finish), at decode shapes: k = 2,048, paged output.
 
-Alone: each path as a CUDA graph of 8 calls replayed back to back (the decode graph's setting:
-PDL on, no host work between calls), on random rows of length n in width L; the outputs compared
+Alone: each path as a CUDA graph of 8 calls (`cuda_timing.graph_ms`: PDL on, as in the decode
+graph, no host work between calls), on random rows of length n in width L; the outputs compared
 as sets. Step: the FP8 slice's decode step graph (`early_launch.step_graphs`, shipped switches)
 under ROW_MAX_WIDTH on and off, interleaved over `--rounds`, with the logits' relative difference
 (sparse MLA sums the same slots in another order).
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
@@ -32,21 +31,11 @@ SHAPES = [(1, 4160, 4100), (1, 16384, 4100), (1, 8192, 8000), (1, 16384, 16000),
 ROW_VARIANTS = {"row": {}, "row rb8": dict(rbits=8), "row w8": dict(num_warps=8), "row w32": dict(num_warps=32)}
 
 
-def graph_us(fn, calls: int = 8, reps: int = 20, rounds: int = 7) -> float:
-    """µs a call of `fn`, from a CUDA graph of `calls` calls replayed `reps` times (median of rounds)."""
-    from glm53.support.kernel_profile import replay_us
+def graph_us(fn, calls: int = 8) -> float:
+    """µs a call of `fn`, from a CUDA graph of `calls` calls (`cuda_timing.graph_ms`)."""
+    from glm53.support.cuda_timing import graph_ms
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return statistics.median(replay_us(g, reps) for _ in range(rounds)) / calls
+    return graph_ms([fn] * calls) * 1e3
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
