@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+from functools import partial
 
 import torch
 
@@ -95,14 +96,8 @@ def time_products(seen: dict[tuple, int], grid: bool, bw: float, log) -> list[di
 def time_steps(base, sizes: list[int], rounds: int, context: int) -> list[dict]:
     """The step's graph under both rules (`early_launch.step_ab`, shipped switches; "before" first)."""
     early_launch.switch("shipped")
-
-    def rule(deep: bool):
-        def apply() -> None:
-            G.DEEP_ONE_ROW = deep
-        return apply
-
     try:
-        settings = {name: rule(RULES[name]) for name in ("before", "deep")}
+        settings = {name: partial(setattr, G, "DEEP_ONE_ROW", RULES[name]) for name in ("before", "deep")}
         return early_launch.step_ab(base, sizes, rounds, context, settings)
     finally:
         G.DEEP_ONE_ROW = True

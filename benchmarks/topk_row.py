@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import torch
 
+from benchmarks import early_launch
 from glm53.kernels import topk_triton as tt
 
 K = 2048
@@ -70,25 +72,17 @@ def time_alone(log, shapes=SHAPES, device: str = "cuda") -> list[dict]:
 def time_steps(base, sizes: list[int], rounds: int, context: int) -> list[dict]:
     """The step's graph with the three launches, then with rows up to 16K wide in one program
     (`early_launch.step_ab`, shipped switches)."""
-    from benchmarks import early_launch
-
     early_launch.switch("shipped")
     shipped = tt.ROW_MAX_WIDTH
-
-    def widest(width: int):
-        def apply() -> None:
-            tt.ROW_MAX_WIDTH = width
-        return apply
-
+    widest = partial(setattr, tt, "ROW_MAX_WIDTH")
     try:
-        return early_launch.step_ab(base, sizes, rounds, context, {"three": widest(0), "row": widest(16384)})
+        return early_launch.step_ab(base, sizes, rounds, context,
+                                    {"three": partial(widest, 0), "row": partial(widest, 16384)})
     finally:
         tt.ROW_MAX_WIDTH = shipped
 
 
 def main() -> None:
-    from benchmarks import early_launch
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     early_launch.step_args(ap, [1, 4])
     ap.add_argument("--parts", default="alone,step", help="alone (the top-k by itself), step (the decode step)")
