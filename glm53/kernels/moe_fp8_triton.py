@@ -56,6 +56,10 @@ VARIANTS = ("w8a16", "w8a8")
 # average (the slice at 8 tokens: 185.1 µs against 194.1).
 SPLIT_MAX = 4
 SPLIT_MIN_BLOCKS = 4
+# The grid splits while it has fewer tiles than SPLIT_WAVES times the SMs. The slice at one token
+# (tp = 1: 144 tiles on the H200's 132 SMs) runs a second, nearly empty wave unsplit; whether
+# splitting it wins is timed in-step (benchmarks/step_knobs.py); 1 until it is.
+SPLIT_WAVES = 1.0
 # Decode tiles: the down kernel launched while gate+up runs, each program prefetching the first
 # DOWN_PREFETCH bytes of each of its weight rows into L2 (MoEConfig.PDL). On since timed with the
 # other early launches (launch_early.SMALL_KERNELS; H100, 2026-12-06).
@@ -69,7 +73,7 @@ def decode_split(n_pairs: int, n_experts: int, bm: int, bn1: int, inter: int, hi
     if not (inter and hidden and sms):
         return 1
     tiles = block_bound(n_pairs, n_experts, bm) * triton.cdiv(inter, bn1)
-    if tiles >= sms:
+    if tiles >= SPLIT_WAVES * sms:
         return 1
     most = min(SPLIT_MAX, triton.cdiv(hidden, SB) // SPLIT_MIN_BLOCKS)
     return 1 << (most.bit_length() - 1) if most > 1 else 1

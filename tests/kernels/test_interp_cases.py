@@ -824,8 +824,9 @@ def test_moe_fp8_gemv(N, H, I, E, k, dtype, fused, kind):
                                 config=MoEGemvConfig(BN1=16, BN2=32, BK=64, num_warps=1, num_stages=1, SPLIT=split))
 
 
-def test_moe_fp8_decode_split_rule():
+def test_moe_fp8_decode_split_rule(monkeypatch):
     # K split in 4 where the decode grid has fewer tiles than SMs, down to 4 scale blocks a split
+    from glm53.kernels import moe_fp8_triton
     from glm53.kernels.moe_fp8_triton import decode_split, default_fp8_config
 
     glm5, the_slice = dict(inter=256, hidden=6144), dict(inter=2048, hidden=6144)
@@ -838,6 +839,9 @@ def test_moe_fp8_decode_split_rule():
     assert decode_split(9, 257, 16, 128, 256, 512, 132) == 1  # K of 4 blocks: one split of 4
     assert decode_split(9, 257, 16, 128, 0, 0, 0) == 1  # no GPU: no split
     assert default_fp8_config(9, 257, "w8a8").SPLIT_K == 1
+    monkeypatch.setattr(moe_fp8_triton, "SPLIT_WAVES", 2.0)  # up to two waves of tiles split too
+    assert decode_split(9, 17, 16, 128, sms=132, **the_slice) == 4  # 160 tiles < 264
+    assert decode_split(9, 17, 16, 128, sms=78, **the_slice) == 1  # 160 tiles >= 156
 
 
 def test_moe_fp8_dispatch_threshold(monkeypatch):
