@@ -88,6 +88,7 @@ FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x 
 ROW_MAX_WIDTH = 0
 ROW_MAX_ROWS = 64
 ROW_RBITS = 4  # its radix digit
+ROW_MIN_TILE = 1024  # narrower rows share one build (a tile per power of two would be 7 more to warm up)
 ROW_SCORES_PER_THREAD = 16  # its warps: the tile's scores over this many a thread (sm_90 build:
 # 8,192 scores at 16 warps take 101 registers; 16,384 spill about 100 bytes a thread at 16 or 32)
 
@@ -796,8 +797,8 @@ def takes_row_kernel(B: int, L: int) -> bool:
 
 
 def row_tile(L: int) -> int:
-    """`_row_kernel`'s tile for rows of width L: the width's power of two."""
-    return triton.next_power_of_2(max(L, 1))
+    """`_row_kernel`'s tile for rows of width L: the width's power of two, at least ROW_MIN_TILE."""
+    return triton.next_power_of_2(max(L, ROW_MIN_TILE))
 
 
 def _page_args(page_table: torch.Tensor | None, lengths: torch.Tensor,

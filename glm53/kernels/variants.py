@@ -251,10 +251,10 @@ def topk_widths(s: ServeShape) -> list[int]:
     from glm53.kernels.topk_triton import BLOCK, MARGIN, _cand_tile, row_sample, row_tile, takes_row_kernel
 
     def tile(L: int) -> tuple[int, int, int]:
-        if takes_row_kernel(1, L):  # `_row_kernel`'s tile: a step at each power of two
-            return 0, 0, row_tile(L)
+        # rows past ROW_MAX_ROWS take the three launches at every width, so their tiles count too
         sample = row_sample(L)
-        return _cand_tile(L, s.index_topk, sample, MARGIN), sample, 0
+        row = row_tile(L) if takes_row_kernel(1, L) else 0  # `_row_kernel`'s: a step at powers of two
+        return _cand_tile(L, s.index_topk, sample, MARGIN), sample, row
 
     a, top = LOGITS_ALIGN, s.max_width
     pts = {a, top}
