@@ -4,11 +4,12 @@ that are switched by one constant each (`topk_triton.ROW_MAX_WIDTH`, `moe_fp8_tr
 setting and the constants it changes, all other constants back at their shipped values. Timed by
 `early_launch.step_ab` (the step's graph replayed back to back, the settings interleaved over
 `--rounds`); the logits' relative difference to the shipped step is printed (a rule may sum in
-another order). `--json` writes the report with each setting's assignments.
+another order). `--json` writes the report with each setting's assignments; `--trace` lists the
+named settings' kernels at the first size, with the gaps between them.
 
-    PYTHONPATH=. python3 benchmarks/step_knobs.py [--sizes 1 64] [--rounds 2] [--json out.json]
-        --set "row:glm53.kernels.topk_triton.ROW_MAX_WIDTH=16384"
-        --set "both:glm53.kernels.topk_triton.ROW_MAX_WIDTH=16384;glm53.kernels.moe_fp8_triton.SPLIT_WAVES=2"
+    PYTHONPATH=. python3 benchmarks/step_knobs.py [--sizes 1 64] [--rounds 2] [--json out.json] [--trace shipped,row]
+        --set "row:glm53.kernels.topk_triton.ROW_MAX_WIDTH=8192"
+        --set "both:glm53.kernels.topk_triton.ROW_MAX_WIDTH=8192;glm53.kernels.moe_fp8_triton.SPLIT_WAVES=2"
     (a GPU of compute capability 9.0+)
 """
 
@@ -67,17 +68,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     early_launch.step_args(ap, [1, 64])
     ap.add_argument("--set", dest="settings", action="append", default=[], help="NAME:module.ATTR=VALUE[;...]")
+    ap.add_argument("--trace", default="", help="settings (comma-separated) whose first size's step kernels to list")
     a = ap.parse_args()
     settings = dict(parse_setting(s) for s in a.settings)
     if len(settings) != len(a.settings):
         ap.error("--set names must differ")
+    traced = [t for t in a.trace.split(",") if t]
+    if unknown := set(traced) - {"shipped", *settings}:
+        ap.error(f"--trace: no setting named {sorted(unknown)}")
     touched = {(k.module, k.attr) for knobs in settings.values() for k in knobs}
     shipped = {key: getattr(importlib.import_module(key[0]), key[1]) for key in touched}
     print(torch.cuda.get_device_name(), flush=True)
     early_launch.switch("shipped")
     runs = {"shipped": partial(apply, [], shipped)} | {n: partial(apply, k, shipped) for n, k in settings.items()}
     try:
-        report = early_launch.step_ab(early_launch.slice_runner(a.slice), a.sizes, a.rounds, a.context, runs)
+        report = early_launch.step_ab(early_launch.slice_runner(a.slice), a.sizes, a.rounds, a.context, runs,
+                                      traced=traced)
     finally:
         apply([], shipped)
     if a.json:
