@@ -103,8 +103,8 @@ def test_topk_paged():
 @pytest.mark.parametrize("kind", ["randn", "coarse", "ties", "special", "trend"])
 def test_topk_row_kernel(kind, monkeypatch):
     # one program a row (`_row_kernel`): ragged lengths (> k, == k, < k, 0, past L), widths off a
-    # power of two and under ROW_MIN_TILE, bf16, paged output; 4-bit and 8-bit radix rounds; and the rule sending rows
-    # up to ROW_MAX_WIDTH to it through dsa_topk
+    # power of two and under ROW_MIN_TILE, bf16, paged output; 4-bit and 8-bit radix rounds; and
+    # the rule sending rows up to ROW_MAX_WIDTH to it through dsa_topk
     from glm53.kernels import topk_triton as tt
 
     cases.check_topk(6, 3000, 256, [3000, 256, 100, 0, 2999, 9000], kind=kind, row=True)
