@@ -246,8 +246,10 @@ def topk_widths(s: ServeShape) -> list[int]:
     (`row_sample`: monotone, a step at each power of two and one at `SHORT_SAMPLE_MAX_WIDTH`) and
     the candidate tile (`_cand_tile`, monotone in the width at one sample tile), so each value of
     the pair (candidate tile, sample tile) holds over one range of widths; rows up to
-    `ROW_MAX_WIDTH` take one kernel whose tile steps at each power of two. The ends of every
-    block's range and both sides of each step, found by bisection, cover every plan."""
+    `ROW_MAX_WIDTH` (and up to `ROW_MAX_ROWS` of them) take one kernel whose tile steps at each
+    power of two from `ROW_MIN_TILE`, while more rows take the three launches at the same widths.
+    The ends of every block's range and both sides of each step, found by bisection, cover every
+    plan."""
     from glm53.kernels.topk_triton import BLOCK, MARGIN, _cand_tile, row_sample, row_tile, takes_row_kernel
 
     def tile(L: int) -> tuple[int, int, int]:
