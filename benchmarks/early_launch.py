@@ -42,7 +42,8 @@ VARIANTS = {
     "splits": (False, False, 0, False, 0, False, ANY, 0),  # the W_UV product combines the attention's splits
     "every+splits": (True, True, 1024, True, 256, True, ANY, 0),
     "every+rows4": (True, True, 1024, True, 256, True, 4, 0),  # the shipped switches before index-first
-    "shipped": (True, True, 1024, True, 256, True, 4, 4),  # ... and the indexer's chain first, up to 4 rows
+    # ... and the indexer's chain first, up to 4 rows; the down kernel's prefetch off (2026-12-07)
+    "shipped": (True, True, 1024, True, 0, True, 4, 4),
 }
 
 

@@ -57,14 +57,17 @@ VARIANTS = ("w8a16", "w8a8")
 SPLIT_MAX = 4
 SPLIT_MIN_BLOCKS = 4
 # The grid splits while it has fewer tiles than SPLIT_WAVES times the SMs. The slice at one token
-# (tp = 1: 144 tiles on the H200's 132 SMs) runs a second, nearly empty wave unsplit; whether
-# splitting it wins is timed in-step (benchmarks/step_knobs.py); 1 until it is.
+# (tp = 1: 144 tiles on the H200's 132 SMs) runs a second, nearly empty wave unsplit; split in 4
+# at 2 waves, the step was longer (H100's 132 SMs, benchmarks/step_knobs.py, 2026-12-07: 943.8
+# against 919.0 us at one token, 981.4 against 980.8 at four): 1.
 SPLIT_WAVES = 1.0
-# Decode tiles: the down kernel launched while gate+up runs, each program prefetching the first
-# DOWN_PREFETCH bytes of each of its weight rows into L2 (MoEConfig.PDL). On since timed with the
-# other early launches (launch_early.SMALL_KERNELS; H100, 2026-12-06).
+# Decode tiles: the down kernel launched while gate+up runs (MoEConfig.PDL; on since timed with the
+# other early launches, launch_early.SMALL_KERNELS; H100, 2026-12-06). Each program may first
+# prefetch DOWN_PREFETCH bytes of each of its weight rows into L2; timed alone in the slice's step
+# (benchmarks/step_knobs.py, H100, 2026-12-07) 256 bytes cost 0.4-0.6 % at 1, 4 and 16 tokens
+# against none (919.0 vs 914.1 us at one token, four rounds) and nothing at 64: off.
 DOWN_PDL = True
-DOWN_PREFETCH = 256
+DOWN_PREFETCH = 0
 
 
 def decode_split(n_pairs: int, n_experts: int, bm: int, bn1: int, inter: int, hidden: int, sms: int) -> int:

@@ -2,7 +2,7 @@
 
 Contract: `kernels/topk.py` (the set of the k best positions of each row's valid prefix, ties by
 lowest position, -1 padding when length <= k). Up to ROW_MAX_ROWS rows of width up to
-ROW_MAX_WIDTH (none yet: see there) take one launch, `_row_kernel`: one program a row holds the
+ROW_MAX_WIDTH (none as shipped: see there) take one launch, `_row_kernel`: one program a row holds the
 whole row in registers and finds the k-th score's exact 32-bit key by radix rounds over it, then
 writes the positions above it and the lowest-positioned ties. Other rows take three launches with
 grids fixed by the shapes (lengths are read on the device, so either way the op is CUDA-graph
@@ -83,8 +83,9 @@ SELECT_TILE = 64  # the finish ranks this many keys of the k-th score's bin pair
 FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
 # Up to ROW_MAX_ROWS rows of width up to ROW_MAX_WIDTH take `_row_kernel` (one launch); a width
 # of 0 sends every row to the three launches. Off: the kernel is exact (interpreter) and builds
-# for sm_90 without spills up to 8,192-wide tiles, but has not been timed on a GPU yet against
-# the three launches (`benchmarks/topk_row.py`: alone, and in the slice's decode step).
+# for sm_90 without spills up to 8,192-wide tiles, but in the slice's decode step (H100,
+# benchmarks/step_knobs.py, 2026-12-07; 8,192 wide, up to 4 rows) it made the step longer than the
+# three launches: 957.1 against 919.0 us at one token, 1,005.6 against 980.8 at four.
 ROW_MAX_WIDTH = 0
 ROW_MAX_ROWS = 64
 ROW_RBITS = 4  # its radix digit

@@ -33,3 +33,16 @@ def test_each_setting_starts_from_the_shipped_constants():
     finally:
         apply([], shipped)
     assert (topk_triton.ROW_MAX_WIDTH, moe_fp8_triton.SPLIT_WAVES) == (shipped[row_key], shipped[waves_key])
+
+
+def test_the_shipped_switches_are_the_code_as_shipped():
+    # step_knobs times its baseline under early_launch.switch("shipped"): a tuple there that drifted
+    # from the modules' constants would time another step than the one served
+    import glm53.kernels.fp8_act as fp8_act
+    import glm53.kernels.launch_early as launch_early
+    import glm53.models.overlap as overlap
+    from benchmarks import early_launch
+
+    assert early_launch.VARIANTS["shipped"] == (
+        launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8_triton.DOWN_PDL,
+        moe_fp8_triton.DOWN_PREFETCH, overlap.SIDE_STREAM, fp8_act.UV_SPLITS_MAX_ROWS, overlap.INDEX_FIRST_MAX_ROWS)
