@@ -19,6 +19,7 @@ order with the gaps between them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -26,8 +27,11 @@ from pathlib import Path
 
 import torch
 
-# variant -> (SMALL_KERNELS, UV_PDL, UV_PREFETCH, DOWN_PDL, DOWN_PREFETCH, SIDE_STREAM, UV_SPLITS_MAX_ROWS,
-#             overlap.INDEX_FIRST_MAX_ROWS)
+# The constants each variant sets, in the order of its tuple.
+SWITCHES = (("glm53.kernels.launch_early", "SMALL_KERNELS"), ("glm53.kernels.fp8_act", "UV_PDL"),
+            ("glm53.kernels.fp8_act", "UV_PREFETCH"), ("glm53.kernels.moe_fp8_triton", "DOWN_PDL"),
+            ("glm53.kernels.moe_fp8_triton", "DOWN_PREFETCH"), ("glm53.models.overlap", "SIDE_STREAM"),
+            ("glm53.kernels.fp8_act", "UV_SPLITS_MAX_ROWS"), ("glm53.models.overlap", "INDEX_FIRST_MAX_ROWS"))
 ANY = 1 << 30  # the W_UV product takes the splits at every size
 VARIANTS = {
     "off": (False, False, 0, False, 0, False, 0, 0),
@@ -42,20 +46,14 @@ VARIANTS = {
     "splits": (False, False, 0, False, 0, False, ANY, 0),  # the W_UV product combines the attention's splits
     "every+splits": (True, True, 1024, True, 256, True, ANY, 0),
     "every+rows4": (True, True, 1024, True, 256, True, 4, 0),  # the shipped switches before index-first
-    # ... and the indexer's chain first, up to 4 rows; the down kernel's prefetch off (2026-12-07)
-    "shipped": (True, True, 1024, True, 0, True, 4, 4),
+    # the modules' constants as this import finds them, before any switch: never a copy that drifts
+    "shipped": tuple(getattr(importlib.import_module(m), a) for m, a in SWITCHES),
 }
 
 
 def switch(name: str) -> None:
-    import glm53.kernels.fp8_act as fp8_act
-    import glm53.kernels.launch_early as launch_early
-    import glm53.kernels.moe_fp8_triton as moe_fp8
-    import glm53.models.overlap as overlap
-
-    (launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8.DOWN_PDL,
-     moe_fp8.DOWN_PREFETCH, overlap.SIDE_STREAM, fp8_act.UV_SPLITS_MAX_ROWS,
-     overlap.INDEX_FIRST_MAX_ROWS) = VARIANTS[name]
+    for (module, attr), value in zip(SWITCHES, VARIANTS[name], strict=True):
+        setattr(importlib.import_module(module), attr, value)
 
 
 def step_graphs(base, sizes: list[int], ctx: int):

@@ -1,6 +1,8 @@
 """benchmarks/step_knobs.py: the settings it parses and the constants it sets and restores (its GPU
 timing runs through the device tool, not here)."""
 
+import importlib
+
 import pytest
 
 from benchmarks.step_knobs import Knob, apply, parse_setting
@@ -35,14 +37,25 @@ def test_each_setting_starts_from_the_shipped_constants():
     assert (topk_triton.ROW_MAX_WIDTH, moe_fp8_triton.SPLIT_WAVES) == (shipped[row_key], shipped[waves_key])
 
 
-def test_the_shipped_switches_are_the_code_as_shipped():
-    # step_knobs times its baseline under early_launch.switch("shipped"): a tuple there that drifted
-    # from the modules' constants would time another step than the one served
+def test_switching_back_to_shipped_restores_every_switch():
+    # step_knobs and decode_tiles time their baselines under early_launch.switch("shipped"), after
+    # other variants have set the same constants otherwise
     import glm53.kernels.fp8_act as fp8_act
     import glm53.kernels.launch_early as launch_early
     import glm53.models.overlap as overlap
     from benchmarks import early_launch
 
-    assert early_launch.VARIANTS["shipped"] == (
-        launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8_triton.DOWN_PDL,
-        moe_fp8_triton.DOWN_PREFETCH, overlap.SIDE_STREAM, fp8_act.UV_SPLITS_MAX_ROWS, overlap.INDEX_FIRST_MAX_ROWS)
+    def now():
+        return (launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8_triton.DOWN_PDL,
+                moe_fp8_triton.DOWN_PREFETCH, overlap.SIDE_STREAM, fp8_act.UV_SPLITS_MAX_ROWS,
+                overlap.INDEX_FIRST_MAX_ROWS)
+
+    as_shipped = now()
+    try:
+        early_launch.switch("off")
+        assert now() == early_launch.VARIANTS["off"] != as_shipped
+        early_launch.switch("shipped")
+        assert now() == as_shipped
+    finally:
+        for (module, attr), value in zip(early_launch.SWITCHES, as_shipped):
+            setattr(importlib.import_module(module), attr, value)
