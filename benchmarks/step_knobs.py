@@ -1,5 +1,5 @@
 """The FP8 slice's decode step with module constants set otherwise: an in-step A/B of kernel rules
-that are switched by one constant each (`topk_triton.ROW_MAX_WIDTH`, `moe_fp8_triton.SPLIT_WAVES`,
+that are switched by one constant each (`moe_fp8_triton.SPLIT_WAVES`, `moe_fp8_triton.DOWN_PREFETCH`,
 `fp8_gemm_triton.DEEP_ONE_ROW`, ...). The first setting is the code as shipped; each `--set` names a
 setting and the constants it changes, all other constants back at their shipped values. Timed by
 `early_launch.step_ab` (the step's graph replayed back to back, the settings interleaved over
@@ -7,9 +7,9 @@ setting and the constants it changes, all other constants back at their shipped 
 another order). `--json` writes the report with each setting's assignments; `--trace` lists the
 named settings' kernels at the first size, with the gaps between them.
 
-    PYTHONPATH=. python3 benchmarks/step_knobs.py [--sizes 1 64] [--rounds 2] [--json out.json] [--trace shipped,row]
-        --set "row:glm53.kernels.topk_triton.ROW_MAX_WIDTH=8192"
-        --set "both:glm53.kernels.topk_triton.ROW_MAX_WIDTH=8192;glm53.kernels.moe_fp8_triton.SPLIT_WAVES=2"
+    PYTHONPATH=. python3 benchmarks/step_knobs.py [--sizes 1 64] [--rounds 2] [--json out.json] [--trace shipped,waves]
+        --set "waves:glm53.kernels.moe_fp8_triton.SPLIT_WAVES=2.0"
+        --set "both:glm53.kernels.moe_fp8_triton.SPLIT_WAVES=2.0;glm53.kernels.fp8_gemm_triton.DEEP_ONE_ROW=False"
     (a GPU of compute capability 9.0+)
 """
 

@@ -169,11 +169,7 @@ def case_topk():
         for B, L in ((1, 4096), (64, 8192), (128, 4096), (8, 65536), (1, 131072)):
             pages = -(-L // 64)
             tt.topk_triton(empty(B, L, dtype=F32), torch.full((B,), L, dtype=I32), 2048,
-                           page_table=empty(B, pages + 16, dtype=I32)[:, :pages], page_size=64, pdl=True, row=False)
-        # one program a row: its widest tile and a narrow one
-        for L in (4160, tt.ROW_MAX_WIDTH or 16384):
-            tt.topk_triton(empty(1, L, dtype=F32), torch.full((1,), L, dtype=I32), 2048,
-                           page_table=empty(1, L // 64 + 16, dtype=I32), page_size=64, pdl=True, row=True)
+                           page_table=empty(B, pages + 16, dtype=I32)[:, :pages], page_size=64, pdl=True)
 
     return run
 

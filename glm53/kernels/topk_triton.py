@@ -1,12 +1,8 @@
 """Triton DSA top-k: sample-bracketed exact select, one streaming pass over the logits.
 
 Contract: `kernels/topk.py` (the set of the k best positions of each row's valid prefix, ties by
-lowest position, -1 padding when length <= k). Up to ROW_MAX_ROWS rows of width up to
-ROW_MAX_WIDTH (none as shipped: see there) take one launch, `_row_kernel`: one program a row holds the
-whole row in registers and finds the k-th score's exact 32-bit key by radix rounds over it, then
-writes the positions above it and the lowest-positioned ties. Other rows take three launches with
-grids fixed by the shapes (lengths are read on the device, so either way the op is CUDA-graph
-safe):
+lowest position, -1 padding when length <= k). Three launches with grids fixed by the shapes
+(lengths are read on the device, so the op is CUDA-graph safe):
 
 1. `_bracket_kernel`, grid (B): a *bracket* [lo, hi] per row from a fixed sample of the row
    (S scores in groups of G, evenly spaced, S = `row_sample`: SHORT_SAMPLE for rows up to
@@ -81,17 +77,6 @@ LOGB = 8  # the scan's histogram of each row's candidates has 2^LOGB bins over t
 NBIN = 1 << LOGB
 SELECT_TILE = 64  # the finish ranks this many keys of the k-th score's bin pairwise (rounds narrow larger bins)
 FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
-# Up to ROW_MAX_ROWS rows of width up to ROW_MAX_WIDTH take `_row_kernel` (one launch); a width
-# of 0 sends every row to the three launches. Off: the kernel is exact (interpreter) and builds
-# for sm_90 without spills up to 8,192-wide tiles, but in the slice's decode step (H100,
-# benchmarks/step_knobs.py, 2026-12-07; 8,192 wide, up to 4 rows) it made the step longer than the
-# three launches: 957.1 against 919.0 us at one token, 1,005.6 against 980.8 at four.
-ROW_MAX_WIDTH = 0
-ROW_MAX_ROWS = 64
-ROW_RBITS = 4  # its radix digit
-ROW_MIN_TILE = 1024  # narrower rows share one build (a tile per power of two would be 7 more to warm up)
-ROW_SCORES_PER_THREAD = 16  # its warps: the tile's scores over this many a thread (sm_90 build:
-# 8,192 scores at 16 warps take 101 registers; 16,384 spill about 100 bytes a thread at 16 or 32)
 
 
 @triton.jit
@@ -597,50 +582,6 @@ def _finish_kernel(
                 written += tl.sum(sel.to(tl.int32), axis=0)
 
 
-@triton.jit
-def _row_kernel(x_ptr, len_ptr, out_ptr, pt_ptr, L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE,
-                K: tl.constexpr, KP2: tl.constexpr, TILE: tl.constexpr, RB: tl.constexpr, PAGED: tl.constexpr,
-                PDL: tl.constexpr):
-    """One row (TILE >= its width) in one program: the k-th best exact key by 32 / RB radix rounds
-    over the whole row (each a histogram of the digit among the keys still tied with the prefix,
-    `_threshold` picking the digit), then one prefix sum ranks both the keys above it (their
-    output slots in position order) and the keys equal to it (the first `need` of them, by
-    position, fill the rest): no sort, no workspace, one memory latency."""
-    b = tl.program_id(0)
-    if PDL:  # launched early: the logits may still be being written
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
-    out_row = out_ptr + b.to(tl.int64) * stride_ob
-    pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
-    if n <= K:  # every valid position, then -1
-        j = tl.arange(0, KP2)
-        v = tl.where(j < n, _to_out(tl.where(j < n, j, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), -1)
-        tl.store(out_row + j, v, mask=j < K)
-    else:
-        i = tl.arange(0, TILE)
-        valid = i < n
-        key = _ukey(tl.load(x_ptr + b.to(tl.int64) * stride_xb + i, mask=valid, other=0.0).to(tl.float32), valid)
-        NB: tl.constexpr = 1 << RB
-        need = K  # of the keys still tied with the prefix, how many the k best still take
-        tied = valid
-        kth = 0
-        for rnd in tl.static_range(32 // RB):
-            shift = 32 - RB * (rnd + 1)
-            d = (key >> shift) & (NB - 1)
-            t, above, _ = _threshold(tl.histogram(d, NB, mask=tied), need, NB)
-            need -= above
-            tied = tied & (d == t)
-            kth = kth | (t << shift)
-        # tied: the valid keys equal to the k-th; the (unsigned) keys above it are all taken
-        above = (key ^ -2147483648) > (kth ^ -2147483648)
-        p = tl.where(above, 1, 0) + tl.where(tied, 0x10000, 0)  # both ranks in one prefix sum
-        ex = tl.cumsum(p, axis=0) - p
-        take = above | (tied & ((ex >> 16) < need))
-        slot = tl.where(above, ex & 0xFFFF, K - need + (ex >> 16))
-        tl.store(out_row + slot, _to_out(i, pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=take)
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -792,16 +733,6 @@ def run_topk(plan: TopkPlan, logits: torch.Tensor, lengths: torch.Tensor, out: t
                                 num_warps=finish_warps or warps, **launch)
 
 
-def takes_row_kernel(B: int, L: int) -> bool:
-    """Whether B rows of width L take `_row_kernel` (the rule `topk_triton` follows by default)."""
-    return L <= ROW_MAX_WIDTH and B <= ROW_MAX_ROWS
-
-
-def row_tile(L: int) -> int:
-    """`_row_kernel`'s tile for rows of width L: the width's power of two, at least ROW_MIN_TILE."""
-    return triton.next_power_of_2(max(L, ROW_MIN_TILE))
-
-
 def _page_args(page_table: torch.Tensor | None, lengths: torch.Tensor,
                device: torch.device) -> tuple[torch.Tensor, int, int]:
     """The page table as the kernels read it and its strides (with no table: any pointer, never read)."""
@@ -811,34 +742,12 @@ def _page_args(page_table: torch.Tensor | None, lengths: torch.Tensor,
     return pt, pt.stride(0), pt.stride(1)
 
 
-def row_warps(L: int) -> int:
-    """`_row_kernel`'s warps for rows of width L: ROW_SCORES_PER_THREAD scores a thread, 4 to 32 warps."""
-    return min(32, max(4, row_tile(L) // (32 * ROW_SCORES_PER_THREAD)))
-
-
-def run_row_topk(logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
-                 page_table: torch.Tensor | None = None, page_size: int = 1, rbits: int | None = None,
-                 num_warps: int | None = None, pdl: bool | None = None) -> None:
-    """`_row_kernel` over every row of `logits` (unit column stride) into `out` [B, k]."""
-    B, L = logits.shape
-    k = out.shape[1]
-    assert row_tile(L) < 1 << 16 and k < 1 << 16, "the row kernel ranks in 16-bit halves"
-    pt, spb, spp = _page_args(page_table, lengths, logits.device)
-    interp = triton_interpreting()
-    pdl = bool(logits.is_cuda if pdl is None else pdl) and not interp
-    _row_kernel[(B,)](logits, lengths, out, pt, L, logits.stride(0), out.stride(0), spb, spp, page_size,
-                      K=k, KP2=triton.next_power_of_2(k), TILE=row_tile(L), RB=rbits or ROW_RBITS,
-                      PAGED=page_table is not None, PDL=pdl, num_warps=num_warps or (1 if interp else row_warps(L)),
-                      **pdl_option(pdl))
-
-
 def topk_triton(
     logits: torch.Tensor,
     lengths: torch.Tensor,
     k: int,
     page_table: torch.Tensor | None = None,
     page_size: int = 1,
-    row: bool | None = None,
     cand_total: int | None = None,
     sample: int | None = None,
     margin: float = MARGIN,
@@ -856,10 +765,9 @@ def topk_triton(
     finish_split: bool | None = None,
     chunks: int | None = None,
 ) -> torch.Tensor:
-    """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. `row`: one
-    program a row (`_row_kernel`) or the three launches (None: `takes_row_kernel`). The keyword
-    arguments after it are the three launches' tuning knobs; tests shrink `cand_total`, `sample`
-    and the margins to force the overflow, re-selection and fallback paths."""
+    """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
+    arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
+    margins to force the overflow, re-selection and fallback paths."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     B, L = logits.shape
     sample = sample or row_sample(L)
@@ -870,9 +778,6 @@ def topk_triton(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
-    if takes_row_kernel(B, L) if row is None else row:
-        run_row_topk(logits, lengths, out, page_table, page_size, pdl=pdl)
-        return out
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks, chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
              num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,

@@ -114,10 +114,8 @@ def topk_key(B: int, L: int, s: ServeShape) -> tuple:
     and int classes, the finish split, the class of the width (= the row stride) and the bracket's
     sample tile (`row_sample`). The page table's row stride is a multiple of 16
     (ModelRunner.build_batch pads it; a graph's is fixed)."""
-    from glm53.kernels.topk_triton import row_sample, row_tile, takes_row_kernel
+    from glm53.kernels.topk_triton import row_sample
 
-    if takes_row_kernel(B, L):  # one program a row: its tile and the width's class
-        return ("row", row_tile(L), spec_class(L))
     p = topk_plan(B, L, s.index_topk, s.num_sms)
     return (p["CB"], p["TA"], p["TC"], p["CAPA"], p["CAPG"], p["SCR"], spec_class(p["C"]), spec_class(p["chunk"]),
             2 * B <= s.num_sms, spec_class(L), row_sample(L))
@@ -227,16 +225,16 @@ FIXED_FAMILIES = ("indexer_logits", "rms_norm", "rope", "route", "quant_groups")
 
 
 def topk_row_classes(s: ServeShape) -> dict[tuple, int]:
-    """The classes of top-k's row count B that its plan depends on (the chunks per row, the
-    finish split, and whether rows narrow enough take `_row_kernel`), each with its smallest B."""
+    """The classes of top-k's row count B that its plan depends on (the chunks per row and the
+    finish split), each with its smallest B."""
     import triton
 
-    from glm53.kernels.topk_triton import MAX_CHUNKS, takes_row_kernel
+    from glm53.kernels.topk_triton import MAX_CHUNKS
 
     out: dict[tuple, int] = {}
     for B in range(1, s.max_tokens + 1):
         c = min(MAX_CHUNKS, triton.next_power_of_2(triton.cdiv(2 * s.num_sms, B)))
-        out.setdefault((c, 2 * B <= s.num_sms, takes_row_kernel(B, 1)), B)
+        out.setdefault((c, 2 * B <= s.num_sms), B)
     return out
 
 
@@ -245,18 +243,13 @@ def topk_widths(s: ServeShape) -> list[int]:
     plan depends on the width through the blocks of the scan (`BLOCK`), the bracket's sample tile
     (`row_sample`: monotone, a step at each power of two and one at `SHORT_SAMPLE_MAX_WIDTH`) and
     the candidate tile (`_cand_tile`, monotone in the width at one sample tile), so each value of
-    the pair (candidate tile, sample tile) holds over one range of widths; rows up to
-    `ROW_MAX_WIDTH` (and up to `ROW_MAX_ROWS` of them) take one kernel whose tile steps at each
-    power of two from `ROW_MIN_TILE`, while more rows take the three launches at the same widths.
-    The ends of every block's range and both sides of each step, found by bisection, cover every
-    plan."""
-    from glm53.kernels.topk_triton import BLOCK, MARGIN, _cand_tile, row_sample, row_tile, takes_row_kernel
+    the pair (candidate tile, sample tile) holds over one range of widths: the ends of every
+    block's range and both sides of each step of the pair, found by bisection, cover every plan."""
+    from glm53.kernels.topk_triton import BLOCK, MARGIN, _cand_tile, row_sample
 
-    def tile(L: int) -> tuple[int, int, int]:
-        # rows past ROW_MAX_ROWS take the three launches at every width, so their tiles count too
+    def tile(L: int) -> tuple[int, int]:
         sample = row_sample(L)
-        row = row_tile(L) if takes_row_kernel(1, L) else 0  # `_row_kernel`'s: a step at powers of two
-        return _cand_tile(L, s.index_topk, sample, MARGIN), sample, row
+        return _cand_tile(L, s.index_topk, sample, MARGIN), sample
 
     a, top = LOGITS_ALIGN, s.max_width
     pts = {a, top}

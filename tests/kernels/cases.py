@@ -59,10 +59,8 @@ def check_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device="cpu"
     """`knobs` go to the Triton kernel itself (tuning/test arguments of `topk_triton`)."""
     x = make_logits(B, L, kind, dtype, device, row_stride_pad=5)  # non-contiguous rows
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    if knobs:  # (the three launches unless `row` says otherwise: the knobs are theirs)
+    if knobs:
         from glm53.kernels.topk_triton import topk_triton
-
-        knobs.setdefault("row", False)
 
         pt = None
         if paged:

@@ -22,16 +22,6 @@ def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
-@pytest.mark.parametrize("kind", ["randn", "ties", "special", "trend"])
-@pytest.mark.parametrize("L", [4160, 8192, 16384])
-def test_topk_row_kernel_glm5(L, kind):
-    # one program a row (topk_triton._row_kernel), compiled: decode widths up to 16K (the widest
-    # tile spills a little), top-2,048, paged and not
-    lens = [L, L - 1, 2048, 2047, 0, L // 2 + 3, 2049, 100]
-    cases.check_topk(8, L, 2048, lens, kind=kind, device=DEV, row=True)
-    cases.check_topk(8, L, 2048, lens, kind=kind, device=DEV, paged=True, page_size=64, row=True)
-
-
 @pytest.mark.parametrize("L", [8192, 32768, 131072])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_topk_glm5(L, dtype):

@@ -100,22 +100,6 @@ def test_topk_paged():
     cases.check_topk(2, 3000, 128, [3000, 2999], kind="coarse", paged=True, page_size=16)
 
 
-@pytest.mark.parametrize("kind", ["randn", "coarse", "ties", "special", "trend"])
-def test_topk_row_kernel(kind, monkeypatch):
-    # one program a row (`_row_kernel`): ragged lengths (> k, == k, < k, 0, past L), widths off a
-    # power of two and under ROW_MIN_TILE, bf16, paged output; 4-bit and 8-bit radix rounds; and
-    # the rule sending rows up to ROW_MAX_WIDTH to it through dsa_topk
-    from glm53.kernels import topk_triton as tt
-
-    cases.check_topk(6, 3000, 256, [3000, 256, 100, 0, 2999, 9000], kind=kind, row=True)
-    cases.check_topk(3, 1000, 200, [1000, 999, 201], kind=kind, dtype=torch.bfloat16, paged=True, row=True)
-    cases.check_topk(3, 300, 64, [300, 65, 10], kind=kind, row=True)  # narrower than ROW_MIN_TILE: masked tile
-    monkeypatch.setattr(tt, "ROW_RBITS", 8)
-    cases.check_topk(3, 2500, 300, [2500, 1200, 301], kind=kind, row=True)
-    monkeypatch.setattr(tt, "ROW_MAX_WIDTH", 4096)
-    cases.check_topk(2, 4000, 128, [4000, 129], kind=kind, paged=True, page_size=64)
-
-
 def test_topk_small_rows():
     # L < k: every row is trivial, -1 padded
     cases.check_topk(3, 100, 128, [100, 50, 0])

@@ -46,12 +46,7 @@ def test_every_token_count_is_enumerated(shape):
         assert all(key(n, shape) == k for k, (n, _) in want[name].items())
 
 
-@pytest.mark.parametrize("row_max", [0, 16384])
-def test_every_topk_count_is_enumerated(monkeypatch, row_max):
-    # (up to 64 rows up to `row_max` wide: one program a row, `_row_kernel`, its tile stepping at
-    # powers of two)
-    monkeypatch.setattr(topk_triton, "ROW_MAX_WIDTH", row_max)
-    monkeypatch.setattr(topk_triton, "ROW_MAX_ROWS", 64)
+def test_every_topk_count_is_enumerated():
     s = BF16_HOPPER
     want = v.reachable(s)["topk"]
     assert all(v.topk_key(B, L, s) == k for k, (B, L) in want.items())
@@ -133,7 +128,7 @@ def recorded(monkeypatch):
                fp8_quant._quant_groups_kernel, moe_triton._plan_kernel, moe_triton._gate_up_kernel,
                moe_triton._down_kernel, moe_fp8_triton._gate_up_fp8_kernel,
                moe_fp8_triton._down_fp8_kernel, moe_fp8_gemv_triton._gate_up_gemv_kernel,
-               moe_fp8_gemv_triton._down_gemv_kernel, topk_triton._bracket_kernel, topk_triton._row_kernel,
+               moe_fp8_gemv_triton._down_gemv_kernel, topk_triton._bracket_kernel,
                topk_triton._scan_kernel, topk_triton._finish_kernel, draft_attention_triton._draft_attn_kernel,
                draft_attention_triton._combine_kernel, fp8_act._uv_fp8_kernel]
     for fn in kernels:
@@ -249,12 +244,8 @@ def test_moe_fp8_same_key_same_launch(recorded, monkeypatch, w8a16_max_tokens):
     assert len(_same_key_same_launch(recorded, calls)) >= (3 if w8a16_max_tokens else 2)
 
 
-@pytest.mark.parametrize("row_max", [0, 2048])
-def test_topk_same_key_same_launch(recorded, monkeypatch, row_max):
-    # eager page tables are padded to 16 columns (ModelRunner.build_batch), as here; rows up to
-    # `row_max` wide take one program a row (`_row_kernel`), by its tile
-    monkeypatch.setattr(topk_triton, "ROW_MAX_WIDTH", row_max)
-    monkeypatch.setattr(topk_triton, "ROW_MAX_ROWS", 6)
+def test_topk_same_key_same_launch(recorded):
+    # eager page tables are padded to 16 columns (ModelRunner.build_batch), as here
     s = _cpu_shape(index_topk=64)
     rng = random.Random(1)
     calls = []

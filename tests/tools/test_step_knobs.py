@@ -6,35 +6,36 @@ import importlib
 import pytest
 
 from benchmarks.step_knobs import Knob, apply, parse_setting
-from glm53.kernels import moe_fp8_triton, topk_triton
+from glm53.kernels import fp8_gemm_triton, moe_fp8_triton
 
 
 def test_settings_parse_into_constants_that_exist():
-    name, knobs = parse_setting("both: glm53.kernels.topk_triton.ROW_MAX_WIDTH=16384;"
+    name, knobs = parse_setting("both: glm53.kernels.moe_fp8_triton.DOWN_PREFETCH=256;"
                                 "glm53.kernels.moe_fp8_triton.SPLIT_WAVES=2.0;")
     assert name == "both"
-    assert knobs == [Knob("glm53.kernels.topk_triton", "ROW_MAX_WIDTH", 16384),
+    assert knobs == [Knob("glm53.kernels.moe_fp8_triton", "DOWN_PREFETCH", 256),
                      Knob("glm53.kernels.moe_fp8_triton", "SPLIT_WAVES", 2.0)]
-    for bad in ("nocolon", "shipped:glm53.kernels.topk_triton.ROW_MAX_WIDTH=1", "x:",
-                "x:glm53.kernels.topk_triton.ROW_MAX_WIDHT=1", "x:ROW_MAX_WIDTH=1",
-                "x:glm53.kernels.topk_triton.ROW_MAX_WIDTH"):
+    for bad in ("nocolon", "shipped:glm53.kernels.moe_fp8_triton.DOWN_PREFETCH=1", "x:",
+                "x:glm53.kernels.moe_fp8_triton.DOWN_PREFECTH=1", "x:DOWN_PREFETCH=1",
+                "x:glm53.kernels.moe_fp8_triton.DOWN_PREFETCH"):
         with pytest.raises(ValueError):
             parse_setting(bad)
 
 
 def test_each_setting_starts_from_the_shipped_constants():
-    row_key, waves_key = ("glm53.kernels.topk_triton", "ROW_MAX_WIDTH"), ("glm53.kernels.moe_fp8_triton", "SPLIT_WAVES")
-    shipped = {row_key: topk_triton.ROW_MAX_WIDTH, waves_key: moe_fp8_triton.SPLIT_WAVES}
-    _, row = parse_setting("row:glm53.kernels.topk_triton.ROW_MAX_WIDTH=8192")
+    deep_key = ("glm53.kernels.fp8_gemm_triton", "DEEP_ONE_ROW")
+    waves_key = ("glm53.kernels.moe_fp8_triton", "SPLIT_WAVES")
+    shipped = {deep_key: fp8_gemm_triton.DEEP_ONE_ROW, waves_key: moe_fp8_triton.SPLIT_WAVES}
+    _, deep = parse_setting("deep:glm53.kernels.fp8_gemm_triton.DEEP_ONE_ROW=False")
     _, waves = parse_setting("waves:glm53.kernels.moe_fp8_triton.SPLIT_WAVES=2.0")
     try:
-        apply(row, shipped)
-        assert (topk_triton.ROW_MAX_WIDTH, moe_fp8_triton.SPLIT_WAVES) == (8192, shipped[waves_key])
-        apply(waves, shipped)  # the row setting undone
-        assert (topk_triton.ROW_MAX_WIDTH, moe_fp8_triton.SPLIT_WAVES) == (shipped[row_key], 2.0)
+        apply(deep, shipped)
+        assert (fp8_gemm_triton.DEEP_ONE_ROW, moe_fp8_triton.SPLIT_WAVES) == (False, shipped[waves_key])
+        apply(waves, shipped)  # the deep setting undone
+        assert (fp8_gemm_triton.DEEP_ONE_ROW, moe_fp8_triton.SPLIT_WAVES) == (shipped[deep_key], 2.0)
     finally:
         apply([], shipped)
-    assert (topk_triton.ROW_MAX_WIDTH, moe_fp8_triton.SPLIT_WAVES) == (shipped[row_key], shipped[waves_key])
+    assert (fp8_gemm_triton.DEEP_ONE_ROW, moe_fp8_triton.SPLIT_WAVES) == (shipped[deep_key], shipped[waves_key])
 
 
 def test_switching_back_to_shipped_restores_every_switch():
