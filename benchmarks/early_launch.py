@@ -4,7 +4,8 @@ down kernel (`moe_fp8_triton.DOWN_PDL`, `DOWN_PREFETCH`); and the attention's op
 on a side stream (`models.overlap.SIDE_STREAM`); and the W_UV product combining the attention's
 splits in its own launch (`fp8_act.UV_SPLITS_MAX_ROWS`: `splits` at every size, `rows4` at up to 4
 rows); and the indexer's query product, logits and top-k ahead of q_b and the absorbed query
-(`overlap.INDEX_FIRST_MAX_ROWS`; `shipped`: every switch as shipped). Each variant's step is
+(`overlap.INDEX_FIRST_MAX_ROWS`); and the main chain's stream priority (`overlap.MAIN_PRIORITY`;
+`shipped`: every switch as shipped). Each variant's step is
 captured as the serving graphs capture it and timed as one CUDA graph replayed back to back (the
 step's GPU time, no host work between steps), the variants interleaved over `--rounds` so drift
 hits all of them; the logits of every variant are checked equal to the all-off step's. Prints
@@ -31,21 +32,22 @@ import torch
 SWITCHES = (("glm53.kernels.launch_early", "SMALL_KERNELS"), ("glm53.kernels.fp8_act", "UV_PDL"),
             ("glm53.kernels.fp8_act", "UV_PREFETCH"), ("glm53.kernels.moe_fp8_triton", "DOWN_PDL"),
             ("glm53.kernels.moe_fp8_triton", "DOWN_PREFETCH"), ("glm53.models.overlap", "SIDE_STREAM"),
-            ("glm53.kernels.fp8_act", "UV_SPLITS_MAX_ROWS"), ("glm53.models.overlap", "INDEX_FIRST_MAX_ROWS"))
+            ("glm53.kernels.fp8_act", "UV_SPLITS_MAX_ROWS"), ("glm53.models.overlap", "INDEX_FIRST_MAX_ROWS"),
+            ("glm53.models.overlap", "MAIN_PRIORITY"))
 ANY = 1 << 30  # the W_UV product takes the splits at every size
 VARIANTS = {
-    "off": (False, False, 0, False, 0, False, 0, 0),
-    "small": (True, False, 0, False, 0, False, 0, 0),
-    "uv": (False, True, 1024, False, 0, False, 0, 0),
-    "uv256": (False, True, 256, False, 0, False, 0, 0),
-    "down": (False, False, 0, True, 256, False, 0, 0),
-    "down0": (False, False, 0, True, 0, False, 0, 0),
-    "all": (True, True, 1024, True, 256, False, 0, 0),
-    "side": (False, False, 0, False, 0, True, 0, 0),
-    "every": (True, True, 1024, True, 256, True, 0, 0),
-    "splits": (False, False, 0, False, 0, False, ANY, 0),  # the W_UV product combines the attention's splits
-    "every+splits": (True, True, 1024, True, 256, True, ANY, 0),
-    "every+rows4": (True, True, 1024, True, 256, True, 4, 0),  # the shipped switches before index-first
+    "off": (False, False, 0, False, 0, False, 0, 0, 0),
+    "small": (True, False, 0, False, 0, False, 0, 0, 0),
+    "uv": (False, True, 1024, False, 0, False, 0, 0, 0),
+    "uv256": (False, True, 256, False, 0, False, 0, 0, 0),
+    "down": (False, False, 0, True, 256, False, 0, 0, 0),
+    "down0": (False, False, 0, True, 0, False, 0, 0, 0),
+    "all": (True, True, 1024, True, 256, False, 0, 0, 0),
+    "side": (False, False, 0, False, 0, True, 0, 0, 0),
+    "every": (True, True, 1024, True, 256, True, 0, 0, 0),
+    "splits": (False, False, 0, False, 0, False, ANY, 0, 0),  # the W_UV product combines the attention's splits
+    "every+splits": (True, True, 1024, True, 256, True, ANY, 0, 0),
+    "every+rows4": (True, True, 1024, True, 256, True, 4, 0, 0),  # the shipped switches before index-first
     # the modules' constants as this import finds them, before any switch: never a copy that drifts
     "shipped": tuple(getattr(importlib.import_module(m), a) for m, a in SWITCHES),
 }

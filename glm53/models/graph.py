@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from glm53.kernels.compile_watch import WATCH
+from glm53.models import overlap
 from glm53.models.decode_state import DecodeState
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ def capture_buckets(device: torch.device, sizes: Sequence[int], widths: Sequence
     with WATCH.warming(), torch.cuda.device(device), collector_paused():  # capture streams: the current device's
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
+        capture = overlap.capture_stream(device)  # the main chain's priority beside the side stream's
         for width in reversed(widths):
             for bs in reversed(sizes):
                 # Warm-up compiles every Triton variant of the bucket outside the capture.
@@ -116,7 +118,7 @@ def capture_buckets(device: torch.device, sizes: Sequence[int], widths: Sequence
                         run(bs, width)
                 torch.cuda.current_stream().wait_stream(stream)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, stream=capture):
                     out = run(bs, width)
                 graphs[(bs, width)] = (g, out)
         torch.cuda.synchronize(device)

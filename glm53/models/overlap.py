@@ -31,15 +31,35 @@ SIDE_STREAM = True
 # the q_b product and the absorbed query beside its logits and top-k (two products where q_b and
 # wq_b were one: `Attention._index_first`). H100, the FP8 slice's graphed step (2026-12-06):
 # batch 1 942.1 -> 924.4 us, 4: 1,021.1 -> 1,007.8, but 16: 1,202.6 -> 1,214.2; logits bit-equal.
-INDEX_FIRST_MAX_ROWS = 4
+# With the main chain's priority above the side stream's (`MAIN_PRIORITY`) it pays at every decode
+# size (2026-12-07, against 4 rows: 8 rows 1,093.5 -> 1,078.0 and 1,093.4 -> 1,076.9 us, 16 rows
+# 1,202.9 -> 1,185.6 and 1,203.0 -> 1,187.0; 1 to 4 rows even): all of `MAX_TOKENS`.
+INDEX_FIRST_MAX_ROWS = 16
 # Rows of a step that forks: decode sizes (the absorbed query's own kernel runs up to as many).
 MAX_TOKENS = 16
+# The decode graphs' capture stream's priority (CUDA: lower is higher; 0, the default, is the
+# lowest and the side stream's): a captured kernel keeps its stream's priority when the graph
+# replays (PyTorch instantiates graphs with per-node priority), so where both streams have programs
+# waiting the block scheduler starts the main chain's first. That is the indexer's logits and top-k
+# beside q_b (`INDEX_FIRST_MAX_ROWS`): H100, the FP8 slice's graphed step (2026-12-07,
+# benchmarks/step_knobs.py, three rounds each, two machines) batch 1 917.9 -> 908.2 and 920.8 ->
+# 912.5 us, batch 4 974.0 -> 971.5 and 1,007.9 -> 999.1, 16 even; logits bit-equal. The side stream
+# at a higher priority than the main one changed nothing (918.0 us), and the query's branch on a
+# stream of its own, so q_b need not queue behind the cache rows, was slower (933.6: q_b then
+# takes the SMs the indexer's chain needs).
+MAIN_PRIORITY = -1
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The side stream a runner on `device` gives its model's decode steps: one when `SIDE_STREAM`
     is on and the device is CUDA (read when the runner is built), else None."""
     return torch.cuda.Stream(device) if SIDE_STREAM and device.type == "cuda" else None
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream the decode graphs are captured on: one of `MAIN_PRIORITY` when that is set, else
+    None (`torch.cuda.graph`'s own, of the default priority)."""
+    return torch.cuda.Stream(device, priority=MAIN_PRIORITY) if MAIN_PRIORITY and device.type == "cuda" else None
 
 
 class Branch:

@@ -206,8 +206,9 @@ def _sharing_checkpoint(path, seed: int, fp8: bool) -> int:
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
     # the attention's ops off the main chain on a side stream (models/overlap: the cache rows and
-    # the indexer's gates beside the q_b product, the absorbed query beside the indexer): the
-    # same logits, bit for bit, replayed from graphs and eager, as on one stream
+    # the indexer's gates beside the q_b product, the absorbed query beside the indexer), the
+    # graphs captured with the main chain at the side stream's priority or above it: the same
+    # logits, bit for bit, replayed from graphs and eager, as on one stream
     from glm53.models import overlap
 
     ckpt = tmp_path / "ckpt"
@@ -215,8 +216,9 @@ def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 130, 9)]
     outs = []
-    for side in (False, True):
+    for side, priority in ((False, 0), (True, 0), (True, -1)):
         monkeypatch.setattr(overlap, "SIDE_STREAM", side)
+        monkeypatch.setattr(overlap, "MAIN_PRIORITY", priority)
         runner = _with_graphs(ckpt, torch.bfloat16, GraphConfig(max_bs=4, max_context=400), fp8=fp8)
         assert (runner.model.side_stream is not None) == side
         alloc = PageAllocator(PAGES)
@@ -233,7 +235,17 @@ def test_side_stream_changes_nothing(tmp_path, monkeypatch, fp8):
             for row, nxt in zip(reqs, got.argmax(-1).tolist()):
                 row[1], row[2] = row[1] + 1, nxt
         outs.append(logits)
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
+
+
+def test_decode_graphs_capture_above_the_side_streams_priority():
+    # overlap.MAIN_PRIORITY: the capture stream ranks above the side stream (CUDA: lower is
+    # higher), which the replayed kernels keep (graphs instantiated with per-node priority)
+    from glm53.models import overlap
+
+    dev = torch.device("cuda")
+    capture, side = overlap.capture_stream(dev), overlap.side_stream(dev)
+    assert capture is not None and side is not None and capture.priority < side.priority
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])

@@ -49,7 +49,7 @@ def test_switching_back_to_shipped_restores_every_switch():
     def now():
         return (launch_early.SMALL_KERNELS, fp8_act.UV_PDL, fp8_act.UV_PREFETCH, moe_fp8_triton.DOWN_PDL,
                 moe_fp8_triton.DOWN_PREFETCH, overlap.SIDE_STREAM, fp8_act.UV_SPLITS_MAX_ROWS,
-                overlap.INDEX_FIRST_MAX_ROWS)
+                overlap.INDEX_FIRST_MAX_ROWS, overlap.MAIN_PRIORITY)
 
     as_shipped = now()
     try:
