@@ -248,11 +248,15 @@ def test_decode_graphs_capture_above_the_side_streams_priority():
     assert capture is not None and side is not None and capture.priority < side.priority
 
 
+VERIFY = 12  # rows of one chunk: a DFlash verify block's size, under overlap.MAX_TOKENS
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8):
     # overlap.INDEX_FIRST_MAX_ROWS: q_b and the indexer's wq_b as two products (the indexer's chain on the
     # main stream, q_b and the absorbed query beside it) give the fused product's logits up to the
-    # products' accumulation order, replayed from graphs and eager; both are fed the same tokens
+    # products' accumulation order, replayed from graphs and eager, and for a verify block's rows in one
+    # chunk; both are fed the same tokens
     from glm53.models import overlap
     from glm53.models.model import Attention
 
@@ -261,6 +265,7 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (40, 130, 9)]
     feed = torch.randint(0, vocab, (4, len(prompts)), generator=g).tolist()
+    block = torch.randint(0, vocab, (VERIFY,), generator=g).tolist()
     taken = []
     first_of = Attention._index_first
 
@@ -273,12 +278,12 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8)
     monkeypatch.setattr(Attention, "_index_first", spy)
     outs = []
     for first in (False, True):
-        monkeypatch.setattr(overlap, "INDEX_FIRST_MAX_ROWS", 4 if first else 0)
+        monkeypatch.setattr(overlap, "INDEX_FIRST_MAX_ROWS", overlap.MAX_TOKENS if first else 0)
         runner = _with_graphs(ckpt, torch.bfloat16, GraphConfig(max_bs=4, max_context=400), fp8=fp8)
         alloc = PageAllocator(PAGES)
         reqs = []
         for p in prompts:
-            pages = alloc.alloc(runner.pages_needed(len(p) + 8))
+            pages = alloc.alloc(runner.pages_needed(len(p) + 8 + VERIFY))
             runner.forward([SeqChunk(p, 0, pages)])
             reqs.append([pages, len(p)])
         taken.clear()
@@ -290,6 +295,9 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8)
             assert runner.graphs.replays
             for row in reqs:
                 row[1] += 1
+        # a verify block's rows in one chunk (eager): past the 4 rows a decode graph holds here
+        pages, pos = reqs[0]
+        logits.append(runner.forward([SeqChunk(block, pos, pages, all_logits=True)])[0].float())
         assert any(taken) == first and all(t == first for t in taken)
         outs.append(logits)
     for a, b in zip(*outs):
