@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from glm53.kernels import fp8_act, index_cache_fp8, latent_cache_fp8
+from glm53.kernels import indexer_logits as indexer_logits_mod
 from glm53.kernels.absorb import absorbed_query
 from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8, uv_product_fp8, uv_product_reference
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
@@ -162,6 +163,11 @@ class Indexer(nn.Module):
         return CacheRow(k, cache, self.k_norm.weight, INDEXER_KEY_NORM_EPS, norm_d=k.shape[1], rope_lo=0,
                         interleave=self.cfg.indexer_rope_interleave, bias=self.k_norm.bias)
 
+    def takes_q_parts(self, kv: KVPools) -> bool:
+        """Whether `forward` takes its query as a split-K product's sum not taken yet: the bf16
+        keys' logits take it as they load it (`indexer_logits.TAKES_Q_PARTS`)."""
+        return indexer_logits_mod.TAKES_Q_PARTS and kv.view(INDEX_K, self.layer).dtype != torch.uint8
+
     def gates(self, x: torch.Tensor) -> torch.Tensor:
         """The heads' weights of each token's logits, [n, index_n_heads] fp32, from the normed
         hidden state x (the softmax-style scale folded in)."""
@@ -180,7 +186,9 @@ class Indexer(nn.Module):
         when the caller computed them (beside the main chain, `overlap`)."""
         cfg = self.cfg
         n, rope = x.shape[0], cfg.qk_rope_head_dim
-        q = (self.wq_b(q_resid) if q_raw is None else q_raw).view(n, cfg.index_n_heads, cfg.index_head_dim)
+        q = self.wq_b(q_resid) if q_raw is None else q_raw
+        if not isinstance(q, RowParts):  # (a sum not taken yet only where `takes_q_parts`)
+            q = q.view(n, cfg.index_n_heads, cfg.index_head_dim)
         k = self.wk(x) if k_raw is None else k_raw
         # The indexer's head layout is [rope | nope], the opposite of MLA's: rotated in place for
         # the FP8 keys, as the logits read it for the bf16 ones (no launch of its own).
@@ -191,6 +199,7 @@ class Indexer(nn.Module):
         # the logits width rounded up (kernels/variants.logits_width): one divisibility class for top-k
         args = (batch.page_table, batch.context_lens, logits_width(batch.max_context))
         if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
+            q = take(q).view(n, cfg.index_n_heads, cfg.index_head_dim)
             apply_rope(q[..., :rope], cos, sin, il, out=q[..., :rope])
             k = take(k)
             finish_rows(k, self.k_norm.weight, INDEXER_KEY_NORM_EPS, cos, sin, norm_d=k.shape[1], rope_lo=0,
@@ -331,7 +340,7 @@ class Attention(nn.Module):
             # The indexer's chain (logits, top-k) is the layer's longest; only its own query
             # product feeds it, so q_b and the absorbed query go beside it, after it
             # (`overlap.INDEX_FIRST_MAX_ROWS`)
-            q_idx = self.indexer.wq_b(q_in)
+            q_idx = self.indexer.wq_b.matmul(q_in, keep_parts=self.indexer.takes_q_parts(kv))
             query = overlap.Branch(side)
             with query:
                 q_all = absorbed_query(self.q_b_proj(q_in).view(n, h, cfg.qk_head_dim), w[:, :nope], cos, sin,

@@ -91,6 +91,10 @@ def test_indexer_rotates_q_gpu(interleave):
     cases.check_indexer_rope(4, 32, 128, 5000, 64, interleave, page_size=64, device=DEV)
 
 
+def test_indexer_takes_q_parts_gpu():
+    cases.check_indexer_takes_q_parts(4, 32, 128, 5000, 64, page_size=64, device=DEV)
+
+
 @pytest.mark.parametrize("fp8_q", [False, True])
 def test_indexer_fp8_overlap_glm5(fp8_q):
     # q and k both quantized (fp8 x fp8) adds the query's rounding: ~96.7% on i.i.d. Gaussian data
@@ -628,3 +632,4 @@ def test_linear_f32_gpu(monkeypatch):
     x, w = torch.randn(TRITON_MAX_ROWS + 1, K, device=DEV).bfloat16(), torch.randn(256, K, device=DEV)
     monkeypatch.setattr(lft, "linear_f32_triton", None)  # past TRITON_MAX_ROWS: the torch path
     check(linear_f32(x, w, 0.5), x, w, 0.5)
+

@@ -398,6 +398,10 @@ def test_indexer_rotates_q(interleave):
     cases.check_indexer_rope(3, 8, 128, 100, 64, interleave)
 
 
+def test_indexer_takes_q_parts():
+    cases.check_indexer_takes_q_parts(3, 8, 128, 100, 64)
+
+
 @pytest.mark.parametrize("fp8_q", [False, True])
 def test_indexer_fp8_overlap(fp8_q):
     # proportional to 2048 of 32K: 512 of 8192; mean overlap over rows (fewer selected -> more
@@ -1077,3 +1081,4 @@ def test_linear_f32_dispatch(monkeypatch):
     lf.linear_f32(torch.randn(8, 300), w)  # past the limit, read at call time: the reference
     assert rows == [limit]
     assert lft.linear_f32_triton(torch.randn(0, 300), w).shape == (0, 16)
+
