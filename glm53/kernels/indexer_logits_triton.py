@@ -139,7 +139,9 @@ def indexer_logits_triton(
     if block_s is None:
         block_s = 64 if interp else 128
     if num_warps is None:
-        num_warps = 1 if interp else 4
+        # a sum's four fp32 parts, loaded thrice (q and the rotation's two halves), take 255
+        # registers and spill at 4 warps (tools/triton_build.py, sm_90), 176 and none at 8
+        num_warps = 1 if interp else (8 if q_parts > 1 else 4)
     BLOCK_H = max(16, triton.next_power_of_2(H))
     ks = k_scales if fp8 else k_cache
     stride_sp = k_scales.stride(0) if fp8 else 0
