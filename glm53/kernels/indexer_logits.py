@@ -97,8 +97,11 @@ def indexer_logits_reference(
 
 # The bf16-key logits take the indexer's query as its split-K product left it (the sum not taken,
 # `row_parts`) where the attention hands it so (decode sizes, `Attention._index_first`): one
-# launch less on the layer's critical chain. False: the product's own sum launch first.
-TAKES_Q_PARTS = True
+# launch less on the layer's critical chain (the sum's ~1.7 µs on an H100), for fp32 parts loaded
+# where bf16 was (8 warps: 4 spill). Exact either way; off until timed in the step
+# (`benchmarks/step_knobs.py --set "q_parts:glm53.kernels.indexer_logits.TAKES_Q_PARTS=True"`).
+TAKES_Q_PARTS = False
+
 
 def indexer_logits(
     q: torch.Tensor | RowParts,
