@@ -240,7 +240,6 @@ def check_indexer_rope(T, H, D, max_len, rope, interleave, page_size=16, device=
     assert torch.equal(got, want), (got - want).abs().max()
 
 
-
 def check_indexer_takes_q_parts(T, H, D, max_len, rope, page_size=16, device="cpu"):
     """The logits given q as a split-K product's sum not taken yet (`row_parts.RowParts`, fp32
     partials) equal the logits of that sum taken by its own launch, bit for bit, with and without
