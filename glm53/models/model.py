@@ -186,20 +186,20 @@ class Indexer(nn.Module):
         when the caller computed them (beside the main chain, `overlap`)."""
         cfg = self.cfg
         n, rope = x.shape[0], cfg.qk_rope_head_dim
+        cache = kv.view(INDEX_K, layer)
         q = self.wq_b(q_resid) if q_raw is None else q_raw
-        if not isinstance(q, RowParts):  # (a sum not taken yet only where `takes_q_parts`)
-            q = q.view(n, cfg.index_n_heads, cfg.index_head_dim)
+        # a sum not taken yet (`takes_q_parts`) stays so for the bf16 keys' logits, which take it
+        if not isinstance(q, RowParts) or cache.dtype == torch.uint8:
+            q = take(q).view(n, cfg.index_n_heads, cfg.index_head_dim)
         k = self.wk(x) if k_raw is None else k_raw
         # The indexer's head layout is [rope | nope], the opposite of MLA's: rotated in place for
         # the FP8 keys, as the logits read it for the bf16 ones (no launch of its own).
         il = cfg.indexer_rope_interleave
-        cache = kv.view(INDEX_K, layer)
         coords = batch.out_coords(kv.page_size)
         weights = self.gates(x) if gates is None else gates
         # the logits width rounded up (kernels/variants.logits_width): one divisibility class for top-k
         args = (batch.page_table, batch.context_lens, logits_width(batch.max_context))
         if cache.dtype == torch.uint8:  # FP8 keys, 132 B/token (kernels/index_cache_fp8)
-            q = take(q).view(n, cfg.index_n_heads, cfg.index_head_dim)
             apply_rope(q[..., :rope], cos, sin, il, out=q[..., :rope])
             k = take(k)
             finish_rows(k, self.k_norm.weight, INDEXER_KEY_NORM_EPS, cos, sin, norm_d=k.shape[1], rope_lo=0,
