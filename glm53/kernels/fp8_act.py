@@ -40,7 +40,7 @@ from glm53.kernels.fp8_quant import (FP8, GROUP, dequantize_fp8_groups, quantize
                                      quantize_residual_reference, quantize_residual_tile, quantize_tile)
 from glm53.kernels.launch_early import early_args, pdl_option, prefetch_rows_l2, wait_then_release
 from glm53.kernels.norm import rms_norm_reference
-from glm53.kernels.norm_triton import added, load_residual_sum
+from glm53.kernels.norm_triton import added, load_residual_sum, split_row_sum_sq, sum_sq
 from glm53.kernels.row_parts import RowParts, row_source, take
 from glm53.kernels.sparse_mla_triton import COMBINE_WARPS, Splits, combine_row
 
@@ -54,6 +54,13 @@ M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8
 # one term: there the FP8 products are compute-bound and cuBLAS reads one (so this stays below
 # fp8_gemm.CUBLAS_MIN_M).
 TWO_TERM_MAX_M = 64
+# Rows up to which a norm given a sync buffer (`Norm.sync`) spreads each row over programs of
+# SPLIT_COLUMNS columns (0: never). One program a row loads a decode row's parts (an MoE's slot
+# rows, a split-K product's partials: 6,144 wide, up to ten of them) through one SM: 5.5 µs on the
+# H100 where a norm with nothing to sum takes ~2-3. Off until timed.
+SPLIT_MAX_ROWS = 0
+SPLIT_COLUMNS = 512  # a multiple of GROUP: a program quantizes whole groups
+SPLIT_SPIN = 1 << 16  # polls before a program computes the row's sum alone (`split_row_sum_sq`)
 
 
 def trigger_dependents() -> bool:
@@ -153,11 +160,11 @@ def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rms_norm_fp8_kernel(
-    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm,
-    stride_sg, stride_a, stride_r, stride_ap, eps, stride_xp,
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, part_ptr, sync_ptr, D, stride_x, stride_y,
+    stride_q, stride_sm, stride_sg, stride_a, stride_r, stride_ap, eps, stride_xp, spin,
     G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, LO: tl.constexpr,
     EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr, PARTS: tl.constexpr, XPARTS: tl.constexpr, DT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, NCP: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """One program per row, the row loaded straight into a [NG, G] tile (group g = columns
     [g·G, (g+1)·G)), so each group's amax is a reduction along the tile's second axis: a row
@@ -165,17 +172,25 @@ def _rms_norm_fp8_kernel(
     The norm is rounded to y's dtype as `rms_norm` rounds it (its sum of squares in another order),
     then each group's scale and codes as `fp8_quant` computes them. ADD: the residual sum
     x + a, rounded to x's dtype DT, is written to r and normalised. XPARTS > 1: x is a sum not taken
-    yet (`norm_triton.load_row`). LO: the second term into ql/sl."""
+    yet (`norm_triton.load_row`). LO: the second term into ql/sl. SPLIT: the row is NG groups a
+    program over a grid [rows, chunks], its sum of squares gathered through part_ptr and sync_ptr
+    (`norm_triton.split_row_sum_sq`): a decode row's parts loaded by many SMs, not one."""
     wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     if TRIGGER:  # the product after it may launch now (`trigger_dependents`)
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    col = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
+    chunk = tl.program_id(1)  # 0 unless SPLIT
+    rel = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
+    col = chunk * (NG * G) + rel
     mask = col < D
     x = load_residual_sum(x_ptr, a_ptr, r_ptr, row * stride_x + col, row * stride_a + col, row * stride_r + col,
                           mask, ADD, stride_ap, PARTS, stride_xp, XPARTS, DT)
+    ss = sum_sq(x)
+    if SPLIT:
+        ss = split_row_sum_sq(ss, part_ptr, sync_ptr, spin, row, chunk, rel, D, x_ptr, a_ptr, row * stride_x,
+                              row * stride_a, ADD, stride_ap, PARTS, stride_xp, XPARTS, DT, NG * G, NCP)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, 1), 0) / D + eps)
+    rstd = 1.0 / tl.sqrt(ss / D + eps)
     n = (xf * rstd).to(DT).to(tl.float32)
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     y = (w * n).to(y_ptr.dtype.element_ty)
@@ -184,7 +199,7 @@ def _rms_norm_fp8_kernel(
     yf = y.to(tl.float32)
     codes, scale = quantize_tile(yf, EXACT_RNE)  # masked columns are 0
     tl.store(q_ptr + row * stride_q + col, codes, mask=mask)
-    g = tl.arange(0, NG)
+    g = chunk * NG + tl.arange(0, NG)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
     if LO:
         codes, scale = quantize_residual_tile(yf, codes, scale, EXACT_RNE)
@@ -202,12 +217,21 @@ def norm_warps(tile: int, reads: int) -> int:
     return 1 if n < 2 else min(16, 1 << (n.bit_length() - 1))
 
 
+def split_chunks(m: int, D: int, sync: torch.Tensor | None) -> int:
+    """The programs a row of a norm spreads over (`SPLIT_MAX_ROWS`): 1 without a sync buffer."""
+    if sync is None or not 0 < m <= SPLIT_MAX_ROWS or D <= SPLIT_COLUMNS:
+        return 1
+    return triton.cdiv(D, SPLIT_COLUMNS)
+
+
 def rms_norm_fp8_triton(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float, dense: bool = False,
-                        num_warps: int | None = None, add: torch.Tensor | RowParts | None = None):
+                        num_warps: int | None = None, add: torch.Tensor | RowParts | None = None,
+                        sync: torch.Tensor | None = None):
     """x [m, D] (unit last stride; rows may be strided, e.g. a column slice of a fused product, or a
     `RowParts` whose sum is taken here), weight [D] -> (the norm [m, D] in torch's promoted dtype
     when `dense`, else None; its rows). With `add` (x's shape and dtype, or a `RowParts` of them):
-    (s = x + add, then the same two) for the norm of s."""
+    (s = x + add, then the same two) for the norm of s. `sync` (int32 [2], zero; `Norm.sync`):
+    at decode sizes each row is spread over programs of SPLIT_COLUMNS columns (`split_chunks`)."""
     m, D = x.shape
     src, x_parts, stride_xp, dt = row_source(x)
     dev = src.device
@@ -220,36 +244,43 @@ def rms_norm_fp8_triton(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: f
     if add is not None:
         a, r = add.parts[0] if isinstance(add, RowParts) else add, torch.empty((m, D), dtype=x.dtype, device=dev)
     if m:
-        ng = triton.next_power_of_2(triton.cdiv(D, GROUP))
-        _rms_norm_fp8_kernel[(m,)](
-            src, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, D, src.stride(0), y.stride(0),
-            rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), stride_ap, eps,
-            stride_xp, G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, LO=rows.q_lo is not None,
-            EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(), PARTS=n_parts, XPARTS=x_parts, DT=dt,
+        chunks = split_chunks(m, D, sync)
+        ng = SPLIT_COLUMNS // GROUP if chunks > 1 else triton.next_power_of_2(triton.cdiv(D, GROUP))
+        ncp = triton.next_power_of_2(chunks)
+        parts = torch.empty((m, ncp), dtype=torch.float32, device=dev) if chunks > 1 else y
+        # the interpreter runs programs one by one: none waits for another there
+        spin = 0 if triton_interpreting() else SPLIT_SPIN
+        _rms_norm_fp8_kernel[(m, chunks)](
+            src, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, parts, y if sync is None else sync, D,
+            src.stride(0), y.stride(0), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0),
+            r.stride(0), stride_ap, eps, stride_xp, spin, G=GROUP, NG=ng, DENSE=dense, ADD=add is not None,
+            LO=rows.q_lo is not None, EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(), PARTS=n_parts,
+            XPARTS=x_parts, DT=dt, SPLIT=chunks > 1, NCP=ncp,
             num_warps=num_warps or norm_warps(ng * GROUP, x_parts + n_parts), **early_args(),
         )
     out = (y if dense else None), rows
     return out if add is None else (r, *out)
 
 
-def rms_norm_fp8(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float,
-                 dense: bool = False) -> tuple[torch.Tensor | None, Fp8Rows]:
+def rms_norm_fp8(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float, dense: bool = False,
+                 sync: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Fp8Rows]:
     """RMSNorm of x [m, D] quantized for a w8a8 product: (the dense norm when `dense`, else None;
     the quantized rows). Triton where `dispatch.use_triton` says so, else the reference. x may be
-    a sum not taken yet (`row_parts`): the kernel takes it."""
+    a sum not taken yet (`row_parts`): the kernel takes it. `sync`: `rms_norm_fp8_triton`'s."""
     rows = x.parts if isinstance(x, RowParts) else x
     if use_triton(rows, weight) and rows.stride(-1) == 1:
-        return rms_norm_fp8_triton(x, weight, eps, dense)
+        return rms_norm_fp8_triton(x, weight, eps, dense, sync=sync)
     return rms_norm_fp8_reference(take(x), weight, eps, dense)
 
 
 def add_rms_norm_fp8(x: torch.Tensor, add: torch.Tensor | RowParts, weight: torch.Tensor, eps: float,
-                     dense: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Rows]:
+                     dense: bool = False, sync: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Rows]:
     """The residual add before the norm in the same pass: (s = x + add, then `rms_norm_fp8(s)`'s
     two results). `add` may be a sum not taken yet (`row_parts`): the kernel takes it."""
     a = add.parts if isinstance(add, RowParts) else add
     if use_triton(x, a, weight) and x.stride(1) == 1 and a.stride(-1) == 1 and add.dtype == x.dtype:
-        return rms_norm_fp8_triton(x, weight, eps, dense, add=add)
+        return rms_norm_fp8_triton(x, weight, eps, dense, add=add, sync=sync)
     s = x + take(add)
     return (s, *rms_norm_fp8(s, weight, eps, dense))
 

@@ -41,18 +41,71 @@ def load_row(x_ptr, off, mask, stride_xp, XPARTS: tl.constexpr, DT: tl.constexpr
 
 
 @triton.jit
-def load_residual_sum(x_ptr, a_ptr, s_ptr, x_off, a_off, s_off, mask, ADD: tl.constexpr, stride_ap,
-                      PARTS: tl.constexpr, stride_xp, XPARTS: tl.constexpr, DT: tl.constexpr):
+def load_sum(x_ptr, a_ptr, x_off, a_off, mask, ADD: tl.constexpr, stride_ap, PARTS: tl.constexpr, stride_xp,
+             XPARTS: tl.constexpr, DT: tl.constexpr):
     """x at `x_off` (`load_row`: XPARTS parts `stride_xp` apart, in the rows' dtype DT); with ADD
-    the residual sum x + a instead, rounded to DT as torch's add rounds it, and written to s (the
-    norms that take the add before them: here and `fp8_act`). a is PARTS parts `stride_ap` apart
-    (`added`: one for a tensor, more for a `row_parts.RowParts`)."""
+    the residual sum x + a instead, rounded to DT as torch's add rounds it. a is PARTS parts
+    `stride_ap` apart (`added`: one for a tensor, more for a `row_parts.RowParts`)."""
     x = load_row(x_ptr, x_off, mask, stride_xp, XPARTS, DT)
     if ADD:
         a = load_row(a_ptr, a_off, mask, stride_ap, PARTS, DT)
         x = (x.to(tl.float32) + a.to(tl.float32)).to(DT)
+    return x
+
+
+@triton.jit
+def load_residual_sum(x_ptr, a_ptr, s_ptr, x_off, a_off, s_off, mask, ADD: tl.constexpr, stride_ap,
+                      PARTS: tl.constexpr, stride_xp, XPARTS: tl.constexpr, DT: tl.constexpr):
+    """`load_sum`, the residual sum (with ADD) also written to s: the norms that take the add
+    before them (here and `fp8_act`)."""
+    x = load_sum(x_ptr, a_ptr, x_off, a_off, mask, ADD, stride_ap, PARTS, stride_xp, XPARTS, DT)
+    if ADD:
         tl.store(s_ptr + s_off, x, mask=mask)
     return x
+
+
+@triton.jit
+def sum_sq(x):
+    """A [rows, cols] tile's sum of squares in fp32 (the split norm's partials and its own)."""
+    xf = x.to(tl.float32)
+    return tl.sum(tl.sum(xf * xf, 1), 0)
+
+
+@triton.jit
+def split_row_sum_sq(own, part_ptr, sync_ptr, spin, row, chunk, rel, D, x_ptr, a_ptr, x_base, a_base,
+                     ADD: tl.constexpr, stride_ap, PARTS: tl.constexpr, stride_xp, XPARTS: tl.constexpr,
+                     DT: tl.constexpr, CHUNK: tl.constexpr, NCP: tl.constexpr):
+    """A row's sum of squares where each of its chunks of CHUNK columns is one program's (grid
+    [rows, chunks]): `own` (`sum_sq` of this program's chunk) goes to the row's slot `chunk` in
+    part_ptr [rows, NCP]; every program of the grid counts in on sync_ptr[0] and waits, at most
+    `spin` polls, for all of them; the row's slots are then summed in one order. A program that
+    waited in vain (one not running beside it: the interpreter runs programs one by one) computes
+    the row's partials itself, with the same `sum_sq`, so the sum is the same bits either way and
+    nothing can hang. The last program to count out on sync_ptr[1] sets both counters back to 0
+    (`Norm.sync`: kernels of one buffer never overlap, being queued on one stream)."""
+    n_chunks = tl.cdiv(D, CHUNK)
+    total = tl.num_programs(0) * n_chunks
+    slots = part_ptr + row * NCP
+    tl.store(slots + chunk, own)
+    tl.debug_barrier()  # every thread's stores before the count (release, below, orders them)
+    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    polls = 0
+    while (arrived < total) & (polls < spin):
+        arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if arrived < total:
+        for j in range(0, n_chunks):
+            col = j * CHUNK + rel
+            x = load_sum(x_ptr, a_ptr, x_base + col, a_base + col, col < D, ADD, stride_ap, PARTS, stride_xp,
+                         XPARTS, DT)
+            tl.store(slots + j, sum_sq(x))  # the same bits its own program stores
+        tl.debug_barrier()
+    k = tl.arange(0, NCP)
+    ss = tl.sum(tl.load(slots + k, mask=k < n_chunks, other=0.0, volatile=True), 0)
+    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == total - 1:
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+    return ss
 
 
 @triton.jit

@@ -259,6 +259,31 @@ def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+def test_model_split_norms(tmp_path, monkeypatch):
+    # a tiny FP8 model on the Triton path whose decode rows' quantizing norms spread each row over
+    # programs of 128 columns (`fp8_act.SPLIT_MAX_ROWS`, the sums of squares gathered through each
+    # `Norm.sync`, zeroed by the loader on the target): the logits of one program a row, on the
+    # prefill (12 rows, not split) and the decode step (split); every counter back at 0
+    import glm53.kernels.fp8_act as fp8_act
+    from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
+
+    make_checkpoint(tmp_path, seed=8, **FP8_WIDTHS)
+    quantise_fp8_(tmp_path, block=128)
+    inner, syncs, chunks = fp8_act.split_chunks, [], []
+    monkeypatch.setattr(fp8_act, "split_chunks", lambda m, D, sync: syncs.append(sync) or
+                        chunks.append(inner(m, D, sync)) or chunks[-1])
+    monkeypatch.setattr(fp8_act, "SPLIT_COLUMNS", 128)  # hidden 192: two programs a row
+    outs = []
+    for rows in (8, 0):
+        monkeypatch.setattr(fp8_act, "SPLIT_MAX_ROWS", rows)
+        outs.append(_prefill_and_step(tmp_path, fp8=True))
+        assert (max(chunks) > 1) == bool(rows) and all(s is not None for s in syncs), chunks
+        assert all(s.tolist() == [0, 0] for s in syncs)
+        chunks.clear()
+        syncs.clear()
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_model_uv_product_takes_the_splits(tmp_path, monkeypatch):
     # a tiny FP8 model whose W_UV product writes o_proj's rows (v_head_dim 128) and whose sparse
     # MLA splits its 32 top-k slots (2 splits of 16 under the interpreter): the W_UV product
@@ -936,6 +961,11 @@ def test_tracked_operands_train_through_the_reference():
                                              (2, 256, torch.bfloat16, False), (70, 256, torch.float32, True)])
 def test_rms_norm_fp8(M, D, dtype, dense):
     fp8_cases.check_rms_norm_fp8(M, D, dtype, dense=dense)
+
+
+@pytest.mark.parametrize("M,D", [(1, 1280), (3, 1100)])
+def test_split_norm(M, D, monkeypatch):
+    fp8_cases.check_split_norm(M, D, monkeypatch)
 
 
 @pytest.mark.parametrize("M,inter,dtype", [(7, 256, torch.bfloat16), (40, 200, torch.float32), (1, 96, torch.bfloat16)])
