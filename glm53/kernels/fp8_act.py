@@ -40,7 +40,8 @@ from glm53.kernels.fp8_quant import (FP8, GROUP, dequantize_fp8_groups, quantize
                                      quantize_residual_reference, quantize_residual_tile, quantize_tile)
 from glm53.kernels.launch_early import early_args, pdl_option, prefetch_rows_l2, wait_then_release
 from glm53.kernels.norm import rms_norm_reference
-from glm53.kernels.norm_triton import added, load_residual_sum, split_row_sum_sq, sum_sq
+from glm53.kernels import norm_triton
+from glm53.kernels.norm_triton import added, load_residual_sum, norm_warps, split_row_sum_sq, sum_sq
 from glm53.kernels.row_parts import RowParts, row_source, take
 from glm53.kernels.sparse_mla_triton import COMBINE_WARPS, Splits, combine_row
 
@@ -54,13 +55,6 @@ M_ALIGN = 16  # cuBLAS's blockwise FP8 GEMM takes M in multiples of 8; 16 as fp8
 # one term: there the FP8 products are compute-bound and cuBLAS reads one (so this stays below
 # fp8_gemm.CUBLAS_MIN_M).
 TWO_TERM_MAX_M = 64
-# Rows up to which a norm given a sync buffer (`Norm.sync`) spreads each row over programs of
-# SPLIT_COLUMNS columns (0: never). One program a row loads a decode row's parts (an MoE's slot
-# rows, a split-K product's partials: 6,144 wide, up to ten of them) through one SM: 5.5 µs on the
-# H100 where a norm with nothing to sum takes ~2-3. Off until timed.
-SPLIT_MAX_ROWS = 0
-SPLIT_COLUMNS = 512  # a multiple of GROUP: a program quantizes whole groups
-SPLIT_SPIN = 1 << 16  # polls before a program computes the row's sum alone (`split_row_sum_sq`)
 
 
 def trigger_dependents() -> bool:
@@ -207,23 +201,6 @@ def _rms_norm_fp8_kernel(
         tl.store(sl_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
 
 
-def norm_warps(tile: int, reads: int) -> int:
-    """A one-row norm's warps: one per 512 values it loads (its tile times the row tensors summed
-    into it, x's parts and the add's), a power of two from 1 to 16. One program holds the row, so
-    more warps keep more of a split product's parts in flight (H100, one row, graphs of 8 launches:
-    2,048 wide over 7 fp32 parts 2.5 µs at 16 warps against 3.8 at the 4 a plain 2,048-wide row
-    takes; that row alone 2.0 at 4, 2.2 at 16)."""
-    n = tile * reads // 512
-    return 1 if n < 2 else min(16, 1 << (n.bit_length() - 1))
-
-
-def split_chunks(m: int, D: int, sync: torch.Tensor | None) -> int:
-    """The programs a row of a norm spreads over (`SPLIT_MAX_ROWS`): 1 without a sync buffer."""
-    if sync is None or not 0 < m <= SPLIT_MAX_ROWS or D <= SPLIT_COLUMNS:
-        return 1
-    return triton.cdiv(D, SPLIT_COLUMNS)
-
-
 def rms_norm_fp8_triton(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float, dense: bool = False,
                         num_warps: int | None = None, add: torch.Tensor | RowParts | None = None,
                         sync: torch.Tensor | None = None):
@@ -231,7 +208,7 @@ def rms_norm_fp8_triton(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: f
     `RowParts` whose sum is taken here), weight [D] -> (the norm [m, D] in torch's promoted dtype
     when `dense`, else None; its rows). With `add` (x's shape and dtype, or a `RowParts` of them):
     (s = x + add, then the same two) for the norm of s. `sync` (int32 [2], zero; `Norm.sync`):
-    at decode sizes each row is spread over programs of SPLIT_COLUMNS columns (`split_chunks`)."""
+    at decode sizes each row is spread over programs (`norm_triton.split_chunks`)."""
     m, D = x.shape
     src, x_parts, stride_xp, dt = row_source(x)
     dev = src.device
@@ -244,16 +221,14 @@ def rms_norm_fp8_triton(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: f
     if add is not None:
         a, r = add.parts[0] if isinstance(add, RowParts) else add, torch.empty((m, D), dtype=x.dtype, device=dev)
     if m:
-        chunks = split_chunks(m, D, sync)
-        ng = SPLIT_COLUMNS // GROUP if chunks > 1 else triton.next_power_of_2(triton.cdiv(D, GROUP))
+        chunks = norm_triton.split_chunks(m, D, sync)
+        ng = norm_triton.SPLIT_COLUMNS // GROUP if chunks > 1 else triton.next_power_of_2(triton.cdiv(D, GROUP))
         ncp = triton.next_power_of_2(chunks)
         parts = torch.empty((m, ncp), dtype=torch.float32, device=dev) if chunks > 1 else y
-        # the interpreter runs programs one by one: none waits for another there
-        spin = 0 if triton_interpreting() else SPLIT_SPIN
         _rms_norm_fp8_kernel[(m, chunks)](
             src, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, parts, y if sync is None else sync, D,
             src.stride(0), y.stride(0), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0),
-            r.stride(0), stride_ap, eps, stride_xp, spin, G=GROUP, NG=ng, DENSE=dense, ADD=add is not None,
+            r.stride(0), stride_ap, eps, stride_xp, norm_triton.split_spin(), G=GROUP, NG=ng, DENSE=dense, ADD=add is not None,
             LO=rows.q_lo is not None, EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(), PARTS=n_parts,
             XPARTS=x_parts, DT=dt, SPLIT=chunks > 1, NCP=ncp,
             num_warps=num_warps or norm_warps(ng * GROUP, x_parts + n_parts), **early_args(),

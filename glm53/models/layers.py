@@ -201,7 +201,7 @@ class Norm(nn.Module):
         self.weight = param(dim, dtype=dtype)
         if bias:
             self.bias = param(dim, dtype=dtype)
-        # the counters of this norm's split launches (`fp8_act.split_chunks`): its own, because
+        # the counters of this norm's split launches (`norm_triton.split_chunks`): its own, because
         # its launches never overlap (one stream); zero between launches (each resets them)
         self.register_buffer("sync", torch.zeros(2, dtype=torch.int32), persistent=False)
 
@@ -274,5 +274,5 @@ def norm_for(x: torch.Tensor, norm: Norm, eps: float, consumer: nn.Module,
         if add is None:
             return (x, *rms_norm_fp8(x, weight, eps, dense=consumer.reads_dense, sync=norm.sync))
         return add_rms_norm_fp8(x, add, weight, eps, dense=consumer.reads_dense, sync=norm.sync)
-    s, y = (x, rms_norm(x, weight, eps)) if add is None else add_rms_norm(x, add, weight, eps)
+    s, y = (x, rms_norm(x, weight, eps)) if add is None else add_rms_norm(x, add, weight, eps, sync=norm.sync)
     return s, y, y

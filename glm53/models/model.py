@@ -575,7 +575,8 @@ class GlmForCausalLM(nn.Module):
         normed = None
         if pending is not None and self.is_last and x.shape[0] <= FINAL_NORM_ROWS:
             # the last layer's sum, the residual add and the final norm in one launch
-            x, normed = add_rms_norm(x, pending, self.model.norm.weight, self.cfg.rms_norm_eps)
+            x, normed = add_rms_norm(x, pending, self.model.norm.weight, self.cfg.rms_norm_eps,
+                                     sync=self.model.norm.sync)
         elif pending is not None:
             x = add_rows(x, pending)  # the last layer's sum taken in the add's launch
         if held is not None:  # the stage's last layer: its output is the stage's

@@ -443,16 +443,16 @@ def check_uv_takes_splits(T: int, H: int, R: int, P: int, K: int, V: int, num_sp
 
 
 def check_split_norm(M: int, D: int, monkeypatch, device="cpu") -> None:
-    """The quantizing norm with each row spread over programs of SPLIT_COLUMNS columns
-    (`fp8_act.split_chunks`, the sum of squares gathered through `Norm.sync`) against the same
-    norm in one program a row, for no add, a tensor add and a split-K sum not taken yet: the
-    residual sum bit for bit; the norm within two roundings of `rms_norm`'s (its sum of squares in
-    chunks); codes and scales, both terms, those of its own dense output; the counters back at 0.
-    On a GPU also: two runs the same bits, and the same bits where every program that finds the
-    others not yet counted in gives up waiting at once (`SPLIT_SPIN` 0: each computes the row's
-    partials itself, the path the interpreter takes for all but the last program)."""
+    """The norms (quantizing and plain) with each row spread over programs of SPLIT_COLUMNS
+    columns (`norm_triton.split_chunks`, the sum of squares gathered through `Norm.sync`) against
+    the same norms in one program a row, for no add, a tensor add and a split-K sum not taken yet:
+    the residual sum bit for bit; the norm within two roundings of the one program's (its sum of
+    squares in chunks); codes and scales, both terms, those of its own dense output; the counters
+    back at 0. On a GPU also: two runs the same bits, and the same bits where every program that
+    finds the others not yet counted in gives up waiting at once (`SPLIT_SPIN` 0: each computes
+    the row's partials itself, the path the interpreter takes for all but the last program)."""
     import glm53.kernels.fp8_act as fp8_act
-    from glm53.kernels.norm import rms_norm
+    import glm53.kernels.norm_triton as norm_triton
     from glm53.kernels.row_parts import RowParts
 
     x = (torch.randn(M, D + 9, device=device) * 3).bfloat16()[:, 4 : 4 + D]  # strided rows
@@ -460,33 +460,36 @@ def check_split_norm(M: int, D: int, monkeypatch, device="cpu") -> None:
     sync = torch.zeros(2, dtype=torch.int32, device=device)
     adds = (None, (torch.randn(M, D, device=device) * 2).bfloat16(),
             RowParts(torch.randn(3, M, D, device=device) * 2, torch.bfloat16))
-    for add in adds:
-        monkeypatch.setattr(fp8_act, "SPLIT_MAX_ROWS", 0)
-        whole = fp8_act.rms_norm_fp8_triton(x, w, 1e-6, dense=True, add=add, sync=sync)
-        monkeypatch.setattr(fp8_act, "SPLIT_MAX_ROWS", 8)
-        assert fp8_act.split_chunks(M, D, sync) == -(-D // fp8_act.SPLIT_COLUMNS) > 1
+    norms = (lambda add, sync: fp8_act.rms_norm_fp8_triton(x, w, 1e-6, dense=True, add=add, sync=sync),
+             lambda add, sync: norm_triton.rms_norm_triton(x, w, 1e-6, add=add, sync=sync))
+    for add, quantizing in ((add, q) for add in adds for q in (True, False)):
+        norm = norms[0] if quantizing else norms[1]
+        monkeypatch.setattr(norm_triton, "SPLIT_MAX_ROWS", 0)
+        whole = norm(add, sync)
+        monkeypatch.setattr(norm_triton, "SPLIT_MAX_ROWS", 8)
+        assert norm_triton.split_chunks(M, D, sync) == -(-D // norm_triton.SPLIT_COLUMNS) > 1
 
         def run():
-            out = fp8_act.rms_norm_fp8_triton(x, w, 1e-6, dense=True, add=add, sync=sync)
+            out = norm(add, sync)
             assert sync.tolist() == [0, 0], sync.tolist()
-            return out
+            return out if isinstance(out, tuple) else (out,)
 
         split = run()
-        r, y, rows = split if add is not None else (None, *split)
         if add is not None:
-            assert torch.equal(r, whole[0]), "the residual sum"
-        s = x if add is None else r
-        ref_y = rms_norm(s, w, 1e-6)
-        assert torch.all((y.float() - ref_y.float()).abs() <= ref_y.float().abs() * 2.0**-6)
-        q_own, s_own = quantize_fp8_groups(y)
-        q, sc = rows.rows()
-        assert torch.equal(sc, s_own) and torch.equal(q.view(torch.uint8), q_own.view(torch.uint8))
-        check_second_term(rows, y)
+            assert torch.equal(split[0], whole[0]), "the residual sum"
+        y, y_whole = (split[-2], whole[-2]) if quantizing else (split[-1], whole[-1] if add is not None else whole)
+        assert torch.all((y.float() - y_whole.float()).abs() <= y_whole.float().abs() * 2.0**-6)
+        if quantizing:
+            rows = split[-1]
+            q_own, s_own = quantize_fp8_groups(y)
+            q, sc = rows.rows()
+            assert torch.equal(sc, s_own) and torch.equal(q.view(torch.uint8), q_own.view(torch.uint8))
+            check_second_term(rows, y)
         if torch.device(device).type == "cuda":
             again = run()
-            monkeypatch.setattr(fp8_act, "SPLIT_SPIN", 0)
+            monkeypatch.setattr(norm_triton, "SPLIT_SPIN", 0)
             alone = run()
-            monkeypatch.setattr(fp8_act, "SPLIT_SPIN", 1 << 16)
+            monkeypatch.setattr(norm_triton, "SPLIT_SPIN", 1 << 16)
             for other in (again, alone):
                 for a, b in zip(split, other):
                     a, b = (a.q, b.q) if isinstance(a, fp8_act.Fp8Rows) else (a, b)
