@@ -249,37 +249,25 @@ def test_readers_take_row_parts(M):
 
 def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
     # a tiny FP8 model on the Triton path, split-K forced: the split and slot sums taken by the
-    # norms after them (`row_parts`) give the logits their own launches give, bit for bit
-    fp8_cases.split_fp8_checkpoint(tmp_path, monkeypatch, seed=3)
-    outs = []
-    for lazy in (True, False):
-        if not lazy:
-            fp8_cases.take_sums_eagerly(monkeypatch)
-        outs.append(_prefill_and_step(tmp_path, fp8=True))
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
-
-
-def test_model_split_norms(tmp_path, monkeypatch):
-    # a tiny FP8 model on the Triton path whose decode rows' norms spread each row over programs
-    # of 128 columns (`norm_triton.SPLIT_MAX_ROWS`, the sums of squares gathered through each
-    # `Norm.sync`, zeroed by the loader on the target): the logits of one program a row, on the
-    # prefill (12 rows, not split) and the decode step (split: the layers' norms and the final
-    # one); every counter back at 0
+    # norms after them (`row_parts`) give the logits their own launches give, bit for bit; so do
+    # the norms with each decode row spread over programs of 128 columns (`norm_triton.
+    # SPLIT_MAX_ROWS`: the decode step's layer norms and final norm; the sums of squares gathered
+    # through each `Norm.sync`, which the loader zeroed on the target and each launch leaves at 0)
     import glm53.kernels.norm_triton as norm_triton
-    from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
 
-    make_checkpoint(tmp_path, seed=8, **FP8_WIDTHS)
-    quantise_fp8_(tmp_path, block=128)
+    fp8_cases.split_fp8_checkpoint(tmp_path, monkeypatch, seed=3)
     inner, syncs, chunks = norm_triton.split_chunks, [], []
     monkeypatch.setattr(norm_triton, "split_chunks", lambda m, D, sync: syncs.append(sync) or
                         chunks.append(inner(m, D, sync)) or chunks[-1])
     monkeypatch.setattr(norm_triton, "SPLIT_COLUMNS", 128)  # hidden 192: two programs a row
     outs = []
-    for rows in (8, 0):
-        monkeypatch.setattr(norm_triton, "SPLIT_MAX_ROWS", rows)
+    for lazy in (True, False):
+        monkeypatch.setattr(norm_triton, "SPLIT_MAX_ROWS", 8 if lazy else 0)
+        if not lazy:
+            fp8_cases.take_sums_eagerly(monkeypatch)
         outs.append(_prefill_and_step(tmp_path, fp8=True))
         split = [s is not None and c > 1 for s, c in zip(syncs, chunks)]
-        assert (sum(split) >= 2) == bool(rows), chunks
+        assert (sum(split) >= 2) == lazy, chunks
         assert all(s.tolist() == [0, 0] for s in syncs if s is not None)
         chunks.clear()
         syncs.clear()
