@@ -1,0 +1,24 @@
+"""`glm53.kernels` names its modules, nothing else: a function re-exported under a module's name
+made `from glm53.kernels import indexer_logits as indexer_logits_mod` the function, and the
+index-first attention (GPU only) failed reading the module's constant."""
+
+import importlib
+import pkgutil
+import types
+
+import glm53.kernels as kernels
+
+
+def test_every_kernel_module_is_the_package_attribute():
+    names = [m.name for m in pkgutil.iter_modules(kernels.__path__)]
+    assert "indexer_logits" in names
+    for name in names:
+        mod = importlib.import_module(f"glm53.kernels.{name}")
+        assert getattr(kernels, name) is mod, name
+
+
+def test_the_model_reads_the_indexer_logits_module():
+    from glm53.models import model
+
+    assert isinstance(model.indexer_logits_mod, types.ModuleType)
+    assert isinstance(model.indexer_logits_mod.TAKES_Q_PARTS, bool)
