@@ -99,11 +99,13 @@ def split_row_sum_sq(own, part_ptr, sync_ptr, spin, row, chunk, rel, D, x_ptr, a
     """A row's sum of squares where each of its chunks of CHUNK columns is one program's (grid
     [rows, chunks]): `own` (`sum_sq` of this program's chunk) goes to the row's slot `chunk` in
     part_ptr [rows, NCP]; every program of the grid counts in on sync_ptr[0] and waits, at most
-    `spin` polls, for all of them; the row's slots are then summed in one order. A program that
-    waited in vain (one not running beside it: the interpreter runs programs one by one) computes
-    the row's partials itself, with the same `sum_sq`, so the sum is the same bits either way and
-    nothing can hang. The last program to count out on sync_ptr[1] sets both counters back to 0
-    (`Norm.sync`: kernels of one buffer never overlap, being queued on one stream)."""
+    `spin` polls, for all of them; the row's slots are then summed in one order, the same bits in
+    every program of the row. A program that waited in vain (one not running beside it: the
+    interpreter runs programs one by one) computes the row's partials itself, for itself only, so
+    nothing can hang (on a GPU, where all of a decode grid's programs run at once, that path is
+    not taken; its sum may differ from the slots' in the last place). The last program to count
+    out on sync_ptr[1] sets both counters back to 0 (`Norm.sync`: kernels of one buffer never
+    overlap, being queued on one stream)."""
     n_chunks = tl.cdiv(D, CHUNK)
     total = tl.num_programs(0) * n_chunks
     slots = part_ptr + row * NCP
@@ -114,15 +116,17 @@ def split_row_sum_sq(own, part_ptr, sync_ptr, spin, row, chunk, rel, D, x_ptr, a
     while (arrived < total) & (polls < spin):
         arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
         polls += 1
+    k = tl.arange(0, NCP)
     if arrived < total:
+        parts = tl.zeros((NCP,), dtype=tl.float32)
         for j in range(0, n_chunks):
             col = j * CHUNK + rel
             x = load_sum(x_ptr, a_ptr, x_base + col, a_base + col, col < D, ADD, stride_ap, PARTS, stride_xp,
                          XPARTS, DT)
-            tl.store(slots + j, sum_sq(x))  # the same bits its own program stores
-        tl.debug_barrier()
-    k = tl.arange(0, NCP)
-    ss = tl.sum(tl.load(slots + k, mask=k < n_chunks, other=0.0, volatile=True), 0)
+            parts = tl.where(k == j, sum_sq(x), parts)
+    else:
+        parts = tl.load(slots + k, mask=k < n_chunks, other=0.0, volatile=True)
+    ss = tl.sum(parts, 0)
     if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == total - 1:
         tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
