@@ -163,10 +163,12 @@ class Indexer(nn.Module):
         return CacheRow(k, cache, self.k_norm.weight, INDEXER_KEY_NORM_EPS, norm_d=k.shape[1], rope_lo=0,
                         interleave=self.cfg.indexer_rope_interleave, bias=self.k_norm.bias)
 
-    def takes_q_parts(self, kv: KVPools) -> bool:
-        """Whether `forward` takes its query as a split-K product's sum not taken yet: the bf16
-        keys' logits take it as they load it (`indexer_logits.TAKES_Q_PARTS`)."""
-        return indexer_logits_mod.TAKES_Q_PARTS and kv.view(INDEX_K, self.layer).dtype != torch.uint8
+    def takes_q_parts(self, kv: KVPools, layer: int) -> bool:
+        """Whether `forward` takes layer `layer`'s query as a split-K product's sum not taken yet:
+        the bf16 keys' logits take it as they load it (`indexer_logits.TAKES_Q_PARTS`; a bf16 or
+        fp16 query only, as the kernel loads it)."""
+        return (indexer_logits_mod.TAKES_Q_PARTS and self.wq_b.dtype in (torch.bfloat16, torch.float16)
+                and kv.view(INDEX_K, layer).dtype != torch.uint8)
 
     def gates(self, x: torch.Tensor) -> torch.Tensor:
         """The heads' weights of each token's logits, [n, index_n_heads] fp32, from the normed
@@ -340,7 +342,7 @@ class Attention(nn.Module):
             # The indexer's chain (logits, top-k) is the layer's longest; only its own query
             # product feeds it, so q_b and the absorbed query go beside it, after it
             # (`overlap.INDEX_FIRST_MAX_ROWS`)
-            q_idx = self.indexer.wq_b.matmul(q_in, keep_parts=self.indexer.takes_q_parts(kv))
+            q_idx = self.indexer.wq_b.matmul(q_in, keep_parts=self.indexer.takes_q_parts(kv, self.layer))
             query = overlap.Branch(side)
             with query:
                 q_all = absorbed_query(self.q_b_proj(q_in).view(n, h, cfg.qk_head_dim), w[:, :nope], cos, sin,

@@ -178,13 +178,13 @@ def test_route_plan_one_launch(N, E_R, k, shared, norm):
     cases.check_route_plan(N, E_R, k, shared, norm)
 
 
-def _prefill_and_step(path, fp8=False):
+def _prefill_and_step(path, fp8=False, dtype=torch.float32):
     """The logits of a tiny checkpoint's 12-token prefill (past `index_topk`) and of the decode step
     after it, on a fresh runner."""
     from glm53.models import ModelRunner, SeqChunk
     from glm53.models.weights import load_model
 
-    runner = ModelRunner(load_model(path, dtype=torch.float32, fp8=fp8, progress=False), num_pages=4, page_size=16)
+    runner = ModelRunner(load_model(path, dtype=dtype, fp8=fp8, progress=False), num_pages=4, page_size=16)
     first = runner.forward([SeqChunk(list(range(5, 17)), 0, [0, 1])])[0]
     nxt = runner.forward([SeqChunk([int(first[-1].argmax())], 12, [0, 1])])[0]
     return first, nxt
@@ -271,6 +271,31 @@ def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
         assert all(s.tolist() == [0, 0] for s in syncs if s is not None)
         chunks.clear()
         syncs.clear()
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_model_index_first_takes_q_parts(tmp_path, monkeypatch):
+    # a tiny bf16 FP8 model on the Triton path, split-K forced, the index-first attention forced on
+    # (`Attention._index_first`, GPU-only as shipped: it needs the side stream; here its branch
+    # runs in line): the indexer's logits taking wq_b's sum not taken yet
+    # (`indexer_logits.TAKES_Q_PARTS`) give the logits of the sum's own launch, bit for bit
+    import glm53.kernels.indexer_logits as indexer_logits_mod
+    from glm53.kernels.row_parts import RowParts
+    from glm53.models.model import Attention, Indexer
+    from glm53.support.oracle import FP8_WIDTHS
+
+    # q_lora_rank 256: wq_b's K is two 128-blocks, so its product splits
+    fp8_cases.split_fp8_checkpoint(tmp_path, monkeypatch, seed=9, widths={**FP8_WIDTHS, "q_lora_rank": 256})
+    monkeypatch.setattr(Attention, "_index_first", lambda self, side, q_in, n: self.proj_q is not None)
+    inner, got = Indexer.forward, []
+    monkeypatch.setattr(Indexer, "forward", lambda self, *a, q_raw=None, **kw: got.append(isinstance(q_raw, RowParts))
+                        or inner(self, *a, q_raw=q_raw, **kw))
+    outs = []
+    for parts in (True, False):
+        monkeypatch.setattr(indexer_logits_mod, "TAKES_Q_PARTS", parts)
+        outs.append(_prefill_and_step(tmp_path, fp8=True, dtype=torch.bfloat16))  # (a bf16 query only)
+        assert (True in got) == parts, got
+        got.clear()
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 

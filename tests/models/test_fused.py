@@ -147,3 +147,34 @@ def test_index_first_rule(tmp_path, monkeypatch):
     assert not any(a._index_first(side, x, 1) for a in shared)
     monkeypatch.setattr(overlap, "INDEX_FIRST_MAX_ROWS", 0)
     assert not any(a._index_first(side, x, 1) for a in full)
+
+
+@pytest.mark.parametrize("q_parts", [False, True], ids=["query-taken", "query-parts"])
+def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, q_parts):
+    # The index-first attention (`Attention._index_first`: the indexer's own query product first,
+    # then q_b and the absorbed query; on a GPU beside it on the side stream) forced on at every
+    # size on the CPU, where its branch runs in line: the same tokens, top-k and logits as the
+    # fused q_b | wq_b product. It is otherwise GPU-only (it needs the side stream); a read of
+    # `indexer_logits.TAKES_Q_PARTS` through a shadowed module name once failed there alone.
+    import glm53.kernels.indexer_logits as indexer_logits_mod
+    from glm53.models.model import Attention
+
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(ckpt, seed=_seed(), **FP8_WIDTHS)
+    ref = scenario(ModelRunner(load_model(ckpt, dtype=torch.float32, progress=False), num_pages=PAGES,
+                               page_size=PAGE), greedy)
+    taken = []
+
+    def index_first(self, side, q_in, n):
+        taken.append(self.proj_q is not None)
+        return self.proj_q is not None
+
+    monkeypatch.setattr(Attention, "_index_first", index_first)
+    monkeypatch.setattr(indexer_logits_mod, "TAKES_Q_PARTS", q_parts)
+    out = scenario(ModelRunner(load_model(ckpt, dtype=torch.float32, progress=False), num_pages=PAGES,
+                               page_size=PAGE), greedy)
+    assert any(taken)
+    assert out["tokens"] == ref["tokens"]
+    assert all(torch.equal(a, b) for a, b in zip(out["topk"], ref["topk"]))
+    for a, b in zip(out["logits"], ref["logits"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
