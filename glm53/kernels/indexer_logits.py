@@ -98,8 +98,9 @@ def indexer_logits_reference(
 # The bf16-key logits take the indexer's query as its split-K product left it (the sum not taken,
 # `row_parts`) where the attention hands it so (decode sizes, `Attention._index_first`): one
 # launch less on the layer's critical chain (the sum's ~1.7 µs on an H100), for fp32 parts loaded
-# where bf16 was (8 warps: 4 spill). Exact either way; off until timed in the step
-# (`benchmarks/step_knobs.py --set "q_parts:glm53.kernels.indexer_logits.TAKES_Q_PARTS=True"`).
+# where bf16 was (8 warps: 4 spill). Exact either way; off, as timed in the FP8 slice's step on an
+# H100 (2026-12-07, `benchmarks/step_knobs.py --set "q_parts:...TAKES_Q_PARTS=True"`): batch 1
+# 1.016x, batch 4 1.014x as long (the logits' fp32 loads cost more than the launch they save).
 TAKES_Q_PARTS = False
 
 

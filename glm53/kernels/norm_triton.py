@@ -11,14 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
-from glm53.kernels.dispatch import triton_interpreting
+from glm53.kernels.grid_sync import count_in_and_wait, count_out, polls
 from glm53.kernels.launch_early import early_args, wait_then_release
 from glm53.kernels.row_parts import RowParts, row_source
 
 # Rows up to which a norm given a sync buffer (`Norm.sync`) spreads each row over programs of
 # SPLIT_COLUMNS columns (0: never; `split_row_sum_sq`). One program a row loads a decode row's
 # parts (an MoE's slot rows, a split-K product's partials: 6,144 wide, up to ten of them) through
-# one SM: 5.5 µs a norm on the H100 where one with nothing to sum takes ~2-3. Off until timed.
+# one SM: 5.5 µs a norm on the H100 where one with nothing to sum takes ~2-3. Off: timed on an
+# H100 (2026-12-07), alone only the norm after o_proj's 4 fp32 partials gains (4.7 -> 4.0 µs; q_a's
+# 2.1 -> 3.5, the final norm's 2.9 -> 3.7), and the batch-1 step takes 1.009x as long with it on.
 SPLIT_MAX_ROWS = 0
 SPLIT_COLUMNS = 512  # a power of two, a multiple of fp8_quant.GROUP: a program quantizes whole groups
 SPLIT_SPIN = 1 << 16  # polls before a program computes the row's sum alone
@@ -32,8 +34,8 @@ def split_chunks(m: int, D: int, sync: torch.Tensor | None) -> int:
 
 
 def split_spin() -> int:
-    """A split norm's polls: none under the interpreter, which runs programs one by one."""
-    return 0 if triton_interpreting() else SPLIT_SPIN
+    """A split norm's polls (`grid_sync.polls`)."""
+    return polls(SPLIT_SPIN)
 
 
 def added(add: torch.Tensor | RowParts | None, x: torch.Tensor) -> tuple[int, int]:
@@ -98,24 +100,16 @@ def split_row_sum_sq(own, part_ptr, sync_ptr, spin, row, chunk, rel, D, x_ptr, a
                      DT: tl.constexpr, CHUNK: tl.constexpr, NCP: tl.constexpr):
     """A row's sum of squares where each of its chunks of CHUNK columns is one program's (grid
     [rows, chunks]): `own` (`sum_sq` of this program's chunk) goes to the row's slot `chunk` in
-    part_ptr [rows, NCP]; every program of the grid counts in on sync_ptr[0] and waits, at most
-    `spin` polls, for all of them; the row's slots are then summed in one order, the same bits in
-    every program of the row. A program that waited in vain (one not running beside it: the
-    interpreter runs programs one by one) computes the row's partials itself, for itself only, so
-    nothing can hang (on a GPU, where all of a decode grid's programs run at once, that path is
-    not taken; its sum may differ from the slots' in the last place). The last program to count
-    out on sync_ptr[1] sets both counters back to 0 (`Norm.sync`: kernels of one buffer never
-    overlap, being queued on one stream)."""
+    part_ptr [rows, NCP]; the grid waits for all of them (`grid_sync`, on `Norm.sync`, at most
+    `spin` polls); the row's slots are then summed in one order, the same bits in every program
+    of the row. A program that waited in vain computes the row's partials itself, for itself only
+    (on a GPU, where all of a decode grid's programs run at once, that path is not taken; its sum
+    may differ from the slots' in the last place)."""
     n_chunks = tl.cdiv(D, CHUNK)
     total = tl.num_programs(0) * n_chunks
     slots = part_ptr + row * NCP
     tl.store(slots + chunk, own)
-    tl.debug_barrier()  # every thread's stores before the count (release, below, orders them)
-    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    polls = 0
-    while (arrived < total) & (polls < spin):
-        arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-        polls += 1
+    arrived = count_in_and_wait(sync_ptr, total, spin)
     k = tl.arange(0, NCP)
     if arrived < total:
         parts = tl.zeros((NCP,), dtype=tl.float32)
@@ -127,9 +121,7 @@ def split_row_sum_sq(own, part_ptr, sync_ptr, spin, row, chunk, rel, D, x_ptr, a
     else:
         parts = tl.load(slots + k, mask=k < n_chunks, other=0.0, volatile=True)
     ss = tl.sum(parts, 0)
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == total - 1:
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+    count_out(sync_ptr, total)
     return ss
 
 
