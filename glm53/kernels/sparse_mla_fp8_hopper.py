@@ -46,7 +46,7 @@ from glm53.kernels.latent_cache_fp8 import LatentLayout, views
 from glm53.kernels.sparse_mla_hopper import (
     BLOCK_H, MAXNREG, REGS_VALUES, _copy_layout, _load_slots, _ws_scores, _ws_values_hi,
 )
-from glm53.kernels.sparse_mla_triton import LOG2E, Splits, finish_splits, plan_splits
+from glm53.kernels.sparse_mla_triton import LOG2E, Splits, finish_splits, launch_inputs, plan_splits
 
 KV_LORA_RANK = 512  # the shapes the buffers are sized for (GLM-5): 512 fp8 + 4 scales + 64 bf16
 ROPE_DIM = 64
@@ -438,12 +438,9 @@ def sparse_mla_fp8_hopper(
         "two producer partitions: the register producer at 32-slot blocks (64 needs 128 registers a thread)"
     T, H, Dqk = q.shape
     R = kv_lora_rank
-    out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
+    out, indices = launch_inputs(q, indices, R)
     if T == 0:
         return out
-    indices = indices.to(device=q.device, dtype=torch.int32)
-    if indices.stride(1) != 1:
-        indices = indices.contiguous()
     c8, sc, rp = views(kv_cache, LatentLayout(R, Dqk - R))
     K = indices.shape[1]
     nhb = -(-H // BLOCK_H)

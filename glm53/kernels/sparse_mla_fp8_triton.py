@@ -24,7 +24,7 @@ import triton.language as tl
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
 from glm53.kernels.latent_cache_fp8 import LatentLayout, views
 from glm53.kernels.launch_early import early_args, wait_then_release
-from glm53.kernels.sparse_mla_triton import LOG2E, Splits, finish_splits, plan_splits
+from glm53.kernels.sparse_mla_triton import LOG2E, Splits, default_tiles, finish_splits, launch_inputs, plan_splits
 
 MAX_TILES = 4
 
@@ -196,25 +196,18 @@ def sparse_mla_fp8_triton(
     c8 = views(kv_cache, layout)[0]
     page_size = kv_cache.shape[1]
     K = indices.shape[1]
-    out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
+    out, indices = launch_inputs(q, indices, R)
     if T == 0:
         return out
-    indices = indices.to(device=q.device, dtype=torch.int32)
-    if indices.stride(1) != 1:
-        indices = indices.contiguous()
     interp = triton_interpreting()
     BLOCK_T = max(16, triton.next_power_of_2(layout.tile))
-    BLOCK_R = max(32, triton.next_power_of_2(R))
-    BLOCK_P = max(16, triton.next_power_of_2(max(P, 1)))
-    if block_h is None:
-        block_h = min(64, max(16, triton.next_power_of_2(H)))
+    BLOCK_R, BLOCK_P, block_h, warps = default_tiles(H, R, P, block_h, interp)
     # Schedule measured on the H200 at GLM-5 shapes (benchmarks/fp8_kv.py, CUDA-graph timed): one
     # query token 17 us at 32-slot blocks against 22 at 64; 64 tokens 175 us at 64-slot blocks and
     # 2 stages against 180-237 for the other schedules tried; 8 warps throughout.
     if block_n is None:
         block_n = default_block_n(T)
-    if num_warps is None:
-        num_warps = 1 if interp else (8 if block_h * BLOCK_R >= 64 * 256 else 4)
+    num_warps = num_warps or warps
     if num_stages is None:
         num_stages = 1 if interp else 2
     nhb = triton.cdiv(H, block_h)

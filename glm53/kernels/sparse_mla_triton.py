@@ -220,6 +220,25 @@ def split_count(T: int, K: int, nhb: int, block_n: int, sms: int, row_bytes: int
     return max(1, triton.cdiv(K, split_len)), split_len
 
 
+def launch_inputs(q: torch.Tensor, indices: torch.Tensor, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What every sparse MLA launcher starts from: its output [T, H, R] in q's dtype, and the
+    selected slots as int32 with a unit last stride on q's device."""
+    out = torch.empty((*q.shape[:2], R), dtype=q.dtype, device=q.device)
+    indices = indices.to(device=q.device, dtype=torch.int32)
+    return out, indices if indices.stride(1) == 1 else indices.contiguous()
+
+
+def default_tiles(H: int, R: int, P: int, block_h: int | None, interp: bool) -> tuple[int, int, int, int]:
+    """The tl kernels' (BLOCK_R, BLOCK_P, block_h, num_warps): the latent rank and rope width as
+    powers of two (the latent's halves stay >= 16 wide, tl.dot's minimum); unless given, up to 64
+    heads a program; warps for that head tile, two warpgroups once the fp32 accumulator reaches
+    64 x 256 (128 registers a thread on one)."""
+    BLOCK_R = max(32, triton.next_power_of_2(R))
+    block_h = block_h or min(64, max(16, triton.next_power_of_2(H)))
+    warps = 1 if interp else (8 if block_h * BLOCK_R >= 64 * 256 else 4)
+    return BLOCK_R, max(16, triton.next_power_of_2(max(P, 1))), block_h, warps
+
+
 def plan_splits(q: torch.Tensor, out: torch.Tensor, K: int, nhb: int, block_n: int, num_splits: int | None,
                 block_r: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """How the K selected slots are split across programs (`split_count`): (num_splits,
@@ -308,12 +327,9 @@ def sparse_mla_triton(
     assert q.stride(2) == 1 and kv_cache.stride(2) == 1, "the latent dim must be contiguous"
     assert kv_cache.dtype == q.dtype, f"q {q.dtype} vs kv_cache {kv_cache.dtype}"
     K = indices.shape[1]
-    out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
+    out, indices = launch_inputs(q, indices, R)
     if T == 0:
         return out
-    indices = indices.to(device=q.device, dtype=torch.int32)
-    if indices.stride(1) != 1:
-        indices = indices.contiguous()
     interp = triton_interpreting()
     if kernel is None:
         kernel = "hopper" if not interp and hopper_supports(q, kv_cache, R) else "tl"
@@ -323,15 +339,10 @@ def sparse_mla_triton(
         block_h = HOPPER_BLOCK_H
         block_n = block_n or 64
         assert block_n in (32, 64), "the Hopper kernel's slot block is 32 or 64 (64 fills shared memory)"
-    BLOCK_R = max(32, triton.next_power_of_2(R))  # halves stay >= 16 wide (tl.dot's minimum)
-    BLOCK_P = max(16, triton.next_power_of_2(max(P, 1)))
-    if block_h is None:
-        block_h = min(64, max(16, triton.next_power_of_2(H)))
+    BLOCK_R, BLOCK_P, block_h, warps = default_tiles(H, R, P, block_h, interp)
+    num_warps = num_warps or warps
     if block_n is None:
         block_n = 16 if interp else 64
-    if num_warps is None:
-        # two warpgroups once the fp32 accumulator reaches 64 x 256 (128 registers a thread on one)
-        num_warps = 1 if interp else (8 if block_h * BLOCK_R >= 64 * 256 else 4)
     if num_stages is None:
         num_stages = 1 if interp else 3
     nhb = triton.cdiv(H, block_h)
