@@ -3,6 +3,7 @@ made `from glm53.kernels import indexer_logits as indexer_logits_mod` the functi
 index-first attention (GPU only) failed reading the module's constant."""
 
 import importlib
+import os
 import pkgutil
 import types
 
@@ -22,3 +23,18 @@ def test_the_model_reads_the_indexer_logits_module():
 
     assert isinstance(model.indexer_logits_mod, types.ModuleType)
     assert isinstance(model.indexer_logits_mod.TAKES_Q_PARTS, bool)
+
+
+def test_fp_fusion_is_pinned_on_unless_the_user_set_it(monkeypatch):
+    # the kernels' measured and bit-checked behaviour is with fusion on; Triton 3.10's default is off
+    import triton
+
+    for value, on in (("1", True), ("0", False)):
+        monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", value)
+        assert triton.knobs.language.fp_fusion_enabled(None) is on
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION")
+    importlib.reload(kernels)
+    assert os.environ["TRITON_DEFAULT_FP_FUSION"] == "1" and triton.knobs.language.fp_fusion_enabled(None)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    importlib.reload(kernels)  # a user's choice stands
+    assert not triton.knobs.language.fp_fusion_enabled(None)
