@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from glm53.kernels.latent_cache_fp8 import LatentLayout, views
 from glm53.kernels.sparse_mla_hopper import (
-    BLOCK_H, MAXNREG, REGS_VALUES, _copy_layout, _load_slots, _ws_scores, _ws_values_hi,
+    BLOCK_H, MAXNREG, REGS_VALUES, _copy_layout, _copy_query, _load_slots, _program_buffers, _ws_scores, _ws_values_hi,
 )
 from glm53.kernels.sparse_mla_triton import LOG2E, Splits, finish_splits, launch_inputs, plan_splits
 
@@ -306,42 +306,13 @@ def _sparse_mla_fp8_hopper_kernel(
     nsp = gl.num_programs(1)
     t = pid // NHB
     hb = pid % NHB
-    qn = gl.allocate_shared_memory(dtype, [BH, R], gl.NVMMASharedLayout.get_default_for([BH, R], dtype))
-    qr = gl.allocate_shared_memory(dtype, [BH, P], gl.NVMMASharedLayout.get_default_for([BH, P], dtype))
-    cn = gl.allocate_shared_memory(dtype, [2, BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], dtype))
-    cr = gl.allocate_shared_memory(dtype, [2, BN, P], gl.NVMMASharedLayout.get_default_for([BN, P], dtype))
-    ps = gl.allocate_shared_memory(dtype, [BH, BN], gl.NVMMASharedLayout.get_default_for([BH, BN], dtype))
-    vec_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    al = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
-    fin = gl.allocate_shared_memory(gl.float32, [BH], vec_l)
-    c_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    c_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    fin_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(2):
-        # STAGES 0: the filling partition's threads' rope cp.async + the latent stores; else the
-        # stores only
-        mbarrier.init(c_full.index(b), count=1 if STAGES > 0 else 32 * PWARPS + 1)
-        mbarrier.init(c_empty.index(b), count=2)  # both value halves
-    mbarrier.init(p_full, count=1)
-    mbarrier.init(p_empty, count=1)
-    mbarrier.init(fin_bar, count=1)
-
-    start = sp * split_len
-    end = gl.minimum(start + split_len, K)
-    nblk = gl.cdiv(end - start, BN)
-    idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    QL: gl.constexpr = _copy_layout(BH, R, num_warps)
-    hq = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QL))
-    QLR: gl.constexpr = _copy_layout(BH, P, num_warps)
-    hqr = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QLR))
-    q_tok = q_ptr + t.to(gl.int64) * stride_qt
-    cq = gl.arange(0, R, layout=gl.SliceLayout(0, QL))
-    cp.async_copy_global_to_shared(qn, q_tok + hq[:, None] * stride_qh + cq[None, :], mask=(hq < H)[:, None])
-    cqr = gl.arange(0, P, layout=gl.SliceLayout(0, QLR))
-    cp.async_copy_global_to_shared(qr, q_tok + hqr[:, None] * stride_qh + R + cqr[None, :], mask=(hqr < H)[:, None])
-    cp.commit_group()
+    # c_full, STAGES 0: the filling partition's threads' rope cp.async + the latent stores; else the
+    # stores only
+    C_FULL: gl.constexpr = 1 if STAGES > 0 else 32 * PWARPS + 1
+    qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar = _program_buffers(dtype, BH, BN, R, P,
+                                                                                              C_FULL)
+    start, end, nblk, idx_row = _copy_query(qn, qr, q_ptr, idx_ptr, t, hb, sp, split_len, K, stride_qt, stride_qh,
+                                            stride_it, H, R, P, BH, BN, num_warps)
     # q is waited for in `_ws_scores_after_q` (these warps are the default partition): the
     # producer's first gathers start while q is still in flight
     fence_async_shared()  # the barrier inits, before any partition uses them

@@ -188,20 +188,12 @@ def _ws_producer(cn, cr, c_full, c_empty, kv_ptr, idx_row, start, end, nblk, str
 
 
 @gluon.jit
-def _sparse_mla_hopper_kernel(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, lse_ptr,
-    K, qk_scale, split_len,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_it, stride_ot, stride_oh,
-    H: gl.constexpr, R: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
-    BH: gl.constexpr, BN: gl.constexpr, NHB: gl.constexpr, SPLIT: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    pid = gl.program_id(0)
-    sp = gl.program_id(1)
-    nsp = gl.num_programs(1)
-    t = pid // NHB
-    hb = pid % NHB
+def _program_buffers(dtype: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, R: gl.constexpr, P: gl.constexpr,
+                     C_FULL: gl.constexpr):
+    """A program's shared memory and barriers, as both sparse-MLA kernels (bf16 and FP8 cache) lay
+    them out: the query's latent and rope parts, the two-deep ring of cache rows, P, the rescale
+    factors and final row sums; the ring's barriers (c_full counting C_FULL arrivals, c_empty both
+    value halves), P's and the finish's, initialized."""
     qn = gl.allocate_shared_memory(dtype, [BH, R], gl.NVMMASharedLayout.get_default_for([BH, R], dtype))
     qr = gl.allocate_shared_memory(dtype, [BH, P], gl.NVMMASharedLayout.get_default_for([BH, P], dtype))
     cn = gl.allocate_shared_memory(dtype, [2, BN, R], gl.NVMMASharedLayout.get_default_for([BN, R], dtype))
@@ -216,12 +208,19 @@ def _sparse_mla_hopper_kernel(
     p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     fin_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for b in gl.static_range(2):
-        mbarrier.init(c_full.index(b), count=128)  # every producer thread's cp.async arrive
+        mbarrier.init(c_full.index(b), count=C_FULL)
         mbarrier.init(c_empty.index(b), count=2)  # both value halves
     mbarrier.init(p_full, count=1)
     mbarrier.init(p_empty, count=1)
     mbarrier.init(fin_bar, count=1)
+    return qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar
 
+
+@gluon.jit
+def _copy_query(qn, qr, q_ptr, idx_ptr, t, hb, sp, split_len, K, stride_qt, stride_qh, stride_it, H, R: gl.constexpr,
+                P: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+    """The program's share of token t's slots (start, end, its blocks, the token's index row), and
+    the cp.async of its head block's query into qn (latent) and qr (rope), committed, not waited."""
     start = sp * split_len
     end = gl.minimum(start + split_len, K)
     nblk = gl.cdiv(end - start, BN)
@@ -236,6 +235,27 @@ def _sparse_mla_hopper_kernel(
     cqr = gl.arange(0, P, layout=gl.SliceLayout(0, QLR))
     cp.async_copy_global_to_shared(qr, q_tok + hqr[:, None] * stride_qh + R + cqr[None, :], mask=(hqr < H)[:, None])
     cp.commit_group()
+    return start, end, nblk, idx_row
+
+
+@gluon.jit
+def _sparse_mla_hopper_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, part_ptr, lse_ptr,
+    K, qk_scale, split_len,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_it, stride_ot, stride_oh,
+    H: gl.constexpr, R: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
+    BH: gl.constexpr, BN: gl.constexpr, NHB: gl.constexpr, SPLIT: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    pid = gl.program_id(0)
+    sp = gl.program_id(1)
+    nsp = gl.num_programs(1)
+    t = pid // NHB
+    hb = pid % NHB
+    qn, qr, cn, cr, ps, al, fin, c_full, c_empty, p_full, p_empty, fin_bar = _program_buffers(
+        q_ptr.dtype.element_ty, BH, BN, R, P, 128)  # c_full: every producer thread's cp.async arrive
+    start, end, nblk, idx_row = _copy_query(qn, qr, q_ptr, idx_ptr, t, hb, sp, split_len, K, stride_qt, stride_qh,
+                                            stride_it, H, R, P, BH, BN, num_warps)
     cp.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
