@@ -257,10 +257,6 @@ def case_attention():
         # bf16 keys: q's first 64 columns rotated as the logits load it (the indexer's path)
         indexer_logits_triton(empty(1, 32, 128), empty(1, 32, dtype=F32), index_k, empty(1, 64, dtype=I32),
                               torch.full((1,), 4096, dtype=I32), 4096, rope=(cos, cos, True))
-        # ... and q as the indexer's wq_b left it at decode sizes: its split-K sum not taken yet
-        indexer_logits_triton(RowParts(empty(4, 1, 32 * 128, dtype=F32), torch.bfloat16), empty(1, 32, dtype=F32),
-                              index_k, empty(1, 64, dtype=I32), torch.full((1,), 4096, dtype=I32), 4096,
-                              rope=(cos, cos, True))
         for T in (1, 64, 4096):  # 32 (FP8: 64), 2 and no splits of the 2048 slots
             q, idx = empty(T, 8, 576), empty(T, 2048, dtype=I32)
             sparse_mla_triton(q, latent, idx, 0.0625, 512)

@@ -16,7 +16,6 @@ import torch
 from glm53.kernels import index_cache_fp8
 from glm53.kernels.dispatch import use_triton
 from glm53.kernels.rope import apply_rope
-from glm53.kernels.row_parts import RowParts
 
 
 def gather_paged(cache: torch.Tensor, page_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -95,17 +94,9 @@ def indexer_logits_reference(
     return out
 
 
-# The bf16-key logits take the indexer's query as its split-K product left it (the sum not taken,
-# `row_parts`) where the attention hands it so (decode sizes, `Attention._index_first`): one
-# launch less on the layer's critical chain (the sum's ~1.7 µs on an H100), for fp32 parts loaded
-# where bf16 was (8 warps: 4 spill). Exact either way; off, as timed in the FP8 slice's step on an
-# H100 (2026-12-07, `benchmarks/step_knobs.py --set "q_parts:...TAKES_Q_PARTS=True"`): batch 1
-# 1.016x, batch 4 1.014x as long (the logits' fp32 loads cost more than the launch they save).
-TAKES_Q_PARTS = False
-
 
 def indexer_logits(
-    q: torch.Tensor | RowParts,
+    q: torch.Tensor,
     weights: torch.Tensor,
     k_cache: torch.Tensor,
     page_table: torch.Tensor,
@@ -115,15 +106,12 @@ def indexer_logits(
 ) -> torch.Tensor:
     """`rope` (cos, sin [T, R/2] fp32, interleave): q's first R columns are taken rotated
     (`rope.apply_rope`'s values; the kernel rotates them as it loads q, the reference rotates q
-    first, in place). q may be a split-K product's sum not taken yet (`row_parts.RowParts` [T, H·D])."""
+    first, in place)."""
     half = rope[0].shape[1] if rope is not None else 0
-    kernel_rope = rope is None or (half & (half - 1) == 0 and rope[0].stride(-1) == 1)
-    if use_triton(q.parts if isinstance(q, RowParts) else q) and kernel_rope:
+    if use_triton(q) and (rope is None or (half & (half - 1) == 0 and rope[0].stride(-1) == 1)):
         from glm53.kernels.indexer_logits_triton import indexer_logits_triton
 
         return indexer_logits_triton(q, weights, k_cache, page_table, lengths, max_len, rope=rope)
-    if isinstance(q, RowParts):  # a sum not taken yet (the kernel takes it as it loads q)
-        q = q.rows().view(q.shape[0], -1, k_cache.shape[-1])
     if rope is not None:
         cos, sin, interleave = rope
         apply_rope(q[..., : 2 * half], cos, sin, interleave, out=q[..., : 2 * half])

@@ -15,35 +15,22 @@ import triton.language as tl
 
 from glm53.kernels.dispatch import dot_precision, triton_interpreting
 from glm53.kernels.launch_early import early_args, wait_then_release
-from glm53.kernels.norm_triton import load_row
 from glm53.kernels.rope_triton import rotate_pair
-from glm53.kernels.row_parts import RowParts, row_source
-
-
-@triton.jit
-def _load_q(q_rows, cols, mask, stride_qp, QPARTS: tl.constexpr, QDT: tl.constexpr):
-    """q's values at `cols` of its rows: as stored, or (QPARTS > 1) its parts' sum in QDT."""
-    if QPARTS > 1:
-        return load_row(q_rows, cols, mask, stride_qp, QPARTS, QDT)
-    else:
-        return tl.load(q_rows + cols, mask=mask, other=0.0)
 
 
 # The widths vary with every batch (the context, the page-table width): not specialized, so one
 # compiled variant serves every batch (kernels/variants.py).
-@triton.jit(do_not_specialize=["max_len", "stride_ptt", "stride_ot", "stride_qp"])
+@triton.jit(do_not_specialize=["max_len", "stride_ptt", "stride_ot"])
 def _indexer_logits_kernel(
     q_ptr, w_ptr, k_ptr, ks_ptr, pt_ptr, len_ptr, out_ptr, cos_ptr, sin_ptr,
     max_len,
     stride_qt, stride_qh, stride_wt, stride_kp, stride_ks, stride_sp,
-    stride_ptt, stride_ot, stride_c, stride_qp,
+    stride_ptt, stride_ot, stride_c,
     H: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, QFP8: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, HALF: tl.constexpr = 0, INTERLEAVE: tl.constexpr = False,
-    QPARTS: tl.constexpr = 1, QDT: tl.constexpr = tl.bfloat16, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    # QPARTS > 1: q is a sum not taken yet (a split-K product's fp32 partials, `stride_qp` apart), taken
-    # as its own launch takes it (`norm_triton.load_row`: fp32, part 0 first, rounded to QDT once).
     # HALF > 0: q's first 2·HALF columns are rotated here, as `rope_triton` rotates them (pair j's
     # o1 to column j, its o2 to HALF + j, each rounded by `rotate_pair`), where a launch before
     # did it: a column's partner is loaded again, so no value moves between threads
@@ -59,7 +46,7 @@ def _indexer_logits_kernel(
     koff = page * stride_kp + (s % PAGE_SIZE) * stride_ks
     k = tl.load(k_ptr + koff[:, None] + d[None, :], mask=live[:, None], other=0.0)  # [S, D]
     q_rows = q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh
-    q = _load_q(q_rows, d[None, :], (h < H)[:, None], stride_qp, QPARTS, QDT)  # [BH, D]
+    q = tl.load(q_rows + d[None, :], mask=(h < H)[:, None], other=0.0)  # [BH, D]
     if HALF > 0:
         dt = q.dtype
         rot = d < 2 * HALF
@@ -70,8 +57,8 @@ def _indexer_logits_kernel(
         else:  # halves
             a_col, b_col = i, HALF + i
         qm = (h < H)[:, None] & rot[None, :]
-        xa = _load_q(q_rows, a_col[None, :], qm, stride_qp, QPARTS, QDT).to(tl.float32)
-        xb = _load_q(q_rows, b_col[None, :], qm, stride_qp, QPARTS, QDT).to(tl.float32)
+        xa = tl.load(q_rows + a_col[None, :], mask=qm, other=0.0).to(tl.float32)
+        xb = tl.load(q_rows + b_col[None, :], mask=qm, other=0.0).to(tl.float32)
         c = tl.load(cos_ptr + t.to(tl.int64) * stride_c + i, mask=rot, other=0.0).to(dt).to(tl.float32)[None, :]
         sn = tl.load(sin_ptr + t.to(tl.int64) * stride_c + i, mask=rot, other=0.0).to(dt).to(tl.float32)[None, :]
         f = first[None, :]
@@ -96,7 +83,7 @@ def _indexer_logits_kernel(
 
 
 def indexer_logits_triton(
-    q: torch.Tensor | RowParts,
+    q: torch.Tensor,
     weights: torch.Tensor,
     k_cache: torch.Tensor,
     page_table: torch.Tensor,
@@ -112,20 +99,17 @@ def indexer_logits_triton(
     folded into `weights` (then the product runs in fp8). With fp8 keys and a bf16 q, the product
     runs in fp16 (q must stay within fp16 range, |q| < 65504: true of RoPE'd indexer queries).
     `rope` (cos, sin [T, R/2] fp32, interleave), bf16/fp16 q only: q's first R columns are read
-    rotated (`rope.apply_rope`'s values) rather than rotated by a launch before. q may be a sum not
-    taken yet (`row_parts.RowParts` [T, H·D], bf16/fp16): the kernel takes it as it loads q."""
-    q_dtype = q.dtype  # a sum's own (its parts are fp32)
-    q, q_parts, stride_qp, qdt = _query_source(q, k_cache.shape[2])
+    rotated (`rope.apply_rope`'s values) rather than rotated by a launch before."""
     T, H, D = q.shape
     num_pages, page_size, Dk = k_cache.shape
     assert Dk == D and D == triton.next_power_of_2(D), "index_head_dim must be a power of two"
     assert k_cache.stride(2) == 1 and q.stride(2) == 1, "the head dim must be contiguous"
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    qfp8 = q_dtype == torch.float8_e4m3fn
+    qfp8 = q.dtype == torch.float8_e4m3fn
     assert fp8 == (k_scales is not None), "an fp8 key cache needs its scales (and only it)"
     assert fp8 or not qfp8, "fp8 queries need the fp8 key cache"
     if not fp8:
-        assert k_cache.dtype == q_dtype, f"q {q_dtype} vs k_cache {k_cache.dtype}"
+        assert k_cache.dtype == q.dtype, f"q {q.dtype} vs k_cache {k_cache.dtype}"
     out = torch.empty((T, max_len), dtype=torch.float32, device=q.device)
     if T == 0 or max_len == 0:
         return out
@@ -139,9 +123,7 @@ def indexer_logits_triton(
     if block_s is None:
         block_s = 64 if interp else 128
     if num_warps is None:
-        # a sum's four fp32 parts, loaded thrice (q and the rotation's two halves), take 255
-        # registers and spill at 4 warps (tools/triton_build.py, sm_90), 176 and none at 8
-        num_warps = 1 if interp else (8 if q_parts > 1 else 4)
+        num_warps = 1 if interp else 4
     BLOCK_H = max(16, triton.next_power_of_2(H))
     ks = k_scales if fp8 else k_cache
     stride_sp = k_scales.stride(0) if fp8 else 0
@@ -156,19 +138,9 @@ def indexer_logits_triton(
     _indexer_logits_kernel[grid](
         q, weights, k_cache, ks, page_table, lengths, out, cos, sin, max_len,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1), stride_sp,
-        page_table.stride(0), out.stride(0), cos.stride(0), stride_qp,
+        page_table.stride(0), out.stride(0), cos.stride(0),
         H=H, D=D, PAGE_SIZE=page_size, BLOCK_H=BLOCK_H, BLOCK_S=block_s, FP8=fp8, QFP8=qfp8,
-        DOT_F32=interp and not qfp8, PRECISION=dot_precision(q_dtype), HALF=half, INTERLEAVE=interleave,
-        QPARTS=q_parts, QDT=qdt, num_warps=num_warps, **early_args(),
+        DOT_F32=interp and not qfp8, PRECISION=dot_precision(q.dtype), HALF=half, INTERLEAVE=interleave,
+        num_warps=num_warps, **early_args(),
     )
     return out
-
-
-def _query_source(q: torch.Tensor | RowParts, D: int):
-    """(q as [T, H, D] with q's row strides: a sum's part 0, the parts, the stride between them,
-    the sum's dtype) for the kernel (`row_parts.row_source`); a tensor as it is."""
-    if not isinstance(q, RowParts):
-        return q, 1, 0, tl.bfloat16  # (the dtype unread: one part is loaded as stored)
-    assert q.dtype in (torch.bfloat16, torch.float16), f"q's sum in {q.dtype}: a bf16/fp16 q only"
-    src, parts, stride_p, dt = row_source(q)
-    return src.view(src.shape[0], -1, D), parts, stride_p, dt

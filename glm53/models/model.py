@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from glm53.kernels import fp8_act, index_cache_fp8, latent_cache_fp8
-from glm53.kernels import indexer_logits as indexer_logits_mod
 from glm53.kernels.absorb import absorbed_query
 from glm53.kernels.fp8_act import Fp8Rows, rms_norm_fp8, uv_product_fp8, uv_product_reference
 from glm53.kernels.indexer_logits import indexer_logits, indexer_logits_fp8
@@ -163,13 +162,6 @@ class Indexer(nn.Module):
         return CacheRow(k, cache, self.k_norm.weight, INDEXER_KEY_NORM_EPS, norm_d=k.shape[1], rope_lo=0,
                         interleave=self.cfg.indexer_rope_interleave, bias=self.k_norm.bias)
 
-    def takes_q_parts(self, kv: KVPools, layer: int) -> bool:
-        """Whether `forward` takes layer `layer`'s query as a split-K product's sum not taken yet:
-        the bf16 keys' logits take it as they load it (`indexer_logits.TAKES_Q_PARTS`; a bf16 or
-        fp16 query only, as the kernel loads it)."""
-        return (indexer_logits_mod.TAKES_Q_PARTS and self.wq_b.dtype in (torch.bfloat16, torch.float16)
-                and kv.view(INDEX_K, layer).dtype != torch.uint8)
-
     def gates(self, x: torch.Tensor) -> torch.Tensor:
         """The heads' weights of each token's logits, [n, index_n_heads] fp32, from the normed
         hidden state x (the softmax-style scale folded in)."""
@@ -189,10 +181,7 @@ class Indexer(nn.Module):
         cfg = self.cfg
         n, rope = x.shape[0], cfg.qk_rope_head_dim
         cache = kv.view(INDEX_K, layer)
-        q = self.wq_b(q_resid) if q_raw is None else q_raw
-        # a sum not taken yet (`takes_q_parts`) stays so for the bf16 keys' logits, which take it
-        if not isinstance(q, RowParts) or cache.dtype == torch.uint8:
-            q = take(q).view(n, cfg.index_n_heads, cfg.index_head_dim)
+        q = (self.wq_b(q_resid) if q_raw is None else q_raw).view(n, cfg.index_n_heads, cfg.index_head_dim)
         k = self.wk(x) if k_raw is None else k_raw
         # The indexer's head layout is [rope | nope], the opposite of MLA's: rotated in place for
         # the FP8 keys, as the logits read it for the bf16 ones (no launch of its own).
@@ -342,7 +331,7 @@ class Attention(nn.Module):
             # The indexer's chain (logits, top-k) is the layer's longest; only its own query
             # product feeds it, so q_b and the absorbed query go beside it, after it
             # (`overlap.INDEX_FIRST_MAX_ROWS`)
-            q_idx = self.indexer.wq_b.matmul(q_in, keep_parts=self.indexer.takes_q_parts(kv, self.layer))
+            q_idx = self.indexer.wq_b(q_in)
             query = overlap.Branch(side)
             with query:
                 q_all = absorbed_query(self.q_b_proj(q_in).view(n, h, cfg.qk_head_dim), w[:, :nope], cos, sin,

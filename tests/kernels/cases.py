@@ -240,30 +240,6 @@ def check_indexer_rope(T, H, D, max_len, rope, interleave, page_size=16, device=
     assert torch.equal(got, want), (got - want).abs().max()
 
 
-def check_indexer_takes_q_parts(T, H, D, max_len, rope, page_size=16, device="cpu"):
-    """The logits given q as a split-K product's sum not taken yet (`row_parts.RowParts`, fp32
-    partials) equal the logits of that sum taken by its own launch, bit for bit, with and without
-    the rotation in the kernel (on the interpreter the in-kernel fp32 -> bf16 cast truncates)."""
-    from glm53.kernels.dispatch import triton_interpreting
-    from glm53.kernels.row_parts import RowParts
-
-    n_pages = (max_len + page_size - 1) // page_size
-    kc = _paged_pool(3 * n_pages + 2, 3, page_size, D, torch.bfloat16, device)
-    pt = torch.stack([torch.randperm(3 * n_pages + 2, device=device)[:n_pages] for _ in range(T)]).int()
-    lazy = RowParts(torch.randn(4, T, H * D, device=device) * 2, torch.bfloat16)
-    acc = lazy.parts[0] + lazy.parts[1] + lazy.parts[2] + lazy.parts[3]
-    taken = lazy.rows()
-    assert torch.equal(taken, acc.to(torch.bfloat16))
-    if triton_interpreting():
-        taken = (acc.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
-    w = torch.randn(T, H, device=device) * (H * D) ** -0.5
-    lens = torch.randint(1, max_len + 1, (T,), dtype=torch.int32, device=device)
-    cos, sin = rope_cos_sin(torch.randint(0, 5000, (T,), device=device), rope_inv_freq(rope, 10000.0, device))
-    for r in (None, (cos, sin, False)):
-        got = indexer_logits(lazy, w, kc, pt, lens, max_len, rope=r)
-        want = indexer_logits(taken.view(T, H, D).clone(), w, kc, pt, lens, max_len, rope=r)
-        assert torch.equal(got, want), (r is not None, (got - want).abs().max())
-
 def check_indexer_fp8(T, H, D, max_len, topk, page_size=64, device="cpu", min_overlap=0.97, fp8_q=False):
     """FP8 keys (132 B/token layout in a strided page-major pool): the kernel adds no error of its
     own (vs the reference on the same dequantized keys), and its top-k set overlaps the fp32

@@ -108,10 +108,3 @@ def test_linear_f32_on_cpu_tensors_is_the_reference():
         want = F.linear(x.float(), w)
         assert torch.equal(linear_f32(x, w, scale), want * scale if scale != 1.0 else want)
 
-
-def test_indexer_logits_take_a_sum_not_taken_yet():
-    # the dispatcher given q as a split-K product's parts (row_parts.RowParts) off the GPU: the sum
-    # taken, viewed as heads, and the same logits as from that sum (rotated first and not)
-    from . import cases
-
-    cases.check_indexer_takes_q_parts(3, 8, 128, 100, 64)

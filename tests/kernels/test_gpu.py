@@ -91,10 +91,6 @@ def test_indexer_rotates_q_gpu(interleave):
     cases.check_indexer_rope(4, 32, 128, 5000, 64, interleave, page_size=64, device=DEV)
 
 
-def test_indexer_takes_q_parts_gpu():
-    cases.check_indexer_takes_q_parts(4, 32, 128, 5000, 64, page_size=64, device=DEV)
-
-
 @pytest.mark.parametrize("fp8_q", [False, True])
 def test_indexer_fp8_overlap_glm5(fp8_q):
     # q and k both quantized (fp8 x fp8) adds the query's rounding: ~96.7% on i.i.d. Gaussian data

@@ -274,31 +274,6 @@ def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-def test_model_index_first_takes_q_parts(tmp_path, monkeypatch):
-    # a tiny bf16 FP8 model on the Triton path, split-K forced, the index-first attention forced on
-    # (`Attention._index_first`, GPU-only as shipped: it needs the side stream; here its branch
-    # runs in line): the indexer's logits taking wq_b's sum not taken yet
-    # (`indexer_logits.TAKES_Q_PARTS`) give the logits of the sum's own launch, bit for bit
-    import glm53.kernels.indexer_logits as indexer_logits_mod
-    from glm53.kernels.row_parts import RowParts
-    from glm53.models.model import Attention, Indexer
-    from glm53.support.oracle import FP8_WIDTHS
-
-    # q_lora_rank 256: wq_b's K is two 128-blocks, so its product splits
-    fp8_cases.split_fp8_checkpoint(tmp_path, monkeypatch, seed=9, widths={**FP8_WIDTHS, "q_lora_rank": 256})
-    monkeypatch.setattr(Attention, "_index_first", lambda self, side, q_in, n: self.proj_q is not None)
-    inner, got = Indexer.forward, []
-    monkeypatch.setattr(Indexer, "forward", lambda self, *a, q_raw=None, **kw: got.append(isinstance(q_raw, RowParts))
-                        or inner(self, *a, q_raw=q_raw, **kw))
-    outs = []
-    for parts in (True, False):
-        monkeypatch.setattr(indexer_logits_mod, "TAKES_Q_PARTS", parts)
-        outs.append(_prefill_and_step(tmp_path, fp8=True, dtype=torch.bfloat16))  # (a bf16 query only)
-        assert (True in got) == parts, got
-        got.clear()
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
-
-
 def test_model_uv_product_takes_the_splits(tmp_path, monkeypatch):
     # a tiny FP8 model whose W_UV product writes o_proj's rows (v_head_dim 128) and whose sparse
     # MLA splits its 32 top-k slots (2 splits of 16 under the interpreter): the W_UV product
@@ -436,10 +411,6 @@ def test_indexer_bf16_odd_heads():
 @pytest.mark.parametrize("interleave", [True, False])
 def test_indexer_rotates_q(interleave):
     cases.check_indexer_rope(3, 8, 128, 100, 64, interleave)
-
-
-def test_indexer_takes_q_parts():
-    cases.check_indexer_takes_q_parts(3, 8, 128, 100, 64)
 
 
 @pytest.mark.parametrize("fp8_q", [False, True])

@@ -5,7 +5,6 @@ index-first attention (GPU only) failed reading the module's constant."""
 import importlib
 import os
 import pkgutil
-import types
 
 import glm53.kernels as kernels
 
@@ -16,13 +15,6 @@ def test_every_kernel_module_is_the_package_attribute():
     for name in names:
         mod = importlib.import_module(f"glm53.kernels.{name}")
         assert getattr(kernels, name) is mod, name
-
-
-def test_the_model_reads_the_indexer_logits_module():
-    from glm53.models import model
-
-    assert isinstance(model.indexer_logits_mod, types.ModuleType)
-    assert isinstance(model.indexer_logits_mod.TAKES_Q_PARTS, bool)
 
 
 def test_fp_fusion_is_pinned_on_unless_the_user_set_it(monkeypatch):

@@ -149,14 +149,12 @@ def test_index_first_rule(tmp_path, monkeypatch):
     assert not any(a._index_first(side, x, 1) for a in full)
 
 
-@pytest.mark.parametrize("q_parts", [False, True], ids=["query-taken", "query-parts"])
-def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, q_parts):
+def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch):
     # The index-first attention (`Attention._index_first`: the indexer's own query product first,
     # then q_b and the absorbed query; on a GPU beside it on the side stream) forced on at every
     # size on the CPU, where its branch runs in line: the same tokens, top-k and logits as the
-    # fused q_b | wq_b product. It is otherwise GPU-only (it needs the side stream); a read of
-    # `indexer_logits.TAKES_Q_PARTS` through a shadowed module name once failed there alone.
-    import glm53.kernels.indexer_logits as indexer_logits_mod
+    # fused q_b | wq_b product. It is otherwise GPU-only (it needs the side stream): a fault in it
+    # once failed there alone.
     from glm53.models.model import Attention
 
     ckpt = tmp_path / "ckpt"
@@ -170,7 +168,6 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, q_pa
         return self.proj_q is not None
 
     monkeypatch.setattr(Attention, "_index_first", index_first)
-    monkeypatch.setattr(indexer_logits_mod, "TAKES_Q_PARTS", q_parts)
     out = scenario(ModelRunner(load_model(ckpt, dtype=torch.float32, progress=False), num_pages=PAGES,
                                page_size=PAGE), greedy)
     assert any(taken)
