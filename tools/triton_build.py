@@ -266,7 +266,6 @@ def case_attention():
 
 
 def case_norms():
-    import glm53.kernels.norm_triton as norm_triton
     from glm53.kernels.fp8_act import rms_norm_fp8_triton, silu_mul_fp8_triton, uv_product_fp8_triton
     from glm53.kernels.sparse_mla_triton import Splits
     from glm53.kernels.norm_triton import rms_norm_triton, sum_rms_norm_triton
@@ -293,19 +292,6 @@ def case_norms():
         q_a = RowParts(empty(3, 1, 2048 + 576 + 128, dtype=F32)[..., :2048], torch.bfloat16)
         rms_norm_fp8_triton(q_a, empty(2048), 1e-6)
         rms_norm_triton(q_a, empty(2048), 1e-6)
-        # the split norms (built whether or not norm_triton.SPLIT_MAX_ROWS is on): after the MoE's 9
-        # slot rows (the shared expert stacked; the final norm too), after o_proj's 4 split-K
-        # partials, q_a's
-        shipped, norm_triton.SPLIT_MAX_ROWS = norm_triton.SPLIT_MAX_ROWS, 8
-        try:
-            sync = empty(2, dtype=I32)
-            for add in (RowParts(empty(9, 1, 6144), torch.bfloat16), RowParts(empty(4, 1, 6144, dtype=F32), torch.bfloat16)):
-                rms_norm_fp8_triton(empty(1, 6144), empty(6144), 1e-5, dense=True, add=add, sync=sync)
-            rms_norm_fp8_triton(q_a, empty(2048), 1e-6, sync=sync)
-            rms_norm_triton(empty(1, 6144), empty(6144), 1e-5, add=RowParts(empty(9, 1, 6144), torch.bfloat16),
-                            sync=sync)
-        finally:
-            norm_triton.SPLIT_MAX_ROWS = shipped
         # a stage's last residual add takes its MoE's 9 slot rows (the shared expert stacked)
         sum_parts_triton(empty(9, 1, 6144), torch.bfloat16, base=empty(1, 6144))  # row_parts.add_rows
         for m in (1, 64, 4096):  # the dense MLP's 12288 / 8 = 1536, halves of the fused gate_up

@@ -40,8 +40,7 @@ from glm53.kernels.fp8_quant import (FP8, GROUP, dequantize_fp8_groups, quantize
                                      quantize_residual_reference, quantize_residual_tile, quantize_tile)
 from glm53.kernels.launch_early import early_args, pdl_option, prefetch_rows_l2, wait_then_release
 from glm53.kernels.norm import rms_norm_reference
-from glm53.kernels import norm_triton
-from glm53.kernels.norm_triton import added, load_residual_sum, norm_warps, split_row_sum_sq, sum_sq
+from glm53.kernels.norm_triton import added, load_residual_sum
 from glm53.kernels.row_parts import RowParts, row_source, take
 from glm53.kernels.sparse_mla_triton import COMBINE_WARPS, Splits, combine_row
 
@@ -154,11 +153,11 @@ def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rms_norm_fp8_kernel(
-    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, part_ptr, sync_ptr, D, stride_x, stride_y,
-    stride_q, stride_sm, stride_sg, stride_a, stride_r, stride_ap, eps, stride_xp, spin,
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, a_ptr, r_ptr, D, stride_x, stride_y, stride_q, stride_sm,
+    stride_sg, stride_a, stride_r, stride_ap, eps, stride_xp,
     G: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr, ADD: tl.constexpr, LO: tl.constexpr,
     EXACT_RNE: tl.constexpr, TRIGGER: tl.constexpr, PARTS: tl.constexpr, XPARTS: tl.constexpr, DT: tl.constexpr,
-    SPLIT: tl.constexpr = False, NCP: tl.constexpr = 1, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One program per row, the row loaded straight into a [NG, G] tile (group g = columns
     [g·G, (g+1)·G)), so each group's amax is a reduction along the tile's second axis: a row
@@ -166,25 +165,17 @@ def _rms_norm_fp8_kernel(
     The norm is rounded to y's dtype as `rms_norm` rounds it (its sum of squares in another order),
     then each group's scale and codes as `fp8_quant` computes them. ADD: the residual sum
     x + a, rounded to x's dtype DT, is written to r and normalised. XPARTS > 1: x is a sum not taken
-    yet (`norm_triton.load_row`). LO: the second term into ql/sl. SPLIT: the row is NG groups a
-    program over a grid [rows, chunks], its sum of squares gathered through part_ptr and sync_ptr
-    (`norm_triton.split_row_sum_sq`): a decode row's parts loaded by many SMs, not one."""
+    yet (`norm_triton.load_row`). LO: the second term into ql/sl."""
     wait_then_release(PDL)  # launched early (launch_early.early_args): inputs first
     if TRIGGER:  # the product after it may launch now (`trigger_dependents`)
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)  # 0 unless SPLIT
-    rel = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
-    col = chunk * (NG * G) + rel
+    col = tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]
     mask = col < D
     x = load_residual_sum(x_ptr, a_ptr, r_ptr, row * stride_x + col, row * stride_a + col, row * stride_r + col,
                           mask, ADD, stride_ap, PARTS, stride_xp, XPARTS, DT)
-    ss = sum_sq(x)
-    if SPLIT:
-        ss = split_row_sum_sq(ss, part_ptr, sync_ptr, spin, row, chunk, rel, D, x_ptr, a_ptr, row * stride_x,
-                              row * stride_a, ADD, stride_ap, PARTS, stride_xp, XPARTS, DT, NG * G, NCP)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(ss / D + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, 1), 0) / D + eps)
     n = (xf * rstd).to(DT).to(tl.float32)
     w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
     y = (w * n).to(y_ptr.dtype.element_ty)
@@ -193,7 +184,7 @@ def _rms_norm_fp8_kernel(
     yf = y.to(tl.float32)
     codes, scale = quantize_tile(yf, EXACT_RNE)  # masked columns are 0
     tl.store(q_ptr + row * stride_q + col, codes, mask=mask)
-    g = chunk * NG + tl.arange(0, NG)
+    g = tl.arange(0, NG)
     tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
     if LO:
         codes, scale = quantize_residual_tile(yf, codes, scale, EXACT_RNE)
@@ -201,14 +192,22 @@ def _rms_norm_fp8_kernel(
         tl.store(sl_ptr + row * stride_sm + g * stride_sg, scale, mask=g * G < D)
 
 
+def norm_warps(tile: int, reads: int) -> int:
+    """A one-row norm's warps: one per 512 values it loads (its tile times the row tensors summed
+    into it, x's parts and the add's), a power of two from 1 to 16. One program holds the row, so
+    more warps keep more of a split product's parts in flight (H100, one row, graphs of 8 launches:
+    2,048 wide over 7 fp32 parts 2.5 µs at 16 warps against 3.8 at the 4 a plain 2,048-wide row
+    takes; that row alone 2.0 at 4, 2.2 at 16)."""
+    n = tile * reads // 512
+    return 1 if n < 2 else min(16, 1 << (n.bit_length() - 1))
+
+
 def rms_norm_fp8_triton(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float, dense: bool = False,
-                        num_warps: int | None = None, add: torch.Tensor | RowParts | None = None,
-                        sync: torch.Tensor | None = None):
+                        num_warps: int | None = None, add: torch.Tensor | RowParts | None = None):
     """x [m, D] (unit last stride; rows may be strided, e.g. a column slice of a fused product, or a
     `RowParts` whose sum is taken here), weight [D] -> (the norm [m, D] in torch's promoted dtype
     when `dense`, else None; its rows). With `add` (x's shape and dtype, or a `RowParts` of them):
-    (s = x + add, then the same two) for the norm of s. `sync` (int32 [2], zero; `Norm.sync`):
-    at decode sizes each row is spread over programs (`norm_triton.split_chunks`)."""
+    (s = x + add, then the same two) for the norm of s."""
     m, D = x.shape
     src, x_parts, stride_xp, dt = row_source(x)
     dev = src.device
@@ -221,41 +220,36 @@ def rms_norm_fp8_triton(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: f
     if add is not None:
         a, r = add.parts[0] if isinstance(add, RowParts) else add, torch.empty((m, D), dtype=x.dtype, device=dev)
     if m:
-        chunks = norm_triton.split_chunks(m, D, sync)
-        ng = norm_triton.SPLIT_COLUMNS // GROUP if chunks > 1 else triton.next_power_of_2(triton.cdiv(D, GROUP))
-        ncp = triton.next_power_of_2(chunks)
-        parts = torch.empty((m, ncp), dtype=torch.float32, device=dev) if chunks > 1 else y
-        _rms_norm_fp8_kernel[(m, chunks)](
-            src, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, parts, y if sync is None else sync, D,
-            src.stride(0), y.stride(0), rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0),
-            r.stride(0), stride_ap, eps, stride_xp, norm_triton.split_spin(), G=GROUP, NG=ng, DENSE=dense, ADD=add is not None,
-            LO=rows.q_lo is not None, EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(), PARTS=n_parts,
-            XPARTS=x_parts, DT=dt, SPLIT=chunks > 1, NCP=ncp,
+        ng = triton.next_power_of_2(triton.cdiv(D, GROUP))
+        _rms_norm_fp8_kernel[(m,)](
+            src, weight, y, rows.q, rows.scale, *_lo_args(rows), a, r, D, src.stride(0), y.stride(0),
+            rows.q.stride(0), rows.scale.stride(0), rows.scale.stride(1), a.stride(0), r.stride(0), stride_ap, eps,
+            stride_xp, G=GROUP, NG=ng, DENSE=dense, ADD=add is not None, LO=rows.q_lo is not None,
+            EXACT_RNE=triton_interpreting(), TRIGGER=trigger_dependents(), PARTS=n_parts, XPARTS=x_parts, DT=dt,
             num_warps=num_warps or norm_warps(ng * GROUP, x_parts + n_parts), **early_args(),
         )
     out = (y if dense else None), rows
     return out if add is None else (r, *out)
 
 
-def rms_norm_fp8(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float, dense: bool = False,
-                 sync: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Fp8Rows]:
+def rms_norm_fp8(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float,
+                 dense: bool = False) -> tuple[torch.Tensor | None, Fp8Rows]:
     """RMSNorm of x [m, D] quantized for a w8a8 product: (the dense norm when `dense`, else None;
     the quantized rows). Triton where `dispatch.use_triton` says so, else the reference. x may be
-    a sum not taken yet (`row_parts`): the kernel takes it. `sync`: `rms_norm_fp8_triton`'s."""
+    a sum not taken yet (`row_parts`): the kernel takes it."""
     rows = x.parts if isinstance(x, RowParts) else x
     if use_triton(rows, weight) and rows.stride(-1) == 1:
-        return rms_norm_fp8_triton(x, weight, eps, dense, sync=sync)
+        return rms_norm_fp8_triton(x, weight, eps, dense)
     return rms_norm_fp8_reference(take(x), weight, eps, dense)
 
 
 def add_rms_norm_fp8(x: torch.Tensor, add: torch.Tensor | RowParts, weight: torch.Tensor, eps: float,
-                     dense: bool = False, sync: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Rows]:
+                     dense: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Rows]:
     """The residual add before the norm in the same pass: (s = x + add, then `rms_norm_fp8(s)`'s
     two results). `add` may be a sum not taken yet (`row_parts`): the kernel takes it."""
     a = add.parts if isinstance(add, RowParts) else add
     if use_triton(x, a, weight) and x.stride(1) == 1 and a.stride(-1) == 1 and add.dtype == x.dtype:
-        return rms_norm_fp8_triton(x, weight, eps, dense, add=add, sync=sync)
+        return rms_norm_fp8_triton(x, weight, eps, dense, add=add)
     s = x + take(add)
     return (s, *rms_norm_fp8(s, weight, eps, dense))
 

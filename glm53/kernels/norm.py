@@ -36,17 +36,16 @@ def rms_norm(x: torch.Tensor | RowParts, weight: torch.Tensor, eps: float,
 
 
 def add_rms_norm(x: torch.Tensor, add: torch.Tensor | RowParts, weight: torch.Tensor,
-                 eps: float, sync: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s = x + add, RMSNorm(s)): a residual add and the norm after it, in one kernel where
     `dispatch.use_triton` says so (bit-identical to the two ops: the sum is rounded to x's dtype
-    before the norm reads it). `add` may be a sum not taken yet (`row_parts`): the kernel takes it.
-    `sync`: `norm_triton.rms_norm_triton`'s."""
+    before the norm reads it). `add` may be a sum not taken yet (`row_parts`): the kernel takes it."""
     a = add.parts if isinstance(add, RowParts) else add
     if use_triton(x, a, weight) and weight.dim() == 1 and x.stride(-1) == 1 and a.stride(-1) == 1 \
             and add.shape == x.shape and add.dtype == x.dtype and (a is add or x.dim() == 2):
         from glm53.kernels.norm_triton import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, add=add, sync=sync)
+        return rms_norm_triton(x, weight, eps, add=add)
     s = x + take(add)
     return s, rms_norm(s, weight, eps)
 

@@ -201,16 +201,6 @@ class Norm(nn.Module):
         self.weight = param(dim, dtype=dtype)
         if bias:
             self.bias = param(dim, dtype=dtype)
-        # the counters of this norm's split launches (`norm_triton.split_chunks`): its own, because
-        # its launches never overlap (one stream); zero between launches (each resets them)
-        self.register_buffer("sync", torch.zeros(2, dtype=torch.int32), persistent=False)
-
-
-def init_norm_syncs(module: nn.Module, device: torch.device) -> None:
-    """Every `Norm.sync` under `module` zeroed on `device` (a model built on the meta device)."""
-    for m in module.modules():
-        if isinstance(m, Norm):
-            m.sync = torch.zeros(2, dtype=torch.int32, device=device)
 
 
 class MLP(nn.Module):
@@ -261,7 +251,7 @@ def rows_of(x: torch.Tensor | Fp8Rows) -> int:
     return x.m if isinstance(x, Fp8Rows) else x.shape[0]
 
 
-def norm_for(x: torch.Tensor, norm: Norm, eps: float, consumer: nn.Module,
+def norm_for(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: nn.Module,
              add: torch.Tensor | RowParts | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | Fp8Rows]:
     """RMSNorm of x [m, D] (of x + `add`, the residual add in the same pass; `add` may be a sum not
@@ -269,10 +259,9 @@ def norm_for(x: torch.Tensor, norm: Norm, eps: float, consumer: nn.Module,
     module with `takes_fp8_rows(m)` and `reads_dense`) reads it: (the residual sum, x itself
     without `add`; the dense norm, None when only quantized rows are needed; the consumer's input,
     the dense norm or its rows quantized in the same pass)."""
-    weight = norm.weight
     if consumer.takes_fp8_rows(x.shape[0]):
         if add is None:
-            return (x, *rms_norm_fp8(x, weight, eps, dense=consumer.reads_dense, sync=norm.sync))
-        return add_rms_norm_fp8(x, add, weight, eps, dense=consumer.reads_dense, sync=norm.sync)
-    s, y = (x, rms_norm(x, weight, eps)) if add is None else add_rms_norm(x, add, weight, eps, sync=norm.sync)
+            return (x, *rms_norm_fp8(x, weight, eps, dense=consumer.reads_dense))
+        return add_rms_norm_fp8(x, add, weight, eps, dense=consumer.reads_dense)
+    s, y = (x, rms_norm(x, weight, eps)) if add is None else add_rms_norm(x, add, weight, eps)
     return s, y, y

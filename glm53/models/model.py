@@ -41,7 +41,7 @@ from glm53.models.fused import FusedLinear
 from glm53.models.kv_cache import INDEX_K, LATENT, KVPools
 from glm53.models.layers import (
     MLP, ColumnParallelLinear, Linear, Norm, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
-    init_norm_syncs, norm_for, rows_of, split,
+    norm_for, rows_of, split,
 )
 from glm53.models import overlap
 from glm53.models.moe import MoE
@@ -321,7 +321,7 @@ class Attention(nn.Module):
         q_reader = self.proj_q if self.proj_q is not None else self.q_b_proj
         q_resid = None
         if q_reader.takes_fp8_rows(n) and (self.proj_q is not None or self.indexer is None):
-            _, q_in = rms_norm_fp8(qa, self.q_a_layernorm.weight, LATENT_NORM_EPS, sync=self.q_a_layernorm.sync)
+            _, q_in = rms_norm_fp8(qa, self.q_a_layernorm.weight, LATENT_NORM_EPS)
         else:
             q_resid = q_in = rms_norm(qa, self.q_a_layernorm.weight, LATENT_NORM_EPS)
         # Absorbed form: fold W_UK into the query (with q_pe's rotation: kernels/absorb) and W_UV
@@ -386,9 +386,9 @@ class DecoderLayer(nn.Module):
         # each norm writes its output as the products after it read it, with the residual add
         # before it in the same pass (`layers.norm_for`), and the sums that end the attention and
         # (deferred) the MLP taken there too (`row_parts`)
-        entry, h, h_in = norm_for(x, self.input_layernorm, self.eps, self.self_attn, add=pending)
+        entry, h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn, add=pending)
         a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in, keep_parts=True, side=side)
-        x, h, h_in = norm_for(entry, self.post_attention_layernorm, self.eps, self.mlp, add=a)
+        x, h, h_in = norm_for(entry, self.post_attention_layernorm.weight, self.eps, self.mlp, add=a)
         out = self.mlp(h, h_in, keep_parts=defer) if isinstance(self.mlp, MoE) else self.mlp(h_in, keep_parts=defer)
         return (x, out, topk_slots, entry) if defer else (x + out, topk_slots)
 
@@ -483,12 +483,11 @@ class GlmForCausalLM(nn.Module):
         self.fp8_dequantized = frozenset(n for n in fp8 if n in own and n not in held)
 
     def init_buffers(self, device: torch.device | str) -> None:
-        """Recomputes the non-persistent buffers (RoPE frequencies, the indexer rotations, the norms'
-        counters) on the host, as construction does, and puts them on `device`: what a model built
-        on the meta device and materialized there (`layers.materialize_`) needs."""
+        """Recomputes the non-persistent buffers (RoPE frequencies, the indexer rotations) on the
+        host, as construction does, and puts them on `device`: what a model built on the meta
+        device and materialized there (`layers.materialize_`) needs."""
         device = torch.device(device)
         self.inv_freq = rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta).to(device)
-        init_norm_syncs(self, device)
         for m in self.modules():
             if isinstance(m, Indexer):
                 m.init_buffers(device)
@@ -566,8 +565,7 @@ class GlmForCausalLM(nn.Module):
         normed = None
         if pending is not None and self.is_last and x.shape[0] <= FINAL_NORM_ROWS:
             # the last layer's sum, the residual add and the final norm in one launch
-            x, normed = add_rms_norm(x, pending, self.model.norm.weight, self.cfg.rms_norm_eps,
-                                     sync=self.model.norm.sync)
+            x, normed = add_rms_norm(x, pending, self.model.norm.weight, self.cfg.rms_norm_eps)
         elif pending is not None:
             x = add_rows(x, pending)  # the last layer's sum taken in the add's launch
         if held is not None:  # the stage's last layer: its output is the stage's

@@ -51,7 +51,7 @@ from glm53.models.config import FULL, ConfigError, GlmConfig
 from glm53.models.draft import DFlashDraft
 from glm53.models.dspark import BlockSampling, draft_probs, inverse_cdf
 from glm53.models.kv_cache import INDEX_K, LATENT, KVPools, Pool
-from glm53.models.layers import Linear, Norm, ParallelLMHead, VocabParallelEmbedding, init_norm_syncs
+from glm53.models.layers import Linear, Norm, ParallelLMHead, VocabParallelEmbedding
 from glm53.models.model import DecoderLayer, ForwardBatch
 from glm53.models.parallel import TPGroup
 
@@ -168,7 +168,6 @@ class NextNDraft(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         device = torch.device(device)
         self.inv_freq = rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta).to(device)
-        init_norm_syncs(self, device)
         ind = self.layer.self_attn.indexer
         if ind is not None:
             ind.init_buffers(device)

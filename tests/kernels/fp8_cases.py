@@ -442,67 +442,6 @@ def check_uv_takes_splits(T: int, H: int, R: int, P: int, K: int, V: int, num_sp
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # codes and fp32 scales, bit for bit
 
 
-def check_split_norm(M: int, D: int, monkeypatch, device="cpu") -> None:
-    """The norms (quantizing and plain) with each row spread over programs of SPLIT_COLUMNS
-    columns (`norm_triton.split_chunks`, the sum of squares gathered through `Norm.sync`) against
-    the same norms in one program a row, for no add, a tensor add and a split-K sum not taken yet:
-    the residual sum bit for bit; the norm within two roundings of the one program's (its sum of
-    squares in chunks); codes and scales, both terms, those of its own dense output; the counters
-    back at 0. On a GPU also: two runs the same bits, and the same bounds where every program
-    that finds the others not yet counted in gives up waiting at once (`SPLIT_SPIN` 0: each then
-    computes the row's partials itself, the path the interpreter takes for all but the last
-    program; on a GPU its sum may differ from the slots' in the last place)."""
-    import glm53.kernels.fp8_act as fp8_act
-    import glm53.kernels.norm_triton as norm_triton
-    from glm53.kernels.row_parts import RowParts
-
-    x = (torch.randn(M, D + 9, device=device) * 3).bfloat16()[:, 4 : 4 + D]  # strided rows
-    w = (torch.rand(D, device=device) + 0.5).bfloat16()
-    sync = torch.zeros(2, dtype=torch.int32, device=device)
-    adds = (None, (torch.randn(M, D, device=device) * 2).bfloat16(),
-            RowParts(torch.randn(3, M, D, device=device) * 2, torch.bfloat16))
-    norms = (lambda add, sync: fp8_act.rms_norm_fp8_triton(x, w, 1e-6, dense=True, add=add, sync=sync),
-             lambda add, sync: norm_triton.rms_norm_triton(x, w, 1e-6, add=add, sync=sync))
-    for add, quantizing in ((add, q) for add in adds for q in (True, False)):
-        norm = norms[0] if quantizing else norms[1]
-        monkeypatch.setattr(norm_triton, "SPLIT_MAX_ROWS", 0)
-        whole = norm(add, sync)
-        monkeypatch.setattr(norm_triton, "SPLIT_MAX_ROWS", 8)
-        assert norm_triton.split_chunks(M, D, sync) == -(-D // norm_triton.SPLIT_COLUMNS) > 1
-
-        def run():
-            out = norm(add, sync)
-            assert sync.tolist() == [0, 0], sync.tolist()
-            return out if isinstance(out, tuple) else (out,)
-
-        def check(split, what):
-            if add is not None:
-                assert torch.equal(split[0], whole[0]), f"the residual sum ({what})"
-            y, y_whole = (split[-2], whole[-2]) if quantizing else (split[-1], whole[-1] if add is not None else whole)
-            err = (y.float() - y_whole.float()).abs() - y_whole.float().abs() * 2.0**-6
-            assert torch.all(err <= 0), f"the norm ({what}): {err.max().item()} over"
-            if quantizing:
-                rows = split[-1]
-                q_own, s_own = quantize_fp8_groups(y)
-                q, sc = rows.rows()
-                assert torch.equal(sc, s_own), f"scales ({what})"
-                assert torch.equal(q.view(torch.uint8), q_own.view(torch.uint8)), f"codes ({what})"
-                check_second_term(rows, y)
-
-        split = run()
-        check(split, "split")
-        if torch.device(device).type == "cuda":
-            again = run()
-            for a, b in zip(split, again):
-                if isinstance(a, fp8_act.Fp8Rows):  # the m real rows (the padding is never written)
-                    a, b = (torch.cat([t.view(torch.uint8).flatten() for t in (*r.rows(), *r.lo_rows())])
-                            for r in (a, b))
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "two split runs differ"
-            monkeypatch.setattr(norm_triton, "SPLIT_SPIN", 0)
-            check(run(), "no waiting")
-            monkeypatch.setattr(norm_triton, "SPLIT_SPIN", 1 << 16)
-
-
 def check_gemm_rows(M: int, N: int, K: int, device="cpu") -> None:
     """A product of rows a producer quantized (`fp8_gemm_rows`: a padded buffer, scales
     column-major, or row-major with the second term) against the same product quantizing the producer's dense output itself (`fp8_gemm`):

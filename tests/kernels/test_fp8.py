@@ -159,7 +159,7 @@ def test_norm_warps_follow_the_values_loaded():
     # one warp per 512 loaded values, a power of two in [1, 16]: a split product's parts summed
     # into a narrow row raise it (the q_a norm, 2,048 wide over 7 fp32 parts: 16 where its width
     # alone gives 4); a plain row keeps what its tile gave before (8,192 -> 16, 2,048 -> 4)
-    from glm53.kernels.norm_triton import norm_warps
+    from glm53.kernels.fp8_act import norm_warps
 
     assert norm_warps(8192, 1) == norm_warps(8192, 9) == 16
     assert norm_warps(2048, 1) == 4 and norm_warps(2048, 3) == 8 and norm_warps(2048, 7) == 16

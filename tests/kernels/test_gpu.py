@@ -436,11 +436,6 @@ def test_readers_take_row_parts_gpu(M):
     cases.check_readers_take_row_parts(M, device=DEV)
 
 
-@pytest.mark.parametrize("M,D", [(1, 6144), (4, 6144), (8, 2048), (3, 1100)])
-def test_split_norm_gpu(M, D, monkeypatch):
-    fp8_cases.check_split_norm(M, D, monkeypatch, device=DEV)
-
-
 @pytest.mark.parametrize("M", [1, 64])
 def test_norms_take_row_parts_gpu(M):  # and a stage's last residual add (`row_parts.add_rows`)
     cases.check_norms_take_row_parts(M, 6144, device=DEV)
