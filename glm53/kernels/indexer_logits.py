@@ -94,7 +94,6 @@ def indexer_logits_reference(
     return out
 
 
-
 def indexer_logits(
     q: torch.Tensor,
     weights: torch.Tensor,
