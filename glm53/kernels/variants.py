@@ -128,19 +128,20 @@ def sparse_mla_key(T: int, s: ServeShape) -> tuple:
 
     from glm53.kernels.sparse_mla_fp8_hopper import DEFAULT_BLOCK_N, fp8_hopper_shape_ok
     from glm53.kernels.sparse_mla_hopper import BLOCK_H as HOPPER_BLOCK_H, hopper_shape_ok
-    from glm53.kernels.sparse_mla_triton import split_count
+    from glm53.kernels.sparse_mla_triton import default_tiles, split_count
 
     R, H = s.kv_lora_rank, s.heads
+    tl_block_h = default_tiles(H, R, s.qk_rope_head_dim, None, False)[2]  # the tl kernels' head tile
     if s.fp8_kv and s.hopper and fp8_hopper_shape_ok(s.dtype, R, R + s.qk_rope_head_dim):
         kernel, block_n, block_h = "fp8-hopper", DEFAULT_BLOCK_N, HOPPER_BLOCK_H
     elif s.fp8_kv:
         from glm53.kernels.sparse_mla_fp8_triton import default_block_n
 
-        kernel, block_n, block_h = "fp8", default_block_n(T), min(64, max(16, triton.next_power_of_2(H)))
+        kernel, block_n, block_h = "fp8", default_block_n(T), tl_block_h
     elif s.hopper and hopper_shape_ok(s.dtype, H, R, R + s.qk_rope_head_dim):
         kernel, block_n, block_h = "hopper", 64, HOPPER_BLOCK_H
     else:
-        kernel, block_n, block_h = "tl", 64, min(64, max(16, triton.next_power_of_2(H)))
+        kernel, block_n, block_h = "tl", 64, tl_block_h
     ns, _ = split_count(T, s.index_topk, triton.cdiv(H, block_h), block_n, s.num_sms, H * R * 4)
     return kernel, block_n, ns > 1, triton.next_power_of_2(ns) if ns > 1 else 0
 
