@@ -82,7 +82,9 @@ def step_graphs(base, sizes: list[int], ctx: int):
 
 
 def trace(graph) -> list[str]:
-    """The kernels of one replay in order: duration and the gap since the previous one ended."""
+    """The kernels of one replay in order: start (µs from the first kernel's), duration, the gap
+    since the previous one ended and the stream (where two streams overlap, which kernel waited
+    on which shows in the starts)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -92,11 +94,13 @@ def trace(graph) -> list[str]:
     ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     n = len(ev) // 3
     ev = ev[n:2 * n]  # the middle replay
-    end, gaps, rows = ev[0].time_range.start, 0.0, []
+    t0 = ev[0].time_range.start
+    end, gaps, rows = t0, 0.0, []
     for e in ev:
         gap = e.time_range.start - end
         gaps += max(gap, 0.0)
-        rows.append(f"  {e.time_range.elapsed_us():8.1f} us  gap {gap:6.1f}  {e.name[:100]}")
+        rows.append(f"  @{e.time_range.start - t0:7.1f}  {e.time_range.elapsed_us():7.1f} us  gap {gap:6.1f}  "
+                    f"s{getattr(e, 'device_resource_id', '?')}  {e.name[:90]}")
         end = max(end, e.time_range.end)
     rows.append(f"  {len(ev)} kernels, span {end - ev[0].time_range.start:.1f} us, gaps {gaps:.1f} us "
                 "(a kernel launched early starts before the one before it ends: a negative gap)")
