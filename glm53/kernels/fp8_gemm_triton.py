@@ -77,7 +77,6 @@ def _split_k(tiles: int, k_blocks: int, device: torch.device, cap: int = 16) -> 
 # two programs an SM (`default_config`). False: the rule before it, kept for the A/B in
 # benchmarks/decode_tiles.py
 DEEP_ONE_ROW = True
-DEEP_STAGES = 6  # that rule's pipeline stages
 
 
 def _swap_split(tiles: int, k_blocks: int, device: torch.device, cap: int = 16, least: int = 4) -> int:
@@ -131,7 +130,7 @@ def default_config(M: int, N: int, K: int, a_fp8: bool, device: torch.device | N
             # was faster at 4); a shorter K keeps the split above and 4 stages (not measured)
             stages, warps = 4, 4
             if kb >= 16 and DEEP_ONE_ROW:
-                split, stages = _swap_split(tiles, kb, device), DEEP_STAGES
+                split, stages = _swap_split(tiles, kb, device), 6
                 warps = 8 if split == 1 and tiles >= 2 * sm_count(device) else 4
             return GemmConfig(BM=bm, BN=64, BK=128, GROUP_M=8, SPLIT_K=split, num_warps=warps, num_stages=stages,
                               SWAP=True, PDL=True, PREFETCH=256)

@@ -37,10 +37,9 @@ from glm53.kernels.dispatch import dot_precision, sm_count, triton_interpreting
 from glm53.kernels.fp8_act import two_terms
 from glm53.kernels.fp8_gemm_triton import accumulator, along_cols, along_rows, rows_first, swapped_product, weight_tile
 from glm53.kernels.fp8_split_k import k_splits
-from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton
+from glm53.kernels.fp8_quant import FP8, GROUP, quantize_fp8_terms_triton, quantize_residual_tile, quantize_tile
 from glm53.kernels.launch_early import pdl_option, prefetch_rows_l2
 from glm53.kernels.moe_fp8_gemv_triton import MoEGemvConfig, gemv_takes, moe_experts_fp8_gemv
-from glm53.kernels.moe_fp8_stream_triton import gate_up_epilogue, gate_up_stream, stream_takes
 from glm53.kernels.moe_triton import MoEConfig, block_bound, block_tile, plan_routing, slot_parts, sum_slots
 from glm53.kernels.route_triton import RouterLogits, route_plan_takes
 from glm53.kernels.row_parts import RowParts
@@ -69,15 +68,6 @@ SPLIT_WAVES = 1.0
 # against none (919.0 vs 914.1 us at one token, four rounds) and nothing at 64: off.
 DOWN_PDL = True
 DOWN_PREFETCH = 0
-# Pipeline stages at decode sizes under 4 rows an expert: gate+up's, and the down kernel's (None:
-# gate+up's). Gate+up holds two 128-wide weight tiles a stage (32 KB), so 3 stages let two of its
-# programs share an SM (the slice's 144 tiles on 132 SMs in one wave).
-DECODE_STAGES = 3
-DOWN_STAGES = None
-# The gate+up kernel unsplit at decode sizes as a stream-K grid of STREAM_PER_SM programs an SM
-# (`moe_fp8_stream_triton`: equal bytes an SM, where one program a tile leaves some SMs two);
-# 0: one program a tile.
-STREAM_PER_SM = 0
 
 
 def decode_split(n_pairs: int, n_experts: int, bm: int, bn1: int, inter: int, hidden: int, sms: int) -> int:
@@ -111,17 +101,10 @@ def default_fp8_config(n_pairs: int, n_experts: int, variant: str, inter: int = 
     if rows <= 16:  # decode: 16-row blocks, the weight stream is the cost
         bn1 = bn1 or 64
         split = decode_split(n_pairs, n_experts, 8 if lo else 16, bn1, inter, hidden, sms)
-        return MoEConfig(BM=16, BN1=bn1, BN2=64, BK=128, num_warps=4, num_stages=2 if rows >= 4 else DECODE_STAGES,
-                         SPLIT_K=split, SWAP=True, PDL=DOWN_PDL, PREFETCH=DOWN_PREFETCH,
-                         STREAM=STREAM_PER_SM if split == 1 else 0)
+        return MoEConfig(BM=16, BN1=bn1, BN2=64, BK=128, num_warps=4, num_stages=2 if rows >= 4 else 3, SPLIT_K=split,
+                         SWAP=True, PDL=DOWN_PDL, PREFETCH=DOWN_PREFETCH)
     # 40 KB a stage (w8a8: an fp8 x tile and two fp8 weight tiles), 24 KB for bf16 x with K steps of 64
     return MoEConfig(BM=64, BN1=128, BN2=128, BK=128 if variant == "w8a8" else 64, num_warps=8, num_stages=3)
-
-
-def down_stages(cfg: MoEConfig) -> dict:
-    """The down kernel's pipeline stages: `DOWN_STAGES` for the decode tiles (SWAP) where set,
-    else the config's."""
-    return dict(num_stages=DOWN_STAGES if DOWN_STAGES and cfg.SWAP else cfg.num_stages)
 
 
 @triton.jit(do_not_specialize=["n_blocks"])  # follows the token count
@@ -238,8 +221,20 @@ def _gate_up_fp8_kernel(
         for s in tl.static_range(SPLIT_K):
             acc_g += tl.load(tile_ws + s * (2 * BR * BN) + r, cache_modifier=".cg")
             acc_u += tl.load(tile_ws + s * (2 * BR * BN) + BR * BN + r, cache_modifier=".cg")
-    gate_up_epilogue(acc_g, acc_u, n, pos, valid, nt, I, h_ptr, hs_ptr, hl_ptr, hls_ptr, stride_hm, stride_hsm, A_FP8, LO,
-                     EXACT_RNE)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    keep = valid[:, None] & (n < I)[None, :]
+    h_ptrs = h_ptr + pos[:, None].to(tl.int64) * stride_hm + n[None, :]
+    if A_FP8:  # quantize h: this tile (BN = 128) is group nt of each of its rows
+        h = tl.where((n < I)[None, :], h, 0.0)
+        codes, scale = quantize_tile(h, EXACT_RNE)
+        tl.store(h_ptrs, codes, mask=keep)
+        tl.store(hs_ptr + pos.to(tl.int64) * stride_hsm + nt, scale, mask=valid)
+        if LO:  # and its second term
+            codes, scale = quantize_residual_tile(h, codes, scale, EXACT_RNE)
+            tl.store(hl_ptr + pos[:, None].to(tl.int64) * stride_hm + n[None, :], codes, mask=keep)
+            tl.store(hls_ptr + pos.to(tl.int64) * stride_hsm + nt, scale, mask=valid)
+    else:
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
@@ -398,11 +393,7 @@ def moe_experts_fp8_triton(
     # plan's launch zeroes the counts
     split, k_per_split = k_splits(H, cfg.SPLIT_K)
     tiles = block_bound(M, E, cfg.BM // rows) * triton.cdiv(I, cfg.BN1)
-    programs = cfg.STREAM * max(sm_count(x.device), 1)
-    stream = (cfg.STREAM > 0 and split == 1 and cfg.SWAP
-              and stream_takes(tiles, programs, H, I, cfg.BN1, cfg.BK, SB, up_row0))
-    # the split and stream-K tiles' counters (the last of a tile's programs finishes it)
-    count = torch.empty(tiles, dtype=torch.int32, device=x.device) if split > 1 or stream else None
+    count = torch.empty(tiles, dtype=torch.int32, device=x.device) if split > 1 else None
     if router is not None:  # routed and planned in one launch
         weights, ids, plan = router.route_and_plan(E, cfg.BM // rows, zeros=count)
     else:
@@ -432,29 +423,25 @@ def moe_experts_fp8_triton(
                   DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert tiles == plan.n_blocks * triton.cdiv(I, cfg.BN1)
-    if stream:
-        gate_up_stream(xa, xs, x_lo or (xa, xs), gate, up, gate_scale, up_scale, h, hs, hl, hls, plan, count, programs,
-                       k, up_row0, cfg, lo, a_fp8, pdl, interp, common["PRECISION"])
+    if split > 1:
+        part = torch.empty((tiles, split, 2, cfg.BM // rows, cfg.BN1), dtype=torch.float32, device=x.device)
     else:
-        if split > 1:
-            part = torch.empty((tiles, split, 2, cfg.BM // rows, cfg.BN1), dtype=torch.float32, device=x.device)
-        else:
-            part = count = rw  # unused
-        _gate_up_fp8_kernel[(tiles, split)](
-            xa, xs, *(x_lo or (xa, xs)), gate, up, gate_scale, up_scale, h, hs, hl, hls, plan.order, plan.seg, plan.cum,
-            part, count, plan.n_blocks, H, I, k, up_row0, k_per_split,
-            xa.stride(0), xs.stride(0), xs.stride(1), gate.stride(0), gate.stride(1), gate_scale.stride(0),
-            gate_scale.stride(1), h.stride(0), hs.stride(0),
-            BN=cfg.BN1, SPLIT_K=split, LO=lo, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
-            EXACT_RNE=interp, TRIGGER=pdl, **common,
-        )
+        part = count = rw  # unused
+    _gate_up_fp8_kernel[(tiles, split)](
+        xa, xs, *(x_lo or (xa, xs)), gate, up, gate_scale, up_scale, h, hs, hl, hls, plan.order, plan.seg, plan.cum, part, count,
+        plan.n_blocks, H, I, k, up_row0, k_per_split,
+        xa.stride(0), xs.stride(0), xs.stride(1), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1),
+        h.stride(0), hs.stride(0),
+        BN=cfg.BN1, SPLIT_K=split, LO=lo, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
+        EXACT_RNE=interp, TRIGGER=pdl, **common,
+    )
     _down_fp8_kernel[(plan.n_blocks * triton.cdiv(H, cfg.BN2),)](
         h, hs, hl, hls, down, down_scale, y, rw, plan.order, plan.seg, plan.cum,
         plan.n_blocks, H, I,
         h.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         y.stride(0),
-        BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, PDL=pdl, PREFETCH=cfg.PREFETCH if pdl else 0,
-        **(common | down_stages(cfg)), **pdl_option(pdl),
+        BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, PDL=pdl, PREFETCH=cfg.PREFETCH if pdl else 0, **common,
+        **pdl_option(pdl),
     )
     # in a fixed order: deterministic; or (keep_parts) not taken yet, for the norm that adds it
     return slot_parts(y, N, k) if keep_parts else sum_slots(y, N, k)

@@ -60,10 +60,6 @@ class MoEConfig:
     # launch), the first PREFETCH bytes of each of its weight rows put into L2 before it waits
     PDL: bool = False
     PREFETCH: int = 0
-    # block-FP8 gate+up at decode sizes: a stream-K grid of this many programs an SM (at least
-    # this many where no SM count is known), each streaming an equal share of the tiles' K blocks
-    # (`moe_fp8_stream_triton`); 0: one program a tile
-    STREAM: int = 0
 
 
 def default_config(n_pairs: int, n_experts: int, dtype: torch.dtype) -> MoEConfig:

@@ -809,41 +809,6 @@ def test_moe_fp8_gemv(N, H, I, E, k, dtype, fused, kind):
                                 config=MoEGemvConfig(BN1=16, BN2=32, BK=64, num_warps=1, num_stages=1, SPLIT=split))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
-@pytest.mark.parametrize("variant,lo", [("w8a16", False), ("w8a8", False), ("w8a8", True)])
-def test_moe_fp8_stream_k(monkeypatch, variant, lo):
-    # the gate+up kernel as a stream-K grid (w8a8's 128-wide tiles; twice the programs for
-    # w8a16's 64-wide ones): 3 programs (runs of 4 K blocks over tiles of 3, each run spanning two
-    # tiles, each tile finished by the second run to arrive), 5 (runs of 2 and 3) and 13 (more
-    # programs than K blocks: some runs empty), fused and separate gate/up layouts, one token and
-    # three: against the same reference as the tile grid
-    from glm53.kernels import moe_fp8_stream_triton, moe_fp8_triton
-    from glm53.kernels.moe_triton import MoEConfig
-
-    taken = []
-    launch = moe_fp8_stream_triton.gate_up_stream
-    monkeypatch.setattr(moe_fp8_triton, "gate_up_stream", lambda *a, **kw: taken.append(a[13]) or launch(*a, **kw))
-    bn1 = 64 if variant == "w8a16" else 128
-    for programs, n, fused in ((3, 1, False), (5, 1, True), (13, 1, False), (9, 3, True)):
-        programs *= 128 // bn1
-        cfg = MoEConfig(BM=16, BN1=bn1, BN2=64, BK=128, GROUP_M=2, num_warps=1, num_stages=1, SWAP=True, STREAM=programs)
-        fp8_cases.check_moe_fp8(n, 384, 256, 5, 2, torch.float32, variant, fused=fused, kind="mixed", config=cfg, lo=lo)
-        assert taken[-1] == programs, (programs, taken)
-    assert len(taken) == 4
-
-
-def test_moe_fp8_stream_k_rule():
-    from glm53.kernels.moe_fp8_stream_triton import stream_takes
-
-    assert stream_takes(176, 264, 6144, 2048, 128, 128, 128, 0)  # the slice at one token, two programs an SM
-    assert stream_takes(176, 88, 6144, 2048, 128, 128, 128, 2048)  # tiles at most twice the programs
-    assert not stream_takes(177, 88, 6144, 2048, 128, 128, 128, 0)  # a run could span four tiles
-    assert not stream_takes(16, 264, 6144, 160, 128, 128, 128, 0)  # a partial column tile
-    assert not stream_takes(16, 264, 6100, 2048, 128, 128, 128, 0)  # a partial K block
-    assert not stream_takes(16, 264, 6144, 2048, 128, 64, 128, 0)  # two K steps a scale block
-    assert not stream_takes(16, 264, 6144, 160, 32, 128, 128, 160)  # up's scale rows not aligned
-
-
 def test_moe_fp8_decode_split_rule(monkeypatch):
     # K split in 4 where the decode grid has fewer tiles than SMs, down to 4 scale blocks a split
     from glm53.kernels import moe_fp8_triton
