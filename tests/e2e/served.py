@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -38,15 +39,28 @@ def served_greedy(cluster, prompts: list[list[int]], new: int) -> list[list[int]
     return outs
 
 
+# The most new tokens an e2e test asks of the offline reference: one `generate` run per model and
+# prompt set then serves every test (a session's e2e modules asked the same prompts of the same
+# checkpoint seven times, ~6 s a run on two cores)
+OFFLINE_TOKENS = 24
+_offline: dict[tuple[str, tuple[tuple[int, ...], ...]], list[list[int]]] = {}
+
+
 def offline_greedy(model_dir, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """The model core's one-process `glm53-serve generate`."""
-    cmd = [sys.executable, "-m", "glm53.server.cli", "generate", "--model", str(model_dir),
-           "--max-new-tokens", str(new), "--page-size", "16", "--ignore-eos"]
-    for p in prompts:
-        cmd += ["--input-ids", ",".join(map(str, p))]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
+    """The model core's one-process `glm53-serve generate`: each prompt's first `new` greedy tokens
+    (EOS ignored). Greedy decoding makes a shorter continuation the prefix of a longer one, so the
+    run is made once per (checkpoint path, prompts), for at least OFFLINE_TOKENS, and sliced."""
+    key = (str(Path(model_dir).resolve()), tuple(map(tuple, prompts)))
+    outs = _offline.get(key)
+    if outs is None or min(map(len, outs), default=new) < new:
+        cmd = [sys.executable, "-m", "glm53.server.cli", "generate", "--model", str(model_dir),
+               "--max-new-tokens", str(max(new, OFFLINE_TOKENS)), "--page-size", "16", "--ignore-eos"]
+        for p in prompts:
+            cmd += ["--input-ids", ",".join(map(str, p))]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs = _offline[key] = [json.loads(line)["output_ids"] for line in res.stdout.splitlines()]
+    return [o[:new] for o in outs]
 
 
 # Prompts longer than the embedded model's index_topk (64) exercise sparse attention on both
