@@ -102,7 +102,7 @@ def trace(graph) -> list[str]:
         rows.append(f"  @{e.time_range.start - t0:7.1f}  {e.time_range.elapsed_us():7.1f} us  gap {gap:6.1f}  "
                     f"s{getattr(e, 'device_resource_id', '?')}  {e.name[:90]}")
         end = max(end, e.time_range.end)
-    rows.append(f"  {len(ev)} kernels, span {end - ev[0].time_range.start:.1f} us, gaps {gaps:.1f} us "
+    rows.append(f"  {len(ev)} kernels, span {end - t0:.1f} us, gaps {gaps:.1f} us "
                 "(a kernel launched early starts before the one before it ends: a negative gap)")
     return rows
 
