@@ -169,7 +169,12 @@ def case_topk():
         for B, L in ((1, 4096), (64, 8192), (128, 4096), (8, 65536), (1, 131072)):
             pages = -(-L // 64)
             tt.topk_triton(empty(B, L, dtype=F32), torch.full((B,), L, dtype=I32), 2048,
-                           page_table=empty(B, pages + 16, dtype=I32)[:, :pages], page_size=64, pdl=True)
+                           page_table=empty(B, pages + 16, dtype=I32)[:, :pages], page_size=64, pdl=True, rank=False)
+        # short decode rows in one launch (`_rank_kernel`)
+        for B, L in ((1, 4224), (4, 8192)):
+            pages = -(-L // 64)
+            tt.topk_triton(empty(B, L, dtype=F32), torch.full((B,), L, dtype=I32), 2048,
+                           page_table=empty(B, pages + 16, dtype=I32)[:, :pages], page_size=64, pdl=True, rank=True)
 
     return run
 

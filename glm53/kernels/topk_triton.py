@@ -77,6 +77,20 @@ LOGB = 8  # the scan's histogram of each row's candidates has 2^LOGB bins over t
 NBIN = 1 << LOGB
 SELECT_TILE = 64  # the finish ranks this many keys of the k-th score's bin pairwise (rounds narrow larger bins)
 FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x less than 256)
+# Short rows may take one launch instead (`_rank_kernel`): each program ranks RANK_TILE positions
+# of a row against the whole row, RANK_BLOCK scores a step (RANK_PREFETCH steps' loads in flight),
+# and writes each one ranked under k to its rank's slot. The work is B·L² compares spread over the
+# SMs (at one row of 4,224, ~4 instructions a compare in the sm_90 build: ~2-3 µs of issue on 132
+# SMs) and no program waits on another, where the three launches are a chain of latencies, ~25 µs
+# on the H200 at that shape (benchmarks/history/2026-12-07.md). Not timed yet: off (0) until
+# benchmarks/topk_rank.py and the step say; then rows up to RANK_MAX_WIDTH wide, batches up to
+# RANK_MAX_ROWS rows.
+RANK_MAX_WIDTH = 0
+RANK_MAX_ROWS = 4
+RANK_TILE = 32
+RANK_BLOCK = 256
+RANK_WARPS = 8
+RANK_PREFETCH = 2
 
 
 @triton.jit
@@ -188,6 +202,95 @@ def _bracket_kernel(
         hi, lo = _bracket(x_ptr + b.to(tl.int64) * stride_xb, n, K, SAMPLE, G, margin, margin_lo, RB)
         tl.store(br_ptr + b * 2, hi)
         tl.store(br_ptr + b * 2 + 1, lo)
+
+
+@triton.jit
+def _rank_key(x, valid):
+    """Signed int32 in the float order (`_ukey`'s): every NaN the largest but one below INT32_MAX
+    (key + 1 does not wrap); invalid -> INT32_MIN."""
+    return tl.where(x != x, 0x7FFFFFFE, _ukey(x, valid) ^ -2147483648)
+
+
+@triton.jit
+def _rank_kernel(
+    x_ptr, len_ptr, out_ptr, pt_ptr, L, stride_xb, stride_ob, stride_ptb, stride_ptp, PAGE_SIZE,
+    K: tl.constexpr, T: tl.constexpr, BJ: tl.constexpr, PF: tl.constexpr, PAGED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (p, b) ranks positions i in [p·T, p·T + T) of row b exactly: rank_i = #{j: key_j >
+    key_i} + #{j < i: key_j == key_i} (the stable descending sort's place, ties by the lower
+    position), and writes i (or its slot) to out[b, rank_i] where rank_i < K. The ranks of a row's
+    valid positions are 0..n-1 once each, so the row's first min(n, K) slots are written once, in
+    the reference's order; this program also writes -1 to the slots p·T.. in [n, K)."""
+    p = tl.program_id(0)
+    b = tl.program_id(1)
+    if PDL:  # launched early: the logits may still be being written
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
+    i0 = p * T
+    i = i0 + tl.arange(0, T)
+    out_row = out_ptr + b.to(tl.int64) * stride_ob
+    if i0 < n:
+        x_row = x_ptr + b.to(tl.int64) * stride_xb
+        vi = i < n
+        ki = _rank_key(tl.load(x_row + i, mask=vi, other=0.0).to(tl.float32), vi)
+        ki1 = ki + 1  # a later position must score strictly higher to outrank i
+        jj = tl.arange(0, BJ)
+        d0 = i0 // BJ * BJ  # the block holding this program's T positions (T divides BJ)
+        # [BJ, T]: a thread holds few positions i and many j, so a block's threshold (ki before
+        # the diagonal block, ki + 1 after it) is chosen once per i, not per pair
+        acc = tl.zeros((BJ, T), dtype=tl.int32)
+        # PF blocks in flight: each block's load is issued PF steps before its compares
+        x_a = tl.load(x_row + jj, mask=jj < n, other=0.0)
+        x_b = x_a
+        if PF == 2:
+            x_b = tl.load(x_row + BJ + jj, mask=BJ + jj < n, other=0.0)
+        for j0 in range(0, n, BJ):
+            kj = _rank_key(x_a.to(tl.float32), j0 + jj < n)
+            nxt = j0 + PF * BJ + jj
+            if PF == 2:
+                x_a = x_b
+                x_b = tl.load(x_row + nxt, mask=nxt < n, other=0.0)
+            else:
+                x_a = tl.load(x_row + nxt, mask=nxt < n, other=0.0)
+            # the diagonal block counts below (no key reaches INT32_MAX)
+            thr = tl.where(j0 < d0, ki, tl.where(j0 == d0, 2147483647, ki1))
+            acc += (kj[:, None] >= thr[None, :]).to(tl.int32)
+        # the diagonal block: key_j >= key_i + (j >= i), ties count for j < i only
+        j = d0 + jj
+        kd = _rank_key(tl.load(x_row + j, mask=j < n, other=0.0).to(tl.float32), j < n)
+        acc += (kd[:, None] >= tl.where(j[:, None] >= i[None, :], ki1[None, :], ki[None, :])).to(tl.int32)
+        rank = tl.sum(acc, axis=0)
+        sel = vi & (rank < K)
+        pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
+        tl.store(out_row + rank, _to_out(tl.where(sel, i, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
+    tl.store(out_row + i, -1, mask=(i >= n) & (i < K))
+
+
+def rank_takes(B: int, L: int) -> bool:
+    """Whether `topk_triton` ranks B rows of width L in one launch (`_rank_kernel`)."""
+    return B <= RANK_MAX_ROWS and L <= RANK_MAX_WIDTH
+
+
+def run_rank(logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor | None = None,
+             page_size: int = 1, tile: int | None = None, block: int | None = None, num_warps: int | None = None,
+             prefetch: int | None = None, pdl: bool | None = None) -> None:
+    """Launch `_rank_kernel` over `logits` [B, L] (unit column stride) into `out` [B, k]; the
+    knobs (default: the RANK_* constants) are its positions a program, scores a step, warps and
+    blocks in flight."""
+    B, L = logits.shape
+    k = out.shape[1]
+    tile, block, prefetch = tile or RANK_TILE, block or RANK_BLOCK, prefetch or RANK_PREFETCH
+    assert block % tile == 0 and tile & (tile - 1) == 0 and block & (block - 1) == 0, (tile, block)
+    assert prefetch in (1, 2), "prefetch: 1 or 2 blocks in flight"
+    pt, spb, spp = _page_args(page_table, lengths, logits.device)
+    interp = triton_interpreting()
+    pdl = bool(logits.is_cuda if pdl is None else pdl) and not interp
+    _rank_kernel[(triton.cdiv(max(L, k), tile), B)](
+        logits, lengths, out, pt, L, logits.stride(0), out.stride(0), spb, spp, page_size,
+        K=k, T=tile, BJ=block, PF=prefetch, PAGED=page_table is not None, PDL=pdl,
+        num_warps=1 if interp else (num_warps or RANK_WARPS), **pdl_option(pdl))
 
 
 @triton.jit
@@ -764,10 +867,12 @@ def topk_triton(
     scan_prefetch: int = SCAN_PREFETCH,
     finish_split: bool | None = None,
     chunks: int | None = None,
+    rank: bool | None = None,
 ) -> torch.Tensor:
     """[B, k] int32 positions (or physical slots with `page_table`), -1 padded. The keyword
     arguments after `page_size` are tuning knobs; tests shrink `cand_total`, `sample` and the
-    margins to force the overflow, re-selection and fallback paths."""
+    margins to force the overflow, re-selection and fallback paths. `rank`: one launch
+    (`_rank_kernel`) or the three (default: `rank_takes`); the knobs before it are the three's."""
     assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
     B, L = logits.shape
     sample = sample or row_sample(L)
@@ -778,6 +883,11 @@ def topk_triton(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lengths = lengths.to(device=logits.device, dtype=torch.int32).contiguous()
+    if rank is None:
+        rank = rank_takes(B, L)
+    if rank:
+        run_rank(logits, lengths, out, page_table, page_size, pdl=pdl)
+        return out
     plan = plan_topk(B, L, k, logits.device, cand_total, sample, margin, margin_lo, block, max_chunks, chunks)
     run_topk(plan, logits, lengths, out, page_table, page_size, sample, margin, margin_lo, block, rbits,
              num_warps, bracket_warps, scan_v=scan_v, pdl=pdl, select_tile=select_tile,

@@ -112,10 +112,13 @@ def topk_plan(B: int, L: int, k: int, sms: int) -> dict:
 def topk_key(B: int, L: int, s: ServeShape) -> tuple:
     """DSA top-k over B rows of width L (topk_triton.run_topk's launches): the plan's constexprs
     and int classes, the finish split, the class of the width (= the row stride) and the bracket's
-    sample tile (`row_sample`). The page table's row stride is a multiple of 16
-    (ModelRunner.build_batch pads it; a graph's is fixed)."""
-    from glm53.kernels.topk_triton import row_sample
+    sample tile (`row_sample`); or, for rows the one-launch rank kernel takes, the width's class.
+    The page table's row stride is a multiple of 16 (ModelRunner.build_batch pads it; a graph's
+    is fixed)."""
+    from glm53.kernels.topk_triton import rank_takes, row_sample
 
+    if rank_takes(B, L):  # one launch (`_rank_kernel`): the rows count only in its grid
+        return ("rank", spec_class(L))
     p = topk_plan(B, L, s.index_topk, s.num_sms)
     return (p["CB"], p["TA"], p["TC"], p["CAPA"], p["CAPG"], p["SCR"], spec_class(p["C"]), spec_class(p["chunk"]),
             2 * B <= s.num_sms, spec_class(L), row_sample(L))
@@ -226,16 +229,16 @@ FIXED_FAMILIES = ("indexer_logits", "rms_norm", "rope", "route", "quant_groups")
 
 
 def topk_row_classes(s: ServeShape) -> dict[tuple, int]:
-    """The classes of top-k's row count B that its plan depends on (the chunks per row and the
-    finish split), each with its smallest B."""
+    """The classes of top-k's row count B that its plan depends on (the chunks per row, the
+    finish split, and whether the rank kernel may take the rows), each with its smallest B."""
     import triton
 
-    from glm53.kernels.topk_triton import MAX_CHUNKS
+    from glm53.kernels.topk_triton import MAX_CHUNKS, RANK_MAX_ROWS
 
     out: dict[tuple, int] = {}
     for B in range(1, s.max_tokens + 1):
         c = min(MAX_CHUNKS, triton.next_power_of_2(triton.cdiv(2 * s.num_sms, B)))
-        out.setdefault((c, 2 * B <= s.num_sms), B)
+        out.setdefault((c, 2 * B <= s.num_sms, B <= RANK_MAX_ROWS), B)
     return out
 
 
@@ -245,8 +248,9 @@ def topk_widths(s: ServeShape) -> list[int]:
     (`row_sample`: monotone, a step at each power of two and one at `SHORT_SAMPLE_MAX_WIDTH`) and
     the candidate tile (`_cand_tile`, monotone in the width at one sample tile), so each value of
     the pair (candidate tile, sample tile) holds over one range of widths: the ends of every
-    block's range and both sides of each step of the pair, found by bisection, cover every plan."""
-    from glm53.kernels.topk_triton import BLOCK, MARGIN, _cand_tile, row_sample
+    block's range and both sides of each step of the pair, found by bisection, cover every plan;
+    and both sides of the rank kernel's widest row (`RANK_MAX_WIDTH`)."""
+    from glm53.kernels.topk_triton import BLOCK, MARGIN, RANK_MAX_WIDTH, _cand_tile, row_sample
 
     def tile(L: int) -> tuple[int, int]:
         sample = row_sample(L)
@@ -266,6 +270,7 @@ def topk_widths(s: ServeShape) -> list[int]:
             pts |= {x, y}
             lo = y
         lo = hi + a
+    pts |= {w for w in (RANK_MAX_WIDTH // a * a, RANK_MAX_WIDTH // a * a + a) if a <= w <= top}
     return sorted(pts)
 
 

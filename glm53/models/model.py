@@ -331,8 +331,12 @@ class Attention(nn.Module):
             # The indexer's chain (logits, top-k) is the layer's longest; only its own query
             # product feeds it, so q_b and the absorbed query go beside it, after it
             # (`overlap.INDEX_FIRST_MAX_ROWS`)
-            q_idx = self.indexer.wq_b(q_in)
-            query = overlap.Branch(side)
+            if overlap.QUERY_FORKS_FIRST:  # q_b needs only q_in: forked before the indexer's product
+                query = overlap.Branch(side)
+                q_idx = self.indexer.wq_b(q_in)
+            else:
+                q_idx = self.indexer.wq_b(q_in)
+                query = overlap.Branch(side)
             with query:
                 q_all = absorbed_query(self.q_b_proj(q_in).view(n, h, cfg.qk_head_dim), w[:, :nope], cos, sin,
                                        cfg.rope_interleave)

@@ -35,6 +35,9 @@ SIDE_STREAM = True
 # size (2026-12-07, against 4 rows: 8 rows 1,093.5 -> 1,078.0 and 1,093.4 -> 1,076.9 us, 16 rows
 # 1,202.9 -> 1,185.6 and 1,203.0 -> 1,187.0; 1 to 4 rows even): all of `MAX_TOKENS`.
 INDEX_FIRST_MAX_ROWS = 16
+# With the indexer's product first, the query's branch forks before it (q_b and the indexer's
+# query product side by side) rather than after it.
+QUERY_FORKS_FIRST = False
 # Rows of a step that forks: decode sizes (the absorbed query's own kernel runs up to as many).
 MAX_TOKENS = 16
 # The decode graphs' capture stream's priority (CUDA: lower is higher; 0, the default, is the

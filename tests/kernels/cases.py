@@ -56,11 +56,14 @@ def make_logits(B: int, L: int, kind: str, dtype, device, row_stride_pad: int = 
 
 def check_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device="cpu", paged=False, page_size=16,
                **knobs):
-    """`knobs` go to the Triton kernel itself (tuning/test arguments of `topk_triton`)."""
+    """`knobs` go to the Triton kernel itself (tuning/test arguments of `topk_triton`; the three
+    launches unless `rank=True` is among them)."""
     x = make_logits(B, L, kind, dtype, device, row_stride_pad=5)  # non-contiguous rows
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     if knobs:
         from glm53.kernels.topk_triton import topk_triton
+
+        knobs.setdefault("rank", False)
 
         pt = None
         if paged:
@@ -83,6 +86,26 @@ def check_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device="cpu"
     for b, n in enumerate(lengths):
         n = max(0, min(n, L))
         assert int((out[b] >= 0).sum()) == min(n, k)
+
+
+def check_rank_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device="cpu", paged=False, page_size=16,
+                    **knobs):
+    """The one-launch rank top-k (`topk_triton.run_rank`, `knobs` its tile, block and warps):
+    the reference's output exactly, its order too (each position lands in its rank's slot)."""
+    from glm53.kernels.topk import dsa_topk_reference, positions_to_slots
+    from glm53.kernels.topk_triton import run_rank
+
+    x = make_logits(B, L, kind, dtype, device, row_stride_pad=5)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    pt = None
+    if paged:
+        n_pages = (L + page_size - 1) // page_size
+        pt = torch.stack([torch.randperm(4 * n_pages, device=device)[:n_pages] for _ in range(B)]).int()
+    out = torch.full((B, k), -7, dtype=torch.int32, device=device)  # every slot must be written
+    run_rank(x, lens, out, pt, page_size, **knobs)
+    ref = dsa_topk_reference(x, lens, k)
+    ref = positions_to_slots(ref, pt, page_size) if paged else ref
+    assert torch.equal(out, ref), (kind, B, L, k, lengths, (out != ref).nonzero()[:8].tolist())
 
 
 def key32(x: torch.Tensor) -> torch.Tensor:

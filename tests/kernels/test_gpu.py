@@ -80,6 +80,23 @@ def test_topk_batch64_paged():
     cases.check_topk(64, 131072, 2048, lens, device=DEV, paged=True, page_size=64)
 
 
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "trend"])
+@pytest.mark.parametrize("B,L", [(1, 4224), (4, 8192), (3, 2112), (2, 700)])
+def test_rank_topk_decode_rows(B, L, kind):
+    # the one-launch rank top-k at decode rows (GLM-5's k = 2,048), the reference exactly (order too)
+    lens = [L, L - 1, 2048, 2047][:B]
+    cases.check_rank_topk(B, L, 2048, lens, kind=kind, device=DEV, paged=True, page_size=64)
+    cases.check_rank_topk(B, L, 2048, lens[::-1], kind=kind, device=DEV, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("tile,block,warps,prefetch", [(32, 128, 4, 1), (16, 256, 4, 2), (64, 256, 8, 2), (32, 512, 8, 2)])
+def test_rank_topk_knobs(tile, block, warps, prefetch):
+    # the variants benchmarks/topk_rank.py times
+    knobs = dict(tile=tile, block=block, num_warps=warps, prefetch=prefetch)
+    cases.check_rank_topk(4, 4224, 2048, [4224, 4223, 3000, 2048], device=DEV, paged=True, page_size=64, **knobs)
+    cases.check_rank_topk(2, 6000, 2048, [6000, 100], kind="ties", device=DEV, **knobs)
+
+
 def test_indexer_bf16_glm5():
     lens = [32768, 32767, 32766, 20000, 5000, 0]  # verify-like causal + ragged
     cases.check_indexer_bf16(6, 32, 128, 32768, lens, page_size=64, device=DEV)

@@ -91,18 +91,64 @@ def test_topk_finish_split(split):
     cases.check_topk(2, 7000, 256, [7000, 5000], cand_total=16, finish_split=split)
 
 
-def test_topk_special_values():
-    cases.check_topk(3, 5000, 512, [5000, 3000, 600], kind="special")
+@pytest.mark.parametrize("rank", [False, True])
+def test_topk_special_values(rank):
+    cases.check_topk(3, 5000, 512, [5000, 3000, 600], kind="special", rank=rank)
 
 
-def test_topk_paged():
-    cases.check_topk(4, 7000, 256, [7000, 100, 0, 4097], paged=True, page_size=64)
-    cases.check_topk(2, 3000, 128, [3000, 2999], kind="coarse", paged=True, page_size=16)
+@pytest.mark.parametrize("rank", [False, True])
+def test_topk_paged(rank):
+    cases.check_topk(4, 7000, 256, [7000, 100, 0, 4097], paged=True, page_size=64, rank=rank)
+    cases.check_topk(2, 3000, 128, [3000, 2999], kind="coarse", paged=True, page_size=16, rank=rank)
 
 
-def test_topk_small_rows():
+@pytest.mark.parametrize("rank", [False, True])
+def test_topk_small_rows(rank):
     # L < k: every row is trivial, -1 padded
-    cases.check_topk(3, 100, 128, [100, 50, 0])
+    cases.check_topk(3, 100, 128, [100, 50, 0], rank=rank)
+
+
+# ---- the one-launch rank top-k (short rows) ---------------------------------------------------
+@pytest.mark.parametrize("kind", ["randn", "ties", "coarse", "special", "trend", "falling"])
+def test_rank_topk_exact_in_order(kind):
+    # lengths past the width, equal to it, around k, under a tile, and 0; k not a power of two
+    cases.check_rank_topk(4, 1000, 400, [3000, 1000, 401, 399], kind=kind)
+    cases.check_rank_topk(3, 700, 200, [33, 0, 200], kind=kind, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("tile,block,prefetch", [(8, 64, 1), (16, 128, 2), (32, 256, 1), (64, 64, 2)])
+def test_rank_topk_tiles(tile, block, prefetch):
+    # the diagonal block (ties resolved by position) at every tile and block size, one or two
+    # blocks in flight; k past the width (programs that only pad)
+    knobs = dict(tile=tile, block=block, prefetch=prefetch)
+    cases.check_rank_topk(3, 600, 700, [600, 599, 317], kind="ties", **knobs)
+    cases.check_rank_topk(2, 500, 256, [500, 300], kind="coarse", paged=True, page_size=16, **knobs)
+
+
+def test_rank_topk_nan_and_infinities():
+    x = torch.randn(3, 400)
+    x[0, ::13] = float("nan")
+    x[1, 5], x[1, 6], x[1, 7] = float("inf"), float("nan"), float("-inf")
+    x[2, :] = float("-inf")
+    from glm53.kernels.topk import dsa_topk_reference
+    from glm53.kernels.topk_triton import run_rank
+
+    lens = torch.tensor([400, 390, 400], dtype=torch.int32)
+    out = torch.empty(3, 64, dtype=torch.int32)
+    run_rank(x, lens, out)
+    assert torch.equal(out, dsa_topk_reference(x, lens, 64))
+
+
+def test_topk_dispatch_takes_rank_for_short_rows(monkeypatch):
+    from glm53.kernels import topk_triton as tt
+
+    calls = []
+    monkeypatch.setattr(tt, "RANK_MAX_WIDTH", 512)
+    monkeypatch.setattr(tt, "RANK_MAX_ROWS", 2)
+    monkeypatch.setattr(tt, "run_rank", lambda *a, **k: calls.append(a[0].shape))
+    for B, L in ((2, 512), (3, 512), (2, 528), (1, 16)):
+        tt.topk_triton(torch.randn(B, L), torch.full((B,), L, dtype=torch.int32), 64)
+    assert calls == [(2, 512), (1, 16)]
 
 
 @pytest.mark.parametrize("block,scan_v,prefetch", [(256, 4, 2), (256, 4, 1), (256, 16, 2), (512, 8, 1), (1024, 32, 2)])
@@ -890,6 +936,7 @@ def test_indexer_rounded_width_past_every_length():
 @pytest.mark.parametrize("B,L,lens", [(1, 16, [9]), (3, 2064, [2050, 2049, 17]), (2, 2048, [2048, 1900])])
 def test_topk_width_edges(B, L, lens):
     cases.check_topk(B, L, 64, lens, paged=True)
+    cases.check_topk(B, L, 64, lens, paged=True, rank=True)
 
 
 @pytest.mark.parametrize("M,variant", [(1, "w8a16"), (16, "w8a16"), (32, "w8a16"), (33, "w8a8"), (65, "w8a8")])

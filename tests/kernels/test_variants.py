@@ -129,7 +129,8 @@ def recorded(monkeypatch):
                moe_triton._down_kernel, moe_fp8_triton._gate_up_fp8_kernel,
                moe_fp8_triton._down_fp8_kernel, moe_fp8_gemv_triton._gate_up_gemv_kernel,
                moe_fp8_gemv_triton._down_gemv_kernel, topk_triton._bracket_kernel,
-               topk_triton._scan_kernel, topk_triton._finish_kernel, draft_attention_triton._draft_attn_kernel,
+               topk_triton._scan_kernel, topk_triton._finish_kernel, topk_triton._rank_kernel,
+               draft_attention_triton._draft_attn_kernel,
                draft_attention_triton._combine_kernel, fp8_act._uv_fp8_kernel]
     for fn in kernels:
         def run(*args, grid, warmup, _fn=fn, **kwargs):

@@ -256,7 +256,10 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8)
     # overlap.INDEX_FIRST_MAX_ROWS: q_b and the indexer's wq_b as two products (the indexer's chain on the
     # main stream, q_b and the absorbed query beside it) give the fused product's logits up to the
     # products' accumulation order, replayed from graphs and eager, and for a verify block's rows in one
-    # chunk; both are fed the same tokens
+    # chunk; both are fed the same tokens. With the query's branch forked before the indexer's product
+    # (`overlap.QUERY_FORKS_FIRST`) the same kernels run: bit-equal; with the rank top-k
+    # (`topk_triton.RANK_MAX_WIDTH`) the slots come in another order: equal up to the attention's sums
+    from glm53.kernels import topk_triton
     from glm53.models import overlap
     from glm53.models.model import Attention
 
@@ -277,8 +280,10 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8)
 
     monkeypatch.setattr(Attention, "_index_first", spy)
     outs = []
-    for first in (False, True):
+    for first, fork, rank in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
         monkeypatch.setattr(overlap, "INDEX_FIRST_MAX_ROWS", overlap.MAX_TOKENS if first else 0)
+        monkeypatch.setattr(overlap, "QUERY_FORKS_FIRST", fork)
+        monkeypatch.setattr(topk_triton, "RANK_MAX_WIDTH", 8192 if rank else 0)
         runner = _with_graphs(ckpt, torch.bfloat16, GraphConfig(max_bs=4, max_context=400), fp8=fp8)
         alloc = PageAllocator(PAGES)
         reqs = []
@@ -300,5 +305,7 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8)
         logits.append(runner.forward([SeqChunk(block, pos, pages, all_logits=True)])[0].float())
         assert any(taken) == first and all(t == first for t in taken)
         outs.append(logits)
-    for a, b in zip(*outs):
-        assert float((a - b).norm() / b.norm()) <= 1e-2
+    for other in outs[1:]:
+        for a, b in zip(other, outs[0]):
+            assert float((a - b).norm() / b.norm()) <= 1e-2
+    assert all(torch.equal(a, b) for a, b in zip(outs[2], outs[1]))  # the fork moves no arithmetic
