@@ -46,7 +46,10 @@ def test_every_token_count_is_enumerated(shape):
         assert all(key(n, shape) == k for k, (n, _) in want[name].items())
 
 
-def test_every_topk_count_is_enumerated():
+@pytest.mark.parametrize("rank_width", [0, 8192, 5000])
+def test_every_topk_count_is_enumerated(monkeypatch, rank_width):
+    # with the rank kernel off, and on up to a width at a block edge and off one
+    monkeypatch.setattr(topk_triton, "RANK_MAX_WIDTH", rank_width)
     s = BF16_HOPPER
     want = v.reachable(s)["topk"]
     assert all(v.topk_key(B, L, s) == k for k, (B, L) in want.items())
@@ -78,8 +81,10 @@ def test_topk_sample_step_is_enumerated():
             assert v.topk_key(B, L, s) in want, (B, L)
 
 
+@pytest.mark.parametrize("rank_width", [0, 8192])
 @pytest.mark.parametrize("shape", [BF16_HOPPER, FP8_ALL], ids=["bf16", "fp8"])
-def test_warmup_shapes_reach_every_key(shape):
+def test_warmup_shapes_reach_every_key(shape, rank_width, monkeypatch):
+    monkeypatch.setattr(topk_triton, "RANK_MAX_WIDTH", rank_width)
     want = v.reachable(shape)
     shapes = v.warmup_shapes(shape, want)
     assert all(1 <= n <= shape.max_tokens and 16 <= L <= shape.max_width and L % 16 == 0 for n, L in shapes)
@@ -245,8 +250,11 @@ def test_moe_fp8_same_key_same_launch(recorded, monkeypatch, w8a16_max_tokens):
     assert len(_same_key_same_launch(recorded, calls)) >= (3 if w8a16_max_tokens else 2)
 
 
-def test_topk_same_key_same_launch(recorded):
-    # eager page tables are padded to 16 columns (ModelRunner.build_batch), as here
+@pytest.mark.parametrize("rank_width", [0, 4096])
+def test_topk_same_key_same_launch(recorded, rank_width, monkeypatch):
+    # eager page tables are padded to 16 columns (ModelRunner.build_batch), as here; the rank
+    # kernel off, and on for the narrower rows
+    monkeypatch.setattr(topk_triton, "RANK_MAX_WIDTH", rank_width)
     s = _cpu_shape(index_topk=64)
     rng = random.Random(1)
     calls = []
