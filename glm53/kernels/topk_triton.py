@@ -239,8 +239,10 @@ def _rank_kernel(
         jj = tl.arange(0, BJ)
         d0 = i0 // BJ * BJ  # the block holding this program's T positions (T divides BJ)
         # [BJ, T]: a thread holds few positions i and many j, so a block's threshold (ki before
-        # the diagonal block, ki + 1 after it) is chosen once per i, not per pair
-        acc = tl.zeros((BJ, T), dtype=tl.int32)
+        # the diagonal block, ki + 1 after it) is chosen once per i, not per pair. The counts are
+        # fp32 (exact below 2^24): a compare, a select and an add a pair in the sm_90 build, where
+        # int32 counts took five (the compiler's select of acc + 1, then a copy)
+        acc = tl.zeros((BJ, T), dtype=tl.float32)
         # PF blocks in flight: each block's load is issued PF steps before its compares
         x_a = tl.load(x_row + jj, mask=jj < n, other=0.0)
         x_b = x_a
@@ -256,12 +258,12 @@ def _rank_kernel(
                 x_a = tl.load(x_row + nxt, mask=nxt < n, other=0.0)
             # the diagonal block counts below (no key reaches INT32_MAX)
             thr = tl.where(j0 < d0, ki, tl.where(j0 == d0, 2147483647, ki1))
-            acc += (kj[:, None] >= thr[None, :]).to(tl.int32)
+            acc += tl.where(kj[:, None] >= thr[None, :], 1.0, 0.0)
         # the diagonal block: key_j >= key_i + (j >= i), ties count for j < i only
         j = d0 + jj
         kd = _rank_key(tl.load(x_row + j, mask=j < n, other=0.0).to(tl.float32), j < n)
-        acc += (kd[:, None] >= tl.where(j[:, None] >= i[None, :], ki1[None, :], ki[None, :])).to(tl.int32)
-        rank = tl.sum(acc, axis=0)
+        acc += tl.where(kd[:, None] >= tl.where(j[:, None] >= i[None, :], ki1[None, :], ki[None, :]), 1.0, 0.0)
+        rank = tl.sum(acc, axis=0).to(tl.int32)
         sel = vi & (rank < K)
         pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
         tl.store(out_row + rank, _to_out(tl.where(sel, i, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
@@ -284,6 +286,7 @@ def run_rank(logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, pag
     tile, block, prefetch = tile or RANK_TILE, block or RANK_BLOCK, prefetch or RANK_PREFETCH
     assert block % tile == 0 and tile & (tile - 1) == 0 and block & (block - 1) == 0, (tile, block)
     assert prefetch in (1, 2), "prefetch: 1 or 2 blocks in flight"
+    assert L < 1 << 24, "rank counts are fp32: exact below 2^24"
     pt, spb, spp = _page_args(page_table, lengths, logits.device)
     interp = triton_interpreting()
     pdl = bool(logits.is_cuda if pdl is None else pdl) and not interp
