@@ -224,30 +224,35 @@ def _rank_kernel(
     the reference's order; this program also writes -1 to the slots p·T.. in [n, K)."""
     p = tl.program_id(0)
     b = tl.program_id(1)
+    i0 = p * T
+    i = i0 + tl.arange(0, T)
+    jj = tl.arange(0, BJ)
+    d0 = i0 // BJ * BJ  # the block holding this program's T positions (T divides BJ)
+    x_row = x_ptr + b.to(tl.int64) * stride_xb
+    out_row = out_ptr + b.to(tl.int64) * stride_ob
     if PDL:  # launched early: the logits may still be being written
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # issued together, not one after another: the length, this program's scores, the diagonal
+    # block and the first PF blocks (masked to the width; validity against the length after)
     n = tl.maximum(tl.minimum(tl.load(len_ptr + b), L), 0)
-    i0 = p * T
-    i = i0 + tl.arange(0, T)
-    out_row = out_ptr + b.to(tl.int64) * stride_ob
+    x_i = tl.load(x_row + i, mask=i < L, other=0.0)
+    x_d = tl.load(x_row + d0 + jj, mask=d0 + jj < L, other=0.0)
+    x_a = tl.load(x_row + jj, mask=jj < L, other=0.0)
+    x_b = x_a
+    if PF == 2:  # PF blocks in flight: each block's load is issued PF steps before its compares
+        x_b = tl.load(x_row + BJ + jj, mask=BJ + jj < L, other=0.0)
     if i0 < n:
-        x_row = x_ptr + b.to(tl.int64) * stride_xb
         vi = i < n
-        ki = _rank_key(tl.load(x_row + i, mask=vi, other=0.0).to(tl.float32), vi)
+        # the positions' slots now: the page table's latency hides behind the compares
+        slot = _to_out(tl.where(vi, i, 0), pt_ptr + b.to(tl.int64) * stride_ptb, stride_ptp, PAGE_SIZE, PAGED)
+        ki = _rank_key(x_i.to(tl.float32), vi)
         ki1 = ki + 1  # a later position must score strictly higher to outrank i
-        jj = tl.arange(0, BJ)
-        d0 = i0 // BJ * BJ  # the block holding this program's T positions (T divides BJ)
         # [BJ, T]: a thread holds few positions i and many j, so a block's threshold (ki before
         # the diagonal block, ki + 1 after it) is chosen once per i, not per pair. The counts are
         # fp32 (exact below 2^24): a compare, a select and an add a pair in the sm_90 build, where
         # int32 counts took five (the compiler's select of acc + 1, then a copy)
         acc = tl.zeros((BJ, T), dtype=tl.float32)
-        # PF blocks in flight: each block's load is issued PF steps before its compares
-        x_a = tl.load(x_row + jj, mask=jj < n, other=0.0)
-        x_b = x_a
-        if PF == 2:
-            x_b = tl.load(x_row + BJ + jj, mask=BJ + jj < n, other=0.0)
         for j0 in range(0, n, BJ):
             kj = _rank_key(x_a.to(tl.float32), j0 + jj < n)
             nxt = j0 + PF * BJ + jj
@@ -261,12 +266,10 @@ def _rank_kernel(
             acc += tl.where(kj[:, None] >= thr[None, :], 1.0, 0.0)
         # the diagonal block: key_j >= key_i + (j >= i), ties count for j < i only
         j = d0 + jj
-        kd = _rank_key(tl.load(x_row + j, mask=j < n, other=0.0).to(tl.float32), j < n)
+        kd = _rank_key(x_d.to(tl.float32), j < n)
         acc += tl.where(kd[:, None] >= tl.where(j[:, None] >= i[None, :], ki1[None, :], ki[None, :]), 1.0, 0.0)
         rank = tl.sum(acc, axis=0).to(tl.int32)
-        sel = vi & (rank < K)
-        pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
-        tl.store(out_row + rank, _to_out(tl.where(sel, i, 0), pt_row, stride_ptp, PAGE_SIZE, PAGED), mask=sel)
+        tl.store(out_row + rank, slot, mask=vi & (rank < K))
     tl.store(out_row + i, -1, mask=(i >= n) & (i < K))
 
 
