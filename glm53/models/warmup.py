@@ -31,6 +31,7 @@ from glm53.kernels import variants
 from glm53.kernels.compile_watch import WATCH
 from glm53.kernels.topk import dsa_topk
 from glm53.models.draft import DraftBlock
+from glm53.models import overlap
 from glm53.models.kv_cache import LATENT
 from glm53.models.model import StageInput
 from glm53.models.runner import ModelRunner, SeqChunk
@@ -74,7 +75,9 @@ def serve_shape(runner: ModelRunner, max_tokens: int, max_context: int) -> varia
         fp8_linear=fp8_linear, v_head_dim=cfg.v_head_dim, fp8_experts=fp8_experts,
         fp8_kv=latent is not None and latent.dtype == torch.uint8,
         router_experts=cfg.n_routed_experts if fp8_experts and e.placement.ep == 1 and cfg.n_group <= 1 else 0,
-        hopper=props is not None and props.major == 9, cublas_fp8=cublas)
+        hopper=props is not None and props.major == 9, cublas_fp8=cublas,
+        skip_max_tokens=overlap.MAX_TOKENS if overlap.SHARED_BESIDE and fp8_experts and e.placement.ep == 1
+        and e.shared_id is not None else 0)
 
 
 def draft_shape(runner: ModelRunner, max_rows: int, max_context: int) -> variants.DraftShape | None:

@@ -305,6 +305,48 @@ def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+@pytest.mark.parametrize("N,variant,fused", [(1, "w8a8", False), (3, "w8a16", True), (5, "w8a8", True)])
+def test_moe_fp8_skips_an_expert(N, variant, fused):
+    # the tile kernels leaving one expert's slot rows to another writer of `y` (`skip`): every
+    # other slot row bit for bit as in the full launch, the skipped ones untouched
+    from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
+
+    E, k = 5, 3
+    inputs = list(fp8_cases.moe_fp8_inputs(N, 256, 128, E, k, torch.bfloat16, fused=fused))
+    inputs[2][:, -1] = E - 1  # every token's last slot on the skipped expert, as the shared one is
+    inputs[2][:, :-1] = torch.stack([torch.randperm(E - 1)[:k - 1] for _ in range(N)])
+    full = moe_experts_fp8_triton(*inputs, variant=variant, keep_parts=True).parts
+    y = torch.full((N * k, 256), 7.0, dtype=torch.bfloat16)
+    parts = moe_experts_fp8_triton(*inputs, variant=variant, keep_parts=True, skip=E - 1, y=y).parts
+    assert torch.equal(parts[:-1], full[:-1])
+    assert bool((parts[-1] == 7.0).all())
+
+
+def test_model_shared_expert_beside_the_routing(tmp_path, monkeypatch):
+    # a tiny block-FP8 model whose shared expert is held in the routed experts' stacks, on the
+    # w8a8 tile kernels: the shared expert as its own products (`overlap.SHARED_BESIDE`, in line
+    # here: no side stream), the tile kernels leaving its slot to them, gives the fused kernel's
+    # logits up to the products' sums (their order differs), on the prefill and the decode step
+    import glm53.kernels.moe_fp8_gemv_triton as gemv_mod
+    from glm53.models import overlap
+    from glm53.models.moe import MoE
+    from glm53.support.oracle import FP8_WIDTHS, make_checkpoint, quantise_fp8_
+
+    make_checkpoint(tmp_path, seed=8, n_group=1, topk_group=1, **FP8_WIDTHS)
+    quantise_fp8_(tmp_path, block=128)
+    monkeypatch.setattr(gemv_mod, "MOE_GEMV_MAX_TOKENS", 0)
+    inner, beside = MoE.shared_beside, []
+    monkeypatch.setattr(MoE, "shared_beside", lambda self, x: beside.append(inner(self, x)) or beside[-1])
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(overlap, "SHARED_BESIDE", on)
+        outs.append(_prefill_and_step(tmp_path, fp8=True))
+        assert beside and all(b == on for b in beside), beside
+        beside.clear()
+    for a, b in zip(*outs):
+        assert float((a - b).norm() / b.norm()) < 1e-4
+
+
 def test_model_uv_product_takes_the_splits(tmp_path, monkeypatch):
     # a tiny FP8 model whose W_UV product writes o_proj's rows (v_head_dim 128) and whose sparse
     # MLA splits its 32 top-k slots (2 splits of 16 under the interpreter): the W_UV product
