@@ -563,6 +563,13 @@ def test_uv_product_launched_during_the_attention_matches(T, monkeypatch):
     check_launched_early(step, xs, [True], False)
 
 
+@pytest.mark.parametrize("N,variant", [(1, "w8a8"), (4, "w8a8"), (16, "w8a8"), (2, "w8a16")])
+def test_moe_fp8_skips_the_shared_slot(N, variant):
+    # the slice's expert widths, 8 routed + the shared one (`overlap.SHARED_BESIDE`): the tile
+    # kernels (split K at a few tokens) leave its slot rows untouched and every other row as before
+    fp8_cases.check_moe_skip(N, 6144, 2048, 17, 9, variant, False, device=DEV)
+
+
 @pytest.mark.parametrize("N", [1, 3, 8])
 def test_moe_fp8_down_launched_early_matches(N):
     # the decode down kernel launched while gate+up runs (which lets it launch as it starts),

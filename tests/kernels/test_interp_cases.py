@@ -307,19 +307,7 @@ def test_model_sums_taken_by_the_norms(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("N,variant,fused", [(1, "w8a8", False), (3, "w8a16", True), (5, "w8a8", True)])
 def test_moe_fp8_skips_an_expert(N, variant, fused):
-    # the tile kernels leaving one expert's slot rows to another writer of `y` (`skip`): every
-    # other slot row bit for bit as in the full launch, the skipped ones untouched
-    from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
-
-    E, k = 5, 3
-    inputs = list(fp8_cases.moe_fp8_inputs(N, 256, 128, E, k, torch.bfloat16, fused=fused))
-    inputs[2][:, -1] = E - 1  # every token's last slot on the skipped expert, as the shared one is
-    inputs[2][:, :-1] = torch.stack([torch.randperm(E - 1)[:k - 1] for _ in range(N)])
-    full = moe_experts_fp8_triton(*inputs, variant=variant, keep_parts=True).parts
-    y = torch.full((N * k, 256), 7.0, dtype=torch.bfloat16)
-    parts = moe_experts_fp8_triton(*inputs, variant=variant, keep_parts=True, skip=E - 1, y=y).parts
-    assert torch.equal(parts[:-1], full[:-1])
-    assert bool((parts[-1] == 7.0).all())
+    fp8_cases.check_moe_skip(N, 256, 128, 5, 3, variant, fused)
 
 
 def test_model_shared_expert_beside_the_routing(tmp_path, monkeypatch):
