@@ -84,9 +84,11 @@ FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x 
 # SMs) and no program waits on another, where the three launches are a chain of latencies, ~25 µs
 # on the H200 at that shape (benchmarks/history/2026-12-07.md). Not timed yet: off (0) until
 # benchmarks/topk_rank.py and the step say; then rows up to RANK_MAX_WIDTH wide, batches up to
-# RANK_MAX_ROWS rows.
+# RANK_MAX_ROWS rows, and at most RANK_MAX_PAIRS compares (B·L²: 4 rows of 8,192 would be 268 M,
+# ~35 µs by the instruction count).
 RANK_MAX_WIDTH = 0
 RANK_MAX_ROWS = 4
+RANK_MAX_PAIRS = 1 << 27
 RANK_TILE = 32
 RANK_BLOCK = 256
 RANK_WARPS = 8
@@ -275,7 +277,7 @@ def _rank_kernel(
 
 def rank_takes(B: int, L: int) -> bool:
     """Whether `topk_triton` ranks B rows of width L in one launch (`_rank_kernel`)."""
-    return B <= RANK_MAX_ROWS and L <= RANK_MAX_WIDTH
+    return B <= RANK_MAX_ROWS and L <= RANK_MAX_WIDTH and B * L * L <= RANK_MAX_PAIRS
 
 
 def run_rank(logits: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, page_table: torch.Tensor | None = None,

@@ -233,7 +233,8 @@ FIXED_FAMILIES = ("indexer_logits", "rms_norm", "rope", "route", "quant_groups")
 
 def topk_row_classes(s: ServeShape) -> dict[tuple, int]:
     """The classes of top-k's row count B that its plan depends on (the chunks per row, the
-    finish split, and whether the rank kernel may take the rows), each with its smallest B."""
+    finish split, and, up to RANK_MAX_ROWS, B itself: the rank kernel's widest row depends on it),
+    each with its smallest B."""
     import triton
 
     from glm53.kernels.topk_triton import MAX_CHUNKS, RANK_MAX_ROWS
@@ -241,7 +242,7 @@ def topk_row_classes(s: ServeShape) -> dict[tuple, int]:
     out: dict[tuple, int] = {}
     for B in range(1, s.max_tokens + 1):
         c = min(MAX_CHUNKS, triton.next_power_of_2(triton.cdiv(2 * s.num_sms, B)))
-        out.setdefault((c, 2 * B <= s.num_sms, B <= RANK_MAX_ROWS), B)
+        out.setdefault((c, 2 * B <= s.num_sms, B if B <= RANK_MAX_ROWS else 0), B)
     return out
 
 
@@ -252,8 +253,11 @@ def topk_widths(s: ServeShape) -> list[int]:
     the candidate tile (`_cand_tile`, monotone in the width at one sample tile), so each value of
     the pair (candidate tile, sample tile) holds over one range of widths: the ends of every
     block's range and both sides of each step of the pair, found by bisection, cover every plan;
-    and both sides of the rank kernel's widest row (`RANK_MAX_WIDTH`)."""
-    from glm53.kernels.topk_triton import BLOCK, MARGIN, RANK_MAX_WIDTH, _cand_tile, row_sample
+    and both sides of the rank kernel's widest row at each row count it takes (`rank_takes`)."""
+    from math import isqrt
+
+    from glm53.kernels.topk_triton import (BLOCK, MARGIN, RANK_MAX_PAIRS, RANK_MAX_ROWS, RANK_MAX_WIDTH, _cand_tile,
+                                           row_sample)
 
     def tile(L: int) -> tuple[int, int]:
         sample = row_sample(L)
@@ -273,7 +277,9 @@ def topk_widths(s: ServeShape) -> list[int]:
             pts |= {x, y}
             lo = y
         lo = hi + a
-    pts |= {w for w in (RANK_MAX_WIDTH // a * a, RANK_MAX_WIDTH // a * a + a) if a <= w <= top}
+    for b in range(1, RANK_MAX_ROWS + 1):
+        widest = min(RANK_MAX_WIDTH, isqrt(RANK_MAX_PAIRS // b)) // a * a
+        pts |= {w for w in (widest, widest + a) if a <= w <= top}
     return sorted(pts)
 
 

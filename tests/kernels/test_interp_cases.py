@@ -147,6 +147,11 @@ def test_topk_dispatch_takes_rank_for_short_rows(monkeypatch):
     for B, L in ((2, 512), (3, 512), (2, 528), (1, 16)):
         tt.topk_triton(torch.randn(B, L), torch.full((B,), L, dtype=torch.int32), 64)
     assert calls == [(2, 512), (1, 16)]
+    calls.clear()
+    monkeypatch.setattr(tt, "RANK_MAX_PAIRS", 400_000)  # B·L² compares: 2 x 512 no longer, 1 x 512 yes
+    for B, L in ((2, 512), (1, 512)):
+        tt.topk_triton(torch.randn(B, L), torch.full((B,), L, dtype=torch.int32), 64)
+    assert calls == [(1, 512)]
 
 
 @pytest.mark.parametrize("block,scan_v,prefetch", [(256, 4, 2), (256, 4, 1), (256, 16, 2), (512, 8, 1), (1024, 32, 2)])

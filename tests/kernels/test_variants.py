@@ -47,10 +47,12 @@ def test_every_token_count_is_enumerated(shape):
         assert all(key(n, shape) == k for k, (n, _) in want[name].items())
 
 
-@pytest.mark.parametrize("rank_width", [0, 8192, 5000])
-def test_every_topk_count_is_enumerated(monkeypatch, rank_width):
-    # with the rank kernel off, and on up to a width at a block edge and off one
+@pytest.mark.parametrize("rank_width,rank_pairs", [(0, 1 << 27), (8192, 1 << 27), (5000, 1 << 27), (8192, 10**8)])
+def test_every_topk_count_is_enumerated(monkeypatch, rank_width, rank_pairs):
+    # with the rank kernel off, and on up to a width at a block edge and off one, its compares
+    # bound giving each row count its own widest row
     monkeypatch.setattr(topk_triton, "RANK_MAX_WIDTH", rank_width)
+    monkeypatch.setattr(topk_triton, "RANK_MAX_PAIRS", rank_pairs)
     s = BF16_HOPPER
     want = v.reachable(s)["topk"]
     assert all(v.topk_key(B, L, s) == k for k, (B, L) in want.items())
