@@ -166,12 +166,16 @@ class MoE(nn.Module):
             return 0
         return int(self.experts.shared_id is not None or self.experts.absorb_(self.shared_experts))
 
-    def shared_beside(self, x: torch.Tensor) -> bool:
-        """Whether the shared expert held in the stacks runs as its own products, beside the router
-        and the routing plan (`overlap.SHARED_BESIDE`), the tile kernels leaving its slot out."""
+    def beside_tokens(self) -> int:
+        """Up to how many tokens the shared expert held in the FP8 stacks may run as its own products
+        beside the router and the routing plan (`overlap.SHARED_BESIDE`); 0: never."""
         e = self.experts
-        return (overlap.SHARED_BESIDE and e.shared_id is not None and e.fp8 and e.placement.ep == 1
-                and x.shape[0] <= overlap.MAX_TOKENS and skips_expert(x, e.down_proj))
+        on = overlap.SHARED_BESIDE and e.shared_id is not None and e.fp8 and e.placement.ep == 1
+        return overlap.MAX_TOKENS if on else 0
+
+    def shared_beside(self, x: torch.Tensor) -> bool:
+        """Whether it does over x's tokens: the tile kernels run, so they can leave its slot out."""
+        return x.shape[0] <= self.beside_tokens() and skips_expert(x, self.experts.down_proj)
 
     def forward(self, x, x_in: torch.Tensor | Fp8Rows | None = None, keep_parts: bool = False,
                 side: torch.cuda.Stream | None = None):
