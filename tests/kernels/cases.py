@@ -54,6 +54,12 @@ def make_logits(B: int, L: int, kind: str, dtype, device, row_stride_pad: int = 
     return x[:, :L] if row_stride_pad else x
 
 
+def _page_table(B: int, L: int, page_size: int, device) -> torch.Tensor:
+    """Each row's pages for L positions: distinct, shuffled, drawn from four times as many."""
+    n_pages = (L + page_size - 1) // page_size
+    return torch.stack([torch.randperm(4 * n_pages, device=device)[:n_pages] for _ in range(B)]).int()
+
+
 def check_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device="cpu", paged=False, page_size=16,
                **knobs):
     """`knobs` go to the Triton kernel itself (tuning/test arguments of `topk_triton`; the three
@@ -65,17 +71,13 @@ def check_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device="cpu"
 
         knobs.setdefault("rank", False)
 
-        pt = None
-        if paged:
-            n_pages = (L + page_size - 1) // page_size
-            pt = torch.stack([torch.randperm(4 * n_pages, device=device)[:n_pages] for _ in range(B)]).int()
+        pt = _page_table(B, L, page_size, device) if paged else None
         out = topk_triton(x, lens, k, page_table=pt, page_size=page_size, **knobs)
         ref = dsa_topk_reference(x, lens, k)
         _rows_equal_as_sets(out, positions_to_slots(ref, pt, page_size) if paged else ref)
         return
     if paged:
-        n_pages = (L + page_size - 1) // page_size
-        pt = torch.stack([torch.randperm(4 * n_pages, device=device)[:n_pages] for _ in range(B)]).int()
+        pt = _page_table(B, L, page_size, device)
         out = dsa_topk_paged(x, lens, k, pt, page_size)
         ref = positions_to_slots(dsa_topk_reference(x, lens, k), pt, page_size)
     else:
@@ -97,10 +99,7 @@ def check_rank_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device=
 
     x = make_logits(B, L, kind, dtype, device, row_stride_pad=5)
     lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    pt = None
-    if paged:
-        n_pages = (L + page_size - 1) // page_size
-        pt = torch.stack([torch.randperm(4 * n_pages, device=device)[:n_pages] for _ in range(B)]).int()
+    pt = _page_table(B, L, page_size, device) if paged else None
     out = torch.full((B, k), -7, dtype=torch.int32, device=device)  # every slot must be written
     run_rank(x, lens, out, pt, page_size, **knobs)
     ref = dsa_topk_reference(x, lens, k)
