@@ -31,12 +31,12 @@ TYPES = dict(q_ptr="*bf16", kv_ptr="*bf16", c8_ptr="*fp8e4nv", sc_ptr="*fp32", r
              out_ptr="*bf16", K="i32", qk_scale="fp32", split_len="i32")
 
 
-def build(kernel: str, block_n: int, heads: int, stages: int, split: bool, producers: int = 1, trigger: bool = False):
+def build(kernel: str, block_n: int, heads: int, stages: int, split: bool, producers: int = 1):
     if kernel == "fp8":
         from glm53.kernels import sparse_mla_fp8_hopper as m
 
         fn, maxnreg = m._sparse_mla_fp8_hopper_kernel, m.MAXNREG
-        const = dict(STAGES=stages, PWARPS=4 // producers, NPROD=producers, TRIGGER=trigger)
+        const = dict(STAGES=stages, PWARPS=4 // producers, NPROD=producers)
     else:
         from glm53.kernels import sparse_mla_hopper as m
 
@@ -67,10 +67,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=0)
     ap.add_argument("--no-split", action="store_true")
     ap.add_argument("--producers", type=int, default=1, help="fp8: partitions of the 4 producer warps (1 or 2)")
-    ap.add_argument("--trigger", action="store_true", help="fp8: let the next kernel launch as it starts")
     ap.add_argument("--sass", help="write the SASS here")
     a = ap.parse_args()
-    k, secs = build(a.kernel, a.block_n, a.heads, a.stages, not a.no_split, a.producers, a.trigger)
+    k, secs = build(a.kernel, a.block_n, a.heads, a.stages, not a.no_split, a.producers)
     print(f"triton {triton.__version__}: built in {secs:.1f} s, shared memory {k.metadata.shared} B")
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:

@@ -95,8 +95,6 @@ def moe_experts_fp8(
     down_scale: torch.Tensor,
     x_rows: Fp8Rows | None = None,
     keep_parts: bool = False,
-    skip: int | None = None,
-    y: torch.Tensor | None = None,
 ) -> torch.Tensor | RowParts:
     """Routed experts over block-FP8 weights, summed over each token's k experts with its routing
     weights: x [N, H]; weights/ids [N, k]; gate/up [E, I, H] e4m3 + scales [E, ceil(I/128),
@@ -105,25 +103,15 @@ def moe_experts_fp8(
     quantized it (`fp8_act`), read instead of quantizing x again where the variant is w8a8.
     `keep_parts`: the tile kernels may return the slots' sum not taken yet (`row_parts`). `weights`
     may be the router's scores not routed yet (`route_triton.RouterLogits`, `ids` None; the Triton
-    launcher routes them, with the plan where its tile kernels run). `skip`, `y`: an expert the
-    tile kernels leave out and the slot rows' buffer someone else writes its rows into (only where
-    `skips_expert` says the tile kernels run)."""
+    launcher routes them, with the plan where its tile kernels run)."""
     assert use_triton(x) or isinstance(weights, torch.Tensor), "router scores are routed by the Triton launcher only"
     args = (x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
-    if skip is not None or y is not None:
-        assert skips_expert(x, down), "an expert is left out by the tile kernels only"
     if use_triton(x):
         from glm53.kernels.moe_fp8_triton import moe_experts_fp8_triton
 
         variant = moe_fp8_variant(x.shape[0], down.shape[2])
-        rows = {} if x_rows is None or variant != "w8a8" else dict(x_fp8=x_rows.rows(), x_lo=x_rows.lo_rows())
-        return moe_experts_fp8_triton(*args, variant=variant, keep_parts=keep_parts, skip=skip, y=y, **rows)
+        if x_rows is None or variant != "w8a8":
+            return moe_experts_fp8_triton(*args, variant=variant, keep_parts=keep_parts)
+        return moe_experts_fp8_triton(*args, variant=variant, x_fp8=x_rows.rows(), x_lo=x_rows.lo_rows(),
+                                      keep_parts=keep_parts)
     return moe_experts_fp8_reference(*args)
-
-
-def skips_expert(x: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether `moe_experts_fp8` over x's tokens runs the tile kernels (not the reference, not the
-    per-pair GEMVs), which can leave one expert's slot rows to another writer (`skip`, `y`)."""
-    from glm53.kernels.moe_fp8_gemv_triton import gemv_takes
-
-    return use_triton(x) and not gemv_takes(x.shape[0], down.shape[2])

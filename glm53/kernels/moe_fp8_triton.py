@@ -117,7 +117,7 @@ def _gate_up_fp8_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FP8: tl.constexpr, LO: tl.constexpr, SCALAR_S: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EXACT_RNE: tl.constexpr, SWAP: tl.constexpr,
-    TRIGGER: tl.constexpr, SKIP: tl.constexpr = -1,
+    TRIGGER: tl.constexpr,
 ):
     if TRIGGER:  # the down kernel may launch now (MoEConfig.PDL)
         tl.extra.cuda.gdc_launch_dependents()
@@ -129,7 +129,7 @@ def _gate_up_fp8_kernel(
     tile = tl.program_id(0)
     e, nt, pos, valid = block_tile(tile, n_blocks, (I + BN - 1) // BN, seg_ptr, cum_ptr,
                                    E, BLOCK_E, BR, GROUP_M)
-    if e >= E or e == SKIP:  # past the last block (the grid is an upper bound), or computed elsewhere
+    if e >= E:  # past the last block (the grid is an upper bound)
         return
     k_lo = tl.program_id(1) * k_per_split  # this split's K range (whole scale blocks)
     # rows past the expert's segment read pair 0's token (in bounds) and are never stored
@@ -246,14 +246,13 @@ def _down_fp8_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     A_FP8: tl.constexpr, LO: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    SKIP: tl.constexpr = -1,
 ):
     # LO: h in two terms, read as the gate+up kernel reads x (virtual rows, pairs added after)
     ROWS: tl.constexpr = 2 if LO else 1
     BR: tl.constexpr = BM // ROWS
     e, nt, pos, valid = block_tile(tl.program_id(0), n_blocks, (H + BN - 1) // BN, seg_ptr, cum_ptr,
                                    E, BLOCK_E, BR, GROUP_M)
-    if e >= E or e == SKIP:  # past the last block (the grid is an upper bound), or computed elsewhere
+    if e >= E:  # past the last block (the grid is an upper bound)
         return
     n = nt * BN + tl.arange(0, BN)
     n_in = n % H
@@ -343,8 +342,6 @@ def moe_experts_fp8_triton(
     x_lo: tuple[torch.Tensor, torch.Tensor] | None = None,
     lo: bool | None = None,
     keep_parts: bool = False,
-    skip: int | None = None,
-    y: torch.Tensor | None = None,
 ) -> torch.Tensor | RowParts:
     """x [N, H] (bf16/fp16/fp32); weights [N, k] fp32; ids [N, k] in [0, E) (not checked: that
     would need a host sync); experts in the module docstring's layouts; variant "w8a16" or
@@ -354,9 +351,7 @@ def moe_experts_fp8_triton(
     `x_lo` its second term (`Fp8Rows.lo_rows()`), if any. `lo` (default `two_terms(N)`): w8a8
     carries the second term of h, and of x where this function quantizes it. `weights` may be the
     router's scores not routed yet (`RouterLogits`, `ids` None): the tile kernels' plan launch
-    routes them (`route_plan_takes`), else they are routed first. `skip`: an expert the tile kernels
-    leave out (`skips_expert`), whose slot rows someone else writes into `y` [N·k, H] (contiguous,
-    x's dtype), the buffer the slots are summed from (given: used, not allocated)."""
+    routes them (`route_plan_takes`), else they are routed first."""
     assert variant in VARIANTS, variant
     N, H = x.shape
     router = weights if isinstance(weights, RouterLogits) else None
@@ -383,7 +378,6 @@ def moe_experts_fp8_triton(
     if x.stride(1) != 1:
         x = x.contiguous()
     if variant == "w8a16" and (isinstance(config, MoEGemvConfig) or (config is None and gemv_takes(N, down.shape[2]))):
-        assert skip is None and y is None, "the per-pair GEMVs compute every slot (`skips_expert`)"
         if router is not None:
             weights, ids = router.route()
         return moe_experts_fp8_gemv(x, weights, ids, gate, gate_scale, up, up_scale, up_row0, down, down_scale, config,
@@ -424,10 +418,7 @@ def moe_experts_fp8_triton(
         hs = h  # unused
         x_lo = None
     hl, hls = (torch.empty_like(h), torch.empty_like(hs)) if lo else (h, hs)  # unread without LO
-    if y is None:
-        y = torch.empty((M, H), dtype=x.dtype, device=x.device)
-    assert y.shape == (M, H) and y.dtype == x.dtype and y.is_contiguous(), (y.shape, y.dtype, M, H)
-    skip = -1 if skip is None else skip
+    y = torch.empty((M, H), dtype=x.dtype, device=x.device)
     common = dict(E=E, BLOCK_E=plan.block_e, SB=SB, BM=cfg.BM, BK=cfg.BK, GROUP_M=cfg.GROUP_M, A_FP8=a_fp8, SWAP=cfg.SWAP,
                   DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else x.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -442,14 +433,14 @@ def moe_experts_fp8_triton(
         xa.stride(0), xs.stride(0), xs.stride(1), gate.stride(0), gate.stride(1), gate_scale.stride(0), gate_scale.stride(1),
         h.stride(0), hs.stride(0),
         BN=cfg.BN1, SPLIT_K=split, LO=lo, SCALAR_S=cfg.BN1 <= SB and up_row0 % SB == 0, EVEN_K=H % cfg.BK == 0,
-        EXACT_RNE=interp, TRIGGER=pdl, SKIP=skip, **common,
+        EXACT_RNE=interp, TRIGGER=pdl, **common,
     )
     _down_fp8_kernel[(plan.n_blocks * triton.cdiv(H, cfg.BN2),)](
         h, hs, hl, hls, down, down_scale, y, rw, plan.order, plan.seg, plan.cum,
         plan.n_blocks, H, I,
         h.stride(0), hs.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1),
         y.stride(0),
-        BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, PDL=pdl, PREFETCH=cfg.PREFETCH if pdl else 0, SKIP=skip, **common,
+        BN=cfg.BN2, LO=lo, EVEN_K=I % cfg.BK == 0, PDL=pdl, PREFETCH=cfg.PREFETCH if pdl else 0, **common,
         **pdl_option(pdl),
     )
     # in a fixed order: deterministic; or (keep_parts) not taken yet, for the norm that adds it

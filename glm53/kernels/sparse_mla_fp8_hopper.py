@@ -67,13 +67,6 @@ REGS_DEQUANT2 = gl.constexpr(120)
 # 62.0 us against 101 and 82 at 64-slot blocks; the staging producer 82-84 and 69-71).
 DEFAULT_BLOCK_N = 32
 DEFAULT_STAGES = 0
-# Let the kernel after it launch as its programs start (griddepcontrol.launch_dependents). A decode
-# step's W_UV product is launched early (`fp8_act.UV_PDL`) and prefetches its whole weight into L2
-# before it waits, but it cannot start before this kernel lets it: without the trigger it starts as
-# this one ends, and the prefetch buys nothing. At one token this kernel holds 32 programs (the
-# slots' splits), so W_UV's 128 have room on the other SMs while it runs. Not timed yet: off until
-# the step says (benchmarks/step_knobs.py).
-TRIGGER_DEPENDENTS = False
 
 
 @gluon.constexpr_function
@@ -302,11 +295,8 @@ def _sparse_mla_fp8_hopper_kernel(
     stride_qt, stride_qh, stride_p, stride_s, stride_it, stride_ot, stride_oh,
     H: gl.constexpr, R: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
     BH: gl.constexpr, BN: gl.constexpr, NHB: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-    PWARPS: gl.constexpr, NPROD: gl.constexpr, num_warps: gl.constexpr, TRIGGER: gl.constexpr = False,
+    PWARPS: gl.constexpr, NPROD: gl.constexpr, num_warps: gl.constexpr,
 ):
-    if TRIGGER:  # the next kernel may launch now (`TRIGGER_DEPENDENTS`); it still waits for this one's end
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
     # STAGES 0: `_ws_dequant` (fp8 rows through registers) in NPROD partitions of PWARPS warps
     # (NPROD 2: alternate blocks, so each buffer has one producer); else `_ws_dequant_staged`
     # with that many staging slots
@@ -431,7 +421,6 @@ def sparse_mla_fp8_hopper(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), indices.stride(0),
         out.stride(0), out.stride(1),
         H=H, R=R, P=Dqk - R, PAGE=kv_cache.shape[1], BH=BLOCK_H, BN=block_n, NHB=nhb, SPLIT=num_splits > 1,
-        STAGES=stages, PWARPS=4 // producers, NPROD=producers, TRIGGER=TRIGGER_DEPENDENTS, num_warps=4,
-        maxnreg=MAXNREG,
+        STAGES=stages, PWARPS=4 // producers, NPROD=producers, num_warps=4, maxnreg=MAXNREG,
     )
     return finish_splits(out, part, lse, num_splits, R, R, keep_splits)

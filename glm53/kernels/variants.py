@@ -80,7 +80,6 @@ class ServeShape:
     fp8_kv: bool = False  # the FP8 latent cache
     hopper: bool = False  # sm_90: the Gluon sparse-MLA kernel
     cublas_fp8: bool = False  # cuBLAS's blockwise FP8 GEMM is available
-    skip_max_tokens: int = 0  # up to this many tokens the FP8 tile kernels leave the shared expert's slot out
 
     @property
     def max_width(self) -> int:
@@ -168,8 +167,7 @@ def moe_key(N: int, s: ServeShape) -> tuple:
     """Routed experts over N tokens: the variant (FP8) and tile config from the token count
     (moe_triton.default_config / moe_fp8_triton.default_fp8_config, or the per-pair GEMVs'
     `moe_gemv_config` where `gemv_takes`), the x quantizer's row tile, and for the tile kernels
-    whether their launch routes the router's scores with the plan (`route_triton.route_plan_takes`)
-    and whether they leave the shared expert's slot out (`skip_max_tokens`)."""
+    whether their launch routes the router's scores with the plan (`route_triton.route_plan_takes`)."""
     if not s.n_experts:
         return ()
     pairs = N * s.experts_per_token
@@ -186,8 +184,7 @@ def moe_key(N: int, s: ServeShape) -> tuple:
         quant = quant_block_m(N) if variant == "w8a8" else 0
         cfg = default_fp8_config(pairs, s.n_experts, variant, s.expert_inter, s.hidden, s.num_sms)
         # routed and planned in one launch, or the routing's and the plan's own
-        return (variant, cfg, quant, bool(s.router_experts) and route_plan_takes(N, s.router_experts),
-                N <= s.skip_max_tokens)
+        return variant, cfg, quant, bool(s.router_experts) and route_plan_takes(N, s.router_experts)
     from glm53.kernels.moe_triton import default_config
 
     return ("bf16", default_config(pairs, s.n_experts, s.dtype))

@@ -393,10 +393,7 @@ class DecoderLayer(nn.Module):
         entry, h, h_in = norm_for(x, self.input_layernorm.weight, self.eps, self.self_attn, add=pending)
         a, topk_slots = self.self_attn(h, cos, sin, batch, kv, topk_slots, x_in=h_in, keep_parts=True, side=side)
         x, h, h_in = norm_for(entry, self.post_attention_layernorm.weight, self.eps, self.mlp, add=a)
-        if isinstance(self.mlp, MoE):
-            out = self.mlp(h, h_in, keep_parts=defer, side=side)
-        else:
-            out = self.mlp(h_in, keep_parts=defer)
+        out = self.mlp(h, h_in, keep_parts=defer) if isinstance(self.mlp, MoE) else self.mlp(h_in, keep_parts=defer)
         return (x, out, topk_slots, entry) if defer else (x + out, topk_slots)
 
 

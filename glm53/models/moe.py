@@ -13,10 +13,9 @@ from torch import nn
 from glm53.kernels.dispatch import triton_interpreting
 from glm53.kernels.fp8_act import Fp8Rows
 from glm53.kernels.moe import moe_experts, route, router_logits
-from glm53.kernels.moe_fp8 import moe_experts_fp8, moe_fp8_variant, skips_expert
+from glm53.kernels.moe_fp8 import moe_experts_fp8, moe_fp8_variant
 from glm53.kernels.route_triton import RouterLogits
-from glm53.kernels.row_parts import RowParts, take
-from glm53.models import overlap
+from glm53.kernels.row_parts import RowParts
 from glm53.models.config import GlmConfig
 from glm53.models.ep_dispatch import ep_moe
 from glm53.models.expert_parallel import expert_placement
@@ -64,20 +63,18 @@ class Experts(nn.Module):
         self.shared_id: int | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | RouterLogits, ids: torch.Tensor | None,
-                x_rows: Fp8Rows | None = None, keep_parts: bool = False, skip: int | None = None,
-                y: torch.Tensor | None = None) -> torch.Tensor | RowParts:
+                x_rows: Fp8Rows | None = None, keep_parts: bool = False) -> torch.Tensor | RowParts:
         """Σ over each row's slots of weight · expert(x) for this rank's experts and width part;
         `ids` [N, k] index the local stacks (`shared_id` too, after `absorb_`); block-FP8 experts may
         take the router's scores not routed yet instead (`weights`, `ids` None). `x_rows`: x
         quantized by its norm (`fp8_act`). `keep_parts`: block-FP8 experts may return the sum not
-        taken yet (`row_parts`). `skip`, `y`: block-FP8 experts on the tile kernels may leave one
-        expert's slot rows to another writer of `y` (`moe_fp8.skips_expert`)."""
+        taken yet (`row_parts`)."""
         w = {name: self.stacks.get(name, getattr(self, name))
              for name in (*self.PROJS, *(proj + SCALE_SUFFIX for proj in self.PROJS))}
         if self.fp8:
             return moe_experts_fp8(x, weights, ids, w["gate_proj"], w["gate_proj_scale_inv"], w["up_proj"],
                                    w["up_proj_scale_inv"], w["down_proj"], w["down_proj_scale_inv"], x_rows=x_rows,
-                                   keep_parts=keep_parts, skip=skip, y=y)
+                                   keep_parts=keep_parts)
         return moe_experts(x, weights, ids, w["gate_proj"], w["up_proj"], w["down_proj"])
 
     @property
@@ -166,37 +163,14 @@ class MoE(nn.Module):
             return 0
         return int(self.experts.shared_id is not None or self.experts.absorb_(self.shared_experts))
 
-    def beside_tokens(self) -> int:
-        """Up to how many tokens the shared expert held in the FP8 stacks may run as its own products
-        beside the router and the routing plan (`overlap.SHARED_BESIDE`); 0: never."""
-        e = self.experts
-        on = overlap.SHARED_BESIDE and e.shared_id is not None and e.fp8 and e.placement.ep == 1
-        return overlap.MAX_TOKENS if on else 0
-
-    def shared_beside(self, x: torch.Tensor) -> bool:
-        """Whether it does over x's tokens: the tile kernels run, so they can leave its slot out."""
-        return x.shape[0] <= self.beside_tokens() and skips_expert(x, self.experts.down_proj)
-
-    def forward(self, x, x_in: torch.Tensor | Fp8Rows | None = None, keep_parts: bool = False,
-                side: torch.cuda.Stream | None = None):
+    def forward(self, x, x_in: torch.Tensor | Fp8Rows | None = None, keep_parts: bool = False):
         """x: the normed hidden state; `x_in` its quantized rows for the shared expert and the
         routed experts' w8a8 kernel (`norm_for`). `keep_parts`: where nothing is added to the
         experts' sum after them (one rank, the shared expert in their stacks or none), it may come
-        back not taken yet (`row_parts`), for the next norm to add. `side`: a stream for the shared
-        expert beside the routing (`shared_beside`; None: in line)."""
+        back not taken yet (`row_parts`), for the next norm to add."""
         cfg = self.cfg
         e = self.experts
         g = self.gate
-        y = branch = None
-        if self.shared_beside(x):
-            # The shared expert's products read only the normed input: they stream its weight while
-            # the router and the plan (latency-bound) leave HBM idle, and write its slot rows into
-            # the buffer the routed experts' slots are summed from
-            n, k = x.shape[0], cfg.num_experts_per_tok + 1
-            y = torch.empty((n * k, x.shape[1]), dtype=x.dtype, device=x.device)
-            branch = overlap.Branch(side)
-            with branch:
-                y.view(n, k, -1)[:, k - 1].copy_(self.shared_experts(x if x_in is None else x_in))
         # block-FP8 experts on one expert group route the scores in their own launch (with the plan)
         weights = router_logits(x, g.weight, g.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
                                 cfg.norm_topk_prob, cfg.routed_scaling_factor, e.shared_id) \
@@ -209,12 +183,8 @@ class MoE(nn.Module):
             out = ep_moe(x, weights, ids, e.placement, self.tp, e)
         else:  # the routed experts read the norm's quantized rows too, where they quantize x
             alone = self.tp.size == 1 and (self.shared_experts is None or e.shared_id is not None)
-            # beside: the slots' sum not taken before the branch that writes the shared slot joins
             out = e(x, weights, ids, x_rows=x_in if isinstance(x_in, Fp8Rows) else None,
-                    keep_parts=(keep_parts and alone) or y is not None, skip=None if y is None else e.shared_id, y=y)
-            if branch is not None:
-                branch.join()
-                out = out if keep_parts and alone else take(out)
+                    keep_parts=keep_parts and alone)
         if self.shared_experts is not None and e.shared_id is None:
             out = out + self.shared_experts(x if x_in is None else x_in)
         return self.tp.all_reduce(out)

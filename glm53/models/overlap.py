@@ -38,13 +38,6 @@ INDEX_FIRST_MAX_ROWS = 16
 # With the indexer's product first, the query's branch forks before it (q_b and the indexer's
 # query product side by side) rather than after it.
 QUERY_FORKS_FIRST = False
-# A MoE layer's shared expert held in the routed experts' stacks runs as its own products on the
-# side stream, beside the router and the routing plan, instead of as the fused kernel's last expert
-# (`moe.MoE.shared_beside`). Why: the router's product and the plan are latency-bound (~10 µs a
-# MoE layer on the H200, HBM idle) and the shared expert is a ninth of the slice's expert bytes;
-# and the fused gate+up kernel's grid at one token drops from 144 tiles to 128, one wave on 132
-# SMs. Not timed yet: off until the step says (benchmarks/step_knobs.py).
-SHARED_BESIDE = False
 # Rows of a step that forks: decode sizes (the absorbed query's own kernel runs up to as many).
 MAX_TOKENS = 16
 # The decode graphs' capture stream's priority (CUDA: lower is higher; 0, the default, is the

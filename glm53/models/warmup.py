@@ -52,7 +52,6 @@ def serve_shape(runner: ModelRunner, max_tokens: int, max_context: int) -> varia
     attn = next((layer.self_attn for layer in model.model.layers.values()), None)
     experts = [m for m in model.modules() if type(m).__name__ == "Experts"]
     e = experts[0] if experts else None
-    moe = next((m for m in model.modules() if type(m).__name__ == "MoE"), None)
     # the fused kernel's stacks and slots: the shared expert among them where it was absorbed
     n_experts = e.kernel_experts if e is not None else 0
     slots = cfg.num_experts_per_tok + (e.shared_id is not None) if n_experts else 1
@@ -75,8 +74,7 @@ def serve_shape(runner: ModelRunner, max_tokens: int, max_context: int) -> varia
         fp8_linear=fp8_linear, v_head_dim=cfg.v_head_dim, fp8_experts=fp8_experts,
         fp8_kv=latent is not None and latent.dtype == torch.uint8,
         router_experts=cfg.n_routed_experts if fp8_experts and e.placement.ep == 1 and cfg.n_group <= 1 else 0,
-        hopper=props is not None and props.major == 9, cublas_fp8=cublas,
-        skip_max_tokens=moe.beside_tokens() if moe is not None else 0)
+        hopper=props is not None and props.major == 9, cublas_fp8=cublas)
 
 
 def draft_shape(runner: ModelRunner, max_rows: int, max_context: int) -> variants.DraftShape | None:

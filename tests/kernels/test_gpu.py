@@ -537,39 +537,6 @@ def test_uv_product_launched_early_matches(T, H):
     check_launched_early(step, xs, [(True, 0), (True, 256), (True, 1024)], (False, 0))
 
 
-@pytest.mark.parametrize("T", [1, 4])
-def test_uv_product_launched_during_the_attention_matches(T, monkeypatch):
-    # the FP8 Gluon sparse MLA letting the W_UV product launch as it starts
-    # (`sparse_mla_fp8_hopper.TRIGGER_DEPENDENTS`): W_UV's programs prefetch and wait beside it,
-    # then combine its splits; the bits of W_UV launched as the attention ends. Without W_UV's wait
-    # it reads the splits before they are written
-    from glm53.kernels import sparse_mla_fp8_hopper
-    from glm53.kernels.fp8_act import uv_product_fp8_triton
-    from glm53.kernels.sparse_mla import sparse_mla
-    from tests.kernels.cases import fp8_latent_pool, selected_slots
-
-    R, P, H, K, page_size = 512, 64, 64, 2048, 64
-    pages = (2 * K + page_size - 1) // page_size * T + 1
-    kv = fp8_latent_pool(pages, page_size, R, P, device=DEV)[0]
-    idx = selected_slots(T, K, pages * page_size, DEV)
-    w_uv = (torch.randn(H, 256, R, device=DEV) * R**-0.5).bfloat16()
-
-    def step(q, trigger):
-        monkeypatch.setattr(sparse_mla_fp8_hopper, "TRIGGER_DEPENDENTS", trigger)
-        rows = uv_product_fp8_triton(sparse_mla(q, kv, idx, (R + P) ** -0.5, R, keep_splits=True), w_uv)
-        return (*rows.rows(), *(rows.lo_rows() or ()))
-
-    xs = [torch.randn(T, H, R + P, device=DEV).bfloat16() for _ in range(3)]
-    check_launched_early(step, xs, [True], False)
-
-
-@pytest.mark.parametrize("N,variant", [(1, "w8a8"), (4, "w8a8"), (16, "w8a8"), (2, "w8a16")])
-def test_moe_fp8_skips_the_shared_slot(N, variant):
-    # the slice's expert widths, 8 routed + the shared one (`overlap.SHARED_BESIDE`): the tile
-    # kernels (split K at a few tokens) leave its slot rows untouched and every other row as before
-    fp8_cases.check_moe_skip(N, 6144, 2048, 17, 9, variant, False, device=DEV)
-
-
 @pytest.mark.parametrize("N", [1, 3, 8])
 def test_moe_fp8_down_launched_early_matches(N):
     # the decode down kernel launched while gate+up runs (which lets it launch as it starts),

@@ -36,8 +36,7 @@ def test_logits_width():
         assert w % v.LOGITS_ALIGN == 0 and n <= w < n + v.LOGITS_ALIGN
 
 
-@pytest.mark.parametrize("shape", [BF16_HOPPER, FP8_ALL, dataclasses.replace(FP8_ALL, skip_max_tokens=16)],
-                         ids=["bf16", "fp8", "fp8-shared-beside"])
+@pytest.mark.parametrize("shape", [BF16_HOPPER, FP8_ALL], ids=["bf16", "fp8"])
 def test_every_token_count_is_enumerated(shape):
     want = v.reachable(shape)
     for name, key in v.TOKEN_FAMILIES.items():
@@ -85,8 +84,7 @@ def test_topk_sample_step_is_enumerated():
 
 
 @pytest.mark.parametrize("rank_width", [0, 8192])
-@pytest.mark.parametrize("shape", [BF16_HOPPER, FP8_ALL, dataclasses.replace(FP8_ALL, skip_max_tokens=16)],
-                         ids=["bf16", "fp8", "fp8-shared-beside"])
+@pytest.mark.parametrize("shape", [BF16_HOPPER, FP8_ALL], ids=["bf16", "fp8"])
 def test_warmup_shapes_reach_every_key(shape, rank_width, monkeypatch):
     monkeypatch.setattr(topk_triton, "RANK_MAX_WIDTH", rank_width)
     want = v.reachable(shape)
