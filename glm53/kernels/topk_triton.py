@@ -80,15 +80,14 @@ FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x 
 # Short rows may take one launch instead (`_rank_kernel`): each program ranks RANK_TILE positions
 # of a row against the whole row, RANK_BLOCK scores a step (RANK_PREFETCH steps' loads in flight),
 # and writes each one ranked under k to its rank's slot. The work is B·L² compares spread over the
-# SMs (at one row of 4,224, ~4 instructions a compare in the sm_90 build: ~2-3 µs of issue on 132
-# SMs) and no program waits on another, where the three launches are a chain of latencies, ~25 µs
-# on the H200 at that shape (benchmarks/history/2026-12-07.md). Not timed yet: off (0) until
-# benchmarks/topk_rank.py and the step say; then rows up to RANK_MAX_WIDTH wide, batches up to
-# RANK_MAX_ROWS rows, and at most RANK_MAX_PAIRS compares (B·L²: 4 rows of 8,192 would be 268 M,
-# ~35 µs by the instruction count).
-RANK_MAX_WIDTH = 0
-RANK_MAX_ROWS = 4
-RANK_MAX_PAIRS = 1 << 27
+# SMs and no program waits on another, where the three launches are a chain of latencies. H100,
+# k = 2,048, alone (benchmarks/topk_rank.py, 2026-12-07): one row of 4,224 6.1 µs against 11.4 for
+# the three launches, 2,112 wide 4.3 against 12.5, two rows of 4,224 9.6 against 11.8; but one row
+# of 8,256 20.6 against 11.6 and four of 4,224 16.7 against 12.3. Hence at most RANK_MAX_ROWS rows
+# and RANK_MAX_PAIRS compares (one row up to ~5,800 wide, two up to 4,096).
+RANK_MAX_WIDTH = 8192
+RANK_MAX_ROWS = 2
+RANK_MAX_PAIRS = 1 << 25
 RANK_TILE = 32
 RANK_BLOCK = 256
 RANK_WARPS = 8

@@ -36,8 +36,10 @@ SIDE_STREAM = True
 # 1,202.9 -> 1,185.6 and 1,203.0 -> 1,187.0; 1 to 4 rows even): all of `MAX_TOKENS`.
 INDEX_FIRST_MAX_ROWS = 16
 # With the indexer's product first, the query's branch forks before it (q_b and the indexer's
-# query product side by side) rather than after it.
-QUERY_FORKS_FIRST = False
+# query product side by side) rather than after it: with the one-launch rank top-k the indexer's
+# chain is no longer the longer branch. H100, the FP8 slice's batch-1 step (2026-12-07): 909.2 ->
+# 901.9 us (912.8 with neither); the same kernels, logits bit-equal.
+QUERY_FORKS_FIRST = True
 # Rows of a step that forks: decode sizes (the absorbed query's own kernel runs up to as many).
 MAX_TOKENS = 16
 # The decode graphs' capture stream's priority (CUDA: lower is higher; 0, the default, is the
