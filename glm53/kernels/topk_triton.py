@@ -84,7 +84,8 @@ FALLBACK_BITS = 4  # the streaming fallback's digit (16-bin histograms cost ~8x 
 # k = 2,048, alone (benchmarks/topk_rank.py, 2026-12-07): one row of 4,224 6.1 µs against 11.4 for
 # the three launches, 2,112 wide 4.3 against 12.5, two rows of 4,224 9.6 against 11.8; but one row
 # of 8,256 20.6 against 11.6 and four of 4,224 16.7 against 12.3. Hence at most RANK_MAX_ROWS rows
-# and RANK_MAX_PAIRS compares (one row up to ~5,800 wide, two up to 4,096).
+# and RANK_MAX_PAIRS compares (one row up to ~5,800 wide, two up to 4,096). RANK_MAX_WIDTH, above
+# what the compares allow, bounds nothing today: it is the switch (0: the three launches always).
 RANK_MAX_WIDTH = 8192
 RANK_MAX_ROWS = 2
 RANK_MAX_PAIRS = 1 << 25

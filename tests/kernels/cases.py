@@ -94,7 +94,6 @@ def check_rank_topk(B, L, k, lengths, kind="randn", dtype=torch.float32, device=
                     **knobs):
     """The one-launch rank top-k (`topk_triton.run_rank`, `knobs` its tile, block and warps):
     the reference's output exactly, its order too (each position lands in its rank's slot)."""
-    from glm53.kernels.topk import dsa_topk_reference, positions_to_slots
     from glm53.kernels.topk_triton import run_rank
 
     x = make_logits(B, L, kind, dtype, device, row_stride_pad=5)

@@ -306,10 +306,10 @@ def test_index_first_matches_the_fused_query_product(tmp_path, monkeypatch, fp8)
         logits.append(runner.forward([SeqChunk(block, pos, pages, all_logits=True)])[0].float())
         assert any(taken) == first and all(t == first for t in taken)
         outs.append(logits)
-    # another order of the same sums: the FP8 slice's random weights carry it to ~1e-2 of the logits
-    # (step_knobs: a split count changed alone, 1.1e-2; the rank top-k's slot order, 1.0e-2)
-    tol = 2e-2 if fp8 else 1e-2
-    for other in outs[1:]:
+    # the rank top-k's slot order reorders the attention's sums: in FP8 that moved this model's logits
+    # by 1.047e-2 on an H100 (2026-12-07), so 2e-2 there; the products' split alone stays within 1e-2
+    for other, rank in zip(outs[1:], [r for _, _, r in arrangements[1:]]):
+        tol = 2e-2 if fp8 and rank else 1e-2
         for a, b in zip(other, outs[0]):
             assert float((a - b).norm() / b.norm()) <= tol
     assert all(torch.equal(a, b) for a, b in zip(outs[2], outs[1]))  # the fork moves no arithmetic
