@@ -309,6 +309,9 @@ def case_norms():
         for m, s in ((1, 32), (1, 64), (4, 32)):
             splits = Splits(empty(m, 8, 512), empty(m, 8, s, 512, dtype=F32), empty(m, 8, s, dtype=F32), s, 512)
             uv_product_fp8_triton(splits, empty(8, 448, 512)[:, 192:])
+            if m == 1:  # one token's row kernel (fp8_act.UV_ROW), given the splits and given o_lat
+                uv_product_fp8_triton(splits, empty(8, 448, 512)[:, 192:], row=True)
+        uv_product_fp8_triton(empty(1, 8, 512), empty(8, 448, 512)[:, 192:], row=True)
         for m in (1, 16):  # bf16 SwiGLU: the draft's 768-wide MLP at decode and verify rows
             gu = empty(m, 2 * 768)
             silu_mul_triton(gu[:, :768], gu[:, 768:])

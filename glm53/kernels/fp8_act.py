@@ -404,6 +404,66 @@ def _uv_fp8_kernel(
         tl.store(sl_ptr + r64 * stride_sm + grp * stride_sg, scale, mask=rm)
 
 
+# One token's W_UV product as a row product on the CUDA cores (`_uv_row_kernel`) instead of the
+# tile kernel's 16-row MMA: the splits are combined chunk by chunk beside the weight's loads (no
+# o_lat written and read back, no barrier between them). Off until timed in the step.
+UV_ROW = False
+
+
+@triton.jit(do_not_specialize=["NSPLIT"])
+def _uv_row_kernel(
+    o_ptr, w_ptr, q_ptr, s_ptr, ql_ptr, sl_ptr, R, stride_oh, stride_wh, stride_wv, stride_sg,
+    part_ptr, lse_ptr, NSPLIT, stride_ps,
+    V: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, LO: tl.constexpr, EXACT_RNE: tl.constexpr,
+    TRIGGER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, COMBINE: tl.constexpr, CSP: tl.constexpr,
+):
+    """One program: G output columns of one head for one token, y = W_UV[cols] · o_lat[head] summed
+    BR latent columns at a time in fp32, rounded to o_lat's dtype, then quantized as
+    `_uv_fp8_kernel` does. COMBINE: o_lat's chunk is the weighted sum of the splits' chunks
+    (part [H, NSPLIT, ≥R] with row stride stride_ps, lse [H, NSPLIT]: `combine_row`'s weights), rounded as the combine launch
+    rounds it; o_lat itself is not written (nothing reads it after this product)."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    grp = tl.program_id(0)
+    head = grp // (V // G)
+    cols = (grp % (V // G)) * G + tl.arange(0, G)
+    w_row0 = w_ptr + head.to(tl.int64) * stride_wh + cols.to(tl.int64) * stride_wv  # [G]
+    if PDL:
+        if PREFETCH > 0:
+            prefetch_rows_l2(w_row0, tl.minimum(R * w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH))
+        tl.extra.cuda.gdc_wait()  # o_lat (or the splits) is the attention's
+    sidx = tl.arange(0, CSP)
+    sm = sidx < NSPLIT
+    sw = tl.zeros([CSP], dtype=tl.float32)
+    if COMBINE:
+        lse = tl.load(lse_ptr + head * NSPLIT + sidx, mask=sm, other=float("-inf"))
+        mx = tl.max(lse, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        sw = tl.exp2(lse - mx)
+        sw = sw / tl.maximum(tl.sum(sw, axis=0), 1e-30)
+    acc = tl.zeros([G], dtype=tl.float32)
+    for r0 in range(0, R, BR):
+        rr = r0 + tl.arange(0, BR)
+        rm = rr < R
+        w = tl.load(w_row0[:, None] + rr[None, :], mask=rm[None, :], other=0.0)
+        if COMBINE:
+            part = tl.load(part_ptr + (head * NSPLIT + sidx).to(tl.int64)[:, None] * stride_ps + rr[None, :],
+                           mask=sm[:, None] & rm[None, :], other=0.0)
+            o = tl.sum(part * sw[:, None], axis=0).to(o_ptr.dtype.element_ty)
+        else:
+            o = tl.load(o_ptr + head * stride_oh + rr, mask=rm, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * o.to(tl.float32)[None, :], axis=1)
+    y = acc.to(o_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    codes, scale = quantize_tile(y, EXACT_RNE)
+    one = tl.zeros([1], dtype=tl.int32)
+    tl.store(q_ptr + grp * G + tl.arange(0, G)[None, :], codes)
+    tl.store(s_ptr + grp * stride_sg + one, scale)
+    if LO:
+        codes, scale = quantize_residual_tile(y, codes, scale, EXACT_RNE)
+        tl.store(ql_ptr + grp * G + tl.arange(0, G)[None, :], codes)
+        tl.store(sl_ptr + grp * stride_sg + one, scale)
+
+
 def uv_block_m(n: int) -> int:
     """`_uv_fp8_kernel`'s row tile for n rows (decode sizes: one row block)."""
     return max(16, min(64, triton.next_power_of_2(n)))
@@ -420,28 +480,47 @@ def takes_splits(n: int) -> bool:
     return n <= UV_SPLITS_MAX_ROWS
 
 
+def takes_row(n: int) -> bool:
+    """Whether the W_UV product of n rows takes `_uv_row_kernel` (one token, `UV_ROW`)."""
+    return n == 1 and UV_ROW
+
+
 def uv_product_fp8_triton(o_lat: torch.Tensor | Splits, w_uv: torch.Tensor, block_r: int = 128,
                           num_warps: int = COMBINE_WARPS, num_stages: int = 3, pdl: bool | None = None,
-                          prefetch: int | None = None) -> Fp8Rows:
+                          prefetch: int | None = None, row: bool | None = None) -> Fp8Rows:
     """o_lat [n, h, R] (unit last stride), or the attention's splits not combined yet (`Splits`:
     combined in this launch), w_uv [h, V, R] (unit last stride: a slice of kv_b_proj's weight), V
     a multiple of 128 -> `uv_product_reference`'s o as `Fp8Rows`. The default tile is the best of
     24 on the H100 (benchmarks/history/2026-12-05.md, twenty-eighth session): against cuBLAS's
     batched product plus the quantizing launch, 8.5 vs 9.6 µs at the slice's 64 heads and one row,
     11.9 vs 16.5 at 64 rows; 4.9 vs 5.7 at GLM-5 tp = 8's 8 heads. Its 4 warps are also the
-    combine launch's (`COMBINE_WARPS`): taking the splits, it then sums them in the same order."""
+    combine launch's (`COMBINE_WARPS`): taking the splits, it then sums them in the same order.
+    `row` (default `takes_row`): one token takes `_uv_row_kernel` (the tile and warps then its own)."""
     splits = o_lat if isinstance(o_lat, Splits) else None
     if splits is not None:
         o_lat = splits.out
-        assert num_warps == COMBINE_WARPS, "the splits are summed as the combine launch sums them: its warps"
     n, h, r = o_lat.shape
     v = w_uv.shape[1]
     assert w_uv.shape == (h, v, r) and v % GROUP == 0 and w_uv.dtype == o_lat.dtype, (o_lat.shape, w_uv.shape)
     assert o_lat.stride(2) == 1 and w_uv.stride(2) == 1, (o_lat.stride(), w_uv.stride())
     rows = empty_rows(n, h * v, o_lat.dtype, o_lat.device, lo=two_terms(n))
+    interp = triton_interpreting()
+    pdl = (UV_PDL if pdl is None else pdl) and not interp  # griddepcontrol: compiled kernels only
+    prefetch = (UV_PREFETCH if prefetch is None else prefetch) if pdl else 0
+    if takes_row(n) if row is None else (n == 1 and row):
+        _uv_row_kernel[(h * v // GROUP,)](
+            o_lat, w_uv, rows.q, rows.scale, *_lo_args(rows), r, o_lat.stride(1), w_uv.stride(0), w_uv.stride(1),
+            rows.scale.stride(1),
+            *((splits.part, splits.lse, splits.num_splits, splits.block_r) if splits is not None else (o_lat, o_lat, 1, 0)),
+            V=v, G=GROUP, BR=min(block_r, max(16, triton.next_power_of_2(r))), LO=rows.q_lo is not None,
+            EXACT_RNE=interp, TRIGGER=trigger_dependents(), PDL=pdl, PREFETCH=prefetch, COMBINE=splits is not None,
+            CSP=triton.next_power_of_2(splits.num_splits) if splits is not None else 1,
+            num_warps=num_warps, num_stages=num_stages, **pdl_option(pdl),
+        )
+        return rows
+    if splits is not None:
+        assert num_warps == COMBINE_WARPS, "the splits are summed as the combine launch sums them: its warps"
     if n:
-        interp = triton_interpreting()
-        pdl = (UV_PDL if pdl is None else pdl) and not interp  # griddepcontrol: compiled kernels only
         block_m = uv_block_m(n)
         _uv_fp8_kernel[(triton.cdiv(n, block_m), h * v // GROUP)](
             o_lat, w_uv, rows.q, rows.scale, *_lo_args(rows), n, r, o_lat.stride(0), o_lat.stride(1),
@@ -452,8 +531,7 @@ def uv_product_fp8_triton(o_lat: torch.Tensor | Splits, w_uv: torch.Tensor, bloc
             V=v, G=GROUP, BLOCK_M=block_m, BR=min(block_r, max(16, triton.next_power_of_2(r))),
             LO=rows.q_lo is not None, DOT_F32=interp, PRECISION=dot_precision(torch.float32 if interp else o_lat.dtype),
             EXACT_RNE=interp, TRIGGER=trigger_dependents(), PDL=pdl,
-            PREFETCH=(UV_PREFETCH if prefetch is None else prefetch) if pdl else 0,
-            num_warps=num_warps, num_stages=num_stages, **pdl_option(pdl),
+            PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, **pdl_option(pdl),
         )
     return rows
 

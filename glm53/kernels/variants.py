@@ -153,14 +153,15 @@ def uv_product_key(T: int, s: ServeShape) -> tuple:
     """The absorbed attention's W_UV product where it writes o_proj's quantized rows (block-FP8
     linear layers, o_proj reading quantized two-term rows, v_head_dim a multiple of 128; models/
     model.py): its row tile and, where it combines sparse MLA's splits (`fp8_act.takes_splits`),
-    their tile. () where the batched product runs instead."""
-    from glm53.kernels.fp8_act import takes_splits, uv_block_m, uv_writes_rows
+    their tile, and whether one token takes the row kernel (`fp8_act.takes_row`). () where the
+    batched product runs instead."""
+    from glm53.kernels.fp8_act import takes_row, takes_splits, uv_block_m, uv_writes_rows
     from glm53.kernels.fp8_gemm import fp8_variant
 
     if not (s.v_head_dim and uv_writes_rows(T, s.v_head_dim, s.fp8_linear and fp8_variant(T) != "w8a16")):
         return ()
     _, _, split, tile = sparse_mla_key(T, s)
-    return uv_block_m(T), tile if split and takes_splits(T) else 0
+    return uv_block_m(T), tile if split and takes_splits(T) else 0, takes_row(T)
 
 
 def moe_key(N: int, s: ServeShape) -> tuple:

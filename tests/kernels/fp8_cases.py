@@ -377,7 +377,7 @@ def check_uv_product_fp8(M: int, H: int, V: int, R: int, dtype, device="cpu", **
     against the batched product then its groups: scales within two roundings of the dtype (the
     product's sum runs in another order), values within e4m3's bound, the second term where
     `two_terms`; W_UV is a strided slice of a kv_b-shaped weight, heads of unequal scale."""
-    from glm53.kernels.fp8_act import _pack, two_terms, uv_product_fp8, uv_product_fp8_triton, uv_product_reference
+    from glm53.kernels.fp8_act import uv_product_fp8, uv_product_fp8_triton
 
     nope = 48
     o_lat = (torch.randn(M, H, R, device=device) * 2).to(dtype)
@@ -385,6 +385,17 @@ def check_uv_product_fp8(M: int, H: int, V: int, R: int, dtype, device="cpu", **
     w *= torch.exp(torch.empty(H, 1, 1, device=device).uniform_(math.log(1e-3), math.log(1e2)))
     w_uv = w.to(dtype)[:, nope:]
     rows = uv_product_fp8_triton(o_lat, w_uv, **config) if config else uv_product_fp8(o_lat, w_uv)
+    check_uv_rows(rows, o_lat, w_uv)
+    if torch.device(device).type == "cuda" and not config.get("row"):  # the row kernel sums in another order
+        assert torch.equal(uv_product_fp8(o_lat, w_uv).q.view(torch.uint8)[:M], rows.q.view(torch.uint8)[:M])
+
+
+def check_uv_rows(rows, o_lat: torch.Tensor, w_uv: torch.Tensor) -> None:
+    """A W_UV product's quantized rows against the batched product of o_lat, then its groups."""
+    from glm53.kernels.fp8_act import _pack, two_terms, uv_product_reference
+
+    M, H, _ = o_lat.shape
+    V, dtype = w_uv.shape[1], o_lat.dtype
     y = uv_product_reference(o_lat, w_uv)
     ref = _pack(y)
     assert rows.m == M and rows.k == H * V and rows.dtype == dtype
@@ -395,8 +406,6 @@ def check_uv_product_fp8(M: int, H: int, V: int, R: int, dtype, device="cpu", **
     deq = rows.dequantize()
     se = s_ref.repeat_interleave(128, dim=1)
     assert torch.all((deq - yf).abs() <= yf.abs() * (2.0**-4 + 2 * tol) + se * 2.0**-9), (deq - yf).abs().max()
-    if torch.device(device).type == "cuda":
-        assert torch.equal(uv_product_fp8(o_lat, w_uv).q.view(torch.uint8)[:M], rows.q.view(torch.uint8)[:M])
     assert (rows.q_lo is not None) == two_terms(M)
     if rows.q_lo is not None:
         check_second_term(rows, yf, rounding=2 * tol)
@@ -440,6 +449,36 @@ def check_uv_takes_splits(T: int, H: int, R: int, P: int, K: int, V: int, num_sp
     for got, want in ((fused.rows(), ref.rows()), (fused.lo_rows() or (), ref.lo_rows() or ())):
         for a, b in zip(got, want):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # codes and fp32 scales, bit for bit
+
+
+def check_uv_row_takes_splits(H: int, R: int, P: int, K: int, V: int, num_splits: int, fp8_cache: bool = False,
+                              device="cpu") -> None:
+    """One token's row kernel (`fp8_act._uv_row_kernel`) given the attention's splits uncombined:
+    its rows against the batched product of the attention combined by its own launch (the row
+    kernel combines chunk by chunk, so o_lat may differ from the combine's by a rounding of the
+    sum: the product's tolerance covers it), and given that combined o_lat the same check."""
+    from glm53.kernels.fp8_act import uv_product_fp8_triton
+    from glm53.kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
+    from glm53.kernels.sparse_mla_triton import Splits, sparse_mla_triton
+    from tests.kernels.cases import _paged_pool, fp8_latent_pool, selected_slots
+
+    page_size = 16
+    num_pages = (2 * K + page_size - 1) // page_size + 1
+    if fp8_cache:
+        kv = fp8_latent_pool(num_pages, page_size, R, P, device=device)[0]
+    else:
+        kv = _paged_pool(num_pages, 2, page_size, R + P, torch.bfloat16, device)
+    attend = sparse_mla_fp8_triton if fp8_cache else sparse_mla_triton
+    q = torch.randn(1, H, R + P, device=device).bfloat16()
+    idx = selected_slots(1, K, num_pages * page_size, device)
+    w = torch.randn(H, 48 + V, R, device=device) * R**-0.5
+    w *= torch.exp(torch.empty(H, 1, 1, device=device).uniform_(math.log(1e-3), math.log(1e2)))
+    w_uv = w.bfloat16()[:, 48:]
+    splits = attend(q, kv, idx, (R + P) ** -0.5, R, keep_splits=True, num_splits=num_splits)
+    assert isinstance(splits, Splits) and splits.num_splits > 1, type(splits)
+    dense = attend(q, kv, idx, (R + P) ** -0.5, R, num_splits=num_splits)
+    check_uv_rows(uv_product_fp8_triton(splits, w_uv, row=True), dense, w_uv)
+    check_uv_rows(uv_product_fp8_triton(dense, w_uv, row=True, block_r=32, num_warps=2), dense, w_uv)
 
 
 def check_gemm_rows(M: int, N: int, K: int, device="cpu") -> None:

@@ -515,6 +515,14 @@ def test_uv_product_takes_the_splits(T, H, fp8_cache):
     fp8_cases.check_uv_takes_splits(T, H, 512, 64, 2048, 256, fp8_cache=fp8_cache, device=DEV)
 
 
+@pytest.mark.parametrize("H,fp8_cache", [(64, False), (64, True), (8, True)])
+def test_uv_row_kernel(H, fp8_cache):
+    # one token's row kernel (fp8_act.UV_ROW) at the slice's 64 heads and tp = 8's 8, top-2048:
+    # given the splits and given o_lat, against the batched product
+    fp8_cases.check_uv_row_takes_splits(H, 512, 64, 2048, 256, num_splits=32, fp8_cache=fp8_cache, device=DEV)
+    fp8_cases.check_uv_product_fp8(1, H, 256, 512, torch.bfloat16, device=DEV, row=True)
+
+
 @pytest.mark.parametrize("T,H", [(1, 64), (3, 8), (16, 64)])
 def test_uv_product_launched_early_matches(T, H):
     # the W_UV product launched while the split combine before it runs (which lets it launch as
@@ -530,11 +538,12 @@ def test_uv_product_launched_early_matches(T, H):
         lse = part[..., 0] * 4  # the log-sum-exps ride along in the same input
         o_lat = torch.empty(T, H, R, device=DEV, dtype=torch.bfloat16)
         combine_splits(part, lse, o_lat, splits, R, R)
-        rows = uv_product_fp8_triton(o_lat, w_uv, pdl=cfg[0], prefetch=cfg[1])
+        rows = uv_product_fp8_triton(o_lat, w_uv, pdl=cfg[0], prefetch=cfg[1], row=cfg[2])
         return (*rows.rows(), *(rows.lo_rows() or ()))
 
     xs = [torch.randn(T, H, splits, R, device=DEV) for _ in range(3)]
-    check_launched_early(step, xs, [(True, 0), (True, 256), (True, 1024)], (False, 0))
+    for row in (False, True) if T == 1 else (False,):  # one token: the row kernel launched early too
+        check_launched_early(step, xs, [(True, 0, row), (True, 256, row), (True, 1024, row)], (False, 0, row))
 
 
 @pytest.mark.parametrize("N", [1, 3, 8])

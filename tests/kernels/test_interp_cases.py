@@ -999,6 +999,14 @@ def test_uv_product_takes_the_splits(T, num_splits, fp8_cache):
 def test_uv_product_fp8(M, H, V, R, dtype):
     fp8_cases.check_uv_product_fp8(M, H, V, R, dtype)
     fp8_cases.check_uv_product_fp8(M, H, V, R, dtype, block_r=32, num_warps=8)  # several steps of R
+    if M == 1:  # one token's row kernel, whole and ragged steps of R
+        fp8_cases.check_uv_product_fp8(M, H, V, R, dtype, row=True)
+        fp8_cases.check_uv_product_fp8(M, H, V, R, dtype, row=True, block_r=64, num_warps=2)
+
+
+@pytest.mark.parametrize("num_splits,fp8_cache", [(3, False), (5, True)])
+def test_uv_row_takes_the_splits(num_splits, fp8_cache):
+    fp8_cases.check_uv_row_takes_splits(2, 32, 16, 40, 128, num_splits=num_splits, fp8_cache=fp8_cache)
 
 
 @pytest.mark.parametrize("M,inter,dtype", [(16, 768, torch.bfloat16), (3, 200, torch.float32), (1, 96, torch.bfloat16)])

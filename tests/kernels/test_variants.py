@@ -138,7 +138,7 @@ def recorded(monkeypatch):
                moe_fp8_gemv_triton._down_gemv_kernel, topk_triton._bracket_kernel,
                topk_triton._scan_kernel, topk_triton._finish_kernel, topk_triton._rank_kernel,
                draft_attention_triton._draft_attn_kernel,
-               draft_attention_triton._combine_kernel, fp8_act._uv_fp8_kernel]
+               draft_attention_triton._combine_kernel, fp8_act._uv_fp8_kernel, fp8_act._uv_row_kernel]
     for fn in kernels:
         def run(*args, grid, warmup, _fn=fn, **kwargs):
             log.append(_signature(_fn, args, kwargs))
@@ -183,9 +183,12 @@ def test_sparse_mla_same_key_same_launch(recorded):
     assert len(_same_key_same_launch(recorded, fp8)) >= 2
 
 
-def test_uv_product_same_key_same_launch(recorded):
+@pytest.mark.parametrize("row", [False, True])
+def test_uv_product_same_key_same_launch(recorded, monkeypatch, row):
     # the W_UV product after sparse MLA, the splits left to it where it takes them: counts with
-    # one key launch one variant of the product, and both forms are reached
+    # one key launch one variant of the product, and both forms are reached (one token's row
+    # kernel where `UV_ROW` is on)
+    monkeypatch.setattr(fp8_act, "UV_ROW", row)
     s = _cpu_shape(index_topk=256, fp8_linear=True, v_head_dim=128)
     pool = torch.randn(8, 16, 80, dtype=torch.bfloat16)
     w_uv = torch.randn(16, 128, 64, dtype=torch.bfloat16)
@@ -200,6 +203,7 @@ def test_uv_product_same_key_same_launch(recorded):
     calls = [(v.uv_product_key(T, s), lambda T=T: product(T)) for T in range(1, 40)]
     by_key = _same_key_same_launch(recorded, calls)
     assert {bool(k[1]) for k in by_key} == {True, False} and {k[0] for k in by_key} == {16, 32, 64}, by_key.keys()
+    assert {k[2] for k in by_key} == ({False, True} if row else {False}), by_key.keys()
     assert v.uv_product_key(1, _cpu_shape(index_topk=256, fp8_linear=True, v_head_dim=64)) == ()
 
 
