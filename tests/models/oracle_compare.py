@@ -1,11 +1,13 @@
 """What the model core's comparisons against the oracle (transformers, glm53.support.oracle)
 share: the index top-k of their checkpoints (`TOPK`), a probe that makes sure no index-score
 near-tie decides the comparison (`IndexGapProbe`), the oracle's top-k with our tie rule where
-exact ties are the point (`stable_topk`), and the relative error (`rel_err`). Used by
-test_against_transformers.py and test_stages.py."""
+exact ties are the point (`stable_topk`), the relative error (`rel_err`), and random tiny
+configs for sweeps (`random_config`). Used by test_against_transformers.py, test_stages.py and
+tools/oracle_sweep.py."""
 
 from __future__ import annotations
 
+import random
 from contextlib import contextmanager
 
 import torch
@@ -78,3 +80,31 @@ def stable_topk():
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def random_config(seed: int) -> tuple[dict, int, list[int]]:
+    """A random tiny GLM-5-family config (overrides of `oracle.BASE`), a page size and three
+    prompt lengths (shorter than index_topk, ~3x, 4-10x), all drawn from `seed`: 2-6 layers,
+    hidden 32-96, 1-8 heads, rope 4-16, nope 8-24, v 8-40, latent 16-40, q rank 16-48, index
+    top-k 4-32 with 1-32 index heads 16-64 wide, 2-16 experts in 1-4 groups, top 1-4, 1-2 shared,
+    dense prefixes, index sharing every 1-4 layers, tied embeddings, both routing normalizations,
+    eps and rope theta; pages of 1, 4 or 16 tokens."""
+    r = random.Random(seed)
+    heads, groups, layers = r.choice([1, 2, 3, 4, 6, 8]), r.choice([1, 2, 4]), r.randint(2, 6)
+    experts = groups * r.choice([2, 3, 4])
+    cfg = dict(num_hidden_layers=layers, hidden_size=r.choice([32, 48, 64, 80, 96]), num_attention_heads=heads,
+               num_key_value_heads=heads, kv_lora_rank=r.choice([16, 24, 32, 40]), q_lora_rank=r.choice([16, 24, 48]),
+               qk_rope_head_dim=r.choice([4, 8, 16]), qk_nope_head_dim=r.choice([8, 12, 16, 24]),
+               v_head_dim=r.choice([8, 16, 24, 40]), index_topk=r.choice([4, 8, 16, 32]),
+               index_head_dim=r.choice([16, 32, 64]), index_n_heads=r.choice([1, 4, 8, 16, 32]),
+               n_routed_experts=experts, n_group=groups, topk_group=r.randint(1, groups),
+               num_experts_per_tok=r.randint(1, min(4, experts)), n_shared_experts=r.choice([1, 2]),
+               first_k_dense_replace=r.randint(0, min(2, layers - 1)), moe_intermediate_size=r.choice([16, 32, 48]),
+               routed_scaling_factor=r.choice([1.0, 2.5]), norm_topk_prob=r.choice([True, False]),
+               tie_word_embeddings=r.random() < 0.2, rms_norm_eps=r.choice([1e-5, 1e-6]),
+               index_topk_freq=r.randint(1, 4), index_skip_topk_offset=r.randint(1, 3),
+               rope_parameters={"rope_theta": r.choice([1e4, 1e6]), "rope_type": "default"})
+    # enough groups kept for the experts a token picks (else the config is refused at load)
+    cfg["topk_group"] = max(cfg["topk_group"], -(-cfg["num_experts_per_tok"] // (experts // groups)))
+    page, k = r.choice([1, 4, 16]), cfg["index_topk"]
+    return cfg, page, [max(1, k - 3), 3 * k + 1, r.randint(4, 10) * k]
