@@ -419,9 +419,10 @@ def _uv_row_kernel(
 ):
     """One program: G output columns of one head for one token, y = W_UV[cols] · o_lat[head] summed
     BR latent columns at a time in fp32, rounded to o_lat's dtype, then quantized as
-    `_uv_fp8_kernel` does. COMBINE: o_lat's chunk is the weighted sum of the splits' chunks
-    (part [H, NSPLIT, ≥R] with row stride stride_ps, lse [H, NSPLIT]: `combine_row`'s weights), rounded as the combine launch
-    rounds it; o_lat itself is not written (nothing reads it after this product)."""
+    `_uv_fp8_kernel` does. COMBINE: o_lat's chunk is the weighted sum of the splits' chunks (part
+    [H, NSPLIT, >= R] with row stride stride_ps, lse [H, NSPLIT]: `combine_row`'s weights),
+    rounded as the combine launch rounds it; o_lat itself is not written (nothing reads it after
+    this product)."""
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     grp = tl.program_id(0)
