@@ -6,11 +6,13 @@ cut keeps what the real draft chose); pages of 1 and 16 tokens; prompts longer t
 
 From a held-out sweep (thirty-eighth session: 335 runs of random targets with random drafts or MTP
 layers, 180 of them with proposals replaced like this, every one equal to plain decoding); this
-keeps two of its shapes."""
+keeps two of its shapes, and three seeds of tools/spec_sweep.py's sweep (`sweep_case`: a random
+target and a random draft drawn from one seed)."""
 
 from __future__ import annotations
 
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from glm53.models.dspark import BlockChoice
 from glm53.server.engine.decode import DecodeScheduler
 from glm53.support.decode_loop import decode_run, scheduler
 from glm53.support.oracle import make_checkpoint
+from tests.models.oracle_compare import random_config
 
 VOCAB = 158  # prompt and corruption ids stay below the oracle's vocabulary
 TARGET = dict(num_hidden_layers=4, hidden_size=48, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=24,
@@ -108,3 +111,62 @@ def test_every_accepted_length_keeps_greedy_output(target, tmp_path, case):
     # the test's point: rejections at the first draft and whole blocks accepted both happened
     assert 0 in accepted and max(accepted) >= c["block"] - 2, sorted(set(accepted))
     assert toks > verify  # more than one token a verify on average
+
+
+def random_draft(r: random.Random, layers: int) -> dict:
+    """A draft's shape (`write_random_draft`'s arguments) for a target of `layers` layers: 1-3
+    layers, block 2-8, 1-4 heads sharing 1-4 KV heads, head and MLP widths, which target layers
+    it reads; DFlash, or DSpark with a Markov head of rank 2-8, with or without its confidence head."""
+    heads = r.choice([1, 2, 4])
+    markov = r.choice([0, 0, 2, 4, 8])
+    return dict(n_layers=r.randint(1, 3), block_size=r.randint(2, 8), num_heads=heads,
+                num_kv_heads=r.choice([h for h in (1, 2, 4) if heads % h == 0]), head_dim=r.choice([8, 16, 32]),
+                intermediate_size=r.choice([16, 32, 64]),
+                target_layer_ids=sorted(r.sample(range(layers), r.randint(1, layers))), markov_rank=markov,
+                confidence_head=markov > 0 and r.random() < 0.5)
+
+
+def sweep_case(seed: int, new: int = 20) -> tuple[bool, dict, dict, list[int], int, int]:
+    """A random target (`random_config`, its page size and prompt lengths) and a random draft
+    (`random_draft`; a DSpark draft with a confidence head cuts at 0 or 0.3), all from `seed`:
+    the prompts decoded `new` tokens two at a time, plain, then speculative with the proposals
+    taught (`_teach`, 30 % corrupted). -> (outputs equal, target config, draft shape with page and
+    cut, accepted lengths, tokens committed after the first, verifies)."""
+    r = random.Random(seed)
+    cfg, page, lengths = random_config(seed)
+    shape = random_draft(r, cfg["num_hidden_layers"])
+    threshold = r.choice([0.0, 0.3]) if shape["confidence_head"] else 0.0
+    with tempfile.TemporaryDirectory() as d:
+        target, draft = Path(d) / "target", Path(d) / "draft"
+        make_checkpoint(target, seed=seed, **cfg)
+        write_random_draft(draft, target, seed=seed, dtype=torch.float32, **shape)
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+        plain = scheduler(target, None, "cpu", None, graphs=False, max_running=4, page_size=page)
+        try:
+            want = decode_run(plain, prompts, new, running=2)[3]
+        finally:
+            plain.close()
+        accepted: list[int] = []
+        spec = scheduler(target, draft, "cpu", None, graphs=False, max_running=4, threshold=threshold, page_size=page)
+        try:
+            _teach(spec, prompts, want, 0.3, accepted)
+            _, toks, verify, got = decode_run(spec, prompts, new, running=2)
+        finally:
+            spec.close()
+    return got == want, cfg, {**shape, "page": page, "threshold": threshold}, accepted, toks, verify
+
+
+# From tools/spec_sweep.py's sweep of seeds 7000-7199 (2026-12-08: all 200 equal): a DSpark draft
+# with its confidence head and a block of 8 on pages of 1 token, one cutting at 0.3 on pages of 16,
+# and a 3-layer DFlash draft with a block of 8 on a 6-layer target.
+SWEEP_SEEDS = [7001, 7009, 7012]
+
+
+@pytest.mark.parametrize("seed", SWEEP_SEEDS)
+def test_random_targets_and_drafts_keep_greedy_output(seed):
+    torch.set_num_threads(1)
+    equal, cfg, shape, accepted, toks, verify = sweep_case(seed)
+    assert equal, (cfg, shape)
+    assert 0 in accepted and max(accepted) >= shape["block_size"] - 2, sorted(set(accepted))
+    assert toks > verify
