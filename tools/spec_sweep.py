@@ -9,8 +9,8 @@ and MLP widths, which target layers it reads). Three prompts (one shorter than i
 several times longer) decode 20 new tokens, two at a time, through the decode scheduler's real
 loop, twice: plain, then speculative with the draft's proposals replaced by the plain run's
 continuation corrupted at random (`test_spec_partial_accept.sweep_case` and `_teach`: a random
-draft is almost never accepted, this makes every accepted length occur). The outputs must be equal token for token. The last line counts the
-failures; the exit status is 1 when any seed failed."""
+draft is almost never accepted, this makes every accepted length occur). The outputs must be equal
+token for token. The last line counts the failures; the exit status is 1 when any seed failed."""
 
 from __future__ import annotations
 
